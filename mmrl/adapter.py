@@ -1,0 +1,261 @@
+"""The adapter contract: everything a model family declares about itself.
+
+A family subclasses `ModelAdapter` (text) or `VisionLanguageAdapter` (images/videos),
+fills in the class attributes below and registers with `@register_model`. The core,
+the trainer and the probes read only these declarations; nothing outside the family's
+module knows which family it is. Declarations are plain typed values, checked once at
+registration (`ModelAdapter.validate`), so a missing or malformed field fails early.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from mmrl.processing import Processing
+    from mmrl.rope import RopeSpec
+
+PART_NAMES = ("embed", "language", "lm_head", "vision", "projector")
+LORA_SCOPES = ("language", "vision", "all")
+MODALITIES = ("text", "image", "video")
+
+# The usual projection names of a decoder layer; families reference these instead of
+# spelling the list again.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+ATTN_AND_MLP = ATTENTION + MLP
+
+
+def _as_paths(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Named module (or parameter) paths of a model, the same names for every family.
+
+    A parameter belongs to the part with the longest path that prefixes its name, so a
+    projector nested inside the vision tower (`model.visual.merger`) is the projector,
+    not vision. Each part accepts one path or several.
+    """
+
+    language: tuple[str, ...]
+    lm_head: tuple[str, ...] = ("lm_head",)
+    embed: tuple[str, ...] = ()
+    vision: tuple[str, ...] = ()
+    projector: tuple[str, ...] = ()
+
+    def __init__(self, language, lm_head="lm_head", embed=None, vision=None, projector=None):
+        for name, value in zip(PART_NAMES, (embed, language, lm_head, vision, projector)):
+            object.__setattr__(self, name, _as_paths(value))
+
+    def items(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [(name, getattr(self, name)) for name in PART_NAMES]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTargets:
+    """Leaf module names that LoRA wraps, per scope. `all` is language plus vision."""
+
+    language: tuple[str, ...] = ATTN_AND_MLP
+    vision: tuple[str, ...] = ()
+
+    def for_scope(self, scope: str) -> dict[str, tuple[str, ...]]:
+        """Map part name -> leaf names that LoRA targets for `scope`."""
+        if scope not in LORA_SCOPES:
+            raise ValueError(f"lora scope must be one of {LORA_SCOPES}, got {scope!r}")
+        wanted = {"language": ("language",), "vision": ("vision",), "all": ("language", "vision")}[scope]
+        return {part: getattr(self, part) for part in wanted if getattr(self, part)}
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceParallel:
+    """What Ulysses sequence parallelism needs from a family.
+
+    `heads_attrs` name the text-config fields whose values must be divisible by the
+    sequence-parallel degree; `split_inputs` are the batch keys cut along the sequence
+    (position ids are cut along their last dimension, which also covers 3-D mrope ids).
+    """
+
+    heads_attrs: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads")
+    split_inputs: tuple[str, ...] = ("input_ids", "position_ids", "labels")
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """How the rollout engine (vLLM) knows this family.
+
+    `weight_prefixes` rewrites HF parameter names into vLLM's, longest prefix first.
+    """
+
+    vllm_architecture: str | None = None
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def to_vllm_name(self, name: str) -> str:
+        for hf_prefix, vllm_prefix in sorted(self.weight_prefixes, key=lambda p: -len(p[0])):
+            if name.startswith(hf_prefix):
+                return vllm_prefix + name[len(hf_prefix):]
+        return name
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """Features the family claims. Probes verify each claim; a failed claim fails CI."""
+
+    generation: bool = True
+    padding_free: bool = True
+    gradient_checkpointing: bool = True
+    lora_language: bool = True
+    lora_vision: bool = False
+    single_image: bool = False
+    multi_image: bool = False
+    video: bool = False
+    fsdp2: bool = True
+    sequence_parallel: bool = False
+    vllm: bool = False
+    critic: bool = True
+
+    def declared(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModel:
+    """A random-init configuration plus the processor that matches it."""
+
+    config: Any
+    processor: Any
+    notes: str = ""
+
+
+def import_object(spec: str) -> Any:
+    """Import `"package.module:Attr"` (or `"package.module.Attr"`)."""
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class ModelAdapter:
+    """A text model family. Subclasses set the class attributes; hooks have defaults.
+
+    Required: `family`, `model_types`, `hf_class`, `parts`, `shard_layers`,
+    `tiny` (a method). Everything else has a default suitable for a decoder-only model.
+    """
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    hf_class: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]] = ()
+    modalities: ClassVar[tuple[str, ...]] = ("text",)
+    parts: ClassVar[Parts]
+    shard_layers: ClassVar[tuple[str, ...]]
+    lora: ClassVar[LoraTargets] = LoraTargets()
+    sequence_parallel: ClassVar[SequenceParallel | None] = SequenceParallel()
+    rollout: ClassVar[Rollout] = Rollout()
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    processing: ClassVar[type[Processing] | str] = "mmrl.processing:Processing"
+    # Keyword arguments for `processing` (pixel budget defaults and the like).
+    processing_options: ClassVar[dict[str, Any]] = {}
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("family", "model_types", "hf_class", "parts", "shard_layers")
+
+    # -- registration ------------------------------------------------------------------
+    @classmethod
+    def validate(cls) -> None:
+        """Raise TypeError naming the first missing or malformed declaration."""
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        for name in cls.REQUIRED:
+            if not hasattr(cls, name):
+                raise TypeError(f"{where}: adapter is missing required field {name!r}")
+        if not isinstance(cls.family, str) or not cls.family:
+            raise TypeError(f"{where}: 'family' must be a non-empty string")
+        for name in ("model_types", "shard_layers", "modalities", "architectures"):
+            value = getattr(cls, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"{where}: {name!r} must be a tuple of strings, got {value!r}")
+        if not cls.model_types:
+            raise TypeError(f"{where}: 'model_types' must name at least one HF model_type")
+        if ":" not in cls.hf_class:
+            raise TypeError(f"{where}: 'hf_class' must read 'module:ClassName', got {cls.hf_class!r}")
+        if not isinstance(cls.parts, Parts) or not cls.parts.language:
+            raise TypeError(f"{where}: 'parts' must be a Parts with a language path")
+        for typed, kind in (("lora", LoraTargets), ("rollout", Rollout), ("capabilities", Capabilities)):
+            if not isinstance(getattr(cls, typed), kind):
+                raise TypeError(f"{where}: {typed!r} must be a {kind.__name__}")
+        unknown = set(cls.modalities) - set(MODALITIES)
+        if unknown or "text" not in cls.modalities:
+            raise TypeError(f"{where}: 'modalities' must include 'text' and only {MODALITIES}")
+        if cls.capabilities.lora_vision and not cls.lora.vision:
+            raise TypeError(f"{where}: capabilities.lora_vision is declared but lora.vision is empty")
+        if cls.capabilities.vllm and not cls.rollout.vllm_architecture:
+            raise TypeError(f"{where}: capabilities.vllm is declared but rollout.vllm_architecture is unset")
+        if cls.tiny is ModelAdapter.tiny:
+            raise TypeError(f"{where}: adapter must implement tiny() (a random-init config and processor)")
+
+    # -- identity ----------------------------------------------------------------------
+    @property
+    def hf_architectures(self) -> tuple[str, ...]:
+        return self.architectures or (self.hf_class.partition(":")[2],)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return len(self.modalities) > 1
+
+    def model_class(self) -> type[PreTrainedModel]:
+        return import_object(self.hf_class)
+
+    def processing_class(self) -> type[Processing]:
+        cls = self.processing
+        return import_object(cls) if isinstance(cls, str) else cls
+
+    # -- hooks with defaults -----------------------------------------------------------
+    def tiny(self) -> TinyModel:
+        """A random-init config and an offline processor, small enough for CPU tests."""
+        raise NotImplementedError
+
+    def rope(self, config: PretrainedConfig) -> RopeSpec:
+        """The family's rope settings, normalized. Families with code-side defaults override."""
+        from mmrl.rope import RopeSpec
+
+        return RopeSpec.from_config(config)
+
+    def position_ids(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Position ids for a left- or right-padded batch: (B, L), or (3, B, L) for mrope."""
+        from mmrl.positions import sequential_positions
+
+        return sequential_positions(batch["attention_mask"])
+
+    def prepare_model(self, model: PreTrainedModel) -> PreTrainedModel:
+        """Fix-ups a freshly built random-init model needs (e.g. zero-initialized weights)."""
+        return model
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} family={self.family!r} model_types={self.model_types}>"
+
+
+class VisionLanguageAdapter(ModelAdapter):
+    """A family that reads images (and possibly videos) besides text."""
+
+    modalities: ClassVar[tuple[str, ...]] = ("text", "image")
+    capabilities: ClassVar[Capabilities] = Capabilities(single_image=True, multi_image=True)
+    REQUIRED = ModelAdapter.REQUIRED
+
+    @classmethod
+    def validate(cls) -> None:
+        super().validate()
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if not cls.parts.vision:
+            raise TypeError(f"{where}: a vision-language adapter needs parts.vision")
+        if "image" not in cls.modalities:
+            raise TypeError(f"{where}: a vision-language adapter must list 'image' in modalities")
+        if cls.capabilities.video and "video" not in cls.modalities:
+            raise TypeError(f"{where}: capabilities.video is declared but 'video' is not a modality")
+

@@ -1,0 +1,127 @@
+"""Build a model, its processor and its adapter from a checkpoint or a random init.
+
+    built = build_model("/path/to/checkpoint")                 # local weights (safetensors)
+    built = build_model("qwen2_vl", random_init=True)           # the family's tiny config
+    built = build_model("llama", random_init=True, config=cfg)  # any config, random weights
+    built.save("/tmp/ckpt")                                     # save_pretrained both
+    batch = built.processing([conversation])                    # prompts -> model inputs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.adapter import ModelAdapter
+from mmrl.processing import Processing
+from mmrl.registry import adapter_for_config, get_adapter
+
+
+@dataclass
+class BuiltModel:
+    model: Any
+    processing: Processing
+    adapter: ModelAdapter
+
+    @property
+    def processor(self):
+        return self.processing.processor
+
+    @property
+    def tokenizer(self):
+        return self.processing.tokenizer
+
+    def save(self, path: str | Path) -> Path:
+        """`save_pretrained` the model (safetensors) and its processor into `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.processor.save_pretrained(path)
+        return path
+
+    def inputs(self, conversations, add_generation_prompt: bool = True) -> dict[str, torch.Tensor]:
+        """Processor-made batch with the family's position ids added."""
+        batch = dict(self.processing(conversations, add_generation_prompt=add_generation_prompt))
+        batch["position_ids"] = self.adapter.position_ids(self.model, batch)
+        return batch
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}") from None
+    return dtype
+
+
+def build_model(
+    name_or_path: str | Path,
+    *,
+    random_init: bool = False,
+    config=None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    processing_options: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> BuiltModel:
+    """Build model + processing for a family name or a local checkpoint directory.
+
+    With `random_init=True`, `name_or_path` names a family (or a checkpoint whose
+    config is used) and the weights are random: the family's tiny config unless
+    `config` is given. Weights are read from safetensors only.
+    """
+    path = Path(str(name_or_path))
+    is_checkpoint = path.is_dir()
+    adapter = get_adapter(name_or_path)
+    dtype = _dtype(dtype)
+    processor = None
+    if is_checkpoint:
+        processor = _load_processor(path, adapter, trust_remote_code)
+    if random_init:
+        if config is None and is_checkpoint:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if config is None or processor is None:
+            tiny = adapter.tiny()
+            config = config if config is not None else tiny.config
+            processor = processor if processor is not None else tiny.processor
+        adapter = adapter_for_config(config)
+        config._attn_implementation = attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = adapter.model_class()._from_config(config, dtype=dtype)
+            model = adapter.prepare_model(model)
+    else:
+        if not is_checkpoint:
+            raise FileNotFoundError(
+                f"{name_or_path}: not a checkpoint directory (pass random_init=True to build a family's tiny model)"
+            )
+        model = adapter.model_class().from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation,
+            use_safetensors=True, trust_remote_code=trust_remote_code,
+        )
+    options = {**adapter.processing_options, **(processing_options or {})}
+    processing = adapter.processing_class()(processor, **options)
+    return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def load_model(path: str | Path, **kwargs) -> BuiltModel:
+    """`build_model` for a checkpoint directory (weights loaded, not random)."""
+    return build_model(path, random_init=False, **kwargs)
+
+
+def _load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if adapter.is_multimodal:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,86 @@
+"""Named parts of a model (`vision`, `projector`, `language`, `embed`, `lm_head`).
+
+Every family declares where its parts live (`adapter.parts`); these helpers resolve a
+parameter name to its part, so `freeze(model, parts=("vision",))` means the same thing
+for every vision-language model. A parameter belongs to the part whose path is the
+longest prefix of its name; PEFT wrappers' name prefixes are ignored.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from mmrl.adapter import PART_NAMES, ModelAdapter
+
+_WRAPPER_PREFIXES = ("base_model.model.",)
+
+
+def _unwrap_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _adapter_for(model: torch.nn.Module, adapter: ModelAdapter | None) -> ModelAdapter:
+    if adapter is not None:
+        return adapter
+    from mmrl.registry import adapter_for_config
+
+    return adapter_for_config(model.config)
+
+
+def part_of(name: str, adapter: ModelAdapter) -> str | None:
+    """The part a parameter or module name belongs to, or None."""
+    name = _unwrap_name(name)
+    best, best_len = None, -1
+    for part, paths in adapter.parts.items():
+        for path in paths:
+            if (name == path or name.startswith(path + ".")) and len(path) > best_len:
+                best, best_len = part, len(path)
+    return best
+
+
+def parameters_by_part(
+    model: torch.nn.Module, adapter: ModelAdapter | None = None
+) -> dict[str | None, list[tuple[str, torch.nn.Parameter]]]:
+    """Parameters grouped by part; parameters in no part sit under None."""
+    adapter = _adapter_for(model, adapter)
+    groups: dict[str | None, list] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups[part_of(name, adapter)].append((name, param))
+    return dict(groups)
+
+
+def check_parts(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list[str]:
+    """Declared part paths that name nothing in `model` (empty when all resolve)."""
+    adapter = _adapter_for(model, adapter)
+    names = {_unwrap_name(n) for n, _ in model.named_modules()}
+    names |= {_unwrap_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    return [f"{part}: {path}" for part, paths in adapter.parts.items() for path in paths if path not in names]
+
+
+def freeze(
+    model: torch.nn.Module,
+    parts: Iterable[str] = ("vision",),
+    adapter: ModelAdapter | None = None,
+) -> int:
+    """Stop gradients for every parameter of the named parts; returns how many froze."""
+    parts = tuple(parts)
+    adapter = _adapter_for(model, adapter)
+    unknown = set(parts) - set(PART_NAMES)
+    if unknown:
+        raise ValueError(f"unknown part(s) {sorted(unknown)}; parts are {PART_NAMES}")
+    missing = [p for p in parts if not getattr(adapter.parts, p)]
+    if missing:
+        raise ValueError(f"family {adapter.family!r} has no {', '.join(missing)} part")
+    frozen = 0
+    for part in parts:
+        for _, param in parameters_by_part(model, adapter).get(part, []):
+            if param.requires_grad:
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen

@@ -1,0 +1,58 @@
+"""Position ids for padded and packed (padding-free) batches.
+
+A padded batch is (B, L) with an attention mask (left or right padding). A packed batch
+is the same tokens laid end to end in one row, (1, T), with `cu_seqlens` marking where
+each sequence starts. Position ids are computed once on the padded batch by the
+family's adapter (1-D, or 3-D for mrope) and carried through `pack`, so packed
+positions are by construction those of each sequence on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sequential_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens of each row; padding gets 0. Shape (B, L)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp_(min=0).masked_fill_(attention_mask == 0, 0)
+
+
+def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Cumulative sequence lengths (B + 1,), int32, as varlen attention kernels expect."""
+    lengths = attention_mask.sum(-1).to(torch.int32)
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def pack(batch: dict[str, torch.Tensor], keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Remove padding: every (B, L, ...) tensor in `keys` becomes (1, T, ...).
+
+    `position_ids` may be (B, L) or (C, B, L) (mrope); its sequence axis is the last
+    one. Adds `cu_seqlens`. Tensors not in `keys` (pixel values, grids) pass through.
+    """
+    mask = batch["attention_mask"].bool()
+    batch_size, length = mask.shape
+    keys = keys or tuple(
+        k for k, v in batch.items()
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (batch_size, length)
+        and k != "attention_mask"
+    )
+    out = {k: v for k, v in batch.items() if k not in keys and k != "attention_mask"}
+    for key in keys:
+        out[key] = batch[key][mask].unsqueeze(0)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        if positions.dim() == 3:
+            out["position_ids"] = positions[:, mask].unsqueeze(1)
+        else:
+            out["position_ids"] = positions[mask].unsqueeze(0)
+    out["cu_seqlens"] = cu_seqlens_from_mask(batch["attention_mask"])
+    return out
+
+
+def unpack(values: torch.Tensor, attention_mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Inverse of `pack` for one per-token tensor: (1, T, ...) -> (B, L, ...)."""
+    mask = attention_mask.bool()
+    out = values.new_full((*mask.shape, *values.shape[2:]), fill)
+    out[mask] = values[0]
+    return out

@@ -1,0 +1,190 @@
+"""Input and output processing: conversational samples <-> batched model inputs.
+
+A sample is a list of chat messages; a message's content is a string or a list of
+parts `{"type": "text", "text": ...}`, `{"type": "image", "image": ...}` or
+`{"type": "video", "video": ...}`. Images may be PIL images, file paths or bytes (or
+a HF datasets `{"bytes", "path"}` dict); videos are lists of frames (families with a
+video reader also take file paths).
+
+`Processing` works for any HF tokenizer or processor with a chat template; a family
+subclasses it (in `mmrl.processors`) only for what differs: the pixel-budget keyword
+arguments, video files, extra model inputs.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Message = dict[str, Any]
+Conversation = list[Message]
+
+
+def load_image(source) -> Any:
+    """A PIL RGB image from a PIL image, a path, bytes or a `{"bytes"|"path"}` dict."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        image = source
+    elif isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"image file not found: {path}")
+        image = Image.open(path)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(bytes(source)))
+    elif isinstance(source, dict) and (source.get("bytes") or source.get("path")):
+        return load_image(source.get("bytes") or source["path"])
+    else:
+        raise TypeError(f"cannot read an image from {type(source).__name__}")
+    return image.convert("RGB")
+
+
+def _parts(message: Message) -> list[dict[str, Any]]:
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content)
+
+
+class Processing:
+    """Conversations -> left-padded prompt batches; token ids -> text.
+
+    Options: `min_pixels` / `max_pixels` bound each image's pixel count (families map
+    them onto their processor's arguments in `image_kwargs`); `video_fps` and
+    `max_frames` bound videos.
+    """
+
+    padding_side = "left"
+
+    def __init__(
+        self,
+        processor,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        video_fps: float = 2.0,
+        max_frames: int = 16,
+    ):
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.video_fps = video_fps
+        self.max_frames = max_frames
+        self.is_multimodal = self.tokenizer is not processor
+
+    # -- media ---------------------------------------------------------------------------
+    def load_video(self, source) -> list[Any]:
+        """Frames of a video. The generic reader takes a list of frames; families that
+        can decode files override this."""
+        if isinstance(source, (list, tuple)):
+            frames = [load_image(frame) for frame in source]
+            if len(frames) > self.max_frames:
+                step = len(frames) / self.max_frames
+                frames = [frames[int(i * step)] for i in range(self.max_frames)]
+            return frames
+        raise TypeError(
+            f"{type(self).__name__} reads videos given as lists of frames, not {type(source).__name__}"
+        )
+
+    def collect_media(self, conversation: Conversation) -> tuple[list[Any], list[Any]]:
+        images, videos = [], []
+        for message in conversation:
+            for part in _parts(message):
+                kind = part.get("type")
+                if kind == "image":
+                    images.append(load_image(part.get("image", part.get("path"))))
+                elif kind == "video":
+                    videos.append(self.load_video(part.get("video", part.get("path"))))
+        return images, videos
+
+    def image_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that apply the pixel budget to this family's processor."""
+        return {}
+
+    def video_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    # -- text ------------------------------------------------------------------------------
+    def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
+        """The chat-template text, with one placeholder per image/video part."""
+        stripped = [
+            {
+                "role": m["role"],
+                "content": [
+                    {"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})}
+                    for p in _parts(m)
+                ],
+            }
+            for m in conversation
+        ]
+        if not self.is_multimodal:
+            # Text tokenizers' templates usually expect string content.
+            stripped = [
+                {"role": m["role"], "content": "".join(p.get("text", "") for p in m["content"])}
+                for m in stripped
+            ]
+        return self.processor.apply_chat_template(
+            stripped, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def __call__(self, conversations: list[Conversation], add_generation_prompt: bool = True):
+        """Batch of prompts (left-padded), ready for `generate` or a forward pass."""
+        if not conversations:
+            raise ValueError("no conversations to process")
+        texts = [self.render(c, add_generation_prompt) for c in conversations]
+        if not self.is_multimodal:
+            return self.tokenizer(
+                texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
+                add_special_tokens=False,
+            )
+        media = [self.collect_media(c) for c in conversations]
+        images = [m[0] for m in media]
+        videos = [m[1] for m in media]
+        kwargs: dict[str, Any] = {}
+        if any(images):
+            kwargs["images"] = self.arrange_images(images)
+            kwargs.update(self.image_kwargs())
+        if any(videos):
+            kwargs["videos"] = [v for per_sample in videos for v in per_sample]
+            kwargs.update(self.video_kwargs())
+        return self.processor(
+            text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
+            add_special_tokens=False, **kwargs,
+        )
+
+    def arrange_images(self, images: list[list[Any]]) -> list[Any]:
+        """Images as the HF processor wants them: one list per sample by default."""
+        return images
+
+    # -- output ----------------------------------------------------------------------------
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> list[str]:
+        """Decode each row of response ids; special tokens and surrounding space dropped."""
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        pad = self.tokenizer.pad_token_id
+        rows = [[t for t in row if t != pad] for row in token_ids]
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+        return [t.strip() for t in texts]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        ids = self.tokenizer.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        for token in getattr(self, "extra_stop_tokens", ()):
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+        return ids
+
+    @property
+    def blocked_token_ids(self) -> list[int]:
+        """Special tokens a policy must never sample (image/video placeholders, pad,
+        chat scaffolding): sampling one breaks the next multimodal forward pass."""
+        special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        special |= set(self.tokenizer.all_special_ids)
+        return sorted(special - set(self.stop_token_ids))

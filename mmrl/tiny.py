@@ -1,0 +1,102 @@
+"""Offline building blocks for tiny random-init models: tokenizers without a hub.
+
+`char_tokenizer` makes a character-level fast tokenizer with a family's special tokens
+as atomic tokens, so a family's `tiny()` can build a complete processor with no
+download. Named tokens (`{"image_token": "<image>"}`) become tokenizer attributes
+(`tokenizer.image_token`, `tokenizer.image_token_id`) that HF processors read.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterable, Mapping
+
+CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n\t"
+
+
+def char_tokenizer(
+    *,
+    special_tokens: Iterable[str] = (),
+    named_tokens: Mapping[str, str] | None = None,
+    bos_token: str | None = None,
+    eos_token: str = "<|endoftext|>",
+    pad_token: str | None = None,
+    unk_token: str = "<unk>",
+    chat_template: str | None = None,
+    words: Iterable[str] = (),
+    padding_side: str = "left",
+    vocab_size: int | None = None,
+):
+    """A character-level `PreTrainedTokenizerFast`.
+
+    Special tokens take the first ids (in the order given: unk, pad, bos, eos, then
+    `special_tokens`, then `named_tokens`), characters follow, then whole `words`.
+    Whole `words` are added as atomic tokens after the fillers. With `vocab_size`, filler tokens pad the vocabulary to that size so the model's
+    embedding matrix and the tokenizer agree.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    named_tokens = dict(named_tokens or {})
+    specials: list[str] = []
+    for token in (unk_token, pad_token, bos_token, eos_token, *special_tokens, *named_tokens.values()):
+        if token and token not in specials:
+            specials.append(token)
+    vocab: dict[str, int] = {}
+    for token in (*specials, *CHARACTERS):
+        vocab.setdefault(token, len(vocab))
+    words = [w for w in words if w not in vocab]
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the {len(vocab)} tokens needed")
+        for i in range(len(vocab), vocab_size):
+            vocab[f"<filler_{i}>"] = i
+    # BPE without merges splits text into single characters.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token=unk_token,
+        pad_token=pad_token or eos_token,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        extra_special_tokens=named_tokens,
+        padding_side=padding_side,
+        chat_template=chat_template,
+    )
+    # Atomic special tokens (the vocabulary already holds their ids).
+    tokenizer.add_tokens([t for t in specials if t not in named_tokens.values()], special_tokens=True)
+    if words:
+        # Added (non-special) tokens are matched before the character model runs.
+        tokenizer.add_tokens(words)
+    return tokenizer
+
+
+# Shapes of every tiny text decoder: small enough for a CPU step in milliseconds, large
+# enough for grouped-query attention (4 query heads over 2 key/value heads).
+TINY_TEXT_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+
+
+def token_ids(tokenizer) -> dict[str, int | None]:
+    """The bos/eos/pad ids a config should carry for `tokenizer`."""
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def tiny_text_config(config_class: str, tokenizer, **overrides):
+    """A tiny random-init text config of `config_class` ("module:Class") sized to `tokenizer`."""
+    from mmrl.adapter import import_object
+
+    values = {**TINY_TEXT_SHAPES, "vocab_size": len(tokenizer), **token_ids(tokenizer), **overrides}
+    return import_object(config_class)(**values)

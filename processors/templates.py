@@ -1,0 +1,59 @@
+"""Chat templates for the tiny tokenizers, written to match each family's real format.
+
+Real checkpoints ship their own template; these exist so random-init models built
+offline render prompts the way the real family does. A newline right after a Jinja tag
+is dropped by the template engine, so newlines are written as `{{ '\\n' }}`.
+"""
+
+# ChatML (Qwen2/2.5/3 text, and the base of the Qwen-VL templates).
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+# Llama 3 header format.
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+LLAMA3_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+# Mistral [INST] format (system text folded into the first user turn).
+MISTRAL = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set text = message['content'] if message['content'] is string else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% if message['role'] == 'assistant' %}{{ text + eos_token }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + text + ' [/INST]' }}"
+    "{% else %}{{ '[INST] ' + text + ' [/INST]' }}{% endif %}"
+    "{% endfor %}"
+)
+MISTRAL_SPECIAL_TOKENS = ("[INST]", "[/INST]")
+
+# Phi-3 format.
+PHI3 = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+PHI3_SPECIAL_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
