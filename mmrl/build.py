@@ -119,9 +119,27 @@ def load_model(path: str | Path, **kwargs) -> BuiltModel:
     return build_model(path, random_init=False, **kwargs)
 
 
-def _load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
-    from transformers import AutoProcessor, AutoTokenizer
+# Tokenizer classes that mean "tokenizer.json defines everything": AutoTokenizer would
+# swap in the model type's own class, which rebuilds the pipeline from the vocabulary
+# and changes how a tokenizer that is not the family's real one splits text.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    if adapter.is_multimodal:
-        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+def _load_tokenizer(path: Path, trust_remote_code: bool):
+    import json
+
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+        return TokenizersBackend.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
+    from transformers import AutoProcessor
+
+    tokenizer = _load_tokenizer(path, trust_remote_code)
+    if adapter.is_multimodal:
+        return AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    return tokenizer
