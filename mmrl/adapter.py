@@ -221,11 +221,25 @@ class ModelAdapter:
         """A random-init config and an offline processor, small enough for CPU tests."""
         raise NotImplementedError
 
-    def rope(self, config: PretrainedConfig) -> RopeSpec:
-        """The family's rope settings, normalized. Families with code-side defaults override."""
+    def rope(self, config: PretrainedConfig | dict) -> RopeSpec:
+        """The family's rope settings, normalized.
+
+        A raw config.json dict is first materialized with the family's HF config class,
+        so defaults a sparse file omits (and legacy keys transformers converts) count.
+        Families whose model code holds rope defaults override this."""
         from mmrl.rope import RopeSpec
 
+        if isinstance(config, dict):
+            config = self.config_from_dict(config)
         return RopeSpec.from_config(config)
+
+    def config_from_dict(self, values: dict) -> PretrainedConfig:
+        """The HF config object for a raw config.json dict of this family."""
+        from transformers import AutoConfig
+
+        values = dict(values)
+        model_type = values.pop("model_type", self.model_types[0])
+        return AutoConfig.for_model(model_type, **values)
 
     def position_ids(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Position ids for a left- or right-padded batch: (B, L), or (3, B, L) for mrope."""
