@@ -62,6 +62,10 @@ class Parts:
         return [(name, getattr(self, name)) for name in PART_NAMES]
 
 
+# The layout of most HF causal LMs: `model` (decoder stack), `model.embed_tokens`, `lm_head`.
+DECODER_PARTS = Parts(language="model", embed="model.embed_tokens", lm_head="lm_head")
+
+
 @dataclass(frozen=True, slots=True)
 class LoraTargets:
     """Leaf module names that LoRA wraps, per scope. `all` is language plus vision."""

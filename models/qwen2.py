@@ -1,12 +1,9 @@
 """Qwen2 and Qwen2.5 (text): the reference decoder-only family (ChatML template)."""
 
-from mmrl.adapter import ModelAdapter, Parts, Rollout, TinyModel
+from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
-
-# The decoder-only layout shared by most HF causal LMs.
-DECODER_PARTS = Parts(language="model", embed="model.embed_tokens", lm_head="lm_head")
 
 
 @register_model
