@@ -123,10 +123,11 @@ class Capabilities:
     single_image: bool = False
     multi_image: bool = False
     video: bool = False
-    fsdp2: bool = True
+    # Claimed by a family once the trainer's probe for the feature exists and passes.
+    fsdp2: bool = False
     sequence_parallel: bool = False
     vllm: bool = False
-    critic: bool = True
+    critic: bool = False
 
     def declared(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
