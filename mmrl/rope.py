@@ -17,7 +17,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 DEFAULT_THETA = 10000.0
-SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def scaling_types() -> tuple[str, ...]:
+    """Rope types the installed transformers implements (plus the unscaled default)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ("default", *ROPE_INIT_FUNCTIONS)
+
 # Keys that have a field of their own; everything else in a rope dict lands in `extra`.
 _OWN_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "partial_rotary_factor", "mrope_section",
@@ -56,7 +63,7 @@ class RopeSpec:
     def problems(self) -> list[str]:
         """Inconsistencies a model would trip over (empty when the spec is usable)."""
         found = []
-        if self.scaling not in SCALING_TYPES:
+        if self.scaling not in scaling_types():
             found.append(f"unknown rope scaling type {self.scaling!r}")
         if self.scaling != "default" and self.factor is None:
             found.append(f"rope scaling {self.scaling!r} needs a factor")

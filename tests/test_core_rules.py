@@ -1,0 +1,69 @@
+"""House rules that keep the core honest: it names no model family, imports cheaply,
+and every module says what it is for."""
+
+import ast
+import io
+import os
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILY_NAMES = re.compile(r"qwen|llama|mistral|gemma|phi[-_]?\d|idefics|smolvlm|llava|internvl", re.I)
+
+
+def _docstring_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def test_core_names_no_model_family():
+    hits = []
+    for path in sorted((REPO / "mmrl").rglob("*.py")):
+        source = path.read_text()
+        skip = _docstring_lines(ast.parse(source))
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT or token.start[0] in skip:
+                continue
+            if FAMILY_NAMES.search(token.string):
+                hits.append(f"{path.relative_to(REPO)}:{token.start[0]}: {token.string[:60]}")
+    assert not hits, "the core names model families:\n" + "\n".join(hits)
+
+
+def test_every_module_has_a_docstring():
+    missing = []
+    for folder in ("mmrl", "models", "processors"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if ast.get_docstring(ast.parse(path.read_text())) is None:
+                missing.append(str(path.relative_to(REPO)))
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_import_is_cheap_and_lazy():
+    code = """
+import sys, time
+import torch
+start = time.perf_counter()
+import mmrl
+from mmrl import register_model, RopeSpec
+elapsed = time.perf_counter() - start
+heavy = [m for m in sys.modules if m.startswith(("vllm", "transformers.models.", "mmrl.models.", "peft"))]
+print(elapsed, len(heavy), heavy[:5])
+"""
+    times = []
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                                env={**os.environ}, timeout=120)
+        assert result.returncode == 0, result.stderr
+        elapsed, heavy, names = result.stdout.split(" ", 2)
+        assert int(heavy) == 0, f"import mmrl pulled in {names}"
+        times.append(float(elapsed))
+    assert sorted(times)[1] < 1.0, f"import mmrl took {sorted(times)[1]:.2f} s on top of torch"

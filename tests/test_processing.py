@@ -1,0 +1,75 @@
+"""Core processing pieces: media loading, positions and packing, text prompts."""
+
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl import build_model
+from mmrl.checks import sample_images
+from mmrl.positions import cu_seqlens_from_mask, pack, sequential_positions, unpack
+from mmrl.processing import load_image
+
+
+def test_load_image_from_every_source(tmp_path):
+    image = sample_images()[1]
+    path = tmp_path / "shape.png"
+    image.save(path)
+    raw = path.read_bytes()
+    for source in (image, path, str(path), raw, {"bytes": raw, "path": None}, {"path": str(path)}):
+        loaded = load_image(source)
+        assert loaded.mode == "RGB" and loaded.size == image.size
+    assert load_image(Image.new("L", (8, 8))).mode == "RGB"
+
+
+def test_load_image_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        load_image(tmp_path / "missing.png")
+    with pytest.raises(TypeError, match="cannot read an image from int"):
+        load_image(3)
+
+
+def test_positions_and_packing_round_trip():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    positions = sequential_positions(mask)
+    assert positions.tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+    assert cu_seqlens_from_mask(mask).tolist() == [0, 3, 8, 9]
+    ids = torch.arange(15).view(3, 5)
+    packed = pack({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+    assert packed["input_ids"].tolist() == [[2, 3, 4, 5, 6, 7, 8, 9, 14]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0]]
+    assert "attention_mask" not in packed
+    assert torch.equal(unpack(packed["input_ids"], mask, fill=-1), ids.masked_fill(mask == 0, -1))
+    # 3-D (mrope-style) positions keep their leading axis and pack along the last one.
+    positions3 = torch.stack([positions, positions * 10, positions * 100])
+    packed3 = pack({"input_ids": ids, "attention_mask": mask, "position_ids": positions3})
+    assert packed3["position_ids"].shape == (3, 1, 9)
+    assert packed3["position_ids"][1, 0].tolist() == [0, 10, 20, 0, 10, 20, 30, 40, 0]
+
+
+def test_text_prompts_are_left_padded_and_decodable():
+    built = build_model("qwen2", random_init=True)
+    batch = built.processing([[{"role": "user", "content": "hi"}],
+                              [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]])
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][:, -1].all()
+    text = built.processing.render([{"role": "user", "content": "hi"}])
+    assert text.endswith("assistant\n") and "hi" in text
+    ids = built.tokenizer("12 + 3", add_special_tokens=False)["input_ids"]
+    eos = built.tokenizer.eos_token_id
+    assert built.processing.decode([ids + [eos]]) == ["12 + 3"]
+    assert eos in built.processing.stop_token_ids
+    assert eos not in built.processing.blocked_token_ids
+    assert built.tokenizer.convert_tokens_to_ids("<|im_start|>") in built.processing.blocked_token_ids
+
+
+def test_empty_batch_is_an_error():
+    built = build_model("qwen2", random_init=True)
+    with pytest.raises(ValueError, match="no conversations"):
+        built.processing([])
+
+
+def test_build_model_errors():
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        build_model("qwen2")
+    with pytest.raises(ValueError, match="dtype must be"):
+        build_model("qwen2", random_init=True, dtype="int3")
