@@ -34,14 +34,17 @@ LLAMA3 = (
 )
 LLAMA3_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
-# Mistral [INST] format (system text folded into the first user turn).
+# Mistral v0.3 [INST] format: a system message is folded into the last user turn, and
+# `[/INST]` follows the text with no space, as in the v0.3 tokenizer's template.
 MISTRAL = (
+    "{% set system = messages | selectattr('role', 'equalto', 'system') | list %}"
     "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{% for message in messages if message['role'] != 'system' %}"
     "{% set text = message['content'] if message['content'] is string else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
-    "{% if message['role'] == 'assistant' %}{{ text + eos_token }}"
-    "{% elif message['role'] == 'user' %}{{ '[INST] ' + text + ' [/INST]' }}"
-    "{% else %}{{ '[INST] ' + text + ' [/INST]' }}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{% if loop.last and system %}{{ '[INST] ' + system[0]['content'] + '\\n\\n' + text + '[/INST]' }}"
+    "{% else %}{{ '[INST] ' + text + '[/INST]' }}{% endif %}"
+    "{% else %}{{ ' ' + text | trim + eos_token }}{% endif %}"
     "{% endfor %}"
 )
 MISTRAL_SPECIAL_TOKENS = ("[INST]", "[/INST]")
@@ -57,3 +60,24 @@ PHI3 = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 PHI3_SPECIAL_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+# Gemma 3 turns (text and vision alike): the assistant's role is "model", a system
+# message is prefixed to the first user turn, and an image part becomes
+# `<start_of_image>`, which Gemma3Processor expands into the image's soft tokens.
+GEMMA3 = (
+    "{{ bos_token }}"
+    "{% set system = messages | selectattr('role', 'equalto', 'system') | list %}"
+    "{% set prefix = (system[0]['content'] if system[0]['content'] is string else system[0]['content'][0]['text']) + '\\n\\n' if system else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{% if loop.first %}{{ prefix }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+GEMMA3_SPECIAL_TOKENS = ("<start_of_turn>", "<end_of_turn>")
