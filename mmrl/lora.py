@@ -60,3 +60,36 @@ def apply_lora(
 def merge_lora(model):
     """Fold LoRA weights into the base model and return it without peft wrappers."""
     return model.merge_and_unload()
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def merged_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights of `model` with any LoRA folded in.
+
+    Plain models pass through unchanged. For a peft model, each wrapped layer's weight
+    becomes W + scale * B @ A and the adapter tensors are dropped, so the result loads
+    into the base architecture (and into a rollout engine) as is.
+    """
+    if not any(".lora_A." in k for k in state):
+        return state
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        out[name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        key = module_name.removeprefix(_PEFT_PREFIX) + ".weight"
+        for adapter_name in module.active_adapters:
+            if adapter_name not in module.lora_A:
+                continue
+            a = state[f"{module_name}.lora_A.{adapter_name}.weight"].float()
+            b = state[f"{module_name}.lora_B.{adapter_name}.weight"].float()
+            delta = (b @ a) * module.scaling[adapter_name]
+            out[key] = (out[key].float() + delta).to(out[key].dtype)
+    return out

@@ -1,7 +1,7 @@
 """Text families and Gemma 3 against real checkpoint configs, plus their chat formats.
 
 The zoo test covers the tiny models; this checks what it cannot: that real config.json
-files (from /work/shared/real-configs, written by older transformers versions, some
+files (tests/data/real_configs, written by older transformers versions, some
 sparse) find the right family and normalize to the real rope settings, and that a tiny
 model shrunk from a real config keeps them.
 Run: pytest tests/test_text_and_gemma.py
@@ -19,9 +19,7 @@ from transformers import AutoConfig
 from mmrl import build_model
 from mmrl.registry import get_adapter
 
-# The collected configs sit in the shared folder beside the repository checkout.
-REAL_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "real-configs"
-needs_real_configs = pytest.mark.skipif(not REAL_CONFIGS.is_dir(), reason=f"{REAL_CONFIGS} not found")
+REAL_CONFIGS = Path(__file__).resolve().parent / "data" / "real_configs"
 
 LLAMA3_FREQS = (("high_freq_factor", 4.0), ("low_freq_factor", 1.0))
 GEMMA3_GLOBAL = dict(theta=1e6, scaling="linear", factor=8.0)
@@ -76,7 +74,6 @@ def shrink(raw: dict) -> dict:
             "vision_config": {**raw["vision_config"], **TINY_VISION}, "mm_tokens_per_image": (side // 2) ** 2}
 
 
-@needs_real_configs
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_config_family_and_rope(name, tmp_path):
     family, expected, per_layer = REAL[name]
@@ -97,7 +94,6 @@ def test_real_config_family_and_rope(name, tmp_path):
         assert {f: getattr(sub, f) for f in fields} == fields, layer_type
 
 
-@needs_real_configs
 def test_gemma3_text_config_alone_matches_the_vlm():
     """The text_config of the Gemma 3 VLM read as a text-only (gemma3_text) config."""
     raw = json.loads((REAL_CONFIGS / "google__gemma-3-4b-it" / "config.json").read_text())
@@ -108,7 +104,6 @@ def test_gemma3_text_config_alone_matches_the_vlm():
     assert spec.for_layer_type("sliding_attention").theta == 20000.0
 
 
-@needs_real_configs
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_tiny_model_shrunk_from_real_config_keeps_rope(name, tmp_path):
     family, _, _ = REAL[name]
