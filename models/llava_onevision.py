@@ -1,0 +1,50 @@
+"""LLaVA-OneVision (llava-hf/llava-onevision-qwen2-*-hf): SigLIP anyres tiles + Qwen2."""
+
+from mmrl.adapter import (
+    ATTN_AND_MLP,
+    Capabilities,
+    LoraTargets,
+    Parts,
+    Rollout,
+    TinyModel,
+    VisionLanguageAdapter,
+)
+from mmrl.processors.llava_onevision import tiny_model
+from mmrl.registry import register_model
+
+
+@register_model
+class LlavaOnevision(VisionLanguageAdapter):
+    family = "llava_onevision"
+    model_types = ("llava_onevision",)
+    hf_class = "transformers:LlavaOnevisionForConditionalGeneration"
+    modalities = ("text", "image", "video")
+    parts = Parts(
+        language="model.language_model",
+        embed="model.language_model.embed_tokens",
+        lm_head="lm_head",
+        vision="model.vision_tower",
+        # The learned newline embedding is spliced between rows of image features.
+        projector=("model.multi_modal_projector", "model.image_newline"),
+    )
+    shard_layers = ("Qwen2DecoderLayer", "SiglipEncoderLayer")
+    lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
+    # vLLM's own hf_to_vllm_mapper for this architecture (it nests the decoder as
+    # language_model.model and hoists the vision tower and projector to the top).
+    rollout = Rollout(
+        vllm_architecture="LlavaOnevisionForConditionalGeneration",
+        weight_prefixes=(
+            ("model.language_model.", "language_model.model."),
+            ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.image_newline", "image_newline"),
+            ("lm_head.", "language_model.lm_head."),
+        ),
+    )
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    processing = "mmrl.processors.llava_onevision:LlavaOnevisionProcessing"
+
+    def tiny(self) -> TinyModel:
+        config, processor = tiny_model()
+        notes = "56px tiles of 16 tokens; grid pinpoints up to 2x2 tiles"
+        return TinyModel(config=config, processor=processor, notes=notes)

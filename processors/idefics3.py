@@ -1,0 +1,140 @@
+"""Idefics3 and SmolVLM input processing, and their tiny offline processors.
+
+Both families split an image into square tiles of the vision encoder's size plus one
+downscaled global tile; each tile becomes `image_seq_len` `<image>` tokens wrapped in
+`<fake_token_around_image>` and a `<row_i_col_j>` / `<global-img>` tag. They differ only
+in the chat template's first token, the tokenizer attribute names the processor reads,
+and SmolVLM's video processor, so one module serves both (`IDEFICS3`, `SMOLVLM`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mmrl.processing import Processing
+from mmrl.tiny import char_tokenizer, tiny_text_config
+
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+IMAGE_TOKEN = "<image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+VIDEO_TOKEN = "<video>"
+# The processors address tiles as <row_i_col_j> for a grid of up to 6 x 6.
+ROW_COL_TOKENS = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+
+
+def chat_template(bos: str) -> str:
+    """The Idefics3/SmolVLM template: `User:<image>text<end_of_utterance>\\nAssistant:`.
+    A role whose content opens with an image gets no space after the colon."""
+    return (
+        bos
+        + "{% for message in messages %}"
+        "{{ message['role'] | capitalize }}"
+        "{% if message['content'] is not string and message['content'][0]['type'] in ('image', 'video') %}{{ ':' }}"
+        "{% else %}{{ ': ' }}{% endif %}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] == 'image' %}{{ '<image>' }}"
+        "{% elif part['type'] == 'video' %}{{ '<video>' }}"
+        "{% endif %}{% endfor %}{% endif %}"
+        "{{ '<end_of_utterance>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    )
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """What differs between the Idefics3 and SmolVLM stacks built on this module."""
+
+    prefix: str  # HF class-name prefix: Idefics3Config, SmolVLMProcessor, ...
+    bos_token: str
+    video: bool
+
+
+IDEFICS3 = Flavour(prefix="Idefics3", bos_token="<|begin_of_text|>", video=False)
+SMOLVLM = Flavour(prefix="SmolVLM", bos_token="<|im_start|>", video=True)
+
+# Tiny shapes: 56-pixel tiles of 14-pixel patches give a 4 x 4 grid, which the 2x pixel
+# shuffle folds into 4 tokens per tile; images are rescaled to a longest edge of two
+# tiles, so a test image is at most 2 x 2 tiles + the global tile = 20 image tokens.
+TINY_TILE = 56
+TINY_PATCH = 14
+TINY_SCALE_FACTOR = 2
+TINY_LONGEST_EDGE = 2 * TINY_TILE
+
+
+def image_seq_len(tile: int, patch: int, scale_factor: int) -> int:
+    """Tokens per tile, as both the processor and the model's connector count them."""
+    return (tile // patch) ** 2 // scale_factor**2
+
+
+def tiny_model(flavour: Flavour):
+    """(config, processor) of a random-init Idefics3-style model for `flavour`."""
+    import transformers
+
+    named = {
+        "image_token": IMAGE_TOKEN,
+        "fake_image_token": FAKE_IMAGE_TOKEN,
+        "global_image_token": GLOBAL_IMAGE_TOKEN,
+        "end_of_utterance_token": END_OF_UTTERANCE,
+    }
+    if flavour.video:
+        named["video_token"] = VIDEO_TOKEN
+    tokenizer = char_tokenizer(
+        special_tokens=ROW_COL_TOKENS,
+        named_tokens=named,
+        bos_token=flavour.bos_token,
+        eos_token=END_OF_UTTERANCE,
+        pad_token="<|end_of_text|>",
+        chat_template=chat_template(flavour.bos_token),
+    )
+    sizes = {"size": {"longest_edge": TINY_LONGEST_EDGE}, "max_image_size": {"longest_edge": TINY_TILE}}
+    parts = {
+        "image_processor": getattr(transformers, f"{flavour.prefix}ImageProcessor")(
+            do_image_splitting=True, **sizes
+        ),
+        "tokenizer": tokenizer,
+    }
+    if flavour.video:
+        # Frames are never split: each one is resized to a single tile.
+        parts["video_processor"] = getattr(transformers, f"{flavour.prefix}VideoProcessor")(**sizes)
+    processor = getattr(transformers, f"{flavour.prefix}Processor")(
+        **parts,
+        image_seq_len=image_seq_len(TINY_TILE, TINY_PATCH, TINY_SCALE_FACTOR),
+        chat_template=tokenizer.chat_template,
+    )
+    text = tiny_text_config("transformers:LlamaConfig", tokenizer, tie_word_embeddings=False)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=TINY_TILE, patch_size=TINY_PATCH,
+    )
+    config = getattr(transformers, f"{flavour.prefix}Config")(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        scale_factor=TINY_SCALE_FACTOR,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return config, processor
+
+
+class Idefics3Processing(Processing):
+    """Pixel budget for tiling processors: `max_pixels` caps the longest edge images are
+    rescaled to, in whole tiles, so an image costs at most (edge / tile)^2 + 1 tiles.
+
+    Idefics3 rescales every image (small ones too) to that one longest edge, so the
+    token count depends on `max_pixels` and the aspect ratio only; `min_pixels` has no
+    separate setting and is ignored. A budget below one tile gives one unsplit tile.
+    """
+
+    def image_kwargs(self) -> dict[str, Any]:
+        if self.max_pixels is None:
+            return {}
+        tile = self.processor.image_processor.max_image_size["longest_edge"]
+        edge = max(1, math.isqrt(self.max_pixels) // tile) * tile
+        return {"images_kwargs": {"size": {"longest_edge": edge}}}

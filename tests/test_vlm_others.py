@@ -1,0 +1,71 @@
+"""Idefics3, SmolVLM, LLaVA-OneVision and InternVL: what the zoo test does not check.
+
+The image placeholder tokens the processor writes must equal the features the model's
+vision path produces for that image (a config/processor mismatch of tile size, tokens
+per tile or grid pinpoints breaks this first), and the pixel budget options must move
+the token count. Run: pytest tests/test_vlm_others.py
+"""
+
+import pytest
+import torch
+
+from mmrl import build_model
+from mmrl.checks import logits_of, sample_images
+
+TILE = 56 * 56  # every tiny model here uses 56-pixel tiles
+# Per family: a budget that must shrink the larger test image's tokens, and (where the
+# family has a lower bound) one that must grow the smaller image's tokens.
+BUDGETS = {
+    "idefics3": {"max_pixels": TILE},
+    "smolvlm": {"max_pixels": TILE},
+    "llava_onevision": {"max_pixels": TILE, "min_pixels": 4 * TILE},
+    "internvl": {"max_pixels": TILE, "min_pixels": 4 * TILE},
+}
+FAMILIES = sorted(BUDGETS)
+
+
+def one_image_prompt(image) -> list[list[dict]]:
+    return [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hi?"}]}]]
+
+
+def placeholder_count(built, batch) -> int:
+    return int((batch["input_ids"] == built.model.config.image_token_id).sum())
+
+
+@torch.no_grad()
+def feature_count(built, batch) -> int:
+    """Image feature vectors the model's vision path produces for `batch`."""
+    config = built.model.config
+    inputs = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+        if hasattr(config, key):
+            inputs[key] = getattr(config, key)
+    features = built.model.eval().get_image_features(**inputs).pooler_output
+    features = features if isinstance(features, (list, tuple)) else [features]
+    return sum(f.numel() for f in features) // config.get_text_config().hidden_size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_tokens_match_vision_features(family):
+    built = build_model(family, random_init=True)
+    for image in sample_images():
+        batch = dict(built.processing(one_image_prompt(image)))
+        tokens = placeholder_count(built, batch)
+        assert tokens > 0
+        assert tokens == feature_count(built, batch), f"{image.size}: placeholders != vision features"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pixel_budget_changes_image_tokens(family):
+    small, large = sample_images()
+    default = build_model(family, random_init=True)
+    for option, image, direction in (("max_pixels", large, -1), ("min_pixels", small, +1)):
+        if option not in BUDGETS[family]:
+            continue
+        budgeted = build_model(family, random_init=True, processing_options={option: BUDGETS[family][option]})
+        before = placeholder_count(default, dict(default.processing(one_image_prompt(image))))
+        batch = dict(budgeted.processing(one_image_prompt(image)))
+        after = placeholder_count(budgeted, batch)
+        assert (after - before) * direction > 0, f"{option} left {before} image tokens at {after}"
+        assert after == feature_count(budgeted, batch)
+        assert torch.isfinite(logits_of(budgeted.model.eval(), batch)).all()
