@@ -68,8 +68,12 @@ class Processing:
         max_pixels: int | None = None,
         video_fps: float = 2.0,
         max_frames: int = 16,
+        stop_token_ids: list[int] | None = None,
     ):
         self.processor = processor
+        # End-of-turn ids of the checkpoint's generation config (often more than the
+        # tokenizer's eos: a chat model ends its turn with its own token).
+        self.extra_stop_ids = list(stop_token_ids or [])
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
@@ -175,6 +179,7 @@ class Processing:
     def stop_token_ids(self) -> list[int]:
         ids = self.tokenizer.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
+        ids += [i for i in self.extra_stop_ids if i not in ids]
         for token in getattr(self, "extra_stop_tokens", ()):
             token_id = self.tokenizer.convert_tokens_to_ids(token)
             if token_id is not None and token_id not in ids:

@@ -7,7 +7,8 @@ or `rope_type`, `mrope` as a pseudo-type), a top-level `rope_theta`, nested unde
 module reads all of them, from a raw `config.json` dict or a loaded `PretrainedConfig`,
 into the same frozen `RopeSpec`, so two configs that mean the same rope compare equal.
 
-    spec = RopeSpec.from_config(config)
+    spec = RopeSpec.from_config(config)      # a loaded config, or a complete dict
+    spec = adapter.rope(raw_dict)            # a sparse config.json: the family fills defaults
     spec.theta, spec.scaling, spec.factor, spec.rotary_dim, spec.mrope_section
 """
 

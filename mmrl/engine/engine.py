@@ -1,0 +1,249 @@
+"""The training engine: one class for actor, reference and critic.
+
+An `Engine` wraps a built model: it shards it with FSDP2 (`fully_shard` on the family's
+`shard_layers`, then the root) when several processes run, optionally turns on activation
+checkpointing, owns the AdamW optimizer and LR schedule when it trains, and computes
+per-token log-probs and entropy of given response tokens. Roles differ only in options:
+
+    actor = Engine(built, dist, optim=recipe.optim, total_steps=100)       # trains
+    ref = Engine(built_ref, dist)                                           # frozen
+    critic = Engine(built_critic, dist, optim=..., value_head=True)         # values
+
+Log-probs are taken from the last R + 1 positions only (`logits_to_keep`), and the fp32
+log-softmax runs over row chunks, each recomputed in backward (checkpointed), so fp32
+full-vocabulary logits never exist for the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from mmrl.config import OptimConfig
+from mmrl.engine.sequences import Sequences
+from mmrl.parallel import Dist
+
+LOGPROB_CHUNK_TOKENS = 4096
+
+
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` (B, R) under `logits` (B, R, V), and the entropy, in fp32."""
+    batch, length = targets.shape
+    rows_per_chunk = max(1, chunk_tokens // max(length, 1))
+    logps, entropies = [], []
+    for start in range(0, batch, rows_per_chunk):
+        chunk = (logits[start:start + rows_per_chunk], targets[start:start + rows_per_chunk])
+        if torch.is_grad_enabled() and logits.requires_grad:
+            logp, entropy = checkpoint(_chunk_log_probs, *chunk, temperature, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_log_probs(*chunk, temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _lr_lambda(optim: OptimConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if optim.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        if optim.schedule == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return factor
+
+
+class Engine:
+    def __init__(
+        self,
+        built,
+        dist: Dist,
+        *,
+        optim: OptimConfig | None = None,
+        lr: float | None = None,
+        total_steps: int = 1,
+        gradient_checkpointing: bool = False,
+        value_head: bool = False,
+    ):
+        self.built = built
+        self.adapter = built.adapter
+        self.dist = dist
+        self.model = built.model.to(dist.device)
+        self.value_head = None
+        if value_head:
+            hidden = self.model.config.get_text_config().hidden_size
+            self.value_head = torch.nn.Linear(hidden, 1, device=dist.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "enable_input_require_grads"):
+                self.model.enable_input_require_grads()
+        self.sharded = dist.distributed
+        if self.sharded:
+            self._shard()
+        self.optimizer = None
+        self.scheduler = None
+        if optim is not None:
+            params = [p for p in self.parameters() if p.requires_grad]
+            if not params:
+                raise ValueError("nothing to train: every parameter is frozen")
+            self.optimizer = torch.optim.AdamW(
+                params, lr=lr if lr is not None else optim.lr, betas=optim.betas,
+                weight_decay=optim.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
+            self.grad_clip = optim.grad_clip
+        else:
+            for p in self.parameters():
+                p.requires_grad_(False)
+            self.model.eval()
+
+    # -- setup -----------------------------------------------------------------------------
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = None
+        if self.dist.device.type == "cuda":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mesh": self.dist.mesh, **({"mp_policy": mp} if mp else {})}
+        layer_names = set(self.adapter.shard_layers)
+        for module in self.model.modules():
+            if type(module).__name__ in layer_names:
+                fully_shard(module, **kwargs)
+        fully_shard(self.model, **kwargs)
+        if self.value_head is not None:
+            fully_shard(self.value_head, **kwargs)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        yield from self.model.parameters()
+        if self.value_head is not None:
+            yield from self.value_head.parameters()
+
+    @property
+    def trains(self) -> bool:
+        return self.optimizer is not None
+
+    # -- compute ---------------------------------------------------------------------------
+    def log_probs(self, seqs: Sequences, temperature: float = 1.0, with_entropy: bool = True):
+        """Per-token log-probs (B, R) of the response tokens, and entropy (B, R).
+
+        Runs with autograd when the engine trains and grad mode is on."""
+        length = seqs.response_ids.shape[1]
+        out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=length + 1)
+        logits = out.logits[:, :-1]
+        logp, entropy = token_log_probs(logits, seqs.response_ids, temperature)
+        return logp, (entropy if with_entropy else None)
+
+    def values(self, seqs: Sequences) -> torch.Tensor:
+        """Critic values (B, R): the value head on the hidden state before each response token."""
+        if self.value_head is None:
+            raise RuntimeError("this engine has no value head (build it with value_head=True)")
+        length = seqs.response_ids.shape[1]
+        out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, -(length + 1):-1]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def step(self) -> float:
+        """Clip gradients, take an optimizer and schedule step; returns the grad norm."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    # -- weights -----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named full weights on CPU (every rank), LoRA merged in when present."""
+        from mmrl.lora import merged_state_dict
+
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+            )
+        else:
+            state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return merged_state_dict(self.model, state)
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Model (safetensors), optimizer and schedule, so a run resumes exactly."""
+        from safetensors.torch import save_file
+
+        state = self._train_state()
+        if self.dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
+            tensors = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
+            save_file(tensors, str(path / "model.safetensors"))
+            torch.save({"optimizer": state["optimizer"], "scheduler": state["scheduler"]}, path / "optimizer.pt")
+        self.dist.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        model_state = load_file(str(path / "model.safetensors"))
+        rest = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(
+                self._modules_for_state(), self.optimizer,
+                model_state_dict=model_state, optim_state_dict=rest["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+        else:
+            self._modules_for_state().load_state_dict(model_state)
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(rest["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(rest["scheduler"])
+
+    def _modules_for_state(self) -> torch.nn.Module:
+        if self.value_head is None:
+            return self.model
+        return torch.nn.ModuleDict({"model": self.model, "value_head": self.value_head})
+
+    def _train_state(self) -> dict:
+        module = self._modules_for_state()
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            model_state, optim_state = get_state_dict(
+                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            model_state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            optim_state = self.optimizer.state_dict() if self.optimizer else {}
+        return {"model": model_state, "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else {}}

@@ -1,0 +1,82 @@
+"""Prompt + response sequences as the training engines consume them.
+
+A rollout returns left-padded prompts (B, P) and right-padded responses (B, R). Joined,
+every response starts at column P, so the logits that predict response token t sit at
+column P - 1 + t for every row: one slice, no gather. Sequence-aligned extra inputs
+(token type ids and the like) are extended over the response with zeros (text), and
+position ids are recomputed by the family's adapter on the joined batch, which keeps
+3-D mrope positions right.
+
+Media tensors are flattened over all images of a batch in family-specific ways, so a
+sub-batch is made by processing its conversations again rather than by slicing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmrl.adapter import ModelAdapter
+
+# Batch keys that are not model inputs of the joined sequence.
+_NOT_INPUTS = ("position_ids",)
+
+
+@dataclass
+class Sequences:
+    inputs: dict[str, torch.Tensor]  # model inputs over prompt + response, with position ids
+    response_ids: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) float, 1 on real response tokens
+    prompt_length: int
+    # Per-row tensors that travel with the batch (rewards, advantages, old log-probs, ...).
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.response_ids.shape[0]
+
+    def to(self, device: torch.device) -> Sequences:
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return Sequences(
+            inputs={k: move(v) for k, v in self.inputs.items()},
+            response_ids=self.response_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            prompt_length=self.prompt_length,
+            extras={k: v.to(device) for k, v in self.extras.items()},
+        )
+
+
+def join(
+    prompt_batch: dict[str, torch.Tensor],
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    adapter: ModelAdapter,
+    model,
+    pad_token_id: int,
+) -> Sequences:
+    """Join left-padded prompts and right-padded responses into training sequences."""
+    batch_size, prompt_length = prompt_batch["input_ids"].shape
+    response_length = response_ids.shape[1]
+    response_mask = response_mask.to(prompt_batch["attention_mask"].dtype)
+    inputs: dict[str, torch.Tensor] = {}
+    for key, value in prompt_batch.items():
+        if key in _NOT_INPUTS:
+            continue
+        if key == "input_ids":
+            ids = response_ids.masked_fill(response_mask == 0, pad_token_id)
+            inputs[key] = torch.cat([value, ids.to(value.dtype)], dim=1)
+        elif key == "attention_mask":
+            inputs[key] = torch.cat([value, response_mask], dim=1)
+        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (batch_size, prompt_length):
+            inputs[key] = torch.cat([value, value.new_zeros(batch_size, response_length)], dim=1)
+        else:
+            inputs[key] = value
+    inputs["position_ids"] = adapter.position_ids(model, inputs)
+    return Sequences(
+        inputs=inputs,
+        response_ids=response_ids,
+        response_mask=response_mask.float(),
+        prompt_length=prompt_length,
+    )
+
