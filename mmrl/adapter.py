@@ -247,7 +247,8 @@ class ModelAdapter:
         return AutoConfig.for_model(model_type, **values)
 
     def position_ids(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Position ids for a left- or right-padded batch: (B, L), or (3, B, L) for mrope."""
+        """Position ids for a left- or right-padded batch: (B, L), or (C, B, L) for
+        multi-axis (mrope) positions; `mmrl.positions.pack` keeps the leading axis."""
         from mmrl.positions import sequential_positions
 
         return sequential_positions(batch["attention_mask"])

@@ -1,0 +1,210 @@
+"""Qwen-VL input processing, shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+- `QwenVLProcessing`: the pixel budget, videos as frame lists or files, per-video
+  metadata (the sampled frames' indices and fps: Qwen2.5-VL turns it into
+  `second_per_grid_ts`, Qwen3-VL into timestamp text), `mm_token_type_ids`, and
+  `<|im_end|>` as a stop token.
+- `mrope_position_ids`: multimodal rope positions of a padded batch, with a leading
+  text-position row so a packed batch still shows its sequence boundaries.
+- `tiny_processor` and the chat templates: an offline processor for random-init models.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from mmrl.adapter import import_object
+from mmrl.positions import sequential_positions
+from mmrl.processing import Conversation, Processing, load_image
+from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
+from mmrl.tiny import char_tokenizer
+
+TEXT, IMAGE, VIDEO = 0, 1, 2  # the values of `mm_token_type_ids`
+
+# Tokenizer attributes the Qwen-VL processors read (`tokenizer.image_token`, ...).
+QWEN_VL_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
+
+# Qwen3-VL renders ChatML with vision placeholders and no default system turn, which is
+# `CHATML`; Qwen2-VL and Qwen2.5-VL add a system turn when the conversation has none.
+QWEN3_VL_TEMPLATE = CHATML
+QWEN2_VL_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}" + CHATML
+)
+
+
+class Clip(NamedTuple):
+    """Decoded video frames and the metadata HF video processors read (fps, indices)."""
+
+    frames: Any
+    metadata: Any
+
+
+class QwenVLProcessing(Processing):
+    """Conversations -> Qwen-VL batches (`input_ids`, `pixel_values`, `image_grid_thw`,
+    `pixel_values_videos`, `video_grid_thw`, `mm_token_type_ids`, ...).
+
+    `video_fps` is the rate of frames given as a list, and the rate at which video
+    files are sampled (qwen-vl-utils' rule); `max_frames` caps both.
+    """
+
+    extra_stop_tokens = ("<|im_end|>",)
+
+    def image_kwargs(self) -> dict[str, Any]:
+        if self.min_pixels is None and self.max_pixels is None:
+            return {}
+        size = self.processor.image_processor.size
+        return {"size": {
+            "shortest_edge": self.min_pixels if self.min_pixels is not None else size.shortest_edge,
+            "longest_edge": self.max_pixels if self.max_pixels is not None else size.longest_edge,
+        }}
+
+    def load_video(self, source) -> Clip:
+        """A `Clip` from a list of frames (taken to be `video_fps` apart) or a file."""
+        from transformers.video_utils import VideoMetadata
+
+        if isinstance(source, (list, tuple)):
+            step = max(1.0, len(source) / self.max_frames)
+            indices = [int(i * step) for i in range(min(len(source), self.max_frames))]
+            metadata = VideoMetadata(total_num_frames=len(source), fps=self.video_fps, frames_indices=indices)
+            return Clip([load_image(source[i]) for i in indices], metadata)
+        if isinstance(source, (str, Path)):
+            return self.read_video_file(Path(source))
+        raise TypeError(
+            f"{type(self).__name__} reads videos from frame lists or files, not {type(source).__name__}"
+        )
+
+    def read_video_file(self, path: Path) -> Clip:
+        """Decode with PyAV, keeping the frames qwen-vl-utils would keep (its fps rule).
+
+        qwen-vl-utils' own readers need torchcodec or decord, or torchvision's
+        `read_video`, which torchvision 0.26 removed; PyAV is what this stack has."""
+        import numpy as np
+        from qwen_vl_utils.vision_process import smart_nframes
+        from transformers.video_utils import load_video
+
+        if not path.is_file():
+            raise FileNotFoundError(f"video file not found: {path}")
+
+        def frame_indices(metadata, **_):
+            total = metadata.total_num_frames
+            count = smart_nframes({"fps": self.video_fps, "max_frames": self.max_frames}, total, metadata.fps)
+            return np.linspace(0, total - 1, count).round().astype(int)
+
+        frames, metadata = load_video(str(path), backend="pyav", sample_indices_fn=frame_indices)
+        return Clip(frames, metadata)
+
+    def __call__(self, conversations: list[Conversation], add_generation_prompt: bool = True):
+        # The generic path hands the processor bare frames; Qwen-VL also needs each
+        # clip's metadata, and the image budget must not reach the video processor.
+        if not conversations:
+            raise ValueError("no conversations to process")
+        texts = [self.render(c, add_generation_prompt) for c in conversations]
+        images, clips = [], []
+        for conversation in conversations:
+            sample_images, sample_clips = self.collect_media(conversation)
+            images.append(sample_images)
+            clips += sample_clips
+        kwargs: dict[str, Any] = {}
+        if any(images):
+            kwargs.update(images=self.arrange_images(images), images_kwargs=self.image_kwargs())
+        if clips:
+            kwargs.update(
+                videos=[clip.frames for clip in clips],
+                videos_kwargs={"video_metadata": [clip.metadata for clip in clips], "do_sample_frames": False},
+            )
+        return self.processor(
+            text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
+            add_special_tokens=False, return_mm_token_type_ids=True, **kwargs,
+        )
+
+
+def mrope_position_ids(batch: dict[str, torch.Tensor], config) -> torch.Tensor:
+    """(4, B, L) position ids for a padded Qwen-VL batch: row 0 counts each sequence's
+    tokens (transformers reads it to find packed-sequence boundaries), rows 1-3 are the
+    temporal/height/width mrope positions the model's `get_rope_index` computes.
+
+    Token kinds come from `input_ids` and the config's placeholder ids (as the processor
+    makes `mm_token_type_ids`), so a batch with appended responses needs nothing more.
+    A run of video tokens holds a whole video (Qwen2/2.5-VL) or one frame group
+    (Qwen3-VL puts timestamp text between groups); its length says how many frames."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    types = (ids == config.image_token_id).long() + VIDEO * (ids == config.video_token_id).long()
+    merge = config.vision_config.spatial_merge_size
+    # Qwen2.5-VL spaces video frames in time; the others step by one.
+    tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
+    seconds = batch.get("second_per_grid_ts")
+    grids = {IMAGE: batch.get("image_grid_thw"), VIDEO: batch.get("video_grid_thw")}
+    cursor = {IMAGE: [0, 0], VIDEO: [0, 0]}  # [grid index, frames of it already placed]
+
+    positions = torch.zeros(4, *ids.shape, dtype=torch.long, device=ids.device)
+    positions[0] = sequential_positions(batch["attention_mask"])
+    for row in range(ids.shape[0]):
+        start, pieces = 0, []
+        for kind, run in itertools.groupby(types[row][mask[row]].tolist()):
+            length = len(list(run))
+            if kind == TEXT:
+                pieces.append(torch.arange(start, start + length).expand(3, -1))
+                start += length
+                continue
+            index, placed = cursor[kind]
+            frames, height, width = grids[kind][index].tolist()
+            height, width = height // merge, width // merge
+            run_frames = length // (height * width)
+            interval = 1
+            if kind == VIDEO and tokens_per_second is not None:
+                interval = tokens_per_second * (seconds[index].cpu() if seconds is not None else 1)
+            temporal = (torch.arange(run_frames) * interval).long() + start
+            t, h, w = torch.meshgrid(
+                temporal, torch.arange(height) + start, torch.arange(width) + start, indexing="ij"
+            )
+            pieces.append(torch.stack([t, h, w]).reshape(3, -1))
+            start += max(height, width)
+            placed += run_frames
+            cursor[kind] = [index + 1, 0] if placed >= frames else [index, placed]
+        positions[1:, row, mask[row]] = torch.cat(pieces, dim=1).to(positions.device)
+    return positions
+
+
+def tiny_processor(
+    processor_class: str,
+    video_processor_class: str,
+    *,
+    patch_size: int,
+    chat_template: str,
+    merge_size: int = 2,
+):
+    """A Qwen-VL processor with a character tokenizer and a pixel budget that turns the
+    test images (56x56, 84x112) into 4 and 12 image tokens."""
+    from transformers import Qwen2VLImageProcessor
+
+    tokenizer = char_tokenizer(
+        special_tokens=CHATML_SPECIAL_TOKENS, named_tokens=QWEN_VL_TOKENS,
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template,
+    )
+    token_area = (patch_size * merge_size) ** 2  # pixels per merged token
+    shapes = dict(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * token_area, "longest_edge": 16 * token_area}, **shapes
+    )
+    # Qwen3-VL's video budget spans all frames, Qwen2-VL's is per frame: both give the
+    # 56x56 test frames 4 tokens each. The per-frame cap is qwen-vl-utils' behaviour
+    # (and silences transformers' warning that it will become the default).
+    video_processor = import_object(video_processor_class)(
+        size={"shortest_edge": 4 * token_area, "longest_edge": 64 * token_area}, cap_pixels_per_frame=True,
+        **shapes,
+    )
+    return import_object(processor_class)(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        chat_template=chat_template,
+    )
