@@ -21,7 +21,7 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     # A local checkpoint directory, or a family name with `random_init: true`.
-    path: str = "qwen2_vl"
+    path: str
     random_init: bool = False
     # Overrides applied to the (tiny or loaded) config before a random init; nested
     # sections by name: {"text_config": {"hidden_size": 64}}.
@@ -109,7 +109,7 @@ class TrainerConfig(_Section):
 
 
 class Recipe(_Section):
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()

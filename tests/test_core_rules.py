@@ -67,3 +67,13 @@ print(elapsed, len(heavy), heavy[:5])
         assert int(heavy) == 0, f"import mmrl pulled in {names}"
         times.append(float(elapsed))
     assert sorted(times)[1] < 1.0, f"import mmrl took {sorted(times)[1]:.2f} s on top of torch"
+
+
+def test_every_package_is_listed_for_installation():
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"mmrl." + ".".join(p.parent.relative_to(REPO / "mmrl").parts) if p.parent != REPO / "mmrl" else "mmrl"
+             for p in (REPO / "mmrl").rglob("__init__.py")}
+    found |= {"mmrl.models", "mmrl.processors"}
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -1,0 +1,96 @@
+"""Reward functions by name: the built-ins, or any user function by its import path.
+
+A reward function scores a batch of completions against the dataset's answers:
+
+    fn(completions: list[str], answers: list[str], **fields) -> list[float]
+
+where `fields` are the dataset's other columns (one list per column), passed through.
+
+    reward = get_reward("counting", partial=0.2)        # a built-in, with options bound
+    reward = get_reward("my_pkg.rewards:length_penalty")  # or "my_pkg.rewards.length_penalty"
+    reward = combine([("math", 1.0), (get_reward("format"), 0.1)])
+    scores = reward(completions, answers, **columns)
+
+Built-in names: see `BUILTIN_REWARDS` (mmrl/rewards/builtin.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+
+from mmrl.rewards.builtin import BUILTIN_REWARDS
+
+RewardFn = Callable[..., list[float]]
+
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "combine", "get_reward"]
+
+
+def get_reward(spec: str | RewardFn, **options) -> RewardFn:
+    """The reward function named by `spec`, with `options` bound as keyword arguments.
+
+    `spec` is a built-in name, a "package.module:function" or "package.module.function"
+    path, or a callable (returned as is). Options must be named parameters of the
+    function, so a misspelt option fails here rather than vanishing into `**fields`.
+    """
+    fn = spec if callable(spec) else _resolve(spec)
+    if not options:
+        return fn
+    _check_options(fn, options, spec)
+    bound = functools.partial(fn, **options)
+    functools.update_wrapper(bound, fn)  # keeps the name for logs
+    return bound
+
+
+def _resolve(spec: str) -> RewardFn:
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    builtins = ", ".join(sorted(BUILTIN_REWARDS))
+    module_name, _, attribute = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"unknown reward {spec!r}: not a built-in ({builtins}) "
+            "and not a 'package.module:function' path"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({error})") from error
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attribute!r}")
+    return fn
+
+
+def _check_options(fn: RewardFn, options: dict, spec) -> None:
+    parameters = list(inspect.signature(fn).parameters.values())[2:]  # after completions, answers
+    named = {
+        p.name for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    unknown = sorted(set(options) - named)
+    if unknown:
+        name = spec if isinstance(spec, str) else getattr(fn, "__name__", repr(fn))
+        raise ValueError(f"reward {name!r} has no option {', '.join(unknown)}; its options: {sorted(named)}")
+
+
+def combine(components: Sequence[tuple[str | RewardFn, float]]) -> RewardFn:
+    """One reward function returning the weighted sum of several: [(fn or spec, weight), ...]."""
+    resolved = tuple((get_reward(spec), float(weight)) for spec, weight in components)
+    if not resolved:
+        raise ValueError("combine needs at least one (reward, weight) pair")
+
+    def combined(completions: list[str], answers: list[str], **fields) -> list[float]:
+        total = [0.0] * len(completions)
+        for fn, weight in resolved:
+            scores = fn(completions, answers, **fields)
+            if len(scores) != len(completions):
+                name = getattr(fn, "__name__", repr(fn))
+                raise ValueError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions")
+            total = [t + weight * float(s) for t, s in zip(total, scores)]
+        return total
+
+    combined.components = resolved  # each part, for per-reward logging
+    return combined
