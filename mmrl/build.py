@@ -71,12 +71,17 @@ def build_model(
     seed: int = 0,
     processing_options: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    tiny_vocabulary: dict[str, Any] | None = None,
 ) -> BuiltModel:
     """Build model + processing for a family name or a local checkpoint directory.
 
     With `random_init=True`, `name_or_path` names a family (or a checkpoint whose
     config is used) and the weights are random: the family's tiny config unless
-    `config` is given. Weights are read from safetensors only.
+    `config` is given; `config_overrides` (nested by sub-config name) apply to random
+    inits only, and `tiny_vocabulary` ({"characters": str, "words": [...]}, see
+    `mmrl.tiny.vocabulary`) shapes the tiny tokenizer. Weights are read from
+    safetensors only.
     """
     path = Path(str(name_or_path))
     is_checkpoint = path.is_dir()
@@ -91,16 +96,22 @@ def build_model(
 
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if config is None or processor is None:
-            tiny = adapter.tiny()
+            from mmrl.tiny import vocabulary
+
+            with vocabulary(**(tiny_vocabulary or {})) if tiny_vocabulary else _nothing():
+                tiny = adapter.tiny()
             config = config if config is not None else tiny.config
             processor = processor if processor is not None else tiny.processor
         adapter = adapter_for_config(config)
+        config = _customized(config, adapter, config_overrides or {})
         config._attn_implementation = attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = adapter.model_class()._from_config(config, dtype=dtype)
             model = adapter.prepare_model(model)
     else:
+        if config_overrides or tiny_vocabulary:
+            raise ValueError("config_overrides and tiny_vocabulary apply to random_init=True builds only")
         if not is_checkpoint:
             raise FileNotFoundError(
                 f"{name_or_path}: not a checkpoint directory (pass random_init=True to build a family's tiny model)"
@@ -114,6 +125,35 @@ def build_model(
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
     processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _customized(config, adapter: ModelAdapter, overrides: dict[str, Any]):
+    """A copy of `config` with overrides applied, checked for rope consistency."""
+    import copy
+
+    config = copy.deepcopy(config)
+    _apply_overrides(config, overrides, "config")
+    problems = adapter.rope(config).problems()
+    if problems:
+        raise ValueError(f"config: {problems[0]}")
+    return config
+
+
+def _apply_overrides(config, overrides: dict[str, Any], where: str) -> None:
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"{where}.{key}: {type(config).__name__} has no such field")
+        current = getattr(config, key)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            _apply_overrides(current, value, f"{where}.{key}")
+        else:
+            setattr(config, key, value)
 
 
 def load_model(path: str | Path, **kwargs) -> BuiltModel:

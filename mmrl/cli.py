@@ -3,6 +3,8 @@
     mmrl models                      # registered families, modalities, declared capabilities
     mmrl models --json
     mmrl --plugin my_pkg.models models   # also load an out-of-tree family module
+    mmrl train recipes/tiny_vlm_count.yaml [key=value ...]
+    torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
 """
 
 from __future__ import annotations
@@ -74,6 +76,28 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
             ", ".join(row["capabilities"]),
         )
     console.print(table)
+
+
+@app.command()
+def train(
+    recipe: str = typer.Argument(..., help="A YAML recipe (see recipes/)."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. optim.lr=1e-4"),
+) -> None:
+    """Train with a recipe; the same command runs one process or, under torchrun, several."""
+    from mmrl.config import RecipeError, load_recipe
+
+    try:
+        config = load_recipe(recipe, overrides or [])
+    except RecipeError as exc:
+        fail(str(exc))
+    from mmrl.trainer import train as run
+
+    try:
+        summary = run(config)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    if summary is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
+        console.print_json(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ class ModelConfig(_Section):
     # Overrides applied to the (tiny or loaded) config before a random init; nested
     # sections by name: {"text_config": {"hidden_size": 64}}.
     config_overrides: dict[str, Any] = Field(default_factory=dict)
-    # Whole words added to a random-init model's tokenizer as single tokens.
-    extra_words: list[str] = Field(default_factory=list)
+    # The tiny tokenizer of a random init: {"characters": "0123...", "words": [...]}
+    # (see mmrl.tiny.vocabulary); empty keeps the family's default.
+    tiny_vocabulary: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: str = "sdpa"
     freeze: list[Literal["vision", "projector", "language", "embed", "lm_head"]] = Field(default_factory=list)

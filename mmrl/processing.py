@@ -154,7 +154,7 @@ class Processing:
             kwargs["images"] = self.arrange_images(images)
             kwargs.update(self.image_kwargs())
         if any(videos):
-            kwargs["videos"] = [v for per_sample in videos for v in per_sample]
+            kwargs["videos"] = self.arrange_videos(videos)
             kwargs.update(self.video_kwargs())
         return self.processor(
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
@@ -164,6 +164,10 @@ class Processing:
     def arrange_images(self, images: list[list[Any]]) -> list[Any]:
         """Images as the HF processor wants them: one list per sample by default."""
         return images
+
+    def arrange_videos(self, videos: list[list[Any]]) -> list[Any]:
+        """Videos as the HF processor wants them: one flat list by default."""
+        return [video for per_sample in videos for video in per_sample]
 
     # -- output ----------------------------------------------------------------------------
     def decode(self, token_ids, skip_special_tokens: bool = True) -> list[str]:

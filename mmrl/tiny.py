@@ -8,10 +8,32 @@ download. Named tokens (`{"image_token": "<image>"}`) become tokenizer attribute
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n\t"
+
+# (characters, words) that `char_tokenizer` uses while `vocabulary()` is active.
+_VOCABULARY: contextvars.ContextVar[tuple[str, tuple[str, ...]] | None] = contextvars.ContextVar(
+    "tiny_vocabulary", default=None
+)
+
+
+@contextlib.contextmanager
+def vocabulary(characters: str | None = None, words: Iterable[str] = ()) -> Iterator[None]:
+    """Make every tiny tokenizer built inside this block use `characters` (instead of
+    printable ASCII) and hold `words` as single tokens.
+
+    A small vocabulary makes a random-init policy sample valid answers often enough to
+    learn from; text outside it becomes `<unk>`, which is special and never sampled.
+    """
+    token = _VOCABULARY.set((CHARACTERS if characters is None else characters, tuple(words)))
+    try:
+        yield
+    finally:
+        _VOCABULARY.reset(token)
 
 
 def char_tokenizer(
@@ -38,12 +60,16 @@ def char_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     named_tokens = dict(named_tokens or {})
+    characters = CHARACTERS
+    if (active := _VOCABULARY.get()) is not None:
+        characters, more_words = active
+        words = (*words, *more_words)
     specials: list[str] = []
     for token in (unk_token, pad_token, bos_token, eos_token, *special_tokens, *named_tokens.values()):
         if token and token not in specials:
             specials.append(token)
     vocab: dict[str, int] = {}
-    for token in (*specials, *CHARACTERS):
+    for token in (*specials, *characters):
         vocab.setdefault(token, len(vocab))
     words = [w for w in words if w not in vocab]
     if vocab_size is not None:

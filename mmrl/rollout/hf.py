@@ -1,0 +1,48 @@
+"""Rollout with HF `generate` on the training engine's own weights.
+
+Works everywhere the engine works (CPU, one GPU, FSDP2 shards), needs no weight sync
+because it samples from the very model being trained, and is the reference the vLLM
+backend is compared against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+
+
+class HFRollout:
+    def __init__(self, engine, processing):
+        self.engine = engine
+        self.processing = processing
+
+    @torch.no_grad()
+    def generate(self, conversations: list[list[dict]], params: SamplingParams) -> RolloutResult:
+        expanded = [c for c in conversations for _ in range(params.n)]
+        batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in self.processing(expanded).items()}
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        tokenizer = self.processing.tokenizer
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        try:
+            out = model.generate(
+                **batch,
+                do_sample=not params.greedy,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=self.processing.stop_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                suppress_tokens=self.processing.blocked_token_ids or None,
+                **sampling,
+            )
+        finally:
+            model.train(was_training)
+        generated = out[:, batch["input_ids"].shape[1]:].cpu()
+        ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
+        prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
+        return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons, prompt_index=prompt_index)
+
+    def sync(self, engine) -> None:
+        """Nothing to do: generation reads the engine's live weights."""

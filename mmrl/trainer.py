@@ -1,0 +1,454 @@
+"""The RL loop: rollout -> reward -> advantage -> update -> sync, driven by a recipe.
+
+    mmrl train recipes/tiny_vlm_count.yaml                       # one process
+    torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE         # FSDP2 over 2 processes
+
+Each step takes `prompts_per_step` prompts (split across ranks), samples
+`samples_per_prompt` responses each, scores them with the reward function, computes
+advantages with the configured estimator, and updates the actor (and the critic for
+GAE) in micro-batches. Metrics go to `metrics.jsonl` and TensorBoard; checkpoints hold
+everything needed to resume exactly (weights, optimizer, data position, RNG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.config import Recipe, dump_recipe
+from mmrl.engine import Engine, join
+from mmrl.parallel import Dist, init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+
+STATE_FILE = "trainer_state.json"
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, dist: Dist | None = None):
+        self.recipe = recipe
+        self.dist = dist or init_distributed()
+        cfg = recipe.trainer
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed + self.dist.rank)
+        random.seed(cfg.seed + self.dist.rank)
+        self.output_dir = Path(cfg.output_dir)
+        self.step = 0
+        self.timings: dict[str, float] = defaultdict(float)
+        self._build()
+        self._metrics_file = None
+        self._tensorboard = None
+
+    # -- setup -------------------------------------------------------------------------------
+    def _build(self) -> None:
+        from mmrl import build_model
+        from mmrl.algos import get_advantage_estimator
+        from mmrl.data import Position, load_prompts
+        from mmrl.rewards import get_reward
+
+        r = self.recipe
+        m = r.model
+        options = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
+
+        def build(seed: int):
+            return build_model(
+                m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                seed=seed, processing_options=options, trust_remote_code=m.trust_remote_code,
+                config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None,
+            )
+
+        # Every rank builds the same initial weights (same seed), so FSDP shards agree.
+        built = build(r.trainer.seed)
+        if m.freeze:
+            from mmrl.parts import freeze
+
+            freeze(built.model, parts=m.freeze, adapter=built.adapter)
+        if m.lora_scope != "none":
+            from mmrl.lora import apply_lora
+
+            built.model = apply_lora(built.model, scope=m.lora_scope, rank=m.lora_rank, adapter=built.adapter)
+        self.built = built
+        self.processing = built.processing
+        self.estimator = get_advantage_estimator(r.algo.advantage)
+        self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
+                            gradient_checkpointing=m.gradient_checkpointing)
+        self.ref = Engine(build(r.trainer.seed), self.dist) if r.algo.kl_coef > 0 else None
+        self.critic = None
+        if self.estimator.needs_critic:
+            self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
+                                 total_steps=r.trainer.steps, value_head=True)
+        self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing,
+                                    **({"config": r.rollout} if r.rollout.backend == "vllm" else {}))
+        self.reward_fn = get_reward(r.reward.name, **r.reward.options)
+        self.train_set = load_prompts(r.data.train)
+        self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
+        self.position = Position(0, 0)
+        self._batches = None
+
+    # -- one step -------------------------------------------------------------------------------
+    def _timed(self, name: str):
+        trainer = self
+
+        class _Timer:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                trainer.timings[name] += time.perf_counter() - self.start
+
+        return _Timer()
+
+    def _score(self, samples: list[dict], result) -> torch.Tensor:
+        texts = self.processing.decode(result.response_ids)
+        rows = result.prompt_index.tolist()
+        answers = [samples[i]["answer"] for i in rows]
+        extra_keys = [k for k in samples[0] if k not in ("prompt", "answer", "images", "videos")]
+        fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
+        return torch.tensor(self.reward_fn(texts, answers, **fields), dtype=torch.float32)
+
+    def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor):
+        length = max(1, int(mask.sum(-1).max()))
+        prompts = dict(self.processing(conversations))
+        seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
+                    self.processing.tokenizer.pad_token_id)
+        return seqs.to(self.dist.device)
+
+    def _micro_batches(self, size: int) -> list[slice]:
+        micro = self.recipe.algo.micro_batch_size
+        return [slice(i, min(i + micro, size)) for i in range(0, size, micro)]
+
+    def train_step(self) -> dict[str, float]:
+        from mmrl.algos import kl_estimate, kl_in_reward, kl_loss, policy_loss, scalar_to_token_rewards, uniform_groups
+        from mmrl.algos.losses import aggregate, value_loss
+        from mmrl.data import to_conversation
+
+        r = self.recipe
+        algo = r.algo
+        per_rank = max(1, r.data.prompts_per_step // self.dist.world_size)
+        if self._batches is None:
+            self._batches = self.train_set.batches(per_rank * self.dist.world_size, seed=r.data.shuffle_seed,
+                                                   start=self.position)
+        batch = next(self._batches)
+        self.position = batch.end
+        samples = batch.samples[self.dist.rank::self.dist.world_size]
+        conversations = [to_conversation(s) for s in samples]
+        params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
+                                temperature=r.rollout.temperature, top_p=r.rollout.top_p)
+        with self._timed("rollout"):
+            result = self.rollout.generate(conversations, params)
+        rewards = self._score(samples, result)
+        expanded = [conversations[i] for i in result.prompt_index.tolist()]
+        ids, mask = result.response_ids, result.response_mask
+        keep = torch.ones(len(expanded), dtype=torch.bool)
+        if algo.filter_uniform_groups:
+            keep = ~uniform_groups(rewards, params.n)
+        metrics: dict[str, float] = {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+            "response/length": result.lengths.mean().item(),
+            "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
+            "groups/kept": keep.float().mean().item(),
+        }
+        temperature = r.rollout.temperature or 1.0
+        rows = keep.nonzero().squeeze(-1)
+        if len(rows) == 0:
+            self.step += 1
+            return metrics
+        micro_slices = self._micro_batches(len(rows))
+        batches = []
+        for part in micro_slices:
+            chosen = rows[part]
+            batches.append(self._sequences([expanded[i] for i in chosen], ids[chosen], mask[chosen]))
+
+        # Old, reference and value estimates of the sampled tokens (no gradient).
+        with self._timed("logprob"), torch.no_grad():
+            for seqs in batches:
+                if algo.epochs_per_rollout > 1:
+                    seqs.extras["old_logp"] = self.actor.log_probs(seqs, temperature, with_entropy=False)[0]
+                if self.ref is not None:
+                    seqs.extras["ref_logp"] = self.ref.log_probs(seqs, temperature, with_entropy=False)[0]
+                if self.critic is not None:
+                    seqs.extras["values"] = self.critic.values(seqs)
+
+        # Advantages over the whole kept batch (groups stay whole: filtering drops groups).
+        width = max(s.response_ids.shape[1] for s in batches)
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        all_mask = torch.cat([pad(s.response_mask) for s in batches]).cpu()
+        token_rewards = scalar_to_token_rewards(rewards[rows], all_mask)
+        if self.ref is not None and algo.kl_in == "reward":
+            old = torch.cat([pad(s.extras.get("old_logp", torch.zeros_like(s.response_mask))) for s in batches]).cpu()
+            ref = torch.cat([pad(s.extras["ref_logp"]) for s in batches]).cpu()
+            if algo.epochs_per_rollout == 1:
+                with torch.no_grad():
+                    old = torch.cat([pad(self.actor.log_probs(s, temperature, with_entropy=False)[0])
+                                     for s in batches]).cpu()
+            kl = kl_estimate(old, ref, algo.kl_estimator)
+            token_rewards = kl_in_reward(token_rewards, kl, algo.kl_coef, all_mask)
+            metrics["kl/reward"] = (kl * all_mask).sum().item() / max(all_mask.sum().item(), 1)
+        values = None
+        if self.critic is not None:
+            values = torch.cat([pad(s.extras["values"]) for s in batches]).cpu()
+        advantages, returns = self.estimator.compute(
+            token_rewards, all_mask, group_size=params.n, values=values, gamma=algo.gamma, lam=algo.lam
+        )
+        offset = 0
+        for seqs in batches:
+            size, length = seqs.response_ids.shape
+            seqs.extras["advantages"] = advantages[offset:offset + size, :length].to(self.dist.device)
+            if returns is not None:
+                seqs.extras["returns"] = returns[offset:offset + size, :length].to(self.dist.device)
+            offset += size
+
+        total_tokens = float(all_mask.sum())
+        sums: dict[str, float] = defaultdict(float)
+        with self._timed("update"):
+            for _ in range(algo.epochs_per_rollout):
+                for seqs in batches:
+                    tokens = float(seqs.response_mask.sum())
+                    weight = tokens / total_tokens if algo.loss_aggregation == "token_mean" else seqs.size / len(rows)
+                    logp, entropy = self.actor.log_probs(seqs, temperature)
+                    old = seqs.extras.get("old_logp", logp.detach())
+                    loss, stats = policy_loss(
+                        logp, old, seqs.extras["advantages"], seqs.response_mask,
+                        clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.loss_aggregation,
+                        norm_length=r.rollout.max_new_tokens,
+                    )
+                    if self.ref is not None and algo.kl_in == "loss":
+                        kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
+                                          kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
+                                          norm_length=r.rollout.max_new_tokens)
+                        loss = loss + kl_term
+                        sums["kl/loss"] += weight * float(kl_term) / algo.kl_coef
+                    entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
+                    if algo.entropy_coef:
+                        loss = loss - algo.entropy_coef * entropy_mean
+                    (loss * weight).backward()
+                    sums["loss/policy"] += weight * float(loss)
+                    sums["entropy"] += weight * float(entropy_mean)
+                    sums["clip_fraction"] += weight * float(stats["clip_fraction"])
+                    sums["approx_kl"] += weight * float(stats["approx_kl"])
+                    if self.critic is not None:
+                        v = self.critic.values(seqs)
+                        vloss = value_loss(v, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
+                        (vloss * weight).backward()
+                        sums["loss/value"] += weight * float(vloss)
+                metrics["grad_norm"] = self.actor.step()
+                if self.critic is not None:
+                    self.critic.step()
+        for key, value in sums.items():
+            metrics[key] = value / algo.epochs_per_rollout
+        with self._timed("sync"):
+            self.rollout.sync(self.actor)
+        metrics["lr"] = self.actor.lr
+        metrics["tokens"] = total_tokens
+        self.step += 1
+        return metrics
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, samples: list[dict] | None = None, batch_size: int = 128) -> float:
+        """Greedy accuracy (share of responses with reward >= 1) on the eval set."""
+        samples = samples if samples is not None else [self.eval_set[i] for i in range(len(self.eval_set))]
+        from mmrl.data import to_conversation
+
+        params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
+        correct = 0.0
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start:start + batch_size]
+            result = self.rollout.generate([to_conversation(s) for s in chunk], params)
+            correct += float((self._score(chunk, result) >= 1.0).sum())
+        return correct / max(len(samples), 1)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        if self._metrics_file is None:
+            self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._tensorboard is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
+            except ImportError:
+                self._tensorboard = False
+        if self._tensorboard:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tensorboard.add_scalar(key, value, record.get("step", 0))
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.output_dir / "checkpoints" / f"step_{step:06d}"
+
+    def save(self) -> Path:
+        path = self.checkpoint_dir(self.step)
+        self.actor.save_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.save_checkpoint(path / "critic")
+        state = {"step": self.step, "data_position": list(self.position)}
+        torch.save(_rng_state_tensors(), path / f"rng_rank{self.dist.rank}.pt")
+        if self.dist.is_main:
+            (path / STATE_FILE).write_text(json.dumps(state))
+        self.dist.barrier()
+        return path
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint under output_dir; False when there is none."""
+        root = self.output_dir / "checkpoints"
+        done = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
+        if not done:
+            return False
+        path = done[-1]
+        state = json.loads((path / STATE_FILE).read_text())
+        self.actor.load_checkpoint(path / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        self.step = state["step"]
+        from mmrl.data import Position
+
+        self.position = Position(*state["data_position"])
+        self._batches = None
+        rng_file = path / f"rng_rank{self.dist.rank}.pt"
+        if rng_file.is_file():
+            _set_rng_tensors(torch.load(rng_file, weights_only=True))
+        return True
+
+    def export(self, path: Path) -> Path:
+        """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
+        from mmrl.lora import merged_state_dict
+
+        state = self.actor.full_state_dict()
+        if self.dist.is_main:
+            model = self.actor.model
+            if hasattr(model, "get_base_model"):
+                model = model.get_base_model()
+            path.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
+            self.processing.processor.save_pretrained(path)
+        self.dist.barrier()
+        return path
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        r = self.recipe
+        cfg = r.trainer
+        if self.dist.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "recipe.yaml").write_text(dump_recipe(r))
+        self.dist.barrier()
+        if cfg.resume and self.resume() and self.dist.is_main:
+            print(f"resumed from step {self.step}")
+        progress = None
+        if cfg.progress and self.dist.is_main:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        start = time.perf_counter()
+        history: list[dict[str, Any]] = []
+        reached = False
+        while self.step < cfg.steps:
+            step_start = time.perf_counter()
+            metrics = self.train_step()
+            elapsed = time.perf_counter() - step_start
+            metrics["time/step"] = elapsed
+            metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
+            for key in ("rollout", "logprob", "update", "sync"):
+                metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
+            record = {"step": self.step, **metrics}
+            if cfg.eval_every and self.eval_set is not None and self.step % cfg.eval_every == 0:
+                record["eval/accuracy"] = self.evaluate()
+                reached = cfg.target_accuracy is not None and record["eval/accuracy"] >= cfg.target_accuracy
+            history.append(record)
+            if self.step % cfg.log_every == 0 or reached:
+                self._log(record)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                                     acc=f"{record.get('eval/accuracy', metrics['reward/accuracy']):.2f}")
+            if cfg.save_every and self.step % cfg.save_every == 0:
+                self.save()
+            if reached or (cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s):
+                break
+        if progress is not None:
+            progress.close()
+        summary = self.finish(history, time.perf_counter() - start)
+        return summary
+
+    def finish(self, history: list[dict[str, Any]], train_seconds: float) -> dict[str, Any]:
+        """Final evaluation (with the majority and shuffled-image controls), plot, export."""
+        summary: dict[str, Any] = {"steps": self.step, "train_seconds": round(train_seconds, 1)}
+        if self.eval_set is not None:
+            from mmrl.data.synthetic import majority_baseline, shuffle_images
+
+            samples = [self.eval_set[i] for i in range(len(self.eval_set))]
+            summary["eval/accuracy"] = self.evaluate(samples)
+            summary["eval/majority_baseline"] = majority_baseline(samples)
+            if any(s.get("images") for s in samples):
+                summary["eval/shuffled_images_accuracy"] = self.evaluate(shuffle_images(samples, seed=0))
+        self._log({"step": self.step, "final": True, **summary})
+        if self.dist.is_main:
+            _plot(history, self.output_dir / "reward_curve.png")
+            if self.recipe.trainer.export:
+                summary["export"] = str(self.export(self.output_dir / "final"))
+        elif self.recipe.trainer.export:
+            self.export(self.output_dir / "final")
+        if self._tensorboard:
+            self._tensorboard.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+        return summary
+
+
+def _rng_state_tensors() -> dict[str, torch.Tensor]:
+    py = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": torch.tensor(py[1], dtype=torch.int64),
+            "python_pos": torch.tensor([py[0], py[2] if py[2] is not None else -1], dtype=torch.float64)}
+
+
+def _set_rng_tensors(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, gauss = state["python_pos"].tolist()
+    random.setstate((int(version), tuple(int(x) for x in state["python"].tolist()), None if gauss == -1 else gauss))
+
+
+def _plot(history: list[dict[str, Any]], path: Path) -> None:
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [h["reward/mean"] for h in history], label="reward (mean)")
+    evals = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", label="greedy eval accuracy")
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(recipe: Recipe) -> dict[str, Any]:
+    """Run a recipe to the end; returns the final summary (rank 0's view)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    trainer = Trainer(recipe)
+    summary = trainer.fit()
+    return summary
+
+
+__all__ = ["Trainer", "train"]
