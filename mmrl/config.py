@@ -90,6 +90,11 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     critic_lr: float = Field(1e-3, gt=0)
+    # Learning-rate multipliers by model part, e.g. {vision: 10, projector: 10}: a
+    # random-init vision tower learns much slower than the language model at one rate.
+    lr_multipliers: dict[Literal["vision", "projector", "language", "embed", "lm_head"], float] = Field(
+        default_factory=dict
+    )
 
 
 class TrainerConfig(_Section):

@@ -107,13 +107,11 @@ class Engine:
         self.optimizer = None
         self.scheduler = None
         if optim is not None:
-            params = [p for p in self.parameters() if p.requires_grad]
-            if not params:
+            base_lr = lr if lr is not None else optim.lr
+            groups = self._param_groups(base_lr, optim.lr_multipliers)
+            if not groups:
                 raise ValueError("nothing to train: every parameter is frozen")
-            self.optimizer = torch.optim.AdamW(
-                params, lr=lr if lr is not None else optim.lr, betas=optim.betas,
-                weight_decay=optim.weight_decay,
-            )
+            self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
             self.grad_clip = optim.grad_clip
         else:
@@ -136,6 +134,19 @@ class Engine:
         fully_shard(self.model, **kwargs)
         if self.value_head is not None:
             fully_shard(self.value_head, **kwargs)
+
+    def _param_groups(self, base_lr: float, multipliers: dict[str, float]) -> list[dict]:
+        """Trainable parameters grouped by learning rate (one group without multipliers)."""
+        from mmrl.parts import part_of
+
+        by_lr: dict[float, list[torch.nn.Parameter]] = {}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for param in self.parameters():
+            if not param.requires_grad:
+                continue
+            part = part_of(names[id(param)], self.adapter) if id(param) in names else None
+            by_lr.setdefault(base_lr * multipliers.get(part, 1.0), []).append(param)
+        return [{"params": params, "lr": rate} for rate, params in by_lr.items()]
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self.model.parameters()
