@@ -113,9 +113,9 @@ class Trainer:
         fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
         return torch.tensor(self.reward_fn(texts, answers, **fields), dtype=torch.float32)
 
-    def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor):
+    def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None):
         length = max(1, int(mask.sum(-1).max()))
-        prompts = dict(self.processing(conversations))
+        prompts = prompts if prompts is not None else dict(self.processing(conversations))
         seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
                     self.processing.tokenizer.pad_token_id)
         return seqs.to(self.dist.device)
@@ -163,9 +163,12 @@ class Trainer:
             return metrics
         micro_slices = self._micro_batches(len(rows))
         batches = []
+        whole = len(micro_slices) == 1 and len(rows) == len(expanded)
         for part in micro_slices:
             chosen = rows[part]
-            batches.append(self._sequences([expanded[i] for i in chosen], ids[chosen], mask[chosen]))
+            # One micro-batch of every row: the rollout's own prompt batch is that batch.
+            reuse = result.prompt_inputs if whole else None
+            batches.append(self._sequences([expanded[i] for i in chosen], ids[chosen], mask[chosen], reuse))
 
         # Old, reference and value estimates of the sampled tokens (no gradient).
         with self._timed("logprob"), torch.no_grad():
@@ -225,20 +228,20 @@ class Trainer:
                                           kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
                                           norm_length=r.rollout.max_new_tokens)
                         loss = loss + kl_term
-                        sums["kl/loss"] += weight * float(kl_term) / algo.kl_coef
+                        sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
                     entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
                     if algo.entropy_coef:
                         loss = loss - algo.entropy_coef * entropy_mean
                     (loss * weight).backward()
-                    sums["loss/policy"] += weight * float(loss)
-                    sums["entropy"] += weight * float(entropy_mean)
+                    sums["loss/policy"] += weight * float(loss.detach())
+                    sums["entropy"] += weight * float(entropy_mean.detach())
                     sums["clip_fraction"] += weight * float(stats["clip_fraction"])
                     sums["approx_kl"] += weight * float(stats["approx_kl"])
                     if self.critic is not None:
                         v = self.critic.values(seqs)
-                        vloss = value_loss(v, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
+                        vloss, _ = value_loss(v, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
                         (vloss * weight).backward()
-                        sums["loss/value"] += weight * float(vloss)
+                        sums["loss/value"] += weight * float(vloss.detach())
                 metrics["grad_norm"] = self.actor.step()
                 if self.critic is not None:
                     self.critic.step()

@@ -38,6 +38,9 @@ class RolloutResult:
     finish_reasons: list[str]  # "stop" or "length", per response
     prompt_index: torch.Tensor  # (N * n,) index of the prompt each response answers
     logprobs: torch.Tensor | None = None  # (N * n, R) sampler log-probs when the backend has them
+    # The processed (expanded, left-padded) prompt batch the backend generated from, when
+    # it made one: the trainer reuses it instead of processing the same prompts again.
+    prompt_inputs: dict[str, torch.Tensor] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -20,8 +20,9 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]], params: SamplingParams) -> RolloutResult:
         expanded = [c for c in conversations for _ in range(params.n)]
+        prompt_inputs = dict(self.processing(expanded))
         batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
-                 for k, v in self.processing(expanded).items()}
+                 for k, v in prompt_inputs.items()}
         model = self.engine.model
         was_training = model.training
         model.eval()
@@ -42,7 +43,8 @@ class HFRollout:
         generated = out[:, batch["input_ids"].shape[1]:].cpu()
         ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
         prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
-        return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons, prompt_index=prompt_index)
+        return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
+                             prompt_index=prompt_index, prompt_inputs=prompt_inputs)
 
     def sync(self, engine) -> None:
         """Nothing to do: generation reads the engine's live weights."""
