@@ -43,8 +43,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     # A .jsonl/.parquet file, a dataset folder, or a synthetic task such as
     # "synthetic:count_shapes?n=2048&seed=0".
-    train: str = "synthetic:count_shapes?n=2048&seed=0"
-    eval: str | None = "synthetic:count_shapes?n=256&seed=1"
+    train: str
+    eval: str | None = None
+    # Checked every `trainer.eval_every` steps (early stopping); defaults to `eval`. Keep
+    # it apart from `eval` so the final figure is not measured on the stopping set.
+    validation: str | None = None
     prompts_per_step: int = Field(16, gt=0)
     shuffle_seed: int = 0
 
@@ -116,7 +119,7 @@ class TrainerConfig(_Section):
 
 class Recipe(_Section):
     model: ModelConfig
-    data: DataConfig = DataConfig()
+    data: DataConfig
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardConfig = RewardConfig()

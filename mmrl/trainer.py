@@ -89,6 +89,8 @@ class Trainer:
         self.reward_fn = get_reward(r.reward.name, **r.reward.options)
         self.train_set = load_prompts(r.data.train)
         self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
+        self.validation_set = (load_prompts(r.data.validation, split="validation") if r.data.validation
+                               else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
 
@@ -209,13 +211,17 @@ class Trainer:
                 seqs.extras["returns"] = returns[offset:offset + size, :length].to(self.dist.device)
             offset += size
 
+        # Loss weights make the summed micro-batch gradients equal the gradient of the
+        # whole batch across ranks: FSDP averages over ranks, hence the world-size factor.
         total_tokens = float(all_mask.sum())
+        global_tokens = self.dist.all_reduce_sum(total_tokens) / self.dist.world_size
+        global_rows = self.dist.all_reduce_sum(float(len(rows))) / self.dist.world_size
         sums: dict[str, float] = defaultdict(float)
         with self._timed("update"):
             for _ in range(algo.epochs_per_rollout):
                 for seqs in batches:
                     tokens = float(seqs.response_mask.sum())
-                    weight = tokens / total_tokens if algo.loss_aggregation == "token_mean" else seqs.size / len(rows)
+                    weight = tokens / global_tokens if algo.loss_aggregation == "token_mean" else seqs.size / global_rows
                     logp, entropy = self.actor.log_probs(seqs, temperature)
                     old = seqs.extras.get("old_logp", logp.detach())
                     loss, stats = policy_loss(
@@ -256,9 +262,8 @@ class Trainer:
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, samples: list[dict] | None = None, batch_size: int = 128) -> float:
-        """Greedy accuracy (share of responses with reward >= 1) on the eval set."""
-        samples = samples if samples is not None else [self.eval_set[i] for i in range(len(self.eval_set))]
+    def evaluate(self, samples: list[dict], batch_size: int = 128) -> float:
+        """Greedy accuracy (share of responses with reward >= 1) on `samples`."""
         from mmrl.data import to_conversation
 
         params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
@@ -367,16 +372,16 @@ class Trainer:
             for key in ("rollout", "logprob", "update", "sync"):
                 metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
             record = {"step": self.step, **metrics}
-            if cfg.eval_every and self.eval_set is not None and self.step % cfg.eval_every == 0:
-                record["eval/accuracy"] = self.evaluate()
-                reached = cfg.target_accuracy is not None and record["eval/accuracy"] >= cfg.target_accuracy
+            if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
+                record["validation/accuracy"] = self.evaluate(list(self.validation_set))
+                reached = cfg.target_accuracy is not None and record["validation/accuracy"] >= cfg.target_accuracy
             history.append(record)
             if self.step % cfg.log_every == 0 or reached:
                 self._log(record)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                                     acc=f"{record.get('eval/accuracy', metrics['reward/accuracy']):.2f}")
+                                     acc=f"{record.get('validation/accuracy', metrics['reward/accuracy']):.2f}")
             if cfg.save_every and self.step % cfg.save_every == 0:
                 self.save()
             if reached or (cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s):
@@ -392,7 +397,7 @@ class Trainer:
         if self.eval_set is not None:
             from mmrl.data.synthetic import majority_baseline, shuffle_images
 
-            samples = [self.eval_set[i] for i in range(len(self.eval_set))]
+            samples = list(self.eval_set)
             summary["eval/accuracy"] = self.evaluate(samples)
             summary["eval/majority_baseline"] = majority_baseline(samples)
             if any(s.get("images") for s in samples):
@@ -434,9 +439,9 @@ def _plot(history: list[dict[str, Any]], path: Path) -> None:
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [h["reward/mean"] for h in history], label="reward (mean)")
-    evals = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
+    evals = [(h["step"], h["validation/accuracy"]) for h in history if "validation/accuracy" in h]
     if evals:
-        ax.plot(*zip(*evals), marker="o", label="greedy eval accuracy")
+        ax.plot(*zip(*evals), marker="o", label="greedy validation accuracy")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

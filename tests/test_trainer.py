@@ -122,9 +122,9 @@ def test_vision_recipe_with_lora_and_frozen_vision_runs(tmp_path):
 
 def test_recipe_errors_name_the_field(tmp_path):
     with pytest.raises(RecipeError, match=r"optim\.lr: Input should be greater than 0"):
-        load_recipe(None, ["model.path=qwen2", "optim.lr=-1"])
+        load_recipe(None, ["model.path=qwen2", "data.train=x.jsonl", "optim.lr=-1"])
     with pytest.raises(RecipeError, match=r"algo\.bogus: Extra inputs are not permitted"):
-        load_recipe(None, ["model.path=qwen2", "algo.bogus=1"])
+        load_recipe(None, ["model.path=qwen2", "data.train=x.jsonl", "algo.bogus=1"])
     with pytest.raises(RecipeError, match="must read key=value"):
         load_recipe(None, ["model.path"])
     with pytest.raises(RecipeError, match="recipe file not found"):

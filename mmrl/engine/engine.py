@@ -134,6 +134,15 @@ class Engine:
         fully_shard(self.model, **kwargs)
         if self.value_head is not None:
             fully_shard(self.value_head, **kwargs)
+        # FSDP2 picks its root at the first forward it sees. HF generate may call a
+        # submodule first (the vision encoder, before prefill), so settle the root now.
+        self.model._get_fsdp_state()._lazy_init()
+
+    def gather_root(self) -> None:
+        """All-gather the root group's parameters (embeddings, patch embedding, norms)
+        for code that calls submodules directly instead of the model's forward."""
+        if self.sharded:
+            self.model.unshard()
 
     def _param_groups(self, base_lr: float, multipliers: dict[str, float]) -> list[dict]:
         """Trainable parameters grouped by learning rate (one group without multipliers)."""
@@ -163,7 +172,8 @@ class Engine:
 
         Runs with autograd when the engine trains and grad mode is on."""
         length = seqs.response_ids.shape[1]
-        out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=length + 1)
+        with self.autocast():
+            out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=length + 1)
         logits = out.logits[:, :-1]
         logp, entropy = token_log_probs(logits, seqs.response_ids, temperature)
         return logp, (entropy if with_entropy else None)
@@ -173,9 +183,20 @@ class Engine:
         if self.value_head is None:
             raise RuntimeError("this engine has no value head (build it with value_head=True)")
         length = seqs.response_ids.shape[1]
-        out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        with self.autocast():
+            out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -(length + 1):-1]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def autocast(self):
+        """bf16 autocast for fp32 weights on a GPU when FSDP's mixed precision is not in
+        charge (one process); a no-op elsewhere."""
+        import contextlib
+
+        weights_fp32 = next(self.model.parameters()).dtype == torch.float32
+        if self.dist.device.type == "cuda" and not self.sharded and weights_fp32:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def step(self) -> float:
         """Clip gradients, take an optimizer and schedule step; returns the grad norm."""

@@ -44,6 +44,14 @@ class Dist:
         torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
         return (out / self.world_size).to(values.device)
 
+    def all_reduce_sum(self, value: float) -> float:
+        """Sum of a scalar over ranks."""
+        if not self.distributed:
+            return value
+        out = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
+        return float(out)
+
     def all_gather_objects(self, value) -> list:
         if not self.distributed:
             return [value]

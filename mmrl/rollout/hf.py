@@ -26,18 +26,20 @@ class HFRollout:
         model = self.engine.model
         was_training = model.training
         model.eval()
+        self.engine.gather_root()
         tokenizer = self.processing.tokenizer
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         try:
-            out = model.generate(
-                **batch,
-                do_sample=not params.greedy,
-                max_new_tokens=params.max_new_tokens,
-                eos_token_id=self.processing.stop_token_ids,
-                pad_token_id=tokenizer.pad_token_id,
-                suppress_tokens=self.processing.blocked_token_ids or None,
-                **sampling,
-            )
+            with self.engine.autocast():
+                out = model.generate(
+                    **batch,
+                    do_sample=not params.greedy,
+                    max_new_tokens=params.max_new_tokens,
+                    eos_token_id=self.processing.stop_token_ids,
+                    pad_token_id=tokenizer.pad_token_id,
+                    suppress_tokens=self.processing.blocked_token_ids or None,
+                    **sampling,
+                )
         finally:
             model.train(was_training)
         generated = out[:, batch["input_ids"].shape[1]:].cpu()
