@@ -154,6 +154,19 @@ def _apply_overrides(config, overrides: dict[str, Any], where: str) -> None:
             _apply_overrides(current, value, f"{where}.{key}")
         else:
             setattr(config, key, value)
+    _resize_layer_types(config, overrides, where)
+
+
+def _resize_layer_types(config, overrides: dict[str, Any], where: str) -> None:
+    """Keep `layer_types` (one entry per layer) in step with a new layer count."""
+    layers, types = getattr(config, "num_hidden_layers", None), getattr(config, "layer_types", None)
+    if "num_hidden_layers" not in overrides or "layer_types" in overrides or not types or len(types) == layers:
+        return
+    if len(set(types)) != 1:
+        raise ValueError(
+            f"{where}.num_hidden_layers: the layers mix types {sorted(set(types))}; override layer_types too"
+        )
+    config.layer_types = [types[0]] * layers
 
 
 def load_model(path: str | Path, **kwargs) -> BuiltModel:

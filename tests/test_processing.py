@@ -73,3 +73,15 @@ def test_build_model_errors():
         build_model("qwen2")
     with pytest.raises(ValueError, match="dtype must be"):
         build_model("qwen2", random_init=True, dtype="int3")
+
+
+def test_config_overrides_resize_layer_types_and_check_rope():
+    built = build_model("qwen2_5_vl", random_init=True, config_overrides={"text_config": {"num_hidden_layers": 3}})
+    assert built.model.config.text_config.layer_types == ["full_attention"] * 3
+    assert len(built.model.model.language_model.layers) == 3
+    with pytest.raises(ValueError, match="layers mix types"):
+        build_model("gemma3_text", random_init=True, config_overrides={"num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="mrope_section"):
+        build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"head_dim": 32}})
+    with pytest.raises(ValueError, match="config.text_config.nonsense"):
+        build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"nonsense": 1}})
