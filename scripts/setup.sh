@@ -11,4 +11,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
 .venv/bin/python -m pip install -q -e ".[test]"
+bash scripts/install_extras.sh
 .venv/bin/python -c "import mmrl, torch, transformers; print(f'mmrl {mmrl.__version__} ready: torch {torch.__version__}, transformers {transformers.__version__}')"

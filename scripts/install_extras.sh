@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Optional pieces the full test suite needs beyond `pip install -e .[test]`; called by
+# scripts/setup.sh. Each block says what it installs and why.
+set -euo pipefail
+cd "$(dirname "$0")/.."
