@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up mmrl in ./.venv on a CPU machine: torch 2.14.1 + torchvision 0.29.1 (the pair that
-# works together here, see docs/environment.md), then mmrl with its test extras.
-#   bash scripts/setup.sh            # then: .venv/bin/mmrl models
+# Set up mmrl in ./.venv on a CPU machine: torch 2.14.1 + torchvision 0.29.1 (the pair
+# whose torchvision imports on CPU; the Qwen-VL image and video processors need it), then
+# mmrl with its test extras and the extra pieces of scripts/install_extras.sh.
+#   bash scripts/setup.sh && .venv/bin/mmrl train recipes/tiny_vlm_count.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
