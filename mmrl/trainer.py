@@ -122,86 +122,65 @@ class Trainer:
                     self.processing.tokenizer.pad_token_id)
         return seqs.to(self.dist.device)
 
-    def _micro_batches(self, size: int) -> list[slice]:
-        micro = self.recipe.algo.micro_batch_size
-        return [slice(i, min(i + micro, size)) for i in range(0, size, micro)]
-
-    def train_step(self) -> dict[str, float]:
-        from mmrl.algos import kl_estimate, kl_in_reward, kl_loss, policy_loss, scalar_to_token_rewards, uniform_groups
-        from mmrl.algos.losses import aggregate, value_loss
-        from mmrl.data import to_conversation
-
+    def _next_prompts(self) -> list[dict]:
+        """This rank's share of the next batch of prompts."""
         r = self.recipe
-        algo = r.algo
         per_rank = max(1, r.data.prompts_per_step // self.dist.world_size)
         if self._batches is None:
             self._batches = self.train_set.batches(per_rank * self.dist.world_size, seed=r.data.shuffle_seed,
                                                    start=self.position)
         batch = next(self._batches)
         self.position = batch.end
-        samples = batch.samples[self.dist.rank::self.dist.world_size]
-        conversations = [to_conversation(s) for s in samples]
-        params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
-                                temperature=r.rollout.temperature, top_p=r.rollout.top_p)
-        with self._timed("rollout"):
-            result = self.rollout.generate(conversations, params)
-        rewards = self._score(samples, result)
+        return batch.samples[self.dist.rank::self.dist.world_size]
+
+    def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> list:
+        """Training sequences of the kept `rows`, in micro-batches."""
         expanded = [conversations[i] for i in result.prompt_index.tolist()]
-        ids, mask = result.response_ids, result.response_mask
-        keep = torch.ones(len(expanded), dtype=torch.bool)
-        if algo.filter_uniform_groups:
-            keep = ~uniform_groups(rewards, params.n)
-        metrics: dict[str, float] = {
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
-            "response/length": result.lengths.mean().item(),
-            "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
-            "groups/kept": keep.float().mean().item(),
-        }
-        temperature = r.rollout.temperature or 1.0
-        rows = keep.nonzero().squeeze(-1)
-        if len(rows) == 0:
-            self.step += 1
-            return metrics
-        micro_slices = self._micro_batches(len(rows))
+        micro = self.recipe.algo.micro_batch_size
+        slices = [slice(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
+        # One micro-batch of every row: the rollout's own prompt batch is that batch.
+        reuse = result.prompt_inputs if len(slices) == 1 and len(rows) == len(expanded) else None
         batches = []
-        whole = len(micro_slices) == 1 and len(rows) == len(expanded)
-        for part in micro_slices:
+        for part in slices:
             chosen = rows[part]
-            # One micro-batch of every row: the rollout's own prompt batch is that batch.
-            reuse = result.prompt_inputs if whole else None
-            batches.append(self._sequences([expanded[i] for i in chosen], ids[chosen], mask[chosen], reuse))
+            batches.append(self._sequences([expanded[i] for i in chosen], result.response_ids[chosen],
+                                           result.response_mask[chosen], reuse))
+        return batches
 
-        # Old, reference and value estimates of the sampled tokens (no gradient).
-        with self._timed("logprob"), torch.no_grad():
-            for seqs in batches:
-                if algo.epochs_per_rollout > 1:
-                    seqs.extras["old_logp"] = self.actor.log_probs(seqs, temperature, with_entropy=False)[0]
-                if self.ref is not None:
-                    seqs.extras["ref_logp"] = self.ref.log_probs(seqs, temperature, with_entropy=False)[0]
-                if self.critic is not None:
-                    seqs.extras["values"] = self.critic.values(seqs)
+    @torch.no_grad()
+    def _estimate(self, batches: list, temperature: float) -> None:
+        """Old-policy, reference and value estimates of the sampled tokens."""
+        algo = self.recipe.algo
+        need_old = algo.epochs_per_rollout > 1 or (self.ref is not None and algo.kl_in == "reward")
+        for seqs in batches:
+            if need_old:
+                seqs.extras["old_logp"] = self.actor.log_probs(seqs, temperature, with_entropy=False)[0]
+            if self.ref is not None:
+                seqs.extras["ref_logp"] = self.ref.log_probs(seqs, temperature, with_entropy=False)[0]
+            if self.critic is not None:
+                seqs.extras["values"] = self.critic.values(seqs)
 
-        # Advantages over the whole kept batch (groups stay whole: filtering drops groups).
+    def _advantages(self, batches: list, rewards: torch.Tensor, group_size: int, metrics: dict) -> None:
+        """Advantages (and value targets) over the whole kept batch, stored per micro-batch.
+        Groups stay whole: the uniform-group filter drops groups, never single rows."""
+        from mmrl.algos import kl_estimate, kl_in_reward, scalar_to_token_rewards
+
+        algo = self.recipe.algo
         width = max(s.response_ids.shape[1] for s in batches)
-        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
-        all_mask = torch.cat([pad(s.response_mask) for s in batches]).cpu()
-        token_rewards = scalar_to_token_rewards(rewards[rows], all_mask)
+
+        def gather(key_or_fn) -> torch.Tensor:
+            parts = [key_or_fn(s) if callable(key_or_fn) else s.extras[key_or_fn] for s in batches]
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts]).cpu()
+
+        mask = gather(lambda s: s.response_mask)
+        token_rewards = scalar_to_token_rewards(rewards, mask)
         if self.ref is not None and algo.kl_in == "reward":
-            old = torch.cat([pad(s.extras.get("old_logp", torch.zeros_like(s.response_mask))) for s in batches]).cpu()
-            ref = torch.cat([pad(s.extras["ref_logp"]) for s in batches]).cpu()
-            if algo.epochs_per_rollout == 1:
-                with torch.no_grad():
-                    old = torch.cat([pad(self.actor.log_probs(s, temperature, with_entropy=False)[0])
-                                     for s in batches]).cpu()
-            kl = kl_estimate(old, ref, algo.kl_estimator)
-            token_rewards = kl_in_reward(token_rewards, kl, algo.kl_coef, all_mask)
-            metrics["kl/reward"] = (kl * all_mask).sum().item() / max(all_mask.sum().item(), 1)
-        values = None
-        if self.critic is not None:
-            values = torch.cat([pad(s.extras["values"]) for s in batches]).cpu()
+            kl = kl_estimate(gather("old_logp"), gather("ref_logp"), algo.kl_estimator)
+            token_rewards = kl_in_reward(token_rewards, kl, algo.kl_coef, mask)
+            metrics["kl/reward"] = (kl * mask).sum().item() / max(mask.sum().item(), 1)
+        values = gather("values") if self.critic is not None else None
         advantages, returns = self.estimator.compute(
-            token_rewards, all_mask, group_size=params.n, values=values, gamma=algo.gamma, lam=algo.lam
+            token_rewards, mask, group_size=group_size, values=values, gamma=algo.gamma, lam=algo.lam
         )
         offset = 0
         for seqs in batches:
@@ -211,53 +190,93 @@ class Trainer:
                 seqs.extras["returns"] = returns[offset:offset + size, :length].to(self.dist.device)
             offset += size
 
+    def _update(self, batches: list, temperature: float) -> dict[str, float]:
+        """Policy (and critic) updates over the micro-batches, `epochs_per_rollout` times."""
+        from mmrl.algos import kl_loss, policy_loss
+        from mmrl.algos.losses import aggregate, value_loss
+
+        algo = self.recipe.algo
+        norm_length = self.recipe.rollout.max_new_tokens
         # Loss weights make the summed micro-batch gradients equal the gradient of the
         # whole batch across ranks: FSDP averages over ranks, hence the world-size factor.
-        total_tokens = float(all_mask.sum())
-        global_tokens = self.dist.all_reduce_sum(total_tokens) / self.dist.world_size
-        global_rows = self.dist.all_reduce_sum(float(len(rows))) / self.dist.world_size
+        tokens = [float(s.response_mask.sum()) for s in batches]
+        global_tokens = self.dist.all_reduce_sum(sum(tokens)) / self.dist.world_size
+        global_rows = self.dist.all_reduce_sum(float(sum(s.size for s in batches))) / self.dist.world_size
         sums: dict[str, float] = defaultdict(float)
-        with self._timed("update"):
-            for _ in range(algo.epochs_per_rollout):
-                for seqs in batches:
-                    tokens = float(seqs.response_mask.sum())
-                    weight = tokens / global_tokens if algo.loss_aggregation == "token_mean" else seqs.size / global_rows
-                    logp, entropy = self.actor.log_probs(seqs, temperature)
-                    old = seqs.extras.get("old_logp", logp.detach())
-                    loss, stats = policy_loss(
-                        logp, old, seqs.extras["advantages"], seqs.response_mask,
-                        clip_low=algo.clip_low, clip_high=algo.clip_high, aggregation=algo.loss_aggregation,
-                        norm_length=r.rollout.max_new_tokens,
-                    )
-                    if self.ref is not None and algo.kl_in == "loss":
-                        kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
-                                          kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
-                                          norm_length=r.rollout.max_new_tokens)
-                        loss = loss + kl_term
-                        sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
-                    entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
-                    if algo.entropy_coef:
-                        loss = loss - algo.entropy_coef * entropy_mean
-                    (loss * weight).backward()
-                    sums["loss/policy"] += weight * float(loss.detach())
-                    sums["entropy"] += weight * float(entropy_mean.detach())
-                    sums["clip_fraction"] += weight * float(stats["clip_fraction"])
-                    sums["approx_kl"] += weight * float(stats["approx_kl"])
-                    if self.critic is not None:
-                        v = self.critic.values(seqs)
-                        vloss, _ = value_loss(v, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
-                        (vloss * weight).backward()
-                        sums["loss/value"] += weight * float(vloss.detach())
-                metrics["grad_norm"] = self.actor.step()
+        for _ in range(algo.epochs_per_rollout):
+            for seqs, count in zip(batches, tokens):
+                weight = count / global_tokens if algo.loss_aggregation == "token_mean" else seqs.size / global_rows
+                logp, entropy = self.actor.log_probs(seqs, temperature)
+                old = seqs.extras.get("old_logp", logp.detach())
+                loss, stats = policy_loss(
+                    logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
+                    clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
+                )
+                if self.ref is not None and algo.kl_in == "loss":
+                    kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
+                                      kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
+                                      norm_length=norm_length)
+                    loss = loss + kl_term
+                    sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
+                entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
+                if algo.entropy_coef:
+                    loss = loss - algo.entropy_coef * entropy_mean
+                (loss * weight).backward()
+                sums["loss/policy"] += weight * float(loss.detach())
+                sums["entropy"] += weight * float(entropy_mean.detach())
+                sums["clip_fraction"] += weight * float(stats["clip_fraction"])
+                sums["approx_kl"] += weight * float(stats["approx_kl"])
                 if self.critic is not None:
-                    self.critic.step()
-        for key, value in sums.items():
-            metrics[key] = value / algo.epochs_per_rollout
+                    values = self.critic.values(seqs)
+                    vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
+                    (vloss * weight).backward()
+                    sums["loss/value"] += weight * float(vloss.detach())
+            sums["grad_norm"] += self.actor.step()
+            if self.critic is not None:
+                self.critic.step()
+        metrics = {key: value / algo.epochs_per_rollout for key, value in sums.items()}
+        metrics["tokens"] = sum(tokens)
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step: rollout, reward, advantages, update, weight sync."""
+        from mmrl.algos import uniform_groups
+        from mmrl.data import to_conversation
+
+        r = self.recipe
+        samples = self._next_prompts()
+        conversations = [to_conversation(s) for s in samples]
+        params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
+                                temperature=r.rollout.temperature, top_p=r.rollout.top_p)
+        with self._timed("rollout"):
+            result = self.rollout.generate(conversations, params)
+        rewards = self._score(samples, result)
+        keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
+        metrics: dict[str, float] = {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+            "response/length": result.lengths.mean().item(),
+            "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
+            "groups/kept": keep.float().mean().item(),
+        }
+        self.step += 1
+        rows = keep.nonzero().squeeze(-1)
+        if self.dist.all_reduce_sum(float(len(rows))) == 0:
+            return metrics  # every rank filtered every group: nothing to learn from
+        if len(rows) == 0:
+            # Other ranks update, and FSDP's collectives need this rank too: its uniform
+            # groups take part with the (zero) advantages GRPO gives them.
+            rows = torch.arange(len(rewards))
+        temperature = r.rollout.temperature or 1.0
+        batches = self._build_batches(conversations, result, rows)
+        with self._timed("logprob"):
+            self._estimate(batches, temperature)
+        self._advantages(batches, rewards[rows], params.n, metrics)
+        with self._timed("update"):
+            metrics.update(self._update(batches, temperature))
         with self._timed("sync"):
             self.rollout.sync(self.actor)
         metrics["lr"] = self.actor.lr
-        metrics["tokens"] = total_tokens
-        self.step += 1
         return metrics
 
     # -- evaluation -------------------------------------------------------------------------------
