@@ -4,7 +4,7 @@ A sample is a list of chat messages; a message's content is a string or a list o
 parts `{"type": "text", "text": ...}`, `{"type": "image", "image": ...}` or
 `{"type": "video", "video": ...}`. Images may be PIL images, file paths or bytes (or
 a HF datasets `{"bytes", "path"}` dict); videos are lists of frames (families with a
-video reader also take file paths).
+video reader also take file paths) and become `Clip`s with their frame metadata.
 
 `Processing` works for any HF tokenizer or processor with a chat template; a family
 subclasses it (in `mmrl.processors`) only for what differs: the pixel-budget keyword
@@ -14,6 +14,7 @@ arguments, video files, extra model inputs.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,16 @@ def load_image(source) -> Any:
     else:
         raise TypeError(f"cannot read an image from {type(source).__name__}")
     return image.convert("RGB")
+
+
+@dataclass
+class Clip:
+    """A video's frames (PIL images or an array) and, when known, the HF `VideoMetadata`
+    saying which frames of how many, at what fps, they are; processors that place frames
+    in time (timestamps, temporal positions) read it."""
+
+    frames: Any
+    metadata: Any = None
 
 
 def _parts(message: Message) -> list[dict[str, Any]]:
@@ -82,15 +93,17 @@ class Processing:
         self.is_multimodal = self.tokenizer is not processor
 
     # -- media ---------------------------------------------------------------------------
-    def load_video(self, source) -> list[Any]:
-        """Frames of a video. The generic reader takes a list of frames; families that
-        can decode files override this."""
+    def load_video(self, source) -> Clip:
+        """A video as a `Clip`. The generic reader takes a list of frames, `video_fps`
+        apart, keeping at most `max_frames` evenly spaced ones; families that can decode
+        files override this."""
         if isinstance(source, (list, tuple)):
-            frames = [load_image(frame) for frame in source]
-            if len(frames) > self.max_frames:
-                step = len(frames) / self.max_frames
-                frames = [frames[int(i * step)] for i in range(self.max_frames)]
-            return frames
+            from transformers.video_utils import VideoMetadata
+
+            step = max(1.0, len(source) / self.max_frames)
+            indices = [int(i * step) for i in range(min(len(source), self.max_frames))]
+            metadata = VideoMetadata(total_num_frames=len(source), fps=self.video_fps, frames_indices=indices)
+            return Clip([load_image(source[i]) for i in indices], metadata)
         raise TypeError(
             f"{type(self).__name__} reads videos given as lists of frames, not {type(source).__name__}"
         )
@@ -107,10 +120,15 @@ class Processing:
         return images, videos
 
     def image_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that apply the pixel budget to this family's processor."""
+        """Image-processor arguments that apply the pixel budget for this family."""
         return {}
 
     def video_kwargs(self) -> dict[str, Any]:
+        """Video-processor arguments (the clips' metadata is added to these)."""
+        return {}
+
+    def text_kwargs(self) -> dict[str, Any]:
+        """Extra tokenizer-side arguments of this family's processor."""
         return {}
 
     # -- text ------------------------------------------------------------------------------
@@ -149,13 +167,18 @@ class Processing:
         media = [self.collect_media(c) for c in conversations]
         images = [m[0] for m in media]
         videos = [m[1] for m in media]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = self.text_kwargs()
         if any(images):
             kwargs["images"] = self.arrange_images(images)
-            kwargs.update(self.image_kwargs())
+            kwargs["images_kwargs"] = self.image_kwargs()
         if any(videos):
-            kwargs["videos"] = self.arrange_videos(videos)
-            kwargs.update(self.video_kwargs())
+            kwargs["videos"] = self.arrange_videos([[clip.frames for clip in clips] for clips in videos])
+            video_kwargs = self.video_kwargs()
+            clips = [clip for per_sample in videos for clip in per_sample]
+            if all(clip.metadata is not None for clip in clips):
+                # The frames are already sampled: the processor must not sample again.
+                video_kwargs.update(video_metadata=[clip.metadata for clip in clips], do_sample_frames=False)
+            kwargs["videos_kwargs"] = video_kwargs
         return self.processor(
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
             add_special_tokens=False, **kwargs,
@@ -166,7 +189,8 @@ class Processing:
         return images
 
     def arrange_videos(self, videos: list[list[Any]]) -> list[Any]:
-        """Videos as the HF processor wants them: one flat list by default."""
+        """Videos (frame lists, one list of them per sample) as the HF processor wants
+        them: one flat list by default."""
         return [video for per_sample in videos for video in per_sample]
 
     # -- output ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """SmolVLM / SmolVLM2: the Idefics3 architecture under its own model_type, processor and
 video processor. Everything but the names is inherited from the Idefics3 adapter."""
 
-from mmrl.adapter import Rollout
+from mmrl.adapter import Capabilities, Rollout
 from mmrl.models.idefics3 import Idefics3
 from mmrl.processors.idefics3 import SMOLVLM
 from mmrl.registry import register_model
@@ -14,6 +14,7 @@ class SmolVLM(Idefics3):
     hf_class = "transformers:SmolVLMForConditionalGeneration"
     shard_layers = ("LlamaDecoderLayer", "SmolVLMEncoderLayer")
     rollout = Rollout(vllm_architecture="SmolVLMForConditionalGeneration")
-    # Video stays undeclared although SmolVLM2 reads videos: SmolVLMProcessor wants them
-    # nested per sample, and `Processing` hands every processor one flat list of videos.
+    modalities = ("text", "image", "video")
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    processing = "mmrl.processors.idefics3:SmolVLMProcessing"
     flavour = SMOLVLM

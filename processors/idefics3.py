@@ -137,4 +137,11 @@ class Idefics3Processing(Processing):
             return {}
         tile = self.processor.image_processor.max_image_size["longest_edge"]
         edge = max(1, math.isqrt(self.max_pixels) // tile) * tile
-        return {"images_kwargs": {"size": {"longest_edge": edge}}}
+        return {"size": {"longest_edge": edge}}
+
+
+class SmolVLMProcessing(Idefics3Processing):
+    """SmolVLM also reads videos, nested one list per sample."""
+
+    def arrange_videos(self, videos: list[list[Any]]) -> list[Any]:
+        return videos

@@ -106,4 +106,4 @@ class InternVLProcessing(Processing):
         if self.min_pixels is not None:
             most = options.get("max_patches", self.processor.image_processor.max_patches)
             options["min_patches"] = min(most, max(1, math.ceil(self.min_pixels / tile_area)))
-        return {"images_kwargs": options}
+        return options

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from mmrl.adapter import import_object
 from mmrl.positions import sequential_positions
-from mmrl.processing import Conversation, Processing, load_image
+from mmrl.processing import Clip, Processing
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
 from mmrl.tiny import char_tokenizer
 
@@ -43,13 +43,6 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
-class Clip(NamedTuple):
-    """Decoded video frames and the metadata HF video processors read (fps, indices)."""
-
-    frames: Any
-    metadata: Any
-
-
 class QwenVLProcessing(Processing):
     """Conversations -> Qwen-VL batches (`input_ids`, `pixel_values`, `image_grid_thw`,
     `pixel_values_videos`, `video_grid_thw`, `mm_token_type_ids`, ...).
@@ -71,18 +64,9 @@ class QwenVLProcessing(Processing):
 
     def load_video(self, source) -> Clip:
         """A `Clip` from a list of frames (taken to be `video_fps` apart) or a file."""
-        from transformers.video_utils import VideoMetadata
-
-        if isinstance(source, (list, tuple)):
-            step = max(1.0, len(source) / self.max_frames)
-            indices = [int(i * step) for i in range(min(len(source), self.max_frames))]
-            metadata = VideoMetadata(total_num_frames=len(source), fps=self.video_fps, frames_indices=indices)
-            return Clip([load_image(source[i]) for i in indices], metadata)
         if isinstance(source, (str, Path)):
             return self.read_video_file(Path(source))
-        raise TypeError(
-            f"{type(self).__name__} reads videos from frame lists or files, not {type(source).__name__}"
-        )
+        return super().load_video(source)
 
     def read_video_file(self, path: Path) -> Clip:
         """Decode with PyAV, keeping the frames qwen-vl-utils would keep (its fps rule).
@@ -104,29 +88,8 @@ class QwenVLProcessing(Processing):
         frames, metadata = load_video(str(path), backend="pyav", sample_indices_fn=frame_indices)
         return Clip(frames, metadata)
 
-    def __call__(self, conversations: list[Conversation], add_generation_prompt: bool = True):
-        # The generic path hands the processor bare frames; Qwen-VL also needs each
-        # clip's metadata, and the image budget must not reach the video processor.
-        if not conversations:
-            raise ValueError("no conversations to process")
-        texts = [self.render(c, add_generation_prompt) for c in conversations]
-        images, clips = [], []
-        for conversation in conversations:
-            sample_images, sample_clips = self.collect_media(conversation)
-            images.append(sample_images)
-            clips += sample_clips
-        kwargs: dict[str, Any] = {}
-        if any(images):
-            kwargs.update(images=self.arrange_images(images), images_kwargs=self.image_kwargs())
-        if clips:
-            kwargs.update(
-                videos=[clip.frames for clip in clips],
-                videos_kwargs={"video_metadata": [clip.metadata for clip in clips], "do_sample_frames": False},
-            )
-        return self.processor(
-            text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
-            add_special_tokens=False, return_mm_token_type_ids=True, **kwargs,
-        )
+    def text_kwargs(self) -> dict[str, Any]:
+        return {"return_mm_token_type_ids": True}
 
 
 def mrope_position_ids(batch: dict[str, torch.Tensor], config) -> torch.Tensor:
