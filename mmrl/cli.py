@@ -5,6 +5,8 @@
     mmrl --plugin my_pkg.models models   # also load an out-of-tree family module
     mmrl train recipes/tiny_vlm_count.yaml [key=value ...]
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
+    mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
+    mmrl doctor PATH_OR_FAMILY [--json]                  # the same probes on a checkpoint or a family
 """
 
 from __future__ import annotations
@@ -98,6 +100,148 @@ def train(
         fail(str(exc))
     if summary is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
         console.print_json(json.dumps(summary))
+
+
+def _workers(workers: int | None) -> int:
+    import os
+
+    return workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
+
+
+@app.command("support-matrix")
+def support_matrix(
+    output: str = typer.Option("support_matrix", "--output", "-o",
+                               help="Folder for results.json, README.md, index.html."),
+    check: bool = typer.Option(False, "--check", help="Regenerate into a temporary folder; exit 1 if OUTPUT is stale "
+                               "or a declared capability fails its probe (CI)."),
+    gpu_results: str = typer.Option(None, "--gpu-results", help="Merge GPU cells from this results file (written by "
+                                    "`mmrl support-matrix --device cuda` on a GPU machine).", metavar="FILE"),
+    device: str = typer.Option("cpu", "--device", help="cpu, or cuda to record GPU cells on a GPU machine."),
+    family: list[str] = typer.Option([], "--family", help="Probe only this family (repeatable); other cells keep "
+                                     "what OUTPUT/results.json recorded.", metavar="NAME"),
+    feature: list[str] = typer.Option([], "--feature", help="Probe only this feature (repeatable); other cells keep "
+                                      "what OUTPUT/results.json recorded.", metavar="NAME"),
+    workers: int = typer.Option(None, "--workers",
+                                help="Worker processes (default: 2, or 1 on one core; 0: in process)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Run every probe on every registered family and write the support matrix."""
+    import time
+    from pathlib import Path
+
+    from mmrl.probes import FEATURES
+    from mmrl.probes import matrix as sm
+    from mmrl.registry import RegistryError, get_adapter
+
+    start = time.perf_counter()
+    if check:
+        if family or feature or gpu_results or device != "cpu":
+            fail("--check regenerates every CPU cell; it takes no --family, --feature, --gpu-results or --device")
+        problems, document, fresh = sm.check(Path(output), workers=_workers(workers), progress=progress)
+        elapsed = time.perf_counter() - start
+        if problems:
+            Console(stderr=True).print(
+                f"[bold red]support matrix check failed[/] ({elapsed:.0f} s; fresh output in {fresh}): "
+                + "; ".join(problems) + f". Regenerate with `mmrl support-matrix --output {output}` and commit it.",
+                highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1)
+        console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
+                      f"fails on CPU ({elapsed:.0f} s)", highlight=False)
+        _report_gpu_failures(document)
+        return
+    unknown = [f for f in feature if f not in FEATURES]
+    if unknown:
+        fail(f"unknown feature {unknown[0]!r}; features are {', '.join(FEATURES)}")
+    try:
+        chosen = [get_adapter(name) for name in family]
+        document, gpu_cells = sm.regenerate(
+            Path(output), families=chosen, features=feature, gpu_results=Path(gpu_results) if gpu_results else None,
+            device=device, workers=_workers(workers), progress=progress)
+    except (RegistryError, FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    written = sm.write(document, Path(output), gpu_cells)
+    counts: dict[str, int] = {}
+    for cell in document["cells"]:
+        counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+    console.print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - start:.0f} s: "
+                  + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), highlight=False)
+    for cell in sm.gating_failures(document):
+        console.print(f"[red]declared capability fails:[/] {cell['family']}/{cell['feature']}: {cell['reason']}",
+                      highlight=False)
+    _report_gpu_failures(document)
+
+
+def _report_gpu_failures(document: dict) -> None:
+    from mmrl.probes import matrix as sm
+
+    for cell in sm.gating_failures(document, platform="gpu"):
+        console.print(f"[yellow]recorded on GPU ({cell['device']}, {cell['date']}), declared capability fails:[/] "
+                      f"{cell['family']}/{cell['feature']}: {cell['reason']}", highlight=False)
+
+
+@app.command()
+def doctor(
+    target: str = typer.Argument(..., help="A local checkpoint directory, or a registered family / model type.",
+                                 metavar="PATH_OR_FAMILY"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    workers: int = typer.Option(None, "--workers",
+                                help="Worker processes (default: 2, or 1 on one core; 0: in process)."),
+) -> None:
+    """Run every probe on a checkpoint or a family's tiny model (exit 1 when a declared capability fails)."""
+    from pathlib import Path
+
+    from mmrl.probes import PROBES, Subject
+    from mmrl.probes.matrix import run_probes
+    from mmrl.registry import RegistryError, adapter_for_config, get_adapter
+
+    path = Path(target)
+    try:
+        if path.exists():
+            config_file = path / "config.json" if path.is_dir() else path
+            if not config_file.is_file():
+                fail(f"{target}: no config.json found")
+            config = json.loads(config_file.read_text())
+            try:
+                adapter = adapter_for_config(config, source=str(path))
+            except RegistryError:
+                model_type = config.get("model_type") or "<model_type>"
+                fail(f"{target}: model type {model_type!r} is not registered with mmrl; "
+                     f"add it with `mmrl add-model {model_type}` (docs/adding_a_model.md)")
+            subject = Subject(adapter=adapter, source=str(path.resolve() if path.is_dir() else path.parent.resolve()),
+                              random_init=False, device=device)
+        else:
+            adapter = get_adapter(target)
+            subject = Subject(adapter=adapter, source=adapter.family, device=device)
+    except RegistryError as exc:
+        fail(str(exc))
+    results = run_probes([subject], PROBES, workers=_workers(workers))
+    rows = [(p, results[(subject.label, p.feature)]) for p in PROBES]
+    gating = [p.feature for p, r in rows if r.gates]
+    if as_json:
+        json.dump({"subject": subject.label, "family": adapter.family,
+                   "results": [{"feature": p.feature, "capability": p.capability, **r.to_dict()} for p, r in rows]},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        from mmrl.probes.render import SYMBOLS
+
+        table = Table(title=f"mmrl doctor: {subject.label} (family {adapter.family}, {subject.device})")
+        for column in ("feature", "status", "declared", "reason", "s"):
+            table.add_column(column, overflow="fold")
+        colour = {"verified": "green", "failed": "red", "n/a": "dim", "not run here": "blue"}
+        for p, r in rows:
+            declared = {True: "yes", False: "no", None: "required"}[r.declared]
+            sym = SYMBOLS.get((r.status.value, r.declared is not False or r.status.value in ("n/a", "not run here")),
+                              SYMBOLS[(r.status.value, True)])[0]
+            table.add_row(p.title, f"[{colour[r.status.value]}]{sym} {r.status.value}[/]", declared, r.reason,
+                          f"{r.seconds:.2f}")
+        console.print(table)
+        verdict = (f"[red]{len(gating)} declared or required feature(s) fail: {', '.join(gating)}[/]" if gating
+                   else "[green]every declared capability that ran is verified[/]")
+        console.print(verdict, highlight=False)
+    if gating:
+        raise typer.Exit(code=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+"""One GRPO-style update sharded with FSDP2 over the torchrun processes, against the same
+update in one process, for each subject given; rank 0 appends one JSON line per subject.
+
+The FSDP2 probe launches it (2 processes, gloo on CPU, nccl on GPUs):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        -m mmrl.probes.fsdp_step OUT.jsonl '[{"source": "FAMILY", "random_init": true}]'
+
+All subjects share one launch, so the start-up cost (two interpreters importing torch and
+transformers) is paid once. The one-process reference runs on rank 0 with an unsharded
+engine on the same global batch; the sharded step splits the prompts over the ranks and
+scales the loss so that FSDP2's gradient averaging gives the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+GRAD_RTOL = 1e-5  # per tensor: |diff| <= GRAD_RTOL * max(1, max|grad|) + GRAD_ATOL
+GRAD_ATOL = 1e-7
+# One AdamW step of lr 1e-2 moves each weight by about 1e-2; Adam's normalization
+# magnifies last-bit differences of near-zero gradients, so the worst weight gets a
+# bound of a few percent of one step and the mean far less (tests/test_distributed.py).
+WEIGHT_WORST = 5e-4
+WEIGHT_MEAN = 1e-6
+
+
+def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Gradients and updated weights (full, on CPU) of one update on this rank's share."""
+    from mmrl.checks import sample_conversations
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine, join
+
+    built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1)
+    conversations = sample_conversations(built.adapter) * 2  # 4 prompts, split over ranks
+    generator = torch.Generator().manual_seed(0)
+    vocab = built.model.config.get_text_config().vocab_size
+    responses = torch.randint(min(20, vocab - 1), vocab, (len(conversations), 6), generator=generator)
+    mask = torch.ones_like(responses)
+    mask[1, 4:] = 0
+    advantages = torch.randn(len(conversations), generator=generator)
+    global_tokens = float(mask.sum())
+    rows = list(range(dist.rank, len(conversations), dist.world_size))
+    prompts = dict(built.processing([conversations[i] for i in rows]))
+    seqs = join(prompts, responses[rows], mask[rows], built.adapter, engine.model, built.tokenizer.pad_token_id)
+    seqs = seqs.to(dist.device)
+    logp, _ = engine.log_probs(seqs)
+    weights = advantages[rows, None].to(dist.device)
+    # Token-mean over the global batch; FSDP averages gradients over ranks.
+    loss = -(logp * weights * seqs.response_mask).sum() / global_tokens * dist.world_size
+    loss.backward()
+    grads = {}
+    for name, param in engine.model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name] = grad.detach().float().cpu().clone()
+    engine.step()
+    state = {k: v.detach().float().cpu().clone() for k, v in engine.full_state_dict().items()}
+    return grads, state
+
+
+def _built_on_cpu(subject):
+    """Engine moves the model to the rank's device itself."""
+    from mmrl.build import build_model
+
+    return build_model(subject.source, random_init=subject.random_init, seed=0)
+
+
+def compare_updates(reference: tuple[dict, dict], sharded: tuple[dict, dict]) -> tuple[str | None, dict]:
+    """(failure reason or None, evidence): the test_distributed criteria, shared."""
+    (ref_grads, ref_weights), (grads, weights) = reference, sharded
+    if ref_grads.keys() != grads.keys():
+        return f"gradients exist for different parameters ({len(ref_grads)} vs {len(grads)})", {}
+    if not ref_grads:
+        return "no gradients recorded", {}
+    worst_grad = 0.0
+    for name, grad in ref_grads.items():
+        scale = grad.abs().max().item() + 1e-12
+        gap = (grad - grads[name]).abs().max().item()
+        worst_grad = max(worst_grad, gap)
+        if gap > GRAD_RTOL * max(1.0, scale) + GRAD_ATOL:
+            return f"{name}: gradients differ by {gap:.2e} (scale {scale:.2e})", {"max_grad_diff": gap}
+    if ref_weights.keys() != weights.keys():
+        return "the updated state dicts name different tensors", {}
+    worst = max((ref_weights[k] - weights[k]).abs().max().item() for k in ref_weights)
+    mean = sum((ref_weights[k] - weights[k]).abs().sum().item() for k in ref_weights) / max(
+        1, sum(t.numel() for t in ref_weights.values()))
+    evidence = {"max_grad_diff": worst_grad, "max_weight_diff": worst, "mean_weight_diff": mean,
+                "gradient_tensors": len(ref_grads)}
+    if worst >= WEIGHT_WORST:
+        return f"FSDP2 update differs from one process by up to {worst:.2e} (bound {WEIGHT_WORST:.0e})", evidence
+    if mean >= WEIGHT_MEAN:
+        return f"FSDP2 update differs from one process by {mean:.2e} on average (bound {WEIGHT_MEAN:.0e})", evidence
+    return None, evidence
+
+
+def main(out: str, specs: list[dict]) -> None:
+    from mmrl.parallel import Dist, init_distributed
+    from mmrl.probes.base import Subject, one_line
+
+    torch.set_num_threads(1)
+    device = specs[0].get("device", "cpu") if specs else "cpu"
+    if not torch.distributed.is_initialized():
+        # A short timeout: a rank that fails alone must not leave the other waiting for
+        # the default half hour; the probe then blames the subject in progress.
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=120))
+    dist = init_distributed(device)
+    alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)
+    for spec in specs:
+        start = time.perf_counter()
+        record: dict = {"source": spec["source"], "passed": False, "evidence": {}}
+        reference = error = None
+        try:
+            subject = Subject.from_spec(spec)
+            if dist.is_main:
+                reference = update(subject, alone)
+        except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
+            error = one_line(exc)
+            if isinstance(exc, ModuleNotFoundError) and not (exc.name or "mmrl").startswith("mmrl"):
+                record["missing_package"] = exc.name
+        # Rank 0 alone ran the reference: every rank learns whether to go on.
+        error = dist.all_gather_objects(error)[0]
+        if error is None:
+            try:
+                sharded = update(subject, dist)
+                if dist.is_main:
+                    error, record["evidence"] = compare_updates(reference, sharded)
+                    record["passed"] = error is None
+            except Exception as exc:  # noqa: BLE001
+                error = one_line(exc)
+        record["reason"] = error
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        if dist.is_main:
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,226 @@
+"""Probes of the training stack: the critic's value head, the FSDP2 multi-process step,
+Ulysses sequence parallelism, and vLLM rollout with weight sync.
+
+The FSDP2 probe launches `mmrl.probes.fsdp_step` under torchrun (2 processes) once for
+all the subjects it is given; a subject that crashes or hangs the launch is blamed and
+the rest run again in a fresh launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mmrl.adapter import ModelAdapter
+from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, require
+
+FSDP_PROCESSES = 2
+FSDP_TIMEOUT_BASE_S = 120  # start-up of two interpreters importing torch and transformers
+FSDP_TIMEOUT_PER_SUBJECT_S = 90
+
+
+def _single_process(device: str):
+    from mmrl.parallel import Dist
+
+    return Dist(rank=0, world_size=1, local_rank=0, device=torch.device(device), mesh=None)
+
+
+def _sequences(built, engine, responses_per_prompt: int = 4):
+    from mmrl.checks import sample_conversations
+    from mmrl.engine import join
+
+    conversations = sample_conversations(built.adapter)
+    vocab = built.model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    shape = (len(conversations), responses_per_prompt)
+    responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator)
+    mask = torch.ones_like(responses)
+    mask[0, -1] = 0
+    prompts = dict(built.processing(conversations))
+    seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id)
+    return seqs.to(engine.dist.device)
+
+
+# -- critic ----------------------------------------------------------------------------
+def check_critic(subject: Subject) -> Verified:
+    """A value-head engine gives one value per response token, and a value-loss step
+    moves the values toward their returns."""
+    from mmrl.algos.losses import value_loss
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine
+
+    built = subject.build()
+    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2, critic_lr=1e-2),
+                    lr=1e-2, total_steps=1, value_head=True)
+    seqs = _sequences(built, engine)
+    with torch.no_grad():
+        before = engine.values(seqs)
+    require(tuple(before.shape) == tuple(seqs.response_ids.shape),
+            f"values have shape {tuple(before.shape)}, responses {tuple(seqs.response_ids.shape)}")
+    require(bool(torch.isfinite(before).all()), "values are not finite")
+    returns = torch.ones_like(before)
+    loss, _ = value_loss(engine.values(seqs), before, returns, seqs.response_mask, clip=None)
+    loss.backward()
+    head_grad = engine.value_head.weight.grad
+    require(head_grad is not None and bool(head_grad.abs().sum() > 0), "no gradient reached the value head")
+    engine.step()
+    with torch.no_grad():
+        after = engine.values(seqs)
+    mask = seqs.response_mask.bool()
+    error_before = (before - returns)[mask].abs().mean().item()
+    error_after = (after - returns)[mask].abs().mean().item()
+    require(error_after < error_before,
+            f"a value-loss step did not reduce the value error ({error_before:.3f} -> {error_after:.3f})")
+    return Verified("value head: one finite value per response token; a value-loss step moves values toward returns",
+                    {"value_error_before": error_before, "value_error_after": error_after})
+
+
+# -- FSDP2 -----------------------------------------------------------------------------
+def _fsdp_available(device: str) -> None:
+    if not torch.distributed.is_available():
+        raise NotRunHere("torch.distributed is not available in this torch build")
+    if device.startswith("cuda") and torch.cuda.device_count() < FSDP_PROCESSES:
+        raise NotRunHere(f"needs {FSDP_PROCESSES} GPUs, found {torch.cuda.device_count()}")
+
+
+def _launch(subjects: list[Subject], out: Path, timeout: float) -> tuple[int | None, str]:
+    """Run fsdp_step under torchrun; (exit code or None on timeout, last stderr line)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           # The subprocesses import what this process can: plugin modules included.
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={FSDP_PROCESSES}",
+               "-m", "mmrl.probes.fsdp_step", str(out), json.dumps([s.spec() for s in subjects])]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    errors = [line.strip() for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+    return done.returncode, (errors[-1] if errors else (done.stderr.strip().splitlines() or [""])[-1])[:300]
+
+
+def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
+    _fsdp_available(subjects[0].device)
+    results: dict[str, tuple[Verified | BaseException, float]] = {}
+    remaining = list(subjects)
+    retried = False
+    while remaining:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "fsdp.jsonl"
+            start = time.perf_counter()
+            timeout = FSDP_TIMEOUT_BASE_S + FSDP_TIMEOUT_PER_SUBJECT_S * len(remaining)
+            code, last_error = _launch(remaining, out, timeout)
+            elapsed = time.perf_counter() - start
+            records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+        for record in records:
+            if record["passed"]:
+                outcome = Verified(f"{FSDP_PROCESSES}-process FSDP2 step (gloo) equals the one-process step: "
+                                   "gradients and AdamW-updated weights", record["evidence"])
+            elif record.get("missing_package"):
+                outcome = NotRunHere(f"package {record['missing_package']!r} not installed")
+            else:
+                outcome = CheckFailed(record["reason"])
+            results[record["source"]] = (outcome, record["seconds"])
+        done = {r["source"] for r in records}
+        remaining = [s for s in remaining if s.source not in done]
+        if code == 0 or not remaining:
+            break
+        if not records and not retried:
+            retried = True  # a launch that produced nothing (e.g. rendezvous trouble): once more
+            continue
+        blamed = remaining.pop(0)  # the subject in progress when the launch died
+        results[blamed.source] = (CheckFailed(f"torchrun failed (exit {code}): {last_error}"), elapsed)
+    return [results.get(s.source, (CheckFailed("no result from torchrun"), 0.0)) for s in subjects]
+
+
+def check_fsdp2(subject: Subject) -> Verified:
+    outcome, _ = check_fsdp2_many([subject])[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+# -- Ulysses sequence parallelism -------------------------------------------------------
+ULYSSES_MODULES = ("mmrl.parallel.ulysses", "mmrl.parallel.sequence_parallel")
+
+
+def sequence_parallel_inapplicable(adapter: ModelAdapter) -> str | None:
+    return None if adapter.sequence_parallel is not None else "the adapter sets sequence_parallel = None"
+
+
+def check_sequence_parallel(subject: Subject) -> Verified:
+    found = [m for m in ULYSSES_MODULES if importlib.util.find_spec(m) is not None]
+    if not found:
+        raise NotRunHere("not implemented: mmrl has no Ulysses sequence parallelism yet", unimplemented=True)
+    raise NotRunHere(f"{found[0]} exists, but no probe exercises it yet", unimplemented=True)
+
+
+# -- vLLM rollout and weight sync --------------------------------------------------------
+# fp32 on both sides: the vLLM backend's own test bound (tests/test_vllm.py).
+VLLM_LOGPROB_TOLERANCE = 1e-4
+
+
+def vllm_inapplicable(adapter: ModelAdapter) -> str | None:
+    return None if adapter.rollout.vllm_architecture else "the adapter names no vLLM architecture"
+
+
+def check_vllm(subject: Subject) -> Verified:
+    """Greedy vLLM rollout: its log-probs of the sampled tokens against the trainer's,
+    then again after an optimizer step and a weight sync."""
+    if importlib.util.find_spec("vllm") is None:
+        raise NotRunHere("vllm not installed")
+    if importlib.util.find_spec("mmrl.rollout.vllm") is None:
+        raise NotRunHere("not implemented: mmrl has no vLLM rollout backend (mmrl/rollout/vllm.py) yet",
+                         unimplemented=True)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from mmrl.checks import sample_conversations
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine, join
+    from mmrl.rollout import SamplingParams, make_rollout
+    from mmrl.rollout.vllm import UnsupportedByVLLM
+
+    built = subject.build()
+    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
+    try:
+        rollout = make_rollout("vllm", engine, built.processing)
+    except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result
+        raise NotRunHere(str(exc).split(": use ")[0]) from exc
+    conversations = sample_conversations(built.adapter)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+
+    def gap_to_trainer() -> float:
+        result = rollout.generate(conversations, params)
+        require(result.logprobs is not None, "the vLLM backend returned no sampler log-probs")
+        prompts = dict(built.processing(conversations))
+        seqs = join(prompts, result.response_ids, result.response_mask, built.adapter, engine.model,
+                    built.tokenizer.pad_token_id).to(engine.dist.device)
+        with torch.no_grad():
+            trainer, _ = engine.log_probs(seqs)
+        mask = result.response_mask.bool()
+        return (trainer.cpu()[mask] - result.logprobs[mask]).abs().max().item()
+
+    try:
+        before = gap_to_trainer()
+        require(before < VLLM_LOGPROB_TOLERANCE, f"vLLM and trainer log-probs differ by {before:.2e}")
+        seqs = _sequences(built, engine)  # move the weights, sync them into vLLM, compare again
+        logp, _ = engine.log_probs(seqs)
+        (-(logp * seqs.response_mask).sum()).backward()
+        engine.step()
+        rollout.sync(engine)
+        after = gap_to_trainer()
+        require(after < VLLM_LOGPROB_TOLERANCE,
+                f"after a weight sync, vLLM and trainer log-probs differ by {after:.2e}")
+    finally:
+        close = getattr(rollout, "close", None)
+        if close is not None:
+            close()
+    return Verified(f"vLLM greedy rollout log-probs match the trainer's before and after a weight sync "
+                    f"(tolerance {VLLM_LOGPROB_TOLERANCE:.0e})",
+                    {"max_logprob_diff_before": before, "max_logprob_diff_after_sync": after})

