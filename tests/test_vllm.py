@@ -21,19 +21,19 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from mmrl import build_model
+from mmrl.config import OptimConfig, load_recipe
+from mmrl.engine import Engine, join
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout.hf import HFRollout
+
+# Read when an engine starts: a 1 GiB KV cache on CPU (vLLM would take a share of RAM).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image, ImageDraw  # noqa: E402
-
-from mmrl import build_model  # noqa: E402
-from mmrl.config import OptimConfig, load_recipe  # noqa: E402
-from mmrl.engine import Engine, join  # noqa: E402
-from mmrl.parallel import init_distributed  # noqa: E402
-from mmrl.rollout import SamplingParams, make_rollout  # noqa: E402
-from mmrl.rollout.hf import HFRollout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-4  # fp32 on both sides; measured differences are ~1e-5
@@ -51,8 +51,8 @@ OVERRIDES = {
 RECIPE_HEADS = [
     "model.config_overrides.text_config.num_attention_heads=2",
     "model.config_overrides.text_config.head_dim=32",
-    "model.config_overrides.text_config.rope_parameters="
-    "{rope_type: default, rope_theta: 1000000.0, mrope_section: [4, 6, 6]}",
+    ("model.config_overrides.text_config.rope_parameters="
+     "{rope_type: default, rope_theta: 1000000.0, mrope_section: [4, 6, 6]}"),
 ]
 
 

@@ -184,10 +184,10 @@ class VLLMRollout:
         from vllm import SamplingParams as VLLMSamplingParams
 
         seed = None if params.seed is None else (params.seed * _SEED_SPREAD + prompt_index * params.n) % (1 << 31)
-        sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         if params.greedy:
             # vLLM refuses n > 1 when greedy; the n greedy responses are one response repeated.
-            sampling = dict(temperature=0.0)
+            sampling = {"temperature": 0.0}
         return VLLMSamplingParams(
             n=1 if params.greedy else params.n, max_tokens=params.max_new_tokens, seed=seed,
             stop_token_ids=self._stop_ids, logprobs=0,
