@@ -64,6 +64,11 @@ class Parts:
 
 # The layout of most HF causal LMs: `model` (decoder stack), `model.embed_tokens`, `lm_head`.
 DECODER_PARTS = Parts(language="model", embed="model.embed_tokens", lm_head="lm_head")
+# The layout of HF vision-language models built as vision tower + projector + language model.
+VISION_TOWER_PARTS = Parts(
+    language="model.language_model", embed="model.language_model.embed_tokens", lm_head="lm_head",
+    vision="model.vision_tower", projector="model.multi_modal_projector",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@ pool plus projection into the Gemma 3 decoder, images attended bidirectionally."
 
 import torch
 
-from mmrl.adapter import ATTN_AND_MLP, Capabilities, LoraTargets, Parts, Rollout, TinyModel, VisionLanguageAdapter
+from mmrl.adapter import (
+    ATTN_AND_MLP, VISION_TOWER_PARTS, Capabilities, LoraTargets, Rollout, TinyModel, VisionLanguageAdapter,
+)
 from mmrl.registry import register_model
 from mmrl.models.gemma3_text import tiny_gemma3_text_config
 from mmrl.processors.gemma3 import tiny_processor, tiny_tokenizer
@@ -14,10 +16,7 @@ class Gemma3(VisionLanguageAdapter):
     family = "gemma3"
     model_types = ("gemma3",)
     hf_class = "transformers:Gemma3ForConditionalGeneration"
-    parts = Parts(
-        language="model.language_model", embed="model.language_model.embed_tokens", lm_head="lm_head",
-        vision="model.vision_tower", projector="model.multi_modal_projector",
-    )
+    parts = VISION_TOWER_PARTS
     shard_layers = ("Gemma3DecoderLayer", "SiglipEncoderLayer")
     lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     # Images are resized to one square size, so there is no pixel budget; no video.

@@ -5,7 +5,7 @@ from mmrl.adapter import (
     ATTN_AND_MLP,
     Capabilities,
     LoraTargets,
-    Parts,
+    VISION_TOWER_PARTS,
     Rollout,
     TinyModel,
     VisionLanguageAdapter,
@@ -20,13 +20,7 @@ class InternVL(VisionLanguageAdapter):
     model_types = ("internvl",)
     hf_class = "transformers:InternVLForConditionalGeneration"
     modalities = ("text", "image", "video")
-    parts = Parts(
-        language="model.language_model",
-        embed="model.language_model.embed_tokens",
-        lm_head="lm_head",
-        vision="model.vision_tower",
-        projector="model.multi_modal_projector",
-    )
+    parts = VISION_TOWER_PARTS
     shard_layers = ("Qwen2DecoderLayer", "InternVLVisionLayer")
     lora = LoraTargets(
         language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "projection_layer", "fc1", "fc2")

@@ -1,10 +1,12 @@
 """LLaVA-OneVision (llava-hf/llava-onevision-qwen2-*-hf): SigLIP anyres tiles + Qwen2."""
 
+from dataclasses import replace
+
 from mmrl.adapter import (
     ATTN_AND_MLP,
     Capabilities,
     LoraTargets,
-    Parts,
+    VISION_TOWER_PARTS,
     Rollout,
     TinyModel,
     VisionLanguageAdapter,
@@ -19,14 +21,8 @@ class LlavaOnevision(VisionLanguageAdapter):
     model_types = ("llava_onevision",)
     hf_class = "transformers:LlavaOnevisionForConditionalGeneration"
     modalities = ("text", "image", "video")
-    parts = Parts(
-        language="model.language_model",
-        embed="model.language_model.embed_tokens",
-        lm_head="lm_head",
-        vision="model.vision_tower",
-        # The learned newline embedding is spliced between rows of image features.
-        projector=("model.multi_modal_projector", "model.image_newline"),
-    )
+    # The learned newline embedding is spliced between rows of image features.
+    parts = replace(VISION_TOWER_PARTS, projector=("model.multi_modal_projector", "model.image_newline"))
     shard_layers = ("Qwen2DecoderLayer", "SiglipEncoderLayer")
     lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     # vLLM's own hf_to_vllm_mapper for this architecture (it nests the decoder as
