@@ -7,6 +7,7 @@
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
     mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
     mmrl doctor PATH_OR_FAMILY [--json]                  # the same probes on a checkpoint or a family
+    mmrl add-model MODEL_TYPE [--family NAME] [--out DIR] [--dry-run] [--force]   # scaffold a family
 """
 
 from __future__ import annotations
@@ -242,6 +243,42 @@ def doctor(
         console.print(verdict, highlight=False)
     if gating:
         raise typer.Exit(code=1)
+
+
+@app.command("add-model")
+def add_model(
+    model_type: str = typer.Argument(..., help="A transformers model type (config.json's model_type)."),
+    family: str = typer.Option(None, "--family", help="Family name (default: the model type).", metavar="NAME"),
+    out: str = typer.Option(None, "--out", help="Write an out-of-tree plugin package into DIR instead of this "
+                            "checkout's models/, processors/, tests/ and docs/.", metavar="DIR"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be written; write nothing."),
+    force: bool = typer.Option(False, "--force", help="Overwrite files that exist."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the quick checks on the tiny model and "
+                                "declare only the capabilities that pass (default)."),
+) -> None:
+    """Scaffold a model family (adapter, processing, zoo test, docs) from transformers' own classes."""
+    from mmrl.scaffold import CHECKED, ScaffoldError, scaffold
+
+    try:
+        result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify)
+    except ScaffoldError as exc:
+        fail(str(exc))
+    if dry_run:
+        for path, text in result.contents.items():
+            typer.echo(f"--- {path}")
+            typer.echo(text)
+        console.print(f"dry run: would write {len(result.contents)} files for family {result.family!r}",
+                      highlight=False)
+    else:
+        console.print(f"wrote family {result.family!r}:", highlight=False)
+        for path in result.written:
+            console.print(f"  {path}", highlight=False)
+    if result.capabilities is not None:
+        passed = [name for name in CHECKED if getattr(result.capabilities, name)]
+        console.print("verified on the tiny model: " + ", ".join(passed), highlight=False)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(f"next: {result.next_command}", highlight=False)
 
 
 if __name__ == "__main__":

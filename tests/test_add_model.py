@@ -1,0 +1,135 @@
+"""`mmrl add-model`: a real transformers family mmrl does not register is scaffolded
+into a temporary out-of-tree package, loaded as a plugin, and must pass the zoo's
+checks with no hand edits; the refusals (unknown, registered, existing files) write
+nothing.
+
+    .venv/bin/python -m pytest -q tests/test_add_model.py
+"""
+
+import importlib
+import inspect
+import sys
+import tomllib
+
+import pytest
+import test_zoo
+from typer.testing import CliRunner
+
+from mmrl.cli import app
+from mmrl.registry import get_adapter, load_plugin, unregister
+
+TEXT_TYPE = "olmo2"  # in transformers, not in the zoo
+
+
+def add_model(*args: str):
+    return CliRunner().invoke(app, ["add-model", *args])
+
+
+def zoo_checks(family: str):
+    """The zoo tests a family of this kind joins (those parametrized over vision-language
+    families only are left out for a text family)."""
+    multimodal = get_adapter(family).is_multimodal
+    for name, check in vars(test_zoo).items():
+        if not name.startswith("test_") or not callable(check):
+            continue
+        marks = [m.args[1] for m in getattr(check, "pytestmark", []) if m.name == "parametrize"]
+        vlm_only = any(families and all(get_adapter(f).is_multimodal for f in families) for families in marks)
+        if multimodal or not vlm_only:
+            yield name, check
+
+
+@pytest.fixture
+def plugin_path(tmp_path):
+    """Put `tmp_path` on sys.path for the test; afterwards unregister and forget the
+    families and modules loaded from it."""
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+            for attr in vars(module).values():
+                if isinstance(attr, type) and attr.__module__ == name and hasattr(attr, "family"):
+                    unregister(attr.family)
+    importlib.invalidate_caches()
+
+
+def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
+    result = add_model(TEXT_TYPE, "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    package = plugin_path / f"mmrl_{TEXT_TYPE}"
+    adapter_file = package / f"{TEXT_TYPE}.py"
+    assert adapter_file.is_file() and (package / "__init__.py").is_file()
+    assert (plugin_path / "tests" / f"test_family_{TEXT_TYPE}.py").is_file()
+    assert not (package / "processing.py").exists(), "a text family needs no processing module"
+    pyproject = tomllib.loads((plugin_path / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["mmrl.models"] == {TEXT_TYPE: f"mmrl_{TEXT_TYPE}.{TEXT_TYPE}"}
+    assert f"pytest -q tests/test_family_{TEXT_TYPE}.py" in result.output
+
+    source = adapter_file.read_text()
+    assert "parts = DECODER_PARTS" in source and f'model_types = ("{TEXT_TYPE}",)' in source
+    assert "Olmo2DecoderLayer" in source and 'vllm_architecture="Olmo2ForCausalLM"' in source
+
+    load_plugin(f"mmrl_{TEXT_TYPE}.{TEXT_TYPE}")
+    adapter = get_adapter(TEXT_TYPE)
+    assert adapter.family == TEXT_TYPE and adapter.capabilities.padding_free
+    ran = []
+    for name, check in zoo_checks(TEXT_TYPE):
+        arguments = {"family": TEXT_TYPE, "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+        ran.append(name)
+    assert {"test_save_reload_forward_backward_generate", "test_padded_batch_matches_each_prompt_alone",
+            "test_packed_batch_matches_padded", "test_lora_merge_matches_unmerged"} <= set(ran)
+
+
+def test_unknown_model_type_is_a_one_line_error(tmp_path):
+    result = add_model("no_such_model_type", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0
+    assert "unknown model type 'no_such_model_type'" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_registered_model_type_is_refused(tmp_path):
+    result = add_model("qwen2", "--out", str(tmp_path))
+    assert result.exit_code == 2
+    assert "already registered by family 'qwen2'" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_file_is_kept_without_force(tmp_path):
+    test_file = tmp_path / "tests" / f"test_family_{TEXT_TYPE}.py"
+    test_file.parent.mkdir()
+    test_file.write_text("# mine\n")
+    result = add_model(TEXT_TYPE, "--out", str(tmp_path), "--no-verify")
+    assert result.exit_code == 2 and "--force" in result.output
+    assert test_file.read_text() == "# mine\n"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "tests", f"tests/test_family_{TEXT_TYPE}.py"], "a refused scaffold wrote files"
+
+    result = add_model(TEXT_TYPE, "--out", str(tmp_path), "--no-verify", "--force")
+    assert result.exit_code == 0, result.output
+    assert test_file.read_text() != "# mine\n"
+    assert "not checked while scaffolding" in (tmp_path / f"mmrl_{TEXT_TYPE}" / f"{TEXT_TYPE}.py").read_text()
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    result = add_model(TEXT_TYPE, "--out", str(tmp_path / "out"), "--dry-run", "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "out").exists()
+    assert f"--- {tmp_path / 'out' / f'mmrl_{TEXT_TYPE}' / f'{TEXT_TYPE}.py'}" in result.output
+    assert "class Olmo2(ModelAdapter):" in result.output
+
+
+def test_in_tree_dry_run_targets_the_checkout(tmp_path):
+    from mmrl.scaffold import repo_root
+
+    root = repo_root()
+    result = add_model(TEXT_TYPE, "--family", "scaffold_probe", "--dry-run", "--no-verify")
+    assert result.exit_code == 0, result.output
+    for path in ("models/scaffold_probe.py", "tests/test_family_scaffold_probe.py", "docs/families.md"):
+        assert f"--- {root / path}" in result.output
+        assert path == "docs/families.md" or not (root / path).exists()
+    assert "class ScaffoldProbe(ModelAdapter):" in result.output
+    assert "- `scaffold_probe` (text): transformers `Olmo2ForCausalLM`" in result.output
+    assert "import test_zoo" in result.output
