@@ -117,6 +117,26 @@ class TrainerConfig(_Section):
     progress: bool = True
 
 
+class ParallelConfig(_Section):
+    # Ranks that split every sequence (Ulysses sequence parallelism): it must divide the
+    # number of processes and the text model's attention heads (`mmrl.parallel.ulysses`).
+    sequence_parallel: int = Field(1, gt=0)
+
+    def check_model(self, adapter, text_config) -> None:
+        """Raise RecipeError naming the field when the model cannot be split this way."""
+        size = self.sequence_parallel
+        if size == 1:
+            return
+        if adapter.sequence_parallel is None:
+            raise RecipeError(f"parallel.sequence_parallel: {size} is set, but the {adapter.family} adapter opts out "
+                              "of sequence parallelism")
+        from mmrl.parallel.ulysses import heads_problem
+
+        problem = heads_problem(text_config, adapter.sequence_parallel.heads_attrs, size)
+        if problem:
+            raise RecipeError(f"parallel.sequence_parallel: {problem}")
+
+
 class Recipe(_Section):
     model: ModelConfig
     data: DataConfig
@@ -125,6 +145,7 @@ class Recipe(_Section):
     reward: RewardConfig = RewardConfig()
     optim: OptimConfig = OptimConfig()
     trainer: TrainerConfig = TrainerConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @field_validator("trainer")
     @classmethod

@@ -2,8 +2,11 @@
 
     mmrl train recipes/tiny_vlm_count.yaml                       # one process
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE         # FSDP2 over 2 processes
+    torchrun --nproc_per_node 4 -m mmrl.cli train RECIPE parallel.sequence_parallel=2
 
-Each step takes `prompts_per_step` prompts (split across ranks), samples
+Each step takes `prompts_per_step` prompts (split across the data-parallel ranks; the
+`parallel.sequence_parallel` ranks of one Ulysses group share their prompts, rollouts
+and sequences), samples
 `samples_per_prompt` responses each, scores them with the reward function, computes
 advantages with the configured estimator, and updates the actor (and the critic for
 GAE) in micro-batches. Metrics go to `metrics.jsonl` and TensorBoard; checkpoints hold
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mmrl.config import Recipe, dump_recipe
+from mmrl.config import Recipe, RecipeError, dump_recipe
 from mmrl.engine import Engine, join
 from mmrl.parallel import Dist, init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
@@ -33,12 +36,22 @@ STATE_FILE = "trainer_state.json"
 class Trainer:
     def __init__(self, recipe: Recipe, dist: Dist | None = None):
         self.recipe = recipe
-        self.dist = dist or init_distributed()
+        sequence_parallel = recipe.parallel.sequence_parallel
+        if dist is None:
+            try:
+                dist = init_distributed(sequence_parallel=sequence_parallel)
+            except ValueError as exc:
+                raise RecipeError(f"parallel.sequence_parallel: {exc}") from None
+        if dist.sequence_parallel != sequence_parallel:
+            raise RecipeError(f"parallel.sequence_parallel: {sequence_parallel}, but the given Dist has "
+                              f"{dist.sequence_parallel}")
+        self.dist = dist
         cfg = recipe.trainer
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed + self.dist.rank)
-        random.seed(cfg.seed + self.dist.rank)
+        # The ranks of one sequence-parallel group sample alike (same seed, same prompts).
+        torch.manual_seed(cfg.seed + self.dist.dp_rank)
+        random.seed(cfg.seed + self.dist.dp_rank)
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
@@ -66,6 +79,7 @@ class Trainer:
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
         built = build(r.trainer.seed)
+        r.parallel.check_model(built.adapter, built.model.config.get_text_config())
         if m.freeze:
             from mmrl.parts import freeze
 
@@ -123,15 +137,30 @@ class Trainer:
         return seqs.to(self.dist.device)
 
     def _next_prompts(self) -> list[dict]:
-        """This rank's share of the next batch of prompts."""
+        """This data-parallel rank's share of the next batch of prompts."""
         r = self.recipe
-        per_rank = max(1, r.data.prompts_per_step // self.dist.world_size)
+        shards = self.dist.dp_size
+        per_rank = max(1, r.data.prompts_per_step // shards)
         if self._batches is None:
-            self._batches = self.train_set.batches(per_rank * self.dist.world_size, seed=r.data.shuffle_seed,
-                                                   start=self.position)
+            self._batches = self.train_set.batches(per_rank * shards, seed=r.data.shuffle_seed, start=self.position)
         batch = next(self._batches)
         self.position = batch.end
-        return batch.samples[self.dist.rank::self.dist.world_size]
+        return batch.samples[self.dist.dp_rank::shards]
+
+    def _same_in_sp_group(self, result):
+        """The rollout of the group's first rank on every rank of a sequence-parallel
+        group: Ulysses needs the same sequences there, and sampling need not be
+        bitwise reproducible across devices."""
+        if self.dist.sequence_parallel == 1:
+            return result
+        from dataclasses import fields
+
+        import torch.distributed as torch_dist
+
+        box = [{f.name: getattr(result, f.name) for f in fields(result)} if self.dist.sp_rank == 0 else None]
+        torch_dist.broadcast_object_list(box, src=self.dist.dp_rank * self.dist.sequence_parallel,
+                                         group=self.dist.sp_group)
+        return type(result)(**box[0])
 
     def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> list:
         """Training sequences of the kept `rows`, in micro-batches."""
@@ -199,6 +228,8 @@ class Trainer:
         norm_length = self.recipe.rollout.max_new_tokens
         # Loss weights make the summed micro-batch gradients equal the gradient of the
         # whole batch across ranks: FSDP averages over ranks, hence the world-size factor.
+        # With sequence parallelism every group counts its tokens P times over P times as
+        # many ranks, and FSDP sums the group's partial gradients: the same weights hold.
         tokens = [float(s.response_mask.sum()) for s in batches]
         global_tokens = self.dist.all_reduce_sum(sum(tokens)) / self.dist.world_size
         global_rows = self.dist.all_reduce_sum(float(sum(s.size for s in batches))) / self.dist.world_size
@@ -249,7 +280,7 @@ class Trainer:
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
         with self._timed("rollout"):
-            result = self.rollout.generate(conversations, params)
+            result = self._same_in_sp_group(self.rollout.generate(conversations, params))
         rewards = self._score(samples, result)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {

@@ -97,8 +97,16 @@ class Engine:
             self.value_head = torch.nn.Linear(hidden, 1, device=dist.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
+        # Ulysses sequence parallelism over the ranks of dist's SP group (1: off).
+        self.sequence_parallel = dist.sequence_parallel
+        checkpoint_kwargs = {"use_reentrant": False}
+        if self.sequence_parallel > 1:
+            from mmrl.parallel import ulysses
+
+            ulysses.install(self.model, self.adapter)
+            checkpoint_kwargs["context_fn"] = ulysses.checkpoint_context
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
             if hasattr(self.model, "enable_input_require_grads"):
                 self.model.enable_input_require_grads()
         self.sharded = dist.distributed
@@ -128,12 +136,17 @@ class Engine:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         kwargs = {"mesh": self.dist.mesh, **({"mp_policy": mp} if mp else {})}
         layer_names = set(self.adapter.shard_layers)
-        for module in self.model.modules():
-            if type(module).__name__ in layer_names:
-                fully_shard(module, **kwargs)
-        fully_shard(self.model, **kwargs)
-        if self.value_head is not None:
-            fully_shard(self.value_head, **kwargs)
+        sharded = [module for module in self.model.modules() if type(module).__name__ in layer_names]
+        sharded += [self.model] + ([self.value_head] if self.value_head is not None else [])
+        for module in sharded:
+            fully_shard(module, **kwargs)
+        if self.sequence_parallel > 1:
+            # Each rank of an SP group holds a partial gradient of the same batch: sum
+            # them, and average over the data-parallel groups only.
+            for module in sharded:
+                module.set_gradient_divide_factor(float(self.dist.dp_size))
+                if self.dist.device.type != "cuda":  # gloo has no pre-multiplied sum
+                    module.set_force_sum_reduction_for_comms(True)
         # FSDP2 picks its root at the first forward it sees. HF generate may call a
         # submodule first (the vision encoder, before prefill), so settle the root now.
         self.model._get_fsdp_state()._lazy_init()
@@ -171,6 +184,8 @@ class Engine:
         """Per-token log-probs (B, R) of the response tokens, and entropy (B, R).
 
         Runs with autograd when the engine trains and grad mode is on."""
+        if self.sequence_parallel > 1:
+            return self._sp_log_probs(seqs, temperature, with_entropy)
         length = seqs.response_ids.shape[1]
         with self.autocast():
             out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=length + 1)
@@ -182,11 +197,53 @@ class Engine:
         """Critic values (B, R): the value head on the hidden state before each response token."""
         if self.value_head is None:
             raise RuntimeError("this engine has no value head (build it with value_head=True)")
+        if self.sequence_parallel > 1:
+            return self._sp_values(seqs)
         length = seqs.response_ids.shape[1]
         with self.autocast():
             out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -(length + 1):-1]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    # -- Ulysses sequence parallelism ------------------------------------------------------------
+    # Every rank of an SP group runs the same batch; each keeps the hidden states of its
+    # slice of the sequence and computes the response columns that fall in it. The
+    # per-token results are all-gathered, so every rank returns the whole (B, R) result.
+    def _sp_columns(self, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(local positions to keep, their response columns, columns per rank): the
+        positions that predict response tokens are the global ones [S - R - 1, S - 1)."""
+        from mmrl.parallel.ulysses import local_columns
+
+        total, length = seqs.inputs["input_ids"].shape[1], seqs.response_ids.shape[1]
+        first = total - length - 1
+        keep, widths = local_columns(total, first, total - 1, self.dist.sp_rank, self.sequence_parallel)
+        start = self.dist.sp_rank * (-(-total // self.sequence_parallel))
+        return keep.to(self.dist.device), (keep + start - first).to(self.dist.device), widths
+
+    def _sp_forward(self, seqs: Sequences, **kwargs):
+        from mmrl.parallel import ulysses
+
+        with self.autocast(), ulysses.active(self.dist.sp_group, self.dist.sp_rank, self.sequence_parallel):
+            return self.model(**seqs.inputs, use_cache=False, **kwargs)
+
+    def _sp_gather(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        from mmrl.parallel.ulysses import gather_columns
+
+        return gather_columns(local, widths, self.dist.sp_rank, self.dist.sp_group)
+
+    def _sp_log_probs(self, seqs: Sequences, temperature: float, with_entropy: bool):
+        keep, columns, widths = self._sp_columns(seqs)
+        out = self._sp_forward(seqs, logits_to_keep=keep)
+        logp, entropy = token_log_probs(out.logits, seqs.response_ids[:, columns], temperature)
+        logp = self._sp_gather(logp, widths)
+        return logp, (self._sp_gather(entropy, widths) if with_entropy else None)
+
+    def _sp_values(self, seqs: Sequences) -> torch.Tensor:
+        keep, _, widths = self._sp_columns(seqs)
+        out = self._sp_forward(seqs, logits_to_keep=keep[:0], output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, keep]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return self._sp_gather(values, widths)
 
     def autocast(self):
         """bf16 autocast for fp32 weights on a GPU when FSDP's mixed precision is not in

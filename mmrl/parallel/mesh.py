@@ -3,6 +3,10 @@
     dist = init_distributed()        # world size 1 without torchrun
     dist.rank, dist.world_size, dist.device, dist.mesh
 
+With `sequence_parallel=P` the ranks form a 2-D ("dp", "sp") mesh, rank = dp_rank * P +
+sp_rank: the P ranks of one "sp" group share each sequence (Ulysses, mmrl.parallel.
+ulysses) and receive the same batch; FSDP2 still shards over all ranks (`mesh`).
+
 On CPU the backend is gloo, on CUDA nccl. A single process gets no process group and no
 mesh, so nothing pays for distribution it does not use.
 """
@@ -23,6 +27,22 @@ class Dist:
     local_rank: int
     device: torch.device
     mesh: object | None  # torch.distributed.device_mesh.DeviceMesh when world_size > 1
+    # Ranks that share one sequence (Ulysses), and their process group (None when 1).
+    sequence_parallel: int = 1
+    sp_group: object | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank works on: the same for the ranks of one SP group."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sequence_parallel
 
     @property
     def is_main(self) -> bool:
@@ -60,8 +80,9 @@ class Dist:
         return out
 
 
-def init_distributed(device: str | None = None) -> Dist:
-    """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun) and set up the process group."""
+def init_distributed(device: str | None = None, sequence_parallel: int = 1) -> Dist:
+    """Read RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun) and set up the process group;
+    with `sequence_parallel` > 1 also the ("dp", "sp") mesh and the SP group."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -71,11 +92,19 @@ def init_distributed(device: str | None = None) -> Dist:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    mesh = None
+    if sequence_parallel < 1 or world_size % sequence_parallel:
+        raise ValueError(f"sequence_parallel={sequence_parallel} must divide the world size {world_size} "
+                         "(torchrun --nproc_per_node)")
+    mesh = sp_group = None
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not torch_dist.is_initialized():
             torch_dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("dp",))
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh)
+        if sequence_parallel > 1:
+            grid = init_device_mesh(dev.type, (world_size // sequence_parallel, sequence_parallel),
+                                    mesh_dim_names=("dp", "sp"))
+            sp_group = grid.get_group("sp")
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh,
+                sequence_parallel=sequence_parallel, sp_group=sp_group)

@@ -91,13 +91,13 @@ def _fsdp_available(device: str) -> None:
         raise NotRunHere(f"needs {FSDP_PROCESSES} GPUs, found {torch.cuda.device_count()}")
 
 
-def _launch(subjects: list[Subject], out: Path, timeout: float) -> tuple[int | None, str]:
-    """Run fsdp_step under torchrun; (exit code or None on timeout, last stderr line)."""
+def _launch(module: str, subjects: list[Subject], out: Path, timeout: float, processes: int) -> tuple[int | None, str]:
+    """Run `module` under torchrun; (exit code or None on timeout, last stderr line)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            # The subprocesses import what this process can: plugin modules included.
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={FSDP_PROCESSES}",
-               "-m", "mmrl.probes.fsdp_step", str(out), json.dumps([s.spec() for s in subjects])]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", module, str(out), json.dumps([s.spec() for s in subjects])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -106,23 +106,28 @@ def _launch(subjects: list[Subject], out: Path, timeout: float) -> tuple[int | N
     return done.returncode, (errors[-1] if errors else (done.stderr.strip().splitlines() or [""])[-1])[:300]
 
 
-def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
-    _fsdp_available(subjects[0].device)
+def torchrun_many(
+    module: str, subjects: list[Subject], verified: str, *, processes: int = FSDP_PROCESSES,
+    timeout_base_s: float = FSDP_TIMEOUT_BASE_S, timeout_per_subject_s: float = FSDP_TIMEOUT_PER_SUBJECT_S,
+) -> list[tuple[Verified | BaseException, float]]:
+    """Run a torchrun probe script (`module OUT.jsonl SPECS`, one JSON record per subject:
+    source, passed, reason, evidence, seconds, missing_package) over all `subjects` in one
+    launch; a subject that crashes or hangs the launch is blamed and the rest run again.
+    `verified` is the reason a passing record gets."""
     results: dict[str, tuple[Verified | BaseException, float]] = {}
     remaining = list(subjects)
     retried = False
     while remaining:
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "fsdp.jsonl"
+            out = Path(tmp) / "records.jsonl"
             start = time.perf_counter()
-            timeout = FSDP_TIMEOUT_BASE_S + FSDP_TIMEOUT_PER_SUBJECT_S * len(remaining)
-            code, last_error = _launch(remaining, out, timeout)
+            timeout = timeout_base_s + timeout_per_subject_s * len(remaining)
+            code, last_error = _launch(module, remaining, out, timeout, processes)
             elapsed = time.perf_counter() - start
             records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
         for record in records:
             if record["passed"]:
-                outcome = Verified(f"{FSDP_PROCESSES}-process FSDP2 step (gloo) equals the one-process step: "
-                                   "gradients and AdamW-updated weights", record["evidence"])
+                outcome = Verified(verified, record["evidence"])
             elif record.get("missing_package"):
                 outcome = NotRunHere(f"package {record['missing_package']!r} not installed")
             else:
@@ -138,6 +143,13 @@ def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseExcep
         blamed = remaining.pop(0)  # the subject in progress when the launch died
         results[blamed.source] = (CheckFailed(f"torchrun failed (exit {code}): {last_error}"), elapsed)
     return [results.get(s.source, (CheckFailed("no result from torchrun"), 0.0)) for s in subjects]
+
+
+def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
+    _fsdp_available(subjects[0].device)
+    return torchrun_many("mmrl.probes.fsdp_step", subjects,
+                         f"{FSDP_PROCESSES}-process FSDP2 step (gloo) equals the one-process step: "
+                         "gradients and AdamW-updated weights")
 
 
 def check_fsdp2(subject: Subject) -> Verified:

@@ -1,0 +1,428 @@
+"""Ulysses sequence parallelism: P ranks share one sequence, each holding S/P positions.
+
+DeepSpeed-Ulysses, for any HF decoder through transformers' registration APIs:
+
+    layout = install(model, adapter)          # once, before FSDP wraps the model
+    with active(group):                       # around a forward of the whole model
+        out = model(**inputs, logits_to_keep=local_columns(...))
+
+- `install` registers the attention function "mmrl_ulysses" (and its mask function) with
+  transformers' `AttentionInterface` / `AttentionMaskInterface`, selects it for the text
+  decoder only (`config.get_text_config()`; a vision tower keeps its own attention), and
+  adds a forward pre-hook to the module that runs the decoder layers. Outside `active`
+  both functions hand over to the implementation the model had ("sdpa" or "eager"), so
+  HF generate with a KV cache runs on the same model unchanged.
+- Inside `active`, the hook cuts `inputs_embeds` / `input_ids` and the adapter's
+  `sequence_parallel.split_inputs` (position ids along their last dimension, which
+  covers 3-D mrope ids) to this rank's slice, after padding the sequence to a multiple
+  of P. Each attention call all-to-alls q/k/v from (B, H, S/P, D) to (B, H/P, S, D),
+  attends over the whole sequence with a mask built from the full 2-D attention mask
+  (causal, padding, sliding window, packed sequences and any mask function the model
+  adds, e.g. bidirectional image blocks), and all-to-alls back. KV heads that P does not
+  divide are repeated up to the query heads first.
+- Results stay on the rank that owns their positions: `gather_columns` all-gathers
+  per-token results (log-probs, values) along the response, and its backward returns
+  only this rank's columns. The loss is then the same on every rank of the group, every
+  position's gradient is seeded exactly once, and each rank's parameter gradients are a
+  partial sum over the group; FSDP's reduction sums them (`Engine` sets its divide
+  factor to the data-parallel size, not the world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
+
+NAME = "mmrl_ulysses"
+# What the text decoder may run when no sequence-parallel forward is active.
+_BASES = ("sdpa", "eager")
+# The implementation each installed text config had, by id: an attribute on the config
+# would be written into config.json.
+_BASE_BY_CONFIG: dict[int, str] = {}
+
+
+@dataclass
+class _Context:
+    group: object
+    size: int
+    rank: int
+    # Set by the pre-hook: packed-sequence ids of the whole (padded) batch, when the
+    # decoder gets no attention mask and its positions restart within a row.
+    packed: torch.Tensor | None = None
+    full_length: int | None = None
+    spent: list = field(default_factory=list)
+
+    def padded(self, length: int) -> int:
+        return -(-length // self.size) * self.size
+
+
+_CONTEXT: _Context | None = None
+
+
+@contextlib.contextmanager
+def active(group, rank: int | None = None, size: int | None = None):
+    """Run the forwards inside with the sequence split over the ranks of `group`."""
+    global _CONTEXT
+    previous = _CONTEXT
+    size = size if size is not None else torch_dist.get_world_size(group)
+    rank = rank if rank is not None else torch_dist.get_rank(group)
+    _CONTEXT = _Context(group=group, size=size, rank=rank)
+    try:
+        yield _CONTEXT
+    finally:
+        _CONTEXT = previous
+
+
+def current() -> _Context | None:
+    return _CONTEXT
+
+
+def checkpoint_context():
+    """`context_fn` for `torch.utils.checkpoint`: a recomputed layer sees the sequence-
+    parallel context its forward saw, though backward runs outside `active`."""
+    saved = _CONTEXT
+
+    @contextlib.contextmanager
+    def restore():
+        global _CONTEXT
+        previous = _CONTEXT
+        _CONTEXT = saved
+        try:
+            yield
+        finally:
+            _CONTEXT = previous
+
+    return contextlib.nullcontext(), restore()
+
+
+# -- which columns a rank owns -----------------------------------------------------------------
+def owned_range(length: int, rank: int, size: int) -> tuple[int, int]:
+    """Global positions [start, stop) of rank `rank` for a sequence of `length` (padded
+    to a multiple of `size`; the last rank's slice may end in padding)."""
+    local = -(-length // size)
+    return rank * local, (rank + 1) * local
+
+
+def local_columns(length: int, first: int, last: int, rank: int, size: int) -> tuple[torch.Tensor, list[int]]:
+    """Local indices of the global columns [first, last) this rank owns, and how many
+    columns every rank of the group owns (in rank order)."""
+    widths = []
+    for r in range(size):
+        start, stop = owned_range(length, r, size)
+        widths.append(max(0, min(last, stop) - max(first, start)))
+    start, stop = owned_range(length, rank, size)
+    lo = max(first, start)
+    columns = torch.arange(lo, max(lo, min(last, stop))) - start
+    return columns, widths
+
+
+class _GatherColumns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, widths, rank, group):
+        ctx.span = (sum(widths[:rank]), widths[rank])
+        width = max(widths)
+        padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in widths]
+        torch_dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[..., :n] for part, n in zip(parts, widths)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, width = ctx.span
+        return grad[..., start:start + width], None, None, None
+
+
+def gather_columns(local: torch.Tensor, widths: list[int], rank: int, group) -> torch.Tensor:
+    """Concatenate every rank's columns (last dim) in rank order. Backward keeps this
+    rank's columns only: valid when the loss is the same on every rank of the group."""
+    return _GatherColumns.apply(local, widths, rank, group)
+
+
+# -- all-to-all ---------------------------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, group, size: int, heads_to_sequence: bool) -> torch.Tensor:
+    """(B, H, S/P, D) -> (B, H/P, S, D), or back."""
+    batch, heads, length, dim = x.shape
+    if heads_to_sequence:
+        send = x.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    else:
+        send = x.reshape(batch, heads, size, length // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    torch_dist.all_to_all_single(received, send, group=group)
+    # received[i] is rank i's piece: its slice of the sequence, or its group of heads.
+    if heads_to_sequence:
+        return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+    return received.transpose(0, 1).reshape(batch, size * heads, length // size, dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, heads_to_sequence):
+        ctx.args = (group, size, heads_to_sequence)
+        return _all_to_all(x, group, size, heads_to_sequence)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, size, heads_to_sequence = ctx.args
+        return _all_to_all(grad.contiguous(), group, size, not heads_to_sequence), None, None, None
+
+
+def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
+    if times == 1:
+        return x
+    batch, heads, length, dim = x.shape
+    return x[:, :, None].expand(batch, heads, times, length, dim).reshape(batch, heads * times, length, dim)
+
+
+# -- the attention and mask functions -----------------------------------------------------------
+def _base_of(config) -> str:
+    return _BASE_BY_CONFIG.get(id(config), "sdpa")
+
+
+def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The registered attention function: Ulysses inside `active`, else the base one."""
+    ctx = _CONTEXT
+    if ctx is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        base = _base_of(getattr(module, "config", None))
+        if base == "eager":
+            return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
+                                             scaling=scaling, **kwargs)
+    size = ctx.size
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % size:
+        raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size}, "
+                         f"got {heads}")
+    if kv_heads % size:  # e.g. one KV head: give every rank its copy
+        key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
+    query, key, value = (_AllToAll.apply(t, ctx.group, size, True) for t in (query, key, value))
+    length = query.shape[2]
+    mask = attention_mask
+    if mask is not None and tuple(mask.shape[-2:]) != (length, length):
+        raise ValueError(f"sequence-parallel attention got a mask of shape {tuple(mask.shape)}, not one over the "
+                         f"whole sequence ({length}); was it made by another attention implementation?")
+    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("sequence-parallel attention does not support position biases or attention sinks")
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+    is_causal = mask is None and getattr(module, "is_causal", True)
+    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
+        getattr(module, "config", None), "attn_logit_softcapping", None)
+    if softcap:
+        raise ValueError("sequence-parallel attention does not support attention logit soft-capping")
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=is_causal)
+    out = _AllToAll.apply(out, ctx.group, size, False)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """transformers' generic eager attention (models keep their own copy of it)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, config=None, **kwargs):
+    """The registered mask function: inside `active`, a boolean (B, 1, S, S) mask over
+    the whole sequence padded to a multiple of P (the rows of padding attend to
+    themselves only, so no row is empty); else the base implementation's mask."""
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        and_masks,
+        causal_mask_function,
+        packed_sequence_mask_function,
+        sdpa_mask,
+    )
+
+    mask_function = mask_function or causal_mask_function
+    ctx = _CONTEXT
+    if ctx is None:
+        base = _base_of(config)
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            mask_function=mask_function, attention_mask=attention_mask, config=config, **kwargs)
+    if q_offset or kv_offset:
+        raise ValueError("sequence-parallel forwards take no KV cache")
+    # Before the pre-hook (a wrapper building masks for its decoder) the lengths are the
+    # whole sequence; after it, the hook keeps a 2-D mask of the whole sequence.
+    length = attention_mask.shape[-1] if attention_mask is not None else kv_length
+    if ctx.packed is not None:
+        mask_function = and_masks(mask_function, packed_sequence_mask_function(ctx.packed[:, :length]))
+    device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
+    mask = sdpa_mask(batch_size=batch_size, q_length=length, kv_length=length, mask_function=mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                     use_vmap=kwargs.get("use_vmap", False), device=device)
+    if mask is None:
+        return None
+    mask = mask.expand(batch_size, 1, length, length)
+    padded = ctx.padded(length)
+    if padded == length:
+        return mask
+    full = torch.zeros(batch_size, 1, padded, padded, dtype=torch.bool, device=mask.device)
+    full[:, :, :length, :length] = mask
+    tail = torch.arange(length, padded, device=mask.device)
+    full[:, :, tail, tail] = True
+    return full
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, ulysses_attention)
+    AttentionMaskInterface.register(NAME, ulysses_mask)
+
+
+# -- installing on a model ----------------------------------------------------------------------
+def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
+    """The module that runs the text decoder layers: the parent of the ModuleList of
+    `adapter.shard_layers` modules that lies under `adapter.parts.language`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_names = set(adapter.shard_layers)
+    found = []
+    for name, module in base.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
+                found.append((name, module))
+    language = adapter.parts.language
+
+    def under_language(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in language)
+
+    stacks = [(name, module) for name, module in found if under_language(name)]
+    if len(stacks) != 1:
+        raise ValueError(f"cannot find the text decoder layers: {len(stacks)} module lists of "
+                         f"{sorted(layer_names)} under {list(language)} (found {[n for n, _ in found]})")
+    return stacks[0][1]
+
+
+def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
+    """Select Ulysses attention for the text decoder of `model` and hook its decoder
+    stack; returns the stack. Idempotent."""
+    if adapter.sequence_parallel is None:
+        raise ValueError(f"{adapter.family}: the adapter opts out of sequence parallelism "
+                         "(sequence_parallel = None)")
+    _register()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text_config = base.config.get_text_config()
+    current_name = text_config._attn_implementation
+    if current_name != NAME:
+        if current_name not in _BASES:
+            raise ValueError(f"sequence parallelism runs on the text decoder's {' or '.join(_BASES)} attention, "
+                             f"not {current_name!r} (set model.attn_implementation)")
+        _BASE_BY_CONFIG[id(text_config)] = current_name
+        text_config._attn_implementation = NAME
+    stack = decoder_stack(model, adapter)
+    if getattr(stack.config, "_attn_implementation", NAME) != NAME:
+        raise ValueError(f"{type(stack).__name__} does not read its attention from the text config")
+    if not getattr(stack, "_mmrl_ulysses_hooked", False):
+        split = tuple(adapter.sequence_parallel.split_inputs)
+        stack.register_forward_pre_hook(_splitter(split), with_kwargs=True)
+        stack._mmrl_ulysses_hooked = True
+    return stack
+
+
+_NOT_SPLIT = ("attention_mask", "past_key_values", "use_cache", "return_dict", "output_hidden_states",
+              "output_attentions")
+
+
+def _splitter(split_inputs: tuple[str, ...]):
+    def cut(tensor: torch.Tensor, dim: int, start: int, stop: int, padded: int) -> torch.Tensor:
+        length = tensor.shape[dim]
+        if padded > length:
+            if tensor.is_floating_point():
+                shape = list(tensor.shape)
+                shape[dim] = padded - length
+                tensor = torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+            else:  # ids and positions: repeat the last one
+                last = tensor.narrow(dim, length - 1, 1)
+                tensor = torch.cat([tensor, last.expand(*[padded - length if d == dim % tensor.dim() else -1
+                                                           for d in range(tensor.dim())])], dim=dim)
+        return tensor.narrow(dim, start, stop - start)
+
+    def hook(module, args, kwargs):
+        ctx = _CONTEXT
+        if ctx is None:
+            return None
+        if args:
+            raise ValueError(f"sequence parallelism needs keyword arguments for {type(module).__name__}")
+        source = kwargs.get("inputs_embeds")
+        if source is None:
+            source = kwargs.get("input_ids")
+        if source is None:
+            raise ValueError("sequence parallelism needs input_ids or inputs_embeds")
+        length = source.shape[1]
+        padded = ctx.padded(length)
+        start, stop = owned_range(length, ctx.rank, ctx.size)
+        ctx.full_length = length
+        kwargs = dict(kwargs)
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            raise ValueError("sequence-parallel forwards take no KV cache (pass use_cache=False)")
+        positions = kwargs.get("position_ids")
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            if positions is not None:
+                from transformers.masking_utils import find_packed_sequence_indices
+
+                text_positions = positions[0] if positions.dim() == 3 else positions
+                text_positions = text_positions.expand(source.shape[0], -1)
+                ctx.packed = find_packed_sequence_indices(text_positions)
+            kwargs["attention_mask"] = torch.ones(source.shape[:2], dtype=torch.bool, device=source.device)
+        elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != length:
+            raise ValueError(f"attention mask covers {mask.shape[-1]} positions, the inputs {length}")
+        if positions is None:
+            positions = torch.arange(length, device=source.device).unsqueeze(0)
+            kwargs["position_ids"] = positions
+        for name in dict.fromkeys(("inputs_embeds", "input_ids", *split_inputs)):
+            value = kwargs.get(name)
+            if name == "attention_mask" or not isinstance(value, torch.Tensor):
+                continue
+            dim = -1 if name == "position_ids" else 1
+            if value.shape[dim] != length:
+                raise ValueError(f"{name} has {value.shape[dim]} positions, the inputs {length}")
+            kwargs[name] = cut(value, dim, start, stop, padded)
+        for name, value in kwargs.items():
+            if (name not in _NOT_SPLIT and name not in split_inputs and name not in ("inputs_embeds", "input_ids")
+                    and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length):
+                raise ValueError(f"the decoder gets {name} {tuple(value.shape)} over the whole sequence, which "
+                                 "sequence parallelism does not know how to cut (adapter.sequence_parallel."
+                                 "split_inputs)")
+        return args, kwargs
+
+    return hook
+
+
+def heads_problem(text_config, heads_attrs: tuple[str, ...], size: int) -> str | None:
+    """Why `size` ranks cannot split the heads of `text_config`, or None. The first of
+    `heads_attrs` (the query heads) must be divisible by `size`; the others (KV heads)
+    must be divisible too, or divide the query heads (then they are repeated)."""
+    if size == 1:
+        return None
+    values = [(attr, getattr(text_config, attr, None)) for attr in heads_attrs]
+    values = [(attr, value) for attr, value in values if isinstance(value, int)]
+    if not values:
+        return f"the text config has none of {list(heads_attrs)}"
+    query_attr, query_heads = values[0]
+    if query_heads % size:
+        return f"{size} does not divide {query_attr} = {query_heads} of the text config"
+    for attr, value in values[1:]:
+        if value % size and query_heads % value:
+            return f"{size} does not divide {attr} = {value}, which does not divide {query_attr} = {query_heads}"
+    return None

@@ -1,0 +1,133 @@
+"""One GRPO-style update with Ulysses sequence parallelism over the torchrun processes,
+against the same update in one process, for each subject given; rank 0 appends one JSON
+line per subject.
+
+The sequence-parallel probe launches it (2 processes, gloo on CPU, nccl on GPUs):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        -m mmrl.probes.sp_step OUT.jsonl '[{"source": "FAMILY", "random_init": true}]'
+
+All processes form one SP group (and FSDP2 shards over them): every rank gets the same
+batch, whose length is made odd so that the sequence needs padding to split. Rank 0 first
+runs the one-process reference on that batch; then log-probs (atol 1e-5), gradients and
+AdamW-updated weights are compared with the FSDP2 probe's bounds (`compare_updates`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates
+
+LOGPROB_ATOL = 1e-5
+
+
+def batch(built):
+    """Four prompts and responses on every rank, prompt + response of odd length."""
+    from mmrl.checks import sample_conversations
+
+    conversations = sample_conversations(built.adapter) * 2
+    prompts = dict(built.processing(conversations))
+    length = 6 if prompts["input_ids"].shape[1] % 2 else 5
+    generator = torch.Generator().manual_seed(0)
+    vocab = built.model.config.get_text_config().vocab_size
+    responses = torch.randint(min(20, vocab - 1), vocab, (len(conversations), length), generator=generator)
+    mask = torch.ones_like(responses)
+    mask[1, length - 2:] = 0
+    advantages = torch.randn(len(conversations), generator=generator)
+    return prompts, responses, mask, advantages
+
+
+def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Log-probs, gradients and updated weights (full, on CPU) of one update on the
+    whole batch, in one process or split along the sequence over dist's SP group."""
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine, join
+
+    built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1)
+    prompts, responses, mask, advantages = batch(built)
+    seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id).to(dist.device)
+    logp, _ = engine.log_probs(seqs)
+    # Token-mean over the batch: the same loss on every rank of the SP group.
+    loss = -(logp * advantages[:, None].to(dist.device) * seqs.response_mask).sum() / float(mask.sum())
+    (loss * dist.dp_size).backward()
+    grads = {}
+    for name, param in engine.model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name] = grad.detach().float().cpu().clone()
+    engine.step()
+    state = {k: v.detach().float().cpu().clone() for k, v in engine.full_state_dict().items()}
+    return logp.detach().float().cpu(), grads, state
+
+
+def compare(reference, parallel) -> tuple[str | None, dict]:
+    """(failure reason or None, evidence)."""
+    (ref_logp, *ref_update), (logp, *sp_update) = reference, parallel
+    if ref_logp.shape != logp.shape:
+        return f"log-probs have shape {tuple(logp.shape)}, one process {tuple(ref_logp.shape)}", {}
+    gap = (ref_logp - logp).abs().max().item()
+    if gap > LOGPROB_ATOL:
+        return f"log-probs differ from one process by {gap:.2e} (atol {LOGPROB_ATOL:.0e})", {"max_logprob_diff": gap}
+    reason, evidence = compare_updates(tuple(ref_update), tuple(sp_update))
+    if reason is not None:
+        reason = reason.replace("FSDP2 update", "sequence-parallel update")  # the bounds are shared
+    return reason, {"max_logprob_diff": gap, "tokens": int(ref_logp.numel()), **evidence}
+
+
+def main(out: str, specs: list[dict]) -> None:
+    from mmrl.parallel import Dist, init_distributed
+    from mmrl.probes.base import Subject, one_line
+
+    torch.set_num_threads(1)
+    device = specs[0].get("device", "cpu") if specs else "cpu"
+    if not torch.distributed.is_initialized():
+        # A short timeout: a rank that fails alone must not leave the other waiting.
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=120))
+    dist = init_distributed(device, sequence_parallel=torch.distributed.get_world_size())
+    alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)
+    for spec in specs:
+        start = time.perf_counter()
+        record: dict = {"source": spec["source"], "passed": False, "evidence": {}}
+        reference = error = None
+        try:
+            subject = Subject.from_spec(spec)
+            if subject.adapter.sequence_parallel is None:
+                raise ValueError("the adapter sets sequence_parallel = None")
+            if dist.is_main:
+                reference = update(subject, alone)
+        except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
+            error = one_line(exc)
+            if isinstance(exc, ModuleNotFoundError) and not (exc.name or "mmrl").startswith("mmrl"):
+                record["missing_package"] = exc.name
+        error = dist.all_gather_objects(error)[0]
+        if error is None:
+            try:
+                parallel = update(subject, dist)
+                if dist.is_main:
+                    error, record["evidence"] = compare(reference, parallel)
+                    record["passed"] = error is None
+            except Exception as exc:  # noqa: BLE001
+                error = one_line(exc)
+            # Rank 0 reports the first error of any rank.
+            error = next((e for e in dist.all_gather_objects(error) if e), None)
+            record["passed"] = record["passed"] and error is None
+        record["reason"] = error
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        if dist.is_main:
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

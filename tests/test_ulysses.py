@@ -1,0 +1,241 @@
+"""Ulysses sequence parallelism (mmrl.parallel.ulysses): the attention and mask functions
+in one process, then 2 processes under torchrun (gloo) against one process for log-probs,
+gradients and AdamW-updated weights, the probe over every registered family, and the
+recipe's `parallel.sequence_parallel` checks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmrl.parallel import ulysses
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo group of one process: the all-to-alls and gathers run, as identities."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, heads, kv_heads):
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+        self.config = None
+
+
+def _qkv(batch=2, heads=4, kv_heads=2, length=7, dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, dim, generator=generator)
+    k = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    v = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    return q, k, v
+
+
+def _padding_mask(batch=2, length=7):
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    return mask
+
+
+def test_mask_covers_the_padded_sequence():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    padding = _padding_mask()
+    with ulysses.active(None, rank=0, size=2):
+        mask = ulysses.ulysses_mask(2, q_length=4, kv_length=7, mask_function=causal_mask_function,
+                                    attention_mask=padding)
+        sliding = ulysses.ulysses_mask(2, q_length=4, kv_length=7,
+                                       mask_function=sliding_window_causal_mask_function(3), attention_mask=padding)
+    plain = sdpa_mask(batch_size=2, q_length=7, kv_length=7, attention_mask=padding, allow_is_causal_skip=False)
+    assert mask.shape == (2, 1, 8, 8)
+    assert torch.equal(mask[:, :, :7, :7], plain.expand(2, 1, 7, 7))
+    assert not mask[:, :, :7, 7].any(), "real positions must not see the padding"
+    assert mask[:, :, 7, 7].all() and not mask[:, :, 7, :7].any(), "a padding row attends to itself only"
+    assert mask[0, 0, 6, 3] and not sliding[0, 0, 6, 3], "a window of 3 keys"
+    assert sliding[0, 0, 6, 4] and sliding[0, 0, 6, 6] and not sliding[:, :, :7, 7].any()
+    # No context: the base implementation's mask (sdpa may skip it entirely).
+    assert ulysses.ulysses_mask(2, q_length=7, kv_length=7, mask_function=causal_mask_function,
+                                attention_mask=torch.ones(2, 7, dtype=torch.bool)) is None
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_attention_equals_sdpa(one_process_group, kv_heads):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    q, k, v = _qkv(kv_heads=kv_heads)
+    module = _Attention(4, kv_heads)
+    padding = _padding_mask()
+    mask4d = sdpa_mask(batch_size=2, q_length=7, kv_length=7, attention_mask=padding, allow_is_causal_skip=False)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask4d, scaling=0.3)
+    # No context: plain delegation to sdpa.
+    out, _ = ulysses.ulysses_attention(module, q, k, v, mask4d, scaling=0.3)
+    assert torch.equal(out, expected)
+    # P = 1: the all-to-alls and the full-sequence mask of the Ulysses path.
+    with ulysses.active(one_process_group):
+        mask = ulysses.ulysses_mask(2, q_length=7, kv_length=7, mask_function=causal_mask_function,
+                                    attention_mask=padding)
+        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+        out, _ = ulysses.ulysses_attention(module, q1, k1, v1, mask, scaling=0.3)
+    real = padding[:, None, :, None].transpose(1, 2)  # fully masked rows (left padding) aside
+    torch.testing.assert_close(out * real, expected * real, atol=1e-6, rtol=0)
+    out.sum().backward()
+    assert q1.grad is not None and k1.grad.shape == k.shape
+
+
+def test_gather_columns_backward_keeps_own_columns(one_process_group):
+    local = torch.randn(2, 3, requires_grad=True)
+    gathered = ulysses.gather_columns(local, [3], 0, one_process_group)
+    assert torch.equal(gathered, local)
+    (gathered * torch.arange(3.0)).sum().backward()
+    assert torch.equal(local.grad, torch.arange(3.0).expand(2, 3))
+
+
+def test_local_columns_split_the_response():
+    # 11 positions over 2 ranks: 6 each (the last one padding); columns 5..9 predict
+    # the response.
+    keep0, widths = ulysses.local_columns(11, 5, 10, rank=0, size=2)
+    keep1, _ = ulysses.local_columns(11, 5, 10, rank=1, size=2)
+    assert widths == [1, 4] and keep0.tolist() == [5] and keep1.tolist() == [0, 1, 2, 3]
+    empty, widths = ulysses.local_columns(11, 8, 10, rank=0, size=2)
+    assert widths == [0, 2] and empty.numel() == 0
+
+
+def test_installed_model_still_generates_and_equals_itself(one_process_group):
+    """install() changes nothing outside `active`; inside it with P = 1 the logits equal."""
+    from mmrl import build_model
+    from mmrl.checks import generate, sample_conversations
+
+    built = build_model("qwen2", random_init=True, seed=0)
+    conversations = sample_conversations(built.adapter)
+    batch = dict(built.processing(conversations))
+    batch["position_ids"] = built.adapter.position_ids(built.model, batch)
+    with torch.no_grad():
+        before = built.model(**batch, use_cache=False).logits
+        tokens = generate(built, conversations)
+        ulysses.install(built.model, built.adapter)
+        assert built.model.config.get_text_config()._attn_implementation == ulysses.NAME
+        after = built.model(**batch, use_cache=False).logits
+        assert torch.equal(generate(built, conversations), tokens)
+        with ulysses.active(one_process_group):
+            split = built.model(**batch, use_cache=False).logits
+    real = batch["attention_mask"].bool()
+    assert torch.equal(before, after)
+    torch.testing.assert_close(split[real], before[real], atol=1e-5, rtol=0)
+
+
+def _torchrun(module: str, out: Path, specs: list[dict], timeout: int = 400) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", module, str(out), json.dumps(specs)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.multiprocess
+def test_two_process_ulysses_update_equals_one_process(tmp_path):
+    """qwen2 (text) and qwen2_vl (image, 3-D mrope positions); sp_step makes every
+    sequence of odd length, so it is padded to split over the 2 ranks."""
+    from mmrl.probes.sp_step import LOGPROB_ATOL
+
+    records = _torchrun("mmrl.probes.sp_step", tmp_path / "sp.jsonl",
+                        [{"source": family, "random_init": True} for family in ("qwen2", "qwen2_vl")])
+    assert [r["source"] for r in records] == ["qwen2", "qwen2_vl"]
+    for record in records:
+        assert record["passed"], record
+        evidence = record["evidence"]
+        assert evidence["max_logprob_diff"] <= LOGPROB_ATOL and evidence["gradient_tensors"] > 0
+        assert evidence["max_weight_diff"] < 5e-4 and evidence["mean_weight_diff"] < 1e-6
+
+
+@pytest.mark.multiprocess
+def test_probe_runs_every_family_in_one_launch():
+    from mmrl.probes.base import CheckFailed, Subject, Verified
+    from mmrl.probes.sequence_parallel import check_sequence_parallel_many
+    from mmrl.registry import families
+
+    adapters = [a for a in families() if a.sequence_parallel is not None]
+    subjects = [Subject(adapter, source=adapter.family) for adapter in adapters]
+    outcomes = check_sequence_parallel_many(subjects)
+    assert len(outcomes) == len(subjects)
+    by_family = {s.source: outcome for s, (outcome, _) in zip(subjects, outcomes)}
+    for family in ("qwen2", "qwen2_vl", "llama"):
+        assert isinstance(by_family[family], Verified), by_family[family]
+    for family, outcome in by_family.items():
+        assert isinstance(outcome, (Verified, CheckFailed)), (family, outcome)
+        if isinstance(outcome, CheckFailed):
+            assert "\n" not in str(outcome) and "torchrun failed" not in str(outcome), (family, outcome)
+
+
+def test_bad_sequence_parallel_is_a_one_line_error(tmp_path):
+    from mmrl import build_model
+    from mmrl.config import RecipeError, load_recipe
+    from mmrl.parallel import Dist
+    from mmrl.trainer import Trainer
+
+    heads = build_model("qwen2", random_init=True).model.config.num_attention_heads
+    size = heads + 1  # never divides the query heads
+    recipe = load_recipe(overrides=["model.path=qwen2", "model.random_init=true", "data.train=synthetic:count_shapes?n=4",
+                                    f"trainer.output_dir={tmp_path}", f"parallel.sequence_parallel={size}"])
+    # A stand-in for `size` processes: the check runs before anything is sharded.
+    dist = Dist(rank=0, world_size=size, local_rank=0, device=torch.device("cpu"), mesh=None,
+                sequence_parallel=size)
+    with pytest.raises(RecipeError) as info:
+        Trainer(recipe, dist=dist)
+    message = str(info.value)
+    assert message.startswith("parallel.sequence_parallel:") and "num_attention_heads" in message
+    assert "\n" not in message
+    # One process cannot host a group of `size`.
+    with pytest.raises(RecipeError, match=r"^parallel\.sequence_parallel: .*world size 1"):
+        Trainer(recipe)
+    with pytest.raises(RecipeError, match="parallel.sequence_parallel"):
+        load_recipe(overrides=["model.path=qwen2", "data.train=x.jsonl", "parallel.sequence_parallel=0"])
+
+
+def test_heads_rule():
+    from types import SimpleNamespace
+
+    attrs = ("num_attention_heads", "num_key_value_heads")
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    assert ulysses.heads_problem(config, attrs, 2) is None  # one KV head: repeated
+    assert ulysses.heads_problem(config, attrs, 4) is None
+    assert "num_attention_heads = 4" in ulysses.heads_problem(config, attrs, 3)
+    assert "num_key_value_heads = 3" in ulysses.heads_problem(
+        SimpleNamespace(num_attention_heads=8, num_key_value_heads=3), attrs, 2)
+
+
+def test_sdpa_reference_for_the_mask():
+    """The Ulysses mask fed to plain sdpa equals HF's sdpa path on the unpadded sequence."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    q, k, v = _qkv(kv_heads=4)
+    padding = _padding_mask()
+    with ulysses.active(None, rank=0, size=2):
+        mask = ulysses.ulysses_mask(2, q_length=4, kv_length=7, mask_function=causal_mask_function,
+                                    attention_mask=padding)
+    pad = lambda t: F.pad(t, (0, 0, 0, 1))  # noqa: E731
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask)[:, :, :7]
+    plain = sdpa_mask(batch_size=2, q_length=7, kv_length=7, attention_mask=padding, allow_is_causal_skip=False)
+    expected, _ = sdpa_attention_forward(_Attention(4, 4), q, k, v, plain)
+    real = padding[:, None, :, None]
+    torch.testing.assert_close(out * real, expected.transpose(1, 2) * real, atol=1e-6, rtol=0)
