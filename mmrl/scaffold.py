@@ -76,7 +76,7 @@ class Discovery:
     processor_class: str | None = None
     image_processor_class: str | None = None
     processor_kwargs: dict[str, str] = field(default_factory=dict)
-    image_size: int | None = None
+    image_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     fill_in: list[str] = field(default_factory=list)
 
 
@@ -337,27 +337,80 @@ def _tiny_vision_language_config(resolved: Resolved):
     if token_field:
         values[token_field] = tokenizer.convert_tokens_to_ids(image_token)
     config = config_cls(**values)
+    processor_cls = _processor_class(resolved)
+    image_processor_class, image_sizes = _image_processor(resolved, vision_defaults.get("image_size"))
     return config, dict(
         text_config_class=text_config_class, vision_defaults=vision_defaults,
         vision_model_type=vision_default.model_type, image_token=image_token, image_token_field=token_field,
+        processor_class=processor_cls.__name__ if processor_cls else None,
+        image_processor_class=image_processor_class, image_sizes=image_sizes,
+        processor_kwargs=_processor_kwargs(processor_cls, config) if processor_cls else {},
     )
 
 
 def _image_token(resolved: Resolved, defaults) -> tuple[dict[str, str], str, str | None]:
     """The processor's image placeholder text and the config field holding its id."""
-    import inspect
-
-    import transformers
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
     token = "<image>"
-    processor_name = PROCESSOR_MAPPING_NAMES.get(resolved.model_type)
-    if processor_name and hasattr(transformers, processor_name):
-        parameter = inspect.signature(getattr(transformers, processor_name).__init__).parameters.get("image_token")
+    processor_cls = _processor_class(resolved)
+    if processor_cls is not None:
+        parameter = _init_parameters(processor_cls).get("image_token")
         if parameter is not None and isinstance(parameter.default, str):
             token = parameter.default
     token_field = next((f for f in ("image_token_id", "image_token_index") if hasattr(defaults, f)), None)
     return {"image_token": token}, token, token_field
+
+
+def _init_parameters(cls) -> dict[str, Any]:
+    import inspect
+
+    return dict(inspect.signature(cls.__init__).parameters)
+
+
+def _processor_class(resolved: Resolved):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(resolved.model_type)
+    return getattr(transformers, name, None) if name else None
+
+
+def _image_processor(resolved: Resolved, image_size: int | None):
+    """(class name, size kwargs) of the model type's image processor, its sizes set to
+    the vision tower's `image_size`."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(resolved.model_type) or {}
+    name = names.get("torchvision") or names.get("pil") if isinstance(names, dict) else names
+    if not name or not hasattr(transformers, name):
+        return None, {}
+    default = getattr(transformers, name)()
+    sizes: dict[str, dict[str, int]] = {}
+    for key in ("size", "crop_size"):
+        value = getattr(default, key, None)
+        if value is None or image_size is None:
+            continue
+        items = value.items() if isinstance(value, dict) else vars(value).items()
+        present = {k: image_size for k, v in items if isinstance(v, int) and k in (
+            "height", "width", "shortest_edge", "longest_edge")}
+        if present:
+            sizes[key] = present
+    return name, sizes
+
+
+# Processor arguments the scaffold fills from the config: the processor needs the same
+# value the model reads, so it is taken from the config, not written twice.
+def _processor_kwargs(processor_cls, config) -> dict[str, str]:
+    skip = {"self", "image_processor", "tokenizer", "video_processor", "chat_template", "kwargs"}
+    kwargs = {}
+    for name in _init_parameters(processor_cls):
+        if name in skip or name.endswith("_token"):
+            continue
+        if hasattr(config.vision_config, name):
+            kwargs[name] = f"config.vision_config.{name}"
+        elif name in config.to_dict():
+            kwargs[name] = f"config.{name}"
+    return kwargs
 
 
 # -- 3. render -------------------------------------------------------------------------
@@ -369,6 +422,26 @@ def _str(value: str) -> str:
 def _tuple(values) -> str:
     values = tuple(values)
     return "(" + ", ".join(_str(v) for v in values) + ("," if len(values) == 1 else "") + ")"
+
+
+def _call(head: str, args: list[str], indent: str = "    ", width: int = 116) -> str:
+    """`head(arg, ...)` on one line when it fits, else its arguments wrapped below."""
+    line = f"{head}({', '.join(args)})"
+    if len(indent) + len(line) <= width:
+        return line
+    rows, row = [], ""
+    for arg in args:
+        if row and len(indent) + 4 + len(row) + len(arg) + 2 > width:
+            rows.append(row.rstrip())
+            row = ""
+        row += arg + ", "
+    rows.append(row.rstrip())
+    inner = "\n".join(indent + "    " + r for r in rows)
+    return f"{head}(\n{inner}\n{indent})"
+
+
+def _literal_dict(values: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{_str(k)}: {v!r}" for k, v in values.items()) + "}"
 
 
 def _one_or_tuple(values: tuple[str, ...]) -> str:
@@ -408,9 +481,11 @@ def _rope_line(rope) -> str:
     return text
 
 
-def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: set[str]) -> list[str]:
+def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: set[str],
+                         checked: bool = False) -> list[str]:
     if verified is None:
-        return ["    # Capabilities: the defaults, not checked while scaffolding (--no-verify);",
+        why = "the tiny model did not run, see above" if checked else "--no-verify"
+        return [f"    # Capabilities: the defaults, not checked while scaffolding ({why});",
                 f"    # the zoo tests and `mmrl support-matrix --family {d.family}` verify them."]
     imports.add("Capabilities")
     defaults = Capabilities()
@@ -419,7 +494,7 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
     return [
         "    # What `mmrl add-model` verified on the tiny model; the support matrix probes the rest",
         "    # (fsdp2, vllm, sequence parallelism, ...) before a family claims it.",
-        "    capabilities = Capabilities(" + ", ".join(claims) + ")",
+        "    capabilities = " + _call("Capabilities", claims),
     ]
 
 
@@ -430,7 +505,7 @@ def _base_capabilities(d: Discovery) -> Capabilities:
 
 
 def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
-                   processing_ref: str | None = None) -> str:
+                   processing_ref: str | None = None, checked: bool = False) -> str:
     """The adapter module's source: declarations first, then the tiny model."""
     vlm = d.resolved.is_vision_language
     base = "VisionLanguageAdapter" if vlm else "ModelAdapter"
@@ -445,11 +520,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         adapter_imports.add("LoraTargets")
         language = _leaves_source(d.language_leaves, adapter_imports)
-        lines.append(f"    lora = LoraTargets(language={language}, vision={_tuple(d.vision_leaves)})")
+        lines.append("    lora = " + _call("LoraTargets", [f"language={language}", f"vision={_tuple(d.vision_leaves)}"]))
     elif sorted(d.language_leaves) != sorted(ATTN_AND_MLP):
         adapter_imports.add("LoraTargets")
         lines.append(f"    lora = LoraTargets(language={_tuple(d.language_leaves)})")
-    lines += _capabilities_source(d, verified, adapter_imports)
+    lines += _capabilities_source(d, verified, adapter_imports, checked)
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
     lines.append(f"    # {d.vllm_note}.")
@@ -459,14 +534,15 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         lines.append("    rollout = Rollout()")
     lines.append("")
     lines += _tiny_source(d)
-    header = [f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
-              f"scaffolded by `mmrl add-model {d.resolved.model_type}`.", "",
-              f"Layout read off the tiny model: decoder layers {d.decoder_layer}"
-              + (f", vision blocks {d.vision_block}" if d.vision_block else "") + f"; {_rope_line(d.rope)}.",
-              "The tiny tokenizer speaks ChatML; a real checkpoint brings its own chat template."]
+    summary = (f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
+               f"scaffolded by `mmrl add-model {d.resolved.model_type}`.")
+    layout_text = (f"Layout read off the tiny model: decoder layers {d.decoder_layer}"
+                   + (f", vision blocks {d.vision_block}" if d.vision_block else "") + f"; {_rope_line(d.rope)}. "
+                   "The tiny tokenizer speaks ChatML; a real checkpoint brings its own chat template.")
+    header = [textwrap.fill(summary, 100), "", textwrap.fill(layout_text, 88)]
     if d.fill_in:
         header += ["", "Fill in by hand (the scaffold could not work these out):"]
-        header += [f"- {item}" for item in d.fill_in]
+        header += [textwrap.fill(item, 88, initial_indent="- ", subsequent_indent="  ") for item in d.fill_in]
     header.append('"""')
     imports = ["from dataclasses import replace", ""] if "replace(" in "\n".join(lines) else []
     imports.append("from mmrl.adapter import " + ", ".join(sorted(adapter_imports, key=_import_order)))
@@ -505,7 +581,7 @@ def _tiny_source(d: Discovery) -> list[str]:
 
 def _vision_template_source(d: Discovery) -> str:
     return textwrap.dedent(f"""\
-        IMAGE_TOKEN = {d.image_token!r}
+        IMAGE_TOKEN = {_str(d.image_token)}
         # ChatML with the processor's image placeholder where an image part stands.
         CHAT_TEMPLATE = (
             "{{% for message in messages %}}"
@@ -522,8 +598,16 @@ def _vision_template_source(d: Discovery) -> str:
 
 
 def _tiny_vision_source(d: Discovery) -> list[str]:
-    vision = ", ".join(f"{k}={v!r}" for k, v in {**TINY_VISION_SHAPES, **d.vision_defaults}.items())
-    token = f"\n        {d.image_token_field}=tokenizer.image_token_id," if d.image_token_field else ""
+    indent = " " * 4  # the body of tiny(), before the class indent is added
+    vision = [f"model_type={_str(d.vision_model_type)}"]
+    vision += [f"{k}={v!r}" for k, v in {**TINY_VISION_SHAPES, **d.vision_defaults}.items()]
+    config = ["text_config=text.to_dict()", "vision_config=vision"]
+    if d.image_token_field:
+        config.append(f"{d.image_token_field}=tokenizer.image_token_id")
+    sizes = [f"{k}={_literal_dict(v)}" for k, v in d.image_sizes.items()]
+    processor = [f"image_processor=transformers.{d.image_processor_class}({', '.join(sizes)})",
+                 "tokenizer=tokenizer", "chat_template=CHAT_TEMPLATE"]
+    processor += [f"{k}={v}" for k, v in d.processor_kwargs.items()]
     source = textwrap.dedent(f"""\
         def tiny(self) -> TinyModel:
             import transformers
@@ -533,16 +617,18 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
                 eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
             )
             text = tiny_text_config("transformers:{d.text_config_class}", tokenizer)
-            # The default vision tower, shrunk; image and patch size kept so that the default
-            # image processor makes pixels of the size the tower expects.
-            vision = dict(model_type={d.vision_model_type!r}, {vision})
-            config = transformers.{d.resolved.config_class}(
-                text_config=text.to_dict(), vision_config=vision,{token}
-            )
-            processor = transformers.AutoProcessor.for_model  # placeholder
+            # The default vision tower, shrunk; its image and patch size are kept and the
+            # image processor resizes to that image size.
+            vision = @VISION@
+            config = @CONFIG@
+            processor = @PROCESSOR@
             return TinyModel(config=config, processor=processor)
         """)
-    return ["    " + line if line else "" for line in source.rstrip().split("\n")]
+    width = 112  # 116 less the class indent
+    source = (source.replace("@VISION@", _call("dict", vision, indent, width))
+              .replace("@CONFIG@", _call(f"transformers.{d.resolved.config_class}", config, indent, width))
+              .replace("@PROCESSOR@", _call(f"transformers.{d.processor_class}", processor, indent, width)))
+    return textwrap.indent(source, "    ").rstrip().split("\n")
 
 
 def render_test(d: Discovery, layout: Layout) -> str:
@@ -741,9 +827,10 @@ def _load_file(module_name: str, path: Path):
     return module
 
 
-def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities:
+def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
     """Import the rendered adapter (under a scratch module name), run the zoo's quick
-    checks on its tiny model and return the capabilities that passed."""
+    checks on its tiny model and return the capabilities that passed (None when the
+    tiny model does not run at all; `d.fill_in` then says why)."""
     import torch
 
     from mmrl import build_model
@@ -779,7 +866,7 @@ def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities:
 
 
 def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, loss_and_backward,
-                packed_vs_padded, padded_vs_single, sample_conversations) -> Capabilities:
+                packed_vs_padded, padded_vs_single, sample_conversations) -> Capabilities | None:
     verified: dict[str, bool] = {}
 
     def check(capability: str, run) -> None:
@@ -794,9 +881,16 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
     def fresh():
         return build_model(d.family, random_init=True)
 
-    built = fresh()
-    conversations = sample_conversations(built.adapter)
-    gap = padded_vs_single(built, conversations)
+    try:
+        built = fresh()
+        conversations = sample_conversations(built.adapter)
+        gap = padded_vs_single(built, conversations)
+    except Exception as exc:  # the tiny model itself does not run: nothing can be verified
+        message = " ".join(str(exc).split())[:300]
+        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({type(exc).__name__}: {message}); "
+                         "the processor's arguments (image size, tokens per image, special tokens) must "
+                         "agree with the config; then run the family's tests")
+        return None
     if gap >= TOLERANCE:
         d.fill_in.append(f"position_ids: a padded batch differs from each prompt alone by {gap:.2g}")
     vlm = d.resolved.is_vision_language
@@ -848,7 +942,7 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
 
 
 # -- 5. write --------------------------------------------------------------------------
-def write_all(contents: dict[Path, str], overwrite: set[Path]) -> list[Path]:
+def write_all(contents: dict[Path, str]) -> list[Path]:
     """Stage every file in a temporary folder beside its target, then move them all
     into place; if a move fails, the files already moved are put back."""
     staged: list[tuple[Path, Path, Path | None]] = []
@@ -912,7 +1006,7 @@ def scaffold(model_type: str, *, family: str | None = None, out: str | Path | No
     if layout.processing is not None:
         contents[layout.processing] = render_processing(discovery)
         processing_ref = f"{layout.processing_module}:{discovery.class_name}Processing"
-    contents[layout.adapter] = render_adapter(discovery, layout, verified, processing_ref)
+    contents[layout.adapter] = render_adapter(discovery, layout, verified, processing_ref, checked=check)
     contents[layout.test] = render_test(discovery, layout)
     contents.update(layout.extra)
     for path, line in layout.appends.items():
@@ -923,8 +1017,8 @@ def scaffold(model_type: str, *, family: str | None = None, out: str | Path | No
         command = f".venv/bin/python -m pytest -q {layout.test.relative_to(layout.root)}"
     else:
         command = f"cd {layout.root} && python -m pytest -q {layout.test.relative_to(layout.root)}"
-    written = [] if dry_run else write_all(contents, set(existing))
-    return Result(family=name, written=written if not dry_run else list(contents), next_command=command,
+    written = list(contents) if dry_run else write_all(contents)
+    return Result(family=name, written=written, next_command=command,
                   capabilities=verified, notes=notes + [f"fill in: {item}" for item in discovery.fill_in],
                   dry_run=dry_run, contents=contents)
 

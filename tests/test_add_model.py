@@ -133,3 +133,35 @@ def test_in_tree_dry_run_targets_the_checkout(tmp_path):
     assert "class ScaffoldProbe(ModelAdapter):" in result.output
     assert "- `scaffold_probe` (text): transformers `Olmo2ForCausalLM`" in result.output
     assert "import test_zoo" in result.output
+
+
+VLM_TYPE = "mistral3"  # a vision-language type in transformers, not in the zoo
+
+
+def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
+    result = add_model(VLM_TYPE, "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    package = plugin_path / f"mmrl_{VLM_TYPE}"
+    assert (package / "processing.py").is_file()
+    assert "Fill in by hand" not in (package / f"{VLM_TYPE}.py").read_text()
+
+    load_plugin(f"mmrl_{VLM_TYPE}.{VLM_TYPE}")
+    adapter = get_adapter(VLM_TYPE)
+    assert adapter.is_multimodal and adapter.parts.vision and adapter.parts.projector
+    ran = []
+    for name, check in zoo_checks(VLM_TYPE):
+        arguments = {"family": VLM_TYPE, "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+        ran.append(name)
+    assert {"test_freeze_vision", "test_multi_image_and_video", "test_padded_batch_matches_each_prompt_alone"} <= set(ran)
+
+
+def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_path):
+    # llava's processor counts one image token fewer than its CLIP tower makes features
+    # unless told how many extra tokens the tower adds: not discoverable generically.
+    result = add_model("llava", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "fill in: tiny(): the scaffolded tiny model does not run" in " ".join(result.output.split())
+    source = (tmp_path / "mmrl_llava" / "llava.py").read_text()
+    assert "Fill in by hand" in source and "not checked while scaffolding" in source
+    assert "parts = VISION_TOWER_PARTS" in source and "CLIPEncoderLayer" in source
