@@ -128,11 +128,13 @@ class Capabilities:
     single_image: bool = False
     multi_image: bool = False
     video: bool = False
-    # Claimed by a family once the trainer's probe for the feature exists and passes.
-    fsdp2: bool = False
+    # The training stack: FSDP2 sharding and a critic's value head need nothing
+    # family-specific, so every family claims them unless it opts out; vLLM (it needs a
+    # vLLM architecture whose outputs match) and sequence parallelism are claimed per family.
+    fsdp2: bool = True
+    critic: bool = True
     sequence_parallel: bool = False
     vllm: bool = False
-    critic: bool = False
 
     def declared(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]

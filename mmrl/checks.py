@@ -110,6 +110,26 @@ def loss_and_backward(built, conversations) -> torch.Tensor:
     return loss.detach()
 
 
+def checkpointing_difference(built, conversations) -> dict:
+    """Loss and gradients with activation checkpointing against without, on the same
+    batch. Turns checkpointing on for `built.model`. Returns the loss gap, the worst
+    gradient gap, whether the same parameters got gradients, and whether it turned on."""
+
+    def loss_and_grads():
+        built.model.zero_grad(set_to_none=True)
+        loss = loss_and_backward(built, conversations)
+        return loss, {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain_grads = loss_and_grads()
+    built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt_loss, ckpt_grads = loss_and_grads()
+    same = plain_grads.keys() == ckpt_grads.keys()
+    worst = max(((g - ckpt_grads[n]).abs().max().item() for n, g in plain_grads.items()), default=0.0) if same \
+        else float("inf")
+    return {"loss_diff": (plain_loss - ckpt_loss).abs().item(), "max_grad_diff": worst, "same_parameters": same,
+            "enabled": bool(built.model.is_gradient_checkpointing), "tensors": len(plain_grads)}
+
+
 @torch.no_grad()
 def generate(built, conversations, max_new_tokens: int = 8) -> torch.Tensor:
     """Greedy generation of exactly `max_new_tokens` tokens; returns the new tokens."""

@@ -99,14 +99,15 @@ def char_tokenizer(
 
 
 # Shapes of every tiny text decoder: small enough for a CPU step in milliseconds, large
-# enough for grouped-query attention (4 query heads over 2 key/value heads).
+# enough for grouped-query attention (2 query heads over 1 key/value head), and heads of
+# 32 because vLLM's CPU attention kernels have no smaller head size.
 TINY_TEXT_SHAPES = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
     max_position_embeddings=1024,
 )
 
@@ -126,3 +127,20 @@ def tiny_text_config(config_class: str, tokenizer, **overrides):
 
     values = {**TINY_TEXT_SHAPES, "vocab_size": len(tokenizer), **token_ids(tokenizer), **overrides}
     return import_object(config_class)(**values)
+
+
+def as_loaded(image_processor):
+    """`image_processor` as `AutoImageProcessor` would load it back from a checkpoint.
+
+    transformers picks an image processor's backend (torchvision or PIL) when it loads
+    one, and the choice depends on the installed torchvision (Lanczos resizing needs
+    torchvision >= 0.27), so a directly constructed processor may resize differently
+    from its saved-and-reloaded self. A tiny model's processor goes through the same
+    loader once, so saving and reloading it changes nothing."""
+    import tempfile
+
+    from transformers import AutoImageProcessor
+
+    with tempfile.TemporaryDirectory() as folder:
+        image_processor.save_pretrained(folder)
+        return AutoImageProcessor.from_pretrained(folder)

@@ -20,14 +20,18 @@ class Gemma3(VisionLanguageAdapter):
     shard_layers = ("Gemma3DecoderLayer", "SiglipEncoderLayer")
     lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     # Images are resized to one square size, so there is no pixel budget; no video.
+    # Not `vllm`: vLLM attends causally over image tokens where transformers attends
+    # bidirectionally, so their log-probs differ (5e-3 on the tiny model; with the
+    # image tokens made causal in transformers they agree to 5e-7).
     capabilities = Capabilities(single_image=True, multi_image=True, lora_vision=True)
     processing = "mmrl.processors.gemma3:Gemma3Processing"
-    # vLLM's own hf_to_vllm_mapper for this architecture (gemma3_mm.py).
+    # vLLM's own hf_to_vllm_mapper for this architecture (gemma3_mm.py); vLLM's SigLIP
+    # tower keeps the `vision_model.` level that transformers' tower drops.
     rollout = Rollout(
         vllm_architecture="Gemma3ForConditionalGeneration",
         weight_prefixes=(
             ("model.language_model.", "language_model.model."),
-            ("model.vision_tower.", "vision_tower."),
+            ("model.vision_tower.", "vision_tower.vision_model."),
             ("model.multi_modal_projector.", "multi_modal_projector."),
             ("lm_head.", "language_model.lm_head."),
         ),

@@ -1,7 +1,7 @@
 """Gemma 3 text-only (Gemma3ForCausalLM, model_type gemma3_text): interleaved sliding
 and full attention layers, each layer type with its own rope."""
 
-from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import tiny_text_config
 from mmrl.processors.gemma3 import tiny_tokenizer
@@ -16,7 +16,7 @@ def tiny_gemma3_text_config(tokenizer):
     as in the real models."""
     return tiny_text_config(
         "transformers:Gemma3TextConfig", tokenizer,
-        query_pre_attn_scalar=16, sliding_window=16,
+        query_pre_attn_scalar=32, sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -34,6 +34,7 @@ class Gemma3Text(ModelAdapter):
     shard_layers = ("Gemma3DecoderLayer",)
     processing = "mmrl.processors.gemma3:Gemma3Processing"
     rollout = Rollout(vllm_architecture="Gemma3ForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = tiny_tokenizer()

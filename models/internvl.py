@@ -36,7 +36,7 @@ class InternVL(VisionLanguageAdapter):
             ("lm_head.", "language_model.lm_head."),
         ),
     )
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
     processing = "mmrl.processors.internvl:InternVLProcessing"
 
     def tiny(self) -> TinyModel:

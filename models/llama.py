@@ -1,6 +1,6 @@
 """Llama 3 / 3.x (text): the Llama 3 header chat format and llama3 rope scaling."""
 
-from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import LLAMA3, LLAMA3_SPECIAL_TOKENS
@@ -22,6 +22,7 @@ class Llama(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("LlamaDecoderLayer",)
     rollout = Rollout(vllm_architecture="LlamaForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

@@ -26,18 +26,19 @@ class LlavaOnevision(VisionLanguageAdapter):
     shard_layers = ("Qwen2DecoderLayer", "SiglipEncoderLayer")
     lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     # vLLM's own hf_to_vllm_mapper for this architecture (it nests the decoder as
-    # language_model.model and hoists the vision tower and projector to the top).
+    # language_model.model and hoists the vision tower and projector to the top); vLLM's
+    # SigLIP tower keeps the `vision_model.` level that transformers' tower drops.
     rollout = Rollout(
         vllm_architecture="LlavaOnevisionForConditionalGeneration",
         weight_prefixes=(
             ("model.language_model.", "language_model.model."),
-            ("model.vision_tower.", "vision_tower."),
+            ("model.vision_tower.", "vision_tower.vision_model."),
             ("model.multi_modal_projector.", "multi_modal_projector."),
             ("model.image_newline", "image_newline"),
             ("lm_head.", "language_model.lm_head."),
         ),
     )
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
     processing = "mmrl.processors.llava_onevision:LlavaOnevisionProcessing"
 
     def tiny(self) -> TinyModel:

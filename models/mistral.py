@@ -1,6 +1,6 @@
 """Mistral (text, v0.3 layout): Llama-shaped decoder with the [INST] chat format."""
 
-from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import MISTRAL, MISTRAL_SPECIAL_TOKENS
@@ -14,6 +14,7 @@ class Mistral(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("MistralDecoderLayer",)
     rollout = Rollout(vllm_architecture="MistralForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         # Mistral ships no pad token; the eos doubles as pad, as trainers usually set it.

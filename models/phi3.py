@@ -1,6 +1,6 @@
 """Phi-3 / Phi-4-mini (text): fused qkv_proj and gate_up_proj, partial rotary embedding."""
 
-from mmrl.adapter import DECODER_PARTS, LoraTargets, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, LoraTargets, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import PHI3, PHI3_SPECIAL_TOKENS
@@ -15,6 +15,7 @@ class Phi3(ModelAdapter):
     shard_layers = ("Phi3DecoderLayer",)
     lora = LoraTargets(language=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     rollout = Rollout(vllm_architecture="Phi3ForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         # `<|end|>` closes every turn, so it is the eos a chat policy must learn to stop on.

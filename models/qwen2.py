@@ -1,6 +1,6 @@
 """Qwen2 and Qwen2.5 (text): the reference decoder-only family (ChatML template)."""
 
-from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
@@ -14,6 +14,7 @@ class Qwen2(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("Qwen2DecoderLayer",)
     rollout = Rollout(vllm_architecture="Qwen2ForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

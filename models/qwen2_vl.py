@@ -27,7 +27,7 @@ class Qwen2VL(VisionLanguageAdapter):
     )
     shard_layers = ("Qwen2VLDecoderLayer", "Qwen2VLVisionBlock")
     lora = LoraTargets(vision=VISION_ATTENTION + ("fc1", "fc2"))
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
     # vLLM's hf_to_vllm_mapper maps transformers' own names, so no prefixes to rewrite.
     rollout = Rollout(vllm_architecture="Qwen2VLForConditionalGeneration")
     processing = "mmrl.processors.qwen_vl:QwenVLProcessing"
@@ -37,14 +37,14 @@ class Qwen2VL(VisionLanguageAdapter):
     mrope_interleaved: ClassVar[bool] = False
 
     # The tiny model: processor classes, patch size, template, vision tower and mrope
-    # sections (halves of the 16-wide tiny heads, in the real model's proportions).
+    # sections (halves of the 32-wide tiny heads, in the real model's proportions).
     tiny_processor_classes: ClassVar[tuple[str, str]] = (
         "transformers:Qwen2VLProcessor", "transformers:Qwen2VLVideoProcessor",
     )
     tiny_patch_size: ClassVar[int] = 14
     tiny_chat_template: ClassVar[str] = QWEN2_VL_TEMPLATE
     tiny_vision: ClassVar[dict[str, Any]] = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2)
-    tiny_mrope_section: ClassVar[tuple[int, ...]] = (2, 3, 3)
+    tiny_mrope_section: ClassVar[tuple[int, ...]] = (4, 6, 6)
     # The vision config field holding the merger's output width (the text hidden size).
     vision_output_field: ClassVar[str] = "hidden_size"
 

@@ -1,6 +1,6 @@
 """Qwen3 (text): Qwen2's layout plus per-head q/k RMSNorm and an explicit head_dim."""
 
-from mmrl.adapter import DECODER_PARTS, ModelAdapter, Rollout, TinyModel
+from mmrl.adapter import Capabilities, DECODER_PARTS, ModelAdapter, Rollout, TinyModel
 from mmrl.registry import register_model
 from mmrl.tiny import char_tokenizer, tiny_text_config
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
@@ -14,6 +14,7 @@ class Qwen3(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("Qwen3DecoderLayer",)
     rollout = Rollout(vllm_architecture="Qwen3ForCausalLM")
+    capabilities = Capabilities(vllm=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

@@ -35,6 +35,6 @@ class Qwen3VL(Qwen2VL):
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64,
         deepstack_visual_indexes=[0],
     )
-    # Interleaved thw over 8 frequency pairs: t takes 4, h and w 2 each.
-    tiny_mrope_section = (4, 2, 2)
+    # Interleaved thw over 16 frequency pairs: t takes 8, h and w 4 each.
+    tiny_mrope_section = (8, 4, 4)
     vision_output_field = "out_hidden_size"

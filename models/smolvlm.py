@@ -15,6 +15,6 @@ class SmolVLM(Idefics3):
     shard_layers = ("LlamaDecoderLayer", "SmolVLMEncoderLayer")
     rollout = Rollout(vllm_architecture="SmolVLMForConditionalGeneration")
     modalities = ("text", "image", "video")
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True)
+    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
     processing = "mmrl.processors.idefics3:SmolVLMProcessing"
     flavour = SMOLVLM

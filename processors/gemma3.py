@@ -24,12 +24,17 @@ class Gemma3Processing(Processing):
     extra_stop_tokens = ("<end_of_turn>",)
 
 
+NEWLINE_RUNS = ("\n\n\n\n", "\n\n\n", "\n\n")
+
+
 def tiny_tokenizer():
     """A character-level tokenizer with Gemma 3's special tokens, images included (the
-    real text-only checkpoints carry them too)."""
+    real text-only checkpoints carry them too). Runs of 2-4 newlines are one token each, as
+    in the real vocabulary: the processor wraps every image in "\n\n", and vLLM merges
+    newline tokens around images by those ids."""
     return char_tokenizer(
         special_tokens=GEMMA3_SPECIAL_TOKENS, named_tokens=IMAGE_TOKENS,
-        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=GEMMA3,
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=GEMMA3, words=NEWLINE_RUNS,
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmrl.processing import Processing
-from mmrl.tiny import char_tokenizer, tiny_text_config
+from mmrl.tiny import as_loaded, char_tokenizer, tiny_text_config
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"
@@ -94,9 +94,9 @@ def tiny_model(flavour: Flavour):
     )
     sizes = {"size": {"longest_edge": TINY_LONGEST_EDGE}, "max_image_size": {"longest_edge": TINY_TILE}}
     parts = {
-        "image_processor": getattr(transformers, f"{flavour.prefix}ImageProcessor")(
+        "image_processor": as_loaded(getattr(transformers, f"{flavour.prefix}ImageProcessor")(
             do_image_splitting=True, **sizes
-        ),
+        )),
         "tokenizer": tokenizer,
     }
     if flavour.video:

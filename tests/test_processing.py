@@ -82,6 +82,6 @@ def test_config_overrides_resize_layer_types_and_check_rope():
     with pytest.raises(ValueError, match="layers mix types"):
         build_model("gemma3_text", random_init=True, config_overrides={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="mrope_section"):
-        build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"head_dim": 32}})
+        build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"head_dim": 64}})
     with pytest.raises(ValueError, match="config.text_config.nonsense"):
         build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"nonsense": 1}})

@@ -42,8 +42,8 @@ REAL = {
 }
 
 # Sizes of a tiny model; everything else (rope above all) stays as the real config says.
-TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256)
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=256)
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    image_size=56, patch_size=14)
 
@@ -112,7 +112,7 @@ def test_tiny_model_shrunk_from_real_config_keeps_rope(name, tmp_path):
     config = adapter.config_from_dict(shrink(raw))
     tiny_spec = adapter.rope(config)
     assert tiny_spec.problems() == []
-    assert tiny_spec.head_dim == 16
+    assert tiny_spec.head_dim == 32
     assert without_head_dim(tiny_spec) == without_head_dim(adapter.rope(raw))
 
     built = build_model(family, random_init=True, config=config)

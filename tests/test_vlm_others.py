@@ -69,3 +69,23 @@ def test_pixel_budget_changes_image_tokens(family):
         assert (after - before) * direction > 0, f"{option} left {before} image tokens at {after}"
         assert after == feature_count(budgeted, batch)
         assert torch.isfinite(logits_of(budgeted.model.eval(), batch)).all()
+
+
+@pytest.mark.parametrize("pil_default", [False, True], ids=["torchvision-default", "pil-default"])
+def test_tiny_image_processor_survives_save_reload(tmp_path, monkeypatch, pil_default):
+    """With torchvision < 0.27 (the GPU image), transformers loads Idefics3/SmolVLM image
+    processors with the PIL backend; a tiny processor must use the backend it reloads
+    with, or a saved tiny checkpoint sees different pixels (the GPU cells once failed)."""
+    from transformers import AutoProcessor
+    from transformers.models.auto import image_processing_auto
+
+    names = ["Idefics3ImageProcessor", "SmolVLMImageProcessor"] if pil_default else []
+    monkeypatch.setattr(image_processing_auto, "DEFAULT_TO_PIL_BACKEND_IMAGE_PROCESSORS", names)
+    built = build_model("smolvlm", random_init=True)
+    built.processor.save_pretrained(tmp_path)
+    reloaded = AutoProcessor.from_pretrained(tmp_path)
+    assert type(reloaded.image_processor) is type(built.processor.image_processor)
+    image = sample_images()[1]
+    before = built.processor.image_processor(image, return_tensors="pt")["pixel_values"]
+    after = reloaded.image_processor(image, return_tensors="pt")["pixel_values"]
+    assert before.shape == after.shape and torch.equal(before, after)
