@@ -165,3 +165,26 @@ def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_pa
     source = (tmp_path / "mmrl_llava" / "llava.py").read_text()
     assert "Fill in by hand" in source and "not checked while scaffolding" in source
     assert "parts = VISION_TOWER_PARTS" in source and "CLIPEncoderLayer" in source
+
+
+def test_in_tree_scaffold_writes_models_tests_and_docs(tmp_path, monkeypatch):
+    import ast
+
+    from mmrl import scaffold
+
+    for folder in ("models", "processors", "tests", "docs"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "docs" / "families.md").write_text("# Model families\n\n- `qwen2` (text): ...\n")
+    monkeypatch.setattr(scaffold, "repo_root", lambda: tmp_path)
+    result = add_model(TEXT_TYPE, "--no-verify")
+    assert result.exit_code == 0, result.output
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["docs/families.md", f"models/{TEXT_TYPE}.py", f"tests/test_family_{TEXT_TYPE}.py"]
+    for path in written[1:]:
+        ast.parse((tmp_path / path).read_text())
+    assert (tmp_path / "docs" / "families.md").read_text().splitlines()[2:] == [
+        "- `qwen2` (text): ...",
+        f"- `{TEXT_TYPE}` (text): transformers `Olmo2ForCausalLM`, [models/{TEXT_TYPE}.py](../models/{TEXT_TYPE}.py), "
+        f"scaffolded by `mmrl add-model {TEXT_TYPE}`",
+    ]
+    assert f"pytest -q tests/test_family_{TEXT_TYPE}.py" in result.output
