@@ -186,6 +186,66 @@ def test_probe_runs_every_family_in_one_launch():
             assert "\n" not in str(outcome) and "torchrun failed" not in str(outcome), (family, outcome)
 
 
+CHECKPOINTED_CRITIC = '''
+import json, sys, torch
+from mmrl.config import OptimConfig
+from mmrl.engine import Engine, join
+from mmrl.parallel import Dist, init_distributed
+from mmrl.probes.base import Subject
+from mmrl.probes.fsdp_step import compare_updates
+from mmrl.probes.sp_step import batch
+from mmrl.registry import get_adapter
+
+torch.set_num_threads(1)
+torch.distributed.init_process_group("gloo")
+dist = init_distributed("cpu", sequence_parallel=2)
+alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+subject = Subject(get_adapter(sys.argv[2]), source=sys.argv[2])
+
+def run(d):
+    built = subject.build(seed=0)
+    engine = Engine(built, d, optim=OptimConfig(lr=1e-2, grad_clip=1e9), gradient_checkpointing=True,
+                    value_head=True)
+    engine.model.train()
+    prompts, responses, mask, advantages = batch(built)
+    seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id)
+    logp, entropy = engine.log_probs(seqs)
+    values = engine.values(seqs)
+    loss = -(logp * advantages[:, None]).mean() + entropy.mean() + (values - 1).pow(2).mean()
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in [*engine.model.named_parameters(), *(("value_head." + n, p) for n, p in
+                                                              engine.value_head.named_parameters())]
+             if p.grad is not None}
+    engine.step()
+    return [t.detach() for t in (logp, entropy, values)], grads, engine.full_state_dict()
+
+reference = run(alone) if dist.is_main else None
+parallel = run(dist)
+if dist.is_main:
+    gaps = [(a - b).abs().max().item() for a, b in zip(reference[0], parallel[0])]
+    reason, evidence = compare_updates(reference[1:], parallel[1:])
+    open(sys.argv[1], "w").write(json.dumps({"gaps": gaps, "reason": reason, "evidence": evidence}))
+torch.distributed.destroy_process_group()
+'''
+
+
+@pytest.mark.multiprocess
+def test_checkpointed_critic_and_entropy_under_ulysses(tmp_path):
+    """Activation checkpointing (layers recomputed outside the forward's context), the
+    entropy and a value head, SP=2 against one process."""
+    script, out = tmp_path / "critic.py", tmp_path / "critic.json"
+    script.write_text(CHECKPOINTED_CRITIC)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+               str(out), "qwen2_vl"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert max(record["gaps"]) <= 1e-5, record
+    assert record["reason"] is None, record
+
+
 def test_bad_sequence_parallel_is_a_one_line_error(tmp_path):
     from mmrl import build_model
     from mmrl.config import RecipeError, load_recipe
@@ -239,3 +299,41 @@ def test_sdpa_reference_for_the_mask():
     expected, _ = sdpa_attention_forward(_Attention(4, 4), q, k, v, plain)
     real = padding[:, None, :, None]
     torch.testing.assert_close(out * real, expected.transpose(1, 2) * real, atol=1e-6, rtol=0)
+
+
+def _train(tmp_path: Path, processes: int, sequence_parallel: int) -> list[dict]:
+    out = tmp_path / f"run{processes}x{sequence_parallel}"
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [sys.executable])
+    command = [*launcher, "-m", "mmrl.cli", "train", str(REPO / "recipes" / "tiny_vlm_count.yaml"),
+               "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
+               "data.eval=synthetic:count_shapes?n=4&seed=1", "data.prompts_per_step=4",
+               "rollout.samples_per_prompt=2", "trainer.threads=1", "trainer.export=false",
+               f"parallel.sequence_parallel={sequence_parallel}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:-1]
+
+
+def _same_run(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == y["reward/mean"] and x["response/length"] == y["response/length"]
+        for key in ("entropy", "grad_norm", "loss/policy"):
+            assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
+
+
+@pytest.mark.multiprocess
+def test_training_with_sequence_parallel_equals_one_process(tmp_path):
+    """Two training steps of the tiny VLM recipe: one Ulysses group of 2 processes
+    samples what one process samples (same seed, same prompts) and takes the same steps."""
+    _same_run(_train(tmp_path, 1, 1), _train(tmp_path, 2, 2))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_data_and_sequence_parallel_equals_data_parallel(tmp_path):
+    """4 processes as 2 data x 2 sequence shards equal plain FSDP2 over 2 processes:
+    FSDP sums each group's partial gradients and averages over the data shards only."""
+    _same_run(_train(tmp_path, 2, 1), _train(tmp_path, 4, 2))

@@ -12,6 +12,11 @@ per-token log-probs and entropy of given response tokens. Roles differ only in o
 Log-probs are taken from the last R + 1 positions only (`logits_to_keep`), and the fp32
 log-softmax runs over row chunks, each recomputed in backward (checkpointed), so fp32
 full-vocabulary logits never exist for the whole batch at once.
+
+With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
+group run the same batch, each over its slice of the sequence; log-probs, entropy and
+values come back whole on every rank, and each rank's gradients are partial sums that
+FSDP2 adds up (its divide factor is the data-parallel size).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ DeepSpeed-Ulysses, for any HF decoder through transformers' registration APIs:
   transformers' `AttentionInterface` / `AttentionMaskInterface`, selects it for the text
   decoder only (`config.get_text_config()`; a vision tower keeps its own attention), and
   adds a forward pre-hook to the module that runs the decoder layers. Outside `active`
-  both functions hand over to the implementation the model had ("sdpa" or "eager"), so
+  both functions hand over to the implementation the model had ("sdpa"), so
   HF generate with a KV cache runs on the same model unchanged.
 - Inside `active`, the hook cuts `inputs_embeds` / `input_ids` and the adapter's
   `sequence_parallel.split_inputs` (position ids along their last dimension, which
@@ -31,18 +31,17 @@ DeepSpeed-Ulysses, for any HF decoder through transformers' registration APIs:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
 NAME = "mmrl_ulysses"
-# What the text decoder may run when no sequence-parallel forward is active.
-_BASES = ("sdpa", "eager")
-# The implementation each installed text config had, by id: an attribute on the config
-# would be written into config.json.
-_BASE_BY_CONFIG: dict[int, str] = {}
+# What the text decoder runs when no sequence-parallel forward is active. Only "sdpa":
+# families keep their own eager functions (soft-capping, sinks), which delegation from a
+# registered name could not reach.
+BASE = "sdpa"
 
 
 @dataclass
@@ -53,8 +52,6 @@ class _Context:
     # Set by the pre-hook: packed-sequence ids of the whole (padded) batch, when the
     # decoder gets no attention mask and its positions restart within a row.
     packed: torch.Tensor | None = None
-    full_length: int | None = None
-    spent: list = field(default_factory=list)
 
     def padded(self, length: int) -> int:
         return -(-length // self.size) * self.size
@@ -178,64 +175,39 @@ def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
 
 
 # -- the attention and mask functions -----------------------------------------------------------
-def _base_of(config) -> str:
-    return _BASE_BY_CONFIG.get(id(config), "sdpa")
-
-
 def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: Ulysses inside `active`, else the base one."""
     ctx = _CONTEXT
     if ctx is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        base = _base_of(getattr(module, "config", None))
-        if base == "eager":
-            return _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
+        return ALL_ATTENTION_FUNCTIONS[BASE](module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
     size = ctx.size
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % size:
         raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size}, "
                          f"got {heads}")
-    if kv_heads % size:  # e.g. one KV head: give every rank its copy
-        key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
-    query, key, value = (_AllToAll.apply(t, ctx.group, size, True) for t in (query, key, value))
-    length = query.shape[2]
+    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("sequence-parallel attention does not support position biases or attention sinks")
+    if getattr(module, "attn_logit_softcapping", None) or getattr(
+            getattr(module, "config", None), "attn_logit_softcapping", None):
+        raise ValueError("sequence-parallel attention does not support attention logit soft-capping")
+    length = query.shape[2] * size
     mask = attention_mask
     if mask is not None and tuple(mask.shape[-2:]) != (length, length):
         raise ValueError(f"sequence-parallel attention got a mask of shape {tuple(mask.shape)}, not one over the "
                          f"whole sequence ({length}); was it made by another attention implementation?")
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        raise ValueError("sequence-parallel attention does not support position biases or attention sinks")
+    if kv_heads % size:  # e.g. one KV head: give every rank its copy
+        key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
+    query, key, value = (_AllToAll.apply(t, ctx.group, size, True) for t in (query, key, value))
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     is_causal = mask is None and getattr(module, "is_causal", True)
-    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
-        getattr(module, "config", None), "attn_logit_softcapping", None)
-    if softcap:
-        raise ValueError("sequence-parallel attention does not support attention logit soft-capping")
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                          scale=scaling, is_causal=is_causal)
     out = _AllToAll.apply(out, ctx.group, size, False)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """transformers' generic eager attention (models keep their own copy of it)."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -254,8 +226,7 @@ def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     mask_function = mask_function or causal_mask_function
     ctx = _CONTEXT
     if ctx is None:
-        base = _base_of(config)
-        return ALL_MASK_ATTENTION_FUNCTIONS[base](
+        return ALL_MASK_ATTENTION_FUNCTIONS[BASE](
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             mask_function=mask_function, attention_mask=attention_mask, config=config, **kwargs)
     if q_offset or kv_offset:
@@ -324,10 +295,9 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     text_config = base.config.get_text_config()
     current_name = text_config._attn_implementation
     if current_name != NAME:
-        if current_name not in _BASES:
-            raise ValueError(f"sequence parallelism runs on the text decoder's {' or '.join(_BASES)} attention, "
-                             f"not {current_name!r} (set model.attn_implementation)")
-        _BASE_BY_CONFIG[id(text_config)] = current_name
+        if current_name != BASE:
+            raise ValueError(f"sequence parallelism runs on the text decoder's {BASE} attention, not "
+                             f"{current_name!r} (set model.attn_implementation: {BASE})")
         text_config._attn_implementation = NAME
     stack = decoder_stack(model, adapter)
     if getattr(stack.config, "_attn_implementation", NAME) != NAME:
@@ -371,7 +341,6 @@ def _splitter(split_inputs: tuple[str, ...]):
         length = source.shape[1]
         padded = ctx.padded(length)
         start, stop = owned_range(length, ctx.rank, ctx.size)
-        ctx.full_length = length
         kwargs = dict(kwargs)
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise ValueError("sequence-parallel forwards take no KV cache (pass use_cache=False)")
