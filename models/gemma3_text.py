@@ -34,7 +34,7 @@ class Gemma3Text(ModelAdapter):
     shard_layers = ("Gemma3DecoderLayer",)
     processing = "mmrl.processors.gemma3:Gemma3Processing"
     rollout = Rollout(vllm_architecture="Gemma3ForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = tiny_tokenizer()

@@ -33,7 +33,9 @@ class Idefics3(VisionLanguageAdapter):
     lora = LoraTargets(language=ATTN_AND_MLP, vision=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     # vLLM's module tree matches the HF checkpoint names (model.text_model, ...).
     rollout = Rollout(vllm_architecture="Idefics3ForConditionalGeneration")
-    capabilities = Capabilities(single_image=True, multi_image=True, lora_vision=True, vllm=True)
+    capabilities = Capabilities(
+        single_image=True, multi_image=True, lora_vision=True, vllm=True, sequence_parallel=True,
+    )
     processing = "mmrl.processors.idefics3:Idefics3Processing"
     flavour = IDEFICS3
 

@@ -36,7 +36,9 @@ class InternVL(VisionLanguageAdapter):
             ("lm_head.", "language_model.lm_head."),
         ),
     )
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
+    capabilities = Capabilities(
+        single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+    )
     processing = "mmrl.processors.internvl:InternVLProcessing"
 
     def tiny(self) -> TinyModel:

@@ -22,7 +22,7 @@ class Llama(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("LlamaDecoderLayer",)
     rollout = Rollout(vllm_architecture="LlamaForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

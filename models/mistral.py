@@ -14,7 +14,7 @@ class Mistral(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("MistralDecoderLayer",)
     rollout = Rollout(vllm_architecture="MistralForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         # Mistral ships no pad token; the eos doubles as pad, as trainers usually set it.

@@ -15,7 +15,7 @@ class Phi3(ModelAdapter):
     shard_layers = ("Phi3DecoderLayer",)
     lora = LoraTargets(language=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     rollout = Rollout(vllm_architecture="Phi3ForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         # `<|end|>` closes every turn, so it is the eos a chat policy must learn to stop on.

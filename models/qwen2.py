@@ -14,7 +14,7 @@ class Qwen2(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("Qwen2DecoderLayer",)
     rollout = Rollout(vllm_architecture="Qwen2ForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

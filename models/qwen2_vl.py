@@ -27,7 +27,9 @@ class Qwen2VL(VisionLanguageAdapter):
     )
     shard_layers = ("Qwen2VLDecoderLayer", "Qwen2VLVisionBlock")
     lora = LoraTargets(vision=VISION_ATTENTION + ("fc1", "fc2"))
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
+    capabilities = Capabilities(
+        single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+    )
     # vLLM's hf_to_vllm_mapper maps transformers' own names, so no prefixes to rewrite.
     rollout = Rollout(vllm_architecture="Qwen2VLForConditionalGeneration")
     processing = "mmrl.processors.qwen_vl:QwenVLProcessing"

@@ -14,7 +14,7 @@ class Qwen3(ModelAdapter):
     parts = DECODER_PARTS
     shard_layers = ("Qwen3DecoderLayer",)
     rollout = Rollout(vllm_architecture="Qwen3ForCausalLM")
-    capabilities = Capabilities(vllm=True)
+    capabilities = Capabilities(vllm=True, sequence_parallel=True)
 
     def tiny(self) -> TinyModel:
         tokenizer = char_tokenizer(

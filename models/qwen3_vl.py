@@ -5,6 +5,8 @@ Only what differs from `Qwen2VL` is declared here. Videos arrive as one run of
 tokens per frame group, each after a timestamp; `mrope_position_ids` handles both.
 """
 
+from dataclasses import replace
+
 from mmrl.adapter import LoraTargets, Parts, Rollout
 from mmrl.models.qwen2_vl import VISION_ATTENTION, Qwen2VL
 from mmrl.processors.qwen_vl import QWEN3_VL_TEMPLATE
@@ -23,6 +25,9 @@ class Qwen3VL(Qwen2VL):
     shard_layers = ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock")
     lora = LoraTargets(vision=VISION_ATTENTION + ("linear_fc1", "linear_fc2"))
     rollout = Rollout(vllm_architecture="Qwen3VLForConditionalGeneration")
+    # Not sequence parallelism: DeepStack adds vision features inside early decoder
+    # layers at positions given by a whole-sequence mask, which Ulysses does not cut.
+    capabilities = replace(Qwen2VL.capabilities, sequence_parallel=False)
 
     default_mrope_section = (24, 20, 20)
     mrope_interleaved = True

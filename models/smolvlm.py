@@ -15,6 +15,8 @@ class SmolVLM(Idefics3):
     shard_layers = ("LlamaDecoderLayer", "SmolVLMEncoderLayer")
     rollout = Rollout(vllm_architecture="SmolVLMForConditionalGeneration")
     modalities = ("text", "image", "video")
-    capabilities = Capabilities(single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True)
+    capabilities = Capabilities(
+        single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+    )
     processing = "mmrl.processors.idefics3:SmolVLMProcessing"
     flavour = SMOLVLM

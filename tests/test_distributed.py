@@ -49,6 +49,13 @@ def test_update_comparison_catches_a_wrong_gradient_or_step():
     off_step = {"w": weights["w"] + 1e-3}
     assert "differs from one process" in compare_updates((grads, weights), (grads, off_step))[0]
     assert "different parameters" in compare_updates((grads, weights), ({}, weights))[0]
+    # Where the gradient is ~eps, Adam's step is noise: only the mean bound applies there.
+    tiny, still = {"w": torch.full((200, 200), 1e-9)}, {"w": torch.zeros(200, 200)}
+    one_noisy = {"w": still["w"].clone()}
+    one_noisy["w"][0, 0] = 1e-2
+    assert compare_updates((tiny, still), (tiny, one_noisy))[0] is None
+    all_noisy = {"w": still["w"] + 1e-2}
+    assert "on average" in compare_updates((tiny, still), (tiny, all_noisy))[0]
 
 
 def test_two_process_training_run(tmp_path):

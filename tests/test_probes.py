@@ -44,12 +44,12 @@ def _boom(subject):
     [
         (None, lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),
         ("generation", lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),
-        ("critic", lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),  # works, not declared
+        ("video", lambda s: Verified("fine"), Status.VERIFIED, False, "fine"),  # works, not declared
         (None, _boom, Status.FAILED, True, "RuntimeError: exploded"),  # required: CI gates
         ("generation", _boom, Status.FAILED, True, "RuntimeError: exploded"),  # declared: CI gates
-        ("critic", _boom, Status.FAILED, False, "RuntimeError: exploded"),  # not declared: shown only
-        ("critic", lambda s: (_ for _ in ()).throw(NotRunHere("no GPU")), Status.NOT_RUN, False, "no GPU"),
-        ("critic", lambda s: (_ for _ in ()).throw(NotRunHere("missing", unimplemented=True)), Status.NOT_RUN, False,
+        ("video", _boom, Status.FAILED, False, "RuntimeError: exploded"),  # not declared: shown only
+        ("video", lambda s: (_ for _ in ()).throw(NotRunHere("no GPU")), Status.NOT_RUN, False, "no GPU"),
+        ("video", lambda s: (_ for _ in ()).throw(NotRunHere("missing", unimplemented=True)), Status.NOT_RUN, False,
          "missing"),
         ("generation", lambda s: (_ for _ in ()).throw(NotRunHere("missing", unimplemented=True)), Status.FAILED,
          True, "declared, but missing"),
@@ -104,8 +104,6 @@ def test_text_family_skips_what_it_cannot_do():
     subject = _subject("qwen2")
     for feature in ("single_image", "multi_image", "video", "lora_vision"):
         assert probe(feature).run(subject).status is Status.NOT_APPLICABLE
-    ulysses = probe("sequence_parallel").run(subject)
-    assert ulysses.status is Status.NOT_RUN and "not implemented" in ulysses.reason
     vllm = probe("vllm").run(subject)
     try:
         import vllm as _  # noqa: F401

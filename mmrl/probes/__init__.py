@@ -42,15 +42,12 @@ from mmrl.probes.model import (
     needs_video,
     needs_vision_lora,
 )
-from mmrl.probes.training import (
-    check_critic,
-    check_fsdp2,
-    check_fsdp2_many,
+from mmrl.probes.sequence_parallel import (
     check_sequence_parallel,
-    check_vllm,
+    check_sequence_parallel_many,
     sequence_parallel_inapplicable,
-    vllm_inapplicable,
 )
+from mmrl.probes.training import check_critic, check_fsdp2, check_fsdp2_many, check_vllm, vllm_inapplicable
 
 PROBES: tuple[Probe, ...] = (
     Probe("random_init", "Random init", "Builds from the tiny config (or loads the checkpoint); every parameter "
@@ -81,8 +78,10 @@ PROBES: tuple[Probe, ...] = (
     Probe("fsdp2", "FSDP2 x2", "Two processes under torchrun (gloo on CPU): the FSDP2-sharded update equals "
           "the one-process update (gradients and AdamW step).", check_fsdp2, capability="fsdp2",
           check_many=check_fsdp2_many, cost=10.0),
-    Probe("sequence_parallel", "Ulysses SP", "Ulysses sequence parallelism against one process.",
-          check_sequence_parallel, capability="sequence_parallel", inapplicable=sequence_parallel_inapplicable),
+    Probe("sequence_parallel", "Ulysses SP", "Two processes under torchrun split each sequence (Ulysses, odd "
+          "length): log-probs (1e-5), gradients and the AdamW step equal one process's.", check_sequence_parallel,
+          capability="sequence_parallel", inapplicable=sequence_parallel_inapplicable,
+          check_many=check_sequence_parallel_many, cost=10.0),
     Probe("vllm", "vLLM rollout", "vLLM greedy rollout log-probs equal the trainer's (1e-4), before and after a "
           "weight sync.", check_vllm, capability="vllm", inapplicable=vllm_inapplicable),
     Probe("single_image", "1 image", "One image per prompt (two sizes in a batch): finite loss, vision "

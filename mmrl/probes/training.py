@@ -1,5 +1,5 @@
-"""Probes of the training stack: the critic's value head, the FSDP2 multi-process step,
-Ulysses sequence parallelism, and vLLM rollout with weight sync.
+"""Probes of the training stack: the critic's value head, the FSDP2 multi-process step
+and vLLM rollout with weight sync (Ulysses sequence parallelism: probes/sequence_parallel.py).
 
 The FSDP2 probe launches `mmrl.probes.fsdp_step` under torchrun (2 processes) once for
 all the subjects it is given; a subject that crashes or hangs the launch is blamed and
@@ -159,21 +159,6 @@ def check_fsdp2(subject: Subject) -> Verified:
     return outcome
 
 
-# -- Ulysses sequence parallelism -------------------------------------------------------
-ULYSSES_MODULES = ("mmrl.parallel.ulysses", "mmrl.parallel.sequence_parallel")
-
-
-def sequence_parallel_inapplicable(adapter: ModelAdapter) -> str | None:
-    return None if adapter.sequence_parallel is not None else "the adapter sets sequence_parallel = None"
-
-
-def check_sequence_parallel(subject: Subject) -> Verified:
-    found = [m for m in ULYSSES_MODULES if importlib.util.find_spec(m) is not None]
-    if not found:
-        raise NotRunHere("not implemented: mmrl has no Ulysses sequence parallelism yet", unimplemented=True)
-    raise NotRunHere(f"{found[0]} exists, but no probe exercises it yet", unimplemented=True)
-
-
 # -- vLLM rollout and weight sync --------------------------------------------------------
 # fp32 on both sides: the vLLM backend's own test bound (tests/test_vllm.py).
 VLLM_LOGPROB_TOLERANCE = 1e-4
@@ -192,6 +177,8 @@ def check_vllm(subject: Subject) -> Verified:
         raise NotRunHere("not implemented: mmrl has no vLLM rollout backend (mmrl/rollout/vllm.py) yet",
                          unimplemented=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM logs to stdout by default, which would mix with `mmrl doctor --json`.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from mmrl.checks import sample_conversations
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine, join
