@@ -14,7 +14,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _run(args: list[str], timeout: int = 300) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 

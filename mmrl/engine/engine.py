@@ -91,8 +91,12 @@ class Engine:
         total_steps: int = 1,
         gradient_checkpointing: bool = False,
         value_head: bool = False,
+        mixed_precision: bool = True,
     ):
         self.built = built
+        # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
+        # False keeps fp32 throughout, as the probes do to compare sharded with plain.
+        self.mixed_precision = mixed_precision
         self.adapter = built.adapter
         self.dist = dist
         self.model = built.model.to(dist.device)
@@ -137,7 +141,7 @@ class Engine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = None
-        if self.dist.device.type == "cuda":
+        if self.dist.device.type == "cuda" and self.mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         kwargs = {"mesh": self.dist.mesh, **({"mp_policy": mp} if mp else {})}
         layer_names = set(self.adapter.shard_layers)
@@ -256,7 +260,7 @@ class Engine:
         import contextlib
 
         weights_fp32 = next(self.model.parameters()).dtype == torch.float32
-        if self.dist.device.type == "cuda" and not self.sharded and weights_fp32:
+        if self.dist.device.type == "cuda" and not self.sharded and weights_fp32 and self.mixed_precision:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

@@ -306,6 +306,9 @@ class Probe:
         if isinstance(outcome, ModuleNotFoundError) and not (outcome.name or "mmrl").startswith("mmrl"):
             # A package this machine lacks (not a bug of the family): like a missing GPU.
             outcome = NotRunHere(f"package {outcome.name!r} not installed")
+        elif isinstance(outcome, ImportError) and "pip install" in str(outcome):
+            # A library asking for an optional package of its own (say, a processor's).
+            outcome = NotRunHere(one_line(outcome))
         if isinstance(outcome, NotRunHere):
             if outcome.unimplemented and declared:
                 return self.decide(subject, Status.FAILED, f"declared, but {outcome}", seconds)

@@ -39,14 +39,18 @@ def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     from mmrl.engine import Engine, join
 
     built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1)
+    # fp32 on both sides (no bf16 policy or autocast on GPUs): the probe checks the
+    # sharding, not bf16 numerics.
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1,
+                    mixed_precision=False)
     conversations = sample_conversations(built.adapter) * 2  # 4 prompts, split over ranks
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     vocab = built.model.config.get_text_config().vocab_size
-    responses = torch.randint(min(20, vocab - 1), vocab, (len(conversations), 6), generator=generator)
+    shape = (len(conversations), 6)
+    responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator, device="cpu")
     mask = torch.ones_like(responses)
     mask[1, 4:] = 0
-    advantages = torch.randn(len(conversations), generator=generator)
+    advantages = torch.randn(len(conversations), generator=generator, device="cpu")
     global_tokens = float(mask.sum())
     rows = list(range(dist.rank, len(conversations), dist.world_size))
     prompts = dict(built.processing([conversations[i] for i in rows]))
@@ -66,6 +70,13 @@ def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     engine.step()
     state = {k: v.detach().float().cpu().clone() for k, v in engine.full_state_dict().items()}
     return grads, state
+
+
+def exact_numerics() -> None:
+    """No TF32 in GPU matmuls and convolutions: a sharded step splits the batch, and TF32's
+    10-bit mantissa would make that visible far above the fp32 bounds."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def _built_on_cpu(subject):
@@ -119,6 +130,7 @@ def main(out: str, specs: list[dict]) -> None:
 
     torch.set_num_threads(1)
     device = specs[0].get("device", "cpu") if specs else "cpu"
+    exact_numerics()
     if not torch.distributed.is_initialized():
         # A short timeout: a rank that fails alone must not leave the other waiting for
         # the default half hour; the probe then blames the subject in progress.

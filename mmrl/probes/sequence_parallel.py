@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mmrl.adapter import ModelAdapter
 from mmrl.probes.base import Subject, Verified
-from mmrl.probes.training import FSDP_PROCESSES, _fsdp_available, torchrun_many
+from mmrl.probes.training import FSDP_PROCESSES, _fsdp_available, backend, torchrun_many
 
 SP_PROCESSES = FSDP_PROCESSES
 
@@ -22,8 +22,8 @@ def sequence_parallel_inapplicable(adapter: ModelAdapter) -> str | None:
 def check_sequence_parallel_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
     _fsdp_available(subjects[0].device)
     return torchrun_many("mmrl.probes.sp_step", subjects,
-                         f"Ulysses over {SP_PROCESSES} processes (gloo on CPU; sequence of odd length) equals one "
-                         "process: log-probs (1e-5), gradients and AdamW-updated weights",
+                         f"Ulysses over {SP_PROCESSES} processes ({backend(subjects[0].device)}, fp32; sequence of "
+                         "odd length) equals one process: log-probs (1e-5), gradients and AdamW-updated weights",
                          processes=SP_PROCESSES)
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates
+from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates, exact_numerics
 
 LOGPROB_ATOL = 1e-5
 
@@ -34,12 +34,13 @@ def batch(built):
     conversations = sample_conversations(built.adapter) * 2
     prompts = dict(built.processing(conversations))
     length = 6 if prompts["input_ids"].shape[1] % 2 else 5
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     vocab = built.model.config.get_text_config().vocab_size
-    responses = torch.randint(min(20, vocab - 1), vocab, (len(conversations), length), generator=generator)
+    shape = (len(conversations), length)
+    responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator, device="cpu")
     mask = torch.ones_like(responses)
     mask[1, length - 2:] = 0
-    advantages = torch.randn(len(conversations), generator=generator)
+    advantages = torch.randn(len(conversations), generator=generator, device="cpu")
     return prompts, responses, mask, advantages
 
 
@@ -50,7 +51,10 @@ def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[s
     from mmrl.engine import Engine, join
 
     built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1)
+    # fp32 on both sides (no bf16 policy or autocast on GPUs): the probe checks the
+    # sharding, not bf16 numerics.
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1,
+                    mixed_precision=False)
     prompts, responses, mask, advantages = batch(built)
     seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id).to(dist.device)
     logp, _ = engine.log_probs(seqs)
@@ -88,6 +92,7 @@ def main(out: str, specs: list[dict]) -> None:
 
     torch.set_num_threads(1)
     device = specs[0].get("device", "cpu") if specs else "cpu"
+    exact_numerics()
     if not torch.distributed.is_initialized():
         # A short timeout: a rank that fails alone must not leave the other waiting.
         backend = "nccl" if device.startswith("cuda") else "gloo"

@@ -39,9 +39,9 @@ def _sequences(built, engine, responses_per_prompt: int = 4):
 
     conversations = sample_conversations(built.adapter)
     vocab = built.model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     shape = (len(conversations), responses_per_prompt)
-    responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator)
+    responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator, device="cpu")
     mask = torch.ones_like(responses)
     mask[0, -1] = 0
     prompts = dict(built.processing(conversations))
@@ -145,11 +145,16 @@ def torchrun_many(
     return [results.get(s.source, (CheckFailed("no result from torchrun"), 0.0)) for s in subjects]
 
 
+def backend(device: str) -> str:
+    """The process-group backend the torchrun probes use on `device`."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
 def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
     _fsdp_available(subjects[0].device)
     return torchrun_many("mmrl.probes.fsdp_step", subjects,
-                         f"{FSDP_PROCESSES}-process FSDP2 step (gloo) equals the one-process step: "
-                         "gradients and AdamW-updated weights")
+                         f"{FSDP_PROCESSES}-process FSDP2 step ({backend(subjects[0].device)}, fp32) equals the "
+                         "one-process step: gradients and AdamW-updated weights")
 
 
 def check_fsdp2(subject: Subject) -> Verified:
