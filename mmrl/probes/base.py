@@ -198,6 +198,16 @@ class OnDevice:
         return getattr(self._processing, name)
 
 
+def missing_package(exc: Exception) -> str | None:
+    """What `exc` says this machine lacks, when it is a package (a dependency that is not
+    installed, or a library asking for an optional package of its own), else None."""
+    if isinstance(exc, ModuleNotFoundError) and not (exc.name or "mmrl").startswith("mmrl"):
+        return f"package {exc.name!r} not installed"
+    if isinstance(exc, ImportError) and "pip install" in str(exc):
+        return one_line(exc)
+    return None
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, short enough for a table cell's evidence."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -303,12 +313,8 @@ class Probe:
             if declared is False:
                 evidence["note"] = "works, not declared"
             return self.decide(subject, Status.VERIFIED, outcome.reason, seconds, evidence)
-        if isinstance(outcome, ModuleNotFoundError) and not (outcome.name or "mmrl").startswith("mmrl"):
-            # A package this machine lacks (not a bug of the family): like a missing GPU.
-            outcome = NotRunHere(f"package {outcome.name!r} not installed")
-        elif isinstance(outcome, ImportError) and "pip install" in str(outcome):
-            # A library asking for an optional package of its own (say, a processor's).
-            outcome = NotRunHere(one_line(outcome))
+        if isinstance(outcome, Exception) and (lacking := missing_package(outcome)) is not None:
+            outcome = NotRunHere(lacking)  # not a bug of the family: like a missing GPU
         if isinstance(outcome, NotRunHere):
             if outcome.unimplemented and declared:
                 return self.decide(subject, Status.FAILED, f"declared, but {outcome}", seconds)

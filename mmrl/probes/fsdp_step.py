@@ -126,7 +126,7 @@ def compare_updates(reference: tuple[dict, dict], sharded: tuple[dict, dict]) ->
 
 def main(out: str, specs: list[dict]) -> None:
     from mmrl.parallel import Dist, init_distributed
-    from mmrl.probes.base import Subject, one_line
+    from mmrl.probes.base import Subject, missing_package, one_line
 
     torch.set_num_threads(1)
     device = specs[0].get("device", "cpu") if specs else "cpu"
@@ -148,8 +148,7 @@ def main(out: str, specs: list[dict]) -> None:
                 reference = update(subject, alone)
         except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
             error = one_line(exc)
-            if isinstance(exc, ModuleNotFoundError) and not (exc.name or "mmrl").startswith("mmrl"):
-                record["missing_package"] = exc.name
+            record["not_run"] = missing_package(exc)
         # Rank 0 alone ran the reference: every rank learns whether to go on.
         error = dist.all_gather_objects(error)[0]
         if error is None:

@@ -44,7 +44,7 @@ def _sequences(built, engine, responses_per_prompt: int = 4):
     responses = torch.randint(min(20, vocab - 1), vocab, shape, generator=generator, device="cpu")
     mask = torch.ones_like(responses)
     mask[0, -1] = 0
-    prompts = dict(built.processing(conversations))
+    prompts = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in built.processing(conversations).items()}
     seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id)
     return seqs.to(engine.dist.device)
 
@@ -111,7 +111,7 @@ def torchrun_many(
     timeout_base_s: float = FSDP_TIMEOUT_BASE_S, timeout_per_subject_s: float = FSDP_TIMEOUT_PER_SUBJECT_S,
 ) -> list[tuple[Verified | BaseException, float]]:
     """Run a torchrun probe script (`module OUT.jsonl SPECS`, one JSON record per subject:
-    source, passed, reason, evidence, seconds, missing_package) over all `subjects` in one
+    source, passed, reason, evidence, seconds, not_run) over all `subjects` in one
     launch; a subject that crashes or hangs the launch is blamed and the rest run again.
     `verified` is the reason a passing record gets."""
     results: dict[str, tuple[Verified | BaseException, float]] = {}
@@ -128,8 +128,8 @@ def torchrun_many(
         for record in records:
             if record["passed"]:
                 outcome = Verified(verified, record["evidence"])
-            elif record.get("missing_package"):
-                outcome = NotRunHere(f"package {record['missing_package']!r} not installed")
+            elif record.get("not_run"):
+                outcome = NotRunHere(record["not_run"])
             else:
                 outcome = CheckFailed(record["reason"])
             results[record["source"]] = (outcome, record["seconds"])
