@@ -264,6 +264,11 @@ class ModelAdapter:
         """Fix-ups a freshly built random-init model needs (e.g. zero-initialized weights)."""
         return model
 
+    def on_load(self, model: PreTrainedModel) -> PreTrainedModel:
+        """Fix-ups every built or loaded model gets, such as a forward hook that works
+        around a bug of the model code (random init and checkpoints alike)."""
+        return model
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} family={self.family!r} model_types={self.model_types}>"
 

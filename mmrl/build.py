@@ -120,6 +120,7 @@ def build_model(
             path, dtype=dtype, attn_implementation=attn_implementation,
             use_safetensors=True, trust_remote_code=trust_remote_code,
         )
+    model = adapter.on_load(model)
     eos = getattr(model.generation_config, "eos_token_id", None)
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}

@@ -20,3 +20,13 @@ class SmolVLM(Idefics3):
     )
     processing = "mmrl.processors.idefics3:SmolVLMProcessing"
     flavour = SMOLVLM
+
+    def on_load(self, model):
+        # SmolVLM's inputs_merger index-puts the connector's output into a tensor of the
+        # text embeddings' dtype; under bf16 autocast over fp32 weights the connector
+        # returns bf16, which CUDA's index_put refuses (transformers 5.17). Cast it.
+        embeddings = model.get_input_embeddings()
+        model.model.connector.register_forward_hook(
+            lambda module, args, output: output.to(embeddings.weight.dtype)
+        )
+        return model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmrl import build_model
-from mmrl.checks import logits_of, sample_images
+from mmrl.checks import logits_of, model_inputs, sample_conversations, sample_images
 
 TILE = 56 * 56  # every tiny model here uses 56-pixel tiles
 # Per family: a budget that must shrink the larger test image's tokens, and (where the
@@ -89,3 +89,16 @@ def test_tiny_image_processor_survives_save_reload(tmp_path, monkeypatch, pil_de
     before = built.processor.image_processor(image, return_tensors="pt")["pixel_values"]
     after = reloaded.image_processor(image, return_tensors="pt")["pixel_values"]
     assert before.shape == after.shape and torch.equal(before, after)
+
+
+def test_smolvlm_connector_output_matches_the_embeddings_under_autocast():
+    """Under bf16 autocast over fp32 weights the connector computes in bf16; SmolVLM's
+    inputs_merger index-puts its output into an fp32 tensor, which CUDA refuses (the
+    GPU cells once failed). The adapter's hook hands the merger the embeddings' dtype."""
+    built = build_model("smolvlm", random_init=True)
+    seen = []
+    built.model.model.connector.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    batch = built.inputs(sample_conversations(built.adapter), add_generation_prompt=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        built.model(**model_inputs(batch))
+    assert seen == [torch.float32]
