@@ -492,8 +492,9 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
     claims = [f"{name}={getattr(verified, name)}" for name in CHECKED
               if getattr(verified, name) or getattr(defaults, name)]
     return [
-        "    # What `mmrl add-model` verified on the tiny model; the support matrix probes the rest",
-        "    # (fsdp2, vllm, sequence parallelism, ...) before a family claims it.",
+        "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by",
+        "    # default; claim vllm and sequence_parallel once `mmrl support-matrix --family",
+        f"    # {d.family}` verifies them.",
         "    capabilities = " + _call("Capabilities", claims),
     ]
 

@@ -124,7 +124,11 @@ def compare_updates(reference: tuple[dict, dict], sharded: tuple[dict, dict]) ->
     return None, evidence
 
 
-def main(out: str, specs: list[dict]) -> None:
+def drive(out: str, specs: list[dict], update, compare, *, sequence_parallel: bool = False, precheck=None) -> None:
+    """The loop of a torchrun probe script, shared with `sp_step`: for each subject, rank
+    0 runs `update(subject, one_process)` as the reference, then every rank runs
+    `update(subject, dist)`, and rank 0 appends a JSON record with `compare(reference,
+    result)` -> (failure or None, evidence). `precheck(subject)` may raise first."""
     from mmrl.parallel import Dist, init_distributed
     from mmrl.probes.base import Subject, missing_package, one_line
 
@@ -136,7 +140,8 @@ def main(out: str, specs: list[dict]) -> None:
         # the default half hour; the probe then blames the subject in progress.
         backend = "nccl" if device.startswith("cuda") else "gloo"
         torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=120))
-    dist = init_distributed(device)
+    world = torch.distributed.get_world_size()
+    dist = init_distributed(device, sequence_parallel=world) if sequence_parallel else init_distributed(device)
     alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)
     for spec in specs:
         start = time.perf_counter()
@@ -144,6 +149,8 @@ def main(out: str, specs: list[dict]) -> None:
         reference = error = None
         try:
             subject = Subject.from_spec(spec)
+            if precheck is not None:
+                precheck(subject)
             if dist.is_main:
                 reference = update(subject, alone)
         except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
@@ -153,12 +160,15 @@ def main(out: str, specs: list[dict]) -> None:
         error = dist.all_gather_objects(error)[0]
         if error is None:
             try:
-                sharded = update(subject, dist)
+                result = update(subject, dist)
                 if dist.is_main:
-                    error, record["evidence"] = compare_updates(reference, sharded)
+                    error, record["evidence"] = compare(reference, result)
                     record["passed"] = error is None
             except Exception as exc:  # noqa: BLE001
                 error = one_line(exc)
+            # Rank 0 reports the first error of any rank.
+            error = next((e for e in dist.all_gather_objects(error) if e), None)
+            record["passed"] = record["passed"] and error is None
         record["reason"] = error
         record["seconds"] = round(time.perf_counter() - start, 3)
         if dist.is_main:
@@ -166,6 +176,10 @@ def main(out: str, specs: list[dict]) -> None:
                 f.write(json.dumps(record) + "\n")
         dist.barrier()
     torch.distributed.destroy_process_group()
+
+
+def main(out: str, specs: list[dict]) -> None:
+    drive(out, specs, update, compare_updates)
 
 
 if __name__ == "__main__":

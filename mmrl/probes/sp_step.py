@@ -15,14 +15,12 @@ AdamW-updated weights are compared with the FSDP2 probe's bounds (`compare_updat
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
-import time
 
 import torch
 
-from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates, exact_numerics
+from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates, drive
 
 LOGPROB_ATOL = 1e-5
 
@@ -86,51 +84,13 @@ def compare(reference, parallel) -> tuple[str | None, dict]:
     return reason, {"max_logprob_diff": gap, "tokens": int(ref_logp.numel()), **evidence}
 
 
-def main(out: str, specs: list[dict]) -> None:
-    from mmrl.parallel import Dist, init_distributed
-    from mmrl.probes.base import Subject, missing_package, one_line
+def _opted_in(subject) -> None:
+    if subject.adapter.sequence_parallel is None:
+        raise ValueError("the adapter sets sequence_parallel = None")
 
-    torch.set_num_threads(1)
-    device = specs[0].get("device", "cpu") if specs else "cpu"
-    exact_numerics()
-    if not torch.distributed.is_initialized():
-        # A short timeout: a rank that fails alone must not leave the other waiting.
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=120))
-    dist = init_distributed(device, sequence_parallel=torch.distributed.get_world_size())
-    alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)
-    for spec in specs:
-        start = time.perf_counter()
-        record: dict = {"source": spec["source"], "passed": False, "evidence": {}}
-        reference = error = None
-        try:
-            subject = Subject.from_spec(spec)
-            if subject.adapter.sequence_parallel is None:
-                raise ValueError("the adapter sets sequence_parallel = None")
-            if dist.is_main:
-                reference = update(subject, alone)
-        except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
-            error = one_line(exc)
-            record["not_run"] = missing_package(exc)
-        error = dist.all_gather_objects(error)[0]
-        if error is None:
-            try:
-                parallel = update(subject, dist)
-                if dist.is_main:
-                    error, record["evidence"] = compare(reference, parallel)
-                    record["passed"] = error is None
-            except Exception as exc:  # noqa: BLE001
-                error = one_line(exc)
-            # Rank 0 reports the first error of any rank.
-            error = next((e for e in dist.all_gather_objects(error) if e), None)
-            record["passed"] = record["passed"] and error is None
-        record["reason"] = error
-        record["seconds"] = round(time.perf_counter() - start, 3)
-        if dist.is_main:
-            with open(out, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        dist.barrier()
-    torch.distributed.destroy_process_group()
+
+def main(out: str, specs: list[dict]) -> None:
+    drive(out, specs, update, compare, sequence_parallel=True, precheck=_opted_in)
 
 
 if __name__ == "__main__":
