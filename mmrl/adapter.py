@@ -93,10 +93,14 @@ class SequenceParallel:
     `heads_attrs` name the text-config fields whose values must be divisible by the
     sequence-parallel degree; `split_inputs` are the batch keys cut along the sequence
     (position ids are cut along their last dimension, which also covers 3-D mrope ids).
+    `masked_inputs` pairs a (B, S) boolean mask the decoder gets with the inputs that hold
+    one row per True position (row-major order; a tensor or a list of tensors): the mask
+    is cut like the sequence, and those inputs keep the rows of this rank's positions.
     """
 
     heads_attrs: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads")
     split_inputs: tuple[str, ...] = ("input_ids", "position_ids", "labels")
+    masked_inputs: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,7 @@ Only what differs from `Qwen2VL` is declared here. Videos arrive as one run of
 tokens per frame group, each after a timestamp; `mrope_position_ids` handles both.
 """
 
-from dataclasses import replace
-
-from mmrl.adapter import LoraTargets, Parts, Rollout
+from mmrl.adapter import LoraTargets, Parts, Rollout, SequenceParallel
 from mmrl.models.qwen2_vl import VISION_ATTENTION, Qwen2VL
 from mmrl.processors.qwen_vl import QWEN3_VL_TEMPLATE
 from mmrl.registry import register_model
@@ -25,9 +23,9 @@ class Qwen3VL(Qwen2VL):
     shard_layers = ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock")
     lora = LoraTargets(vision=VISION_ATTENTION + ("linear_fc1", "linear_fc2"))
     rollout = Rollout(vllm_architecture="Qwen3VLForConditionalGeneration")
-    # Not sequence parallelism: DeepStack adds vision features inside early decoder
-    # layers at positions given by a whole-sequence mask, which Ulysses does not cut.
-    capabilities = replace(Qwen2VL.capabilities, sequence_parallel=False)
+    # DeepStack adds vision features inside early decoder layers, one row per visual
+    # position of visual_pos_masks: under Ulysses each rank keeps its positions' rows.
+    sequence_parallel = SequenceParallel(masked_inputs=(("visual_pos_masks", ("deepstack_visual_embeds",)),))
 
     default_mrope_section = (24, 20, 20)
     mrope_interleaved = True

@@ -340,3 +340,28 @@ def test_data_and_sequence_parallel_equals_data_parallel(tmp_path):
     """4 processes as 2 data x 2 sequence shards equal plain FSDP2 over 2 processes:
     FSDP sums each group's partial gradients and averages over the data shards only."""
     _same_run(_train(tmp_path, 2, 1), _train(tmp_path, 4, 2))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_masked_inputs_keep_the_rows_of_each_ranks_positions(rank):
+    """A (B, S) mask with one row of another input per True position (DeepStack-style):
+    the mask is cut like the sequence, the rows follow their positions."""
+    from mmrl.adapter import SequenceParallel
+
+    spec = SequenceParallel(masked_inputs=(("visual_pos_masks", ("deepstack_visual_embeds",)),))
+    hook = ulysses._splitter(spec)
+    chosen = torch.tensor([[False, True, True, False, True], [True, False, False, True, True]])
+    rows = torch.arange(6.0)[:, None].expand(6, 3)  # row i: the i-th True position, row-major
+    kwargs = {"inputs_embeds": torch.randn(2, 5, 3), "attention_mask": torch.ones(2, 5, dtype=torch.long),
+              "position_ids": torch.arange(5).expand(2, 5), "visual_pos_masks": chosen,
+              "deepstack_visual_embeds": [rows, rows * 10]}
+    with ulysses.active(group=None, rank=rank, size=2):
+        _, cut = hook(torch.nn.Identity(), (), kwargs)
+    # Rank 0 owns positions 0-2, rank 1 positions 3-4 and one of padding.
+    expected_rows = [0.0, 1.0, 3.0] if rank == 0 else [2.0, 4.0, 5.0]
+    assert cut["deepstack_visual_embeds"][0][:, 0].tolist() == expected_rows
+    assert cut["deepstack_visual_embeds"][1][:, 0].tolist() == [10 * r for r in expected_rows]
+    padded = F.pad(chosen, (0, 1))
+    assert torch.equal(cut["visual_pos_masks"], padded[:, 3 * rank:3 * rank + 3])
+    assert cut["inputs_embeds"].shape == (2, 3, 3)
+    assert int(cut["visual_pos_masks"].sum()) == len(expected_rows)

@@ -303,8 +303,7 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     if getattr(stack.config, "_attn_implementation", NAME) != NAME:
         raise ValueError(f"{type(stack).__name__} does not read its attention from the text config")
     if not getattr(stack, "_mmrl_ulysses_hooked", False):
-        split = tuple(adapter.sequence_parallel.split_inputs)
-        stack.register_forward_pre_hook(_splitter(split), with_kwargs=True)
+        stack.register_forward_pre_hook(_splitter(adapter.sequence_parallel), with_kwargs=True)
         stack._mmrl_ulysses_hooked = True
     return stack
 
@@ -313,7 +312,10 @@ _NOT_SPLIT = ("attention_mask", "past_key_values", "use_cache", "return_dict", "
               "output_attentions")
 
 
-def _splitter(split_inputs: tuple[str, ...]):
+def _splitter(spec):
+    split_inputs = tuple(spec.split_inputs)
+    masked = dict(spec.masked_inputs)
+
     def cut(tensor: torch.Tensor, dim: int, start: int, stop: int, padded: int) -> torch.Tensor:
         length = tensor.shape[dim]
         if padded > length:
@@ -367,12 +369,29 @@ def _splitter(split_inputs: tuple[str, ...]):
             if value.shape[dim] != length:
                 raise ValueError(f"{name} has {value.shape[dim]} positions, the inputs {length}")
             kwargs[name] = cut(value, dim, start, stop, padded)
+        for mask_name, row_inputs in masked.items():
+            chosen = kwargs.get(mask_name)
+            if chosen is None:
+                continue
+            if chosen.shape != source.shape[:2]:
+                raise ValueError(f"{mask_name} has shape {tuple(chosen.shape)}, the inputs {tuple(source.shape[:2])}")
+            mine = torch.zeros_like(chosen, dtype=torch.bool)
+            mine[:, start:min(stop, length)] = True
+            rows = mine[chosen.bool()]  # per row of the row inputs: does this rank own it?
+            for name in row_inputs:
+                value = kwargs.get(name)
+                if isinstance(value, torch.Tensor):
+                    kwargs[name] = value[rows]
+                elif isinstance(value, (list, tuple)):
+                    kwargs[name] = type(value)(v[rows] for v in value)
+            kwargs[mask_name] = F.pad(chosen, (0, padded - length)).narrow(1, start, stop - start)
         for name, value in kwargs.items():
-            if (name not in _NOT_SPLIT and name not in split_inputs and name not in ("inputs_embeds", "input_ids")
+            if (name not in _NOT_SPLIT and name not in split_inputs and name not in masked
+                    and name not in ("inputs_embeds", "input_ids")
                     and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length):
                 raise ValueError(f"the decoder gets {name} {tuple(value.shape)} over the whole sequence, which "
                                  "sequence parallelism does not know how to cut (adapter.sequence_parallel."
-                                 "split_inputs)")
+                                 "split_inputs or masked_inputs)")
         return args, kwargs
 
     return hook
