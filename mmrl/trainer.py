@@ -16,6 +16,7 @@ everything needed to resume exactly (weights, optimizer, data position, RNG).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -313,15 +314,24 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, samples: list[dict], batch_size: int = 128) -> float:
-        """Greedy accuracy (share of responses with reward >= 1) on `samples`."""
+        """Greedy accuracy (share of responses with reward >= 1) on `samples`, which the
+        data-parallel ranks split between them."""
         from mmrl.data import to_conversation
 
         params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
+        mine = samples[self.dist.dp_rank::self.dist.dp_size]
+        # Every rank takes part in every generate call (sharded weights make each forward
+        # collective), so all run as many batches as the largest share needs.
+        batches = math.ceil(math.ceil(len(samples) / self.dist.dp_size) / batch_size)
         correct = 0.0
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start:start + batch_size]
-            result = self.rollout.generate([to_conversation(s) for s in chunk], params)
-            correct += float((self._score(chunk, result) >= 1.0).sum())
+        for index in range(batches):
+            chunk = mine[index * batch_size:(index + 1) * batch_size]
+            stand_in = not chunk and bool(samples)
+            result = self.rollout.generate([to_conversation(s) for s in (chunk or samples[:1])], params)
+            if not stand_in:
+                correct += float((self._score(chunk, result) >= 1.0).sum())
+        # Ranks of one sequence-parallel group scored the same share.
+        correct = self.dist.all_reduce_sum(correct) / self.dist.sequence_parallel
         return correct / max(len(samples), 1)
 
     # -- bookkeeping ----------------------------------------------------------------------------------

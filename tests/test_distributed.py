@@ -71,3 +71,53 @@ def test_two_process_training_run(tmp_path):
     assert len(lines) == 3  # two steps and the final summary
     assert (out / "checkpoints" / "step_000002" / "actor" / "model.safetensors").is_file()
     assert (out / "final" / "model.safetensors").is_file()
+
+
+SHARDED_GENERATION = '''
+import json, sys, torch
+from mmrl.config import load_recipe
+from mmrl.data import to_conversation
+from mmrl.parallel import Dist, init_distributed
+from mmrl.rollout import SamplingParams
+from mmrl.trainer import Trainer
+
+out, recipe_path, *overrides = sys.argv[1:]
+recipe = load_recipe(recipe_path, overrides)
+dist = init_distributed("cpu")
+trainer = Trainer(recipe, dist=dist)
+samples = list(trainer.eval_set)
+# A greedy "accuracy" that depends on the sample and on what the model generates.
+def parity(chunk, result):
+    answers = torch.tensor([int(s["answer"]) for s in chunk])
+    return ((result.response_ids[:, 0] + answers) % 2 == 0).float()
+trainer._score = parity
+record = {}
+# Ranks whose generations stop at different lengths: rank 1 runs 4 more forwards.
+params = SamplingParams(n=1, max_new_tokens=2 + 4 * dist.rank, temperature=0.0)
+result = trainer.rollout.generate([to_conversation(s) for s in samples[:2]], params)
+record[f"length_rank{dist.rank}"] = result.response_ids.shape[1]
+shapes = dist.all_gather_objects(result.response_ids.shape[1])
+sharded = trainer.evaluate(samples, batch_size=3)  # 7 samples: shares of 4 and 3
+if dist.rank == 0:
+    alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    single = Trainer(recipe, dist=alone)
+    single._score = parity
+    record.update(lengths=shapes, sharded=sharded, single=single.evaluate(samples, batch_size=3))
+    json.dump(record, open(out, "w"))
+dist.barrier()
+'''
+
+
+def test_sharded_generation_and_evaluation(tmp_path):
+    """Under FSDP every forward is collective: ranks whose generations stop at different
+    lengths must keep stepping together (synced_gpus), and evaluation splits the eval set
+    over the ranks (uneven shares included) and gives the one-process figure."""
+    script, out = tmp_path / "gen.py", tmp_path / "gen.json"
+    script.write_text(SHARDED_GENERATION)
+    _run(_torchrun(2, str(script), str(out), str(REPO / "recipes" / "tiny_vlm_count.yaml"),
+                   "data.eval=synthetic:count_shapes?n=7&seed=1", f"trainer.output_dir={tmp_path / 'run'}",
+                   "trainer.threads=1", "rollout.max_new_tokens=3"), timeout=300)
+    record = json.loads(out.read_text())
+    assert record["lengths"] == [2, 6]
+    assert record["sharded"] == record["single"]
+    assert 0.0 < record["single"] < 1.0, "the parity score should split the samples"

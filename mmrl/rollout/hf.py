@@ -38,6 +38,9 @@ class HFRollout:
                     eos_token_id=self.processing.stop_token_ids,
                     pad_token_id=tokenizer.pad_token_id,
                     suppress_tokens=self.processing.blocked_token_ids or None,
+                    # Sharded weights: every forward is collective, so a rank whose
+                    # sequences all stopped keeps stepping until every rank is done.
+                    synced_gpus=self.engine.sharded,
                     **sampling,
                 )
         finally:
