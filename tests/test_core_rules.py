@@ -77,3 +77,12 @@ def test_every_package_is_listed_for_installation():
              for p in (REPO / "mmrl").rglob("__init__.py")}
     found |= {"mmrl.models", "mmrl.processors"}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_docs_list_every_family_in_this_repository():
+    """docs/families.md has a line per family of models/ (mmrl add-model appends one)."""
+    from mmrl.registry import families
+
+    listed = (REPO / "docs" / "families.md").read_text()
+    in_tree = [a.family for a in families() if type(a).__module__.startswith("mmrl.models.")]
+    assert in_tree and all(f"- `{family}` (" in listed for family in in_tree)
