@@ -28,7 +28,7 @@ import torch
 
 from mmrl.config import Recipe, RecipeError, dump_recipe
 from mmrl.engine import Engine, join
-from mmrl.parallel import Dist, init_distributed
+from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
 
 STATE_FILE = "trainer_state.json"
@@ -41,6 +41,8 @@ class Trainer:
         if dist is None:
             try:
                 dist = init_distributed(sequence_parallel=sequence_parallel)
+            except LaunchError:
+                raise
             except ValueError as exc:
                 raise RecipeError(f"parallel.sequence_parallel: {exc}") from None
         if dist.sequence_parallel != sequence_parallel:

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _run(args: list[str], timeout: int = 300) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -121,3 +122,11 @@ def test_sharded_generation_and_evaluation(tmp_path):
     assert record["lengths"] == [2, 6]
     assert record["sharded"] == record["single"]
     assert 0.0 < record["single"] < 1.0, "the parity score should split the samples"
+
+
+def test_more_processes_than_gpus_is_a_one_line_error(monkeypatch):
+    from mmrl.parallel import init_distributed
+
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match="GPU\\(s\\) are visible: start one process per GPU"):
+        init_distributed("cuda")

@@ -143,7 +143,8 @@ def test_installed_model_still_generates_and_equals_itself(one_process_group):
 
 
 def _torchrun(module: str, out: Path, specs: list[dict], timeout: int = 400) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", module, str(out), json.dumps(specs)]
@@ -237,7 +238,8 @@ def test_checkpointed_critic_and_entropy_under_ulysses(tmp_path):
     entropy and a value head, SP=2 against one process."""
     script, out = tmp_path / "critic.py", tmp_path / "critic.json"
     script.write_text(CHECKPOINTED_CRITIC)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                str(out), "qwen2_vl"]
@@ -312,7 +314,8 @@ def _train(tmp_path: Path, processes: int, sequence_parallel: int) -> list[dict]
                "data.eval=synthetic:count_shapes?n=4&seed=1", "data.prompts_per_step=4",
                "rollout.samples_per_prompt=2", "trainer.threads=1", "trainer.export=false",
                f"parallel.sequence_parallel={sequence_parallel}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

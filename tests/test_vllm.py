@@ -317,7 +317,9 @@ def _torchrun(tmp_path, *args, timeout=400):
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as torch_dist
 
 
+class LaunchError(ValueError):
+    """The processes torchrun started do not fit this machine (more than its GPUs)."""
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int
@@ -88,6 +92,10 @@ def init_distributed(device: str | None = None, sequence_parallel: int = 1) -> D
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise LaunchError(f"this process has LOCAL_RANK {local_rank}, but {torch.cuda.device_count()} GPU(s) are "
+                             "visible: start one process per GPU (torchrun --nproc_per_node), or hide the GPUs "
+                             "(CUDA_VISIBLE_DEVICES=) to run on CPU")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
