@@ -518,6 +518,11 @@ def train(recipe: Recipe) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     trainer = Trainer(recipe)
     summary = trainer.fit()
+    if trainer.dist.distributed and torch.distributed.is_initialized():
+        # No rank may leave while another still talks to it (gloo aborts the process
+        # whose peer is gone), and the groups go down in order.
+        trainer.dist.barrier()
+        torch.distributed.destroy_process_group()
     return summary
 
 

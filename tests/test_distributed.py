@@ -106,6 +106,7 @@ if dist.rank == 0:
     record.update(lengths=shapes, sharded=sharded, single=single.evaluate(samples, batch_size=3))
     json.dump(record, open(out, "w"))
 dist.barrier()
+torch.distributed.destroy_process_group()
 '''
 
 

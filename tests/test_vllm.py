@@ -309,7 +309,8 @@ after = gap()
 gaps = dist.all_gather_objects({"before": before, "stale": stale, "after": after})
 if dist.is_main:
     json.dump(gaps, open(out, "w"))
-rollout.close()
+dist.barrier()
+rollout.close()  # under torchrun vLLM's shutdown also ends the process group
 '''
 
 

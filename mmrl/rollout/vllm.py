@@ -262,7 +262,8 @@ class VLLMRollout:
             self.llm.llm_engine.reset_encoder_cache()
 
     def close(self) -> None:
-        """Shut the engine down and free its KV cache and model (tests start several)."""
+        """Shut the engine down and free its KV cache and model (tests start several).
+        Under torchrun vLLM's shutdown also ends the default process group: close last."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
