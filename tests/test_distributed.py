@@ -1,28 +1,12 @@
 """FSDP2 across processes (gloo on CPU, under torchrun) against one process."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from multiprocess import REPO, run, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess
-
-
-def _run(args: list[str], timeout: int = 300) -> None:
-    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def _torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
 def test_two_process_fsdp2_update_equals_one_process(tmp_path):
@@ -31,7 +15,7 @@ def test_two_process_fsdp2_update_equals_one_process(tmp_path):
     mmrl.probes.fsdp_step: gradients 1e-5 relative, weights 5e-4 worst / 1e-6 mean)."""
     out = tmp_path / "fsdp.jsonl"
     subjects = [{"source": family, "random_init": True} for family in ("qwen2", "qwen2_vl")]
-    _run(_torchrun(2, "-m", "mmrl.probes.fsdp_step", str(out), json.dumps(subjects)))
+    run(torchrun(2, "-m", "mmrl.probes.fsdp_step", str(out), json.dumps(subjects)))
     records = {r["source"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(records) == {"qwen2", "qwen2_vl"}
     for family, record in records.items():
@@ -62,7 +46,7 @@ def test_update_comparison_catches_a_wrong_gradient_or_step():
 
 def test_two_process_training_run(tmp_path):
     out = tmp_path / "run"
-    _run(_torchrun(
+    run(torchrun(
         2, "-m", "mmrl.cli", "train", str(REPO / "recipes" / "tiny_vlm_count.yaml"),
         "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
         "data.eval=synthetic:count_shapes?n=8&seed=1", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -116,7 +100,7 @@ def test_sharded_generation_and_evaluation(tmp_path):
     over the ranks (uneven shares included) and gives the one-process figure."""
     script, out = tmp_path / "gen.py", tmp_path / "gen.json"
     script.write_text(SHARDED_GENERATION)
-    _run(_torchrun(2, str(script), str(out), str(REPO / "recipes" / "tiny_vlm_count.yaml"),
+    run(torchrun(2, str(script), str(out), str(REPO / "recipes" / "tiny_vlm_count.yaml"),
                    "data.eval=synthetic:count_shapes?n=7&seed=1", f"trainer.output_dir={tmp_path / 'run'}",
                    "trainer.threads=1", "rollout.max_new_tokens=3"), timeout=300)
     record = json.loads(out.read_text())

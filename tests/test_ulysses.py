@@ -5,8 +5,6 @@ recipe's `parallel.sequence_parallel` checks.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mmrl.parallel import ulysses
+from multiprocess import REPO, run, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -143,13 +141,7 @@ def test_installed_model_still_generates_and_equals_itself(one_process_group):
 
 
 def _torchrun(module: str, out: Path, specs: list[dict], timeout: int = 400) -> list[dict]:
-    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", module, str(out), json.dumps(specs)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(torchrun(2, "-m", module, out, json.dumps(specs)), timeout=timeout)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -238,13 +230,7 @@ def test_checkpointed_critic_and_entropy_under_ulysses(tmp_path):
     entropy and a value head, SP=2 against one process."""
     script, out = tmp_path / "critic.py", tmp_path / "critic.json"
     script.write_text(CHECKPOINTED_CRITIC)
-    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               str(out), "qwen2_vl"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(torchrun(2, script, out, "qwen2_vl"), timeout=300)
     record = json.loads(out.read_text())
     assert max(record["gaps"]) <= 1e-5, record
     assert record["reason"] is None, record
@@ -307,18 +293,13 @@ def test_sdpa_reference_for_the_mask():
 
 def _train(tmp_path: Path, processes: int, sequence_parallel: int) -> list[dict]:
     out = tmp_path / f"run{processes}x{sequence_parallel}"
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-                if processes > 1 else [sys.executable])
+    launcher = torchrun(processes) if processes > 1 else [sys.executable]
     command = [*launcher, "-m", "mmrl.cli", "train", str(REPO / "recipes" / "tiny_vlm_count.yaml"),
                "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
                "data.eval=synthetic:count_shapes?n=4&seed=1", "data.prompts_per_step=4",
                "rollout.samples_per_prompt=2", "trainer.threads=1", "trainer.export=false",
                f"parallel.sequence_parallel={sequence_parallel}"]
-    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(command, timeout=400)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:-1]
 
 

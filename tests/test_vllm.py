@@ -22,10 +22,10 @@ hidden_size / heads as the head size), which the tiny models' heads of 32 satisf
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from multiprocess import REPO, run, torchrun
 from PIL import Image, ImageDraw
 
 from mmrl import build_model
@@ -38,7 +38,6 @@ from mmrl.rollout.hf import HFRollout
 # Read when an engine starts: a 1 GiB KV cache on CPU (vLLM would take a share of RAM).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-4  # fp32 on both sides; measured differences are ~1e-5
 
 # A larger init than the tiny default, so greedy responses vary from token to token
@@ -314,25 +313,12 @@ rollout.close()  # under torchrun vLLM's shutdown also ends the process group
 '''
 
 
-def _torchrun(tmp_path, *args, timeout=400):
-    import subprocess
-    import sys
-
-    # CPU processes (gloo) even on a GPU machine with fewer GPUs than processes.
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_each_rank_runs_its_own_engine_under_torchrun(tmp_path, family):
     script, out = tmp_path / "parity.py", tmp_path / "gaps.json"
     script.write_text(TORCHRUN_PARITY)
-    _torchrun(tmp_path, script, out, family, json.dumps(OVERRIDES[family]))
+    run(torchrun(2, script, out, family, json.dumps(OVERRIDES[family])), timeout=400)
     gaps = json.loads(out.read_text())
     assert len(gaps) == 2
     for rank in gaps:
@@ -343,10 +329,10 @@ def test_each_rank_runs_its_own_engine_under_torchrun(tmp_path, family):
 @pytest.mark.multiprocess
 def test_training_under_torchrun_with_the_vllm_backend(tmp_path):
     out = tmp_path / "run"
-    _torchrun(tmp_path, "-m", "mmrl.cli", "train", REPO / "recipes" / "tiny_vlm_count.yaml", "rollout.backend=vllm",
-              "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
-              "data.eval=synthetic:count_shapes?n=8&seed=1", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
-              "trainer.threads=1")
+    run(torchrun(2, "-m", "mmrl.cli", "train", REPO / "recipes" / "tiny_vlm_count.yaml", "rollout.backend=vllm",
+                 "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
+                 "data.eval=synthetic:count_shapes?n=8&seed=1", "data.prompts_per_step=4",
+                 "rollout.samples_per_prompt=2", "trainer.threads=1"), timeout=400)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and lines[-1]["final"]
     assert all(line["time/sync"] > 0 for line in lines[:2])

@@ -20,6 +20,11 @@ import torch
 import torch.distributed as torch_dist
 
 
+def backend(device: str) -> str:
+    """The process-group backend for `device` ("cpu", "cuda", "cuda:1", ...)."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
 class LaunchError(ValueError):
     """The processes torchrun started do not fit this machine (more than its GPUs)."""
 
@@ -108,7 +113,7 @@ def init_distributed(device: str | None = None, sequence_parallel: int = 1) -> D
         from torch.distributed.device_mesh import init_device_mesh
 
         if not torch_dist.is_initialized():
-            torch_dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            torch_dist.init_process_group(backend=backend(dev.type))
         mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("dp",))
         if sequence_parallel > 1:
             grid = init_device_mesh(dev.type, (world_size // sequence_parallel, sequence_parallel),

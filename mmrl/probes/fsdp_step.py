@@ -35,14 +35,9 @@ SETTLED_GRAD = 1e-6
 def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Gradients and updated weights (full, on CPU) of one update on this rank's share."""
     from mmrl.checks import sample_conversations
-    from mmrl.config import OptimConfig
-    from mmrl.engine import Engine, join
+    from mmrl.engine import join
 
-    built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
-    # fp32 on both sides (no bf16 policy or autocast on GPUs): the probe checks the
-    # sharding, not bf16 numerics.
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1,
-                    mixed_precision=False)
+    built, engine = probe_engine(subject, dist)
     conversations = sample_conversations(built.adapter) * 2  # 4 prompts, split over ranks
     generator = torch.Generator(device="cpu").manual_seed(0)
     vocab = built.model.config.get_text_config().vocab_size
@@ -61,6 +56,25 @@ def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     # Token-mean over the global batch; FSDP averages gradients over ranks.
     loss = -(logp * weights * seqs.response_mask).sum() / global_tokens * dist.world_size
     loss.backward()
+    return step_and_collect(engine)
+
+
+def probe_engine(subject, dist):
+    """(built, engine) for one side of a sharded-vs-plain probe: the subject's model with
+    seed 0 and an AdamW engine in fp32 on both sides (no bf16 policy or autocast on
+    GPUs): the probes check the sharding, not bf16 numerics."""
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine
+
+    built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1,
+                    mixed_precision=False)
+    return built, engine
+
+
+def step_and_collect(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The full gradients after a backward, then the full weights after one optimizer
+    step, in fp32 on CPU (the weights on rank 0 only when sharded)."""
     grads = {}
     for name, param in engine.model.named_parameters():
         if param.grad is None:
@@ -130,6 +144,7 @@ def drive(out: str, specs: list[dict], update, compare, *, sequence_parallel: bo
     `update(subject, dist)`, and rank 0 appends a JSON record with `compare(reference,
     result)` -> (failure or None, evidence). `precheck(subject)` may raise first."""
     from mmrl.parallel import Dist, init_distributed
+    from mmrl.parallel.mesh import backend
     from mmrl.probes.base import Subject, missing_package, one_line
 
     torch.set_num_threads(1)
@@ -138,8 +153,7 @@ def drive(out: str, specs: list[dict], update, compare, *, sequence_parallel: bo
     if not torch.distributed.is_initialized():
         # A short timeout: a rank that fails alone must not leave the other waiting for
         # the default half hour; the probe then blames the subject in progress.
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=120))
+        torch.distributed.init_process_group(backend=backend(device), timeout=datetime.timedelta(seconds=120))
     world = torch.distributed.get_world_size()
     dist = init_distributed(device, sequence_parallel=world) if sequence_parallel else init_distributed(device)
     alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from mmrl.adapter import ModelAdapter
 from mmrl.probes.base import Subject, Verified
-from mmrl.probes.training import FSDP_PROCESSES, _fsdp_available, backend, torchrun_many
+from mmrl.parallel.mesh import backend
+from mmrl.probes.training import FSDP_PROCESSES, _fsdp_available, torchrun_many
 
 SP_PROCESSES = FSDP_PROCESSES
 

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from mmrl.probes.fsdp_step import _built_on_cpu, compare_updates, drive
+from mmrl.probes.fsdp_step import compare_updates, drive, probe_engine, step_and_collect
 
 LOGPROB_ATOL = 1e-5
 
@@ -45,28 +45,16 @@ def batch(built):
 def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Log-probs, gradients and updated weights (full, on CPU) of one update on the
     whole batch, in one process or split along the sequence over dist's SP group."""
-    from mmrl.config import OptimConfig
-    from mmrl.engine import Engine, join
+    from mmrl.engine import join
 
-    built = subject.build(seed=0) if dist.device.type == "cpu" else _built_on_cpu(subject)
-    # fp32 on both sides (no bf16 policy or autocast on GPUs): the probe checks the
-    # sharding, not bf16 numerics.
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-2, grad_clip=1e9), total_steps=1,
-                    mixed_precision=False)
+    built, engine = probe_engine(subject, dist)
     prompts, responses, mask, advantages = batch(built)
     seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id).to(dist.device)
     logp, _ = engine.log_probs(seqs)
     # Token-mean over the batch: the same loss on every rank of the SP group.
     loss = -(logp * advantages[:, None].to(dist.device) * seqs.response_mask).sum() / float(mask.sum())
     (loss * dist.dp_size).backward()
-    grads = {}
-    for name, param in engine.model.named_parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        grads[name] = grad.detach().float().cpu().clone()
-    engine.step()
-    state = {k: v.detach().float().cpu().clone() for k, v in engine.full_state_dict().items()}
+    grads, state = step_and_collect(engine)
     return logp.detach().float().cpu(), grads, state
 
 

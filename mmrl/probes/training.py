@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mmrl.adapter import ModelAdapter
+from mmrl.parallel.mesh import backend
 from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, require
 
 FSDP_PROCESSES = 2
@@ -143,11 +144,6 @@ def torchrun_many(
         blamed = remaining.pop(0)  # the subject in progress when the launch died
         results[blamed.source] = (CheckFailed(f"torchrun failed (exit {code}): {last_error}"), elapsed)
     return [results.get(s.source, (CheckFailed("no result from torchrun"), 0.0)) for s in subjects]
-
-
-def backend(device: str) -> str:
-    """The process-group backend the torchrun probes use on `device`."""
-    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
