@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from multiprocess import REPO, run, torchrun
+from cpu_processes import REPO, run, torchrun
 
 pytestmark = pytest.mark.multiprocess
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mmrl.parallel import ulysses
-from multiprocess import REPO, run, torchrun
+from cpu_processes import REPO, run, torchrun
 
 
 

@@ -25,7 +25,7 @@ import time
 
 import pytest
 import torch
-from multiprocess import REPO, run, torchrun
+from cpu_processes import REPO, run, torchrun
 from PIL import Image, ImageDraw
 
 from mmrl import build_model
