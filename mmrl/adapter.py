@@ -139,6 +139,10 @@ class Capabilities:
     critic: bool = True
     sequence_parallel: bool = False
     vllm: bool = False
+    # Encoding a repeated prompt's images/videos once per batch (mmrl.engine.media) needs
+    # only transformers' get_image_features/get_video_features: claimed unless opted out
+    # (text families have no media, and their cell is n/a).
+    media_sharing: bool = True
 
     def declared(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]

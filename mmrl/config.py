@@ -35,6 +35,9 @@ class ModelConfig(_Section):
     lora_scope: Literal["none", "language", "vision", "all"] = "none"
     lora_rank: int = Field(8, gt=0)
     gradient_checkpointing: bool = False
+    # Encode each prompt's images/videos once per micro-batch and reuse the features for
+    # all its samples (rollout and update), where the family declares media_sharing.
+    share_media: bool = True
     min_pixels: int | None = None
     max_pixels: int | None = None
     trust_remote_code: bool = False

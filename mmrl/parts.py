@@ -55,6 +55,13 @@ def parameters_by_part(
     return dict(groups)
 
 
+def part_modules(model: torch.nn.Module, part: str, adapter: ModelAdapter | None = None) -> list[torch.nn.Module]:
+    """The modules a part's paths name (paths that name a parameter are skipped)."""
+    adapter = _adapter_for(model, adapter)
+    paths = dict(adapter.parts.items()).get(part, ())
+    return [module for name, module in model.named_modules() if _unwrap_name(name) in paths]
+
+
 def check_parts(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list[str]:
     """Declared part paths that name nothing in `model` (empty when all resolve)."""
     adapter = _adapter_for(model, adapter)

@@ -95,12 +95,12 @@ class Trainer:
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing)
-        self.ref = Engine(build(r.trainer.seed), self.dist) if r.algo.kl_coef > 0 else None
+                            gradient_checkpointing=m.gradient_checkpointing, share_media=m.share_media)
+        self.ref = Engine(build(r.trainer.seed), self.dist, share_media=m.share_media) if r.algo.kl_coef > 0 else None
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
-                                 total_steps=r.trainer.steps, value_head=True)
+                                 total_steps=r.trainer.steps, value_head=True, share_media=m.share_media)
         self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing,
                                     **({"config": r.rollout} if r.rollout.backend == "vllm" else {}))
         self.reward_fn = get_reward(r.reward.name, **r.reward.options)
@@ -132,11 +132,15 @@ class Trainer:
         fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
         return torch.tensor(self.reward_fn(texts, answers, **fields), dtype=torch.float32)
 
-    def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None):
+    def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None,
+                   owners: list[int] | None = None):
+        from mmrl.engine.media import SharedMedia
+
         length = max(1, int(mask.sum(-1).max()))
         prompts = prompts if prompts is not None else dict(self.processing(conversations))
+        shared = SharedMedia.of(self.processing, conversations, owners) if owners and self.actor.shares_media else None
         seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
-                    self.processing.tokenizer.pad_token_id)
+                    self.processing.tokenizer.pad_token_id, shared=shared)
         return seqs.to(self.dist.device)
 
     def _next_prompts(self) -> list[dict]:
@@ -167,7 +171,8 @@ class Trainer:
 
     def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> list:
         """Training sequences of the kept `rows`, in micro-batches."""
-        expanded = [conversations[i] for i in result.prompt_index.tolist()]
+        owners = result.prompt_index.tolist()
+        expanded = [conversations[i] for i in owners]
         micro = self.recipe.algo.micro_batch_size
         slices = [slice(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
         # One micro-batch of every row: the rollout's own prompt batch is that batch.
@@ -176,7 +181,7 @@ class Trainer:
         for part in slices:
             chosen = rows[part]
             batches.append(self._sequences([expanded[i] for i in chosen], result.response_ids[chosen],
-                                           result.response_mask[chosen], reuse))
+                                           result.response_mask[chosen], reuse, [owners[i] for i in chosen]))
         return batches
 
     @torch.no_grad()

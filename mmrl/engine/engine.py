@@ -92,6 +92,7 @@ class Engine:
         gradient_checkpointing: bool = False,
         value_head: bool = False,
         mixed_precision: bool = True,
+        share_media: bool = True,
     ):
         self.built = built
         # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
@@ -99,6 +100,9 @@ class Engine:
         self.mixed_precision = mixed_precision
         self.adapter = built.adapter
         self.dist = dist
+        # Encode each repeated prompt's media once per batch, where the family's
+        # encoders allow it (`mmrl.engine.media`).
+        self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         self.model = built.model.to(dist.device)
         self.value_head = None
         if value_head:
@@ -196,8 +200,7 @@ class Engine:
         if self.sequence_parallel > 1:
             return self._sp_log_probs(seqs, temperature, with_entropy)
         length = seqs.response_ids.shape[1]
-        with self.autocast():
-            out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=length + 1)
+        out = self._forward(seqs, logits_to_keep=length + 1)
         logits = out.logits[:, :-1]
         logp, entropy = token_log_probs(logits, seqs.response_ids, temperature)
         return logp, (entropy if with_entropy else None)
@@ -209,8 +212,7 @@ class Engine:
         if self.sequence_parallel > 1:
             return self._sp_values(seqs)
         length = seqs.response_ids.shape[1]
-        with self.autocast():
-            out = self.model(**seqs.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -(length + 1):-1]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
@@ -232,8 +234,8 @@ class Engine:
     def _sp_forward(self, seqs: Sequences, **kwargs):
         from mmrl.parallel import ulysses
 
-        with self.autocast(), ulysses.active(self.dist.sp_group, self.dist.sp_rank, self.sequence_parallel):
-            return self.model(**seqs.inputs, use_cache=False, **kwargs)
+        with ulysses.active(self.dist.sp_group, self.dist.sp_rank, self.sequence_parallel):
+            return self._forward(seqs, **kwargs)
 
     def _sp_gather(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor:
         from mmrl.parallel.ulysses import gather_columns
@@ -253,6 +255,17 @@ class Engine:
         hidden = out.hidden_states[-1][:, keep]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         return self._sp_gather(values, widths)
+
+    def _forward(self, seqs: Sequences, **kwargs):
+        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
+            return self.model(**seqs.inputs, use_cache=False, **kwargs)
+
+    def media_sharing(self, batch: dict, shared):
+        """Context in which `batch`'s repeated prompts encode their media once (a no-op
+        unless this engine shares media and `shared` says which rows repeat which)."""
+        from mmrl.engine.media import sharing
+
+        return sharing(self.model, batch, shared if self.shares_media else None)
 
     def autocast(self):
         """bf16 autocast for fp32 weights on a GPU when FSDP's mixed precision is not in

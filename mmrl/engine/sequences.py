@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmrl.adapter import ModelAdapter
+from mmrl.engine.media import SharedMedia
 
 # Batch keys that are not model inputs of the joined sequence.
 _NOT_INPUTS = ("position_ids",)
@@ -31,6 +32,8 @@ class Sequences:
     prompt_length: int
     # Per-row tensors that travel with the batch (rewards, advantages, old log-probs, ...).
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Rows that repeat a prompt, for encoding its media once (`mmrl.engine.media`).
+    shared: SharedMedia | None = None
 
     @property
     def size(self) -> int:
@@ -44,6 +47,7 @@ class Sequences:
             response_mask=self.response_mask.to(device),
             prompt_length=self.prompt_length,
             extras={k: v.to(device) for k, v in self.extras.items()},
+            shared=self.shared.to(device) if self.shared is not None else None,
         )
 
 
@@ -54,6 +58,7 @@ def join(
     adapter: ModelAdapter,
     model,
     pad_token_id: int,
+    shared: SharedMedia | None = None,
 ) -> Sequences:
     """Join left-padded prompts and right-padded responses into training sequences."""
     batch_size, prompt_length = prompt_batch["input_ids"].shape
@@ -78,5 +83,6 @@ def join(
         response_ids=response_ids,
         response_mask=response_mask.float(),
         prompt_length=prompt_length,
+        shared=shared,
     )
 

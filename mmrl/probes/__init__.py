@@ -47,7 +47,15 @@ from mmrl.probes.sequence_parallel import (
     check_sequence_parallel_many,
     sequence_parallel_inapplicable,
 )
-from mmrl.probes.training import check_critic, check_fsdp2, check_fsdp2_many, check_vllm, vllm_inapplicable
+from mmrl.probes.training import (
+    check_critic,
+    check_fsdp2,
+    check_fsdp2_many,
+    check_media_sharing,
+    check_vllm,
+    media_sharing_inapplicable,
+    vllm_inapplicable,
+)
 
 PROBES: tuple[Probe, ...] = (
     Probe("random_init", "Random init", "Builds from the tiny config (or loads the checkpoint); every parameter "
@@ -90,6 +98,9 @@ PROBES: tuple[Probe, ...] = (
           capability="multi_image", inapplicable=needs_images),
     Probe("video", "Video", "A 4-frame clip: processed and 4 tokens generated.", check_video, capability="video",
           inapplicable=needs_video),
+    Probe("media_sharing", "Shared media", "Rows repeating a prompt (GRPO samples) encode its images/video once: "
+          "log-probs (1e-5), gradients and the AdamW step equal the plain forward's, with less vision input.",
+          check_media_sharing, capability="media_sharing", inapplicable=media_sharing_inapplicable, cost=2.0),
 )
 
 FEATURES: tuple[str, ...] = tuple(p.feature for p in PROBES)

@@ -84,6 +84,88 @@ def check_critic(subject: Subject) -> Verified:
                     {"value_error_before": error_before, "value_error_after": error_after})
 
 
+# -- shared media encoding ---------------------------------------------------------------
+MEDIA_SHARING_LOGP_ATOL = 1e-5
+
+
+def media_sharing_inapplicable(adapter: ModelAdapter) -> str | None:
+    return None if adapter.is_multimodal else "text-only family (no media to encode)"
+
+
+def check_media_sharing(subject: Subject) -> Verified:
+    """Batches whose rows repeat prompts (images; a video batch too where the family takes
+    video): encoding each prompt's media once gives the log-probs, gradients and AdamW
+    step of the plain forward, with less input through the vision tower."""
+    from contextlib import ExitStack
+
+    from mmrl.checks import sample_conversations, video_conversations
+    from mmrl.engine import join
+    from mmrl.engine.media import SharedMedia
+    from mmrl.parts import part_modules
+    from mmrl.probes.fsdp_step import compare_updates, exact_numerics, probe_engine, step_and_collect
+
+    adapter = subject.adapter
+    # (conversations, owners) per micro-batch; images and video apart, as a mixed batch
+    # is a processor question of its own.
+    batches = [(sample_conversations(adapter), [0, 1, 0, 0, 1, 1])]
+    if "video" in adapter.modalities:
+        batches.append((video_conversations(), [0, 0, 0]))
+    rows = sum(len(owners) for _, owners in batches)
+    prompts = sum(len(conversations) for conversations, _ in batches)
+
+    def update(share: bool):
+        built, engine = probe_engine(subject, _single_process(subject.device))
+        engine.shares_media = share  # the probe verifies the claim, so it does not read it
+        vocab = built.model.config.get_text_config().vocab_size
+        generator = torch.Generator().manual_seed(0)
+        seen, logps = [], []
+        with ExitStack() as hooks:
+            for module in part_modules(engine.model, "vision", built.adapter):
+                handle = module.register_forward_pre_hook(
+                    lambda _, args, kwargs: seen.append(_input_size(args, kwargs)), with_kwargs=True)
+                hooks.callback(handle.remove)
+            for conversations, owners in batches:
+                expanded = [conversations[o] for o in owners]
+                responses = torch.randint(min(20, vocab - 1), vocab, (len(owners), 5), generator=generator)
+                mask = torch.ones_like(responses)
+                mask[1, 3:] = 0
+                advantages = torch.randn(len(owners), 1, generator=generator)
+                shared = SharedMedia.of(built.processing, expanded, owners) if share else None
+                seqs = join(dict(built.processing(expanded)), responses, mask, built.adapter, engine.model,
+                            built.tokenizer.pad_token_id, shared=shared).to(engine.dist.device)
+                logp, _ = engine.log_probs(seqs)
+                (-(logp * advantages.to(logp.device) * seqs.response_mask).sum() / rows).backward()
+                logps.append(logp.detach().float().cpu().flatten())
+        return torch.cat(logps), sum(seen), step_and_collect(engine)
+
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    exact_numerics()
+    try:
+        plain_logp, plain_work, plain_update = update(False)
+        shared_logp, shared_work, shared_update = update(True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = allow_tf32
+    logp_gap = (plain_logp - shared_logp).abs().max().item()
+    require(logp_gap <= MEDIA_SHARING_LOGP_ATOL,
+            f"log-probs with shared media encoding differ from the plain forward by {logp_gap:.2e} "
+            f"(bound {MEDIA_SHARING_LOGP_ATOL:.0e})")
+    failure, evidence = compare_updates(plain_update, shared_update)
+    require(failure is None, f"with shared media encoding, {failure}")
+    require(0 < shared_work < plain_work,
+            f"the vision tower saw {shared_work} input values with sharing and {plain_work} without")
+    return Verified(f"{rows} rows repeating {prompts} prompts: log-probs within {logp_gap:.1e}, same gradients "
+                    f"and AdamW step; {plain_work / shared_work:.1f}x less vision input",
+                    {"max_logp_diff": logp_gap, "vision_input_ratio": plain_work / shared_work, **evidence})
+
+
+def _input_size(args: tuple, kwargs: dict) -> int:
+    """Elements of the first tensor a module is called with."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+    return 0
+
+
 # -- FSDP2 -----------------------------------------------------------------------------
 def _fsdp_available(device: str) -> None:
     if not torch.distributed.is_available():

@@ -19,8 +19,12 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]], params: SamplingParams) -> RolloutResult:
+        from mmrl.engine.media import SharedMedia
+
         expanded = [c for c in conversations for _ in range(params.n)]
         prompt_inputs = dict(self.processing(expanded))
+        prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
+        shared = SharedMedia.of(self.processing, expanded, prompt_index.tolist()) if self.engine.shares_media else None
         batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
                  for k, v in prompt_inputs.items()}
         model = self.engine.model
@@ -30,7 +34,8 @@ class HFRollout:
         tokenizer = self.processing.tokenizer
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         try:
-            with self.engine.autocast():
+            device = self.engine.dist.device
+            with self.engine.autocast(), self.engine.media_sharing(batch, shared.to(device) if shared else None):
                 out = model.generate(
                     **batch,
                     do_sample=not params.greedy,
@@ -47,7 +52,6 @@ class HFRollout:
             model.train(was_training)
         generated = out[:, batch["input_ids"].shape[1]:].cpu()
         ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
-        prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
         return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                              prompt_index=prompt_index, prompt_inputs=prompt_inputs)
 

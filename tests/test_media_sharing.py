@@ -1,0 +1,110 @@
+"""Encoding a repeated prompt's media once (mmrl.engine.media) against the plain path:
+the joining rules, the probe on real families, a wrong sharing being caught, calls it
+must leave alone, and whole training steps with sharing on and off."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from mmrl import build_model
+from mmrl.checks import sample_conversations
+from mmrl.config import load_recipe
+from mmrl.engine.media import SharedMedia, join, sharing
+from mmrl.probes import Subject, probe
+from mmrl.registry import get_adapter
+from mmrl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_join_chains_items_and_concatenates_layers():
+    a = BaseModelOutputWithPooling(last_hidden_state=torch.zeros(3, 2), pooler_output=(torch.ones(1, 2),),
+                                   hidden_states=(torch.zeros(3, 2),))
+    b = BaseModelOutputWithPooling(last_hidden_state=torch.zeros(5, 2),
+                                   pooler_output=(torch.full((2, 2), 2.0), torch.full((1, 2), 3.0)))
+    joined = join([a, b, a])
+    # One entry per image, in row order; fields the forwards never read are left out.
+    assert [t[0, 0].item() for t in joined.pooler_output] == [1.0, 2.0, 3.0, 1.0]
+    assert joined.last_hidden_state is None and joined.hidden_states is None
+    # Per-layer sequences (DeepStack features) join layer by layer.
+    layers = join([(torch.ones(2, 4), torch.zeros(2, 4)), (torch.ones(1, 4), torch.zeros(1, 4))])
+    assert [tuple(t.shape) for t in layers] == [(3, 4), (3, 4)]
+    assert torch.equal(join([torch.ones(2, 3), torch.zeros(1, 3)]), torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+
+
+def test_shared_media_is_none_when_no_prompt_repeats():
+    built = build_model("qwen2_vl", random_init=True)
+    conversations = sample_conversations(built.adapter)
+    assert SharedMedia.of(built.processing, conversations, [0, 1]) is None
+    shared = SharedMedia.of(built.processing, [conversations[i] for i in (0, 1, 0)], [7, 3, 7])
+    assert shared.owners == [0, 1, 0] and len(shared.media) == 2
+    assert {"pixel_values", "image_grid_thw"} <= shared.keys and "input_ids" not in shared.keys
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "idefics3", "gemma3", "llava_onevision"])
+def test_probe_verifies_sharing(family):
+    result = probe("media_sharing").run(Subject(get_adapter(family), source=family))
+    assert result.status == "verified", result.reason
+    assert result.evidence["vision_input_ratio"] >= 2.5
+    assert result.declared is True
+
+
+def _logits(model, batch, shared=None):
+    with torch.no_grad(), sharing(model, batch, shared):
+        return model(**batch, use_cache=False).logits
+
+
+def test_a_wrong_sharing_is_visible_and_unmatched_calls_run_plain():
+    built = build_model("qwen2_vl", random_init=True)
+    conversations = sample_conversations(built.adapter)
+    owners = [0, 1, 1, 0]
+    rows = [conversations[i] for i in owners]
+    batch = dict(built.processing(rows))
+    plain = _logits(built.model, batch)
+    right = SharedMedia.of(built.processing, rows, owners)
+    assert torch.allclose(_logits(built.model, batch, right), plain, atol=1e-5)
+    # Rows handed the other prompt's image features: the logits must move (the check
+    # above can fail). Both images give the same number of tokens only if resized alike,
+    # so swap media of equal size: the two prompts' own media, in reverse order.
+    swapped = SharedMedia(owners=right.owners, media=right.media[::-1])
+    if all(a["pixel_values"].shape == b["pixel_values"].shape for a, b in zip(right.media, swapped.media)):
+        assert (_logits(built.model, batch, swapped) - plain).abs().max() > 1e-3
+    # Inside the context, a forward on other media (here one row alone) does not match the
+    # batch's, so its encoding runs unchanged.
+    alone = dict(built.processing(rows[:1]))
+    with torch.no_grad(), sharing(built.model, batch, right):
+        inside = built.model(**alone, use_cache=False).logits
+    assert torch.allclose(inside, _logits(built.model, alone), atol=1e-6)
+    with pytest.raises(ValueError, match="4 rows"):
+        _logits(built.model, alone, right)
+    # The methods are restored afterwards.
+    assert "get_image_features" not in vars(built.model.model)
+
+
+def test_training_steps_with_and_without_sharing_agree(tmp_path):
+    weights, metrics = [], []
+    for share in ("true", "false"):
+        recipe = load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
+            f"trainer.output_dir={tmp_path / share}", "trainer.steps=2", "trainer.eval_every=0",
+            "trainer.progress=false", "trainer.export=false", "data.eval=null", "data.validation=null",
+            "data.train=synthetic:count_shapes?n=32&seed=0", "data.prompts_per_step=4",
+            "rollout.samples_per_prompt=4", "algo.micro_batch_size=6", f"model.share_media={share}",
+        ])
+        trainer = Trainer(recipe)
+        assert trainer.actor.shares_media is (share == "true")
+        trainer.fit()
+        weights.append({k: v.detach().clone() for k, v in trainer.actor.model.state_dict().items()})
+        rows = [json.loads(line) for line in (tmp_path / share / "metrics.jsonl").read_text().splitlines()]
+        metrics.append([(r["reward/mean"], r["loss/policy"]) for r in rows if "loss/policy" in r])
+    # The same samples (rollout) and the same updates: the weights agree.
+    assert len(metrics[0]) == 2
+    for (reward_a, loss_a), (reward_b, loss_b) in zip(*metrics):
+        assert reward_a == reward_b and abs(loss_a - loss_b) < 1e-6
+    # Shared features sum their rows' gradients before the vision tower's backward, the
+    # plain path after it: float order differs, and Adam scales near-zero gradients up to
+    # a full step (lr 3e-4, 3e-3 on vision): measured 1e-5 at most, against 3e-3 steps.
+    for name in weights[0]:
+        assert torch.allclose(weights[0][name], weights[1][name], atol=5e-5), name
