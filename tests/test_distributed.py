@@ -50,7 +50,7 @@ def test_two_process_training_run(tmp_path):
         2, "-m", "mmrl.cli", "train", str(REPO / "recipes" / "tiny_vlm_count.yaml"),
         "trainer.steps=2", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
         "data.eval=synthetic:count_shapes?n=8&seed=1", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
-        "trainer.threads=1", "trainer.save_every=2",
+        "trainer.threads=1", "trainer.save_every=2", "model.share_media=true",
     ), timeout=600)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3  # two steps and the final summary

@@ -84,7 +84,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("critic", "Critic head", "A value-head engine gives a value per response token, and a value-loss "
           "step moves the values toward the returns.", check_critic, capability="critic"),
     Probe("fsdp2", "FSDP2 x2", "Two processes under torchrun (gloo on CPU, NCCL on GPUs; fp32): the "
-          "FSDP2-sharded update equals the one-process update (gradients and AdamW step).", check_fsdp2,
+          "FSDP2-sharded update equals the one-process update (gradients and AdamW step); VLMs share media "
+          "encoding.", check_fsdp2,
           capability="fsdp2", check_many=check_fsdp2_many, cost=10.0),
     Probe("sequence_parallel", "Ulysses SP", "Two processes under torchrun split each sequence (Ulysses, odd "
           "length): log-probs (1e-5), gradients and the AdamW step equal one process's.", check_sequence_parallel,

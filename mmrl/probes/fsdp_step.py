@@ -36,6 +36,7 @@ def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     """Gradients and updated weights (full, on CPU) of one update on this rank's share."""
     from mmrl.checks import sample_conversations
     from mmrl.engine import join
+    from mmrl.engine.media import SharedMedia
 
     built, engine = probe_engine(subject, dist)
     conversations = sample_conversations(built.adapter) * 2  # 4 prompts, split over ranks
@@ -48,8 +49,13 @@ def update(subject, dist) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     advantages = torch.randn(len(conversations), generator=generator, device="cpu")
     global_tokens = float(mask.sum())
     rows = list(range(dist.rank, len(conversations), dist.world_size))
-    prompts = dict(built.processing([conversations[i] for i in rows]))
-    seqs = join(prompts, responses[rows], mask[rows], built.adapter, engine.model, built.tokenizer.pad_token_id)
+    chosen = [conversations[i] for i in rows]
+    prompts = dict(built.processing(chosen))
+    # Rows 0 and 2 (1 and 3) repeat a prompt: where the family shares media encoding,
+    # both sides encode it once, so the sharded update covers that path too.
+    shared = SharedMedia.of(built.processing, chosen, [i % 2 for i in rows]) if engine.shares_media else None
+    seqs = join(prompts, responses[rows], mask[rows], built.adapter, engine.model, built.tokenizer.pad_token_id,
+                shared=shared)
     seqs = seqs.to(dist.device)
     logp, _ = engine.log_probs(seqs)
     weights = advantages[rows, None].to(dist.device)

@@ -45,11 +45,18 @@ def batch(built):
 def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Log-probs, gradients and updated weights (full, on CPU) of one update on the
     whole batch, in one process or split along the sequence over dist's SP group."""
+    from mmrl.checks import sample_conversations
     from mmrl.engine import join
+    from mmrl.engine.media import SharedMedia
 
     built, engine = probe_engine(subject, dist)
     prompts, responses, mask, advantages = batch(built)
-    seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id).to(dist.device)
+    # The batch repeats its two prompts: where the family shares media encoding, both
+    # sides encode each once (the vision tower runs whole on every rank of the group).
+    shared = (SharedMedia.of(built.processing, sample_conversations(built.adapter) * 2, [0, 1, 0, 1])
+              if engine.shares_media else None)
+    seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id,
+                shared=shared).to(dist.device)
     logp, _ = engine.log_probs(seqs)
     # Token-mean over the batch: the same loss on every rank of the SP group.
     loss = -(logp * advantages[:, None].to(dist.device) * seqs.response_mask).sum() / float(mask.sum())
