@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from mmrl import build_model
-from mmrl.checks import logits_of, model_inputs, sample_conversations, sample_images
+from mmrl.checks import (
+    logits_of,
+    model_inputs,
+    padded_vs_single,
+    sample_conversations,
+    sample_images,
+    video_conversations,
+)
 
 TILE = 56 * 56  # every tiny model here uses 56-pixel tiles
 # Per family: a budget that must shrink the larger test image's tokens, and (where the
@@ -102,3 +109,18 @@ def test_smolvlm_connector_output_matches_the_embeddings_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         built.model(**model_inputs(batch))
     assert seen == [torch.float32]
+
+
+def test_smolvlm_batch_mixing_image_and_video_prompts_equals_each_alone():
+    """SmolVLM's processor writes tiles and frames to one `pixel_values`, so a mixed batch
+    is processed a prompt at a time and joined; before, the frames replaced the tiles and
+    the forward failed."""
+    built = build_model("smolvlm", random_init=True)
+    images = sample_conversations(built.adapter)
+    mixed = [images[0], *video_conversations(), images[1]]
+    batch = dict(built.processing(mixed))
+    assert batch["pixel_values"].shape[0] == 3
+    assert padded_vs_single(built, mixed) < 2e-4
+    both = [{"role": "user", "content": [*images[0][0]["content"][:1], *video_conversations()[0][0]["content"]]}]
+    with pytest.raises(ValueError, match="images and a video in one prompt"):
+        built.processing([both])

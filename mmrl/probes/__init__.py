@@ -97,7 +97,8 @@ PROBES: tuple[Probe, ...] = (
           "gradients, generation.", check_single_image, capability="single_image", inapplicable=needs_images),
     Probe("multi_image", "Multi-image", "Two images per prompt: finite loss and backward.", check_multi_image,
           capability="multi_image", inapplicable=needs_images),
-    Probe("video", "Video", "A 4-frame clip: processed and 4 tokens generated.", check_video, capability="video",
+    Probe("video", "Video", "A 4-frame clip: processed and 4 tokens generated; in a batch with image prompts "
+          "each prompt equals itself alone (2e-4).", check_video, capability="video",
           inapplicable=needs_video),
     Probe("media_sharing", "Shared media", "Rows repeating a prompt (GRPO samples) encode its images/video once: "
           "log-probs (1e-5), gradients and the AdamW step equal the plain forward's, with less vision input.",

@@ -280,4 +280,13 @@ def check_video(subject: Subject) -> Verified:
     built = subject.build()
     new_tokens = generate(built, video_conversations(), max_new_tokens=4)
     require(tuple(new_tokens.shape) == (1, 4), f"generated shape {tuple(new_tokens.shape)}, expected (1, 4)")
-    return Verified("a 4-frame 56x56 clip: processed and 4 tokens generated", {"new_tokens": new_tokens.tolist()})
+    evidence: dict = {"new_tokens": new_tokens.tolist()}
+    if "image" in subject.adapter.modalities:
+        # A batch that mixes image prompts and a video prompt: each row as if alone.
+        mixed = sample_conversations(subject.adapter) + video_conversations()
+        evidence["mixed_batch_max_diff"] = gap = padded_vs_single(built, mixed)
+        require(gap < TOLERANCE, f"in a batch mixing image and video prompts a row differs from itself alone by "
+                                 f"{gap:.2e} (bound {TOLERANCE:.0e})")
+    return Verified("a 4-frame 56x56 clip: processed and 4 tokens generated"
+                    + ("; a batch mixing it with image prompts equals each prompt alone" if len(evidence) > 1 else ""),
+                    evidence)
