@@ -133,12 +133,17 @@ class Trainer:
         return torch.tensor(self.reward_fn(texts, answers, **fields), dtype=torch.float32)
 
     def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None,
-                   owners: list[int] | None = None):
+                   owners: list[int] | None = None, media=None):
+        """Training sequences of rows answering `conversations`; `owners` (the rows'
+        prompt indices) lets repeated prompts share their media encoding, with their
+        processed media taken from `media` (the rollout's) where it has them."""
         from mmrl.engine.media import SharedMedia
 
         length = max(1, int(mask.sum(-1).max()))
         prompts = prompts if prompts is not None else dict(self.processing(conversations))
-        shared = SharedMedia.of(self.processing, conversations, owners) if owners and self.actor.shares_media else None
+        shared = None
+        if owners and self.actor.shares_media:
+            shared = media.select(owners) if media is not None else SharedMedia.of(self.processing, conversations, owners)
         seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
                     self.processing.tokenizer.pad_token_id, shared=shared)
         return seqs.to(self.dist.device)
@@ -181,7 +186,8 @@ class Trainer:
         for part in slices:
             chosen = rows[part]
             batches.append(self._sequences([expanded[i] for i in chosen], result.response_ids[chosen],
-                                           result.response_mask[chosen], reuse, [owners[i] for i in chosen]))
+                                           result.response_mask[chosen], reuse, [owners[i] for i in chosen],
+                                           result.shared_media))
         return batches
 
     @torch.no_grad()

@@ -11,11 +11,18 @@ The mechanism needs nothing family-specific. transformers' VLMs encode media thr
 `get_image_features` / `get_video_features` on their inner model and read the result's
 `pooler_output` (and per-layer extras such as DeepStack features). Inside
 `sharing(model, batch, shared)` those methods are wrapped for the duration of a forward or
-`generate`: a call whose media tensors are the batch's own is answered by calling the
-original once per distinct prompt, with that prompt's media, and joining the outputs in
-row order. Any other call, or a call it cannot match, runs unchanged. A family whose
-encoder this fits declares `Capabilities.media_sharing`; the `media_sharing` probe checks
-log-probs and gradients against the plain path.
+`generate`. A call whose media tensors are the batch's own is answered in three steps:
+- the original runs once over the distinct prompts' media, stacked as one processor call
+  would lay them out;
+- the output is cut back into prompts by each prompt's count of the modality's
+  placeholder token (the count the model's own scatter consumes): tensors in
+  proportion, per-image sequences image by image, per-layer sequences layer by layer;
+- the per-prompt outputs are joined in row order.
+Where the cut does not come out exact, the original runs once per prompt instead. Any
+other call, one it cannot match, or a model without a placeholder-token id in its config
+runs unchanged. A family whose encoder this fits declares `Capabilities.media_sharing`;
+the `media_sharing` probe checks log-probs, gradients and the AdamW step against the
+plain path.
 
     shared = SharedMedia.of(processing, conversations, owners=[0, 0, 1, 1])
     with sharing(model, batch, shared):
@@ -27,11 +34,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
-ENCODER_METHODS = ("get_image_features", "get_video_features")
+ENCODER_METHODS = {"get_image_features": "image", "get_video_features": "video"}
 # The fields of an encoder output that hold one entry per image; other sequence fields
 # (hidden states, DeepStack features) hold one entry per layer.
 PER_ITEM_FIELD = "pooler_output"
@@ -46,6 +53,9 @@ class SharedMedia:
 
     owners: list[int]  # row -> index into `media`
     media: list[dict[str, torch.Tensor]]
+    # Each distinct prompt's token ids: its count of a modality's placeholder tokens says
+    # which part of a joint encoder call's output is its own.
+    ids: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def of(cls, processing, conversations: Sequence, owners: Sequence[int]) -> SharedMedia | None:
@@ -58,20 +68,30 @@ class SharedMedia:
         if len(first) == len(owners):
             return None
         index = {owner: i for i, owner in enumerate(first)}
-        media = []
+        media, ids = [], []
         for row in first.values():
             batch = dict(processing([conversations[row]]))
             media.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and not _text_aligned(k, v, batch)})
+            ids.append(batch["input_ids"][0])
         if not any(media):
             return None
-        return cls(owners=[index[o] for o in owners], media=media)
+        return cls(owners=[index[o] for o in owners], media=media, ids=ids)
+
+    def select(self, owners: Sequence[int]) -> SharedMedia | None:
+        """The sharing of a sub-batch whose rows repeat `owners[i]` (indices into this
+        one's prompts), reusing their processed media; None when no prompt repeats."""
+        distinct = list(dict.fromkeys(owners))
+        if len(distinct) == len(owners) or not any(self.media[i] for i in distinct):
+            return None
+        index = {owner: i for i, owner in enumerate(distinct)}
+        return SharedMedia([index[o] for o in owners], [self.media[i] for i in distinct], [self.ids[i] for i in distinct])
 
     @property
     def keys(self) -> set[str]:
         return set().union(*self.media)
 
     def to(self, device: torch.device) -> SharedMedia:
-        return SharedMedia(self.owners, [{k: v.to(device) for k, v in m.items()} for m in self.media])
+        return SharedMedia(self.owners, [{k: v.to(device) for k, v in m.items()} for m in self.media], self.ids)
 
 
 def _text_aligned(key: str, value: torch.Tensor, batch: dict) -> bool:
@@ -91,10 +111,11 @@ def sharing(model: torch.nn.Module, batch: dict, shared: SharedMedia | None) -> 
         raise ValueError(f"the media sharing was made for {len(shared.owners)} rows, the batch has {rows}")
     patched = []
     for owner in _encoder_owners(model):
-        for name in ENCODER_METHODS:
+        for name, modality in ENCODER_METHODS.items():
             if callable(getattr(owner, name, None)):
                 original = getattr(owner, name)
-                setattr(owner, name, _shared_call(original, batch, shared))
+                token = _placeholder_token(getattr(owner, "config", None), modality)
+                setattr(owner, name, _shared_call(original, batch, shared, token))
                 patched.append((owner, name))
     try:
         yield
@@ -114,7 +135,16 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def _shared_call(original, batch: dict, shared: SharedMedia):
+def _placeholder_token(config, modality: str) -> int | None:
+    """The id of the token that a modality's features replace (transformers' names)."""
+    for name in (f"{modality}_token_id", f"{modality}_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
     media_keys = shared.keys & set(batch)
 
     # The original's signature shows through: transformers' generate reads it to pick the
@@ -133,14 +163,27 @@ def _shared_call(original, batch: dict, shared: SharedMedia):
         present = [sum(key in media for key in matched.values()) for media in shared.media]
         if not matched or any(0 < n < len(matched) for n in present):
             return original(*args, **kwargs)
-        outputs = {}
-        for index, media in enumerate(shared.media):
-            if present[index]:
-                swap = {pos: media[key].to(device=_arg(args, kwargs, pos).device, dtype=_arg(args, kwargs, pos).dtype)
-                        for pos, key in matched.items()}
-                outputs[index] = original(*[swap.get(i, a) for i, a in enumerate(args)],
-                                          **{k: swap.get(k, v) for k, v in kwargs.items()})
-        return join([outputs[owner] for owner in shared.owners if owner in outputs])
+        if token is None:  # no placeholder token to size each prompt's part by
+            return original(*args, **kwargs)
+        prompts = [i for i, n in enumerate(present) if n]
+        counts = {i: int((shared.ids[i] == token).sum()) for i in prompts}
+
+        def encode(values: dict) -> object:
+            swap = {pos: value.to(device=_arg(args, kwargs, pos).device, dtype=_arg(args, kwargs, pos).dtype)
+                    for pos, value in values.items()}
+            return original(*[swap.get(i, a) for i, a in enumerate(args)], **{k: swap.get(k, v) for k, v in kwargs.items()})
+
+        # One call over every distinct prompt's media, cut back into prompts by their
+        # placeholder-token counts; where the cut does not fit, one call per prompt.
+        parts = None
+        if len(prompts) > 1:
+            stacked = {pos: stack([shared.media[i][key] for i in prompts]) for pos, key in matched.items()}
+            parts = split(encode(stacked), [counts[i] for i in prompts])
+        if parts is None:
+            parts = [encode({pos: shared.media[i][key] for pos, key in matched.items()}) for i in prompts]
+        outputs = dict(zip(prompts, parts))
+        rows = [owner for owner in shared.owners if owner in outputs]
+        return join([outputs[owner] for owner in rows], [counts[owner] for owner in rows])
 
     return call
 
@@ -161,34 +204,111 @@ def _batch_key(value: torch.Tensor, batch: dict, keys: set[str]) -> str | None:
     return None
 
 
-def join(outputs: list):
-    """Encoder outputs of consecutive rows joined as if the rows had been encoded in one
-    call: tensors concatenate along the first dimension; per-item sequences
-    (`pooler_output`) chain; per-layer sequences concatenate layer by layer."""
+def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Media tensors of several prompts as one processor call lays them out: joined along
+    the first dimension, the others zero-padded to the largest (tiles or patches per
+    image; the models drop all-zero padding, as they do the processor's own)."""
+    if all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+        return torch.cat(tensors)
+    dims = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        gap = [x for d in reversed(range(1, t.dim())) for x in (0, dims[d - 1] - t.shape[d])]
+        padded.append(torch.nn.functional.pad(t, gap))
+    return torch.cat(padded)
+
+
+def split(output, counts: list[int]) -> list | None:
+    """`output` of one encoder call over several prompts, cut into one output per prompt
+    given each prompt's placeholder-token count; None where the sizes do not divide
+    that way (the caller then encodes prompt by prompt)."""
+    try:
+        return _split(output, counts)
+    except _Uneven:
+        return None
+
+
+class _Uneven(Exception):
+    pass
+
+
+def _rows(t: torch.Tensor) -> int:
+    """Feature vectors in a tensor (all dimensions but the last)."""
+    return t.numel() // max(t.shape[-1], 1) if t.dim() else 0
+
+
+def _adds_up(sequence, tokens: int) -> bool:
+    """Whether a sequence can hold one tensor per image: tensors whose features add up to
+    the prompt's tokens (one per layer would each be the size of the whole)."""
+    return (isinstance(sequence, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in sequence)
+            and sum(_rows(t) for t in sequence) == tokens)
+
+
+def _split(output, counts: list[int]) -> list:
+    if isinstance(output, torch.Tensor):
+        return list(torch.split(output, _sizes(output.shape[0], counts)))
+    if is_dataclass(output):
+        per_field = {}
+        for f in fields(output):
+            value = getattr(output, f.name)
+            if f.name not in UNREAD_FIELDS and value is not None:
+                per_field[f.name] = _split(value, counts)
+        return [type(output)(**{name: parts[i] for name, parts in per_field.items()}) for i in range(len(counts))]
+    if isinstance(output, (list, tuple)):
+        # Several prompts with features hold two images or more between them.
+        if len(output) > 1 and _adds_up(output, sum(counts)):
+            return _group_items(output, counts)
+        layers = [_split(item, counts) for item in output]
+        return [type(output)(layer[i] for layer in layers) for i in range(len(counts))]
+    raise _Uneven
+
+
+def _group_items(items, counts: list[int]) -> list:
+    """Per-image tensors grouped by prompt: each prompt takes images until their
+    features reach its token count."""
+    groups, position = [], 0
+    for count in counts:
+        taken, rows = [], 0
+        while rows < count and position < len(items):
+            rows += _rows(items[position])
+            taken.append(items[position])
+            position += 1
+        if rows != count:
+            raise _Uneven
+        groups.append(type(items)(taken))
+    if position != len(items):
+        raise _Uneven
+    return groups
+
+
+def _sizes(total: int, counts: list[int]) -> list[int]:
+    """Rows of `total` per prompt in proportion to its token count, when that is exact."""
+    tokens = sum(counts)
+    if tokens == 0 or any(total * c % tokens for c in counts):
+        raise _Uneven
+    return [total * c // tokens for c in counts]
+
+
+def join(outputs: list, counts: list[int], hint: bool = False):
+    """Encoder outputs of consecutive rows (`counts`: each row's placeholder tokens)
+    joined as if the rows had been encoded in one call: tensors concatenate along the
+    first dimension, per-image sequences chain, per-layer sequences join layer by layer.
+    Fields the models' forwards never read are left out."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs)
     if is_dataclass(first):
         values = {}
         for f in fields(first):
-            if f.name in UNREAD_FIELDS or getattr(first, f.name) is None:
-                continue
-            items = [getattr(o, f.name) for o in outputs]
-            values[f.name] = _chain(items) if f.name == PER_ITEM_FIELD else _join_value(items)
+            if f.name not in UNREAD_FIELDS and getattr(first, f.name) is not None:
+                values[f.name] = join([getattr(o, f.name) for o in outputs], counts, hint=f.name == PER_ITEM_FIELD)
         return type(first)(**values)
-    return _join_value(outputs)
-
-
-def _chain(items: list):
-    if isinstance(items[0], torch.Tensor):
-        return torch.cat(items)
-    return type(items[0])(x for item in items for x in item)
-
-
-def _join_value(items: list):
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(items)
     if isinstance(first, (list, tuple)):
-        return type(first)(_join_value([item[i] for item in items]) for i in range(len(first)))
+        # Per image: every row's tensors add up to its tokens. A lone tensor fits "per
+        # layer" too; only `hint` (the field is `pooler_output`) or a longer row tells.
+        if all(_adds_up(o, c) for o, c in zip(outputs, counts)) and (hint or any(len(o) > 1 for o in outputs)):
+            return type(first)(x for o in outputs for x in o)
+        if any(len(o) != len(first) for o in outputs):
+            raise ValueError("encoder outputs of the rows hold different numbers of layers")
+        return type(first)(join([o[i] for o in outputs], counts) for i in range(len(first)))
     raise TypeError(f"cannot join encoder outputs of type {type(first).__name__}")

@@ -93,9 +93,10 @@ def media_sharing_inapplicable(adapter: ModelAdapter) -> str | None:
 
 
 def check_media_sharing(subject: Subject) -> Verified:
-    """Batches whose rows repeat prompts (images; a video batch too where the family takes
-    video): encoding each prompt's media once gives the log-probs, gradients and AdamW
-    step of the plain forward, with less input through the vision tower."""
+    """Batches whose rows repeat prompts (images, two in one prompt where the family takes
+    several; a video batch too where it takes video): encoding each prompt's media once
+    gives the log-probs, gradients and AdamW step of the plain forward, with less input
+    through the vision tower."""
     from contextlib import ExitStack
 
     from mmrl.checks import sample_conversations, video_conversations
@@ -105,9 +106,12 @@ def check_media_sharing(subject: Subject) -> Verified:
     from mmrl.probes.fsdp_step import compare_updates, exact_numerics, probe_engine, step_and_collect
 
     adapter = subject.adapter
-    # (conversations, owners) per micro-batch; images and video apart, as a mixed batch
-    # is a processor question of its own.
-    batches = [(sample_conversations(adapter), [0, 1, 0, 0, 1, 1])]
+    # (conversations, owners) per micro-batch: prompts with one image (two sizes) and,
+    # where the family takes several, one with two; a video batch apart.
+    images = sample_conversations(adapter)
+    if adapter.capabilities.multi_image:
+        images.append(sample_conversations(adapter, images_per_prompt=2)[1])
+    batches = [(images, [0, 1, 0, 0, 1, 1] + [2, 2] * (len(images) > 2))]
     if "video" in adapter.modalities:
         batches.append((video_conversations(), [0, 0, 0]))
     rows = sum(len(owners) for _, owners in batches)
@@ -136,7 +140,7 @@ def check_media_sharing(subject: Subject) -> Verified:
                 logp, _ = engine.log_probs(seqs)
                 (-(logp * advantages.to(logp.device) * seqs.response_mask).sum() / rows).backward()
                 logps.append(logp.detach().float().cpu().flatten())
-        return torch.cat(logps), sum(seen), step_and_collect(engine)
+        return torch.cat(logps), (sum(seen), len(seen)), step_and_collect(engine)
 
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     exact_numerics()
@@ -151,11 +155,14 @@ def check_media_sharing(subject: Subject) -> Verified:
             f"(bound {MEDIA_SHARING_LOGP_ATOL:.0e})")
     failure, evidence = compare_updates(plain_update, shared_update)
     require(failure is None, f"with shared media encoding, {failure}")
+    (plain_work, plain_calls), (shared_work, shared_calls) = plain_work, shared_work
     require(0 < shared_work < plain_work,
             f"the vision tower saw {shared_work} input values with sharing and {plain_work} without")
     return Verified(f"{rows} rows repeating {prompts} prompts: log-probs within {logp_gap:.1e}, same gradients "
-                    f"and AdamW step; {plain_work / shared_work:.1f}x less vision input",
-                    {"max_logp_diff": logp_gap, "vision_input_ratio": plain_work / shared_work, **evidence})
+                    f"and AdamW step; {plain_work / shared_work:.1f}x less vision input in {shared_calls} calls "
+                    f"({plain_calls} plain)",
+                    {"max_logp_diff": logp_gap, "vision_input_ratio": plain_work / shared_work,
+                     "vision_calls": shared_calls, "vision_calls_plain": plain_calls, **evidence})
 
 
 def _input_size(args: tuple, kwargs: dict) -> int:

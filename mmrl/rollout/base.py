@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from mmrl.engine.media import SharedMedia
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,6 +43,9 @@ class RolloutResult:
     # The processed (expanded, left-padded) prompt batch the backend generated from, when
     # it made one: the trainer reuses it instead of processing the same prompts again.
     prompt_inputs: dict[str, torch.Tensor] | None = None
+    # Each prompt's own media inputs, when the backend encoded them once per prompt
+    # (mmrl.engine.media): the update passes take theirs from it.
+    shared_media: SharedMedia | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

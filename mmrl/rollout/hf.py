@@ -53,7 +53,7 @@ class HFRollout:
         generated = out[:, batch["input_ids"].shape[1]:].cpu()
         ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
         return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
-                             prompt_index=prompt_index, prompt_inputs=prompt_inputs)
+                             prompt_index=prompt_index, prompt_inputs=prompt_inputs, shared_media=shared)
 
     def sync(self, engine) -> None:
         """Nothing to do: generation reads the engine's live weights."""
