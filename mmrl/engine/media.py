@@ -151,6 +151,8 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
     # encoder's arguments before prefill.
     @functools.wraps(original)
     def call(*args, **kwargs):
+        if token is None:  # no placeholder token to size each prompt's part by
+            return original(*args, **kwargs)
         matched = {}
         for position, value in [*enumerate(args), *kwargs.items()]:
             if isinstance(value, torch.Tensor):
@@ -162,8 +164,6 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
         # nothing to encode; a prompt with only some of them is not understood.
         present = [sum(key in media for key in matched.values()) for media in shared.media]
         if not matched or any(0 < n < len(matched) for n in present):
-            return original(*args, **kwargs)
-        if token is None:  # no placeholder token to size each prompt's part by
             return original(*args, **kwargs)
         prompts = [i for i, n in enumerate(present) if n]
         counts = {i: int((shared.ids[i] == token).sum()) for i in prompts}
