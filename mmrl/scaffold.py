@@ -36,7 +36,9 @@ TINY_VISION_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layer
 TOLERANCE = 2e-4
 # Capabilities the quick check decides; the rest stay at their defaults for the probes.
 CHECKED = ("generation", "padding_free", "gradient_checkpointing", "lora_language", "lora_vision",
-           "single_image", "multi_image")
+           "single_image", "multi_image", "media_sharing")
+# Checked and written for vision-language families only (text families have no media).
+VISION_ONLY = ("lora_vision", "single_image", "multi_image", "media_sharing")
 
 
 class ScaffoldError(ValueError):
@@ -490,7 +492,8 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
     imports.add("Capabilities")
     defaults = Capabilities()
     claims = [f"{name}={getattr(verified, name)}" for name in CHECKED
-              if getattr(verified, name) or getattr(defaults, name)]
+              if (getattr(verified, name) or getattr(defaults, name))
+              and (d.resolved.is_vision_language or name not in VISION_ONLY)]
     return [
         "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by",
         "    # default; claim vllm and sequence_parallel once `mmrl support-matrix --family",
@@ -938,9 +941,17 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
     check("padding_free", packs)
     check("gradient_checkpointing", checkpoints)
     check("lora_language", lora("language"))
+    def shares_media():
+        from mmrl.probes import Subject, probe
+        from mmrl.registry import get_adapter
+
+        result = probe("media_sharing").run(Subject(get_adapter(d.family), source=d.family))
+        return result.status == "verified", result.reason
+
     if vlm:
         check("lora_vision", lora("vision") if d.vision_leaves else (lambda: (False, "no vision leaves")))
         check("multi_image", two_images)
+        check("media_sharing", shares_media)
     return Capabilities(**{name: verified.get(name, False) for name in CHECKED})
 
 

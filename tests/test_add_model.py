@@ -143,7 +143,10 @@ def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt)
     assert result.exit_code == 0, result.output
     package = plugin_path / f"mmrl_{VLM_TYPE}"
     assert (package / "processing.py").is_file()
-    assert "Fill in by hand" not in (package / f"{VLM_TYPE}.py").read_text()
+    source = (package / f"{VLM_TYPE}.py").read_text()
+    assert "Fill in by hand" not in source
+    # Its quick checks ran the media-sharing probe on a family the zoo never saw.
+    assert "media_sharing=True" in source
 
     load_plugin(f"mmrl_{VLM_TYPE}.{VLM_TYPE}")
     adapter = get_adapter(VLM_TYPE)
