@@ -151,8 +151,12 @@ class Processing:
                 for m in stripped
             ]
         return self.processor.apply_chat_template(
-            stripped, tokenize=False, add_generation_prompt=add_generation_prompt
+            stripped, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs()
         )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of the processor's `apply_chat_template` (none by default)."""
+        return {}
 
     def __call__(self, conversations: list[Conversation], add_generation_prompt: bool = True):
         """Batch of prompts (left-padded), ready for `generate` or a forward pass."""

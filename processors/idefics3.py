@@ -152,6 +152,13 @@ class SmolVLMProcessing(Idefics3Processing):
     def arrange_videos(self, videos: list[list[Any]]) -> list[Any]:
         return videos
 
+    def template_kwargs(self) -> dict[str, Any]:
+        # Without processor_kwargs, SmolVLM's apply_chat_template puts its video defaults
+        # in **kwargs, and transformers warns about that on every render. They only matter
+        # when the template call also processes media, which rendering text does not.
+        video = self.processor.video_processor
+        return {"processor_kwargs": {"num_frames": video.num_frames, "fps": video.fps}}
+
     def __call__(self, conversations, add_generation_prompt: bool = True):
         media = [self.collect_media(c) for c in conversations]
         if not (any(images for images, _ in media) and any(videos for _, videos in media)):
