@@ -24,6 +24,27 @@ Message = dict[str, Any]
 Conversation = list[Message]
 
 
+def text_aligned(key: str, value, batch: dict) -> bool:
+    """Whether a batch entry runs along the token sequence ((B, S) like `input_ids`)."""
+    ids = batch.get("input_ids")
+    return key == "input_ids" or (ids is not None and isinstance(value, torch.Tensor) and value.dim() == 2
+                                  and value.shape == ids.shape)
+
+
+def stack_media(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Media tensors of several batches as one processor call lays them out: joined along
+    the first dimension, the others zero-padded to the largest (tiles, patches or images
+    per row; the models drop all-zero padding, as they do the processor's own)."""
+    if all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+        return torch.cat(tensors)
+    dims = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        gap = [x for d in reversed(range(1, t.dim())) for x in (0, dims[d - 1] - t.shape[d])]
+        padded.append(torch.nn.functional.pad(t, gap))
+    return torch.cat(padded)
+
+
 def load_image(source) -> Any:
     """A PIL RGB image from a PIL image, a path, bytes or a `{"bytes"|"path"}` dict."""
     from PIL import Image
@@ -187,6 +208,27 @@ class Processing:
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
             add_special_tokens=False, **kwargs,
         )
+
+    def collate(self, batches: list[dict]) -> dict[str, torch.Tensor]:
+        """One batch from batches of one prompt each, equal to processing those prompts
+        together (checked for every zoo VLM by the media_sharing probe): sequence entries
+        padded on the padding side (`input_ids` with the pad id, the rest with zeros),
+        media tensors stacked (`stack_media`). Every batch must hold the same keys."""
+        keys = set(batches[0])
+        if any(set(b) != keys for b in batches):
+            raise ValueError("cannot collate batches with different keys (some prompts have media others lack)")
+        length = max(b["input_ids"].shape[1] for b in batches)
+        left = self.padding_side == "left"
+        out = {}
+        for key in batches[0]:
+            values = [b[key] for b in batches]
+            if text_aligned(key, values[0], batches[0]):
+                fill = self.tokenizer.pad_token_id if key == "input_ids" else 0
+                out[key] = torch.cat([torch.nn.functional.pad(
+                    v, (length - v.shape[1], 0) if left else (0, length - v.shape[1]), value=fill) for v in values])
+            else:
+                out[key] = stack_media(values)
+        return out
 
     def arrange_images(self, images: list[list[Any]]) -> list[Any]:
         """Images as the HF processor wants them: one list per sample by default."""

@@ -140,10 +140,11 @@ class Trainer:
         from mmrl.engine.media import SharedMedia
 
         length = max(1, int(mask.sum(-1).max()))
-        prompts = prompts if prompts is not None else dict(self.processing(conversations))
         shared = None
         if owners and self.actor.shares_media:
             shared = media.select(owners) if media is not None else SharedMedia.of(self.processing, conversations, owners)
+        if prompts is None:
+            prompts = (shared.rows(self.processing) if shared is not None else None) or dict(self.processing(conversations))
         seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
                     self.processing.tokenizer.pad_token_id, shared=shared)
         return seqs.to(self.dist.device)

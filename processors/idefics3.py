@@ -166,31 +166,11 @@ class SmolVLMProcessing(Idefics3Processing):
         if any(images and videos for images, videos in media):
             raise ValueError("SmolVLM's processor cannot take images and a video in one prompt")
         rows = [dict(super(SmolVLMProcessing, self).__call__([c], add_generation_prompt)) for c in conversations]
-        return join_rows(rows, self.tokenizer.pad_token_id, self.padding_side)
+        # A text-only prompt gets one all-zero tile, the processor's own padding.
+        for key in {k for r in rows for k in r}:
+            template = next(r[key] for r in rows if key in r)
+            for r in rows:
+                r.setdefault(key, template.new_zeros((1, 1, *template.shape[2:])))
+        from transformers import BatchFeature
 
-
-def join_rows(rows: list[dict], pad_token_id: int, padding_side: str = "left"):
-    """One batch from single-prompt batches: `input_ids` / `attention_mask` padded to the
-    longest, media tensors (1, n, ...) padded with zeros to the most items; a row without
-    some media gets one all-zero item."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import BatchFeature
-
-    length = max(r["input_ids"].shape[1] for r in rows)
-
-    def pad_text(value, fill):
-        gap = (length - value.shape[1], 0) if padding_side == "left" else (0, length - value.shape[1])
-        return F.pad(value, gap, value=fill)
-
-    joined = {"input_ids": torch.cat([pad_text(r["input_ids"], pad_token_id) for r in rows]),
-              "attention_mask": torch.cat([pad_text(r["attention_mask"], 0) for r in rows])}
-    for key in {k for r in rows for k in r} - set(joined):
-        template = next(r[key] for r in rows if key in r)
-        items = max(r[key].shape[1] for r in rows if key in r)
-        parts = []
-        for r in rows:
-            value = r.get(key, template.new_zeros((1, 1, *template.shape[2:])))
-            parts.append(torch.cat([value, value.new_zeros((1, items - value.shape[1], *value.shape[2:]))], dim=1))
-        joined[key] = torch.cat(parts)
-    return BatchFeature(data=joined)
+        return BatchFeature(data=self.collate(rows))

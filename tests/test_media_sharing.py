@@ -10,11 +10,11 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from mmrl import build_model
-from mmrl.checks import sample_conversations
+from mmrl.checks import sample_conversations, video_conversations
 from mmrl.config import load_recipe
 from mmrl.engine.media import SharedMedia, join, sharing, split
 from mmrl.probes import Subject, probe
-from mmrl.registry import get_adapter
+from mmrl.registry import families, get_adapter
 from mmrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,12 +88,18 @@ def test_a_wrong_sharing_is_visible_and_unmatched_calls_run_plain():
     plain = _logits(built.model, batch)
     right = SharedMedia.of(built.processing, rows, owners)
     assert torch.allclose(_logits(built.model, batch, right), plain, atol=1e-5)
-    # Rows handed the other prompt's image features: the logits must move (the check
-    # above can fail). Both images give the same number of tokens only if resized alike,
-    # so swap media of equal size: the two prompts' own media, in reverse order.
-    swapped = SharedMedia(owners=right.owners, media=right.media[::-1])
-    if all(a["pixel_values"].shape == b["pixel_values"].shape for a, b in zip(right.media, swapped.media)):
-        assert (_logits(built.model, batch, swapped) - plain).abs().max() > 1e-3
+    # Rows handed the other prompt's image features must change the logits, or the check
+    # above could not fail. Features must fit the placeholder counts, so the two prompts
+    # here have images of one size (one image and its mirror).
+    image = conversations[0][0]["content"][0]["image"]
+    mirrored = [[{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Hi?"}]}]
+                for picture in (image, image.transpose(0))]
+    same_size = [mirrored[i] for i in owners]
+    batch_same = dict(built.processing(same_size))
+    ours = SharedMedia.of(built.processing, same_size, owners)
+    swapped = SharedMedia(owners=ours.owners, singles=ours.singles[::-1])
+    assert torch.allclose(_logits(built.model, batch_same, ours), _logits(built.model, batch_same), atol=1e-5)
+    assert (_logits(built.model, batch_same, swapped) - _logits(built.model, batch_same)).abs().max() > 1e-3
     # Inside the context, a forward on other media (here one row alone) does not match the
     # batch's, so its encoding runs unchanged.
     alone = dict(built.processing(rows[:1]))
@@ -139,3 +145,37 @@ def test_prompt_by_prompt_encoding_when_the_joint_call_cannot_be_cut(monkeypatch
     result = probe("media_sharing").run(Subject(get_adapter("qwen2_vl"), source="qwen2_vl"))
     assert result.status == "verified", result.reason
     assert result.evidence["vision_calls"] > result.evidence["vision_calls_plain"]
+
+
+VLMS = [a.family for a in families() if a.is_multimodal]
+
+
+@pytest.mark.parametrize("family", VLMS)
+def test_rows_collated_from_each_prompt_equal_processing_them(family):
+    """Sharing processes each distinct prompt once and collates the rows: the same tensors
+    as processing every row (images of two sizes, a two-image prompt, a video batch)."""
+    built = build_model(family, random_init=True)
+    groups = [sample_conversations(built.adapter) + sample_conversations(built.adapter, images_per_prompt=2)[1:]]
+    if "video" in built.adapter.modalities:
+        groups.append(video_conversations() * 2)
+    for conversations in groups:
+        owners = [0, 1, 0, 2, 1][:len(conversations) + 2] if len(conversations) == 3 else [0, 1, 1, 0]
+        rows = [conversations[o] for o in owners]
+        processed = dict(built.processing(rows))
+        collated = SharedMedia.of(built.processing, rows, owners).rows(built.processing)
+        assert collated.keys() == processed.keys()
+        for key, value in processed.items():
+            assert collated[key].shape == value.shape and torch.equal(collated[key].to(value.dtype), value), key
+    if "video" in built.adapter.modalities:
+        # Image prompts beside a video prompt: where their batches hold different keys
+        # (pixel_values_videos) there is no collating and the rows are processed instead;
+        # where they hold the same keys the collated batch must equal the processed one.
+        mixed = [*groups[0][:2], video_conversations()[0]]
+        owners = [0, 2, 1, 2, 0]
+        rows = [mixed[o] for o in owners]
+        shared = SharedMedia.of(built.processing, rows, owners)
+        collated, processed = shared.rows(built.processing), dict(built.processing(rows))
+        if any(single.keys() != shared.singles[0].keys() for single in shared.singles):
+            assert collated is None
+        else:
+            assert all(torch.equal(collated[k].to(v.dtype), v) for k, v in processed.items())

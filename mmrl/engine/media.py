@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
+
+from mmrl.processing import stack_media, text_aligned
 
 ENCODER_METHODS = {"get_image_features": "image", "get_video_features": "video"}
 # The fields of an encoder output that hold one entry per image; other sequence fields
@@ -48,14 +50,12 @@ UNREAD_FIELDS = ("last_hidden_state", "hidden_states", "attentions")
 
 @dataclass
 class SharedMedia:
-    """Which distinct prompt each row of a batch repeats, and each such prompt's media
-    inputs (the processor's media tensors for that prompt alone)."""
+    """Which distinct prompt each row of a batch repeats, and each distinct prompt's own
+    processed batch (its media tensors, and token ids whose placeholder counts say which
+    part of a joint encoder call's output is its own)."""
 
-    owners: list[int]  # row -> index into `media`
-    media: list[dict[str, torch.Tensor]]
-    # Each distinct prompt's token ids: its count of a modality's placeholder tokens says
-    # which part of a joint encoder call's output is its own.
-    ids: list[torch.Tensor] = field(default_factory=list)
+    owners: list[int]  # row -> index into `singles`
+    singles: list[dict[str, torch.Tensor]]
 
     @classmethod
     def of(cls, processing, conversations: Sequence, owners: Sequence[int]) -> SharedMedia | None:
@@ -68,35 +68,43 @@ class SharedMedia:
         if len(first) == len(owners):
             return None
         index = {owner: i for i, owner in enumerate(first)}
-        media, ids = [], []
-        for row in first.values():
-            batch = dict(processing([conversations[row]]))
-            media.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and not _text_aligned(k, v, batch)})
-            ids.append(batch["input_ids"][0])
-        if not any(media):
-            return None
-        return cls(owners=[index[o] for o in owners], media=media, ids=ids)
+        shared = cls([index[o] for o in owners], [dict(processing([conversations[row]])) for row in first.values()])
+        return shared if any(shared.media) else None
 
     def select(self, owners: Sequence[int]) -> SharedMedia | None:
         """The sharing of a sub-batch whose rows repeat `owners[i]` (indices into this
-        one's prompts), reusing their processed media; None when no prompt repeats."""
+        one's prompts), reusing their processed batches; None when no prompt repeats."""
         distinct = list(dict.fromkeys(owners))
         if len(distinct) == len(owners) or not any(self.media[i] for i in distinct):
             return None
         index = {owner: i for i, owner in enumerate(distinct)}
-        return SharedMedia([index[o] for o in owners], [self.media[i] for i in distinct], [self.ids[i] for i in distinct])
+        return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
+
+    def rows(self, processing) -> dict[str, torch.Tensor] | None:
+        """The batch of all rows, collated from the distinct prompts' batches: the same
+        tensors as processing every row, without processing any image twice. None when
+        the prompts' batches hold different keys (image prompts beside video or text-only
+        ones), whose layout only the processor knows: process the rows then."""
+        if any(single.keys() != self.singles[0].keys() for single in self.singles):
+            return None
+        return processing.collate([self.singles[o] for o in self.owners])
+
+    @property
+    def media(self) -> list[dict[str, torch.Tensor]]:
+        return [{k: v for k, v in single.items() if isinstance(v, torch.Tensor) and not text_aligned(k, v, single)}
+                for single in self.singles]
+
+    @property
+    def ids(self) -> list[torch.Tensor]:
+        return [single["input_ids"][0] for single in self.singles]
 
     @property
     def keys(self) -> set[str]:
         return set().union(*self.media)
 
     def to(self, device: torch.device) -> SharedMedia:
-        return SharedMedia(self.owners, [{k: v.to(device) for k, v in m.items()} for m in self.media], self.ids)
-
-
-def _text_aligned(key: str, value: torch.Tensor, batch: dict) -> bool:
-    ids = batch.get("input_ids")
-    return key == "input_ids" or (ids is not None and value.dim() == 2 and value.shape == ids.shape)
+        return SharedMedia(self.owners, [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                                         for s in self.singles])
 
 
 @contextlib.contextmanager
@@ -162,7 +170,8 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
                 matched[position] = key
         # Prompts with none of these inputs (a video-only prompt in an image call) have
         # nothing to encode; a prompt with only some of them is not understood.
-        present = [sum(key in media for key in matched.values()) for media in shared.media]
+        media = shared.media
+        present = [sum(key in m for key in matched.values()) for m in media]
         if not matched or any(0 < n < len(matched) for n in present):
             return original(*args, **kwargs)
         prompts = [i for i, n in enumerate(present) if n]
@@ -177,10 +186,10 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
         # placeholder-token counts; where the cut does not fit, one call per prompt.
         parts = None
         if len(prompts) > 1:
-            stacked = {pos: stack([shared.media[i][key] for i in prompts]) for pos, key in matched.items()}
+            stacked = {pos: stack_media([media[i][key] for i in prompts]) for pos, key in matched.items()}
             parts = split(encode(stacked), [counts[i] for i in prompts])
         if parts is None:
-            parts = [encode({pos: shared.media[i][key] for pos, key in matched.items()}) for i in prompts]
+            parts = [encode({pos: media[i][key] for pos, key in matched.items()}) for i in prompts]
         outputs = dict(zip(prompts, parts))
         rows = [owner for owner in shared.owners if owner in outputs]
         return join([outputs[owner] for owner in rows], [counts[owner] for owner in rows])
@@ -202,20 +211,6 @@ def _batch_key(value: torch.Tensor, batch: dict, keys: set[str]) -> str | None:
         if value.shape == tensor.shape and torch.equal(value, tensor.to(device=value.device, dtype=value.dtype)):
             return key
     return None
-
-
-def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Media tensors of several prompts as one processor call lays them out: joined along
-    the first dimension, the others zero-padded to the largest (tiles or patches per
-    image; the models drop all-zero padding, as they do the processor's own)."""
-    if all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
-        return torch.cat(tensors)
-    dims = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
-    padded = []
-    for t in tensors:
-        gap = [x for d in reversed(range(1, t.dim())) for x in (0, dims[d - 1] - t.shape[d])]
-        padded.append(torch.nn.functional.pad(t, gap))
-    return torch.cat(padded)
 
 
 def split(output, counts: list[int]) -> list | None:

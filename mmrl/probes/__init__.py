@@ -101,7 +101,8 @@ PROBES: tuple[Probe, ...] = (
           "each prompt equals itself alone (2e-4).", check_video, capability="video",
           inapplicable=needs_video),
     Probe("media_sharing", "Shared media", "Rows repeating a prompt (GRPO samples) encode its images/video once: "
-          "log-probs (1e-5), gradients and the AdamW step equal the plain forward's, with less vision input.",
+          "rows collated from each prompt's batch equal processing them; log-probs (1e-5), gradients and the AdamW "
+          "step equal the plain forward's, with less vision input.",
           check_media_sharing, capability="media_sharing", inapplicable=media_sharing_inapplicable, cost=2.0),
 )
 

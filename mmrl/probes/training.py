@@ -134,8 +134,19 @@ def check_media_sharing(subject: Subject) -> Verified:
                 mask = torch.ones_like(responses)
                 mask[1, 3:] = 0
                 advantages = torch.randn(len(owners), 1, generator=generator)
+                prompts = dict(built.processing(expanded))
                 shared = SharedMedia.of(built.processing, expanded, owners) if share else None
-                seqs = join(dict(built.processing(expanded)), responses, mask, built.adapter, engine.model,
+                if shared is not None:
+                    # The rows' batch collated from each prompt's own (what the trainer
+                    # uses) equals processing the rows.
+                    collated = shared.rows(built.processing)
+                    require(collated is not None, "the prompts' own batches hold different keys")
+                    differ = [k for k in prompts if k not in collated or not torch.equal(
+                        prompts[k], collated[k].to(prompts[k].dtype))]
+                    require(not differ and collated.keys() == prompts.keys(),
+                            f"rows collated from each prompt's batch differ from processing them: {differ}")
+                    prompts = collated
+                seqs = join(prompts, responses, mask, built.adapter, engine.model,
                             built.tokenizer.pad_token_id, shared=shared).to(engine.dist.device)
                 logp, _ = engine.log_probs(seqs)
                 (-(logp * advantages.to(logp.device) * seqs.response_mask).sum() / rows).backward()
