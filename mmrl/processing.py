@@ -112,6 +112,8 @@ class Processing:
         self.video_fps = video_fps
         self.max_frames = max_frames
         self.is_multimodal = self.tokenizer is not processor
+        # Whether `collate` has matched processing on this processor (None: not checked yet).
+        self.collate_matches: bool | None = None
 
     # -- media ---------------------------------------------------------------------------
     def load_video(self, source) -> Clip:
@@ -229,6 +231,27 @@ class Processing:
             else:
                 out[key] = stack_media(values)
         return out
+
+    def collate_rows(self, batches: list[dict], conversations: list[Conversation]) -> dict[str, torch.Tensor]:
+        """The batch of `conversations`, collated from `batches` (each row's prompt
+        processed alone). The first time, it is checked against processing the rows; if
+        they differ (a processor whose batch layout `collate` does not know), this warns
+        once and processes rows from then on."""
+        if self.collate_matches is False:
+            return dict(self(conversations))
+        collated = self.collate(batches)
+        if self.collate_matches is None:
+            processed = dict(self(conversations))
+            self.collate_matches = collated.keys() == processed.keys() and all(
+                collated[k].shape == v.shape and torch.equal(collated[k].to(v.dtype), v) for k, v in processed.items())
+            if not self.collate_matches:
+                import warnings
+
+                warnings.warn(f"{type(self).__name__}: rows collated from each prompt's batch differ from processing "
+                              "them; processing every row instead (set the family's media_sharing to False)",
+                              stacklevel=2)
+                return processed
+        return collated
 
     def arrange_images(self, images: list[list[Any]]) -> list[Any]:
         """Images as the HF processor wants them: one list per sample by default."""

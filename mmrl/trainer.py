@@ -144,7 +144,7 @@ class Trainer:
         if owners and self.actor.shares_media:
             shared = media.select(owners) if media is not None else SharedMedia.of(self.processing, conversations, owners)
         if prompts is None:
-            prompts = (shared.rows(self.processing) if shared is not None else None) or dict(self.processing(conversations))
+            prompts = shared.rows(self.processing, conversations) if shared is not None else dict(self.processing(conversations))
         seqs = join(prompts, ids[:, :length], mask[:, :length], self.built.adapter, self.actor.model,
                     self.processing.tokenizer.pad_token_id, shared=shared)
         return seqs.to(self.dist.device)

@@ -3,6 +3,7 @@ the joining rules, the probe on real families, a wrong sharing being caught, cal
 must leave alone, and whole training steps with sharing on and off."""
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -162,7 +163,8 @@ def test_rows_collated_from_each_prompt_equal_processing_them(family):
         owners = [0, 1, 0, 2, 1][:len(conversations) + 2] if len(conversations) == 3 else [0, 1, 1, 0]
         rows = [conversations[o] for o in owners]
         processed = dict(built.processing(rows))
-        collated = SharedMedia.of(built.processing, rows, owners).rows(built.processing)
+        shared = SharedMedia.of(built.processing, rows, owners)
+        collated = built.processing.collate([shared.singles[o] for o in shared.owners])
         assert collated.keys() == processed.keys()
         for key, value in processed.items():
             assert collated[key].shape == value.shape and torch.equal(collated[key].to(value.dtype), value), key
@@ -174,8 +176,31 @@ def test_rows_collated_from_each_prompt_equal_processing_them(family):
         owners = [0, 2, 1, 2, 0]
         rows = [mixed[o] for o in owners]
         shared = SharedMedia.of(built.processing, rows, owners)
-        collated, processed = shared.rows(built.processing), dict(built.processing(rows))
-        if any(single.keys() != shared.singles[0].keys() for single in shared.singles):
-            assert collated is None
-        else:
+        processed = dict(built.processing(rows))
+        if shared.collatable:
+            collated = built.processing.collate([shared.singles[o] for o in shared.owners])
             assert all(torch.equal(collated[k].to(v.dtype), v) for k, v in processed.items())
+        with pytest.raises(ValueError, match="different keys") if not shared.collatable else nullcontext():
+            built.processing.collate([shared.singles[o] for o in shared.owners])
+        rows_batch = shared.rows(built.processing, rows)
+        assert all(torch.equal(rows_batch[k].to(v.dtype), v) for k, v in processed.items())
+
+
+def test_collate_rows_checks_itself_once_and_falls_back(monkeypatch):
+    """A processor whose batch layout `collate` gets wrong: the first collated batch is
+    checked against processing, a warning names the fix, and rows are processed after."""
+    built = build_model("qwen2_vl", random_init=True)
+    conversations = sample_conversations(built.adapter)
+    owners = [0, 1, 0, 1]
+    rows = [conversations[o] for o in owners]
+    shared = SharedMedia.of(built.processing, rows, owners)
+    processed = dict(built.processing(rows))
+    assert torch.equal(shared.rows(built.processing, rows)["pixel_values"], processed["pixel_values"])
+    assert built.processing.collate_matches is True
+    fresh = build_model("qwen2_vl", random_init=True).processing
+    wrong = built.processing.collate
+    monkeypatch.setattr(fresh, "collate", lambda batches: {**wrong(batches), "pixel_values": torch.zeros(1)})
+    with pytest.warns(UserWarning, match="media_sharing to False"):
+        first = shared.rows(fresh, rows)
+    assert torch.equal(first["pixel_values"], processed["pixel_values"]) and fresh.collate_matches is False
+    assert torch.equal(shared.rows(fresh, rows)["pixel_values"], processed["pixel_values"])

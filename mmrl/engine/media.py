@@ -80,14 +80,20 @@ class SharedMedia:
         index = {owner: i for i, owner in enumerate(distinct)}
         return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
 
-    def rows(self, processing) -> dict[str, torch.Tensor] | None:
-        """The batch of all rows, collated from the distinct prompts' batches: the same
-        tensors as processing every row, without processing any image twice. None when
-        the prompts' batches hold different keys (image prompts beside video or text-only
-        ones), whose layout only the processor knows: process the rows then."""
-        if any(single.keys() != self.singles[0].keys() for single in self.singles):
-            return None
-        return processing.collate([self.singles[o] for o in self.owners])
+    def rows(self, processing, conversations: Sequence) -> dict[str, torch.Tensor]:
+        """The batch of all rows (`conversations`, one per row), collated from the
+        distinct prompts' batches: the same tensors as processing every row, without
+        processing any image twice (`Processing.collate_rows` checks that once). Prompts
+        whose batches hold different keys (image prompts beside video or text-only ones)
+        have a layout only the processor knows: their rows are processed."""
+        if not self.collatable:
+            return dict(processing(list(conversations)))
+        return processing.collate_rows([self.singles[o] for o in self.owners], list(conversations))
+
+    @property
+    def collatable(self) -> bool:
+        """Whether every distinct prompt's batch holds the same keys."""
+        return all(single.keys() == self.singles[0].keys() for single in self.singles)
 
     @property
     def media(self) -> list[dict[str, torch.Tensor]]:

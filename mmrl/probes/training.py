@@ -139,8 +139,8 @@ def check_media_sharing(subject: Subject) -> Verified:
                 if shared is not None:
                     # The rows' batch collated from each prompt's own (what the trainer
                     # uses) equals processing the rows.
-                    collated = shared.rows(built.processing)
-                    require(collated is not None, "the prompts' own batches hold different keys")
+                    require(shared.collatable, "the prompts' own batches hold different keys")
+                    collated = built.processing.collate([shared.singles[o] for o in shared.owners])
                     differ = [k for k in prompts if k not in collated or not torch.equal(
                         prompts[k], collated[k].to(prompts[k].dtype))]
                     require(not differ and collated.keys() == prompts.keys(),

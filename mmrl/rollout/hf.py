@@ -25,7 +25,7 @@ class HFRollout:
         prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
         shared = SharedMedia.of(self.processing, expanded, prompt_index.tolist()) if self.engine.shares_media else None
         # With shared media each prompt is processed once and its rows collated.
-        prompt_inputs = (shared.rows(self.processing) if shared is not None else None) or dict(self.processing(expanded))
+        prompt_inputs = shared.rows(self.processing, expanded) if shared is not None else dict(self.processing(expanded))
         batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
                  for k, v in prompt_inputs.items()}
         model = self.engine.model
