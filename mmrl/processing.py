@@ -31,6 +31,19 @@ def text_aligned(key: str, value, batch: dict) -> bool:
                                   and value.shape == ids.shape)
 
 
+def batch_differences(batch: dict, reference: dict) -> list[str]:
+    """Keys where `batch` differs from `reference` (missing, other shape or other values
+    once cast to the reference's dtype); empty when they hold the same tensors."""
+    differ = [k for k in reference if k not in batch or batch[k].shape != reference[k].shape
+              or not torch.equal(batch[k].to(reference[k].dtype), reference[k])]
+    return differ + sorted(set(batch) - set(reference))
+
+
+def media_kinds(conversation: Conversation) -> set[str]:
+    """The media part types ("image", "video") a conversation holds, without loading them."""
+    return {p.get("type") for m in conversation for p in _parts(m)} & {"image", "video"}
+
+
 def stack_media(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Media tensors of several batches as one processor call lays them out: joined along
     the first dimension, the others zero-padded to the largest (tiles, patches or images
@@ -242,8 +255,7 @@ class Processing:
         collated = self.collate(batches)
         if self.collate_matches is None:
             processed = dict(self(conversations))
-            self.collate_matches = collated.keys() == processed.keys() and all(
-                collated[k].shape == v.shape and torch.equal(collated[k].to(v.dtype), v) for k, v in processed.items())
+            self.collate_matches = not batch_differences(collated, processed)
             if not self.collate_matches:
                 import warnings
 

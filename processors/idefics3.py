@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mmrl.processing import Processing
+from mmrl.processing import Processing, media_kinds
 from mmrl.tiny import as_loaded, char_tokenizer, tiny_text_config
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -160,10 +160,10 @@ class SmolVLMProcessing(Idefics3Processing):
         return {"processor_kwargs": {"num_frames": video.num_frames, "fps": video.fps}}
 
     def __call__(self, conversations, add_generation_prompt: bool = True):
-        media = [self.collect_media(c) for c in conversations]
-        if not (any(images for images, _ in media) and any(videos for _, videos in media)):
+        kinds = [media_kinds(c) for c in conversations]
+        if not (any("image" in k for k in kinds) and any("video" in k for k in kinds)):
             return super().__call__(conversations, add_generation_prompt)
-        if any(images and videos for images, videos in media):
+        if any(len(k) == 2 for k in kinds):
             raise ValueError("SmolVLM's processor cannot take images and a video in one prompt")
         rows = [dict(super(SmolVLMProcessing, self).__call__([c], add_generation_prompt)) for c in conversations]
         # A text-only prompt gets one all-zero tile, the processor's own padding.

@@ -75,7 +75,8 @@ class SharedMedia:
         """The sharing of a sub-batch whose rows repeat `owners[i]` (indices into this
         one's prompts), reusing their processed batches; None when no prompt repeats."""
         distinct = list(dict.fromkeys(owners))
-        if len(distinct) == len(owners) or not any(self.media[i] for i in distinct):
+        media = self.media
+        if len(distinct) == len(owners) or not any(media[i] for i in distinct):
             return None
         index = {owner: i for i, owner in enumerate(distinct)}
         return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
@@ -159,6 +160,7 @@ def _placeholder_token(config, modality: str) -> int | None:
 
 
 def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
+    media, ids = shared.media, shared.ids
     media_keys = shared.keys & set(batch)
 
     # The original's signature shows through: transformers' generate reads it to pick the
@@ -176,12 +178,11 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
                 matched[position] = key
         # Prompts with none of these inputs (a video-only prompt in an image call) have
         # nothing to encode; a prompt with only some of them is not understood.
-        media = shared.media
         present = [sum(key in m for key in matched.values()) for m in media]
         if not matched or any(0 < n < len(matched) for n in present):
             return original(*args, **kwargs)
         prompts = [i for i, n in enumerate(present) if n]
-        counts = {i: int((shared.ids[i] == token).sum()) for i in prompts}
+        counts = {i: int((ids[i] == token).sum()) for i in prompts}
 
         def encode(values: dict) -> object:
             swap = {pos: value.to(device=_arg(args, kwargs, pos).device, dtype=_arg(args, kwargs, pos).dtype)

@@ -25,11 +25,20 @@ from mmrl.probes.fsdp_step import compare_updates, drive, probe_engine, step_and
 LOGPROB_ATOL = 1e-5
 
 
-def batch(built):
-    """Four prompts and responses on every rank, prompt + response of odd length."""
+# The batch's rows repeat its two prompts: row i answers prompt OWNERS[i].
+OWNERS = [0, 1, 0, 1]
+
+
+def conversations_of(adapter) -> list:
     from mmrl.checks import sample_conversations
 
-    conversations = sample_conversations(built.adapter) * 2
+    prompts = sample_conversations(adapter)
+    return [prompts[i] for i in OWNERS]
+
+
+def batch(built):
+    """Four prompts and responses on every rank, prompt + response of odd length."""
+    conversations = conversations_of(built.adapter)
     prompts = dict(built.processing(conversations))
     length = 6 if prompts["input_ids"].shape[1] % 2 else 5
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -45,7 +54,6 @@ def batch(built):
 def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Log-probs, gradients and updated weights (full, on CPU) of one update on the
     whole batch, in one process or split along the sequence over dist's SP group."""
-    from mmrl.checks import sample_conversations
     from mmrl.engine import join
     from mmrl.engine.media import SharedMedia
 
@@ -53,8 +61,7 @@ def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[s
     prompts, responses, mask, advantages = batch(built)
     # The batch repeats its two prompts: where the family shares media encoding, both
     # sides encode each once (the vision tower runs whole on every rank of the group).
-    shared = (SharedMedia.of(built.processing, sample_conversations(built.adapter) * 2, [0, 1, 0, 1])
-              if engine.shares_media else None)
+    shared = SharedMedia.of(built.processing, conversations_of(built.adapter), OWNERS) if engine.shares_media else None
     seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id,
                 shared=shared).to(dist.device)
     logp, _ = engine.log_probs(seqs)

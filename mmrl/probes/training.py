@@ -103,6 +103,7 @@ def check_media_sharing(subject: Subject) -> Verified:
     from mmrl.engine import join
     from mmrl.engine.media import SharedMedia
     from mmrl.parts import part_modules
+    from mmrl.processing import batch_differences
     from mmrl.probes.fsdp_step import compare_updates, exact_numerics, probe_engine, step_and_collect
 
     adapter = subject.adapter
@@ -141,10 +142,8 @@ def check_media_sharing(subject: Subject) -> Verified:
                     # uses) equals processing the rows.
                     require(shared.collatable, "the prompts' own batches hold different keys")
                     collated = built.processing.collate([shared.singles[o] for o in shared.owners])
-                    differ = [k for k in prompts if k not in collated or not torch.equal(
-                        prompts[k], collated[k].to(prompts[k].dtype))]
-                    require(not differ and collated.keys() == prompts.keys(),
-                            f"rows collated from each prompt's batch differ from processing them: {differ}")
+                    differ = batch_differences(collated, prompts)
+                    require(not differ, f"rows collated from each prompt's batch differ from processing them: {differ}")
                     prompts = collated
                 seqs = join(prompts, responses, mask, built.adapter, engine.model,
                             built.tokenizer.pad_token_id, shared=shared).to(engine.dist.device)
