@@ -3,7 +3,10 @@
 Families register by decorating their adapter class. The in-tree zoo (`mmrl.models.*`)
 and out-of-tree packages (entry point group `mmrl.models`, or `--plugin module` on the
 CLI, or `load_plugin("module")`) are imported the first time a lookup needs them, so
-`import mmrl` stays cheap.
+`import mmrl` stays cheap. An installed plugin that fails to load (its import raises, or
+its adapter fails validation) is skipped with one `PluginWarning` naming the package, the
+entry point and the cause; every other family still registers. A plugin named explicitly
+(`--plugin`, `load_plugin`) that fails is a `RegistryError` instead: it was asked for.
 
     from mmrl import get_adapter
     get_adapter("qwen2_vl")            # by HF model_type
@@ -15,7 +18,10 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from importlib.metadata import entry_points
+import sys
+import warnings
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +39,15 @@ A = TypeVar("A", bound=type[ModelAdapter])
 
 class RegistryError(ValueError):
     """A registration conflicts, or a lookup names nothing registered."""
+
+
+class PluginWarning(UserWarning):
+    """An installed plugin (entry point group `mmrl.models`) failed to load and was skipped.
+
+    A category of its own, so that code can make it fatal
+    (`warnings.simplefilter("error", PluginWarning)`); on the command line, where `-W`
+    cannot name a category outside the standard library, filter by the message:
+    `PYTHONWARNINGS="error:skipped plugin package" mmrl models`."""
 
 
 def register_model(cls: A) -> A:
@@ -67,16 +82,59 @@ def unregister(family: str) -> None:
             del table[key]
 
 
-def load_plugin(module: str) -> None:
-    """Import a module whose import registers adapters (`--plugin module`)."""
+def _one_line(exc: BaseException) -> str:
+    """The cause of a failed plugin load on one line: the exception type and its message
+    (a validation error's message names the field, a duplicate's the name taken)."""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _load_whole(load: Callable[[], object]) -> None:
+    """Run `load`, an import that registers adapters. If it raises, families registered by
+    modules whose import failed are removed again, so a plugin whose module registers two
+    adapters and then fails does not leave one behind: a spawned probe worker could not
+    import its module. Families of modules that did import (a zoo module or a base module
+    the plugin imported first) stay."""
+    before = set(_BY_FAMILY)
     try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        raise RegistryError(f"plugin module {module!r} cannot be imported: {exc}") from exc
+        load()
+    except BaseException:
+        for family in set(_BY_FAMILY) - before:
+            if type(_BY_FAMILY[family]).__module__ not in sys.modules:
+                unregister(family)
+        raise
+
+
+def load_plugin(module: str) -> None:
+    """Import a module whose import registers adapters (`--plugin module`).
+
+    The module was asked for by name, so any failure (not found, raises on import, an
+    adapter that fails validation or is registered twice) is a `RegistryError` with the
+    cause on one line, chained to the original exception; the CLI prints it and exits 2."""
+    try:
+        _load_whole(lambda: importlib.import_module(module))
+    except Exception as exc:
+        raise RegistryError(f"plugin module {module!r} failed to load: {_one_line(exc)}") from exc
+
+
+def _skip_plugin(ep: EntryPoint, exc: Exception) -> None:
+    package = ep.dist.name if getattr(ep, "dist", None) is not None else "(unknown package)"
+    # warn_explicit with a location that is no source file, so the warning prints as one
+    # line (no source line under it) and never points into this module. A warning rather
+    # than a log record: spawned probe workers discover again, and they silence warnings.
+    warnings.warn_explicit(
+        f"skipped plugin package {package!r}: entry point '{ep.name} = {ep.value}' in group "
+        f"{ENTRY_POINT_GROUP} failed to load: {_one_line(exc)}",
+        PluginWarning, filename="mmrl", lineno=0,
+    )
 
 
 def discover() -> None:
-    """Import the in-tree zoo and every entry-point plugin, once."""
+    """Import the in-tree zoo and every entry-point plugin, once.
+
+    A plugin that fails to load is skipped with one `PluginWarning`; the zoo is not
+    guarded: a zoo module that fails to import is a bug of this repository, for its tests
+    to catch."""
     global _discovered
     if _discovered:
         return
@@ -87,7 +145,10 @@ def discover() -> None:
         if not info.name.startswith("_"):
             importlib.import_module(f"{zoo.__name__}.{info.name}")
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+        try:
+            _load_whole(ep.load)
+        except Exception as exc:
+            _skip_plugin(ep, exc)
 
 
 def families() -> list[ModelAdapter]:

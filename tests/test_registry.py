@@ -120,3 +120,160 @@ def test_entry_point_plugins_are_discovered(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["toy", "Qwen2ForCausalLM"]
+
+
+# -- plugins that fail to load ------------------------------------------------------------
+# Each broken plugin is a fake installed distribution (a dist-info folder with an
+# entry_points.txt, as in the test above) plus its module, both written into tmp_path.
+_SCRATCH_ADAPTER = """
+from mmrl.adapter import DECODER_PARTS, ModelAdapter, TinyModel
+from mmrl.registry import register_model
+
+def adapter(name, **fields):
+    body = dict(family=name, model_types=(name + "_lm",), architectures=(name.title() + "ForCausalLM",),
+                hf_class="transformers:Qwen2ForCausalLM",
+                parts=DECODER_PARTS, shard_layers=("Qwen2DecoderLayer",), tiny=lambda self: TinyModel(None, None))
+    body.update(fields)
+    return type(name.title(), (ModelAdapter,), {k: v for k, v in body.items() if v is not None})
+"""
+_BROKEN_PLUGINS = {
+    # package: (module source, what the warning must name besides the package)
+    "raises-on-import": ("raise RuntimeError('plugin needs a driver this machine lacks')",
+                         "RuntimeError: plugin needs a driver this machine lacks"),
+    "bad-syntax": ("def broken(:\n    pass\n", "SyntaxError"),
+    "missing-field": (_SCRATCH_ADAPTER + "register_model(adapter('nofield', parts=None))\n",
+                      "missing required field 'parts'"),
+    # Registers one family, then fails: the first must not stay registered.
+    "half-registered": (_SCRATCH_ADAPTER + "register_model(adapter('halfdone'))\n"
+                        "register_model(adapter('halfbad', hf_class='NoColon'))\n", "'hf_class' must read"),
+}
+
+
+def _module_name(package: str) -> str:
+    return "mmrl_test_plugin_" + package.replace("-", "_")
+
+
+def _install_fake_plugins(site: Path, plugins: dict[str, str], duplicate_of: str | None = None) -> None:
+    """Write each {package: module source} as an installed distribution in `site` whose
+    `mmrl.models` entry point names that module; with `duplicate_of`, also a package that
+    registers that (already registered) family again."""
+    if duplicate_of is not None:
+        plugins = {**plugins, "duplicate-family": _SCRATCH_ADAPTER + f"register_model(adapter({duplicate_of!r}))\n"}
+    for package, source in plugins.items():
+        _fake_dist(site, package, _module_name(package))
+        (site / f"{_module_name(package)}.py").write_text(source)
+
+
+def _fake_dist(site: Path, package: str, module: str) -> None:
+    """An installed distribution `package` whose entry point `package = module` is in the
+    `mmrl.models` group."""
+    dist = site / f"{package.replace('-', '_')}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[mmrl.models]\n{package} = {module}\n")
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The registry about to discover again, in copies of its tables that the test's
+    registrations cannot leak out of. Returns the zoo's families."""
+    from mmrl import registry
+
+    zoo = [a.family for a in families()]
+    for table in ("_BY_FAMILY", "_BY_MODEL_TYPE", "_BY_ARCHITECTURE"):
+        monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
+    monkeypatch.setattr(registry, "_discovered", False)
+    return zoo
+
+
+@pytest.fixture
+def broken_plugins_installed(fresh_registry, tmp_path, monkeypatch):
+    """Every broken plugin installed (and one registering a zoo family again)."""
+    _install_fake_plugins(tmp_path, {p: source for p, (source, _) in _BROKEN_PLUGINS.items()},
+                          duplicate_of=fresh_registry[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return fresh_registry
+
+
+def _assert_one_warning_per_broken_plugin(messages: list[str], zoo: list[str]) -> None:
+    expected = {p: cause for p, (_, cause) in _BROKEN_PLUGINS.items()}
+    expected["duplicate-family"] = f"family {zoo[0]!r} is already registered"
+    for package, cause in expected.items():
+        hits = [m for m in messages if f"package {package!r}" in m]
+        assert len(hits) == 1, (package, messages)
+        assert f"'{package} = {_module_name(package)}'" in hits[0] and cause in hits[0], hits[0]
+    assert len(messages) == len(expected), messages
+
+
+def test_broken_entry_point_plugins_warn_once_each_and_every_other_family_registers(broken_plugins_installed):
+    from mmrl.registry import PluginWarning
+
+    zoo = broken_plugins_installed
+    with pytest.warns(PluginWarning) as record:
+        listed = [a.family for a in families()]
+    _assert_one_warning_per_broken_plugin([str(w.message) for w in record if w.category is PluginWarning], zoo)
+    assert listed == zoo  # the zoo whole; nothing from the broken plugins, not even 'halfdone'
+    assert "halfdone_lm" not in " ".join(m for a in families() for m in a.model_types)
+
+
+@pytest.mark.parametrize("command", [["models", "--json"], ["doctor", "FAMILY", "--json", "--workers", "0"]])
+def test_cli_commands_work_with_a_broken_plugin_installed(broken_plugins_installed, command, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+    from mmrl.registry import PluginWarning
+
+    zoo = broken_plugins_installed
+    # doctor's probes are the probes' own tests' business; here it only has to find the family.
+    monkeypatch.setattr("mmrl.probes.PROBES", [])
+    command = [zoo[0] if word == "FAMILY" else word for word in command]
+    with pytest.warns(PluginWarning) as record:
+        result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert result.exception is None and "Traceback" not in result.output
+    _assert_one_warning_per_broken_plugin([str(w.message) for w in record if w.category is PluginWarning], zoo)
+    if command[0] == "models":
+        assert [row["family"] for row in json.loads(result.stdout)] == zoo
+    else:
+        assert json.loads(result.stdout)["family"] == zoo[0]
+
+
+def test_broken_plugin_is_one_stderr_line_in_the_cli(tmp_path):
+    # In a real process (pytest records warnings instead of printing them): one line on
+    # stderr per broken plugin, no traceback, and a working plugin next to them still loads.
+    _install_fake_plugins(tmp_path, {"raises-on-import": _BROKEN_PLUGINS["raises-on-import"][0],
+                                     "missing-field": _BROKEN_PLUGINS["missing-field"][0]})
+    _fake_dist(tmp_path, "toy-plugin", "plugins.toy_family")
+    result = subprocess.run(
+        [sys.executable, "-m", "mmrl.cli", "models", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{REPO / 'tests'}"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    warned = sorted(line for line in result.stderr.splitlines() if "PluginWarning" in line)
+    assert len(warned) == 2, result.stderr
+    assert "'missing-field'" in warned[0] and "missing required field 'parts'" in warned[0]
+    assert "'raises-on-import'" in warned[1] and "plugin needs a driver" in warned[1]
+    lines = result.stderr.splitlines()
+    for i, line in enumerate(lines):  # no source line (indented) printed under a warning
+        assert "PluginWarning" not in line or i + 1 == len(lines) or not lines[i + 1].startswith(" "), result.stderr
+    families_listed = {row["family"] for row in json.loads(result.stdout)}
+    assert "toy" in families_listed and {a.family for a in families()} <= families_listed
+
+
+def test_explicit_plugin_that_fails_is_a_one_line_error(fresh_registry, tmp_path, monkeypatch):
+    # Asked for by name with --plugin, a failing module is an error (exit 2), not a warning.
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    for package, (source, _) in _BROKEN_PLUGINS.items():
+        (tmp_path / f"{_module_name(package)}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for package, (_, cause) in _BROKEN_PLUGINS.items():
+        module = _module_name(package)
+        result = CliRunner().invoke(app, ["--plugin", module, "models"])
+        assert result.exit_code == 2, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+        assert f"plugin module {module!r} failed to load" in result.stderr and cause in result.stderr
+    assert [a.family for a in families()] == fresh_registry  # 'halfdone' was removed again
