@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -247,7 +248,7 @@ def doctor(
 
 @app.command("add-model")
 def add_model(
-    model_type: str = typer.Argument(..., help="A transformers model type (config.json's model_type)."),
+    model_type: str = typer.Argument(None, help="A transformers model type (config.json's model_type)."),
     family: str = typer.Option(None, "--family", help="Family name (default: the model type).", metavar="NAME"),
     out: str = typer.Option(None, "--out", help="Write an out-of-tree plugin package into DIR instead of this "
                             "checkout's models/, processors/, tests/ and docs/.", metavar="DIR"),
@@ -255,8 +256,28 @@ def add_model(
     force: bool = typer.Option(False, "--force", help="Overwrite files that exist."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the quick checks on the tiny model and "
                                 "declare only the capabilities that pass (default)."),
+    sweep: bool = typer.Option(False, "--sweep", help="Instead of one type, run the coverage sweep over every "
+                               "causal-LM and image-text-to-text type (resumable) and write COVERAGE."),
+    types: str = typer.Option(None, "--types", help="With --sweep: only these comma-separated types.", metavar="LIST"),
+    fresh: bool = typer.Option(False, "--fresh", help="With --sweep: forget the rows already recorded."),
+    coverage: Path = typer.Option(Path("support_matrix/coverage.json"), "--coverage", metavar="COVERAGE",
+                                  help="With --sweep: the JSON to write (a Markdown page is written beside it)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="With --sweep: show a progress bar."),
 ) -> None:
     """Scaffold a model family (adapter, processing, zoo test, docs) from transformers' own classes."""
+    if sweep:
+        from mmrl.scaffold.sweep import run_sweep
+
+        try:
+            document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress)
+        except ValueError as exc:
+            fail(str(exc))
+        for mapping, summary in document["summary"].items():
+            console.print(f"{mapping}: {summary['green']} of {summary['in_scope']} in-scope types green", highlight=False)
+        console.print(f"wrote {coverage} and {coverage.with_suffix('.md')}", highlight=False)
+        return
+    if model_type is None:
+        fail("give a MODEL_TYPE to scaffold, or --sweep")
     from mmrl.scaffold import CHECKED, ScaffoldError, scaffold
 
     try:

@@ -50,12 +50,23 @@ class PluginWarning(UserWarning):
     `PYTHONWARNINGS="error:skipped plugin package" mmrl models`."""
 
 
+def hidden_families() -> set[str]:
+    """Families named in `MMRL_HIDE_FAMILIES` (comma-separated) are not registered: the
+    add-model sweep hides a zoo family so that a scaffold of the same type can stand in
+    its place."""
+    import os
+
+    return {name.strip() for name in os.environ.get("MMRL_HIDE_FAMILIES", "").split(",") if name.strip()}
+
+
 def register_model(cls: A) -> A:
     """Class decorator: validate the adapter and add it to the registry."""
     if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
         raise TypeError(f"@register_model expects a ModelAdapter subclass, got {cls!r}")
     cls.validate()
     adapter = cls()
+    if adapter.family in hidden_families():
+        return cls
     where = f"{cls.__module__}.{cls.__qualname__}"
     if adapter.family in _BY_FAMILY:
         other = type(_BY_FAMILY[adapter.family])

@@ -122,7 +122,7 @@ def test_dry_run_writes_nothing(tmp_path):
 
 
 def test_in_tree_dry_run_targets_the_checkout(tmp_path):
-    from mmrl.scaffold import repo_root
+    from mmrl.scaffold.layout import repo_root
 
     root = repo_root()
     result = add_model(TEXT_TYPE, "--family", "scaffold_probe", "--dry-run", "--no-verify")
@@ -173,12 +173,12 @@ def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_pa
 def test_in_tree_scaffold_writes_models_tests_and_docs(tmp_path, monkeypatch):
     import ast
 
-    from mmrl import scaffold
+    from mmrl.scaffold import layout
 
     for folder in ("models", "processors", "tests", "docs"):
         (tmp_path / folder).mkdir()
     (tmp_path / "docs" / "families.md").write_text("# Model families\n\n- `qwen2` (text): ...\n")
-    monkeypatch.setattr(scaffold, "repo_root", lambda: tmp_path)
+    monkeypatch.setattr(layout, "repo_root", lambda: tmp_path)
     result = add_model(TEXT_TYPE, "--no-verify")
     assert result.exit_code == 0, result.output
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())

@@ -1,0 +1,115 @@
+"""`mmrl add-model`: scaffold a model family from what transformers already knows.
+
+The scaffold resolves an HF `model_type` through transformers' auto tables (no remote
+code, no network), shrinks the type's own config through its own sub-config classes,
+assembles a tiny tokenizer and processor from the type's processor classes, builds the
+tiny random-init model on CPU, reads the layout off the instantiated modules (decoder
+stack, embeddings, lm_head, vision tower, projector, block classes, linear leaves for
+LoRA, rope) and writes an adapter that declares exactly that. It then imports the
+written adapter, runs the zoo's quick numerical checks on it and declares only the
+capabilities that passed.
+
+    mmrl add-model olmo2                       # models/olmo2.py, tests/test_family_olmo2.py, docs
+    mmrl add-model olmo2 --out ../my_families  # an out-of-tree plugin package instead
+    mmrl add-model olmo2 --dry-run             # print what would be written
+    mmrl add-model --sweep                     # the coverage sweep (sweep.py)
+
+One module per stage: `resolve` (the type's classes), `shrink` (the tiny config),
+`media` (the tiny tokenizer and processor), `discover` (parts, blocks, LoRA leaves),
+`verify` (the quick checks), `render` (the files' text), `layout` (where they go, and the
+atomic write). Nothing here knows a family by name: everything comes from transformers'
+tables, classes and configs and from the modules of the tiny model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from mmrl.scaffold.base import CHECKED, TOLERANCE, VISION_ONLY, Discovery, Layout, Resolved, Result, ScaffoldError
+
+__all__ = ["CHECKED", "TOLERANCE", "VISION_ONLY", "Discovery", "Layout", "Resolved", "Result", "ScaffoldError",
+           "STAGE_SECONDS", "scaffold"]
+
+# Each stage's own time limit in seconds: a stage that runs past it ends the scaffold
+# with a one-line error naming the stage (never a silent hang).
+STAGE_SECONDS = {"resolve": 60, "config": 60, "processor": 60, "model": 120, "verify": 300, "write": 60}
+
+
+@contextlib.contextmanager
+def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Run a stage under its time limit (SIGALRM, where this is the main thread)."""
+    if on_stage is not None:
+        on_stage(name)
+    seconds = STAGE_SECONDS[name]
+    usable = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
+
+    def expire(signum, frame):
+        raise ScaffoldError(f"stage {name!r} ran past its {seconds} s limit", category="timeout")
+
+    previous = signal.signal(signal.SIGALRM, expire) if usable else None
+    if usable:
+        signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        if usable:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def scaffold(model_type: str, *, family: str | None = None, out: str | Path | None = None,
+             dry_run: bool = False, force: bool = False, check: bool = True,
+             on_stage: Callable[[str], None] | None = None, replace_registered: bool = False) -> Result:
+    """Resolve, shrink, inspect, verify, render and write a family; see the module
+    docstring. `replace_registered` scaffolds a type the registry already holds (its
+    family is unregistered in this process first; the coverage sweep uses it)."""
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
+    from mmrl.scaffold.render import render_adapter, render_processing, render_test
+    from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.verify import verify
+
+    with stage_limit("resolve", on_stage):
+        resolved = resolve(model_type)
+        name = family_name(model_type, family)
+        check_unregistered(resolved, name, replace=replace_registered)
+    with stage_limit("config", on_stage):
+        tiny = tiny_model_inputs(resolved)
+    with stage_limit("model", on_stage):
+        discovery = inspect_family(resolved, name, tiny)
+    layout = layout_for(discovery, Path(out) if out is not None else None)
+    contents: dict[Path, str] = {}
+    planned = [layout.adapter, layout.test, *layout.extra] + ([layout.processing] if layout.processing else [])
+    existing = [p for p in planned if p.exists()]
+    if existing and not force:
+        raise ScaffoldError(f"{existing[0]} exists; pass --force to overwrite (nothing was written)")
+    notes: list[str] = []
+    verified = None
+    if check:
+        with stage_limit("verify", on_stage):
+            verified = verify(discovery, layout, notes)
+    with stage_limit("write", on_stage):
+        processing_ref = None
+        if layout.processing is not None:
+            contents[layout.processing] = render_processing(discovery)
+            processing_ref = f"{layout.processing_module}:{discovery.class_name}Processing"
+        contents[layout.adapter] = render_adapter(discovery, layout, verified, processing_ref, checked=check)
+        contents[layout.test] = render_test(discovery, layout)
+        contents.update(layout.extra)
+        for path, line in layout.appends.items():
+            current = path.read_text() if path.exists() else FAMILIES_HEADER
+            if line.strip() not in current:
+                contents[path] = current.rstrip("\n") + "\n" + line
+        if layout.in_tree:
+            command = f".venv/bin/python -m pytest -q {layout.test.relative_to(layout.root)}"
+        else:
+            command = f"cd {layout.root} && python -m pytest -q {layout.test.relative_to(layout.root)}"
+        written = list(contents) if dry_run else write_all(contents)
+    return Result(family=name, written=written, next_command=command,
+                  capabilities=verified, notes=notes + [f"fill in: {item}" for item in discovery.fill_in],
+                  dry_run=dry_run, contents=contents)

@@ -1,0 +1,90 @@
+"""What the scaffold's stages hand each other: the resolved type, what inspecting the
+tiny model found, where files go, and the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmrl.adapter import Capabilities, Parts
+
+# Shapes of a tiny vision tower: small enough for CPU, and the depth of one block.
+TINY_VISION_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+# The zoo's tolerance (fp32 logits, max absolute difference).
+TOLERANCE = 2e-4
+# Capabilities the quick check decides; the rest stay at their defaults for the probes.
+CHECKED = ("generation", "padding_free", "gradient_checkpointing", "lora_language", "lora_vision",
+           "single_image", "multi_image", "media_sharing")
+# Checked and written for vision-language families only (text families have no media).
+VISION_ONLY = ("lora_vision", "single_image", "multi_image", "media_sharing")
+
+
+class ScaffoldError(ValueError):
+    """The model type cannot be scaffolded (unknown, already registered, files exist).
+
+    `category` names the kind of refusal for the coverage sweep; the message is one line
+    that says what stopped the scaffold and what the user has to write by hand."""
+
+    def __init__(self, message: str, category: str = "refused"):
+        super().__init__(message)
+        self.category = category
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A model type as transformers' auto tables name it."""
+
+    model_type: str
+    config_class: str  # "ConfigName" in the transformers namespace
+    model_class: str
+    is_vision_language: bool
+    # The name of the model type's vision sub-config (None for text types).
+    vision_config_key: str | None = None
+
+
+@dataclass
+class Discovery:
+    """What inspecting the tiny model found; the adapter is rendered from this."""
+
+    resolved: Resolved
+    family: str
+    class_name: str
+    parts: Parts
+    decoder_layer: str
+    vision_block: str | None
+    language_leaves: tuple[str, ...]
+    vision_leaves: tuple[str, ...]
+    rope: Any
+    vllm_architecture: str | None
+    vllm_note: str
+    tiny: Any = None  # shrink.TinyInputs: the tiny config, tokenizer, processor and media plan
+    fill_in: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Layout:
+    """Where the files of a scaffolded family go."""
+
+    root: Path
+    adapter: Path
+    processing: Path | None
+    test: Path
+    extra: dict[Path, str]  # path -> content of the package/docs files
+    appends: dict[Path, str]  # existing files that get a line added
+    adapter_module: str
+    processing_module: str | None
+    in_tree: bool
+
+
+@dataclass
+class Result:
+    family: str
+    written: list[Path]
+    next_command: str
+    capabilities: Capabilities | None
+    notes: list[str]
+    dry_run: bool
+    contents: dict[Path, str]
+
+

@@ -1,0 +1,157 @@
+"""Stage 4, model: build the tiny model on CPU and read the family's layout off its
+modules: embeddings and lm_head, the decoder stack, the vision tower and projector
+(wherever they sit), block classes to shard, linear leaves for LoRA, rope, and whether
+vLLM serves the architecture."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+from mmrl.adapter import Parts
+from mmrl.scaffold.base import Discovery, Resolved, ScaffoldError
+from mmrl.scaffold.resolve import class_name
+from mmrl.scaffold.shrink import TinyInputs, _one_line
+
+
+def _path_of(model, module) -> str:
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return name
+    raise ScaffoldError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
+
+
+def _under(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def _block_lists(model, prefix: str) -> list[tuple[str, Any]]:
+    """ModuleLists under `prefix` whose items are all one class, most parameters first."""
+    import torch
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and _under(name, prefix):
+            if len({type(m) for m in module}) == 1 and any(True for _ in module.parameters()):
+                found.append((name, module))
+    return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
+
+
+def _linear_leaves(block) -> tuple[str, ...]:
+    import torch
+
+    leaves: list[str] = []
+    for name, module in block.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Linear) and leaf not in leaves:
+            leaves.append(leaf)
+    return tuple(leaves)
+
+
+def vllm_architecture(architecture: str) -> tuple[str | None, str]:
+    """(architecture, note) from vLLM's model registry, read as text so that checking
+    costs no vLLM import; (None, why) when vLLM is absent or lacks the architecture."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "vLLM is not installed here, so its registry was not checked"
+    registry = Path(spec.submodule_search_locations[0]) / "model_executor" / "models" / "registry.py"
+    if not registry.is_file():
+        return None, f"vLLM's model registry was not found at {registry}"
+    match = re.search(rf'"{re.escape(architecture)}":\s*\(\s*"([^"]+)",\s*"([^"]+)"', registry.read_text())
+    if match is None:
+        return None, f"vLLM's model registry has no {architecture}"
+    module, cls = match.groups()
+    backend = " (its Transformers backend)" if module == "transformers" else ""
+    return architecture, f"vLLM serves {architecture}{backend}"
+
+
+def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discovery:
+    """Build the tiny model on CPU and read the family's layout off its modules."""
+    import torch
+    import transformers
+
+    from mmrl.rope import RopeSpec
+
+    model_cls = getattr(transformers, resolved.model_class)
+    config = tiny.config
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = model_cls._from_config(config)
+    except Exception as exc:
+        raise ScaffoldError(f"{resolved.model_class} cannot be built from the shrunk config ({_one_line(exc)}); "
+                            "write tiny() by hand", category="model-init") from exc
+    if model.get_output_embeddings() is None:
+        raise ScaffoldError(f"{resolved.model_class} has no output embeddings (lm_head) to read", category="model-init")
+    embed = _path_of(model, model.get_input_embeddings())
+    lm_head = _path_of(model, model.get_output_embeddings())
+    language = embed.rpartition(".")[0]
+    text_config = config.get_text_config(decoder=True)
+    decoder_lists = [(n, m) for n, m in _block_lists(model, language) if len(m) == text_config.num_hidden_layers]
+    if not decoder_lists:
+        raise ScaffoldError(f"{resolved.model_class}: no list of {text_config.num_hidden_layers} decoder layers "
+                            f"under {language!r}; name shard_layers by hand", category="parts")
+    decoder = decoder_lists[0][1]
+    fill_in: list[str] = []
+    vision = projector = ()
+    vision_block = None
+    vision_leaves: tuple[str, ...] = ()
+    if resolved.is_vision_language:
+        vision, projector, vision_block, vision_leaves = _vision_parts(model, language, fill_in)
+    parts = Parts(language=language, embed=embed, lm_head=lm_head, vision=vision or None,
+                  projector=projector or None)
+    uncovered = _uncovered_parameters(model, parts)
+    if uncovered:
+        fill_in.append(f"parts: parameters in no part: {', '.join(uncovered[:5])}")
+    rope = RopeSpec.from_config(config)
+    if rope.is_mrope:
+        fill_in.append("position_ids: the config uses multi-axis (mrope) rope; override `position_ids`")
+    architecture, note = vllm_architecture(resolved.model_class)
+    return Discovery(
+        resolved=resolved, family=family, class_name=class_name(resolved, family), parts=parts,
+        decoder_layer=type(decoder[0]).__name__, vision_block=vision_block,
+        language_leaves=_linear_leaves(decoder[0]), vision_leaves=vision_leaves, rope=rope,
+        vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
+    )
+
+
+def _uncovered_parameters(model, parts: Parts) -> list[str]:
+    names = []
+    paths = [p for _, group in parts.items() for p in group]
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if not any(_under(name, p) for p in paths):
+            names.append(name)
+    return names
+
+
+def _vision_parts(model, language: str, fill_in: list[str]):
+    """(vision paths, projector paths, vision block class, vision linear leaves): the
+    vision tower is the sibling of the language model that holds a stack of blocks;
+    every other sibling with parameters (and loose parameters beside them) projects."""
+    inner_path = language.rpartition(".")[0]
+    inner = model.get_submodule(inner_path) if inner_path else model
+    prefix = f"{inner_path}." if inner_path else ""
+    towers, projector = [], []
+    for name, child in inner.named_children():
+        path = prefix + name
+        if path == language or not any(True for _ in child.parameters()):
+            continue
+        blocks = _block_lists(model, path)
+        size = sum(p.numel() for p in child.parameters())
+        (towers if blocks else projector).append((size, path, blocks))
+    projector_paths = [path for _, path, _ in projector]
+    projector_paths += [prefix + name for name, _ in inner.named_parameters(recurse=False)]
+    if not towers:
+        fill_in.append("parts.vision / shard_layers: no vision tower with a stack of blocks was found")
+        return (), tuple(projector_paths), None, ()
+    towers.sort(key=lambda t: -t[0])
+    _, vision_path, blocks = towers[0]
+    # A second stacked sibling (rare) is treated as part of the projector.
+    projector_paths += [path for _, path, _ in towers[1:]]
+    if not projector_paths:
+        fill_in.append("parts.projector: the projector sits inside the vision tower; name its path")
+    block = blocks[0][1][0]
+    return (vision_path,), tuple(projector_paths), type(block).__name__, _linear_leaves(block)
+
+

@@ -1,0 +1,285 @@
+"""Stage 3, processor: the tiny tokenizer and processor, and the tiny vision-language config.
+
+Everything is read from the model type's own classes:
+- the processor class (transformers' processor table) and the sub-processors its
+  `__init__` names (image processor, video processor), built from their defaults with
+  the image size set to the vision tower's;
+- the special tokens: the processor's `*_token` arguments, the tokenizer attributes its
+  code reads (`tokenizer.boi_token`), and the config's `*_token_id` / `*_token_index`
+  fields; each becomes one atomic token of a character-level tokenizer;
+- processor arguments whose names the config also has (`patch_size`,
+  `image_seq_length`, `spatial_merge_size`, ...) take the config's value;
+- the text placeholder: the first special token that, put in a prompt beside one image,
+  makes the processor emit the config's image token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmrl.scaffold.base import Resolved, ScaffoldError
+from mmrl.scaffold.shrink import (
+    TinyInputs, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
+)
+from mmrl.tiny import TINY_TEXT_SHAPES
+
+_TOKEN_FIELD = re.compile(r"^(.*)_token_(id|index)$")
+# Processor __init__ arguments that are sub-processors or plumbing, never config values.
+_PLUMBING = {"self", "image_processor", "tokenizer", "video_processor", "audio_processor", "feature_extractor",
+             "chat_template", "kwargs", "args"}
+
+
+def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
+                        special_tokens: tuple[str, ...] = ()):
+    """The ChatML character tokenizer every scaffolded tiny model starts from."""
+    from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
+    from mmrl.tiny import char_tokenizer
+
+    return char_tokenizer(special_tokens=(*CHATML_SPECIAL_TOKENS, *special_tokens), named_tokens=named_tokens,
+                          eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template or CHATML)
+
+
+@dataclass
+class MediaPlan:
+    """How the tiny vision-language model and its processor are put together; the
+    adapter's `tiny()` is rendered from this."""
+
+    vision_key: str
+    top_text_key: str
+    vision: dict[str, Any]
+    text_config_class: str
+    text_overrides: dict[str, Any]
+    named_tokens: dict[str, str]  # tokenizer attribute -> token
+    token_fields: dict[str, str]  # config field -> token whose id it holds
+    top: dict[str, Any]  # other top-level config values
+    processor_class: str | None
+    sub_processors: dict[str, tuple[str, dict[str, Any]]]  # argument -> (class, kwargs)
+    processor_kwargs: dict[str, str]  # argument -> expression over `config`
+    literals: list[str] = field(default_factory=list)  # other special tokens the processor's code names
+    image_placeholder: str | None = None
+    video_placeholder: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _init_parameters(cls) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _processor_class(model_type: str):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if name else None
+
+
+def _table_class(table: dict, model_type: str):
+    import transformers
+
+    names = table.get(model_type)
+    if isinstance(names, dict):
+        names = names.get("torchvision") or names.get("pil") or next(iter(names.values()), None)
+    elif isinstance(names, (tuple, list)):
+        names = next((n for n in names if n), None)
+    return getattr(transformers, names, None) if names else None
+
+
+def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str]]:
+    """(named tokens, literal special tokens) the processor's code and defaults use."""
+    named: dict[str, str] = {}
+    for name, parameter in _init_parameters(processor_cls).items():
+        if name.endswith("_token") and isinstance(parameter.default, str):
+            named[name] = parameter.default
+    literals: list[str] = []
+    try:
+        source = inspect.getsource(inspect.getmodule(processor_cls))
+    except (OSError, TypeError):
+        source = ""
+    for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
+        if attribute not in named and attribute not in ("pad_token", "eos_token", "bos_token", "unk_token"):
+            default = _class_default(processor_cls, attribute)
+            named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
+    for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
+        if literal not in literals and literal not in named.values():
+            literals.append(literal)
+    return named, literals
+
+
+def _class_default(cls, attribute: str) -> str | None:
+    value = getattr(cls, attribute, None)
+    return value if isinstance(value, str) else None
+
+
+def _sized(processor_cls, image_size: int | None) -> dict[str, Any]:
+    """Size arguments of an image/video processor set to `image_size` (its own keys)."""
+    if processor_cls is None or image_size is None:
+        return {}
+    try:
+        default = processor_cls()
+    except Exception:
+        return {}
+    sizes: dict[str, Any] = {}
+    for key in ("size", "crop_size"):
+        value = getattr(default, key, None)
+        if value is None:
+            continue
+        items = value.items() if isinstance(value, dict) else vars(value).items()
+        present = {k: image_size for k, v in items if isinstance(v, int) and k in (
+            "height", "width", "shortest_edge", "longest_edge")}
+        if present:
+            sizes[key] = present
+    return sizes
+
+
+def tiny_vision_language(resolved: Resolved) -> TinyInputs:
+    """The tiny config and processor of a vision-language type, and the plan rendering
+    needs to rebuild them."""
+    import transformers
+
+    config_cls = getattr(transformers, resolved.config_class)
+    try:
+        defaults = config_cls()
+    except Exception as exc:
+        raise ScaffoldError(f"{resolved.config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() "
+                            "by hand", category="config") from exc
+    text_default = defaults.get_text_config(decoder=True)
+    vision_default = getattr(defaults, resolved.vision_config_key, None)
+    if vision_default is None or text_default is defaults:
+        raise ScaffoldError(f"{resolved.config_class} has no separate text and vision sub-configs by default; write "
+                            "tiny() by hand", category="config")
+    text_key = next((k for k, v in vars(defaults).items() if v is text_default), None)
+    if text_key is None:
+        raise ScaffoldError(f"{resolved.config_class}: the text sub-config sits under no attribute the scaffold can "
+                            "set; write tiny() by hand", category="config")
+    processor_cls = _processor_class(resolved.model_type)
+    named, literals = _tokens_in_source(processor_cls) if processor_cls else ({}, [])
+    named.setdefault("image_token", "<image>")
+    # Config fields holding a token id: the processor token of the same stem, else a new one.
+    token_fields: dict[str, str] = {}
+    for key in defaults.to_dict():
+        match = _TOKEN_FIELD.match(key)
+        if match is None or key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            continue
+        stem = match.group(1)
+        token = named.get(f"{stem}_token") or named.get(stem) or f"<|{stem}|>"
+        token_fields[key] = token
+        if token not in named.values():
+            named[f"{stem}_token"] = token
+    literals = [t for t in literals if t not in named.values()]
+    text_class = type(text_default).__name__
+    text_overrides = tiny_text_values(text_class)
+    vision = {"model_type": getattr(vision_default, "model_type", "") or None,
+              **tiny_vision_values(vision_default, getattr(text_default, "hidden_size", None))}
+    vision = {k: v for k, v in vision.items() if v is not None}
+    top_tied = {getattr(text_default, "hidden_size", -1): TINY_TEXT_SHAPES["hidden_size"]}
+    vision_hidden = getattr(vision_default, "hidden_size", None)
+    if isinstance(vision_hidden, int):
+        top_tied[vision_hidden] = vision.get(dict(getattr(vision_default, "attribute_map", {})).get(
+            "hidden_size", "hidden_size"), vision_hidden)
+    top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
+           if k not in (text_key, resolved.vision_config_key)}
+    plan = MediaPlan(
+        vision_key=resolved.vision_config_key, top_text_key=text_key, vision=vision, text_config_class=text_class,
+        text_overrides=text_overrides, named_tokens=named, token_fields=token_fields, top=top,
+        processor_class=processor_cls.__name__ if processor_cls else None, sub_processors={},
+        processor_kwargs={}, literals=literals,
+    )
+    tokenizer, config = build_config(resolved, plan)
+    processor = None
+    if processor_cls is not None:
+        image_size = getattr(getattr(config, plan.vision_key), "image_size", None)
+        from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+        from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+        wanted = _init_parameters(processor_cls)
+        for argument, table in (("image_processor", IMAGE_PROCESSOR_MAPPING_NAMES),
+                                ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES)):
+            if argument in wanted:
+                cls = _table_class(table, resolved.model_type)
+                if cls is not None:
+                    plan.sub_processors[argument] = (cls.__name__, _sized(cls, image_size))
+        vision_config = getattr(config, plan.vision_key)
+        for name in wanted:
+            if name in _PLUMBING or name.endswith("_token"):
+                continue
+            if hasattr(vision_config, name) and name in vision_config.to_dict():
+                plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
+            elif name in config.to_dict():
+                plan.processor_kwargs[name] = f"config.{name}"
+        processor = build_processor(plan, tokenizer, config)
+        plan.image_placeholder = find_placeholder(processor, config, plan, "image")
+        if "video_processor" in plan.sub_processors:
+            plan.video_placeholder = find_placeholder(processor, config, plan, "video")
+    return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=text_overrides,
+                      text_config_class=text_class, vision=vision, top=top, media=plan)
+
+
+def build_config(resolved: Resolved, plan: MediaPlan):
+    import transformers
+
+    tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens,
+                                    special_tokens=tuple(plan.literals))
+    text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
+    values = {plan.top_text_key: text.to_dict(), plan.vision_key: dict(plan.vision), **plan.top}
+    values.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in plan.token_fields.items()})
+    try:
+        config = getattr(transformers, resolved.config_class)(**values)
+    except Exception as exc:
+        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() by "
+                            "hand with values it accepts", category="config") from exc
+    return tokenizer, config
+
+
+def build_processor(plan: MediaPlan, tokenizer, config):
+    """The tiny processor; the chat template places the placeholder that works."""
+    import transformers
+
+    from mmrl.tiny import as_loaded
+
+    subs = {}
+    for argument, (cls_name, kwargs) in plan.sub_processors.items():
+        try:
+            sub = getattr(transformers, cls_name)(**kwargs)
+        except Exception as exc:
+            raise ScaffoldError(f"{cls_name}({kwargs}) fails ({_one_line(exc)})", category="processor") from exc
+        subs[argument] = as_loaded(sub) if argument == "image_processor" else sub
+    kwargs = {name: eval(expression, {"config": config}) for name, expression in plan.processor_kwargs.items()}
+    try:
+        processor = getattr(transformers, plan.processor_class)(tokenizer=tokenizer, **subs, **kwargs)
+    except Exception as exc:
+        raise ScaffoldError(f"{plan.processor_class} cannot be built from the tiny tokenizer and its default "
+                            f"sub-processors ({_one_line(exc)}); write tiny() by hand", category="processor") from exc
+    return processor
+
+
+def find_placeholder(processor, config, plan: MediaPlan, kind: str) -> str | None:
+    """The special token that, written in a prompt beside one image (or video), makes the
+    processor emit the config's placeholder ids: the processor's own `*_token` for the
+    kind first, then every other named token."""
+    from PIL import Image
+
+    field = next((k for k in plan.token_fields if k.startswith(kind)), None)
+    target = getattr(config, field, None) if field else None
+    own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
+    candidates = list(dict.fromkeys(own + list(plan.named_tokens.values()) + plan.literals))
+    image = Image.new("RGB", (64, 48), (120, 30, 200))
+    media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
+    for token in candidates:
+        try:
+            out = processor(text=[f"look {token} here"], return_tensors="pt", **media)
+        except Exception:
+            continue
+        ids = out["input_ids"]
+        if target is None or int((ids == target).sum()) > 0:
+            return token
+    if kind == "image":
+        raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) makes {plan.processor_class} expand an "
+                            f"image into the config's {field or 'image token'}; write the chat template by hand",
+                            category="processor")
+    return None

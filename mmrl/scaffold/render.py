@@ -1,0 +1,375 @@
+"""Stage 7, render: the text of a scaffolded family's files (adapter, processing stub,
+test) from what the earlier stages found. The adapter reads as a hand-written one:
+declarations first, then `tiny()` with the shrunk values spelled out."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import replace
+from typing import Any
+
+from mmrl.adapter import ATTN_AND_MLP, DECODER_PARTS, VISION_TOWER_PARTS, Capabilities, Parts
+from mmrl.scaffold.base import CHECKED, VISION_ONLY, Discovery, Layout
+
+
+def _str(value: str) -> str:
+    """A string literal in the house's double quotes."""
+    return f'"{value}"' if re.fullmatch(r"[^\"\\\n]*", value) else repr(value)
+
+
+def _tuple(values) -> str:
+    values = tuple(values)
+    return "(" + ", ".join(_str(v) for v in values) + ("," if len(values) == 1 else "") + ")"
+
+
+def _call(head: str, args: list[str], indent: str = "    ", width: int = 116) -> str:
+    """`head(arg, ...)` on one line when it fits, else its arguments wrapped below."""
+    line = f"{head}({', '.join(args)})"
+    if len(indent) + len(line) <= width:
+        return line
+    rows, row = [], ""
+    for arg in args:
+        if row and len(indent) + 4 + len(row) + len(arg) + 2 > width:
+            rows.append(row.rstrip())
+            row = ""
+        row += arg + ", "
+    rows.append(row.rstrip())
+    inner = "\n".join(indent + "    " + r for r in rows)
+    return f"{head}(\n{inner}\n{indent})"
+
+
+def _literal_dict(values: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{_str(k)}: {_str(v) if type(v) is str else repr(v)}" for k, v in values.items()) + "}"
+
+
+def _one_or_tuple(values: tuple[str, ...]) -> str:
+    return _str(values[0]) if len(values) == 1 else _tuple(values)
+
+
+def _parts_source(parts: Parts, imports: set[str]) -> str:
+    if parts == DECODER_PARTS:
+        imports.add("DECODER_PARTS")
+        return "DECODER_PARTS"
+    if parts == VISION_TOWER_PARTS:
+        imports.add("VISION_TOWER_PARTS")
+        return "VISION_TOWER_PARTS"
+    if replace(parts, projector=VISION_TOWER_PARTS.projector) == VISION_TOWER_PARTS:
+        imports.add("VISION_TOWER_PARTS")
+        return f"replace(VISION_TOWER_PARTS, projector={_one_or_tuple(parts.projector)})"
+    imports.add("Parts")
+    fields = [f"{name}={_one_or_tuple(paths)}" for name, paths in parts.items() if paths]
+    return "Parts(\n        " + ", ".join(fields) + ",\n    )"
+
+
+def _leaves_source(leaves: tuple[str, ...], imports: set[str]) -> str:
+    if sorted(leaves) == sorted(ATTN_AND_MLP):
+        imports.add("ATTN_AND_MLP")
+        return "ATTN_AND_MLP"
+    return _tuple(leaves)
+
+
+def _rope_line(rope) -> str:
+    text = f"{rope.scaling} rope, theta {rope.theta:g}"
+    if rope.partial_rotary_factor != 1.0:
+        text += f", rotating {rope.partial_rotary_factor:g} of each head"
+    if rope.per_layer_type:
+        text += f", one rope per layer type ({', '.join(t for t, _ in rope.per_layer_type)})"
+    if rope.is_mrope:
+        text += f", mrope sections {list(rope.mrope_section)}"
+    return text
+
+
+def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: set[str],
+                         checked: bool = False) -> list[str]:
+    if verified is None:
+        why = "the tiny model did not run, see above" if checked else "--no-verify"
+        return [f"    # Capabilities: the defaults, not checked while scaffolding ({why});",
+                f"    # the zoo tests and `mmrl support-matrix --family {d.family}` verify them."]
+    imports.add("Capabilities")
+    defaults = Capabilities()
+    claims = [f"{name}={getattr(verified, name)}" for name in CHECKED
+              if (getattr(verified, name) or getattr(defaults, name))
+              and (d.resolved.is_vision_language or name not in VISION_ONLY)]
+    return [
+        "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by",
+        "    # default; claim vllm and sequence_parallel once `mmrl support-matrix --family",
+        f"    # {d.family}` verifies them.",
+        "    capabilities = " + _call("Capabilities", claims),
+    ]
+
+
+def base_capabilities(d: Discovery) -> Capabilities:
+    if d.resolved.is_vision_language:
+        return Capabilities(single_image=True, multi_image=True)
+    return Capabilities()
+
+
+def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
+                   processing_ref: str | None = None, checked: bool = False) -> str:
+    """The adapter module's source: declarations first, then the tiny model."""
+    vlm = d.resolved.is_vision_language
+    base = "VisionLanguageAdapter" if vlm else "ModelAdapter"
+    adapter_imports = {base, "Rollout", "TinyModel"}
+    lines = ["@register_model", f"class {d.class_name}({base}):",
+             f"    family = {_str(d.family)}",
+             f"    model_types = {_tuple([d.resolved.model_type])}",
+             f"    hf_class = \"transformers:{d.resolved.model_class}\""]
+    lines.append(f"    parts = {_parts_source(d.parts, adapter_imports)}")
+    shard = (d.decoder_layer,) + ((d.vision_block,) if d.vision_block else ())
+    lines.append(f"    shard_layers = {_tuple(shard)}")
+    if vlm:
+        adapter_imports.add("LoraTargets")
+        language = _leaves_source(d.language_leaves, adapter_imports)
+        lines.append("    lora = " + _call("LoraTargets", [f"language={language}", f"vision={_tuple(d.vision_leaves)}"]))
+    elif sorted(d.language_leaves) != sorted(ATTN_AND_MLP):
+        adapter_imports.add("LoraTargets")
+        lines.append(f"    lora = LoraTargets(language={_tuple(d.language_leaves)})")
+    lines += _capabilities_source(d, verified, adapter_imports, checked)
+    if processing_ref:
+        lines.append(f"    processing = {_str(processing_ref)}")
+    lines.append(f"    # {d.vllm_note}.")
+    if d.vllm_architecture:
+        lines.append(f"    rollout = Rollout(vllm_architecture={_str(d.vllm_architecture)})")
+    else:
+        lines.append("    rollout = Rollout()")
+    lines.append("")
+    lines += _tiny_source(d)
+    summary = (f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
+               f"scaffolded by `mmrl add-model {d.resolved.model_type}`.")
+    layout_text = (f"Layout read off the tiny model: decoder layers {d.decoder_layer}"
+                   + (f", vision blocks {d.vision_block}" if d.vision_block else "") + f"; {_rope_line(d.rope)}. "
+                   "The tiny tokenizer speaks ChatML; a real checkpoint brings its own chat template.")
+    header = [textwrap.fill(summary, 100), "", textwrap.fill(layout_text, 88)]
+    if d.fill_in:
+        header += ["", "Fill in by hand (the scaffold could not work these out):"]
+        header += [textwrap.fill(item, 88, initial_indent="- ", subsequent_indent="  ") for item in d.fill_in]
+    header.append('"""')
+    imports = ["from dataclasses import replace", ""] if "replace(" in "\n".join(lines) else []
+    imports.append("from mmrl.adapter import " + ", ".join(sorted(adapter_imports, key=_import_order)))
+    if vlm:
+        imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS")
+        imports.append("from mmrl.registry import register_model")
+        imports.append("from mmrl.tiny import as_loaded, char_tokenizer, tiny_text_config")
+    else:
+        imports.append("from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS")
+        imports.append("from mmrl.registry import register_model")
+        imports.append("from mmrl.tiny import char_tokenizer, tiny_text_config")
+    body = "\n".join(header) + "\n\n" + "\n".join(imports) + "\n"
+    if vlm:
+        body += "\n" + _vision_template_source(d) + "\n"
+    return body + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _import_order(name: str) -> tuple[bool, str]:
+    return (not name.isupper(), name)
+
+
+def _tiny_source(d: Discovery) -> list[str]:
+    tiny = d.tiny
+    if d.resolved.is_vision_language:
+        return _tiny_vision_source(d)
+    overrides = "".join(f", {k}={v!r}" for k, v in tiny.text_overrides.items() if k.isidentifier())
+    odd = {k: v for k, v in tiny.text_overrides.items() if not k.isidentifier()}
+    if odd:
+        overrides += f", **{odd!r}"
+    call = _call("config = tiny_text_config", [f'"transformers:{d.resolved.config_class}"', "tokenizer"]
+                 + [a.strip() for a in overrides.split(", ") if a.strip()], " " * 4, 112)
+    source = textwrap.dedent("""\
+        def tiny(self) -> TinyModel:
+            tokenizer = char_tokenizer(
+                special_tokens=CHATML_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                chat_template=CHATML,
+            )
+            @CONFIG@
+            return TinyModel(config=config, processor=tokenizer)
+        """).replace("@CONFIG@", call)
+    return textwrap.indent(source, "    ").rstrip().split("\n")
+
+
+def _vision_template_source(d: Discovery) -> str:
+    plan = d.tiny.media
+    named = _literal_dict({k: _Raw(_str(v)) for k, v in plan.named_tokens.items()})
+    video = plan.video_placeholder
+    video_branch = (f"\"{{% elif part['type'] == 'video' %}}{{{{ '{video}' }}}}\"\n    " if video else "")
+    return textwrap.dedent(f"""\
+        # The tokens the processor and config name, each one atomic token of the tiny tokenizer.
+        NAMED_TOKENS = {named}
+        EXTRA_TOKENS = {_tuple(plan.literals)}
+        # ChatML with the processor's placeholder where an image (or video) part stands.
+        CHAT_TEMPLATE = (
+            "{{% for message in messages %}}"
+            "{{{{ '<|im_start|>' + message['role'] + '\\\\n' }}}}"
+            "{{% if message['content'] is string %}}{{{{ message['content'] }}}}"
+            "{{% else %}}{{% for part in message['content'] %}}"
+            "{{% if part['type'] == 'text' %}}{{{{ part['text'] }}}}"
+            "{{% elif part['type'] == 'image' %}}{{{{ '{plan.image_placeholder}' }}}}"
+            @VIDEO@"{{% endif %}}{{% endfor %}}{{% endif %}}"
+            "{{{{ '<|im_end|>\\\\n' }}}}"
+            "{{% endfor %}}"
+            "{{% if add_generation_prompt %}}{{{{ '<|im_start|>assistant\\\\n' }}}}{{% endif %}}"
+        )""").replace("@VIDEO@", video_branch)
+
+
+class _Raw(str):
+    """Source text to be written as is by `_literal_dict`."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _tiny_vision_source(d: Discovery) -> list[str]:
+    plan = d.tiny.media
+    indent, width = " " * 4, 112  # the body of tiny(), before the class indent is added
+    text_args = [f'"transformers:{plan.text_config_class}"', "tokenizer"]
+    if plan.text_overrides:
+        text_args.append(f"**{_literal_dict(plan.text_overrides)}")
+    config = [f"{plan.top_text_key}=text.to_dict()", f"{plan.vision_key}=vision"]
+    config += [f"{k}=tokenizer.convert_tokens_to_ids({_str(t)})" for k, t in plan.token_fields.items()]
+    if plan.top:
+        config.append(f"**{_literal_dict(plan.top)}")
+    processor = ["tokenizer=tokenizer", "chat_template=CHAT_TEMPLATE"]
+    for argument, (cls_name, kwargs) in plan.sub_processors.items():
+        made = f"transformers.{cls_name}({', '.join(f'{k}={_literal_dict(v)}' for k, v in kwargs.items())})"
+        processor.append(f"{argument}=as_loaded({made})" if argument == "image_processor" else f"{argument}={made}")
+    processor += [f"{k}={v}" for k, v in plan.processor_kwargs.items()]
+    source = textwrap.dedent("""\
+        def tiny(self) -> TinyModel:
+            import transformers
+
+            tokenizer = char_tokenizer(
+                special_tokens=(*CHATML_SPECIAL_TOKENS, *EXTRA_TOKENS), named_tokens=NAMED_TOKENS,
+                eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+            )
+            text = @TEXT@
+            # The default vision tower, shrunk; its image and patch size are kept and the
+            # image processor resizes to that image size.
+            vision = @VISION@
+            config = @CONFIG@
+            processor = @PROCESSOR@
+            return TinyModel(config=config, processor=processor)
+        """)
+    source = (source.replace("@TEXT@", _call("tiny_text_config", text_args, indent, width))
+              .replace("@VISION@", _literal_dict(plan.vision))
+              .replace("@CONFIG@", _call(f"transformers.{d.resolved.config_class}", config, indent, width))
+              .replace("@PROCESSOR@", _call(f"transformers.{plan.processor_class}", processor, indent, width)))
+    return textwrap.indent(source, "    ").rstrip().split("\n")
+
+def render_test(d: Discovery, layout: Layout) -> str:
+    if layout.in_tree:
+        return textwrap.dedent(f'''\
+            """The zoo suite (tests/test_zoo.py) for the {d.family} family alone.
+
+                .venv/bin/python -m pytest -q tests/test_family_{d.family}.py
+            """
+
+            import inspect
+
+            import pytest
+
+            import test_zoo
+
+            FAMILY = {_str(d.family)}
+
+
+            def zoo_checks():
+                """Each zoo test whose family parametrization includes FAMILY."""
+                for name, check in vars(test_zoo).items():
+                    if not name.startswith("test_") or not callable(check):
+                        continue
+                    marks = [m for m in getattr(check, "pytestmark", []) if m.name == "parametrize"]
+                    if all(FAMILY in m.args[1] for m in marks if m.args[0] == "family"):
+                        yield pytest.param(check, id=name.removeprefix("test_"))
+
+
+            @pytest.mark.parametrize("check", list(zoo_checks()))
+            def test_zoo(check, tmp_ckpt):
+                arguments = {{"family": FAMILY, "tmp_ckpt": tmp_ckpt}}
+                check(**{{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters}})
+            ''')
+    return textwrap.dedent(f'''\
+        """Zoo checks for the out-of-tree {d.family} family: save/reload, forward/backward,
+        generation, padded == single, packed == padded, parts, LoRA merge.
+
+            python -m pytest -q tests/test_family_{d.family}.py
+        """
+
+        import importlib
+        import sys
+        from pathlib import Path
+
+        import pytest
+        import torch
+
+        from mmrl import build_model, load_model
+        from mmrl.checks import (
+            generate, lora_merge_difference, logits_of, loss_and_backward, packed_vs_padded, padded_vs_single,
+            sample_conversations,
+        )
+        from mmrl.parts import check_parts, parameters_by_part
+
+        # Importing the module registers the family (an installed package also loads it
+        # through its `mmrl.models` entry point).
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        importlib.import_module({_str(layout.adapter_module)})
+
+        FAMILY = {_str(d.family)}
+        TOLERANCE = 2e-4
+
+
+        def test_save_reload_forward_backward_generate(tmp_path):
+            built = build_model(FAMILY, random_init=True)
+            conversations = sample_conversations(built.adapter)
+            before = logits_of(built.model.eval(), built.inputs(conversations))
+            built.save(tmp_path)
+            reloaded = load_model(tmp_path)
+            assert torch.allclose(before, logits_of(reloaded.model.eval(), reloaded.inputs(conversations)), atol=1e-5)
+            assert torch.isfinite(loss_and_backward(reloaded, conversations))
+            assert generate(reloaded, conversations, max_new_tokens=8).shape == (len(conversations), 8)
+
+
+        def test_parts_cover_the_model():
+            built = build_model(FAMILY, random_init=True)
+            assert check_parts(built.model) == []
+            assert None not in parameters_by_part(built.model)
+
+
+        def test_padded_batch_matches_each_prompt_alone():
+            built = build_model(FAMILY, random_init=True)
+            assert padded_vs_single(built, sample_conversations(built.adapter)) < TOLERANCE
+
+
+        def test_packed_batch_matches_padded():
+            built = build_model(FAMILY, random_init=True)
+            if not built.adapter.capabilities.padding_free:
+                pytest.skip("padding_free is not declared")
+            assert packed_vs_padded(built, sample_conversations(built.adapter)) < TOLERANCE
+
+
+        def test_lora_merge_matches_unmerged():
+            built = build_model(FAMILY, random_init=True)
+            if not built.adapter.capabilities.lora_language:
+                pytest.skip("lora_language is not declared")
+            gap, effect = lora_merge_difference(built, sample_conversations(built.adapter), "language")
+            assert effect > 1e-3 and gap < TOLERANCE
+        ''')
+
+
+def render_processing(d: Discovery) -> str:
+    return textwrap.dedent(f'''\
+        """{d.class_name} input processing (scaffolded by `mmrl add-model {d.resolved.model_type}`).
+
+        The generic `Processing` renders the chat template and calls the HF processor; a
+        family subclasses it for what differs. The pixel budget (`min_pixels` /
+        `max_pixels`) is not mapped onto this processor's arguments, so images keep the
+        processor's own size; override `image_kwargs` to honour a budget.
+        """
+
+        from mmrl.processing import Processing
+
+
+        class {d.class_name}Processing(Processing):
+            """The generic processing, under this family's name."""
+        ''')
+
+

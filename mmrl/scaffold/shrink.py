@@ -1,0 +1,179 @@
+"""Stage 2, config: a tiny config of the type's own config class, shrunk through its own
+sub-config classes so that their validation passes.
+
+What to shrink is read from the default config itself, never from a table of types:
+- the standard shape fields (hidden size, layers, heads, ...) under whatever names the
+  class maps them to (`attribute_map`: `n_embd`, `d_model`, `n_layer`, ...);
+- every other integer field whose default equals one of the default shapes (an
+  `embedding_size` that equals `hidden_size`, a vision `out_hidden_size` that equals the
+  text width) follows that shape;
+- expert counts, low-rank widths and per-head widths by what their names say they are;
+- per-layer lists (`layer_types`, `mlp_layer_types`, ...) keep one layer of each kind,
+  so a hybrid or sliding/full model stays hybrid when it is two layers deep;
+- layer-index lists of a vision tower (DeepStack, full-attention blocks) are remapped
+  into the shrunk depth.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
+from mmrl.tiny import TINY_TEXT_SHAPES
+
+# The standard shape names (transformers' canonical attribute names).
+_LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _HEAD_DIM = (
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim")
+# Integers that are never shapes, whatever their value.
+_NOT_SHAPES = re.compile(r"token|vocab|position|seed|window|chunk|max_|length|bucket|ctx|steps|rate|epoch|"
+                         r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels")
+# Sizes a name announces, for integers that follow no default shape.
+_BY_NAME = (
+    (re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_experts|moe_num_experts|n_experts|num_routed_experts"
+                r"|zero_expert_num)$"), 4),
+    (re.compile(r"(experts_per_tok|experts_per_token|moe_topk|moe_k|^top_k$|num_selected_experts|topk)$"), 2),
+    (re.compile(r"(^|_)(n_group|num_expert_group|topk_group|n_shared_experts|num_shared_experts)$"), 1),
+    (re.compile(r"lora_rank$|_rank$"), 16),
+    (re.compile(r"(intermediate|ffn|mlp)[a-z_]*size$|_ffn_dim$|^ffn_dim$|dim_ff$|^dff$"), 128),
+    (re.compile(r"head_dim$|head_size$|_head_dim_|^kv_channels$|dim_head$"), "per-head"),
+    (re.compile(r"(d_state|state_size|ssm_state_size|mamba_d_state)$"), 16),
+    (re.compile(r"(mamba_n_heads|mamba_num_heads|linear_num_value_heads|linear_num_key_heads)$"), 2),
+)
+
+
+@dataclass
+class TinyInputs:
+    """The tiny config and what rendering needs to rebuild it in the adapter's `tiny()`."""
+
+    config: Any
+    tokenizer: Any
+    processor: Any = None
+    # Values passed to the text config class beyond the standard tiny shapes.
+    text_overrides: dict[str, Any] = field(default_factory=dict)
+    text_config_class: str | None = None
+    vision: dict[str, Any] = field(default_factory=dict)  # the vision sub-config's values
+    top: dict[str, Any] = field(default_factory=dict)  # the top-level config's values
+    media: Any = None  # mmrl.scaffold.media.MediaPlan for vision-language types
+
+
+def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None = None,
+                  layer_indexes: bool = False) -> dict[str, Any]:
+    """Values that shrink the config instance `default` to `shapes` (canonical names)."""
+    amap = dict(getattr(default, "attribute_map", {}) or {})
+    own = default.to_dict()
+    values: dict[str, Any] = {}
+    defaults_of_shapes: dict[int, int] = {}
+    for name, tiny in shapes.items():
+        key = amap.get(name, name)
+        current = own.get(key, getattr(default, key, None))
+        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+            defaults_of_shapes.setdefault(current, tiny)
+        if key in own or hasattr(default, key) or name in (_HEAD_DIM, _KV_HEADS) and _HEAD_DIM in shapes:
+            values[key] = tiny
+    follow = {**(tied or {}), **defaults_of_shapes}
+    layers_key = amap.get(_LAYERS, _LAYERS)
+    depth = own.get(layers_key)
+    for key, value in own.items():
+        if key in values or isinstance(value, bool) or key in amap.values() and key in values:
+            continue
+        if isinstance(value, int) and value > 8 and not _NOT_SHAPES.search(key):
+            by_name = next((size for pattern, size in _BY_NAME if pattern.search(key)), None)
+            if by_name == "per-head":  # the tiny width over the tiny head count
+                by_name = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
+            if by_name is not None and value > by_name:
+                values[key] = by_name
+            elif value in follow:
+                values[key] = follow[value]
+    if isinstance(depth, int) and depth > 0:
+        values.update(_per_layer_lists(own, depth, values.get(layers_key, shapes.get(_LAYERS)), layers_key,
+                                       layer_indexes))
+    return values
+
+
+def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_key: str,
+                     layer_indexes: bool) -> dict[str, Any]:
+    """Per-layer lists shortened to one layer of each kind (and the depth that needs);
+    with `layer_indexes`, lists of layer indexes remapped into the new depth."""
+    lists = {k: v for k, v in own.items() if isinstance(v, (list, tuple)) and len(v) == depth and depth > 1}
+    out: dict[str, Any] = {}
+    if lists:
+        keep: list[int] = []
+        seen: set[tuple] = set()
+        for i in range(depth):
+            kind = tuple(_hashable(v[i]) for v in lists.values())
+            if kind not in seen:
+                seen.add(kind)
+                keep.append(i)
+        while len(keep) < tiny_depth and len(keep) < depth:
+            keep.append(next(i for i in range(depth) if i not in keep))
+        keep.sort()
+        out = {k: [v[i] for i in keep] for k, v in lists.items()}
+        out[layers_key] = len(keep)
+        tiny_depth = len(keep)
+    if layer_indexes:
+        for key, value in own.items():
+            if key in out or not isinstance(value, (list, tuple)) or not value:
+                continue
+            if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in value) and (
+                    "index" in key or "layer" in key or "block" in key):
+                remapped = sorted({min(v * tiny_depth // depth, tiny_depth - 1) for v in value})
+                out[key] = remapped
+    return out
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def tiny_text_values(config_class: str) -> dict[str, Any]:
+    """The overrides (beyond TINY_TEXT_SHAPES) that shrink a text config class."""
+    import transformers
+
+    cls = getattr(transformers, config_class)
+    try:
+        default = cls()
+    except Exception as exc:
+        raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
+                            category="config") from exc
+    values = shrink_values(default, TINY_TEXT_SHAPES)
+    return {k: v for k, v in values.items() if TINY_TEXT_SHAPES.get(k, object()) != v}
+
+
+def build_text_config(config_class: str, tokenizer, overrides: dict[str, Any]):
+    from mmrl.tiny import tiny_text_config
+
+    try:
+        return tiny_text_config(f"transformers:{config_class}", tokenizer, **overrides)
+    except Exception as exc:
+        raise ScaffoldError(f"{config_class} rejects the shrunk values ({_one_line(exc)}); "
+                            "write tiny() by hand with values it accepts", category="config") from exc
+
+
+def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
+    """The tiny config (and tokenizer/processor) of a resolved type."""
+    if resolved.is_vision_language:
+        from mmrl.scaffold.media import tiny_vision_language
+
+        return tiny_vision_language(resolved)
+    from mmrl.scaffold.media import tiny_text_tokenizer
+
+    tokenizer = tiny_text_tokenizer()
+    overrides = tiny_text_values(resolved.config_class)
+    config = build_text_config(resolved.config_class, tokenizer, overrides)
+    return TinyInputs(config=config, tokenizer=tokenizer, text_overrides=overrides,
+                      text_config_class=resolved.config_class)
+
+
+def tiny_vision_values(vision_default, text_hidden_default: int | None) -> dict[str, Any]:
+    """Values that shrink a vision sub-config (image and patch size kept); integers equal
+    to the default text width follow the tiny text width (projection outputs)."""
+    tied = {text_hidden_default: TINY_TEXT_SHAPES[_HIDDEN]} if text_hidden_default else {}
+    return shrink_values(vision_default, TINY_VISION_SHAPES, tied=tied, layer_indexes=True)
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

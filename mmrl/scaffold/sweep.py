@@ -1,0 +1,304 @@
+"""The add-model coverage sweep: how much of transformers `mmrl add-model` handles unedited.
+
+Every model type of transformers' causal-LM and image-text-to-text tables is scaffolded
+into a scratch out-of-tree package, each in its own process with a time limit, and the
+package's generated tests are then run by pytest in another process. A type is green
+when the scaffold was written and its generated tests pass with no hand edit. The
+result is `support_matrix/coverage.json` and `support_matrix/coverage.md`.
+
+    mmrl add-model --sweep                        # every type; resumes where it stopped
+    mmrl add-model --sweep --types olmo2,llava    # just these (merged into the JSON)
+    mmrl add-model --sweep --fresh                # forget earlier rows and start over
+
+Rows are written after each type (atomically), so an interrupted sweep resumes from the
+rows already there; rows recorded by another transformers version are run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Each stage's own time limit (seconds); a stage that runs past it ends the type with
+# status "timeout" and the stage's name.
+SCAFFOLD_SECONDS = 420
+TESTS_SECONDS = 420
+
+# Why a type is out of scope; the coverage page states these rules and their counts.
+OUT_OF_SCOPE_RULES = {
+    "encoder-decoder": "the config is an encoder-decoder (is_encoder_decoder, or encoder and decoder sub-configs)",
+    "encoder": "transformers also gives the type a masked-LM head: an encoder run as a decoder",
+    "audio": "the type is in one of transformers' audio or speech tables",
+}
+
+
+@dataclass
+class Row:
+    model_type: str
+    mapping: str  # "causal_lm" | "image_text_to_text"
+    in_scope: bool
+    status: str  # "green" or a failure category
+    stage: str
+    reason: str
+    capabilities: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    scope_rule: str | None = None
+
+
+def swept_types() -> list[tuple[str, str]]:
+    """(model_type, mapping) for every type of the two tables; a type in both is swept
+    once, as image-text-to-text (its multimodal class is the one a VLM user scaffolds)."""
+    from transformers.models.auto import modeling_auto
+
+    vision = modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    rows = [(t, "image_text_to_text") for t in vision]
+    rows += [(t, "causal_lm") for t in causal if t not in vision]
+    return sorted(rows)
+
+
+def scope_rule(model_type: str) -> str | None:
+    """The name of the out-of-scope rule `model_type` falls under, or None (in scope)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    tables = {name: getattr(modeling_auto, name) for name in dir(modeling_auto) if name.endswith("_MAPPING_NAMES")}
+    if any(model_type in table for name, table in tables.items()
+           if any(word in name for word in ("AUDIO", "SPEECH", "CTC", "SPECTROGRAM", "WAVEFORM"))):
+        return "audio"
+    config_cls = getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None)
+    sub_configs = getattr(config_cls, "sub_configs", {}) or {}
+    if {"encoder", "decoder"} <= set(sub_configs) or model_type in tables["MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"]:
+        return "encoder-decoder"
+    try:
+        if config_cls is not None and getattr(config_cls(), "is_encoder_decoder", False):
+            return "encoder-decoder"
+    except Exception:  # a config without defaults is judged by its sub-configs alone
+        pass
+    if model_type in tables["MODEL_FOR_MASKED_LM_MAPPING_NAMES"]:
+        return "encoder"
+    return None
+
+
+# -- one type, in a process of its own -------------------------------------------------
+def scaffold_worker(model_type: str, out: str, report: str) -> None:
+    """Scaffold `model_type` into `out` and write what happened to `report` (JSON).
+    Runs in its own process (`python -m mmrl.scaffold.sweep worker ...`)."""
+    from mmrl.scaffold import ScaffoldError, scaffold
+
+    record: dict = {"stage": "resolve"}
+
+    def on_stage(name: str) -> None:
+        record["stage"] = name
+        Path(report).write_text(json.dumps(record))
+
+    try:
+        result = scaffold(model_type, family=family_for(model_type), out=out, on_stage=on_stage,
+                          replace_registered=True)
+    except ScaffoldError as exc:
+        record.update(status=exc.category, reason=one_line(str(exc)))
+    except Exception as exc:  # a crash inside the scaffold is a bug of its own category
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        record.update(status="scaffold-crash",
+                      reason=one_line(f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})"))
+    else:
+        caps = result.capabilities
+        record.update(status="written" if caps is not None else "tiny-model-fails",
+                      reason=one_line("; ".join(result.notes)) if caps is None else "",
+                      capabilities=[] if caps is None else caps.declared())
+    Path(report).write_text(json.dumps(record))
+
+
+def holders(model_type: str) -> list[str]:
+    """The registered families that declare `model_type` (hidden while its scaffold is tested)."""
+    from mmrl.registry import families
+
+    return [a.family for a in families() if model_type in a.model_types]
+
+
+def family_for(model_type: str) -> str:
+    return "sweep_" + "".join(c if c.isalnum() else "_" for c in model_type.lower())
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _run(command: list[str], seconds: float, env: dict) -> tuple[int | None, str]:
+    """(return code or None on timeout, combined output)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, env=env)
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return None, output if isinstance(output, str) else output.decode(errors="replace")
+    return done.returncode, done.stdout + done.stderr
+
+
+def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_SECONDS,
+              tests_seconds: float = TESTS_SECONDS) -> Row:
+    """Scaffold `model_type` and run its generated tests, each in a process of its own."""
+    start = time.monotonic()
+    rule = scope_rule(model_type)
+    row = Row(model_type, mapping, rule is None, "green", "", "", scope_rule=rule)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    with tempfile.TemporaryDirectory(prefix="mmrl-sweep-") as scratch:
+        out, report = Path(scratch) / "pkg", Path(scratch) / "report.json"
+        code, output = _run([sys.executable, "-m", "mmrl.scaffold.sweep", "worker", model_type, str(out),
+                             str(report)], scaffold_seconds, env)
+        record = json.loads(report.read_text()) if report.is_file() else {}
+        row.stage = record.get("stage", "start")
+        if code is None:
+            row.status, row.reason = "timeout", f"stage {row.stage} ran past the {scaffold_seconds:.0f} s limit"
+        elif "status" not in record:
+            row.status, row.reason = "scaffold-crash", one_line(output.strip().splitlines()[-1] if output.strip()
+                                                                else f"exit code {code}")
+        elif record["status"] != "written":
+            row.status, row.reason = record["status"], record.get("reason", "")
+        else:
+            row.capabilities = record.get("capabilities", [])
+            row.stage = "tests"
+            tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
+            code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
+                                tests_seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
+            if code is None:
+                row.status, row.reason = "timeout", f"the generated tests ran past the {tests_seconds:.0f} s limit"
+            elif code != 0:
+                row.status, row.reason = "tests-fail", one_line(_first_failure(output))
+    row.seconds = round(time.monotonic() - start, 1)
+    return row
+
+
+def _first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("E   "):
+            return line[4:]
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else "pytest failed"
+
+
+# -- the whole sweep ---------------------------------------------------------------------
+def load_rows(path: Path, version: str) -> dict[str, Row]:
+    if not path.is_file():
+        return {}
+    document = json.loads(path.read_text())
+    if document.get("transformers") != version:
+        return {}
+    return {r["model_type"]: Row(**r) for r in document.get("types", [])}
+
+
+def write_document(path: Path, rows: dict[str, Row], version: str) -> dict:
+    import datetime
+
+    document = {
+        "transformers": version,
+        "date": datetime.date.today().isoformat(),
+        "command": "mmrl add-model --sweep",
+        "summary": summarize(rows.values()),
+        "types": [asdict(rows[t]) for t in sorted(rows)],
+    }
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(json.dumps(document, indent=1) + "\n")
+    temp.replace(path)
+    render_page(document, path.with_suffix(".md"))
+    return document
+
+
+def summarize(rows) -> dict:
+    rows = list(rows)
+    summary = {}
+    for mapping in ("causal_lm", "image_text_to_text"):
+        mine = [r for r in rows if r.mapping == mapping]
+        scope = [r for r in mine if r.in_scope]
+        green = sum(r.status == "green" for r in scope)
+        summary[mapping] = {
+            "types": len(mine), "in_scope": len(scope), "green": green,
+            "green_share": round(green / len(scope), 3) if scope else None,
+            "out_of_scope": dict(Counter(r.scope_rule for r in mine if not r.in_scope)),
+            "failures": dict(Counter(r.status for r in scope if r.status != "green").most_common()),
+        }
+    return summary
+
+
+def render_page(document: dict, path: Path) -> None:
+    lines = [
+        "# add-model coverage",
+        "",
+        f"GENERATED by `{document['command']}` on {document['date']} with transformers "
+        f"{document['transformers']}; do not edit by hand. A type is **green** when `mmrl add-model TYPE` "
+        "wrote the family and the tests it generated pass with no hand edit. Every other type ends "
+        "with the stage that stopped it and one line saying why.",
+        "",
+        "| table | types | in scope | green | share |",
+        "|---|---|---|---|---|",
+    ]
+    for mapping, s in document["summary"].items():
+        share = "" if s["green_share"] is None else f"{100 * s['green_share']:.0f}%"
+        lines.append(f"| {mapping} | {s['types']} | {s['in_scope']} | {s['green']} | {share} |")
+    lines += ["", "Out of scope, by rule:", ""]
+    for rule, text in OUT_OF_SCOPE_RULES.items():
+        count = sum(s["out_of_scope"].get(rule, 0) for s in document["summary"].values())
+        lines.append(f"- **{rule}** ({count} types): {text}.")
+    lines += ["", "Failures among in-scope types, by category:", ""]
+    failures = Counter()
+    for s in document["summary"].values():
+        failures.update(s["failures"])
+    lines += [f"- `{status}`: {count}" for status, count in failures.most_common()] or ["- none"]
+    lines += ["", "| model type | table | status | stage | capabilities / reason | s |", "|---|---|---|---|---|---|"]
+    for row in document["types"]:
+        status = row["status"] if row["in_scope"] else f"out of scope ({row['scope_rule']})"
+        detail = ", ".join(row["capabilities"]) if row["status"] == "green" else row["reason"]
+        detail = detail.replace("|", "\\|")
+        lines.append(f"| `{row['model_type']}` | {row['mapping']} | {status} | {row['stage']} | {detail} | "
+                     f"{row['seconds']:g} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
+          scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS) -> dict:
+    """Run the sweep over `types` (default: every type not yet recorded) into `path`."""
+    import transformers
+    from rich.progress import Progress
+
+    version = transformers.__version__
+    rows = {} if fresh else load_rows(path, version)
+    table = dict(swept_types())
+    if types:
+        unknown = [t for t in types if t not in table]
+        if unknown:
+            raise ValueError(f"not in transformers' causal-LM or image-text-to-text tables: {', '.join(unknown)}")
+        todo = list(types)
+    else:
+        todo = [t for t in table if t not in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task("add-model sweep", total=len(todo))
+        for model_type in todo:
+            bar.update(task, description=f"add-model sweep: {model_type}")
+            if scope_rule(model_type) is not None:
+                row = Row(model_type, table[model_type], False, "out-of-scope", "resolve",
+                          OUT_OF_SCOPE_RULES[scope_rule(model_type)], scope_rule=scope_rule(model_type))
+            else:
+                row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds)
+            rows[model_type] = row
+            write_document(path, rows, version)
+            bar.advance(task)
+    return write_document(path, rows, version)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "worker":
+        scaffold_worker(*sys.argv[2:])
+    else:
+        raise SystemExit("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT "
+                         "(the sweep itself runs through `mmrl add-model --sweep`)")

@@ -1,0 +1,150 @@
+"""Stage 5, verify: import the rendered adapter under a scratch module name, run the
+zoo's quick checks on its tiny model and keep the capabilities that passed."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from mmrl.adapter import Capabilities
+from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Layout
+from mmrl.scaffold.render import base_capabilities, render_adapter, render_processing
+
+
+def _load_file(module_name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
+    """Import the rendered adapter (under a scratch module name), run the zoo's quick
+    checks on its tiny model and return the capabilities that passed (None when the
+    tiny model does not run at all; `d.fill_in` then says why)."""
+    import torch
+
+    from mmrl import build_model
+    from mmrl.checks import (
+        generate, lora_merge_difference, loss_and_backward, packed_vs_padded, padded_vs_single,
+        sample_conversations,
+    )
+    from mmrl.registry import unregister
+
+    scratch = Path(tempfile.mkdtemp(prefix="mmrl-add-model-"))
+    names = []
+    try:
+        processing_ref = None
+        if layout.processing is not None:
+            (scratch / "processing.py").write_text(render_processing(d))
+            name = f"_mmrl_scaffold_processing_{d.family}"
+            _load_file(name, scratch / "processing.py")
+            names.append(name)
+            processing_ref = f"{name}:{d.class_name}Processing"
+        (scratch / "adapter.py").write_text(render_adapter(d, layout, base_capabilities(d), processing_ref))
+        name = f"_mmrl_scaffold_adapter_{d.family}"
+        _load_file(name, scratch / "adapter.py")
+        names.append(name)
+        try:
+            return _run_checks(d, notes, torch, build_model, generate, lora_merge_difference,
+                               loss_and_backward, packed_vs_padded, padded_vs_single, sample_conversations)
+        finally:
+            unregister(d.family)
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, loss_and_backward,
+                packed_vs_padded, padded_vs_single, sample_conversations) -> Capabilities | None:
+    verified: dict[str, bool] = {}
+
+    def check(capability: str, run) -> None:
+        try:
+            ok, detail = run()
+        except Exception as exc:  # a failing check is a finding, not a crash
+            ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        verified[capability] = ok
+        if not ok:
+            notes.append(f"{capability} not declared: {detail}")
+
+    def fresh():
+        return build_model(d.family, random_init=True)
+
+    try:
+        built = fresh()
+        conversations = sample_conversations(built.adapter)
+        gap = padded_vs_single(built, conversations)
+    except Exception as exc:  # the tiny model itself does not run: nothing can be verified
+        message = " ".join(str(exc).split())[:300]
+        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({type(exc).__name__}: {message}); "
+                         "the processor's arguments (image size, tokens per image, special tokens) must "
+                         "agree with the config; then run the family's tests")
+        return None
+    if gap >= TOLERANCE:
+        d.fill_in.append(f"position_ids: a padded batch differs from each prompt alone by {gap:.2g}")
+    vlm = d.resolved.is_vision_language
+
+    def learns():
+        loss = loss_and_backward(built, conversations)
+        grads = [p.grad for p in built.model.parameters() if p.grad is not None]
+        return bool(torch.isfinite(loss)) and any(g.abs().sum() > 0 for g in grads), f"loss {loss.item():.3g}"
+
+    def generates():
+        tokens = generate(built, conversations, max_new_tokens=4)
+        return tokens.shape == (len(conversations), 4), f"generated shape {tuple(tokens.shape)}"
+
+    def packs():
+        gap = packed_vs_padded(built, conversations)
+        return gap < TOLERANCE, f"packed and padded logits differ by {gap:.2g}"
+
+    def checkpoints():
+        model = fresh()
+        plain = loss_and_backward(model, conversations)
+        grads = {n: p.grad.clone() for n, p in model.model.named_parameters() if p.grad is not None}
+        model.model.zero_grad(set_to_none=True)
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        again = loss_and_backward(model, conversations)
+        same = all(torch.allclose(g, p.grad, atol=1e-5) for n, p in model.model.named_parameters()
+                   if (g := grads.get(n)) is not None and p.grad is not None)
+        return bool(torch.allclose(plain, again, atol=1e-6)) and same, "checkpointed gradients differ"
+
+    def lora(scope):
+        def run():
+            gap, effect = lora_merge_difference(fresh(), conversations, scope)
+            return effect > 1e-3 and gap < TOLERANCE, f"LoRA ({scope}) merge gap {gap:.2g}, effect {effect:.2g}"
+        return run
+
+    def two_images():
+        model = fresh()
+        loss = loss_and_backward(model, sample_conversations(model.adapter, images_per_prompt=2))
+        return bool(torch.isfinite(loss)), f"loss {loss.item()}"
+
+    check("single_image" if vlm else "generation", learns)
+    check("generation", generates)
+    check("padding_free", packs)
+    check("gradient_checkpointing", checkpoints)
+    check("lora_language", lora("language"))
+    def shares_media():
+        from mmrl.probes import Subject, probe
+        from mmrl.registry import get_adapter
+
+        result = probe("media_sharing").run(Subject(get_adapter(d.family), source=d.family))
+        return result.status == "verified", result.reason
+
+    if vlm:
+        check("lora_vision", lora("vision") if d.vision_leaves else (lambda: (False, "no vision leaves")))
+        check("multi_image", two_images)
+        check("media_sharing", shares_media)
+    return Capabilities(**{name: verified.get(name, False) for name in CHECKED})
+
+
