@@ -67,7 +67,7 @@ def build_model(
     random_init: bool = False,
     config=None,
     dtype: str | torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
     processing_options: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
@@ -81,11 +81,14 @@ def build_model(
     `config` is given; `config_overrides` (nested by sub-config name) apply to random
     inits only, and `tiny_vocabulary` ({"characters": str, "words": [...]}, see
     `mmrl.tiny.vocabulary`) shapes the tiny tokenizer. Weights are read from
-    safetensors only.
+    safetensors only. `attn_implementation` None means SDPA where the model class
+    supports it, else eager attention.
     """
     path = Path(str(name_or_path))
     is_checkpoint = path.is_dir()
     adapter = get_adapter(name_or_path)
+    if attn_implementation is None:
+        attn_implementation = default_attention(adapter.model_class())
     dtype = _dtype(dtype)
     processor = None
     if is_checkpoint:
@@ -126,6 +129,12 @@ def build_model(
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
     processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def default_attention(model_class) -> str:
+    """SDPA for a model class that supports it, else eager (transformers raises when a
+    class without SDPA support is asked for it)."""
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def _nothing():

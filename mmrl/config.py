@@ -30,7 +30,8 @@ class ModelConfig(_Section):
     # (see mmrl.tiny.vocabulary); empty keeps the family's default.
     tiny_vocabulary: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attn_implementation: str = "sdpa"
+    # None: SDPA where the model class supports it, else eager.
+    attn_implementation: str | None = None
     freeze: list[Literal["vision", "projector", "language", "embed", "lm_head"]] = Field(default_factory=list)
     lora_scope: Literal["none", "language", "vision", "all"] = "none"
     lora_rank: int = Field(8, gt=0)

@@ -129,6 +129,17 @@ def tiny_text_config(config_class: str, tokenizer, **overrides):
     return import_object(config_class)(**values)
 
 
+def sized_config(config_class: str, tokenizer, **values):
+    """A config of `config_class` ("module:Class") with exactly `values` (no standard
+    shapes added: a scaffolded family spells out the shapes its class has), its
+    vocabulary and special-token ids taken from `tokenizer` (ids the tokenizer lacks
+    keep the class's defaults)."""
+    from mmrl.adapter import import_object
+
+    ids = {k: v for k, v in token_ids(tokenizer).items() if v is not None}
+    return import_object(config_class)(**{"vocab_size": len(tokenizer), **ids, **values})
+
+
 def as_loaded(image_processor):
     """`image_processor` as `AutoImageProcessor` would load it back from a checkpoint.
 

@@ -55,6 +55,15 @@ def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Ite
         signal.alarm(seconds)
     try:
         yield
+    except ScaffoldError:
+        raise
+    except Exception as exc:  # no traceback for the user: one line naming the stage and the cause
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
+        raise ScaffoldError(f"stage {name!r} failed: {text} (at {Path(where.filename).name}:{where.lineno}); "
+                            "write this part of the adapter by hand", category=name) from exc
     finally:
         if usable:
             signal.alarm(0)
@@ -67,6 +76,32 @@ def scaffold(model_type: str, *, family: str | None = None, out: str | Path | No
     """Resolve, shrink, inspect, verify, render and write a family; see the module
     docstring. `replace_registered` scaffolds a type the registry already holds (its
     family is unregistered in this process first; the coverage sweep uses it)."""
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
+    from mmrl.scaffold.render import render_adapter, render_processing, render_test
+    from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.verify import verify
+
+    with quiet_transformers():
+        return _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about the shrunk configs (token ids outside the tiny
+    vocabulary, rope lengths) say nothing to the user: errors only while scaffolding."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered) -> Result:
     from mmrl.scaffold.discover import inspect_family
     from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
     from mmrl.scaffold.render import render_adapter, render_processing, render_test

@@ -158,6 +158,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         raise ScaffoldError(f"{resolved.config_class}: the text sub-config sits under no attribute the scaffold can "
                             "set; write tiny() by hand", category="config")
     processor_cls = _processor_class(resolved.model_type)
+    if processor_cls is None:
+        raise ScaffoldError(f"transformers has no processor class for {resolved.model_type!r}; write tiny()'s "
+                            "processor by hand", category="processor")
     named, literals = _tokens_in_source(processor_cls) if processor_cls else ({}, [])
     named.setdefault("image_token", "<image>")
     # Config fields holding a token id: the processor token of the same stem, else a new one.
@@ -213,9 +216,11 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             elif name in config.to_dict():
                 plan.processor_kwargs[name] = f"config.{name}"
         processor = build_processor(plan, tokenizer, config)
-        plan.image_placeholder = find_placeholder(processor, config, plan, "image")
+        plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
         if "video_processor" in plan.sub_processors:
-            plan.video_placeholder = find_placeholder(processor, config, plan, "video")
+            plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
+        tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
+        processor = build_processor(plan, tokenizer, config)
     return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=text_overrides,
                       text_config_class=text_class, vision=vision, top=top, media=plan)
 
@@ -258,28 +263,36 @@ def build_processor(plan: MediaPlan, tokenizer, config):
     return processor
 
 
-def find_placeholder(processor, config, plan: MediaPlan, kind: str) -> str | None:
-    """The special token that, written in a prompt beside one image (or video), makes the
-    processor emit the config's placeholder ids: the processor's own `*_token` for the
-    kind first, then every other named token."""
+def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
+    """The special token that, written in a prompt beside one image (or video), the
+    processor expands: the processor's own `*_token` for the kind first, then every other
+    named token. The token it expands into most often is the one the model counts, so
+    the config's id field for the kind is pointed at it."""
     from PIL import Image
 
     field = next((k for k in plan.token_fields if k.startswith(kind)), None)
-    target = getattr(config, field, None) if field else None
     own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
-    candidates = list(dict.fromkeys(own + list(plan.named_tokens.values()) + plan.literals))
+    specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
+    candidates = list(dict.fromkeys(own + specials))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     image = Image.new("RGB", (64, 48), (120, 30, 200))
     media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
+    errors: list[str] = []
     for token in candidates:
         try:
             out = processor(text=[f"look {token} here"], return_tensors="pt", **media)
-        except Exception:
+        except Exception as exc:
+            errors.append(f"{token}: {_one_line(exc, 120)}")
             continue
-        ids = out["input_ids"]
-        if target is None or int((ids == target).sum()) > 0:
+        row = out["input_ids"][0].tolist()
+        counts = {t: row.count(i) for t, i in ids.items()}
+        expanded = max(counts, key=lambda t: counts[t])
+        if counts[expanded] > 1 or counts[expanded] == 1 and expanded != token:
+            if field is not None:
+                plan.token_fields[field] = expanded
             return token
     if kind == "image":
-        raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) makes {plan.processor_class} expand an "
-                            f"image into the config's {field or 'image token'}; write the chat template by hand",
-                            category="processor")
+        raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) is expanded by {plan.processor_class} "
+                            "beside an image" + (f" (first error: {errors[0]})" if errors else "")
+                            + "; write the chat template by hand", category="processor")
     return None

@@ -70,6 +70,8 @@ def _leaves_source(leaves: tuple[str, ...], imports: set[str]) -> str:
 
 
 def _rope_line(rope) -> str:
+    if rope.theta is None:
+        return "no rotary position embedding"
     text = f"{rope.scaling} rope, theta {rope.theta:g}"
     if rope.partial_rotary_factor != 1.0:
         text += f", rotating {rope.partial_rotary_factor:g} of each head"
@@ -150,11 +152,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS")
         imports.append("from mmrl.registry import register_model")
-        imports.append("from mmrl.tiny import as_loaded, char_tokenizer, tiny_text_config")
+        imports.append("from mmrl.tiny import as_loaded, char_tokenizer, sized_config")
     else:
         imports.append("from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS")
         imports.append("from mmrl.registry import register_model")
-        imports.append("from mmrl.tiny import char_tokenizer, tiny_text_config")
+        imports.append("from mmrl.tiny import char_tokenizer, sized_config")
     body = "\n".join(header) + "\n\n" + "\n".join(imports) + "\n"
     if vlm:
         body += "\n" + _vision_template_source(d) + "\n"
@@ -169,22 +171,26 @@ def _tiny_source(d: Discovery) -> list[str]:
     tiny = d.tiny
     if d.resolved.is_vision_language:
         return _tiny_vision_source(d)
-    overrides = "".join(f", {k}={v!r}" for k, v in tiny.text_overrides.items() if k.isidentifier())
-    odd = {k: v for k, v in tiny.text_overrides.items() if not k.isidentifier()}
-    if odd:
-        overrides += f", **{odd!r}"
-    call = _call("config = tiny_text_config", [f'"transformers:{d.resolved.config_class}"', "tokenizer"]
-                 + [a.strip() for a in overrides.split(", ") if a.strip()], " " * 4, 112)
+    call = _call("config = sized_config", [f'"transformers:{d.resolved.config_class}"', "tokenizer"]
+                 + _keyword_args(tiny.text_overrides), " " * 4, 112)
     source = textwrap.dedent("""\
         def tiny(self) -> TinyModel:
             tokenizer = char_tokenizer(
                 special_tokens=CHATML_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                 chat_template=CHATML,
             )
+            # The default config, shrunk (what `mmrl add-model` found to shrink).
             @CONFIG@
             return TinyModel(config=config, processor=tokenizer)
         """).replace("@CONFIG@", call)
     return textwrap.indent(source, "    ").rstrip().split("\n")
+
+
+def _keyword_args(values: dict[str, Any]) -> list[str]:
+    """`key=value` arguments, with keys that are not identifiers passed as `**{...}`."""
+    args = [f"{k}={_str(v) if type(v) is str else repr(v)}" for k, v in values.items() if k.isidentifier()]
+    odd = {k: v for k, v in values.items() if not k.isidentifier()}
+    return args + ([f"**{_literal_dict(odd)}"] if odd else [])
 
 
 def _vision_template_source(d: Discovery) -> str:
@@ -221,9 +227,7 @@ class _Raw(str):
 def _tiny_vision_source(d: Discovery) -> list[str]:
     plan = d.tiny.media
     indent, width = " " * 4, 112  # the body of tiny(), before the class indent is added
-    text_args = [f'"transformers:{plan.text_config_class}"', "tokenizer"]
-    if plan.text_overrides:
-        text_args.append(f"**{_literal_dict(plan.text_overrides)}")
+    text_args = [f'"transformers:{plan.text_config_class}"', "tokenizer", *_keyword_args(plan.text_overrides)]
     config = [f"{plan.top_text_key}=text.to_dict()", f"{plan.vision_key}=vision"]
     config += [f"{k}=tokenizer.convert_tokens_to_ids({_str(t)})" for k, t in plan.token_fields.items()]
     if plan.top:
@@ -249,7 +253,7 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
             processor = @PROCESSOR@
             return TinyModel(config=config, processor=processor)
         """)
-    source = (source.replace("@TEXT@", _call("tiny_text_config", text_args, indent, width))
+    source = (source.replace("@TEXT@", _call("sized_config", text_args, indent, width))
               .replace("@VISION@", _literal_dict(plan.vision))
               .replace("@CONFIG@", _call(f"transformers.{d.resolved.config_class}", config, indent, width))
               .replace("@PROCESSOR@", _call(f"transformers.{plan.processor_class}", processor, indent, width)))

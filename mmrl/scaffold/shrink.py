@@ -71,23 +71,36 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
         current = own.get(key, getattr(default, key, None))
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
             defaults_of_shapes.setdefault(current, tiny)
-        if key in own or hasattr(default, key) or name in (_HEAD_DIM, _KV_HEADS) and _HEAD_DIM in shapes:
+        if key in own or hasattr(default, key):
             values[key] = tiny
     follow = {**(tied or {}), **defaults_of_shapes}
     layers_key = amap.get(_LAYERS, _LAYERS)
     depth = own.get(layers_key)
     for key, value in own.items():
-        if key in values or isinstance(value, bool) or key in amap.values() and key in values:
+        if key in values or isinstance(value, bool) or not isinstance(value, int) or _NOT_SHAPES.search(key):
             continue
-        if isinstance(value, int) and value > 8 and not _NOT_SHAPES.search(key):
-            by_name = next((size for pattern, size in _BY_NAME if pattern.search(key)), None)
-            if by_name == "per-head":  # the tiny width over the tiny head count
-                by_name = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
-            if by_name is not None and value > by_name:
-                values[key] = by_name
-            elif value in follow:
-                values[key] = follow[value]
-    if isinstance(depth, int) and depth > 0:
+        by_name = next((size for pattern, size in _BY_NAME if pattern.search(key)), None)
+        if by_name == "per-head":  # the tiny width over the tiny head count
+            by_name = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
+        if by_name is not None and value > by_name:
+            values[key] = by_name
+        elif by_name is None and value > 8 and value in follow:
+            values[key] = follow[value]
+    # Without grouped-query attention by default (or with attention that needs as many
+    # key/value heads as query heads), keep it so.
+    heads, kv = amap.get(_HEADS, _HEADS), amap.get(_KV_HEADS, _KV_HEADS)
+    if kv in values and own.get(kv) in (None, own.get(heads)) and heads in values:
+        values[kv] = values[heads]
+    # Sub-configs of a text config (a patcher, an encoder, a global model) shrink alike,
+    # written as their model type plus what changed.
+    for key in getattr(type(default), "sub_configs", {}) or {}:
+        sub = getattr(default, key, None)
+        if hasattr(sub, "to_dict") and key not in values:
+            changed = shrink_values(sub, shapes, tied=follow, layer_indexes=layer_indexes)
+            if changed:
+                values[key] = {"model_type": getattr(sub, "model_type", None), **changed} if getattr(
+                    sub, "model_type", None) else changed
+    if isinstance(depth, int) and depth > 0 and (values.get(layers_key) or shapes.get(_LAYERS)):
         values.update(_per_layer_lists(own, depth, values.get(layers_key, shapes.get(_LAYERS)), layers_key,
                                        layer_indexes))
     return values
@@ -128,8 +141,19 @@ def _hashable(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def tiny_text_values(config_class: str) -> dict[str, Any]:
-    """The overrides (beyond TINY_TEXT_SHAPES) that shrink a text config class."""
+# Tiny shapes to try in turn: some model code needs more heads (a fixed model-parallel
+# split, rotary widths cut per head) or as many key/value heads as query heads.
+TEXT_SHAPE_CANDIDATES = (
+    TINY_TEXT_SHAPES,
+    {**TINY_TEXT_SHAPES, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+     "num_key_value_heads": 4},
+    {**TINY_TEXT_SHAPES, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+     "num_key_value_heads": 8},
+)
+
+
+def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES) -> dict[str, Any]:
+    """The values that shrink a text config class (only fields the class has)."""
     import transformers
 
     cls = getattr(transformers, config_class)
@@ -138,15 +162,31 @@ def tiny_text_values(config_class: str) -> dict[str, Any]:
     except Exception as exc:
         raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
                             category="config") from exc
-    values = shrink_values(default, TINY_TEXT_SHAPES)
-    return {k: v for k, v in values.items() if TINY_TEXT_SHAPES.get(k, object()) != v}
+    values = shrink_values(default, shapes)
+    rope = _rescaled_mrope(getattr(default, "rope_parameters", None), values, default)
+    if rope is not None:
+        values["rope_parameters"] = rope
+    return values
 
 
-def build_text_config(config_class: str, tokenizer, overrides: dict[str, Any]):
-    from mmrl.tiny import tiny_text_config
+def _rescaled_mrope(rope, values: dict[str, Any], default) -> dict[str, Any] | None:
+    """A rope dict whose multi-axis sections still sum to half the (shrunk) rotary width."""
+    if not isinstance(rope, dict) or not rope.get("mrope_section"):
+        return None
+    head_dim = values.get("head_dim") or values.get("hidden_size", 64) // values.get("num_attention_heads", 2)
+    partial = rope.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0
+    half = int(head_dim * partial) // 2
+    section = [int(s) for s in rope["mrope_section"]]
+    scaled = [max(1, s * half // sum(section)) for s in section]
+    scaled[0] += half - sum(scaled)
+    return {**rope, "mrope_section": scaled}
+
+
+def build_text_config(config_class: str, tokenizer, values: dict[str, Any]):
+    from mmrl.tiny import sized_config
 
     try:
-        return tiny_text_config(f"transformers:{config_class}", tokenizer, **overrides)
+        return sized_config(f"transformers:{config_class}", tokenizer, **values)
     except Exception as exc:
         raise ScaffoldError(f"{config_class} rejects the shrunk values ({_one_line(exc)}); "
                             "write tiny() by hand with values it accepts", category="config") from exc
@@ -161,10 +201,42 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     from mmrl.scaffold.media import tiny_text_tokenizer
 
     tokenizer = tiny_text_tokenizer()
-    overrides = tiny_text_values(resolved.config_class)
-    config = build_text_config(resolved.config_class, tokenizer, overrides)
-    return TinyInputs(config=config, tokenizer=tokenizer, text_overrides=overrides,
-                      text_config_class=resolved.config_class)
+    first: ScaffoldError | None = None
+    for shapes in TEXT_SHAPE_CANDIDATES:
+        try:
+            overrides = tiny_text_values(resolved.config_class, shapes)
+            config = build_text_config(resolved.config_class, tokenizer, overrides)
+            runs(resolved.model_class, config)
+        except ScaffoldError as exc:
+            first = first or exc
+            continue
+        return TinyInputs(config=config, tokenizer=tokenizer, text_overrides=overrides,
+                          text_config_class=resolved.config_class)
+    raise first
+
+
+def runs(model_class: str, config) -> None:
+    """Build `model_class` from `config` and run one short forward and backward pass;
+    a ScaffoldError says which of the two failed."""
+    import torch
+    import transformers
+
+    from mmrl.build import default_attention
+
+    cls = getattr(transformers, model_class)
+    config._attn_implementation = default_attention(cls)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = cls._from_config(config)
+    except Exception as exc:
+        raise ScaffoldError(f"{model_class} cannot be built from the shrunk config ({_one_line(exc)}); write tiny() "
+                            "by hand", category="model-init") from exc
+    ids = torch.arange(3, 11).reshape(1, 8) % config.get_text_config(decoder=True).vocab_size
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except Exception as exc:
+        raise ScaffoldError(f"{model_class} does not run on the shrunk config ({_one_line(exc)}); write tiny() by "
+                            "hand with values its code accepts", category="forward") from exc
 
 
 def tiny_vision_values(vision_default, text_hidden_default: int | None) -> dict[str, Any]:

@@ -113,6 +113,8 @@ def scaffold_worker(model_type: str, out: str, report: str) -> None:
                       reason=one_line(f"{type(exc).__name__}: {exc} ({Path(where.filename).name}:{where.lineno})"))
     else:
         caps = result.capabilities
+        if caps is None:
+            record["stage"] = "verify"
         record.update(status="written" if caps is not None else "tiny-model-fails",
                       reason=one_line("; ".join(result.notes)) if caps is None else "",
                       capabilities=[] if caps is None else caps.declared())

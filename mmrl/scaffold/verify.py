@@ -86,9 +86,10 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
         gap = padded_vs_single(built, conversations)
     except Exception as exc:  # the tiny model itself does not run: nothing can be verified
         message = " ".join(str(exc).split())[:300]
+        hint = ("the processor's arguments (image size, tokens per image, special tokens) must agree with the "
+                "config" if d.resolved.is_vision_language else "the shrunk config values must fit the model code")
         d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({type(exc).__name__}: {message}); "
-                         "the processor's arguments (image size, tokens per image, special tokens) must "
-                         "agree with the config; then run the family's tests")
+                         f"{hint}; then run the family's tests")
         return None
     if gap >= TOLERANCE:
         d.fill_in.append(f"position_ids: a padded batch differs from each prompt alone by {gap:.2g}")
