@@ -147,6 +147,11 @@ class Capabilities:
     def declared(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
 
+    @classmethod
+    def none(cls) -> Capabilities:
+        """Nothing claimed: for a family whose tiny model does not run yet."""
+        return cls(**{f.name: False for f in fields(cls)})
+
 
 @dataclass(frozen=True, slots=True)
 class TinyModel:

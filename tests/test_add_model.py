@@ -166,7 +166,7 @@ def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_pa
     assert result.exit_code == 0, result.output
     assert "fill in: tiny(): the scaffolded tiny model does not run" in " ".join(result.output.split())
     source = (tmp_path / "mmrl_llava" / "llava.py").read_text()
-    assert "Fill in by hand" in source and "not checked while scaffolding" in source
+    assert "Fill in by hand" in source and "capabilities = Capabilities.none()" in source
     assert "parts = VISION_TOWER_PARTS" in source and "CLIPEncoderLayer" in source
 
 
@@ -191,3 +191,43 @@ def test_in_tree_scaffold_writes_models_tests_and_docs(tmp_path, monkeypatch):
         f"scaffolded by `mmrl add-model {TEXT_TYPE}`",
     ]
     assert f"pytest -q tests/test_family_{TEXT_TYPE}.py" in result.output
+
+
+def test_coverage_sweep_slice_writes_rows_and_resumes(tmp_path):
+    """A small fixed slice of the coverage sweep (`mmrl add-model --sweep`): a text type
+    that scaffolds green, an encoder that the scope rule removes, a VLM whose tiny model
+    does not run (one line naming the stage); a second run adds rows and keeps the first."""
+    import json
+
+    coverage = tmp_path / "coverage.json"
+    result = add_model("--sweep", "--types", f"{TEXT_TYPE},bert", "--coverage", str(coverage), "--no-progress")
+    assert result.exit_code == 0, result.output
+    first = json.loads(coverage.read_text())
+    rows = {r["model_type"]: r for r in first["types"]}
+    assert set(rows) == {TEXT_TYPE, "bert"} and first["transformers"]
+    assert rows[TEXT_TYPE]["status"] == "green" and rows[TEXT_TYPE]["in_scope"]
+    assert {"generation", "padding_free"} <= set(rows[TEXT_TYPE]["capabilities"])
+    assert rows["bert"] == {**rows["bert"], "in_scope": False, "status": "out-of-scope", "scope_rule": "encoder"}
+    assert first["summary"]["causal_lm"]["in_scope"] == 1 and first["summary"]["causal_lm"]["green"] == 1
+
+    result = add_model("--sweep", "--types", "llava", "--coverage", str(coverage), "--no-progress")
+    assert result.exit_code == 0, result.output
+    rows = {r["model_type"]: r for r in json.loads(coverage.read_text())["types"]}
+    assert set(rows) == {TEXT_TYPE, "bert", "llava"}, "the second run must keep the first run's rows"
+    llava = rows["llava"]
+    assert llava["status"] == "tiny-model-fails" and llava["stage"] == "verify"
+    assert "\n" not in llava["reason"] and "does not run" in llava["reason"]
+    page = coverage.with_suffix(".md").read_text()
+    assert f"| `{TEXT_TYPE}` | causal_lm | green |" in page and "encoder** (1 types)" in page
+
+    result = add_model("--sweep", "--types", "no_such_type", "--coverage", str(coverage), "--no-progress")
+    assert result.exit_code == 2 and "no_such_type" in result.output
+
+
+def test_scope_rule_is_read_from_transformers_tables():
+    from mmrl.scaffold.sweep import scope_rule
+
+    assert scope_rule("bert") == "encoder"
+    assert scope_rule("bart") == "encoder-decoder"
+    assert scope_rule("whisper") == "audio"
+    assert scope_rule(TEXT_TYPE) is None and scope_rule(VLM_TYPE) is None

@@ -84,9 +84,13 @@ def _rope_line(rope) -> str:
 
 def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: set[str],
                          checked: bool = False) -> list[str]:
+    if verified is None and checked:
+        imports.add("Capabilities")
+        return ["    # The tiny model did not run while scaffolding (see above), so nothing is declared;",
+                f"    # once tiny() runs, `mmrl doctor {d.family}` says what to claim.",
+                "    capabilities = Capabilities.none()"]
     if verified is None:
-        why = "the tiny model did not run, see above" if checked else "--no-verify"
-        return [f"    # Capabilities: the defaults, not checked while scaffolding ({why});",
+        return ["    # Capabilities: the defaults, not checked while scaffolding (--no-verify);",
                 f"    # the zoo tests and `mmrl support-matrix --family {d.family}` verify them."]
     imports.add("Capabilities")
     defaults = Capabilities()
