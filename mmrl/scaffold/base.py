@@ -51,7 +51,7 @@ class Discovery:
     family: str
     class_name: str
     parts: Parts
-    decoder_layer: str
+    decoder_layers: tuple[str, ...]  # one class, or a hybrid's several
     vision_block: str | None
     language_leaves: tuple[str, ...]
     vision_leaves: tuple[str, ...]

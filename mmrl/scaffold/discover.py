@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,15 @@ def _under(name: str, prefix: str) -> bool:
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
-def _block_lists(model, prefix: str) -> list[tuple[str, Any]]:
-    """ModuleLists under `prefix` whose items are all one class, most parameters first."""
+def _block_lists(model, prefix: str, mixed: bool = False) -> list[tuple[str, Any]]:
+    """ModuleLists under `prefix` whose items are all one class (any classes with
+    `mixed`: a hybrid's stack), most parameters first."""
     import torch
 
     found = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and _under(name, prefix):
-            if len({type(m) for m in module}) == 1 and any(True for _ in module.parameters()):
+            if (mixed or len({type(m) for m in module}) == 1) and any(True for _ in module.parameters()):
                 found.append((name, module))
     return sorted(found, key=lambda item: -sum(p.numel() for p in item[1].parameters()))
 
@@ -86,13 +88,11 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         raise ScaffoldError(f"{resolved.model_class} has no output embeddings (lm_head) to read", category="model-init")
     embed = _path_of(model, model.get_input_embeddings())
     lm_head = _path_of(model, model.get_output_embeddings())
-    language = embed.rpartition(".")[0]
     text_config = config.get_text_config(decoder=True)
-    decoder_lists = [(n, m) for n, m in _block_lists(model, language) if len(m) == text_config.num_hidden_layers]
-    if not decoder_lists:
-        raise ScaffoldError(f"{resolved.model_class}: no list of {text_config.num_hidden_layers} decoder layers "
-                            f"under {language!r}; name shard_layers by hand", category="parts")
-    decoder = decoder_lists[0][1]
+    language, decoder = _decoder_stack(model, embed, getattr(text_config, "num_hidden_layers", None))
+    if decoder is None:
+        raise ScaffoldError(f"{resolved.model_class}: no stack of {text_config.num_hidden_layers} decoder layers "
+                            f"around {embed!r}; name parts.language and shard_layers by hand", category="parts")
     fill_in: list[str] = []
     vision = projector = ()
     vision_block = None
@@ -101,6 +101,16 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         vision, projector, vision_block, vision_leaves = _vision_parts(model, language, fill_in)
     parts = Parts(language=language, embed=embed, lm_head=lm_head, vision=vision or None,
                   projector=projector or None)
+    # A head whose output embedding sits inside a larger head module (a bias, a
+    # transform before it) is that whole module.
+    head = lm_head.rpartition(".")[0]
+    while head and not _under(language, head) and any(_under(n, head) for n in _uncovered_parameters(model, parts)):
+        parts = replace(parts, lm_head=(head,))
+        head = head.rpartition(".")[0]
+    if not resolved.is_vision_language:  # a text model's modules beside its stack belong to its head
+        outside = sorted({n.split(".")[0] for n in _uncovered_parameters(model, parts)})
+        if outside and "." not in language:
+            parts = replace(parts, lm_head=tuple(dict.fromkeys((*parts.lm_head, *outside))))
     uncovered = _uncovered_parameters(model, parts)
     if uncovered:
         fill_in.append(f"parts: parameters in no part: {', '.join(uncovered[:5])}")
@@ -110,10 +120,23 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
     architecture, note = vllm_architecture(resolved.model_class)
     return Discovery(
         resolved=resolved, family=family, class_name=class_name(resolved, family), parts=parts,
-        decoder_layer=type(decoder[0]).__name__, vision_block=vision_block,
-        language_leaves=_linear_leaves(decoder[0]), vision_leaves=vision_leaves, rope=rope,
+        decoder_layers=tuple(dict.fromkeys(type(m).__name__ for m in decoder)), vision_block=vision_block,
+        language_leaves=tuple(dict.fromkeys(leaf for m in decoder for leaf in _linear_leaves(m))), vision_leaves=vision_leaves, rope=rope,
         vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
     )
+
+
+def _decoder_stack(model, embed: str, depth: int | None):
+    """(language path, layer list): the closest module around the input embeddings that
+    holds a list of `depth` layers, of one class or (a hybrid) several."""
+    path = embed
+    while path:
+        path = path.rpartition(".")[0]
+        for mixed in (False, True):
+            stacks = [m for _, m in _block_lists(model, path, mixed) if depth is None or len(m) == depth]
+            if stacks:
+                return path, stacks[0]
+    return embed.rpartition(".")[0], None
 
 
 def _uncovered_parameters(model, parts: Parts) -> list[str]:

@@ -122,7 +122,7 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
              f"    model_types = {_tuple([d.resolved.model_type])}",
              f"    hf_class = \"transformers:{d.resolved.model_class}\""]
     lines.append(f"    parts = {_parts_source(d.parts, adapter_imports)}")
-    shard = (d.decoder_layer,) + ((d.vision_block,) if d.vision_block else ())
+    shard = d.decoder_layers + ((d.vision_block,) if d.vision_block else ())
     lines.append(f"    shard_layers = {_tuple(shard)}")
     if vlm:
         adapter_imports.add("LoraTargets")
@@ -143,7 +143,7 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     lines += _tiny_source(d)
     summary = (f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
                f"scaffolded by `mmrl add-model {d.resolved.model_type}`.")
-    layout_text = (f"Layout read off the tiny model: decoder layers {d.decoder_layer}"
+    layout_text = (f"Layout read off the tiny model: decoder layers {', '.join(d.decoder_layers)}"
                    + (f", vision blocks {d.vision_block}" if d.vision_block else "") + f"; {_rope_line(d.rope)}. "
                    "The tiny tokenizer speaks ChatML; a real checkpoint brings its own chat template.")
     header = [textwrap.fill(summary, 100), "", textwrap.fill(layout_text, 88)]

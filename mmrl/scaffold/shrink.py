@@ -38,7 +38,7 @@ _BY_NAME = (
     (re.compile(r"(^|_)(n_group|num_expert_group|topk_group|n_shared_experts|num_shared_experts)$"), 1),
     (re.compile(r"lora_rank$|_rank$"), 16),
     (re.compile(r"(intermediate|ffn|mlp)[a-z_]*size$|_ffn_dim$|^ffn_dim$|dim_ff$|^dff$"), 128),
-    (re.compile(r"head_dim$|head_size$|_head_dim_|^kv_channels$|dim_head$"), "per-head"),
+    (re.compile(r"head_dim$|head_size$|_head_dim_|^kv_channels$|dim_head$|^rotary_dim$"), "per-head"),
     (re.compile(r"(d_state|state_size|ssm_state_size|mamba_d_state)$"), 16),
     (re.compile(r"(mamba_n_heads|mamba_num_heads|linear_num_value_heads|linear_num_key_heads)$"), 2),
 )
@@ -68,18 +68,22 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
     defaults_of_shapes: dict[int, int] = {}
     for name, tiny in shapes.items():
         key = amap.get(name, name)
-        current = own.get(key, getattr(default, key, None))
+        if _read_only(default, key):
+            continue
+        current = own.get(key, _attribute(default, key))
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
             defaults_of_shapes.setdefault(current, tiny)
-        if key in own or hasattr(default, key):
+        if key in own or _attribute(default, key) is not None:
             values[key] = tiny
     follow = {**(tied or {}), **defaults_of_shapes}
     layers_key = amap.get(_LAYERS, _LAYERS)
     depth = own.get(layers_key)
     for key, value in own.items():
-        if key in values or isinstance(value, bool) or not isinstance(value, int) or _NOT_SHAPES.search(key):
+        if key in values or isinstance(value, bool) or not isinstance(value, int):
             continue
         by_name = next((size for pattern, size in _BY_NAME if pattern.search(key)), None)
+        if by_name is None and _NOT_SHAPES.search(key):
+            continue
         if by_name == "per-head":  # the tiny width over the tiny head count
             by_name = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
         if by_name is not None and value > by_name:
@@ -104,6 +108,21 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
         values.update(_per_layer_lists(own, depth, values.get(layers_key, shapes.get(_LAYERS)), layers_key,
                                        layer_indexes))
     return values
+
+
+def _attribute(config, key: str):
+    """`config.key`, or None where reading it raises (per-layer attributes refuse a
+    global read)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:
+        return None
+
+
+def _read_only(config, key: str) -> bool:
+    """A property without a setter (derived from other fields): never set it."""
+    attribute = getattr(type(config), key, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_key: str,
@@ -131,8 +150,10 @@ def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_ke
             if key in out or not isinstance(value, (list, tuple)) or not value:
                 continue
             if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in value) and (
-                    "index" in key or "layer" in key or "block" in key):
+                    "index" in key or "indices" in key or "layer" in key or "block" in key or "idx" in key):
                 remapped = sorted({min(v * tiny_depth // depth, tiny_depth - 1) for v in value})
+                if len(remapped) == tiny_depth and len(value) < depth and tiny_depth > 1:
+                    remapped = remapped[1:]  # a subset of the layers stays a subset
                 out[key] = remapped
     return out
 
@@ -149,6 +170,8 @@ TEXT_SHAPE_CANDIDATES = (
      "num_key_value_heads": 4},
     {**TINY_TEXT_SHAPES, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
      "num_key_value_heads": 8},
+    # Hybrids that place attention by a period (every 8th layer) need the depth.
+    {**TINY_TEXT_SHAPES, "num_hidden_layers": 8},
 )
 
 
@@ -162,7 +185,7 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     except Exception as exc:
         raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
                             category="config") from exc
-    values = shrink_values(default, shapes)
+    values = shrink_values(default, shapes, layer_indexes=True)
     rope = _rescaled_mrope(getattr(default, "rope_parameters", None), values, default)
     if rope is not None:
         values["rope_parameters"] = rope
