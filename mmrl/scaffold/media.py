@@ -33,13 +33,14 @@ _PLUMBING = {"self", "image_processor", "tokenizer", "video_processor", "audio_p
 
 
 def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
-                        special_tokens: tuple[str, ...] = ()):
+                        special_tokens: tuple[str, ...] = (), bos_token: str | None = None):
     """The ChatML character tokenizer every scaffolded tiny model starts from."""
     from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
     from mmrl.tiny import char_tokenizer
 
     return char_tokenizer(special_tokens=(*CHATML_SPECIAL_TOKENS, *special_tokens), named_tokens=named_tokens,
-                          eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template or CHATML)
+                          eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template or CHATML,
+                          bos_token=bos_token)
 
 
 @dataclass
@@ -71,23 +72,59 @@ def _init_parameters(cls) -> dict[str, Any]:
         return {}
 
 
-def _processor_class(model_type: str):
+def _processor_class(model_type: str, config_cls=None):
+    """The type's processor class: transformers' processor table, else the one processor
+    class its own model package defines."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    return getattr(transformers, name, None) if name else None
+    if name and hasattr(transformers, name):
+        return getattr(transformers, name)
+    found = _package_classes(config_cls, transformers.ProcessorMixin)
+    return found[0] if len(found) == 1 else None
 
 
-def _table_class(table: dict, model_type: str):
+def _package_classes(config_cls, base) -> list:
+    """Subclasses of `base` that the config class's own model package exports."""
+    import importlib
+
     import transformers
 
-    names = table.get(model_type)
-    if isinstance(names, dict):
-        names = names.get("torchvision") or names.get("pil") or next(iter(names.values()), None)
-    elif isinstance(names, (tuple, list)):
-        names = next((n for n in names if n), None)
-    return getattr(transformers, names, None) if names else None
+    if config_cls is None:
+        return []
+    package = config_cls.__module__.rpartition(".")[0]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return []
+    names = getattr(module, "__all__", None) or dir(module)
+    found = []
+    for name in names:
+        cls = getattr(transformers, name, None) or getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, base) and cls is not base and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _table_class(table: dict, model_type: str, processor_cls=None):
+    """A sub-processor class from one of transformers' tables: the type's own entry, else
+    the entry of a type that uses the same processor class."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    types = [model_type]
+    if processor_cls is not None:
+        types += [t for t, n in PROCESSOR_MAPPING_NAMES.items() if n == processor_cls.__name__ and t != model_type]
+    for candidate in types:
+        names = table.get(candidate)
+        if isinstance(names, dict):
+            names = names.get("torchvision") or names.get("pil") or next(iter(names.values()), None)
+        elif isinstance(names, (tuple, list)):
+            names = next((n for n in names if n), None)
+        if names and hasattr(transformers, names):
+            return getattr(transformers, names)
+    return None
 
 
 def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str]]:
@@ -157,7 +194,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     if text_key is None:
         raise ScaffoldError(f"{resolved.config_class}: the text sub-config sits under no attribute the scaffold can "
                             "set; write tiny() by hand", category="config")
-    processor_cls = _processor_class(resolved.model_type)
+    processor_cls = _processor_class(resolved.model_type, config_cls)
     if processor_cls is None:
         raise ScaffoldError(f"transformers has no processor class for {resolved.model_type!r}; write tiny()'s "
                             "processor by hand", category="processor")
@@ -197,19 +234,25 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     processor = None
     if processor_cls is not None:
         image_size = getattr(getattr(config, plan.vision_key), "image_size", None)
+        from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
         from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
         from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
         wanted = _init_parameters(processor_cls)
         for argument, table in (("image_processor", IMAGE_PROCESSOR_MAPPING_NAMES),
-                                ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES)):
+                                ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES),
+                                ("feature_extractor", FEATURE_EXTRACTOR_MAPPING_NAMES)):
             if argument in wanted:
-                cls = _table_class(table, resolved.model_type)
+                cls = _table_class(table, resolved.model_type, processor_cls)
                 if cls is not None:
                     plan.sub_processors[argument] = (cls.__name__, _sized(cls, image_size))
+        # A second tokenizer the processor needs (a Q-Former's) is the same tiny one.
+        for name, parameter in wanted.items():
+            if name.endswith("tokenizer") and name != "tokenizer" and parameter.default is inspect.Parameter.empty:
+                plan.processor_kwargs[name] = "tokenizer"
         vision_config = getattr(config, plan.vision_key)
         for name in wanted:
-            if name in _PLUMBING or name.endswith("_token"):
+            if name in _PLUMBING or name.endswith("_token") or name in plan.processor_kwargs:
                 continue
             if hasattr(vision_config, name) and name in vision_config.to_dict():
                 plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
@@ -228,8 +271,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
 def build_config(resolved: Resolved, plan: MediaPlan):
     import transformers
 
-    tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens,
-                                    special_tokens=tuple(plan.literals))
+    # Processors that prepend a begin-of-text token read it off the tokenizer.
+    tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens, special_tokens=tuple(plan.literals),
+                                    bos_token="<|endoftext|>")
     text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
     values = {plan.top_text_key: text.to_dict(), plan.vision_key: dict(plan.vision), **plan.top}
     values.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in plan.token_fields.items()})
@@ -254,7 +298,8 @@ def build_processor(plan: MediaPlan, tokenizer, config):
         except Exception as exc:
             raise ScaffoldError(f"{cls_name}({kwargs}) fails ({_one_line(exc)})", category="processor") from exc
         subs[argument] = as_loaded(sub) if argument == "image_processor" else sub
-    kwargs = {name: eval(expression, {"config": config}) for name, expression in plan.processor_kwargs.items()}
+    kwargs = {name: eval(expression, {"config": config, "tokenizer": tokenizer})
+              for name, expression in plan.processor_kwargs.items()}
     try:
         processor = getattr(transformers, plan.processor_class)(tokenizer=tokenizer, **subs, **kwargs)
     except Exception as exc:
@@ -273,9 +318,12 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
     field = next((k for k in plan.token_fields if k.startswith(kind)), None)
     own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
     specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
-    candidates = list(dict.fromkeys(own + specials))
+    starts = [t for n, t in plan.named_tokens.items() if n.startswith(kind) and ("start" in n or "begin" in n)]
+    ends = [t for n, t in plan.named_tokens.items() if n.startswith(kind) and "end" in n]
+    framed = [f"{a}{t}{b}" for t in own for a in starts for b in ends if t not in (a, b)]
+    candidates = list(dict.fromkeys(own + specials + framed))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
-    image = Image.new("RGB", (64, 48), (120, 30, 200))
+    image = Image.new("RGB", (224, 168), (120, 30, 200))
     media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
     errors: list[str] = []
     for token in candidates:

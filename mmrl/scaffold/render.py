@@ -247,7 +247,8 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
 
             tokenizer = char_tokenizer(
                 special_tokens=(*CHATML_SPECIAL_TOKENS, *EXTRA_TOKENS), named_tokens=NAMED_TOKENS,
-                eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+                bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                chat_template=CHAT_TEMPLATE,
             )
             text = @TEXT@
             # The default vision tower, shrunk; its image and patch size are kept and the
