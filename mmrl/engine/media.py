@@ -250,12 +250,8 @@ def _split(output, counts: list[int]) -> list:
     if isinstance(output, torch.Tensor):
         return list(torch.split(output, _sizes(output.shape[0], counts)))
     if is_dataclass(output):
-        per_field = {}
-        for f in fields(output):
-            value = getattr(output, f.name)
-            if f.name not in UNREAD_FIELDS and value is not None:
-                per_field[f.name] = _split(value, counts)
-        return [type(output)(**{name: parts[i] for name, parts in per_field.items()}) for i in range(len(counts))]
+        per_field = {name: _split(value, counts) for name, value in _read_fields(output).items()}
+        return [_rebuild(output, {name: parts[i] for name, parts in per_field.items()}) for i in range(len(counts))]
     if isinstance(output, (list, tuple)):
         # Several prompts with features hold two images or more between them.
         if len(output) > 1 and _adds_up(output, sum(counts)):
@@ -283,6 +279,29 @@ def _group_items(items, counts: list[int]) -> list:
     return groups
 
 
+def _read_fields(output) -> dict:
+    """An encoder output's fields that the forwards read, by name. Besides the declared
+    fields this is `pooler_output` where transformers sets it on an output class that does
+    not declare it (a vision tower's `BaseModelOutput` in some versions): a plain
+    attribute, which `fields` does not list."""
+    names = [f.name for f in fields(output)]
+    if PER_ITEM_FIELD not in names:
+        names.append(PER_ITEM_FIELD)
+    values = {name: getattr(output, name, None) for name in names if name not in UNREAD_FIELDS}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _rebuild(like, values: dict):
+    """An output of `like`'s class holding `values`, undeclared ones set as attributes
+    the way transformers sets them."""
+    declared = {f.name for f in fields(like)}
+    output = type(like)(**{name: value for name, value in values.items() if name in declared})
+    for name, value in values.items():
+        if name not in declared:
+            setattr(output, name, value)
+    return output
+
+
 def _sizes(total: int, counts: list[int]) -> list[int]:
     """Rows of `total` per prompt in proportion to its token count, when that is exact."""
     tokens = sum(counts)
@@ -300,11 +319,9 @@ def join(outputs: list, counts: list[int], hint: bool = False):
     if isinstance(first, torch.Tensor):
         return torch.cat(outputs)
     if is_dataclass(first):
-        values = {}
-        for f in fields(first):
-            if f.name not in UNREAD_FIELDS and getattr(first, f.name) is not None:
-                values[f.name] = join([getattr(o, f.name) for o in outputs], counts, hint=f.name == PER_ITEM_FIELD)
-        return type(first)(**values)
+        values = {name: join([getattr(o, name) for o in outputs], counts, hint=name == PER_ITEM_FIELD)
+                  for name in _read_fields(first)}
+        return _rebuild(first, values)
     if isinstance(first, (list, tuple)):
         # Per image: every row's tensors add up to its tokens. A lone tensor fits "per
         # layer" too; only `hint` (the field is `pooler_output`) or a longer row tells.
