@@ -263,13 +263,15 @@ def add_model(
     coverage: Path = typer.Option(Path("support_matrix/coverage.json"), "--coverage", metavar="COVERAGE",
                                   help="With --sweep: the JSON to write (a Markdown page is written beside it)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="With --sweep: show a progress bar."),
+    workers: int = typer.Option(1, "--workers", min=1, help="With --sweep: types scaffolded at a time."),
 ) -> None:
     """Scaffold a model family (adapter, processing, zoo test, docs) from transformers' own classes."""
     if sweep:
         from mmrl.scaffold.sweep import run_sweep
 
         try:
-            document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress)
+            document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress,
+                                 workers=workers)
         except ValueError as exc:
             fail(str(exc))
         for mapping, summary in document["summary"].items():

@@ -22,7 +22,7 @@ from typing import Any
 
 from mmrl.scaffold.base import Resolved, ScaffoldError
 from mmrl.scaffold.shrink import (
-    TinyInputs, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
+    _OUTPUT_WIDTH, TinyInputs, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -264,8 +264,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
         tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
         processor = build_processor(plan, tokenizer, config)
-    return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=text_overrides,
-                      text_config_class=text_class, vision=vision, top=top, media=plan)
+        tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
+    return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=plan.text_overrides,
+                      text_config_class=text_class, vision=plan.vision, top=top, media=plan)
 
 
 def build_config(resolved: Resolved, plan: MediaPlan):
@@ -344,3 +345,81 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
                             "beside an image" + (f" (first error: {errors[0]})" if errors else "")
                             + "; write the chat template by hand", category="processor")
     return None
+
+
+def runs_with_image(model_class: str, config, processor, placeholder: str | None) -> str | None:
+    """None when the tiny model runs a forward/backward pass on one processed image
+    beside `placeholder`, else the error in one line."""
+    import torch
+    import transformers
+    from PIL import Image
+
+    from mmrl.build import default_attention
+
+    cls = getattr(transformers, model_class)
+    try:
+        config._attn_implementation = default_attention(cls)
+        with torch.random.fork_rng(devices=[]):
+            model = cls._from_config(config)
+        inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
+                           return_tensors="pt")
+        accepted = inspect.signature(model.forward).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            inputs = {k: v for k, v in inputs.items() if k in accepted}
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    except Exception as exc:
+        return _one_line(exc)
+    return None
+
+
+# Text widths to try when the defaults do not run: wider heads for model code that
+# splits a head into fixed rotary sections (multi-axis rope defaults written in code).
+VLM_TEXT_CANDIDATES = (
+    {},
+    {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+     "head_dim": 128},
+)
+# Image sizes to try, besides multiples of the default: common tower sizes.
+COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
+
+
+def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
+    """Default configs are not always one checkpoint's: a tower's image size may not fit
+    the tokens per image the config asks for, or model code may fix rotary sections that
+    need wider heads. When the tiny model does not run on one image, try wider text
+    heads and other image sizes (vision tower and image processor together) and keep the
+    first combination that runs; otherwise keep the defaults (verify then says why)."""
+    import transformers
+
+    from mmrl.tiny import TINY_TEXT_SHAPES
+
+    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder) is None:
+        return tokenizer, config, processor
+    base = getattr(getattr(config, plan.vision_key), "image_size", None)
+    sizes = [None]
+    if isinstance(base, int):
+        sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
+    saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides))
+    for text_shapes in VLM_TEXT_CANDIDATES:
+        plan.text_overrides = (tiny_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes})
+                               if text_shapes else dict(saved[2]))
+        for size in sizes:
+            if size is None and not text_shapes:
+                continue  # the defaults, already tried
+            plan.vision = dict(saved[0])
+            if text_shapes:  # the widths the tower projects into follow the text width
+                plan.vision.update({k: text_shapes["hidden_size"] for k in plan.vision if _OUTPUT_WIDTH.search(k)})
+            plan.sub_processors = dict(saved[1])
+            if size is not None:
+                plan.vision["image_size"] = size
+                plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size))
+                                       for arg, (name, _) in saved[1].items()}
+            try:
+                tokenizer2, config2 = build_config(resolved, plan)
+                processor2 = build_processor(plan, tokenizer2, config2)
+            except ScaffoldError:
+                continue
+            if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder) is None:
+                return tokenizer2, config2, processor2
+    plan.vision, plan.sub_processors, plan.text_overrides = (dict(v) for v in saved)
+    return tokenizer, config, processor

@@ -40,6 +40,7 @@ _BY_NAME = (
     (re.compile(r"(intermediate|ffn|mlp)[a-z_]*size$|_ffn_dim$|^ffn_dim$|dim_ff$|^dff$"), 128),
     (re.compile(r"head_dim$|head_size$|_head_dim_|^kv_channels$|dim_head$|^rotary_dim$"), "per-head"),
     (re.compile(r"(d_state|state_size|ssm_state_size|mamba_d_state)$"), 16),
+    (re.compile(r"^depth$|^num_layers$|^n_layers$|^num_blocks$"), "layers"),
     (re.compile(r"(mamba_n_heads|mamba_num_heads|linear_num_value_heads|linear_num_key_heads)$"), 2),
 )
 
@@ -71,11 +72,16 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
         if _read_only(default, key):
             continue
         current = own.get(key, _attribute(default, key))
-        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+        widths = isinstance(current, int) and not isinstance(current, bool) and name in (_HIDDEN, _INTERMEDIATE)
+        if widths:  # only widths are distinctive enough for another field to be tied to them
             defaults_of_shapes.setdefault(current, tiny)
-        if key in own or _attribute(default, key) is not None:
+        if tied and widths and current in tied:
+            # A width equal to another config's default width is an output width
+            # (a vision tower's projection into the text model): it follows that one.
+            values[key] = tied[current]
+        elif key in own or _attribute(default, key) is not None:
             values[key] = tiny
-    follow = {**(tied or {}), **defaults_of_shapes}
+    follow = {**defaults_of_shapes, **(tied or {})}
     layers_key = amap.get(_LAYERS, _LAYERS)
     depth = own.get(layers_key)
     for key, value in own.items():
@@ -86,6 +92,8 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
             continue
         if by_name == "per-head":  # the tiny width over the tiny head count
             by_name = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
+        elif by_name == "layers":
+            by_name = shapes.get(_LAYERS)
         if by_name is not None and value > by_name:
             values[key] = by_name
         elif by_name is None and value > 8 and value in follow:
@@ -266,7 +274,16 @@ def tiny_vision_values(vision_default, text_hidden_default: int | None) -> dict[
     """Values that shrink a vision sub-config (image and patch size kept); integers equal
     to the default text width follow the tiny text width (projection outputs)."""
     tied = {text_hidden_default: TINY_TEXT_SHAPES[_HIDDEN]} if text_hidden_default else {}
-    return shrink_values(vision_default, TINY_VISION_SHAPES, tied=tied, layer_indexes=True)
+    values = shrink_values(vision_default, TINY_VISION_SHAPES, tied=tied, layer_indexes=True)
+    # Widths a vision tower projects into the text model, by what their names say.
+    for key, value in vision_default.to_dict().items():
+        if isinstance(value, int) and not isinstance(value, bool) and _OUTPUT_WIDTH.search(key):
+            values[key] = TINY_TEXT_SHAPES[_HIDDEN]
+    return values
+
+
+_OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_size$|^output_dim$|^out_dim$|"
+                           r"^projection_dim$|^llm_hidden_size$")
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:

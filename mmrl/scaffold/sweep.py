@@ -267,8 +267,13 @@ def render_page(document: dict, path: Path) -> None:
 
 
 def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
-          scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS) -> dict:
-    """Run the sweep over `types` (default: every type not yet recorded) into `path`."""
+              scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS,
+              workers: int = 1) -> dict:
+    """Run the sweep over `types` (default: every type not yet recorded) into `path`,
+    `workers` types at a time (each in processes of its own)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     import transformers
     from rich.progress import Progress
 
@@ -283,18 +288,22 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     else:
         todo = [t for t in table if t not in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with Progress(disable=not progress, transient=False) as bar:
+    lock = threading.Lock()
+
+    def one(model_type: str) -> Row:
+        rule = scope_rule(model_type)
+        if rule is not None:
+            return Row(model_type, table[model_type], False, "out-of-scope", "resolve", OUT_OF_SCOPE_RULES[rule],
+                       scope_rule=rule)
+        return sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds)
+
+    with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
         task = bar.add_task("add-model sweep", total=len(todo))
-        for model_type in todo:
-            bar.update(task, description=f"add-model sweep: {model_type}")
-            if scope_rule(model_type) is not None:
-                row = Row(model_type, table[model_type], False, "out-of-scope", "resolve",
-                          OUT_OF_SCOPE_RULES[scope_rule(model_type)], scope_rule=scope_rule(model_type))
-            else:
-                row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds)
-            rows[model_type] = row
-            write_document(path, rows, version)
-            bar.advance(task)
+        for model_type, row in zip(todo, pool.map(one, todo)):
+            with lock:
+                rows[model_type] = row
+                write_document(path, rows, version)
+            bar.update(task, advance=1, description=f"add-model sweep: {model_type} {row.status}")
     return write_document(path, rows, version)
 
 
