@@ -12,7 +12,11 @@
     VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_vllm.py -m slow   # the recipe learns (minutes)
 
 - under torchrun (2 processes) every rank runs its own engine: its log-probs equal the
-  FSDP2-sharded engine's before and after a sync, and a 2-step training run works.
+  FSDP2-sharded engine's before and after a sync, and a 2-step training run works;
+- marked slow, the vLLM probe verifies families `mmrl add-model` scaffolds for types the
+  zoo lacks: one vLLM serves with its Transformers backend (which rewrites transformers'
+  classes while the trainer uses them) and a tied lm_head, one with vLLM's own class
+  that has no lm_head at all.
 
 vLLM's CPU attention has no head size below 32 (and some of its decoder layers take
 hidden_size / heads as the head size), which the tiny models' heads of 32 satisfy;
@@ -32,6 +36,7 @@ from mmrl import build_model
 from mmrl.config import OptimConfig, load_recipe
 from mmrl.engine import Engine, join
 from mmrl.parallel import init_distributed
+from mmrl.probes import Status, Subject, probe
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout.hf import HFRollout
 
@@ -351,3 +356,50 @@ def test_count_recipe_learns_with_the_vllm_backend(tmp_path):
     print(f"count recipe with vLLM: {summary} in {time.perf_counter() - start:.0f}s")
     assert summary["eval/accuracy"] >= 0.9
     assert summary["eval/shuffled_images_accuracy"] < 0.6
+
+
+@pytest.fixture
+def plugin_path(tmp_path):
+    """`tmp_path` on sys.path for an out-of-tree family; afterwards its families are
+    unregistered and its modules forgotten."""
+    import importlib
+    import sys
+
+    from mmrl.registry import unregister
+
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+            for attr in vars(module).values():
+                if isinstance(attr, type) and attr.__module__ == name and hasattr(attr, "family"):
+                    unregister(attr.family)
+    importlib.invalidate_caches()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [
+    "starcoder2",  # vLLM's Transformers backend; lm_head tied to the embedding
+    "gemma2",  # vLLM's own class, which has no lm_head (logits from the embedding)
+])
+def test_vllm_probe_verifies_a_scaffolded_family(plugin_path, model_type):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+    from mmrl.registry import get_adapter, load_plugin
+
+    scaffold = CliRunner().invoke(app, ["add-model", model_type, "--out", str(plugin_path), "--no-verify"])
+    assert scaffold.exit_code == 0, scaffold.output
+    load_plugin(f"mmrl_{model_type}.{model_type}")
+    adapter = get_adapter(model_type)
+    model_class = type(build_model(adapter.family, random_init=True).model.get_decoder())
+    bases = model_class.__bases__
+    result = probe("vllm").run(Subject(adapter=adapter, source=adapter.family))
+    assert result.status is Status.VERIFIED, (result.reason, result.evidence.get("traceback"))
+    # vLLM's Transformers backend decorates the decoder class it builds from; the
+    # trainer's classes are given back as they were, and a model built now runs.
+    assert model_class.__bases__ == bases and "do_not_compile" not in vars(model_class)
+    built = build_model(adapter.family, random_init=True)
+    assert torch.isfinite(built.model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,16 @@ def check_vllm(subject: Subject) -> Verified:
         rollout = make_rollout("vllm", engine, built.processing)
     except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result
         raise NotRunHere(str(exc).split(": use ")[0]) from exc
+    except AttributeError as exc:
+        # vLLM reads the config.json the rollout wrote; its model classes are written for
+        # published checkpoints, whose config.json may carry fields the transformers
+        # config class does not define (so a config built in code lacks them).
+        missing = re.fullmatch(r"'(\w+Config)' object has no attribute '(\w+)'", str(exc))
+        if missing is None:
+            raise
+        config_class, field = missing.groups()
+        raise CheckFailed(f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does "
+                          f"not define it; published checkpoints' config.json carry it): set it in the config") from exc
     conversations = sample_conversations(built.adapter)
     params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
 
@@ -307,6 +318,15 @@ def check_vllm(subject: Subject) -> Verified:
 
     try:
         before = gap_to_trainer()
+        if before >= VLLM_LOGPROB_TOLERANCE and (dropout := _active_dropout(engine.model)):
+            # vLLM never applies dropout; say whether it is the whole difference.
+            engine.model.eval()
+            without = gap_to_trainer()
+            engine.model.train()
+            verdict = (f"without it they agree ({without:.1e})" if without < VLLM_LOGPROB_TOLERANCE
+                       else f"without it they still differ by {without:.2e}")
+            raise CheckFailed(f"vLLM and trainer log-probs differ by {before:.2e}: the trainer's model applies "
+                              f"dropout in training ({dropout}), {verdict}; set its dropout probabilities to 0")
         require(before < VLLM_LOGPROB_TOLERANCE, f"vLLM and trainer log-probs differ by {before:.2e}")
         seqs = _sequences(built, engine)  # move the weights, sync them into vLLM, compare again
         logp, _ = engine.log_probs(seqs)
@@ -323,3 +343,21 @@ def check_vllm(subject: Subject) -> Verified:
     return Verified(f"vLLM greedy rollout log-probs match the trainer's before and after a weight sync "
                     f"(tolerance {VLLM_LOGPROB_TOLERANCE:.0e})",
                     {"max_logprob_diff_before": before, "max_logprob_diff_after_sync": after})
+
+
+def _active_dropout(model) -> str:
+    """The dropout the model applies in training mode ('' when none): the config's nonzero
+    dropout probabilities, e.g. 'resid_pdrop=0.1, attn_pdrop=0.1'. Training draws its
+    log-probs through it, so no rollout engine can match them."""
+    if not model.training:
+        return ""
+    text = model.config.get_text_config()
+    found = {}
+    for config in (model.config,) if text is model.config else (model.config, text):
+        for name, value in config.to_dict().items():
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                found.setdefault(name, value)
+    modules = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    if not found and not modules:
+        return ""
+    return ", ".join(f"{k}={v}" for k, v in found.items()) or "nn.Dropout modules with p > 0"

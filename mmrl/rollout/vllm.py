@@ -7,7 +7,9 @@
 At start the engine's weights (LoRA merged) and the processor are written once to a
 temporary directory, which an in-process `vllm.LLM` loads (eager mode, no CUDA graphs).
 After that, `sync` hands the engine's full weights to vLLM's in-place weight reload
-through `collective_rpc`; no checkpoint touches the disk on this path.
+through `collective_rpc`; no checkpoint touches the disk on this path. Both carry the
+weights as `save_pretrained` would write them (tied copies left out, transformers'
+load-time renames and fusions undone), the format vLLM's model loaders read.
 
 Results match `HFRollout` (the reference): prompts rendered by the family's chat template,
 images and videos passed as vLLM `multi_modal_data`, stop at `processing.stop_token_ids`
@@ -108,6 +110,7 @@ class VLLMRollout:
             options["logits_processors"] = [_blocking_processor(processing.blocked_token_ids)]
         with _preserved_process_state():
             self.llm = LLM(**options)
+        self._check_reloadable()
         self._stop_ids = list(processing.stop_token_ids)
         self._pad_id = processing.tokenizer.pad_token_id
 
@@ -137,6 +140,21 @@ class VLLMRollout:
                 "fewer heads and head_dim = hidden_size / heads)"
             )
 
+    def _check_reloadable(self) -> None:
+        """vLLM on CPU cannot update mixture-of-experts weights in a running engine: its
+        reload copies the new experts in, but skips the CPU kernels' repacking of them
+        (vLLM 0.32, `UnquantizedFusedMoEMethod._setup_kernel` on a weight update), so
+        after a sync the experts compute with scrambled weights. Refuse up front."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not any(self.llm.apply_model(_has_fused_experts)):
+            return
+        self.close()
+        raise UnsupportedByVLLM(
+            "vLLM on CPU cannot sync mixture-of-experts weights into a running engine (it does not repack "
+            "reloaded experts for its CPU kernels): use the hf rollout backend, or vLLM on a GPU"
+        )
+
     def _save(self, engine, arch: str) -> None:
         """The engine's current weights, its config (naming vLLM's architecture) and the
         processor, as a checkpoint directory vLLM starts from."""
@@ -148,15 +166,27 @@ class VLLMRollout:
         config = copy.deepcopy(model.config)
         config.architectures = [arch]
         config.save_pretrained(self.path)
-        # Tied weights share storage; safetensors wants each tensor on its own.
+        # safetensors wants each tensor contiguous and on storage of its own.
         tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in self._weights(engine)}
         save_file(tensors, str(self.path / "model.safetensors"))
         self.processing.processor.save_pretrained(self.path)
 
     def _weights(self, engine):
-        """vLLM-named full weights of the engine (LoRA merged)."""
-        to_vllm = self.adapter.rollout.to_vllm_name
-        return [(to_vllm(name), tensor) for name, tensor in engine.full_state_dict(every_rank=True).items()]
+        """The engine's full weights (LoRA merged) as vLLM loads them: in the format
+        `save_pretrained` writes, the one vLLM's model loaders are written for.
+
+        That is, without the copies of tied weights (`lm_head.weight` when it is the input
+        embedding), which some of vLLM's models have no module or name for; and with
+        transformers' load-time conversions undone (its renamed modules, experts fused
+        into one tensor), unless the family maps names itself (`weight_prefixes`, applied
+        to transformers' names)."""
+        rollout = self.adapter.rollout
+        model = engine.model.get_base_model() if hasattr(engine.model, "get_base_model") else engine.model
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        state = {name: tensor for name, tensor in engine.full_state_dict(every_rank=True).items() if name not in tied}
+        if not rollout.weight_prefixes:
+            state = _checkpoint_names(model, state)
+        return [(rollout.to_vllm_name(name), tensor) for name, tensor in state.items()]
 
     # -- generation ------------------------------------------------------------------------
     def _prompt(self, conversation) -> dict[str, Any]:
@@ -258,6 +288,7 @@ class VLLMRollout:
         # own); keep a training log to real problems (weights it could not load).
         with _log_level("vllm", logging.WARNING), _log_level(_RELOAD_LAYER_LOGGER, logging.ERROR):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.apply_model(_refresh_tied_modules)
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.reset_encoder_cache()
 
@@ -300,6 +331,60 @@ def _blocking_processor(token_ids: list[int]):
     return BlockTokens
 
 
+def _checkpoint_names(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` in the format of the checkpoints vLLM's loaders are written for.
+
+    transformers renames some modules and fuses some weights (a mixture's experts) as it
+    loads a checkpoint, and `save_pretrained` reverses that. For a model it did not load
+    (random init) it leaves out the prefix changes (e.g. a CLIP tower's `vision_model.`),
+    not knowing whether the checkpoint had them; published checkpoints do, so put them
+    back too."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions
+        return state
+    if getattr(model, "_weight_conversions", None) is not None:  # loaded: undo what was done
+        return dict(revert_weight_conversion(model, state))
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    try:
+        return dict(revert_weight_conversion(model, state))
+    finally:
+        del model._weight_conversions
+
+
+def _has_fused_experts(model) -> bool:
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    return any(isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase) for m in model.modules())
+
+
+def _refresh_tied_modules(model) -> None:
+    """Redo the post-load processing of vLLM modules that share their weight with another
+    (an `lm_head` tied to the input embedding) after a weight reload.
+
+    On CPU vLLM packs each embedding-like module's weight for its matrix products when it
+    loads; a reload processes only the modules whose weights it was given, and a tied
+    copy is never given (see `_weights`), so the lm_head would keep computing logits with
+    the old weights although the parameter it shares holds the new ones."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return  # the shared parameter is all there is: nothing to redo
+    sharing: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            sharing.setdefault(id(weight), []).append(module)
+    for modules in sharing.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
 def _video_item(clip):
     """A video for vLLM: its frames, with the sampled frames' metadata when known."""
     import numpy as np
@@ -328,8 +413,19 @@ def _log_level(name: str, level: int):
 
 
 class _preserved_process_state:
-    """Starting vLLM in process reseeds the global RNGs, caps torch threads at 1 and
-    replaces `torch.set_num_threads` with a no-op; undo that for the trainer around it."""
+    """Starting vLLM in process reseeds the global RNGs, caps torch threads at 1, replaces
+    `torch.set_num_threads` with a no-op and, through its Transformers backend, rewrites
+    transformers' model classes; undo that for the trainer around it.
+
+    The Transformers backend (vLLM's model for an architecture it has no own class for)
+    builds its model from transformers' own classes and marks the decoder class (and any
+    encoder class) for compilation in place: a base class added, `__init__` and
+    `__call__` replaced. The trainer's model is made of those same classes, so its forward
+    would then fail (`'...Model' object has no attribute 'do_not_compile'`: its instances
+    predate the new `__init__`), and a model built later would carry vLLM's compile
+    wrapper. vLLM runs eager here (`enforce_eager`: its compilation is off), where the
+    replaced `__call__` only calls `forward`, so its own model runs the same with the
+    classes as they were."""
 
     def __enter__(self):
         import numpy as np
@@ -337,6 +433,7 @@ class _preserved_process_state:
         self.threads = torch.get_num_threads()
         self.set_num_threads = torch.set_num_threads
         self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.classes = {cls: (cls.__bases__, dict(vars(cls))) for cls in _model_classes()}
         return self
 
     def __exit__(self, *exc):
@@ -348,3 +445,31 @@ class _preserved_process_state:
         random.setstate(python)
         np.random.set_state(numpy_state)
         torch.set_rng_state(torch_state)
+        for cls, (bases, namespace) in self.classes.items():
+            _restore_class(cls, bases, namespace)
+
+
+def _model_classes() -> list[type]:
+    """Every transformers model class imported so far (the trainer's among them)."""
+    from transformers import PreTrainedModel
+
+    seen: dict[type, None] = {}
+    todo = [PreTrainedModel]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen[cls] = None
+            todo.extend(cls.__subclasses__())
+    return list(seen)
+
+
+def _restore_class(cls: type, bases: tuple[type, ...], namespace: dict[str, Any]) -> None:
+    """Give `cls` back the bases and attributes it had (only what changed is touched)."""
+    if cls.__bases__ != bases:
+        cls.__bases__ = bases
+    current = dict(vars(cls))
+    for name in current.keys() - namespace.keys():
+        delattr(cls, name)
+    for name, value in namespace.items():
+        if current.get(name) is not value:
+            setattr(cls, name, value)
