@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling
 
 from mmrl import build_model
 from mmrl.checks import sample_conversations, video_conversations
@@ -203,3 +203,14 @@ def test_collate_rows_checks_itself_once_and_falls_back(monkeypatch):
         first = shared.rows(fresh, rows)
     assert torch.equal(first["pixel_values"], processed["pixel_values"]) and fresh.collate_matches is False
     assert torch.equal(shared.rows(fresh, rows)["pixel_values"], processed["pixel_values"])
+
+
+def test_per_image_features_set_as_an_undeclared_attribute_are_split_and_joined():
+    # transformers 5.17's Idefics3/SmolVLM vision towers return a BaseModelOutput and
+    # get_image_features sets `pooler_output` on it as a plain attribute.
+    output = BaseModelOutput(last_hidden_state=torch.zeros(3, 4, 8))
+    output.pooler_output = torch.arange(3 * 2 * 8.0).view(3, 2, 8)
+    parts = split(output, [2, 4])
+    assert [p.pooler_output.shape[0] for p in parts] == [1, 2]
+    joined = join([parts[0], parts[1], parts[0]], [2, 4, 2])
+    assert torch.equal(joined.pooler_output, torch.cat([output.pooler_output, output.pooler_output[:1]]))

@@ -9,8 +9,9 @@ from typing import Any
 
 from mmrl.adapter import Capabilities, Parts
 
-# Shapes of a tiny vision tower: small enough for CPU, and the depth of one block.
-TINY_VISION_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+# Shapes of a tiny vision tower: small enough for CPU; two blocks, so that a feature layer
+# read from the end (-2) is a block's output, not the embeddings.
+TINY_VISION_SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 # The zoo's tolerance (fp32 logits, max absolute difference).
 TOLERANCE = 2e-4
 # Capabilities the quick check decides; the rest stay at their defaults for the probes.

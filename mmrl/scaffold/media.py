@@ -384,11 +384,15 @@ COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
 
 
 def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
-    """Default configs are not always one checkpoint's: a tower's image size may not fit
-    the tokens per image the config asks for, or model code may fix rotary sections that
-    need wider heads. When the tiny model does not run on one image, try wider text
-    heads and other image sizes (vision tower and image processor together) and keep the
-    first combination that runs; otherwise keep the defaults (verify then says why)."""
+    """Default configs are not always one checkpoint's, and processors learn some counts
+    only from a checkpoint. When the tiny model does not run on one image, try, in turn:
+    wider text heads (model code that fixes rotary sections), the tower's `hidden_size` as
+    the width it projects into the text model, one more image token per image than the
+    processor's default (a class token), and other image sizes (vision tower and image
+    processor together); keep the first combination that runs, else the defaults (verify
+    then says why)."""
+    import itertools
+
     import transformers
 
     from mmrl.tiny import TINY_TEXT_SHAPES
@@ -399,27 +403,32 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
     sizes = [None]
     if isinstance(base, int):
         sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
-    saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides))
-    for text_shapes in VLM_TEXT_CANDIDATES:
+    counts = [{}] + [{name: str(parameter.default + 1)}
+                     for name, parameter in _init_parameters(getattr(transformers, plan.processor_class)).items()
+                     if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
+    saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
+    for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
+        if not (text_shapes or projects or count or size):
+            continue  # the defaults, already tried
+        width = (text_shapes or TINY_TEXT_SHAPES)["hidden_size"]
         plan.text_overrides = (tiny_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes})
                                if text_shapes else dict(saved[2]))
-        for size in sizes:
-            if size is None and not text_shapes:
-                continue  # the defaults, already tried
-            plan.vision = dict(saved[0])
-            if text_shapes:  # the widths the tower projects into follow the text width
-                plan.vision.update({k: text_shapes["hidden_size"] for k in plan.vision if _OUTPUT_WIDTH.search(k)})
-            plan.sub_processors = dict(saved[1])
-            if size is not None:
-                plan.vision["image_size"] = size
-                plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size))
-                                       for arg, (name, _) in saved[1].items()}
-            try:
-                tokenizer2, config2 = build_config(resolved, plan)
-                processor2 = build_processor(plan, tokenizer2, config2)
-            except ScaffoldError:
-                continue
-            if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder) is None:
-                return tokenizer2, config2, processor2
-    plan.vision, plan.sub_processors, plan.text_overrides = (dict(v) for v in saved)
+        plan.vision = dict(saved[0])
+        plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})
+        if projects:
+            plan.vision["hidden_size"] = width
+        plan.processor_kwargs = {**saved[3], **count}
+        plan.sub_processors = dict(saved[1])
+        if size is not None:
+            plan.vision["image_size"] = size
+            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size))
+                                   for arg, (name, _) in saved[1].items()}
+        try:
+            tokenizer2, config2 = build_config(resolved, plan)
+            processor2 = build_processor(plan, tokenizer2, config2)
+        except ScaffoldError:
+            continue
+        if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder) is None:
+            return tokenizer2, config2, processor2
+    plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
     return tokenizer, config, processor

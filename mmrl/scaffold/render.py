@@ -119,7 +119,7 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     adapter_imports = {base, "Rollout", "TinyModel"}
     lines = ["@register_model", f"class {d.class_name}({base}):",
              f"    family = {_str(d.family)}",
-             f"    model_types = {_tuple([d.resolved.model_type])}",
+             f"    model_types = {_tuple(_model_types(d))}",
              f"    hf_class = \"transformers:{d.resolved.model_class}\""]
     lines.append(f"    parts = {_parts_source(d.parts, adapter_imports)}")
     shard = d.decoder_layers + ((d.vision_block,) if d.vision_block else ())
@@ -165,6 +165,13 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         body += "\n" + _vision_template_source(d) + "\n"
     return body + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _model_types(d: Discovery) -> list[str]:
+    """The type scaffolded, and the type its config class writes when that differs (a
+    checkpoint's config.json then names the class's type)."""
+    written = getattr(d.tiny.config, "model_type", None) if d.tiny is not None else None
+    return list(dict.fromkeys([d.resolved.model_type, *([written] if written else [])]))
 
 
 def _import_order(name: str) -> tuple[bool, str]:

@@ -98,6 +98,10 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
             values[key] = by_name
         elif by_name is None and value > 8 and value in follow:
             values[key] = follow[value]
+    # Dropout off: a tiny model's checks (and vLLM's parity probe) compare deterministic passes.
+    for key, value in own.items():
+        if ("dropout" in key or "pdrop" in key) and type(value) is float and value > 0 and key not in values:
+            values[key] = 0.0
     # Without grouped-query attention by default (or with attention that needs as many
     # key/value heads as query heads), keep it so.
     heads, kv = amap.get(_HEADS, _HEADS), amap.get(_KV_HEADS, _KV_HEADS)
