@@ -168,6 +168,12 @@ def import_object(spec: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _computes_own_positions(model) -> bool:
+    """Whether the model (or its inner model) computes multi-axis rope positions itself."""
+    inner = getattr(model, "model", None)
+    return any(hasattr(m, "get_rope_index") for m in (model, inner) if m is not None)
+
+
 class ModelAdapter:
     """A text model family. Subclasses set the class attributes; hooks have defaults.
 
@@ -266,11 +272,19 @@ class ModelAdapter:
         model_type = values.pop("model_type", self.model_types[0])
         return AutoConfig.for_model(model_type, **values)
 
-    def position_ids(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def position_ids(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Position ids for a left- or right-padded batch: (B, L), or (C, B, L) for
-        multi-axis (mrope) positions; `mmrl.positions.pack` keeps the leading axis."""
+        multi-axis (mrope) positions; `mmrl.positions.pack` keeps the leading axis.
+
+        The default counts each sequence's tokens. For a model that computes multi-axis
+        rope positions itself (it has transformers' `get_rope_index`) it returns None: the
+        model then derives them from the batch (attention mask, media token types, grids),
+        which is right for padded batches; packing such a family needs an override that
+        writes them out (its padding_free probe says so)."""
         from mmrl.positions import sequential_positions
 
+        if _computes_own_positions(model):
+            return None
         return sequential_positions(batch["attention_mask"])
 
     def prepare_model(self, model: PreTrainedModel) -> PreTrainedModel:

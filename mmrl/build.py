@@ -45,7 +45,9 @@ class BuiltModel:
     def inputs(self, conversations, add_generation_prompt: bool = True) -> dict[str, torch.Tensor]:
         """Processor-made batch with the family's position ids added."""
         batch = dict(self.processing(conversations, add_generation_prompt=add_generation_prompt))
-        batch["position_ids"] = self.adapter.position_ids(self.model, batch)
+        positions = self.adapter.position_ids(self.model, batch)
+        if positions is not None:  # None: the model computes its own (multi-axis rope)
+            batch["position_ids"] = positions
         return batch
 
 

@@ -77,7 +77,9 @@ def join(
             inputs[key] = torch.cat([value, value.new_zeros(batch_size, response_length)], dim=1)
         else:
             inputs[key] = value
-    inputs["position_ids"] = adapter.position_ids(model, inputs)
+    positions = adapter.position_ids(model, inputs)
+    if positions is not None:  # None: the model computes its own (multi-axis rope)
+        inputs["position_ids"] = positions
     return Sequences(
         inputs=inputs,
         response_ids=response_ids,

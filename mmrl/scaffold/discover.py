@@ -115,8 +115,6 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
     if uncovered:
         fill_in.append(f"parts: parameters in no part: {', '.join(uncovered[:5])}")
     rope = RopeSpec.from_config(config)
-    if rope.is_mrope:
-        fill_in.append("position_ids: the config uses multi-axis (mrope) rope; override `position_ids`")
     architecture, note = vllm_architecture(resolved.model_class)
     return Discovery(
         resolved=resolved, family=family, class_name=class_name(resolved, family), parts=parts,

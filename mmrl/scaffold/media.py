@@ -153,16 +153,18 @@ def _class_default(cls, attribute: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _sized(processor_cls, image_size: int | None) -> dict[str, Any]:
-    """Size arguments of an image/video processor set to `image_size` (its own keys)."""
-    if processor_cls is None or image_size is None:
+def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Arguments of an image/video processor: its size keys set to `image_size`, and its
+    patch geometry (`patch_size`, `merge_size`, `temporal_patch_size`, ...) set to the
+    vision config's value of the same name (or a name ending in it: `spatial_merge_size`)."""
+    if processor_cls is None:
         return {}
     try:
         default = processor_cls()
     except Exception:
         return {}
     sizes: dict[str, Any] = {}
-    for key in ("size", "crop_size"):
+    for key in ("size", "crop_size") if image_size is not None else ():
         value = getattr(default, key, None)
         if value is None:
             continue
@@ -171,6 +173,13 @@ def _sized(processor_cls, image_size: int | None) -> dict[str, Any]:
             "height", "width", "shortest_edge", "longest_edge")}
         if present:
             sizes[key] = present
+    for key, value in vars(default).items():
+        if type(value) is not int or "patch" not in key and "merge" not in key:
+            continue
+        match = next((v for k, v in (vision or {}).items() if (k == key or k.endswith("_" + key)) and type(v) is int),
+                     None)
+        if match is not None and match != value:
+            sizes[key] = match
     return sizes
 
 
@@ -234,6 +243,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     processor = None
     if processor_cls is not None:
         image_size = getattr(getattr(config, plan.vision_key), "image_size", None)
+        vision_values = getattr(config, plan.vision_key).to_dict()
         from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
         from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
         from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
@@ -245,7 +255,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             if argument in wanted:
                 cls = _table_class(table, resolved.model_type, processor_cls)
                 if cls is not None:
-                    plan.sub_processors[argument] = (cls.__name__, _sized(cls, image_size))
+                    plan.sub_processors[argument] = (cls.__name__, _sized(cls, image_size, vision_values))
         # A second tokenizer the processor needs (a Q-Former's) is the same tiny one.
         for name, parameter in wanted.items():
             if name.endswith("tokenizer") and name != "tokenizer" and parameter.default is inspect.Parameter.empty:
@@ -421,7 +431,8 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
         plan.sub_processors = dict(saved[1])
         if size is not None:
             plan.vision["image_size"] = size
-            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size))
+            vision_values = getattr(config, plan.vision_key).to_dict()
+            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size, vision_values))
                                    for arg, (name, _) in saved[1].items()}
         try:
             tokenizer2, config2 = build_config(resolved, plan)

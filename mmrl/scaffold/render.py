@@ -39,8 +39,14 @@ def _call(head: str, args: list[str], indent: str = "    ", width: int = 116) ->
     return f"{head}(\n{inner}\n{indent})"
 
 
+def _literal(value: Any) -> str:
+    if type(value) is str:
+        return _str(value)
+    return _literal_dict(value) if type(value) is dict else repr(value)
+
+
 def _literal_dict(values: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{_str(k)}: {_str(v) if type(v) is str else repr(v)}" for k, v in values.items()) + "}"
+    return "{" + ", ".join(f"{_str(k)}: {_literal(v)}" for k, v in values.items()) + "}"
 
 
 def _one_or_tuple(values: tuple[str, ...]) -> str:
@@ -199,7 +205,7 @@ def _tiny_source(d: Discovery) -> list[str]:
 
 def _keyword_args(values: dict[str, Any]) -> list[str]:
     """`key=value` arguments, with keys that are not identifiers passed as `**{...}`."""
-    args = [f"{k}={_str(v) if type(v) is str else repr(v)}" for k, v in values.items() if k.isidentifier()]
+    args = [f"{k}={_literal(v)}" for k, v in values.items() if k.isidentifier()]
     odd = {k: v for k, v in values.items() if not k.isidentifier()}
     return args + ([f"**{_literal_dict(odd)}"] if odd else [])
 
@@ -245,7 +251,7 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
         config.append(f"**{_literal_dict(plan.top)}")
     processor = ["tokenizer=tokenizer", "chat_template=CHAT_TEMPLATE"]
     for argument, (cls_name, kwargs) in plan.sub_processors.items():
-        made = f"transformers.{cls_name}({', '.join(f'{k}={_literal_dict(v)}' for k, v in kwargs.items())})"
+        made = f"transformers.{cls_name}({', '.join(_keyword_args(kwargs))})"
         processor.append(f"{argument}=as_loaded({made})" if argument == "image_processor" else f"{argument}={made}")
     processor += [f"{k}={v}" for k, v in plan.processor_kwargs.items()]
     source = textwrap.dedent("""\
