@@ -60,6 +60,7 @@ class MediaPlan:
     sub_processors: dict[str, tuple[str, dict[str, Any]]]  # argument -> (class, kwargs)
     processor_kwargs: dict[str, str]  # argument -> expression over `config`
     literals: list[str] = field(default_factory=list)  # other special tokens the processor's code names
+    text_kwargs: dict[str, Any] = field(default_factory=dict)  # what the processing asks the processor for
     image_placeholder: str | None = None
     video_placeholder: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -242,6 +243,8 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     tokenizer, config = build_config(resolved, plan)
     processor = None
     if processor_cls is not None:
+        import transformers
+
         image_size = getattr(getattr(config, plan.vision_key), "image_size", None)
         vision_values = getattr(config, plan.vision_key).to_dict()
         from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
@@ -268,6 +271,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
                 plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
             elif name in config.to_dict():
                 plan.processor_kwargs[name] = f"config.{name}"
+        model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
+        if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
+            plan.text_kwargs = {"return_mm_token_type_ids": True}
         processor = build_processor(plan, tokenizer, config)
         plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
         if "video_processor" in plan.sub_processors:
@@ -357,7 +363,8 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
     return None
 
 
-def runs_with_image(model_class: str, config, processor, placeholder: str | None) -> str | None:
+def runs_with_image(model_class: str, config, processor, placeholder: str | None,
+                    text_kwargs: dict[str, Any] | None = None) -> str | None:
     """None when the tiny model runs a forward/backward pass on one processed image
     beside `placeholder`, else the error in one line."""
     import torch
@@ -372,7 +379,7 @@ def runs_with_image(model_class: str, config, processor, placeholder: str | None
         with torch.random.fork_rng(devices=[]):
             model = cls._from_config(config)
         inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
-                           return_tensors="pt")
+                           return_tensors="pt", **(text_kwargs or {}))
         accepted = inspect.signature(model.forward).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
             inputs = {k: v for k, v in inputs.items() if k in accepted}
@@ -407,7 +414,7 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
 
     from mmrl.tiny import TINY_TEXT_SHAPES
 
-    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder) is None:
+    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs) is None:
         return tokenizer, config, processor
     base = getattr(getattr(config, plan.vision_key), "image_size", None)
     sizes = [None]
@@ -439,7 +446,7 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
             processor2 = build_processor(plan, tokenizer2, config2)
         except ScaffoldError:
             continue
-        if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder) is None:
+        if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder, plan.text_kwargs) is None:
             return tokenizer2, config2, processor2
     plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
     return tokenizer, config, processor

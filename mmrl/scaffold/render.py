@@ -378,20 +378,28 @@ def render_test(d: Discovery, layout: Layout) -> str:
 
 
 def render_processing(d: Discovery) -> str:
-    return textwrap.dedent(f'''\
-        """{d.class_name} input processing (scaffolded by `mmrl add-model {d.resolved.model_type}`).
+    text_kwargs = d.tiny.media.text_kwargs if d.tiny is not None and d.tiny.media is not None else {}
+    lines = ['    """The generic processing, under this family\'s name."""']
+    if text_kwargs:
+        lines = ['    """The generic processing; the model reads media token types, so the processor',
+                 '    is asked for them."""',
+                 "",
+                 "    def text_kwargs(self):",
+                 f"        return {_literal_dict(text_kwargs)}"]
+    head = textwrap.dedent(f"""\
+        \"\"\"{d.class_name} input processing (scaffolded by `mmrl add-model {d.resolved.model_type}`).
 
         The generic `Processing` renders the chat template and calls the HF processor; a
         family subclasses it for what differs. The pixel budget (`min_pixels` /
         `max_pixels`) is not mapped onto this processor's arguments, so images keep the
         processor's own size; override `image_kwargs` to honour a budget.
-        """
+        \"\"\"
 
         from mmrl.processing import Processing
 
 
         class {d.class_name}Processing(Processing):
-            """The generic processing, under this family's name."""
-        ''')
+        """)
+    return head + "\n".join(lines) + "\n"
 
 
