@@ -229,6 +229,6 @@ def test_scope_rule_is_read_from_transformers_tables():
     from mmrl.scaffold.sweep import scope_rule
 
     assert scope_rule("bert") == "encoder"
-    assert scope_rule("bart") == "encoder-decoder"
+    assert scope_rule("bart") == "seq2seq"
     assert scope_rule("whisper") == "audio"
     assert scope_rule(TEXT_TYPE) is None and scope_rule(VLM_TYPE) is None

@@ -202,5 +202,18 @@ def main(out: str, specs: list[dict]) -> None:
     drive(out, specs, update, compare_updates)
 
 
+def exit_cleanly() -> None:
+    """End a torchrun probe process once its records are written and its process group
+    destroyed, skipping interpreter teardown: under load, gloo's threads were seen to
+    abort it there ('terminate called without an active exception', exit -6) after all
+    the work had succeeded, which failed the launch."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main(sys.argv[1], json.loads(sys.argv[2]))
+    exit_cleanly()

@@ -96,4 +96,7 @@ def main(out: str, specs: list[dict]) -> None:
 
 
 if __name__ == "__main__":
+    from mmrl.probes.fsdp_step import exit_cleanly
+
     main(sys.argv[1], json.loads(sys.argv[2]))
+    exit_cleanly()

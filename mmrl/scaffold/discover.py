@@ -14,7 +14,7 @@ from typing import Any
 from mmrl.adapter import Parts
 from mmrl.scaffold.base import Discovery, Resolved, ScaffoldError
 from mmrl.scaffold.resolve import class_name
-from mmrl.scaffold.shrink import TinyInputs, _one_line
+from mmrl.scaffold.shrink import TinyInputs, build_tiny
 
 
 def _path_of(model, module) -> str:
@@ -76,14 +76,8 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
 
     from mmrl.rope import RopeSpec
 
-    model_cls = getattr(transformers, resolved.model_class)
     config = tiny.config
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model = model_cls._from_config(config)
-    except Exception as exc:
-        raise ScaffoldError(f"{resolved.model_class} cannot be built from the shrunk config ({_one_line(exc)}); "
-                            "write tiny() by hand", category="model-init") from exc
+    model = build_tiny(resolved.model_class, config)
     if model.get_output_embeddings() is None:
         raise ScaffoldError(f"{resolved.model_class} has no output embeddings (lm_head) to read", category="model-init")
     embed = _path_of(model, model.get_input_embeddings())

@@ -22,7 +22,7 @@ from typing import Any
 
 from mmrl.scaffold.base import Resolved, ScaffoldError
 from mmrl.scaffold.shrink import (
-    _OUTPUT_WIDTH, TinyInputs, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
+    _OUTPUT_WIDTH, TinyInputs, build_tiny, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -367,17 +367,10 @@ def runs_with_image(model_class: str, config, processor, placeholder: str | None
                     text_kwargs: dict[str, Any] | None = None) -> str | None:
     """None when the tiny model runs a forward/backward pass on one processed image
     beside `placeholder`, else the error in one line."""
-    import torch
-    import transformers
     from PIL import Image
 
-    from mmrl.build import default_attention
-
-    cls = getattr(transformers, model_class)
     try:
-        config._attn_implementation = default_attention(cls)
-        with torch.random.fork_rng(devices=[]):
-            model = cls._from_config(config)
+        model = build_tiny(model_class, config)
         inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
                            return_tensors="pt", **(text_kwargs or {}))
         accepted = inspect.signature(model.forward).parameters

@@ -250,9 +250,9 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     raise first
 
 
-def runs(model_class: str, config) -> None:
-    """Build `model_class` from `config` and run one short forward and backward pass;
-    a ScaffoldError says which of the two failed."""
+def build_tiny(model_class: str, config):
+    """`model_class` built from the shrunk `config` (random init, the caller's RNG state
+    untouched), with SDPA where the class supports it; a ScaffoldError if it cannot be."""
     import torch
     import transformers
 
@@ -262,10 +262,18 @@ def runs(model_class: str, config) -> None:
     config._attn_implementation = default_attention(cls)
     try:
         with torch.random.fork_rng(devices=[]):
-            model = cls._from_config(config)
+            return cls._from_config(config)
     except Exception as exc:
         raise ScaffoldError(f"{model_class} cannot be built from the shrunk config ({_one_line(exc)}); write tiny() "
                             "by hand", category="model-init") from exc
+
+
+def runs(model_class: str, config) -> None:
+    """Build `model_class` from `config` and run one short forward and backward pass;
+    a ScaffoldError says which of the two failed."""
+    import torch
+
+    model = build_tiny(model_class, config)
     ids = torch.arange(3, 11).reshape(1, 8) % config.get_text_config(decoder=True).vocab_size
     try:
         model(input_ids=ids, labels=ids).loss.backward()
