@@ -289,7 +289,7 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     """Run the sweep over `types` (default: every type not yet recorded) into `path`,
     `workers` types at a time (each in processes of its own)."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     import transformers
     from rich.progress import Progress
@@ -316,7 +316,9 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
 
     with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
         task = bar.add_task("add-model sweep", total=len(todo))
-        for model_type, row in zip(todo, pool.map(one, todo)):
+        futures = {pool.submit(one, t): t for t in todo}
+        for future in as_completed(futures):  # each row is written as soon as it is known
+            model_type, row = futures[future], future.result()
             with lock:
                 rows[model_type] = row
                 write_document(path, rows, version)
