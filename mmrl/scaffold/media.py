@@ -208,7 +208,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     if processor_cls is None:
         raise ScaffoldError(f"transformers has no processor class for {resolved.model_type!r}; write tiny()'s "
                             "processor by hand", category="processor")
-    named, literals = _tokens_in_source(processor_cls) if processor_cls else ({}, [])
+    named, literals = _tokens_in_source(processor_cls)
     named.setdefault("image_token", "<image>")
     # Config fields holding a token id: the processor token of the same stem, else a new one.
     token_fields: dict[str, str] = {}
@@ -237,52 +237,56 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     plan = MediaPlan(
         vision_key=resolved.vision_config_key, top_text_key=text_key, vision=vision, text_config_class=text_class,
         text_overrides=text_overrides, named_tokens=named, token_fields=token_fields, top=top,
-        processor_class=processor_cls.__name__ if processor_cls else None, sub_processors={},
+        processor_class=processor_cls.__name__, sub_processors={},
         processor_kwargs={}, literals=literals,
     )
     tokenizer, config = build_config(resolved, plan)
-    processor = None
-    if processor_cls is not None:
-        import transformers
-
-        image_size = getattr(getattr(config, plan.vision_key), "image_size", None)
-        vision_values = getattr(config, plan.vision_key).to_dict()
-        from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
-        from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
-        from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
-
-        wanted = _init_parameters(processor_cls)
-        for argument, table in (("image_processor", IMAGE_PROCESSOR_MAPPING_NAMES),
-                                ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES),
-                                ("feature_extractor", FEATURE_EXTRACTOR_MAPPING_NAMES)):
-            if argument in wanted:
-                cls = _table_class(table, resolved.model_type, processor_cls)
-                if cls is not None:
-                    plan.sub_processors[argument] = (cls.__name__, _sized(cls, image_size, vision_values))
-        # A second tokenizer the processor needs (a Q-Former's) is the same tiny one.
-        for name, parameter in wanted.items():
-            if name.endswith("tokenizer") and name != "tokenizer" and parameter.default is inspect.Parameter.empty:
-                plan.processor_kwargs[name] = "tokenizer"
-        vision_config = getattr(config, plan.vision_key)
-        for name in wanted:
-            if name in _PLUMBING or name.endswith("_token") or name in plan.processor_kwargs:
-                continue
-            if hasattr(vision_config, name) and name in vision_config.to_dict():
-                plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
-            elif name in config.to_dict():
-                plan.processor_kwargs[name] = f"config.{name}"
-        model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
-        if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
-            plan.text_kwargs = {"return_mm_token_type_ids": True}
-        processor = build_processor(plan, tokenizer, config)
-        plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
-        if "video_processor" in plan.sub_processors:
-            plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
-        tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
-        processor = build_processor(plan, tokenizer, config)
-        tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
+    _plan_processor(resolved, plan, processor_cls, config)
+    processor = build_processor(plan, tokenizer, config)
+    plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
+    if "video_processor" in plan.sub_processors:
+        plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
+    tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
+    processor = build_processor(plan, tokenizer, config)
+    tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
     return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=plan.text_overrides,
                       text_config_class=text_class, vision=plan.vision, top=top, media=plan)
+
+
+def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) -> None:
+    """Fill in the processor part of `plan`: sub-processors from transformers' tables
+    (sized to the tower), a second tokenizer where one is required, arguments the config
+    also holds, and whether the model reads media token types."""
+    import transformers
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    vision_config = getattr(config, plan.vision_key)
+    vision_values = vision_config.to_dict()
+    wanted = _init_parameters(processor_cls)
+    for argument, table in (("image_processor", IMAGE_PROCESSOR_MAPPING_NAMES),
+                            ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES),
+                            ("feature_extractor", FEATURE_EXTRACTOR_MAPPING_NAMES)):
+        if argument in wanted:
+            cls = _table_class(table, resolved.model_type, processor_cls)
+            if cls is not None:
+                plan.sub_processors[argument] = (cls.__name__, _sized(cls, vision_values.get("image_size"),
+                                                                      vision_values))
+    # A second tokenizer the processor needs (a Q-Former's) is the same tiny one.
+    for name, parameter in wanted.items():
+        if name.endswith("tokenizer") and name != "tokenizer" and parameter.default is inspect.Parameter.empty:
+            plan.processor_kwargs[name] = "tokenizer"
+    for name in wanted:
+        if name in _PLUMBING or name.endswith("_token") or name in plan.processor_kwargs:
+            continue
+        if name in vision_values:
+            plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
+        elif name in config.to_dict():
+            plan.processor_kwargs[name] = f"config.{name}"
+    model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
+    if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
+        plan.text_kwargs = {"return_mm_token_type_ids": True}
 
 
 def build_config(resolved: Resolved, plan: MediaPlan):
