@@ -329,20 +329,33 @@ def build_processor(plan: MediaPlan, tokenizer, config):
     return processor
 
 
+def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
+    """(start, end) token pairs among the named tokens: `vision_start` / `vision_end`,
+    `image_begin` / `image_end` (names that differ only in start|begin vs end)."""
+    pairs = []
+    for name, start in named.items():
+        for word in ("start", "begin"):
+            if word in name:
+                end = named.get(name.replace(word, "end"))
+                if end is not None and end != start:
+                    pairs.append((start, end))
+    return pairs
+
+
 def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
-    """The special token that, written in a prompt beside one image (or video), the
-    processor expands: the processor's own `*_token` for the kind first, then every other
-    named token. The token it expands into most often is the one the model counts, so
-    the config's id field for the kind is pointed at it."""
+    """The text that, written in a prompt beside one image (or video), the processor
+    expands: the processor's own `*_token` for the kind inside a start/end frame the
+    processor does not add itself (so that two media in a row stay two runs), else that
+    token alone, then every other named token. The token it expands into most often is
+    the one the model counts, so the config's id field for the kind is pointed at it."""
     from PIL import Image
 
     field = next((k for k in plan.token_fields if k.startswith(kind)), None)
     own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
     specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
-    starts = [t for n, t in plan.named_tokens.items() if n.startswith(kind) and ("start" in n or "begin" in n)]
-    ends = [t for n, t in plan.named_tokens.items() if n.startswith(kind) and "end" in n]
-    framed = [f"{a}{t}{b}" for t in own for a in starts for b in ends if t not in (a, b)]
-    candidates = list(dict.fromkeys(own + specials + framed))
+    frames = _frames(plan.named_tokens)
+    framed = [f"{a}{t}{b}" for t in own for a, b in frames if t not in (a, b)]
+    candidates = list(dict.fromkeys(framed + own + specials))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     image = Image.new("RGB", (224, 168), (120, 30, 200))
     media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
@@ -355,6 +368,8 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
             continue
         row = out["input_ids"][0].tolist()
         counts = {t: row.count(i) for t, i in ids.items()}
+        if token in framed and any(counts.get(f) != 1 for frame in frames for f in frame if f in token):
+            continue  # the processor frames media itself: a frame in the text would double it
         expanded = max(counts, key=lambda t: counts[t])
         if counts[expanded] > 1 or counts[expanded] == 1 and expanded != token:
             if field is not None:
