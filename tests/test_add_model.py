@@ -6,9 +6,7 @@ nothing.
     .venv/bin/python -m pytest -q tests/test_add_model.py
 """
 
-import importlib
 import inspect
-import sys
 import tomllib
 
 import pytest
@@ -16,7 +14,7 @@ import test_zoo
 from typer.testing import CliRunner
 
 from mmrl.cli import app
-from mmrl.registry import get_adapter, load_plugin, unregister
+from mmrl.registry import get_adapter, load_plugin
 
 TEXT_TYPE = "olmo2"  # in transformers, not in the zoo
 
@@ -36,22 +34,6 @@ def zoo_checks(family: str):
         vlm_only = any(families and all(get_adapter(f).is_multimodal for f in families) for families in marks)
         if multimodal or not vlm_only:
             yield name, check
-
-
-@pytest.fixture
-def plugin_path(tmp_path):
-    """Put `tmp_path` on sys.path for the test; afterwards unregister and forget the
-    families and modules loaded from it."""
-    sys.path.insert(0, str(tmp_path))
-    yield tmp_path
-    sys.path.remove(str(tmp_path))
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-            for attr in vars(module).values():
-                if isinstance(attr, type) and attr.__module__ == name and hasattr(attr, "family"):
-                    unregister(attr.family)
-    importlib.invalidate_caches()
 
 
 def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):

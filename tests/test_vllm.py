@@ -358,27 +358,6 @@ def test_count_recipe_learns_with_the_vllm_backend(tmp_path):
     assert summary["eval/shuffled_images_accuracy"] < 0.6
 
 
-@pytest.fixture
-def plugin_path(tmp_path):
-    """`tmp_path` on sys.path for an out-of-tree family; afterwards its families are
-    unregistered and its modules forgotten."""
-    import importlib
-    import sys
-
-    from mmrl.registry import unregister
-
-    sys.path.insert(0, str(tmp_path))
-    yield tmp_path
-    sys.path.remove(str(tmp_path))
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-            for attr in vars(module).values():
-                if isinstance(attr, type) and attr.__module__ == name and hasattr(attr, "family"):
-                    unregister(attr.family)
-    importlib.invalidate_caches()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [
     "starcoder2",  # vLLM's Transformers backend; lm_head tied to the embedding
