@@ -71,9 +71,6 @@ def vllm_architecture(architecture: str) -> tuple[str | None, str]:
 
 def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discovery:
     """Build the tiny model on CPU and read the family's layout off its modules."""
-    import torch
-    import transformers
-
     from mmrl.rope import RopeSpec
 
     config = tiny.config

@@ -249,8 +249,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
     processor = build_processor(plan, tokenizer, config)
     tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
-    return TinyInputs(config=config, tokenizer=tokenizer, processor=processor, text_overrides=plan.text_overrides,
-                      text_config_class=text_class, vision=plan.vision, top=top, media=plan)
+    return TinyInputs(config=config, media=plan)
 
 
 def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) -> None:

@@ -50,13 +50,8 @@ class TinyInputs:
     """The tiny config and what rendering needs to rebuild it in the adapter's `tiny()`."""
 
     config: Any
-    tokenizer: Any
-    processor: Any = None
-    # Values passed to the text config class beyond the standard tiny shapes.
+    # The values a text family's tiny() passes to its config class (`sized_config`).
     text_overrides: dict[str, Any] = field(default_factory=dict)
-    text_config_class: str | None = None
-    vision: dict[str, Any] = field(default_factory=dict)  # the vision sub-config's values
-    top: dict[str, Any] = field(default_factory=dict)  # the top-level config's values
     media: Any = None  # mmrl.scaffold.media.MediaPlan for vision-language types
 
 
@@ -245,8 +240,7 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
         except ScaffoldError as exc:
             first = first or exc
             continue
-        return TinyInputs(config=config, tokenizer=tokenizer, text_overrides=overrides,
-                          text_config_class=resolved.config_class)
+        return TinyInputs(config=config, text_overrides=overrides)
     raise first
 
 
