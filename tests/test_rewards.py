@@ -16,7 +16,8 @@ def my_reward(completions, answers, *, bonus=0.0, **fields):
 
 
 def test_builtin_names():
-    assert set(BUILTIN_REWARDS) == {"exact_match", "numeric", "math", "format", "counting"}
+    assert set(BUILTIN_REWARDS) == {"exact_match", "numeric", "math", "format", "counting", "boxed_math",
+                                    "think_format", "weighted"}
 
 
 def test_exact_match_normalizes_whitespace_and_case():

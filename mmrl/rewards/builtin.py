@@ -13,6 +13,9 @@ are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
     math         symbolic equivalence with `math_verify`, or `numeric` without it
     format       the completion matches a regex (`pattern` option or per-row field)
     counting     a count 0..10 in digits or words; partial credit for a wrong count
+    boxed_math   the last \\boxed{...} of the completion is equivalent to the answer
+    think_format `<think>reasoning</think>` then an answer (boxed, tagged or any text)
+    weighted     a weighted sum of other rewards, e.g. 0.9 boxed_math + 0.1 think_format
 """
 
 from __future__ import annotations
@@ -154,10 +157,224 @@ def counting(
     return scores
 
 
+# -- R1-style math: a boxed final answer after a <think> block --------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced,
+    or None. `\\boxed 5` (no braces) gives "5"."""
+    matches = list(_BOXED.finditer(text))
+    for match in reversed(matches):
+        start = match.end()
+        if start < len(text) and text[start] == "{":
+            depth = 0
+            for i in range(start, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[i], 0)
+                if depth == 0:
+                    return text[start + 1:i].strip()
+            continue  # unclosed: try an earlier box
+        word = re.match(r"[^\s$]+", text[start:])
+        if word and match.group().endswith(" "):
+            return word.group()
+    return None
+
+
+# LaTeX that does not change a final answer's value: spacing, sizing, degree and percent
+# signs, display-style fractions.
+_LATEX_NOISE = (
+    (re.compile(r"\\(?:left|right|displaystyle|!|,|;|:|quad|qquad)"), ""),
+    (re.compile(r"\\[dt]frac"), r"\\frac"),
+    (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°"), ""),
+    (re.compile(r"\\?%"), ""),
+    (re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\$"), ""),
+)
+_FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}|\\frac\s*(\d)\s*(\d)")
+_SQRT = re.compile(r"\\sqrt\s*\{([^{}]*)\}|\\sqrt\s*(\d+)")
+
+
+def normalize_math_answer(text: str) -> str:
+    """A final answer with its LaTeX noise removed, spaces dropped and case folded, for
+    comparing strings: `x = \\dfrac{1}{2}\\,\\text{cm}` -> `\\frac{1}{2}cm`, `60^\\circ` -> `60`,
+    `1,000` -> `1000`. Fractions and roots stay LaTeX for `evaluate_math_answer`."""
+    text = text.strip()
+    for pattern, replacement in _LATEX_NOISE:
+        text = pattern.sub(replacement, text)
+    text = re.sub(r"\s+", "", text).rstrip(".")
+    text = re.sub(r"^[a-zA-Z]\w*=(?!=)", "", text)  # "x=5" -> "5"
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")
+    return text.casefold()
+
+
+def evaluate_math_answer(text: str) -> float | None:
+    """The numeric value of a normalized answer built from numbers, + - * / ^, fractions,
+    square roots, pi and parentheses; None for anything else (a variable, a set, text)."""
+    import ast
+
+    expression = text
+    for _ in range(8):  # innermost first: nested fractions and roots
+        replaced = _FRAC.sub(lambda m: f"(({m[1] or m[3]})/({m[2] or m[4]}))", expression)
+        replaced = _SQRT.sub(lambda m: f"sqrt({m[1] or m[2]})", replaced)
+        if replaced == expression:
+            break
+        expression = replaced
+    expression = (expression.replace("\\pi", "pi").replace("\\cdot", "*").replace("\\times", "*")
+                  .replace("{", "(").replace("}", ")").replace("^", "**"))
+    expression = re.sub(r"(?<=[\d)])(?=[a-z(])", "*", expression)  # 2sqrt(3) -> 2*sqrt(3)
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        return None
+    constants = {"pi": math.pi}
+    operators = {ast.Add: float.__add__, ast.Sub: float.__sub__, ast.Mult: float.__mul__,
+                 ast.Div: float.__truediv__, ast.Pow: float.__pow__}
+
+    def value(node) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.Name) and node.id in constants:
+            return constants[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in operators:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            return operators[type(node.op)](left, right)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "sqrt" and len(node.args) == 1:
+            return math.sqrt(value(node.args[0]))
+        raise ValueError("not a number")
+
+    try:
+        result = value(tree.body)
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return result if isinstance(result, float) and math.isfinite(result) else None
+
+
+def equivalent_by_normalizing(predicted: str, expected: str, tolerance: float = 1e-6) -> bool:
+    """Equal after `normalize_math_answer`, or of equal value by `evaluate_math_answer`."""
+    a, b = normalize_math_answer(predicted), normalize_math_answer(expected)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = evaluate_math_answer(a), evaluate_math_answer(b)
+    return x is not None and y is not None and math.isclose(x, y, rel_tol=tolerance, abs_tol=tolerance)
+
+
+def _math_verify_equivalent(predicted: str, expected: str, timeout: int | None) -> bool | None:
+    """math_verify's verdict on two bare answers, or None when it is not installed or
+    cannot parse the expected answer."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        timeout = None  # its timeout uses SIGALRM, which only the main thread may set
+    try:
+        gold = parse(f"${expected}$", parsing_timeout=timeout)
+        if not gold:
+            return None
+        return bool(verify(gold, parse(f"${predicted}$", parsing_timeout=timeout), timeout_seconds=timeout))
+    except Exception:  # a parser error is a wrong answer, not a crashed training step
+        return False
+
+
+def boxed_math(
+    completions: list[str], answers: list[str], *, tolerance: float = 1e-6, timeout: int | None = 5, **fields
+) -> list[float]:
+    """1.0 when the completion's last `\\boxed{...}` is equivalent to the answer, else 0.0.
+
+    A completion without a box scores 0 even if the right number appears elsewhere.
+    Equivalence is `math_verify`'s (symbolic: `\\frac{1}{2}` = 0.5, `2\\sqrt{3}` = `\\sqrt{12}`,
+    `60^\\circ` = 60) when it is installed and reads the answer; otherwise, or when it
+    says no, `equivalent_by_normalizing` decides (LaTeX noise removed, then the strings
+    or their numeric values compared), so a parser gap never fails a plainly equal answer.
+    An answer written as `\\boxed{...}` itself is unboxed first.
+    """
+    scores = []
+    for completion, answer in zip(completions, answers, strict=True):
+        predicted = last_boxed(completion)
+        expected = last_boxed(answer) or answer
+        if predicted is None or not expected.strip():
+            scores.append(0.0)
+            continue
+        correct = equivalent_by_normalizing(predicted, expected, tolerance)
+        if not correct:
+            correct = bool(_math_verify_equivalent(predicted, expected, timeout))
+        scores.append(float(correct))
+    return scores
+
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_AFTER_THINK = {
+    "boxed": lambda rest: last_boxed(rest) is not None,
+    "tag": lambda rest: re.fullmatch(r"\s*<answer>.*?\S.*?</answer>\s*", rest, re.DOTALL) is not None,
+    "any": lambda rest: bool(rest.strip()),
+}
+
+
+def think_format(completions: list[str], answers: list[str], *, answer: str = "boxed", **fields) -> list[float]:
+    """1.0 when the completion is `<think>reasoning</think>` followed by its answer.
+
+    The completion must open with the think block (leading whitespace aside), hold
+    exactly one, with non-blank reasoning, and then `answer`: "boxed" (a `\\boxed{...}`
+    after the block), "tag" (only `<answer>...</answer>` after it, as in R1-V) or
+    "any" (any non-blank text).
+    """
+    if answer not in _AFTER_THINK:
+        raise ValueError(f"think_format: answer must be one of {', '.join(_AFTER_THINK)}, got {answer!r}")
+    check = _AFTER_THINK[answer]
+    scores = []
+    for completion in completions:
+        text = completion.lstrip()
+        ok = (text.startswith(_THINK_OPEN) and text.count(_THINK_OPEN) == 1 and text.count(_THINK_CLOSE) == 1)
+        if ok:
+            reasoning, _, rest = text[len(_THINK_OPEN):].partition(_THINK_CLOSE)
+            ok = bool(reasoning.strip()) and check(rest)
+        scores.append(float(ok))
+    return scores
+
+
+def weighted(completions: list[str], answers: list[str], *, components: list[dict], **fields) -> list[float]:
+    """The weighted sum of other rewards, configured in a recipe:
+
+        reward:
+          name: weighted
+          options:
+            components:
+              - {name: boxed_math, weight: 0.9}
+              - {name: think_format, weight: 0.1, options: {answer: boxed}}
+
+    Each component is a reward name (built-in or dotted path), a weight and its options.
+    With weights summing to 1, a fully right completion scores exactly 1.0.
+    """
+    from mmrl.rewards import combine, get_reward  # the package imports this module
+
+    if not isinstance(components, (list, tuple)) or not components:
+        raise ValueError("weighted: components must be a non-empty list of {name, weight, options}")
+    parts = []
+    for i, component in enumerate(components):
+        if not isinstance(component, dict) or "name" not in component or "weight" not in component:
+            raise ValueError(f"weighted: components[{i}] must be a mapping with name and weight, got {component!r}")
+        unknown = set(component) - {"name", "weight", "options"}
+        if unknown:
+            raise ValueError(f"weighted: components[{i}] has unknown key(s) {', '.join(sorted(unknown))}")
+        parts.append((get_reward(component["name"], **(component.get("options") or {})), component["weight"]))
+    return combine(parts)(completions, answers, **fields)
+
+
 BUILTIN_REWARDS = {
     "exact_match": exact_match,
     "numeric": numeric,
     "math": math_equivalent,
     "format": format_match,
     "counting": counting,
+    "boxed_math": boxed_math,
+    "think_format": think_format,
+    "weighted": weighted,
 }
