@@ -87,3 +87,49 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(tmp_path):
     for (name, a), (_, b) in zip(engine.model.state_dict().items(), other.model.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-7), name
     assert engine.lr == other.lr
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen2", {"attention_dropout": 0.3}),
+    ("smolvlm", {"text_config": {"attention_dropout": 0.3}, "vision_config": {"attention_dropout": 0.3}}),
+])
+def test_training_engine_log_probs_are_deterministic_in_training_mode(family, overrides):
+    """Dropout is off in a training engine (rollout, old and reference log-probs have
+    none), while the model stays in training mode: two forwards give the same log-probs.
+    With `dropout=True` they differ, so the check has teeth."""
+    results = {}
+    for keep in (False, True):
+        built = build_model(family, random_init=True, config_overrides=overrides)
+        engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), dropout=keep)
+        assert engine.model.training
+        seqs = _sequences(built)
+        first, _ = engine.log_probs(seqs)
+        second, _ = engine.log_probs(seqs)
+        results[keep] = (first - second).abs().max().item()
+    assert results[False] == 0.0
+    assert results[True] > 1e-4
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_disable_dropout_reaches_modules_attributes_and_configs(name):
+    """HF classes with dropout by default (GPT-2: nn.Dropout modules; OPT: float
+    probabilities in its layers and LayerDrop) compute the same logits twice in training
+    mode once `disable_dropout` ran."""
+    import transformers
+
+    from mmrl.engine.engine import disable_dropout
+
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+                                        vocab_size=64, max_position_embeddings=32, word_embed_proj_dim=32,
+                                        layerdrop=0.5, attention_dropout=0.1)
+        model = transformers.OPTForCausalLM(config)
+    model.train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    changed = disable_dropout(model)
+    assert changed and model.training
+    assert torch.equal(model(ids).logits, model(ids).logits)

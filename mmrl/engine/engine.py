@@ -65,6 +65,49 @@ def token_log_probs(
     return torch.cat(logps), torch.cat(entropies)
 
 
+# Names of the probabilities with which models drop activations, attention weights,
+# whole layers (LayerDrop) or residual branches (stochastic depth) in training mode.
+DROPOUT_NAMES = ("dropout", "pdrop", "drop_prob", "layerdrop", "drop_path")
+
+
+def _is_drop_probability(name: str, value) -> bool:
+    return isinstance(value, float) and value > 0 and any(part in name.lower() for part in DROPOUT_NAMES)
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Set every dropout probability that `model` applies in training mode to 0, and
+    return what was changed: `nn.Dropout` modules (LoRA's too), float probabilities that
+    modules hold for functional dropout, LayerDrop and stochastic depth, and the configs'
+    fields (some forwards read them there). The model stays in training mode, which
+    gradient checkpointing is gated on.
+
+    Policy-gradient updates weight the log-probs of sampled tokens against the rollout's
+    and the old and reference policies' (all computed without dropout): dropout in the
+    update alone makes the ratios noise, so RL trainers switch it off."""
+    changed = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            changed.append(f"{name or 'model'}.p={module.p}")
+            module.p = 0.0
+            continue
+        for attribute, value in list(vars(module).items()):
+            if _is_drop_probability(attribute, value):
+                changed.append(f"{name or 'model'}.{attribute}={value}")
+                setattr(module, attribute, 0.0)
+    configs, seen = [getattr(model, "config", None)], set()
+    while configs:
+        config = configs.pop()
+        if config is None or id(config) in seen or not hasattr(config, "to_dict"):
+            continue
+        seen.add(id(config))
+        for attribute, value in list(vars(config).items()):
+            if _is_drop_probability(attribute, value):
+                setattr(config, attribute, 0.0)
+            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                configs.append(value)  # a sub-config (text, vision, ...)
+    return changed
+
+
 def _lr_lambda(optim: OptimConfig, total_steps: int):
     def factor(step: int) -> float:
         if optim.warmup_steps and step < optim.warmup_steps:
@@ -93,6 +136,7 @@ class Engine:
         value_head: bool = False,
         mixed_precision: bool = True,
         share_media: bool = True,
+        dropout: bool = False,
     ):
         self.built = built
         # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
@@ -104,6 +148,9 @@ class Engine:
         # encoders allow it (`mmrl.engine.media`).
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         self.model = built.model.to(dist.device)
+        # Dropout off unless asked for (`disable_dropout` says why); an engine that does
+        # not train runs in eval mode anyway.
+        self.dropout_disabled = [] if dropout else disable_dropout(self.model)
         self.value_head = None
         if value_head:
             hidden = self.model.config.get_text_config().hidden_size

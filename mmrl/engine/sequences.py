@@ -63,7 +63,11 @@ def join(
     """Join left-padded prompts and right-padded responses into training sequences."""
     batch_size, prompt_length = prompt_batch["input_ids"].shape
     response_length = response_ids.shape[1]
-    response_mask = response_mask.to(prompt_batch["attention_mask"].dtype)
+    # Responses join the prompts where the prompts are (a GPU rollout's tokens beside a
+    # batch processed on CPU, or the other way round).
+    device = prompt_batch["input_ids"].device
+    response_ids = response_ids.to(device)
+    response_mask = response_mask.to(device=device, dtype=prompt_batch["attention_mask"].dtype)
     inputs: dict[str, torch.Tensor] = {}
     for key, value in prompt_batch.items():
         if key in _NOT_INPUTS:

@@ -100,10 +100,12 @@ def exact_numerics() -> None:
 
 
 def _built_on_cpu(subject):
-    """Engine moves the model to the rank's device itself."""
+    """Built on CPU whatever the default device (a probe may run under the GPU's), with
+    its processing there too; the Engine moves the model to the rank's device itself."""
     from mmrl.build import build_model
 
-    return build_model(subject.source, random_init=subject.random_init, seed=0)
+    with torch.device("cpu"):
+        return build_model(subject.source, random_init=subject.random_init, seed=0)
 
 
 def compare_updates(reference: tuple[dict, dict], sharded: tuple[dict, dict]) -> tuple[str | None, dict]:

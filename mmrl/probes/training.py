@@ -123,7 +123,7 @@ def check_media_sharing(subject: Subject) -> Verified:
         built, engine = probe_engine(subject, _single_process(subject.device))
         engine.shares_media = share  # the probe verifies the claim, so it does not read it
         vocab = built.model.config.get_text_config().vocab_size
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator(device="cpu").manual_seed(0)
         seen, logps = [], []
         with ExitStack() as hooks:
             for module in part_modules(engine.model, "vision", built.adapter):
@@ -131,23 +131,27 @@ def check_media_sharing(subject: Subject) -> Verified:
                     lambda _, args, kwargs: seen.append(_input_size(args, kwargs)), with_kwargs=True)
                 hooks.callback(handle.remove)
             for conversations, owners in batches:
-                expanded = [conversations[o] for o in owners]
-                responses = torch.randint(min(20, vocab - 1), vocab, (len(owners), 5), generator=generator)
-                mask = torch.ones_like(responses)
-                mask[1, 3:] = 0
-                advantages = torch.randn(len(owners), 1, generator=generator)
-                prompts = dict(built.processing(expanded))
-                shared = SharedMedia.of(built.processing, expanded, owners) if share else None
-                if shared is not None:
-                    # The rows' batch collated from each prompt's own (what the trainer
-                    # uses) equals processing the rows.
-                    require(shared.collatable, "the prompts' own batches hold different keys")
-                    collated = built.processing.collate([shared.singles[o] for o in shared.owners])
-                    differ = batch_differences(collated, prompts)
-                    require(not differ, f"rows collated from each prompt's batch differ from processing them: {differ}")
-                    prompts = collated
-                seqs = join(prompts, responses, mask, built.adapter, engine.model,
-                            built.tokenizer.pad_token_id, shared=shared).to(engine.dist.device)
+                # The batch is made on CPU whatever the default device (processors convert
+                # to numpy; the random draws use a CPU generator), then follows the model.
+                with torch.device("cpu"):
+                    expanded = [conversations[o] for o in owners]
+                    responses = torch.randint(min(20, vocab - 1), vocab, (len(owners), 5), generator=generator)
+                    mask = torch.ones_like(responses)
+                    mask[1, 3:] = 0
+                    advantages = torch.randn(len(owners), 1, generator=generator)
+                    prompts = dict(built.processing(expanded))
+                    shared = SharedMedia.of(built.processing, expanded, owners) if share else None
+                    if shared is not None:
+                        # The rows' batch collated from each prompt's own (what the trainer
+                        # uses) equals processing the rows.
+                        require(shared.collatable, "the prompts' own batches hold different keys")
+                        collated = built.processing.collate([shared.singles[o] for o in shared.owners])
+                        differ = batch_differences(collated, prompts)
+                        require(not differ, f"rows collated from each prompt's batch differ from processing them: {differ}")
+                        prompts = collated
+                    seqs = join(prompts, responses, mask, built.adapter, engine.model,
+                                built.tokenizer.pad_token_id, shared=shared)
+                seqs = seqs.to(engine.dist.device)
                 logp, _ = engine.log_probs(seqs)
                 (-(logp * advantages.to(logp.device) * seqs.response_mask).sum() / rows).backward()
                 logps.append(logp.detach().float().cpu().flatten())
