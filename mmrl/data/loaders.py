@@ -15,6 +15,8 @@ Sources, all read through HF `datasets` except synthetic tasks and in-memory lis
 - `synthetic:TASK?key=value&...`: a task of `mmrl.data.synthetic` (see `from_spec`;
   a split other than "train" gets other prompts).
 - a list of samples.
+- a mapping (or `mmrl.data.layouts.DataSource`): a public dataset in its own layout, its
+  columns mapped onto the schema by the recipe (see `mmrl.data.layouts`).
 Relative media paths resolve against the folder of the file. Every selected row is
 validated at load (images are not decoded for it), so a bad row fails before training
 starts, with the error of `validate_sample`; row numbers count from 0 in the source.
@@ -214,6 +216,11 @@ def _load_folder(folder: Path, split: str) -> Any:
 def load_prompts(source: str | Path | Sequence[Sample], split: str = "train", *,
                  limit: int | None = None, shuffle_seed: int | None = None) -> PromptDataset:
     """A validated `PromptDataset` from a file, a folder, a synthetic task or a list."""
+    if not isinstance(source, (str, Path, list, tuple)):
+        # A public dataset's own layout with a column mapping: `mmrl.data.layouts`.
+        from mmrl.data.layouts import load_layout
+
+        return load_layout(source, split, limit=limit, shuffle_seed=shuffle_seed)
     if isinstance(source, str) and source.startswith(SYNTHETIC_PREFIX):
         from mmrl.data.synthetic import from_spec
 
