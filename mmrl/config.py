@@ -3,7 +3,10 @@
     cfg = load_recipe("recipes/tiny_vlm_count.yaml", ["rollout.backend=vllm", "optim.lr=1e-4"])
 
 Every field has a default, so a recipe states only what differs. Unknown keys and bad
-values are errors that name the dotted field (`optim.lr: Input should be a valid number`).
+values are errors that name the dotted field (`optim.lr: Input should be a valid number`);
+a YAML error names the line and column. `check_before_build` checks what needs the
+filesystem or the model's config (model.path, config_overrides' types) before the slow
+model build; `same_run` tells whether a saved recipe is the run being resumed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mmrl.data.layouts import DataSource
+from mmrl.smoke import SmokeConfig
+
+# The keys of `mmrl.tiny.vocabulary`, and what each holds.
+TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
 
 
 class _Section(BaseModel):
@@ -39,19 +48,40 @@ class ModelConfig(_Section):
     # Encode each prompt's images/videos once per micro-batch and reuse the features for
     # all its samples (rollout and update), where the family declares media_sharing.
     share_media: bool = True
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
+    # huge source image does not take memory in proportion to its size.
+    min_pixels: int | None = Field(None, gt=0)
+    max_pixels: int | None = Field(None, gt=0)
     trust_remote_code: bool = False
+
+    @field_validator("tiny_vocabulary")
+    @classmethod
+    def _vocabulary_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if key not in TINY_VOCABULARY_KEYS:
+                raise ValueError(f"unknown key {key!r} (the keys are {', '.join(TINY_VOCABULARY_KEYS)})")
+            expected = TINY_VOCABULARY_KEYS[key]
+            if not isinstance(item, expected) or (key == "words" and not all(isinstance(w, str) for w in item)):
+                wanted = "a string" if expected is str else "a list of strings"
+                raise ValueError(f"{key}: expected {wanted}, got {type(item).__name__}")
+        return value
+
+    @model_validator(mode="after")
+    def _pixel_budget_in_order(self):
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) is above max_pixels ({self.max_pixels})")
+        return self
 
 
 class DataConfig(_Section):
     # A .jsonl/.parquet file, a dataset folder, or a synthetic task such as
-    # "synthetic:count_shapes?n=2048&seed=0".
-    train: str
-    eval: str | None = None
+    # "synthetic:count_shapes?n=2048&seed=0"; or a mapping: a public dataset in its own
+    # layout with its columns mapped onto the schema (`mmrl.data.layouts.DataSource`).
+    train: str | DataSource
+    eval: str | DataSource | None = None
     # Checked every `trainer.eval_every` steps (early stopping); defaults to `eval`. Keep
     # it apart from `eval` so the final figure is not measured on the stopping set.
-    validation: str | None = None
+    validation: str | DataSource | None = None
     prompts_per_step: int = Field(16, gt=0)
     shuffle_seed: int = 0
 
@@ -115,7 +145,10 @@ class TrainerConfig(_Section):
     target_accuracy: float | None = None
     # Wall-clock budget in seconds for the training loop (None: no limit).
     time_budget_s: float | None = None
+    # Continue the run in output_dir from its newest good checkpoint (the same run only).
     resume: bool = False
+    # Remove the results of a run already in output_dir before starting this one.
+    overwrite: bool = False
     export: bool = True
     threads: int | None = None
     progress: bool = True
@@ -150,12 +183,16 @@ class Recipe(_Section):
     optim: OptimConfig = OptimConfig()
     trainer: TrainerConfig = TrainerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
+    smoke: SmokeConfig = SmokeConfig()
 
     @field_validator("trainer")
     @classmethod
     def _output_dir_is_set(cls, value: TrainerConfig) -> TrainerConfig:
         if not value.output_dir:
             raise ValueError("output_dir must not be empty")
+        if value.resume and value.overwrite:
+            raise ValueError("resume and overwrite are both true; choose one")
         return value
 
 
@@ -197,8 +234,10 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
             raise RecipeError(f"recipe file not found: {path}")
         try:
             values = yaml.safe_load(path.read_text()) or {}
+        except UnicodeDecodeError as exc:
+            raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         except yaml.YAMLError as exc:
-            raise RecipeError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+            raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
         if not isinstance(values, dict):
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(values).__name__}")
     values = apply_overrides(values, overrides or [])
@@ -208,7 +247,124 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         where = f"{path}: " if path is not None else ""
-        raise RecipeError(f"{where}{field}: {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise RecipeError(f"{where}{field}: {message}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """`line L, column C: problem` of a YAML error (1-based, as editors count)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def check_before_build(recipe: Recipe) -> None:
+    """Raise RecipeError for what the schema cannot see but a model build would trip on
+    late: a model.path that is not there, and config_overrides of the wrong type."""
+    m = recipe.model
+    path = Path(m.path).expanduser()
+    looks_like_path = "/" in m.path or m.path.startswith((".", "~"))
+    if not m.random_init:
+        if path.is_file():
+            raise RecipeError(f"model.path: {m.path} is a file; give a checkpoint folder")
+        if not path.is_dir():
+            raise RecipeError(f"model.path: no checkpoint folder {m.path} (to build a family's tiny model "
+                              "instead, name the family and set model.random_init=true)")
+        if m.config_overrides or m.tiny_vocabulary:
+            key = "config_overrides" if m.config_overrides else "tiny_vocabulary"
+            raise RecipeError(f"model.{key}: applies to random_init=true builds only")
+        return
+    if looks_like_path and not path.exists():
+        raise RecipeError(f"model.path: no checkpoint folder {m.path} (and it is not a family name)")
+    if m.config_overrides:
+        problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
+        if problem:
+            raise RecipeError(problem)
+
+
+def _base_config(m: ModelConfig):
+    """The config a random init of `m` starts from (the family's tiny one, or a checkpoint's)."""
+    from contextlib import nullcontext
+
+    from mmrl.registry import RegistryError, get_adapter
+
+    path = Path(m.path).expanduser()
+    if path.is_dir():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    try:
+        adapter = get_adapter(m.path)
+    except RegistryError as exc:
+        raise RecipeError(f"model.path: {exc}") from None
+    from mmrl.tiny import vocabulary
+
+    with vocabulary(**m.tiny_vocabulary) if m.tiny_vocabulary else nullcontext():
+        return adapter.tiny().config
+
+
+_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"),
+          ((list, tuple), "a list"))
+
+
+def _override_problem(config, overrides: dict[str, Any], where: str) -> str | None:
+    """The first override whose key the config lacks or whose value has another type."""
+    for key, value in overrides.items():
+        field = f"{where}.{key}"
+        if not hasattr(config, key):
+            return f"{field}: {type(config).__name__} has no such field"
+        current = getattr(config, key)
+        if hasattr(current, "to_dict"):
+            if not isinstance(value, dict):
+                return f"{field}: a sub-config; give a mapping of its fields, got {type(value).__name__}"
+            problem = _override_problem(current, value, field)
+            if problem:
+                return problem
+            continue
+        if current is None or value is None:
+            continue
+        for kind, words in _KINDS:
+            if isinstance(current, kind):
+                fits = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+                if kind is float:
+                    fits = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not fits:
+                    return f"{field}: expected {words} (the config has {current!r}), got {value!r}"
+                break
+    return None
+
+
+# Recipe fields that say how to run, not what is trained: a resumed run may change them.
+_HOW_TO_RUN = {
+    "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
+                "save_every", "export", "target_accuracy", "output_dir"},
+    "rollout": {"backend", "gpu_memory_utilization"},
+    "model": {"attn_implementation", "gradient_checkpointing"},
+    "parallel": {"sequence_parallel"},
+}
+
+
+def same_run(recipe: Recipe, saved_text: str) -> str | None:
+    """None when the recipe saved in a run folder (`saved_text`) describes the same run
+    as `recipe`, else the first field that differs, in words."""
+    try:
+        saved = yaml.safe_load(saved_text)
+        if not isinstance(saved, dict):
+            raise ValueError
+        saved = Recipe.model_validate(saved).model_dump(mode="json")
+    except (yaml.YAMLError, ValueError):
+        return "its recipe.yaml cannot be read as a recipe"
+    current = recipe.model_dump(mode="json")
+    for section, fields in current.items():
+        for key, value in fields.items():
+            if key in _HOW_TO_RUN.get(section, ()):
+                continue
+            before = saved.get(section, {}).get(key)
+            if before != value:
+                return f"{section}.{key} was {before!r}, now {value!r}"
+    return None
 
 
 def dump_recipe(recipe: Recipe) -> str:

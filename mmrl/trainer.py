@@ -11,6 +11,13 @@ and sequences), samples
 advantages with the configured estimator, and updates the actor (and the critic for
 GAE) in micro-batches. Metrics go to `metrics.jsonl` and TensorBoard; checkpoints hold
 everything needed to resume exactly (weights, optimizer, data position, RNG).
+
+The output folder belongs to one run (`mmrl.runs`): a second process is locked out, a
+folder holding another run's results is refused unless `trainer.resume` (the same run)
+or `trainer.overwrite` (remove them first). Checkpoints are written aside and renamed
+into place with a manifest; resume takes the newest that verifies, cuts `metrics.jsonl`
+back to its step and plots the whole run. SIGINT / SIGTERM finish the step, save a
+checkpoint and exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import math
 import os
 import random
+import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,12 +34,15 @@ from typing import Any
 
 import torch
 
-from mmrl.config import Recipe, RecipeError, dump_recipe
+from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine, join
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.runs import (RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint, newest_checkpoint,
+                       temporary_for)
 
 STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"
 
 
 class Trainer:
@@ -56,11 +67,38 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.dist.dp_rank)
         random.seed(cfg.seed + self.dist.dp_rank)
         self.output_dir = Path(cfg.output_dir)
+        self.folder = RunFolder(self.output_dir)
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
-        self._build()
         self._metrics_file = None
         self._tensorboard = None
+        self._purge_step: int | None = None
+        self._stop_signal: int | None = None
+        self._step_context = "before training"
+        check_before_build(recipe)  # cheap checks, before the (slow) model build
+        self._claim_folder()
+        try:
+            self._build()
+        except BaseException:
+            self.folder.release()
+            raise
+
+    def _claim_folder(self) -> None:
+        """Lock the output folder (rank 0) and refuse another run's results; every rank
+        learns the outcome, so none waits for a rank that gave up."""
+        cfg = self.recipe.trainer
+        error = None
+        if self.dist.is_main:
+            try:
+                self.folder.claim(resume=cfg.resume, overwrite=cfg.overwrite,
+                                  same_run=lambda saved: same_run(self.recipe, saved))
+            except RunFolderError as exc:
+                error = str(exc)
+        else:
+            self.folder.check_path()
+        error = self.dist.all_gather_objects(error)[0]
+        if error:
+            raise RunFolderError(error)
 
     # -- setup -------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -124,13 +162,28 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result) -> torch.Tensor:
+    def _score(self, samples: list[dict], result, source_rows: list[int] | None = None,
+               dataset=None) -> torch.Tensor:
+        """Rewards of the responses; a failing reward or a NaN/inf score stops the run
+        here, before any update, naming the reward, the step and the dataset row."""
+        from mmrl.rewards import RewardError, score
+
         texts = self.processing.decode(result.response_ids)
         rows = result.prompt_index.tolist()
         answers = [samples[i]["answer"] for i in rows]
         extra_keys = [k for k in samples[0] if k not in ("prompt", "answer", "images", "videos")]
         fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
-        return torch.tensor(self.reward_fn(texts, answers, **fields), dtype=torch.float32)
+        try:
+            scores = score(self.reward_fn, texts, answers, **fields)
+        except RewardError as exc:
+            where = self._step_context
+            if exc.index is not None:
+                prompt = rows[exc.index]
+                row = source_rows[prompt] if source_rows is not None else prompt
+                name = getattr(dataset, "name", "") if dataset is not None else ""
+                where += f", row {row}" + (f" of {name}" if name else "") + f" (response {texts[exc.index]!r})"
+            raise RewardError(f"{exc} at {where}", reward=exc.reward, index=exc.index) from None
+        return torch.tensor(scores, dtype=torch.float32)
 
     def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None,
                    owners: list[int] | None = None, media=None):
@@ -158,6 +211,8 @@ class Trainer:
             self._batches = self.train_set.batches(per_rank * shards, seed=r.data.shuffle_seed, start=self.position)
         batch = next(self._batches)
         self.position = batch.end
+        # Source rows (as the dataset file counts them) of this rank's share, for errors.
+        self._batch_rows = [self.train_set.source_rows[i] for i in batch.indices][self.dist.dp_rank::shards]
         return batch.samples[self.dist.dp_rank::shards]
 
     def _same_in_sp_group(self, result):
@@ -290,13 +345,15 @@ class Trainer:
         from mmrl.data import to_conversation
 
         r = self.recipe
+        self._step_context = f"step {self.step + 1}"
         samples = self._next_prompts()
-        conversations = [to_conversation(s) for s in samples]
+        conversations = _conversations(samples, self._batch_rows, self.train_set, self._step_context,
+                                       max_pixels=r.model.max_pixels)
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
         with self._timed("rollout"):
             result = self._same_in_sp_group(self.rollout.generate(conversations, params))
-        rewards = self._score(samples, result)
+        rewards = self._score(samples, result, self._batch_rows, self.train_set)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -322,12 +379,21 @@ class Trainer:
             metrics.update(self._update(batches, temperature))
         with self._timed("sync"):
             self.rollout.sync(self.actor)
-        metrics["lr"] = self.actor.lr
+        metrics["lr"] = self._recipe_lr()
         return metrics
+
+    def _recipe_lr(self) -> float:
+        """optim.lr as scheduled now: part multipliers (lr_multipliers) give other
+        groups other rates, and the first group may be the vision tower's."""
+        optimizer = self.actor.optimizer
+        if optimizer is None:
+            return 0.0
+        group = optimizer.param_groups[0]
+        return self.recipe.optim.lr * group["lr"] / group.get("initial_lr", group["lr"])
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, samples: list[dict], batch_size: int = 128) -> float:
+    def evaluate(self, samples: list[dict], batch_size: int = 128, dataset=None) -> float:
         """Greedy accuracy (share of responses with reward >= 1) on `samples`, which the
         data-parallel ranks split between them."""
         from mmrl.data import to_conversation
@@ -337,13 +403,23 @@ class Trainer:
         # Every rank takes part in every generate call (sharded weights make each forward
         # collective), so all run as many batches as the largest share needs.
         batches = math.ceil(math.ceil(len(samples) / self.dist.dp_size) / batch_size)
+        rows = list(dataset.source_rows) if dataset is not None else list(range(len(samples)))
+        my_rows = rows[self.dist.dp_rank::self.dist.dp_size]
+        context = f"evaluation after step {self.step}"
         correct = 0.0
         for index in range(batches):
             chunk = mine[index * batch_size:(index + 1) * batch_size]
+            chunk_rows = my_rows[index * batch_size:(index + 1) * batch_size]
             stand_in = not chunk and bool(samples)
-            result = self.rollout.generate([to_conversation(s) for s in (chunk or samples[:1])], params)
+            conversations = _conversations(chunk or samples[:1], chunk_rows or rows[:1], dataset, context,
+                                           max_pixels=self.recipe.model.max_pixels)
+            result = self.rollout.generate(conversations, params)
             if not stand_in:
-                correct += float((self._score(chunk, result) >= 1.0).sum())
+                saved, self._step_context = self._step_context, context
+                try:
+                    correct += float((self._score(chunk, result, chunk_rows, dataset) >= 1.0).sum())
+                finally:
+                    self._step_context = saved
         # Ranks of one sequence-parallel group scored the same share.
         correct = self.dist.all_reduce_sum(correct) / self.dist.sequence_parallel
         return correct / max(len(samples), 1)
@@ -353,14 +429,16 @@ class Trainer:
         if not self.dist.is_main:
             return
         if self._metrics_file is None:
-            self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+            self._metrics_file = open(self.output_dir / METRICS_FILE, "a")
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._tensorboard is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
+                # After a resume, events past the checkpoint (written before the
+                # interruption) are dropped, as metrics.jsonl's lines are.
+                self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=self._purge_step)
             except ImportError:
                 self._tensorboard = False
         if self._tensorboard:
@@ -372,24 +450,39 @@ class Trainer:
         return self.output_dir / "checkpoints" / f"step_{step:06d}"
 
     def save(self) -> Path:
+        """Write the checkpoint of this step aside, then rename it into place whole
+        (`mmrl.runs`): an interrupted save never leaves a checkpoint resume would load."""
         path = self.checkpoint_dir(self.step)
-        self.actor.save_checkpoint(path / "actor")
-        if self.critic is not None:
-            self.critic.save_checkpoint(path / "critic")
-        state = {"step": self.step, "data_position": list(self.position)}
-        torch.save(_rng_state_tensors(), path / f"rng_rank{self.dist.rank}.pt")
+        temp = temporary_for(path)
         if self.dist.is_main:
-            (path / STATE_FILE).write_text(json.dumps(state))
+            begin_checkpoint(path)
+        self.dist.barrier()
+        self.actor.save_checkpoint(temp / "actor")
+        if self.critic is not None:
+            self.critic.save_checkpoint(temp / "critic")
+        state = {"step": self.step, "data_position": list(self.position)}
+        torch.save(_rng_state_tensors(), temp / f"rng_rank{self.dist.rank}.pt")
+        if self.dist.is_main:
+            (temp / STATE_FILE).write_text(json.dumps(state))
+        self.dist.barrier()
+        if self.dist.is_main:
+            commit_checkpoint(temp, path)
         self.dist.barrier()
         return path
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint under output_dir; False when there is none."""
-        root = self.output_dir / "checkpoints"
-        done = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()) if root.is_dir() else []
-        if not done:
+        """Load the newest checkpoint under output_dir whose manifest verifies (newer
+        broken ones are named with why they were skipped); False when there is none."""
+        found = None
+        if self.dist.is_main:
+            path, skipped = newest_checkpoint(self.output_dir / "checkpoints")
+            for bad, why in skipped:
+                print(f"skipped checkpoint {bad}: {why}", flush=True)
+            found = str(path) if path is not None else None
+        found = self.dist.all_gather_objects(found)[0]
+        if found is None:
             return False
-        path = done[-1]
+        path = Path(found)
         state = json.loads((path / STATE_FILE).read_text())
         self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
@@ -403,6 +496,25 @@ class Trainer:
         if rng_file.is_file():
             _set_rng_tensors(torch.load(rng_file, weights_only=True))
         return True
+
+    def _history_until(self, step: int) -> list[dict[str, Any]]:
+        """The logged records of steps up to `step`; metrics.jsonl is cut back to them, so
+        steps run after the checkpoint (and a finished run's final line) appear once."""
+        path = self.output_dir / METRICS_FILE
+        if not path.is_file():
+            return []
+        kept = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the interruption
+            if isinstance(record, dict) and not record.get("final") and record.get("step", step + 1) <= step:
+                kept.append(record)
+        temp = path.with_name(f".{path.name}.tmp")
+        temp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(temp, path)
+        return kept
 
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
@@ -420,50 +532,124 @@ class Trainer:
         return path
 
     # -- the loop ----------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # a second signal: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        if self.dist.is_main:
+            print(f"\n{signal.Signals(signum).name}: finishing step {self.step + 1}, then saving a checkpoint "
+                  "(send it again to stop at once)", flush=True)
+
+    def _install_signal_handlers(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {signum: signal.signal(signum, self._on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+
     def fit(self) -> dict[str, Any]:
+        try:
+            return self._fit()
+        finally:
+            self.folder.release()
+
+    def _fit(self) -> dict[str, Any]:
         r = self.recipe
         cfg = r.trainer
         if self.dist.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "recipe.yaml").write_text(dump_recipe(r))
         self.dist.barrier()
-        if cfg.resume and self.resume() and self.dist.is_main:
-            print(f"resumed from step {self.step}")
+        history: list[dict[str, Any]] = []
+        if cfg.resume:
+            resumed = self.resume()
+            if self.dist.is_main:
+                history = self._history_until(self.step)
+                if resumed:
+                    print(f"resumed from step {self.step}", flush=True)
+            self._purge_step = self.step + 1
         progress = None
         if cfg.progress and self.dist.is_main:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
         start = time.perf_counter()
-        history: list[dict[str, Any]] = []
-        reached = False
-        while self.step < cfg.steps:
-            step_start = time.perf_counter()
-            metrics = self.train_step()
-            elapsed = time.perf_counter() - step_start
-            metrics["time/step"] = elapsed
-            metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
-            for key in ("rollout", "logprob", "update", "sync"):
-                metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
-            record = {"step": self.step, **metrics}
-            if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
-                record["validation/accuracy"] = self.evaluate(list(self.validation_set))
-                reached = cfg.target_accuracy is not None and record["validation/accuracy"] >= cfg.target_accuracy
-            history.append(record)
-            if self.step % cfg.log_every == 0 or reached:
-                self._log(record)
+        stop_reason = None
+        signalled = False
+        previous_handlers = self._install_signal_handlers()
+        try:
+            while self.step < cfg.steps:
+                step_start = time.perf_counter()
+                metrics = self.train_step()
+                elapsed = time.perf_counter() - step_start
+                metrics["time/step"] = elapsed
+                metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
+                for key in ("rollout", "logprob", "update", "sync"):
+                    metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
+                record = {"step": self.step, **metrics}
+                reached = False
+                if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
+                    accuracy = self.evaluate(list(self.validation_set), dataset=self.validation_set)
+                    record["validation/accuracy"] = accuracy
+                    reached = cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy
+                    if reached:
+                        stop_reason = (f"validation accuracy {accuracy:.3f} reached trainer.target_accuracy "
+                                       f"{cfg.target_accuracy} at step {self.step}")
+                history.append(record)
+                if self.step % cfg.log_every == 0 or reached:
+                    self._log(record)
+                if progress is not None:
+                    progress.update(1)
+                    labels = {"reward": f"{metrics['reward/mean']:.2f}",
+                              "train_acc": f"{metrics['reward/accuracy']:.2f}"}
+                    if "validation/accuracy" in record:
+                        labels["val_acc"] = f"{record['validation/accuracy']:.2f}"
+                    progress.set_postfix(labels)
+                signalled = self.dist.all_reduce_sum(float(self._stop_signal is not None)) > 0
+                if (cfg.save_every and self.step % cfg.save_every == 0) or signalled:
+                    self.save()
+                if signalled:
+                    break
+                if stop_reason is None and cfg.time_budget_s is not None \
+                        and time.perf_counter() - start > cfg.time_budget_s:
+                    stop_reason = f"trainer.time_budget_s {cfg.time_budget_s} s used up at step {self.step}"
+                if stop_reason:
+                    break
+        finally:
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
             if progress is not None:
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                                     acc=f"{record.get('validation/accuracy', metrics['reward/accuracy']):.2f}")
-            if cfg.save_every and self.step % cfg.save_every == 0:
-                self.save()
-            if reached or (cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s):
-                break
-        if progress is not None:
-            progress.close()
+                progress.close()
+        if signalled:
+            self._interrupted(history)
+        if stop_reason and self.dist.is_main:
+            print(f"stopped early: {stop_reason}", flush=True)
         summary = self.finish(history, time.perf_counter() - start)
+        if stop_reason:
+            summary["stopped_early"] = stop_reason
         return summary
+
+    def _interrupted(self, history: list[dict[str, Any]]) -> None:
+        """After SIGINT / SIGTERM: the checkpoint is saved; plot, close and exit 128 + signal."""
+        signum = self._stop_signal or signal.SIGTERM
+        if self.dist.is_main:
+            _plot(history, self.output_dir / "reward_curve.png", self._plot_title())
+            print(f"{signal.Signals(signum).name}: stopped after step {self.step}; checkpoint "
+                  f"{self.checkpoint_dir(self.step)} saved; continue with trainer.resume=true", flush=True)
+        self._close()
+        self.folder.release()
+        raise SystemExit(128 + int(signum))
+
+    def _plot_title(self) -> str:
+        r = self.recipe
+        return f"{self.output_dir.name}: {r.algo.advantage}, {r.reward.name} reward, {self.step} steps"
+
+    def _close(self) -> None:
+        if self._tensorboard:
+            self._tensorboard.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
 
     def finish(self, history: list[dict[str, Any]], train_seconds: float) -> dict[str, Any]:
         """Final evaluation (with the majority and shuffled-image controls), plot, export."""
@@ -472,23 +658,37 @@ class Trainer:
             from mmrl.data.synthetic import majority_baseline, shuffle_images
 
             samples = list(self.eval_set)
-            summary["eval/accuracy"] = self.evaluate(samples)
+            summary["eval/accuracy"] = self.evaluate(samples, dataset=self.eval_set)
             summary["eval/majority_baseline"] = majority_baseline(samples)
             if any(s.get("images") for s in samples):
-                summary["eval/shuffled_images_accuracy"] = self.evaluate(shuffle_images(samples, seed=0))
+                summary["eval/shuffled_images_accuracy"] = self.evaluate(shuffle_images(samples, seed=0),
+                                                                         dataset=self.eval_set)
         self._log({"step": self.step, "final": True, **summary})
         if self.dist.is_main:
-            _plot(history, self.output_dir / "reward_curve.png")
+            _plot(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
                 summary["export"] = str(self.export(self.output_dir / "final"))
         elif self.recipe.trainer.export:
             self.export(self.output_dir / "final")
-        if self._tensorboard:
-            self._tensorboard.close()
-        if self._metrics_file is not None:
-            self._metrics_file.close()
+        self._close()
         return summary
 
+
+def _conversations(samples: list[dict], rows: list[int], dataset, context: str, *,
+                   max_pixels: int | None = None) -> list:
+    """The samples as conversations with their media decoded; an image that cannot be
+    read is one line naming the row, the dataset and the file."""
+    from mmrl.data import to_conversation
+
+    out = []
+    for sample, row in zip(samples, rows):
+        try:
+            out.append(to_conversation(sample, max_pixels=max_pixels))
+        except (OSError, ValueError) as exc:
+            name = getattr(dataset, "name", "") if dataset is not None else ""
+            where = f"row {row}" + (f" of {name}" if name else "")
+            raise ValueError(f"{where} ({context}): {exc}") from None
+    return out
 
 def _rng_state_tensors() -> dict[str, torch.Tensor]:
     py = random.getstate()
@@ -502,7 +702,7 @@ def _set_rng_tensors(state: dict[str, torch.Tensor]) -> None:
     random.setstate((int(version), tuple(int(x) for x in state["python"].tolist()), None if gauss == -1 else gauss))
 
 
-def _plot(history: list[dict[str, Any]], path: Path) -> None:
+def _plot(history: list[dict[str, Any]], path: Path, title: str = "reward curve") -> None:
     if not history:
         return
     import matplotlib
@@ -510,14 +710,18 @@ def _plot(history: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history]
+    rewarded = [h for h in history if "reward/mean" in h]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [h["reward/mean"] for h in history], label="reward (mean)")
+    ax.plot([h["step"] for h in rewarded], [h["reward/mean"] for h in rewarded], label="mean reward per step")
     evals = [(h["step"], h["validation/accuracy"]) for h in history if "validation/accuracy" in h]
     if evals:
         ax.plot(*zip(*evals), marker="o", label="greedy validation accuracy")
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward / accuracy")
+    low = min([0.0, *(h["reward/mean"] for h in rewarded)])
+    high = max([1.0, *(h["reward/mean"] for h in rewarded)])
+    ax.set_ylim(low - 0.02, high + 0.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

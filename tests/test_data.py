@@ -212,7 +212,8 @@ def test_parquet_with_image_bytes(tmp_path):
     # A bad row is found at load, through the undecoded image column.
     table["images"][1] = []
     datasets.Dataset.from_dict(table, features=features).to_parquet(tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match=r"^row 1: prompt\[0\]\.content\[0\]: image part without an image$"):
+    with pytest.raises(ValueError,
+                       match=r"bad\.parquet: row 1: prompt\[0\]\.content\[0\]: image part without an image$"):
         load_prompts(tmp_path / "bad.parquet")
 
 
@@ -242,10 +243,10 @@ def test_load_errors(tmp_path):
         load_prompts(tmp_path / "missing.jsonl")
     rows = [{"prompt": _user(TEXT), "answer": "1"}, {"prompt": [], "answer": "2"}]
     _write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"^row 1: prompt: empty conversation$"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 1: prompt: empty conversation$"):
         load_prompts(tmp_path / "bad.jsonl")
     _write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": _user(TEXT), "answer": 1}])
-    with pytest.raises(ValueError, match=r"^row 0: answer: expected a string, got int"):
+    with pytest.raises(ValueError, match=r"numbers\.jsonl: row 0: answer: expected a string, got int"):
         load_prompts(tmp_path / "numbers.jsonl")
     # Mixed types: datasets would read "1" back as 1, so the file is blamed, not a row.
     _write_jsonl(tmp_path / "mixed.jsonl",
@@ -254,7 +255,8 @@ def test_load_errors(tmp_path):
         load_prompts(tmp_path / "mixed.jsonl")
     _write_jsonl(tmp_path / "missing_image.jsonl",
                  [{"prompt": _user(IMAGE), "answer": "1", "images": ["x.png"]}])
-    with pytest.raises(ValueError, match=rf"^row 0: images\[0\]: image file not found: {tmp_path}/x.png$"):
+    with pytest.raises(ValueError,
+                       match=rf"missing_image\.jsonl: row 0: images\[0\]: image file not found: {tmp_path}/x.png$"):
         load_prompts(tmp_path / "missing_image.jsonl")
     (tmp_path / "rows.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported file type"):

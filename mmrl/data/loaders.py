@@ -18,12 +18,16 @@ Sources, all read through HF `datasets` except synthetic tasks and in-memory lis
 - a mapping (or `mmrl.data.layouts.DataSource`): a public dataset in its own layout, its
   columns mapped onto the schema by the recipe (see `mmrl.data.layouts`).
 Relative media paths resolve against the folder of the file. Every selected row is
-validated at load (images are not decoded for it), so a bad row fails before training
-starts, with the error of `validate_sample`; row numbers count from 0 in the source.
+validated at load (each image opened and verified, not decoded), so a bad row fails
+before training starts, with the error of `validate_sample` after the dataset's name;
+row numbers count from 0 in the source. JSON files are read through once first, so an
+empty file, a line that is not JSON (`file:line`), bytes that are not UTF-8 or a file of
+blank lines is one line naming the file.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +83,10 @@ class PromptDataset:
             raise ValueError(f"{name or 'dataset'}: no rows to load")
         self.source_rows = order  # dataset index -> row number in the source
         for source, sample in self._rows_for_validation():
-            validate_sample(sample, source, root=self.root)
+            try:
+                validate_sample(sample, source, root=self.root)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}" if name else str(exc)) from None
 
     def _rows_for_validation(self) -> Iterator[tuple[int, Any]]:
         media = _decoded_media_columns(self.rows)
@@ -192,7 +199,48 @@ def _load_file(path: Path) -> Any:
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise ValueError(f"{path}: unsupported file type; use {', '.join(FILE_BUILDERS)} or a folder")
-    return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: empty file (0 bytes)")
+    if builder == "json":
+        _check_json_file(path)
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets' errors: pyarrow, its own, JSON; none names the file
+        text = str(exc).strip().splitlines()
+        raise ValueError(f"{path}: cannot be read as {builder} ({text[0] if text else type(exc).__name__})") from None
+
+
+def _check_json_file(path: Path) -> None:
+    """One line naming `path` (and the line) when it is not UTF-8 JSON rows: a JSON
+    Lines file of objects, or one JSON document (which `datasets` also reads)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        bad = raw[exc.start:exc.start + 1]
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {exc.start}: {bad!r})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: no rows (the file holds only blank lines)")
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return
+        except json.JSONDecodeError as whole:
+            first = next(line for line in text.splitlines() if line.strip())
+            try:
+                json.loads(first)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{whole.lineno}: not valid JSON ({whole.msg}, column {whole.colno})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: a row is a JSON object, got {type(row).__name__}")
 
 
 def _load_folder(folder: Path, split: str) -> Any:

@@ -18,10 +18,20 @@ file path (relative paths resolve against the dataset file's folder), bytes, or 
 datasets Image dict `{"bytes", "path"}`; a video is a list of such frames or a file
 path. Keys whose value is None are ignored: Arrow gives every struct the union of the
 keys seen in a column, so a text part read back by `datasets` carries `"image": None`.
+
+Images are checked when a dataset loads (each file or byte string opened and verified,
+its size read from the header) and decoded reduced: `to_conversation(..., max_pixels=)`
+asks JPEG decoders for a smaller scale (`Image.draft`) and shrinks other formats by an
+integer factor (`Image.reduce`) while keeping at least 4x `max_pixels` for the
+processor's own resize, so memory does not grow with the source resolution. Formats
+that cannot be decoded reduced are refused above `MAX_DECODE_PIXELS`.
 """
 
 from __future__ import annotations
 
+import io
+import math
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +46,11 @@ PART_TYPES = ("text", "image", "video")
 PAYLOAD_KEYS = {"image": ("image", "path"), "video": ("video", "path")}
 MEDIA_COLUMNS = {"image": IMAGES, "video": VIDEOS}
 _ARTICLE = {"image": "an", "video": "a"}
+# Images of formats decoded at full size first (all but JPEG) are refused above this.
+MAX_DECODE_PIXELS = 100_000_000
+# Without a max_pixels, images are decoded reduced to no fewer pixels than this.
+DEFAULT_DECODE_PIXELS = 4096 * 4096
+_DRAFTABLE = ("JPEG",)
 
 
 def _fail(index: int, field: str, problem: str) -> None:
@@ -73,14 +88,113 @@ def _image_problem(value: Any, root: Path | None) -> str | None:
             return "image dict without bytes or path"
         value = value["path"]
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return None if len(value) else "empty image bytes"
+        if not len(value):
+            return "empty image bytes"
+        return _unreadable(bytes(value), "image bytes") if root is not None else None
     if isinstance(value, (str, Path)):
         if not str(value):
             return "empty image path"
-        if root is not None and not _resolve(value, root).is_file():
-            return f"image file not found: {_resolve(value, root)}"
+        if root is not None:
+            path = _resolve(value, root)
+            if not path.is_file():
+                return f"image file not found: {path}"
+            return _unreadable(path, str(path))
         return None
     return f"cannot read an image from {_type_name(value)}"
+
+
+def _open(source: Path | bytes):
+    from PIL import Image
+
+    with warnings.catch_warnings():  # a large JPEG is fine: it is decoded reduced
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+
+
+def _unreadable(source: Path | bytes, name: str) -> str | None:
+    """Why the image in `source` cannot be decoded, from its header and a verify pass
+    (no full decode), or None."""
+    from PIL import Image
+
+    if isinstance(source, Path) and source.stat().st_size == 0:
+        return f"{name}: empty image file (0 bytes)"
+    try:
+        with _open(source) as image:
+            problem = _size_problem(image, name)
+            if problem:
+                return problem
+            image.verify()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return f"{name}: not a readable image ({_first_line(exc)})"
+    return None
+
+
+def _size_problem(image, name: str) -> str | None:
+    width, height = image.size
+    if width < 1 or height < 1:
+        return f"{name}: image of {width}x{height} pixels"
+    if width * height > MAX_DECODE_PIXELS and image.format not in _DRAFTABLE:
+        return (f"{name}: {width}x{height} pixels ({image.format}) is above the {MAX_DECODE_PIXELS:,} pixels "
+                "decoded at full size; shrink it (JPEG images of any size are decoded reduced)")
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image format Pillow knows, or a corrupt header"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def decode_image(source: Any, max_pixels: int | None = None) -> Any:
+    """A PIL RGB image from a PIL image, a path, bytes or a `{"bytes"|"path"}` dict,
+    decoded reduced so it keeps at least 4x `max_pixels` (or `DEFAULT_DECODE_PIXELS`)
+    pixels but not many more; raise ValueError naming the file when it cannot be read."""
+    from PIL import Image
+
+    if isinstance(source, Mapping) and (source.get("bytes") or source.get("path")):
+        source = source.get("bytes") or source["path"]
+    if isinstance(source, Image.Image):
+        return _reduced(source, max_pixels).convert("RGB")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        raw, name = bytes(source), "image bytes"
+    elif isinstance(source, (str, Path)):
+        raw, name = Path(source), str(source)
+        if not raw.is_file():
+            raise FileNotFoundError(f"image file not found: {raw}")
+    else:
+        raise TypeError(f"cannot read an image from {_type_name(source)}")
+    try:
+        with _open(raw) as image:
+            problem = _size_problem(image, name)
+            if problem:
+                raise ValueError(problem)
+            target = _decode_target(max_pixels)
+            factor = _reduce_factor(image.size, target)
+            if factor > 1 and image.format in _DRAFTABLE:
+                width, height = image.size
+                image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
+            image.load()
+            return _reduced(image, max_pixels).convert("RGB")
+    except (OSError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"{name}: not a readable image ({_first_line(exc)})") from None
+
+
+def _decode_target(max_pixels: int | None) -> int:
+    return 4 * max_pixels if max_pixels is not None else DEFAULT_DECODE_PIXELS
+
+
+def _reduce_factor(size: tuple[int, int], target: int) -> int:
+    """The largest integer shrink that keeps at least `target` pixels."""
+    width, height = size
+    return max(1, math.isqrt(width * height // max(target, 1)))
+
+
+def _reduced(image, max_pixels: int | None):
+    factor = _reduce_factor(image.size, _decode_target(max_pixels))
+    return image.reduce(factor) if factor > 1 else image
 
 
 def _check_image(value: Any, index: int, field: str, root: Path | None) -> None:
@@ -218,23 +332,22 @@ def resolve_paths(sample: Mapping[str, Any], root: str | Path | None) -> Sample:
     return out
 
 
-def _open_image(value: Any, root: Path | None) -> Any:
-    from mmrl.processing import load_image  # imports torch: only once images are read
-
+def _open_image(value: Any, root: Path | None, max_pixels: int | None = None) -> Any:
     if isinstance(value, (str, Path)):
         value = _resolve(value, root)
     elif isinstance(value, Mapping) and value.get("bytes") is None and value.get("path") is not None:
         value = _resolve(value["path"], root)
-    return load_image(value)
+    return decode_image(value, max_pixels)
 
 
-def _open_video(value: Any, root: Path | None) -> Any:
+def _open_video(value: Any, root: Path | None, max_pixels: int | None = None) -> Any:
     if isinstance(value, (str, Path)):
         return str(_resolve(value, root))  # families with a video reader decode files
-    return [_open_image(frame, root) for frame in value]
+    return [_open_image(frame, root, max_pixels) for frame in value]
 
 
-def _resolved_part(part: Mapping[str, Any], pending: dict[str, Iterator[Any]], root: Path | None) -> dict:
+def _resolved_part(part: Mapping[str, Any], pending: dict[str, Iterator[Any]], root: Path | None,
+                   max_pixels: int | None = None) -> dict:
     part = {k: v for k, v in part.items() if v is not None}
     kind = part["type"]
     if kind == "text":
@@ -247,21 +360,23 @@ def _resolved_part(part: Mapping[str, Any], pending: dict[str, Iterator[Any]], r
     for key in PAYLOAD_KEYS[kind]:
         part.pop(key, None)
     if kind == "image":
-        return {**part, "image": _open_image(payload, root)}
-    return {**part, "video": _open_video(payload, root)}
+        return {**part, "image": _open_image(payload, root, max_pixels)}
+    return {**part, "video": _open_video(payload, root, max_pixels)}
 
 
-def to_conversation(sample: Mapping[str, Any], *, root: str | Path | None = None) -> list[Message]:
+def to_conversation(sample: Mapping[str, Any], *, root: str | Path | None = None,
+                    max_pixels: int | None = None) -> list[Message]:
     """The prompt as a conversation whose media parts hold their payloads: every image
     part a PIL RGB image, every video part a list of PIL frames or an absolute path.
     Relative paths resolve against `root` (the current folder when None); the sample
-    should have passed `validate_sample`."""
+    should have passed `validate_sample`. Images are decoded reduced toward
+    `max_pixels` (see `decode_image`); one that cannot be read is a ValueError naming it."""
     root = Path(root) if root is not None else None
     pending = {kind: iter(sample.get(column) or []) for kind, column in MEDIA_COLUMNS.items()}
     conversation = []
     for message in sample[PROMPT]:
         message = {k: v for k, v in message.items() if v is not None}
         if not isinstance(message["content"], str):
-            message["content"] = [_resolved_part(p, pending, root) for p in message["content"]]
+            message["content"] = [_resolved_part(p, pending, root, max_pixels) for p in message["content"]]
         conversation.append(message)
     return conversation

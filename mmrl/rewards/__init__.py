@@ -12,6 +12,10 @@ where `fields` are the dataset's other columns (one list per column), passed thr
     scores = reward(completions, answers, **columns)
 
 Built-in names: see `BUILTIN_REWARDS` (mmrl/rewards/builtin.py).
+
+`score(fn, ...)` calls a reward and checks what it returns: one finite number per
+completion. A reward that raises, returns the wrong count or a NaN/inf score gives a
+`RewardError` naming the reward and the completion (the trainer adds step and row).
 """
 
 from __future__ import annotations
@@ -19,13 +23,69 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Sequence
 
 from mmrl.rewards.builtin import BUILTIN_REWARDS
 
 RewardFn = Callable[..., list[float]]
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "combine", "get_reward"]
+__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFn", "combine", "get_reward", "reward_name", "score"]
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned unusable scores. `reward` names it, `index`
+    is the completion in the batch it was scoring (None when no single one is to blame)."""
+
+    def __init__(self, message: str, *, reward: str, index: int | None = None):
+        super().__init__(message)
+        self.reward = reward
+        self.index = index
+
+
+def reward_name(fn) -> str:
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or repr(fn)
+
+
+def score(fn: RewardFn, completions: list[str], answers: list[str], **fields) -> list[float]:
+    """`fn`'s scores, checked: one finite float per completion, else a RewardError. When
+    the batch call raises, each completion is scored alone to find the one to blame."""
+    name = reward_name(fn)
+    try:
+        scores = fn(completions, answers, **fields)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {_first_line(exc)}", reward=name,
+                          index=_failing_index(fn, completions, answers, fields)) from exc
+    try:
+        scores = [float(s) for s in scores]
+    except (TypeError, ValueError) as exc:
+        raise RewardError(f"reward {name!r} returned something other than numbers ({_first_line(exc)})",
+                          reward=name) from None
+    if len(scores) != len(completions):
+        raise RewardError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions",
+                          reward=name)
+    for index, value in enumerate(scores):
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned {value} (a reward must be a finite number)",
+                              reward=name, index=index)
+    return scores
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _failing_index(fn: RewardFn, completions, answers, fields) -> int | None:
+    for index in range(len(completions)):
+        try:
+            fn(completions[index:index + 1], answers[index:index + 1],
+               **{key: values[index:index + 1] for key, values in fields.items()})
+        except Exception:
+            return index
+    return None
 
 
 def get_reward(spec: str | RewardFn, **options) -> RewardFn:
@@ -85,11 +145,8 @@ def combine(components: Sequence[tuple[str | RewardFn, float]]) -> RewardFn:
     def combined(completions: list[str], answers: list[str], **fields) -> list[float]:
         total = [0.0] * len(completions)
         for fn, weight in resolved:
-            scores = fn(completions, answers, **fields)
-            if len(scores) != len(completions):
-                name = getattr(fn, "__name__", repr(fn))
-                raise ValueError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions")
-            total = [t + weight * float(s) for t, s in zip(total, scores)]
+            scores = score(fn, completions, answers, **fields)
+            total = [t + weight * s for t, s in zip(total, scores)]
         return total
 
     combined.components = resolved  # each part, for per-reward logging

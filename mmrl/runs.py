@@ -1,0 +1,268 @@
+"""Run folders and checkpoints: who may write into a folder, and states that are whole.
+
+    folder = RunFolder(Path("runs/x"))
+    folder.claim(resume=False, overwrite=False)   # lock it; refuse another run's results
+    write_checkpoint(folder.checkpoints / "step_000010", lambda tmp: save_everything(tmp))
+    good, skipped = newest_checkpoint(folder.checkpoints)   # manifest-verified, newest first
+    folder.release()
+
+A folder holds one run. `claim` takes `LOCK_FILE` (created exclusively, holding the pid,
+host and start time) so a second process is kept out with one line naming the holder; a
+lock whose process is gone is stale and taken over. A folder that already holds a run's
+results is refused unless the run resumes (and the saved recipe matches, so resume
+continues the same run only) or overwrites (its results are removed first; other files
+stay).
+
+A checkpoint is written into a hidden temporary folder beside its final place, every file
+fsynced, then `MANIFEST_FILE` (sizes and SHA-256 of every file) last, and renamed into
+place; an existing checkpoint of the same step is moved aside first and removed after.
+A folder without a manifest, or whose files do not match it, is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LOCK_FILE = ".mmrl.lock"
+MANIFEST_FILE = "manifest.json"
+RECIPE_FILE = "recipe.yaml"
+# What a run writes into its folder; `overwrite` removes these and nothing else.
+RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "checkpoints", "final", "reward_curve.png", "tensorboard")
+_TEMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+_HELD: set[str] = set()  # lock files this process holds
+
+
+class RunFolderError(ValueError):
+    """The output folder cannot take this run; the message says why, in one line."""
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.lock = self.path / LOCK_FILE
+        self._locked = False
+
+    # -- ownership --------------------------------------------------------------------------
+    def check_path(self) -> None:
+        """Raise when the folder cannot be one (a file, or below a file)."""
+        for parent in (self.path, *self.path.parents):
+            if parent.exists() and not parent.is_dir():
+                where = "is a file" if parent == self.path else f"is inside {parent}, which is a file"
+                raise RunFolderError(f"trainer.output_dir: {self.path} {where}; give a folder")
+
+    def claim(self, *, resume: bool, overwrite: bool, recipe_text: str | None = None,
+              same_run: Callable[[str], str | None] | None = None) -> None:
+        """Lock the folder for this process, then check that it may hold this run.
+
+        `same_run(saved_recipe_text)` returns None when the saved recipe describes the
+        run being resumed, else a short reason; it is asked only when resuming."""
+        self.check_path()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunFolderError(f"trainer.output_dir: cannot create {self.path} ({exc.strerror})") from None
+        self._take_lock()
+        try:
+            self._check_contents(resume=resume, overwrite=overwrite, same_run=same_run)
+        except BaseException:
+            self.release()
+            raise
+
+    def results(self) -> list[str]:
+        return [name for name in RUN_RESULTS if (self.path / name).exists()]
+
+    def _check_contents(self, *, resume: bool, overwrite: bool, same_run) -> None:
+        found = self.results()
+        if not found:
+            return
+        if overwrite:
+            for name in found:
+                target = self.path / name
+                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            return
+        if resume:
+            saved = self.path / RECIPE_FILE
+            if same_run is not None and saved.is_file():
+                reason = same_run(saved.read_text())
+                if reason:
+                    raise RunFolderError(f"trainer.resume: {self.path} holds another run ({reason}); resume "
+                                         "continues the same run only: use another trainer.output_dir, or "
+                                         "trainer.overwrite=true to start over")
+            return
+        raise RunFolderError(f"trainer.output_dir: {self.path} already holds a run ({', '.join(found)}); "
+                             "pass trainer.resume=true to continue it, trainer.overwrite=true to replace it, "
+                             "or choose another folder")
+
+    def _take_lock(self) -> None:
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        for _ in range(3):
+            try:
+                fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:  # stale: its process is gone
+                    self.lock.unlink(missing_ok=True)
+                    continue
+                raise RunFolderError(f"trainer.output_dir: {self.path} is in use by another run ({holder}); "
+                                     "wait for it to finish or choose another folder") from None
+            with os.fdopen(fd, "w") as handle:
+                handle.write(record)
+            self._locked = True
+            _HELD.add(str(self.lock.resolve()))
+            return
+        raise RunFolderError(f"trainer.output_dir: could not lock {self.path} (its lock file keeps changing)")
+
+    def _holder(self) -> str | None:
+        """Who holds the lock, in words; None when the lock is stale."""
+        try:
+            record = json.loads(self.lock.read_text())
+            pid, host = int(record["pid"]), str(record["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            # Unreadable: a run killed between creating and writing it, or a writer right now.
+            try:
+                age = time.time() - self.lock.stat().st_mtime
+            except OSError:
+                return None
+            return None if age > 10 else "a lock being written"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("started", 0)))
+        words = f"pid {pid} on {host}, since {since}"
+        if host != socket.gethostname():
+            return words  # cannot tell whether it lives: keep out
+        if pid == os.getpid():
+            return words if str(self.lock.resolve()) in _HELD else None
+        return words if _alive(pid) else None
+
+    def release(self) -> None:
+        if not self._locked:
+            return
+        self._locked = False
+        _HELD.discard(str(self.lock.resolve()))
+        self.lock.unlink(missing_ok=True)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) holds nothing any more.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_for(final: Path) -> Path:
+    return final.parent / f"{_TEMP_PREFIX}{final.name}"
+
+
+def begin_checkpoint(final: Path) -> Path:
+    """An empty temporary folder to write the checkpoint `final` into (a leftover of an
+    interrupted write is removed)."""
+    temp = temporary_for(final)
+    if temp.exists():
+        shutil.rmtree(temp)
+    temp.mkdir(parents=True)
+    return temp
+
+
+def commit_checkpoint(temp: Path, final: Path) -> Path:
+    """Fsync every file of `temp`, write its manifest last, and rename it to `final`."""
+    files = {}
+    for path in sorted(p for p in temp.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[path.relative_to(temp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = temp / MANIFEST_FILE
+    with open(manifest, "w") as handle:
+        json.dump({"files": files, "written": time.time()}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    for folder in sorted({p.parent for p in temp.rglob("*")} | {temp}, key=lambda p: len(p.parts), reverse=True):
+        _fsync(folder)
+    old = final.parent / f"{_OLD_PREFIX}{final.name}"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.rename(final, old)  # a directory cannot be renamed over a non-empty one
+    os.rename(temp, final)
+    _fsync(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file in the manifest is there with its size and checksum, else why not."""
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        return "no manifest (its write did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def newest_checkpoint(root: Path, pattern: str = "step_*") -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that verifies, and the newer ones skipped with why.
+
+    A checkpoint moved aside while being replaced (the write was cut between the two
+    renames) is put back first."""
+    if not root.is_dir():
+        return None, []
+    for old in root.glob(f"{_OLD_PREFIX}*"):
+        final = root / old.name[len(_OLD_PREFIX):]
+        if not final.exists():
+            os.rename(old, final)
+    skipped = []
+    for path in sorted(root.glob(pattern), reverse=True):
+        if not path.is_dir():
+            continue
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
