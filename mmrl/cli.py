@@ -3,6 +3,7 @@
     mmrl models                      # registered families, modalities, declared capabilities
     mmrl models --json
     mmrl --plugin my_pkg.models models   # also load an out-of-tree family module
+    mmrl --verbose doctor qwen2_vl       # keep vLLM/torch/transformers logs (quiet by default: mmrl/logs.py)
     mmrl train recipes/tiny_vlm_count.yaml [key=value ...]
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
     mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
@@ -40,7 +41,14 @@ def main(
         [], "--plugin", help="Import MODULE first; its @register_model adapters join the registry.",
         metavar="MODULE",
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Show third-party logs (vLLM, torch, transformers) instead of keeping them "
+        "at ERROR; probe workers print to the terminal instead of a log file.",
+    ),
 ) -> None:
+    from mmrl.logs import quiet
+
+    quiet(is_verbose=verbose)  # before anything imports vLLM or torch
     from mmrl.registry import RegistryError, load_plugin
 
     for module in plugin:
@@ -72,8 +80,12 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
         sys.stdout.write("\n")
         return
     table = Table(title=f"{len(rows)} registered model families")
-    for column in ("family", "model types", "modalities", "declared capabilities"):
-        table.add_column(column)
+    # Capability names are never cut: the other columns give way first (80-column terminals).
+    longest = max((len(name) + 1 for row in rows for name in row["capabilities"]), default=10)
+    table.add_column("family", no_wrap=True)
+    table.add_column("model types", overflow="fold")
+    table.add_column("modalities", max_width=12)  # "text, image," above "video"
+    table.add_column("declared capabilities", min_width=longest)
     for row in rows:
         table.add_row(
             row["family"], ", ".join(row["model_types"]), ", ".join(row["modalities"]),
@@ -94,6 +106,9 @@ def train(
         config = load_recipe(recipe, overrides or [])
     except RecipeError as exc:
         fail(str(exc))
+    from mmrl.logs import hf_progress_bars
+
+    hf_progress_bars(config.trainer.progress)  # "Writing model shards" and the like
     from mmrl.trainer import train as run
 
     try:
@@ -189,12 +204,15 @@ def doctor(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     workers: int = typer.Option(None, "--workers",
                                 help="Worker processes (default: 2, or 1 on one core; 0: in process)."),
+    progress: bool = typer.Option(None, "--progress/--no-progress",
+                                  help="Show a progress bar on stderr (default: when stderr is a terminal)."),
 ) -> None:
     """Run every probe on a checkpoint or a family's tiny model (exit 1 when a declared capability fails)."""
     from pathlib import Path
 
+    from mmrl.logs import new_worker_log
     from mmrl.probes import PROBES, Subject
-    from mmrl.probes.matrix import run_probes
+    from mmrl.probes.matrix import progress_bar, run_probes
     from mmrl.registry import RegistryError, adapter_for_config, get_adapter
 
     path = Path(target)
@@ -217,7 +235,11 @@ def doctor(
             subject = Subject(adapter=adapter, source=adapter.family, device=device)
     except RegistryError as exc:
         fail(str(exc))
-    results = run_probes([subject], PROBES, workers=_workers(workers))
+    log = new_worker_log("doctor") if _workers(workers) > 0 else None
+    if progress is None:
+        progress = sys.stderr.isatty()
+    with progress_bar(progress, len(PROBES), transient=True) as advance:
+        results = run_probes([subject], PROBES, workers=_workers(workers), on_result=advance)
     rows = [(p, results[(subject.label, p.feature)]) for p in PROBES]
     gating = [p.feature for p, r in rows if r.gates]
     if as_json:
@@ -226,24 +248,44 @@ def doctor(
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        from mmrl.probes.render import SYMBOLS
-
-        table = Table(title=f"mmrl doctor: {subject.label} (family {adapter.family}, {subject.device})")
-        for column in ("feature", "status", "declared", "reason", "s"):
-            table.add_column(column, overflow="fold")
-        colour = {"verified": "green", "failed": "red", "n/a": "dim", "not run here": "blue"}
-        for p, r in rows:
-            declared = {True: "yes", False: "no", None: "required"}[r.declared]
-            sym = SYMBOLS.get((r.status.value, r.declared is not False or r.status.value in ("n/a", "not run here")),
-                              SYMBOLS[(r.status.value, True)])[0]
-            table.add_row(p.title, f"[{colour[r.status.value]}]{sym} {r.status.value}[/]", declared, r.reason,
-                          f"{r.seconds:.2f}")
-        console.print(table)
-        verdict = (f"[red]{len(gating)} declared or required feature(s) fail: {', '.join(gating)}[/]" if gating
-                   else "[green]every declared capability that ran is verified[/]")
-        console.print(verdict, highlight=False)
+        _doctor_table(subject, adapter, rows, gating, log)
     if gating:
         raise typer.Exit(code=1)
+
+
+def _doctor_table(subject, adapter, rows, gating: list[str], log: Path | None) -> None:
+    """One line per feature (a screenful); the reasons of what did not verify in full below."""
+    from rich.cells import cell_len
+
+    from mmrl.probes.render import SYMBOLS
+
+    colour = {"verified": "green", "failed": "red", "n/a": "dim", "not run here": "blue"}
+    cells, notes = [], []
+    for p, r in rows:
+        declared = {True: "yes", False: "no", None: "required"}[r.declared]
+        sym = SYMBOLS.get((r.status.value, r.declared is not False or r.status.value in ("n/a", "not run here")),
+                          SYMBOLS[(r.status.value, True)])[0]
+        cells.append((p.title, f"{sym} {r.status.value}", declared, f"{r.seconds:.1f}", r.reason, colour[r.status.value]))
+        if r.status.value in ("failed", "not run here"):
+            notes.append(f"[{colour[r.status.value]}]{p.title}[/] ({r.status.value}): {r.reason}")
+    table = Table(title=f"mmrl doctor: {subject.label} (family {adapter.family}, {subject.device})")
+    widths = [max(cell_len(header), *(cell_len(c[i]) for c in cells))
+              for i, header in enumerate(("feature", "status", "declared", "s"))]
+    for header, width in zip(("feature", "status", "declared", "s"), widths):
+        table.add_column(header, no_wrap=True, width=width, justify="right" if header == "s" else "left")
+    # The reason takes what is left of the line (3 columns of border and padding per column).
+    table.add_column("reason", no_wrap=True, overflow="ellipsis",
+                     width=max(20, console.width - sum(widths) - 3 * 5 - 1))
+    for title, status, declared, seconds, reason, hue in cells:
+        table.add_row(title, f"[{hue}]{status}[/]", declared, seconds, reason)
+    console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
+    verdict = (f"[red]{len(gating)} declared or required feature(s) fail: {', '.join(gating)}[/]" if gating
+               else "[green]every declared capability that ran is verified[/]")
+    console.print(verdict, highlight=False)
+    tail = f"; third-party logs of the probe workers: {log}" if log else ""
+    console.print(f"[dim]full reasons and evidence: --json{tail}[/]", highlight=False)
 
 
 @app.command("add-model")

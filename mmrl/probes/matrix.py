@@ -40,23 +40,18 @@ def platform_of(device: str) -> str:
 
 # -- running -----------------------------------------------------------------------------
 def _init_worker(modules: list[str]) -> None:
-    """Spawned workers: one torch thread (the pool is the parallelism), quiet HF
-    progress bars, and the modules that registered the families being probed."""
+    """Spawned workers: one torch thread (the pool is the parallelism), third-party logs
+    and progress bars into the command's log file (`mmrl.logs`), and the modules that
+    registered the families being probed."""
     import importlib
 
+    from mmrl.logs import quiet_probe_worker
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    quiet_probe_worker()
     import torch
 
     torch.set_num_threads(1)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    import warnings
-
-    warnings.filterwarnings("ignore")
     for module in modules:
         if module != "__main__":
             importlib.import_module(module)
@@ -180,7 +175,7 @@ def probe_cells(adapters, probes, *, device: str = "cpu", workers: int = 2, prog
     """Run the probes on the families' tiny models; one cell per (family, probe)."""
     subjects = [Subject(adapter=a, source=a.family, device=device) for a in adapters]
     platform = platform_of(device)
-    with _progress(progress, len(subjects) * len(probes)) as advance:
+    with progress_bar(progress, len(subjects) * len(probes)) as advance:
         results = run_probes(subjects, probes, workers=workers, on_result=advance)
     return [cell(label, feature, platform, result) for (label, feature), result in results.items()]
 
@@ -246,19 +241,25 @@ def check(output: Path, *, workers: int = 2, progress: bool = True) -> tuple[lis
     return problems, document, fresh
 
 
-class _progress:
-    """A rich progress bar over (family, probe) cells; a no-op when disabled."""
+class progress_bar:
+    """A rich progress bar over (family, probe) cells, on stderr; a no-op when disabled.
 
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
+        with progress_bar(True, total) as advance:
+            run_probes(..., on_result=advance)
+    """
+
+    def __init__(self, enabled: bool, total: int, *, transient: bool = False):
+        self.enabled, self.total, self.transient = enabled, total, transient
 
     def __enter__(self):
         if not self.enabled:
             return lambda *a: None
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bar = Progress(TextColumn("[bold]probing[/]"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("{task.description}"), transient=False)
+                            TimeElapsedColumn(), TextColumn("{task.description}"), transient=self.transient,
+                            console=Console(stderr=True))
         self.bar.__enter__()
         task = self.bar.add_task("", total=self.total)
 

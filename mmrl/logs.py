@@ -1,0 +1,110 @@
+"""What third-party libraries may print around mmrl's own output, decided in one place.
+
+vLLM logs dozens of INFO/WARNING lines per engine start, torch warns about its own
+deprecations when vLLM imports, and transformers/vLLM draw progress bars for every
+checkpoint they write or read. Around a one-line result (`mmrl support-matrix --check`)
+or a table (`mmrl doctor`) that is hundreds of lines of noise, so the CLI calls `quiet()`
+before anything imports those libraries, and probe worker processes send their own
+stdout/stderr to a log file (`redirect_to_log`). `mmrl --verbose COMMAND` keeps it all:
+
+    mmrl --verbose doctor qwen2_vl
+
+The settings travel to subprocesses (spawned probe workers, torchrun) as environment
+variables; a variable the user set already is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+VERBOSE_ENV = "MMRL_VERBOSE"
+WORKER_LOG_ENV = "MMRL_WORKER_LOG"
+
+# Read by the libraries when they are imported (or when their subprocesses start).
+QUIET_ENVIRONMENT = {
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's INFO/WARNING per engine start and request
+    "TORCH_LOGS": "-all",  # torch's Python warnings (deprecations seen while vLLM imports) at ERROR
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (e.g. NUMA binding)
+    "TOKENIZERS_PARALLELISM": "false",  # tokenizers' fork warning
+}
+# Python loggers that log before their library configures them (vLLM's Triton check).
+QUIET_LOGGERS = ("vllm", "torch")
+
+
+def verbose() -> bool:
+    """True when the user asked for every library's output (`mmrl --verbose`)."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet(*, is_verbose: bool | None = None) -> None:
+    """Keep third-party logs at ERROR in this process and in the processes it starts.
+
+    Call before vLLM or torch is imported. With `is_verbose` (or MMRL_VERBOSE=1 in the
+    environment) nothing changes; `is_verbose=True` also sets MMRL_VERBOSE for subprocesses."""
+    if is_verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    if verbose():
+        return
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_probe_worker() -> None:
+    """In a probe worker: `quiet()`, plus transformers' warnings and progress bars off
+    and Python warnings ignored (probes build odd tiny models on purpose), and the
+    worker's stdout/stderr appended to the log file its parent named."""
+    if verbose():
+        return
+    quiet()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if log := os.environ.get(WORKER_LOG_ENV):
+        redirect_to_log(Path(log))
+
+
+def new_worker_log(command: str) -> Path | None:
+    """A fresh log file for the worker processes of `command` (named in the environment,
+    so spawned workers find it); None when verbose (workers print to the terminal)."""
+    if verbose():
+        return None
+    handle, name = tempfile.mkstemp(prefix=f"mmrl-{command}-", suffix=".log")
+    os.close(handle)
+    os.environ[WORKER_LOG_ENV] = name
+    return Path(name)
+
+
+def redirect_to_log(path: Path) -> None:
+    """Append this process's stdout and stderr, Python's and the C libraries' alike
+    (file descriptors 1 and 2), to `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+
+
+def hf_progress_bars(enabled: bool) -> None:
+    """Switch transformers' and huggingface_hub's progress bars ("Writing model shards",
+    downloads) on or off in this process."""
+    if enabled:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
