@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mmrl.data.layouts import DataSource
+from mmrl.data.layouts import DataSpec
 from mmrl.smoke import SmokeConfig
 
 # The keys of `mmrl.tiny.vocabulary`, and what each holds.
@@ -77,11 +77,11 @@ class DataConfig(_Section):
     # A .jsonl/.parquet file, a dataset folder, or a synthetic task such as
     # "synthetic:count_shapes?n=2048&seed=0"; or a mapping: a public dataset in its own
     # layout with its columns mapped onto the schema (`mmrl.data.layouts.DataSource`).
-    train: str | DataSource
-    eval: str | DataSource | None = None
+    train: DataSpec
+    eval: DataSpec | None = None
     # Checked every `trainer.eval_every` steps (early stopping); defaults to `eval`. Keep
     # it apart from `eval` so the final figure is not measured on the stopping set.
-    validation: str | DataSource | None = None
+    validation: DataSpec | None = None
     prompts_per_step: int = Field(16, gt=0)
     shuffle_seed: int = 0
 

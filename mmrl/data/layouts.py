@@ -41,9 +41,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from mmrl.data.schema import ANSWER, IMAGES, PROMPT, VIDEOS, Sample
 
@@ -79,6 +79,25 @@ class DataSource(_Frozen):
     video_placeholder: str = "<video>"
     answer_pattern: str | None = None
     limit: int | None = Field(None, gt=0)
+
+
+def _as_source(value: Any) -> Any:
+    """A recipe's data field: a string stays a path or synthetic task; a mapping becomes a
+    `DataSource`, its errors naming the field inside it (`columns.prompt: ...`)."""
+    if isinstance(value, (str, DataSource)):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return DataSource.model_validate(dict(value))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    raise ValueError("expected a path, a synthetic:TASK spec or a mapping with path and columns, "
+                     f"got {type(value).__name__}")
+
+
+# The type of a recipe's data.train / eval / validation.
+DataSpec = Annotated[str | DataSource, BeforeValidator(_as_source)]
 
 
 class LayoutError(ValueError):

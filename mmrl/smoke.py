@@ -1,0 +1,181 @@
+"""Smoke runs of real recipes: two steps on the family's tiny random-init model and the
+few rows bundled under recipes/data/ in the dataset's own layout, so a recipe that
+names a 7B checkpoint and a hub dataset is checked end to end on a CPU with no download.
+
+    mmrl train recipes/qwen2_5_vl_7b_geo3k_grpo.yaml --smoke         # 2 steps, tiny model
+    mmrl data check recipes/qwen2_5_vl_7b_geo3k_grpo.yaml --smoke    # how the first rows render
+
+A recipe says what stands in for its checkpoint and its dataset:
+
+    smoke:
+      family: qwen2_5_vl               # the registered family whose tiny model is built
+      data: recipes/data/geometry3k    # replaces `path` in every data source mapping
+
+Everything that shapes the run stays the recipe's: data column mapping and template,
+reward, algorithm, optimizer, freezing and LoRA. What only makes it big is replaced:
+the model (its config_overrides too), the pixel budget, sampling and batch sizes, the
+number of steps, vLLM (the HF backend samples), checkpoints and export.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SMOKE_STEPS = 2
+
+
+class SmokeConfig(BaseModel):
+    """What `--smoke` swaps in for the recipe's checkpoint and dataset."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # A registered family (its tiny random-init model); None: model.path when it already
+    # names a family.
+    family: str | None = None
+    # A local copy of the dataset in its own layout; replaces `path` in each data source
+    # mapping (and a plain path source). None: the sources are used as they are.
+    data: str | None = None
+    # Applied to the tiny config (rarely needed).
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    # The bundled images are tens of pixels wide; real budgets would upscale them a hundredfold.
+    min_pixels: int = Field(3136, gt=0)
+    max_pixels: int = Field(12544, gt=0)
+
+
+def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
+    """The recipe's values with the smoke replacements made (a dict for `Recipe`)."""
+    from mmrl.config import RecipeError
+
+    smoke = recipe.smoke
+    values = recipe.model_dump(mode="json")
+    family = smoke.family
+    if family is None:
+        if not recipe.model.random_init:
+            raise RecipeError(f"{source}: smoke.family: the recipe trains a checkpoint ({recipe.model.path}); "
+                              "name the family whose tiny model stands in for it (e.g. smoke: {family: qwen2_vl})")
+        family = recipe.model.path
+    model = values["model"]
+    model.update(path=family, random_init=True, config_overrides=dict(smoke.config_overrides), dtype="float32",
+                 attn_implementation=None, min_pixels=smoke.min_pixels, max_pixels=smoke.max_pixels)
+    if recipe.model.path != family or not recipe.model.random_init:
+        model["tiny_vocabulary"] = {}  # a vocabulary made for another tokenizer's task
+    data = values["data"]
+    for key in ("train", "eval", "validation"):
+        data[key] = _smoke_source(data[key], smoke.data)
+    data["prompts_per_step"] = min(data["prompts_per_step"], 2)
+    rollout = values["rollout"]
+    rollout.update(backend="hf", samples_per_prompt=min(rollout["samples_per_prompt"], 2),
+                   max_new_tokens=min(rollout["max_new_tokens"], 8))
+    values["algo"]["micro_batch_size"] = min(values["algo"]["micro_batch_size"], 4)
+    values["trainer"].update(steps=SMOKE_STEPS, eval_every=0, save_every=0, target_accuracy=None,
+                             time_budget_s=None, resume=False, export=False,
+                             output_dir=f"runs/smoke/{Path(str(source)).stem}")
+    values["parallel"]["sequence_parallel"] = 1
+    return values
+
+
+def _smoke_source(value: Any, data: str | None) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if data is None:
+            return value
+        return {**value, "path": data, "name": None, "data_files": None, "limit": None}
+    if value.startswith("synthetic:"):
+        # A synthetic task draws every image up front: a handful is enough.
+        spec = re.sub(r"([?&])n=\d+", r"\1n=8", value)
+        return spec if spec != value else value + ("&" if "?" in value else "?") + "n=8"
+    return data if data is not None else value
+
+
+def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
+    """The recipe at `path` as a smoke run; `overrides` apply after the smoke changes."""
+    from pydantic import ValidationError
+
+    from mmrl.config import Recipe, RecipeError, apply_overrides, load_recipe
+
+    recipe = load_recipe(path)
+    values = apply_overrides(smoke_values(recipe, path), overrides or [])
+    try:
+        return Recipe.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RecipeError(f"{path} (smoke): {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+
+
+# -- `mmrl data check` ----------------------------------------------------------------------
+
+def processing_for(recipe):
+    """The recipe's input processing without building its model: a checkpoint folder's
+    processor, or the family's tiny one for a random init."""
+    from mmrl.registry import get_adapter
+
+    m = recipe.model
+    adapter = get_adapter(m.path)
+    path = Path(m.path).expanduser()
+    if path.is_dir():
+        from mmrl.build import _load_processor
+
+        processor = _load_processor(path, adapter, m.trust_remote_code)
+    else:
+        from contextlib import nullcontext
+
+        from mmrl.tiny import vocabulary
+
+        with vocabulary(**m.tiny_vocabulary) if m.tiny_vocabulary else nullcontext():
+            processor = adapter.tiny().processor
+    options = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
+    return adapter.processing_class()(processor, **{**adapter.processing_options, **options})
+
+
+def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str, Any]]:
+    """How the first `rows` rows of the recipe's `split` source render: the chat-template
+    text, the answer, the other columns, the images' sizes and the token counts."""
+    from mmrl.data import load_prompts, to_conversation
+
+    source = {"train": recipe.data.train, "test": recipe.data.eval, "validation": recipe.data.validation}[split]
+    if source is None:
+        raise ValueError(f"data.{ {'test': 'eval'}.get(split, split)}: not set in the recipe")
+    dataset = load_prompts(source, split, limit=rows)
+    processing = processing_for(recipe)
+    processor, tokenizer = processing.processor, processing.tokenizer
+    media_ids = {getattr(processor, name, None) or getattr(tokenizer, name, None)
+                 for name in ("image_token_id", "video_token_id")} - {None}
+    described = []
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        conversation = to_conversation(sample)
+        batch = processing([conversation])
+        ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+        images = [p["image"] for m in conversation if not isinstance(m["content"], str)
+                  for p in m["content"] if p["type"] == "image"]
+        described.append({
+            "row": dataset.source_rows[index],
+            "text": processing.render(conversation),
+            "answer": sample["answer"],
+            "columns": {k: v for k, v in sample.items() if k not in ("prompt", "answer", "images", "videos")},
+            "images": [f"{im.width}x{im.height}" for im in images],
+            "videos": len(sample.get("videos") or []),
+            "tokens": len(ids),
+            "media_tokens": sum(1 for i in ids if i in media_ids),
+        })
+    return described
+
+
+def format_rows(described: list[dict[str, Any]]) -> str:
+    """`describe_rows` as text for the terminal."""
+    blocks = []
+    for d in described:
+        media = ", ".join(d["images"]) or "none"
+        lines = [f"--- row {d['row']}: {d['tokens']} prompt tokens ({d['media_tokens']} for media); "
+                 f"images: {media}" + (f"; videos: {d['videos']}" if d["videos"] else ""),
+                 d["text"].rstrip("\n"),
+                 f"answer: {d['answer']!r}"]
+        if d["columns"]:
+            lines.append("columns for the reward: " + ", ".join(f"{k}={v!r}"[:80] for k, v in d["columns"].items()))
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
