@@ -98,12 +98,19 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
 def train(
     recipe: str = typer.Argument(..., help="A YAML recipe (see recipes/)."),
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. optim.lr=1e-4"),
+    smoke: bool = typer.Option(False, "--smoke", help="2 steps with the family's tiny random-init model and the "
+                               "recipe's bundled rows (its smoke: section; mmrl/smoke.py)."),
 ) -> None:
     """Train with a recipe; the same command runs one process or, under torchrun, several."""
     from mmrl.config import RecipeError, load_recipe
 
     try:
-        config = load_recipe(recipe, overrides or [])
+        if smoke:
+            from mmrl.smoke import load_smoke_recipe
+
+            config = load_smoke_recipe(recipe, overrides or [])
+        else:
+            config = load_recipe(recipe, overrides or [])
     except RecipeError as exc:
         fail(str(exc))
     from mmrl.logs import hf_progress_bars
@@ -344,6 +351,32 @@ def add_model(
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"next: {result.next_command}", highlight=False)
+
+
+# -- `mmrl data check`: how a recipe's rows render (mmrl/smoke.py) ------------------------------
+data_app = typer.Typer(no_args_is_help=True, help="Look at a recipe's data as the model will see it.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("check")
+def data_check(
+    recipe: str = typer.Argument(..., help="A YAML recipe (see recipes/)."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. data.train.split=test"),
+    rows: int = typer.Option(2, "--rows", min=1, help="How many rows to show."),
+    split: str = typer.Option("train", "--split", help="train, validation or test (data.eval)."),
+    smoke: bool = typer.Option(False, "--smoke", help="Use the recipe's smoke model and bundled rows."),
+) -> None:
+    """Print the first rows of a recipe's data rendered by the model's processor, with token counts."""
+    from mmrl.config import RecipeError, load_recipe
+    from mmrl.smoke import describe_rows, format_rows, load_smoke_recipe
+
+    if split not in ("train", "validation", "test"):
+        fail(f"--split: expected train, validation or test, got {split!r}")
+    try:
+        config = load_smoke_recipe(recipe, overrides or []) if smoke else load_recipe(recipe, overrides or [])
+        typer.echo(format_rows(describe_rows(config, rows, split)))
+    except (RecipeError, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
 
 
 if __name__ == "__main__":
