@@ -4,7 +4,7 @@ column mapping runs in CI against the layout it will meet on the hub.
 
     python recipes/data/make.py          # rewrites every folder below; deterministic
 
-- geometry3k/data/{train,test}-00000-of-00001.parquet: hiyouga/geometry3k's layout
+- geometry3k/data/{train,validation,test}-00000-of-00001.parquet: hiyouga/geometry3k's layout
   (`images`: a list of encoded images, `problem` with an `<image>` placeholder, `answer`)
 - clevr_count/data/{train,test}-00000-of-00001.parquet: BUAADreamer/clevr_count_70k's
   layout (the same three columns; answers are counts)
@@ -89,6 +89,8 @@ GEOMETRY = [
     ("<image>Find the area of the triangle.", "\\frac{25}{2}"),
     ("<image>Find x.", "4"),
     ("<image>Find the perimeter of the figure.", "12+4\\sqrt{2}"),
+    ("<image>Find z.", "8"),
+    ("<image>Find the measure of \\angle A to the nearest degree.", "37"),
 ]
 
 WORD_PROBLEMS = [
@@ -124,7 +126,8 @@ def main() -> None:
     geometry = [{"images": [triangle((56 + 28 * (i % 2), 56), rng)], "problem": p, "answer": a}
                 for i, (p, a) in enumerate(GEOMETRY)]
     write_parquet(HERE / "geometry3k", "train", geometry[:4], "images")
-    write_parquet(HERE / "geometry3k", "test", geometry[4:], "images")
+    write_parquet(HERE / "geometry3k", "test", geometry[4:6], "images")
+    write_parquet(HERE / "geometry3k", "validation", geometry[6:], "images")
 
     counts = [3, 1, 4, 2, 5, 3]
     clevr = [{"images": [scene(n, 56, rng)], "problem": "<image>How many items are there in the image?",
