@@ -1,0 +1,106 @@
+"""The figures and names README.md and docs/ state are the code's: the recipe's parameter
+count, the recipe keys of docs/training.md against mmrl/config.py, the synthetic tasks it
+lists, the metric names it documents, and the commands CI runs.
+
+    .venv/bin/python -m pytest -q tests/test_docs.py
+"""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+TRAINING = (REPO / "docs" / "training.md").read_text()
+
+
+def _without_parentheses(text: str) -> str:
+    """`text` with every parenthesised part (nested ones included) removed."""
+    out, depth = [], 0
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(char)
+    return "".join(out)
+
+
+def documented_recipe_keys() -> dict[str, set[str]]:
+    """{section: field names} from the recipe table of docs/training.md: a row
+    "| `section` | `field` (what it is), `field`, ... |"; backticked words inside
+    parentheses are values or examples, not fields."""
+    table = TRAINING.split("| section | fields |", 1)[1].split("\n\n", 1)[0]
+    sections: dict[str, set[str]] = {}
+    for line in table.splitlines():
+        match = re.match(r"\|\s*`(\w+)`\s*\|(.*)\|\s*$", line)
+        if match:
+            fields = _without_parentheses(match.group(2)).split(":", 1)[0]
+            sections[match.group(1)] = set(re.findall(r"`(\w+)`", fields))
+    return sections
+
+
+def schema_recipe_keys() -> dict[str, set[str]]:
+    from pydantic import BaseModel
+
+    from mmrl.config import Recipe
+
+    keys = {}
+    for name, field in Recipe.model_fields.items():
+        section = field.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel), f"{name} is not a section"
+        keys[name] = set(section.model_fields)
+    return keys
+
+
+def test_training_docs_name_every_recipe_key_and_no_other():
+    documented, schema = documented_recipe_keys(), schema_recipe_keys()
+    assert set(documented) == set(schema), "sections differ between docs/training.md and mmrl/config.py"
+    for section, fields in schema.items():
+        assert documented[section] - fields == set(), f"docs/training.md documents keys {section} lacks"
+        assert fields - documented[section] == set(), f"docs/training.md does not document these {section} keys"
+
+
+def test_training_docs_list_every_synthetic_task():
+    from mmrl.data.synthetic import TASKS
+
+    block = TRAINING.split("### Synthetic tasks", 1)[1].split("\n#", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", block, flags=re.M)
+    assert listed == list(TASKS)
+
+
+def test_training_docs_name_the_metrics_the_trainer_logs():
+    trainer = (REPO / "mmrl" / "trainer.py").read_text()
+    written = TRAINING.split("## What a run writes", 1)[1]
+    for name in re.findall(r"`((?:validation|eval)/\w+)`", written):
+        assert f'"{name}"' in trainer, f"docs/training.md names {name}, which mmrl/trainer.py does not log"
+    assert '"validation/accuracy"' in trainer and "`validation/accuracy`" in written
+
+
+def test_readme_names_every_command_ci_runs():
+    test_section = README.split("## Test", 1)[1].split("\n## ", 1)[0]
+    script = (REPO / ".ci" / "run").read_text()
+    commands = [line.strip() for line in script.splitlines()
+                if line.strip().startswith((".venv/bin/", "bash "))]
+    assert commands, "no command found in .ci/run"
+    for command in commands:
+        words = shlex.split(command)
+        program = Path(words[0]).name
+        # `.venv/bin/mmrl support-matrix --check ...` appears as `mmrl support-matrix --check ...`
+        shown = " ".join([program if program in ("mmrl",) else words[0], *words[1:]])
+        assert shown in test_section or command in test_section, f"README's Test section omits {command!r}"
+
+
+@pytest.mark.slow
+def test_readme_parameter_count_is_the_recipes_model():
+    from mmrl import build_model
+    from mmrl.config import load_recipe
+
+    model = load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml").model
+    built = build_model(model.path, random_init=model.random_init, config_overrides=model.config_overrides,
+                        tiny_vocabulary=model.tiny_vocabulary)
+    count = sum(p.numel() for p in built.model.parameters())
+    assert f"model of {count:,} parameters" in README, f"the recipe's model has {count:,} parameters"
