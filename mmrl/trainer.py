@@ -705,6 +705,15 @@ def _set_rng_tensors(state: dict[str, torch.Tensor]) -> None:
 def _plot(history: list[dict[str, Any]], path: Path, title: str = "reward curve") -> None:
     if not history:
         return
+    import matplotlib.pyplot as plt
+
+    fig = _reward_figure(history, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _reward_figure(history: list[dict[str, Any]], title: str):
+    """The reward curve (and validation accuracy) over the steps of `history`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -725,8 +734,7 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str = "reward curve"
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def train(recipe: Recipe) -> dict[str, Any]:
