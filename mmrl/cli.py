@@ -148,25 +148,41 @@ def support_matrix(
     workers: int = typer.Option(None, "--workers",
                                 help="Worker processes (default: 2, or 1 on one core; 0: in process)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    render_only: bool = typer.Option(False, "--render-only", help="Run no probe: re-render README.md and index.html "
+                                     "from OUTPUT/results.json (after a change to mmrl/probes/render.py)."),
 ) -> None:
     """Run every probe on every registered family and write the support matrix."""
     import time
     from pathlib import Path
 
+    from mmrl.logs import new_worker_log
     from mmrl.probes import FEATURES
     from mmrl.probes import matrix as sm
     from mmrl.registry import RegistryError, get_adapter
 
     start = time.perf_counter()
+    if check and (family or feature or gpu_results or device != "cpu"):
+        fail("--check regenerates every CPU cell; it takes no --family, --feature, --gpu-results or --device")
+    if render_only:
+        if check or family or feature or gpu_results or device != "cpu":
+            fail("--render-only runs no probe; it takes no --check, --family, --feature, --gpu-results or --device")
+        document = sm.load(Path(output) / sm.RESULTS_FILE)
+        if document is None:
+            fail(f"{Path(output) / sm.RESULTS_FILE} not found: run `mmrl support-matrix` first")
+        written = sm.write(document, Path(output))
+        console.print(f"re-rendered {', '.join(str(p) for p in written)} from {len(document['cells'])} recorded cells",
+                      highlight=False)
+        return
+    log = new_worker_log("support-matrix") if _workers(workers) > 0 else None
+    logged = f" Third-party logs of the probe workers: {log}." if log else ""
     if check:
-        if family or feature or gpu_results or device != "cpu":
-            fail("--check regenerates every CPU cell; it takes no --family, --feature, --gpu-results or --device")
         problems, document, fresh = sm.check(Path(output), workers=_workers(workers), progress=progress)
         elapsed = time.perf_counter() - start
         if problems:
             Console(stderr=True).print(
                 f"[bold red]support matrix check failed[/] ({elapsed:.0f} s; fresh output in {fresh}): "
-                + "; ".join(problems) + f". Regenerate with `mmrl support-matrix --output {output}` and commit it.",
+                + "; ".join(problems) + f". Regenerate with `mmrl support-matrix --output {output}` and commit it."
+                + logged,
                 highlight=False, soft_wrap=True)
             raise typer.Exit(code=1)
         console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
