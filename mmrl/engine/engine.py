@@ -137,6 +137,8 @@ class Engine:
         mixed_precision: bool = True,
         share_media: bool = True,
         dropout: bool = False,
+        pack: bool = False,
+        pack_tokens: int = 8192,
     ):
         self.built = built
         # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
@@ -147,6 +149,10 @@ class Engine:
         # Encode each repeated prompt's media once per batch, where the family's
         # encoders allow it (`mmrl.engine.media`).
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
+        # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
+        # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
+        self.pack = pack and self.adapter.capabilities.padding_free
+        self.pack_tokens = pack_tokens
         self.model = built.model.to(dist.device)
         # Dropout off unless asked for (`disable_dropout` says why); an engine that does
         # not train runs in eval mode anyway.
@@ -246,11 +252,30 @@ class Engine:
         Runs with autograd when the engine trains and grad mode is on."""
         if self.sequence_parallel > 1:
             return self._sp_log_probs(seqs, temperature, with_entropy)
+        if self.packs(seqs):
+            return self._packed_log_probs(seqs, temperature, with_entropy)
         length = seqs.response_ids.shape[1]
         out = self._forward(seqs, logits_to_keep=length + 1)
         logits = out.logits[:, :-1]
         logp, entropy = token_log_probs(logits, seqs.response_ids, temperature)
         return logp, (entropy if with_entropy else None)
+
+    def packs(self, seqs: Sequences) -> bool:
+        """Whether `log_probs` runs `seqs` packed: packing is on, and the batch carries the
+        adapter's position ids (a model that computes its own would count across sequences)."""
+        return self.pack and self.sequence_parallel == 1 and "position_ids" in seqs.inputs
+
+    def _packed_log_probs(self, seqs: Sequences, temperature: float, with_entropy: bool):
+        """`log_probs` over the batch packed without padding; logits only for response tokens."""
+        from mmrl.engine.packing import keep_rows, pack_sequences
+
+        packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+        targets = seqs.response_ids[packed.response_mask]
+        # Media sharing matches the media tensors against the padded batch's (the same objects).
+        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared), keep_rows(self.model, packed.logit_index):
+            logits = self.model(**packed.inputs, use_cache=False, logits_to_keep=0).logits
+        logp, entropy = token_log_probs(logits[0].unsqueeze(1), targets.unsqueeze(1), temperature)
+        return packed.to_padded(logp[:, 0]), (packed.to_padded(entropy[:, 0]) if with_entropy else None)
 
     def values(self, seqs: Sequences) -> torch.Tensor:
         """Critic values (B, R): the value head on the hidden state before each response token."""

@@ -34,6 +34,8 @@ class Sequences:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     # Rows that repeat a prompt, for encoding its media once (`mmrl.engine.media`).
     shared: SharedMedia | None = None
+    # The id that fills padding (packing fills its rows' tails with it).
+    pad_token_id: int | None = None
 
     @property
     def size(self) -> int:
@@ -48,6 +50,7 @@ class Sequences:
             prompt_length=self.prompt_length,
             extras={k: v.to(device) for k, v in self.extras.items()},
             shared=self.shared.to(device) if self.shared is not None else None,
+            pad_token_id=self.pad_token_id,
         )
 
 
@@ -90,5 +93,6 @@ def join(
         response_mask=response_mask.float(),
         prompt_length=prompt_length,
         shared=shared,
+        pad_token_id=pad_token_id,
     )
 
