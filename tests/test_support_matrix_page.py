@@ -1,6 +1,8 @@
 """The support-matrix page in a real headless browser (Debian's Chromium via Playwright,
 both installed by scripts/install_browser.sh): it loads offline, lists every registered
-family and feature, and filtering, search, sorting and the evidence panel work.
+family and feature, shows every column at 1280 and 1440 px and a clicked cell's evidence
+without scrolling the page, explains cells a reader would wonder about (n/a although
+declared, GPU cells not recorded), and filtering, search, sorting and the evidence panel work.
 
     .venv/bin/python -m pytest -q tests/test_support_matrix_page.py
 """
@@ -31,9 +33,8 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1600, "height": 1000}, offline=True)
+def open_page(browser, path: Path = PAGE, width: int = 1600, height: int = 1000):
+    context = browser.new_context(viewport={"width": width, "height": height}, offline=True)
     page = context.new_page()
     page.network_requests = []
     page.errors = []
@@ -47,7 +48,13 @@ def page(browser):
 
     page.route("**/*", route)
     page.on("pageerror", lambda error: page.errors.append(str(error)))
-    page.goto(PAGE.as_uri())
+    page.goto(path.as_uri())
+    return context, page
+
+
+@pytest.fixture
+def page(browser):
+    context, page = open_page(browser)
     yield page
     assert page.errors == [], page.errors
     context.close()
@@ -136,3 +143,67 @@ def test_evidence_on_hover_and_click(page):
     text = panel.text_content()
     assert "qwen2 / Padding-free" in text and "packed" in text and "max_abs_diff" in text
     assert "torch" in text and "cpu" in text
+
+
+@pytest.mark.parametrize("width", [1280, 1440])
+def test_every_column_fits_the_window(browser, width):
+    context, page = open_page(browser, width=width, height=800)
+    right = page.eval_on_selector_all("#matrix thead th", "ths => Math.max(...ths.map(t => t.getBoundingClientRect().right))")
+    assert right <= width, f"the last column ends at {right:.0f} px in a {width} px window"
+    overflow = page.eval_on_selector(".scroll", "s => s.scrollWidth - s.clientWidth")
+    assert overflow <= 0, f"the table scrolls sideways by {overflow} px at {width} px"
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    context.close()
+
+
+def test_evidence_shows_without_scrolling_the_page(browser):
+    context, page = open_page(browser, width=1280, height=800)
+    last = families()[-1].family
+    page.eval_on_selector(f"tr[data-family='{last}'] td[data-feature='{PROBES[-1].feature}']", "td => td.click()")
+    title = page.locator("#evidence h2")
+    assert title.text_content() == f"{last} / {PROBES[-1].title}"
+    box = title.bounding_box()
+    assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= 800, box
+    assert page.evaluate("window.scrollY") == 0
+    # Scrolled to the end of the page, the panel stays in view.
+    page.evaluate("window.scrollTo(0, document.documentElement.scrollHeight)")
+    box = title.bounding_box()
+    assert box is not None and 0 <= box["y"] <= 800 - box["height"], box
+    context.close()
+
+
+def test_declared_but_inapplicable_cells_are_explained(page):
+    import json
+
+    cells = json.loads((REPO / "support_matrix" / "results.json").read_text())["cells"]
+    declared_na = {(c["family"], c["feature"]) for c in cells
+                   if c["platform"] == "cpu" and c["status"] == "n/a" and c["declared"] is True}
+    for family, feature in declared_na:
+        badge = page.locator(f"tr[data-family='{family}'] td[data-feature='{feature}'] .badge").first
+        assert "declared" in badge.get_attribute("class").split()
+        assert "does not apply" in page.locator(
+            f"tr[data-family='{family}'] td[data-feature='{feature}']").get_attribute("title")
+    notes = page.locator("#notes").text_content() if page.locator("#notes").count() else ""
+    for feature in {f for _, f in declared_na}:
+        assert f"although their adapters declare {feature}" in notes
+
+
+def test_missing_gpu_cells_are_explained(browser, tmp_path):
+    import json
+
+    from mmrl.probes.render import render_html
+
+    document = json.loads((REPO / "support_matrix" / "results.json").read_text())
+    gpu = [c for c in document["cells"] if c["platform"] == "gpu"]
+    if not gpu:
+        pytest.skip("no GPU cells recorded in support_matrix/results.json")
+    dropped = gpu[0]
+    document["cells"] = [c for c in document["cells"] if c is not dropped]
+    (tmp_path / "index.html").write_text(render_html(document))
+    context, page = open_page(browser, tmp_path / "index.html")
+    notes = page.locator("#notes")
+    assert notes.is_visible()
+    text = notes.text_content()
+    assert f"no GPU cell for {dropped['family']}" in text and "not recorded on a GPU" in text
+    assert f"--feature {dropped['feature']}" in text
+    context.close()

@@ -72,6 +72,37 @@ def _provenance(cells: list[dict]) -> list[str]:
     return lines
 
 
+def _notes(document: dict[str, Any]) -> list[str]:
+    """Plain-text notes on cells a reader would otherwise wonder about: n/a although the
+    family declares the capability, and GPU cells missing where other GPU cells exist."""
+    titles = {f["feature"]: f["title"] for f in document["features"]}
+    index = _index(document)
+    notes = []
+    declared_na: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for c in document["cells"]:
+        if c["platform"] == "cpu" and c["status"] == "n/a" and c["declared"] is True:
+            declared_na[(c["feature"], c["reason"])].append(c["family"])
+    for (feature, reason), names in sorted(declared_na.items(), key=lambda kv: list(titles).index(kv[0][0])):
+        notes.append(f"{titles[feature]} is n/a for {', '.join(names)}, although their adapters declare "
+                     f"{feature}: {reason}. The feature has nothing to act on there, so no probe runs and "
+                     "nothing is gated.")
+    recorded = {c["family"] for c in document["cells"] if c["platform"] == "gpu"}
+    if recorded:
+        missing: dict[str, list[str]] = defaultdict(list)
+        for family in document["families"]:
+            for f in document["features"]:
+                if family["family"] in recorded and (family["family"], f["feature"], "gpu") not in index:
+                    missing[f["feature"]].append(family["family"])
+        for feature, names in missing.items():
+            notes.append(f"{titles[feature]}: no GPU cell for {', '.join(names)}: not recorded on a GPU yet (record "
+                         f"it with `mmrl support-matrix --device cuda --feature {feature}` on a GPU machine and merge "
+                         "with `--gpu-results`); the CPU cell is shown alone.")
+        unrecorded = [f["family"] for f in document["families"] if f["family"] not in recorded]
+        if unrecorded:
+            notes.append(f"No GPU cells recorded for {', '.join(unrecorded)}.")
+    return notes
+
+
 def _table(document: dict[str, Any], platform: str, footnotes: dict[tuple[str, str], int]) -> list[str]:
     index = _index(document)
     features = document["features"]
@@ -135,6 +166,10 @@ def render_markdown(document: dict[str, Any]) -> str:
             where = "" if platform == "cpu" else " on GPU"
             out.append(f"{i}. `{c['family']}` / {titles[c['feature']]}{where} ({gate}): {_md(c['reason'])}")
 
+    notes = _notes(document)
+    if notes:
+        out += ["", "## Notes", ""] + [f"- {_md(note)}" for note in notes]
+
     not_run: dict[tuple[str, str], list[str]] = defaultdict(list)
     for c in cpu:
         if c["status"] == "not run here":
@@ -175,13 +210,15 @@ def render_markdown(document: dict[str, Any]) -> str:
 # -- HTML --------------------------------------------------------------------------------
 CSS = """
 :root { --ok:#1a7f37; --ok-bg:#dafbe1; --soft-bg:#eef7ee; --bad:#cf222e; --bad-bg:#ffebe9; --warn:#9a6700;
-        --warn-bg:#fff8c5; --na:#6e7781; --na-bg:#f6f8fa; --skip:#0550ae; --skip-bg:#ddf4ff; --line:#d0d7de; }
+        --warn-bg:#fff8c5; --na:#6e7781; --na-bg:#f6f8fa; --skip:#0550ae; --skip-bg:#ddf4ff; --line:#d0d7de;
+        --panel: 360px; }
 * { box-sizing: border-box; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1f2328; }
-header, main, footer { padding: 0 20px; }
-h1 { font-size: 22px; margin: 16px 0 4px; }
-.meta { color: #57606a; margin: 0 0 8px; }
-.controls { display: flex; flex-wrap: wrap; gap: 12px; align-items: center; padding: 10px 0;
+header, main { padding: 0 16px; }
+h1 { font-size: 22px; margin: 12px 0 4px; }
+.meta { color: #57606a; margin: 0 0 6px; }
+ul.meta { padding-left: 18px; }
+.controls { display: flex; flex-wrap: wrap; gap: 12px; align-items: center; padding: 8px 0;
             border-top: 1px solid var(--line); border-bottom: 1px solid var(--line); }
 .controls label { display: inline-flex; gap: 4px; align-items: center; }
 input[type=search] { padding: 5px 8px; min-width: 220px; border: 1px solid var(--line); border-radius: 6px; }
@@ -189,37 +226,51 @@ select, button { padding: 4px 8px; border: 1px solid var(--line); border-radius:
 details.features { margin: 0; }
 details.features .boxes { display: grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr));
                           gap: 2px 12px; padding: 8px 0; }
-.legend { display: flex; flex-wrap: wrap; gap: 10px; margin: 8px 0; }
+.legend { display: flex; flex-wrap: wrap; gap: 4px 10px; margin: 6px 0; font-size: 13px; }
+/* The matrix beside a sticky evidence panel: a clicked cell's evidence shows without
+   scrolling the page. Narrow windows stack them, and the panel sticks to the bottom. */
+main { display: grid; grid-template-columns: minmax(0, 1fr) var(--panel); gap: 16px; align-items: start; }
 .scroll { overflow-x: auto; }
-table { border-collapse: collapse; margin: 10px 0; }
-th, td { border: 1px solid var(--line); padding: 3px 6px; text-align: center; white-space: nowrap; }
-th { background: #f6f8fa; position: sticky; top: 0; cursor: pointer; user-select: none; font-weight: 600;
-     white-space: normal; font-size: 12px; max-width: 76px; line-height: 1.2; vertical-align: bottom; }
-th[aria-sort=ascending]::after { content: " ▲"; } th[aria-sort=descending]::after { content: " ▼"; }
-td.family { text-align: left; font-family: ui-monospace, monospace; }
-td.modalities { color: #57606a; text-align: left; }
-td.cell { cursor: pointer; min-width: 40px; }
+table { border-collapse: collapse; margin: 8px 0; }
+th, td { border: 1px solid var(--line); padding: 2px 3px; text-align: center; white-space: nowrap; }
+th { background: #f6f8fa; cursor: pointer; user-select: none; font-weight: 600; font-size: 12px;
+     line-height: 1.2; vertical-align: bottom; }
+/* Feature titles read bottom to top, so all 19+ columns fit 1280 px. */
+th.feature { padding: 4px 2px; }
+th.feature span { writing-mode: vertical-rl; transform: rotate(180deg); display: inline-block; }
+th[aria-sort=ascending]::after { content: "▲"; display: block; } th[aria-sort=descending]::after { content: "▼"; display: block; }
+/* The family column stays in view when a narrow window scrolls the table sideways. */
+td.family, th.family { position: sticky; left: 0; z-index: 1; text-align: left; }
+td.family { background: #fff; font-family: ui-monospace, monospace; }
+td.modalities { color: #57606a; text-align: left; white-space: normal; font-size: 12px; min-width: 64px; }
+td.cell { cursor: pointer; min-width: 30px; }
 td.cell:focus, td.cell.selected { outline: 2px solid #0969da; outline-offset: -2px; }
-.badge { display: inline-block; min-width: 26px; padding: 0 5px; border-radius: 10px; font-weight: 700; }
+.badge { display: inline-block; min-width: 22px; padding: 0 4px; border-radius: 10px; font-weight: 700; }
 .verified { color: var(--ok); background: var(--ok-bg); }
 .verified.undeclared { color: var(--ok); background: var(--soft-bg); border: 1px dashed var(--ok); }
 .failed { color: var(--bad); background: var(--bad-bg); }
 .failed.undeclared { color: var(--warn); background: var(--warn-bg); }
 .na { color: var(--na); background: var(--na-bg); }
+.na.declared { border: 1px dotted var(--na); }
 .notrun { color: var(--skip); background: var(--skip-bg); }
-.gpu { font-size: 10px; margin-left: 3px; vertical-align: super; }
-aside#evidence { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; margin: 10px 0;
-                 max-width: 1100px; }
-aside#evidence .platform { display: inline-block; vertical-align: top; min-width: 320px; max-width: 520px;
-                           margin-right: 24px; }
+.gpu { display: block; width: max-content; margin: 1px auto 0; font-size: 10px; line-height: 1.2; min-width: 18px; }
+.legend .gpu { display: inline-block; }
+aside#evidence { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; margin: 8px 0;
+                 position: sticky; top: 8px; max-height: calc(100vh - 16px); overflow: auto; background: #fff; }
+aside#evidence .platform { margin-bottom: 8px; }
 aside#evidence h3 { font-size: 14px; margin: 8px 0 2px; }
 aside#evidence h2 { font-size: 15px; margin: 0 0 6px; }
 aside#evidence dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 8px; margin: 6px 0; }
 aside#evidence dt { color: #57606a; } aside#evidence dd { margin: 0; word-break: break-word; }
 aside#evidence pre { background: #f6f8fa; padding: 6px; white-space: pre-wrap; font-size: 12px; margin: 4px 0; }
+@media (max-width: 1100px) {
+  main { display: block; }
+  aside#evidence { position: sticky; bottom: 0; top: auto; max-height: 45vh; box-shadow: 0 -2px 8px #0002; }
+}
 .empty { color: #57606a; }
 #count { color: #57606a; }
-#failures h2 { font-size: 15px; margin: 8px 0 4px; } #failures ul { margin: 0; }
+#failures h2, #notes h2 { font-size: 15px; margin: 8px 0 4px; } #failures ul, #notes ul { margin: 0; }
+#notes { color: #57606a; }
 """
 
 SCRIPT = r"""
@@ -293,7 +344,8 @@ SCRIPT = r"""
     const box = document.createElement("div");
     box.className = "platform";
     box.appendChild(text("h3", c.platform.toUpperCase() + ": " + c.status +
-      (c.declared === false ? " (not declared)" : c.declared === null ? " (required)" : " (declared)")));
+      (c.declared === false ? " (not declared)" : c.declared === null ? " (required)" :
+       c.status === "n/a" ? " (declared, but does not apply: nothing to verify)" : " (declared)")));
     const dl = document.createElement("dl");
     const add = (k, v) => { dl.appendChild(text("dt", k)); dl.appendChild(text("dd", v)); };
     add("reason", c.reason);
@@ -343,11 +395,15 @@ _CLASS = {"verified": "verified", "failed": "failed", "n/a": "na", "not run here
 
 def _badge(cell: dict[str, Any], extra: str = "") -> str:
     undeclared = " undeclared" if cell["declared"] is False and cell["status"] in ("verified", "failed") else ""
-    return f'<span class="badge {_CLASS[cell["status"]]}{undeclared}{extra}">{HTML_SYMBOLS[symbol(cell)]}</span>'
+    declared_na = " declared" if cell["declared"] is True and cell["status"] == "n/a" else ""
+    return (f'<span class="badge {_CLASS[cell["status"]]}{undeclared}{declared_na}{extra}">'
+            f'{HTML_SYMBOLS[symbol(cell)]}</span>')
 
 
 def _tooltip(cell: dict[str, Any]) -> str:
     note = " (not declared)" if cell["declared"] is False and cell["status"] in ("verified", "failed") else ""
+    if cell["declared"] is True and cell["status"] == "n/a":
+        note = " (declared, but does not apply: nothing to verify)"
     return f"{cell['platform'].upper()}: {cell['status']}{note}: {cell['reason']}"
 
 
@@ -359,9 +415,10 @@ def render_html(document: dict[str, Any]) -> str:
     gpu = [c for c in document["cells"] if c["platform"] == "gpu"]
     counts = Counter(c["status"] for c in cpu)
 
-    head = ['<th data-sort="family" scope="col">family</th>', '<th data-sort="modalities" scope="col">modalities</th>']
-    head += [f'<th data-sort="{e(f["feature"])}" data-feature="{e(f["feature"])}" scope="col" '
-             f'title="{e(f["description"])}">{e(f["title"])}</th>' for f in features]
+    head = ['<th class="family" data-sort="family" scope="col">family</th>',
+            '<th data-sort="modalities" scope="col">modalities</th>']
+    head += [f'<th class="feature" data-sort="{e(f["feature"])}" data-feature="{e(f["feature"])}" scope="col" '
+             f'title="{e(f["description"])}"><span>{e(f["title"])}</span></th>' for f in features]
     body = []
     for family in document["families"]:
         name = family["family"]
@@ -388,9 +445,10 @@ def render_html(document: dict[str, Any]) -> str:
     legend = "".join(
         f'<span>{_badge({"status": status, "declared": declared, "platform": "cpu"})} {e(words)}</span>'
         for (status, declared), (sym, words) in SYMBOLS.items())
+    legend += '<span><span class="badge na declared">–</span> n/a, though the family declares it (see Notes)</span>'
     if gpu:
         legend += '<span><span class="badge verified">✓</span><span class="badge verified gpu">✓</span> ' \
-                  'second, small badge: the cell recorded on a GPU</span>'
+                  'second, small badge: the cell recorded on a GPU (none: not recorded there, see Notes)</span>'
     provenance = "".join(f"<li>CPU: {e(line)}</li>" for line in _provenance(cpu))
     provenance += "".join(f"<li>GPU: {e(line)}</li>" for line in _provenance(gpu))
     data = json.dumps(document, sort_keys=True, ensure_ascii=True).replace("</", "<\\/")
@@ -401,6 +459,8 @@ def render_html(document: dict[str, Any]) -> str:
         f'<li><code>{e(c["family"])}</code> / {e(titles[c["feature"]])} ({c["platform"].upper()}, '
         f'{_gate(c)}): {e(c["reason"])}</li>'
         for c in failed) or "<li>none: every probe that ran passed</li>"
+    notes = "".join(f"<li>{e(note)}</li>" for note in _notes(document))
+    notes = f'<section id="notes"><h2>Notes</h2><ul>{notes}</ul></section>' if notes else ""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -434,6 +494,7 @@ Click a cell for its evidence.</p>
 <div class="boxes">{toggles}</div></details>
 </header>
 <main>
+<div class="matrix-area">
 <div class="scroll">
 <table id="matrix">
 <thead><tr>{"".join(head)}</tr></thead>
@@ -443,10 +504,12 @@ Click a cell for its evidence.</p>
 </table>
 </div>
 <section id="failures"><h2>Failures</h2><ul>{failures}</ul></section>
+{notes}
+<footer><p class="meta">Statuses and columns: docs/support_matrix.md in the mmrl repository.</p></footer>
+</div>
 <aside id="evidence" aria-live="polite"><p class="empty">Click a cell (or hover it) to see its evidence: the
 probe's reason, measurements, time, device, versions and date.</p></aside>
 </main>
-<footer><p class="meta">Statuses and columns: docs/support_matrix.md in the mmrl repository.</p></footer>
 <script type="application/json" id="matrix-data">{data}</script>
 <script>{SCRIPT}</script>
 </body>
