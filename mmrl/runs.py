@@ -8,7 +8,9 @@
 
 A folder holds one run. `claim` takes `LOCK_FILE` (created exclusively, holding the pid,
 host and start time) so a second process is kept out with one line naming the holder; a
-lock whose process is gone is stale and taken over. A folder that already holds a run's
+lock whose process is gone is stale and taken over. Within one process the lock is shared
+(a script may build a second Trainer on the folder, as the distributed tests do) and goes
+when its last holder lets go. A folder that already holds a run's
 results is refused unless the run resumes (and the saved recipe matches, so resume
 continues the same run only) or overwrites (its results are removed first; other files
 stay).
@@ -37,7 +39,7 @@ RECIPE_FILE = "recipe.yaml"
 RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "checkpoints", "final", "reward_curve.png", "tensorboard")
 _TEMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
-_HELD: set[str] = set()  # lock files this process holds
+_HELD: dict[str, int] = {}  # lock files this process holds -> how many holders
 
 
 class RunFolderError(ValueError):
@@ -103,6 +105,11 @@ class RunFolder:
                              "or choose another folder")
 
     def _take_lock(self) -> None:
+        key = str(self.lock.resolve())
+        if _HELD.get(key) and self.lock.is_file():
+            _HELD[key] += 1
+            self._locked = True
+            return
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
         for _ in range(3):
             try:
@@ -117,7 +124,7 @@ class RunFolder:
             with os.fdopen(fd, "w") as handle:
                 handle.write(record)
             self._locked = True
-            _HELD.add(str(self.lock.resolve()))
+            _HELD[key] = 1
             return
         raise RunFolderError(f"trainer.output_dir: could not lock {self.path} (its lock file keeps changing)")
 
@@ -138,15 +145,18 @@ class RunFolder:
         if host != socket.gethostname():
             return words  # cannot tell whether it lives: keep out
         if pid == os.getpid():
-            return words if str(self.lock.resolve()) in _HELD else None
+            return None  # not among this process's held locks (`_take_lock` checked): left over
         return words if _alive(pid) else None
 
     def release(self) -> None:
         if not self._locked:
             return
         self._locked = False
-        _HELD.discard(str(self.lock.resolve()))
-        self.lock.unlink(missing_ok=True)
+        key = str(self.lock.resolve())
+        _HELD[key] = _HELD.get(key, 1) - 1
+        if _HELD[key] <= 0:
+            del _HELD[key]
+            self.lock.unlink(missing_ok=True)
 
     def __del__(self):
         try:

@@ -74,7 +74,11 @@ class Trainer:
         self._tensorboard = None
         self._purge_step: int | None = None
         self._stop_signal: int | None = None
+        # Where scores are taken (for error messages): the step, and the dataset rows
+        # of the samples being scored.
         self._step_context = "before training"
+        self._score_rows: list[int] | None = None
+        self._score_dataset = None
         check_before_build(recipe)  # cheap checks, before the (slow) model build
         self._claim_folder()
         try:
@@ -94,9 +98,8 @@ class Trainer:
                                   same_run=lambda saved: same_run(self.recipe, saved))
             except RunFolderError as exc:
                 error = str(exc)
-        else:
-            self.folder.check_path()
-        error = self.dist.all_gather_objects(error)[0]
+        if self.dist.distributed and torch.distributed.is_initialized():
+            error = self.dist.all_gather_objects(error)[0]
         if error:
             raise RunFolderError(error)
 
@@ -162,8 +165,7 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result, source_rows: list[int] | None = None,
-               dataset=None) -> torch.Tensor:
+    def _score(self, samples: list[dict], result) -> torch.Tensor:
         """Rewards of the responses; a failing reward or a NaN/inf score stops the run
         here, before any update, naming the reward, the step and the dataset row."""
         from mmrl.rewards import RewardError, score
@@ -179,6 +181,7 @@ class Trainer:
             where = self._step_context
             if exc.index is not None:
                 prompt = rows[exc.index]
+                source_rows, dataset = self._score_rows, self._score_dataset
                 row = source_rows[prompt] if source_rows is not None else prompt
                 name = getattr(dataset, "name", "") if dataset is not None else ""
                 where += f", row {row}" + (f" of {name}" if name else "") + f" (response {texts[exc.index]!r})"
@@ -353,7 +356,8 @@ class Trainer:
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
         with self._timed("rollout"):
             result = self._same_in_sp_group(self.rollout.generate(conversations, params))
-        rewards = self._score(samples, result, self._batch_rows, self.train_set)
+        self._score_rows, self._score_dataset = self._batch_rows, self.train_set
+        rewards = self._score(samples, result)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -416,8 +420,9 @@ class Trainer:
             result = self.rollout.generate(conversations, params)
             if not stand_in:
                 saved, self._step_context = self._step_context, context
+                self._score_rows, self._score_dataset = chunk_rows, dataset
                 try:
-                    correct += float((self._score(chunk, result, chunk_rows, dataset) >= 1.0).sum())
+                    correct += float((self._score(chunk, result) >= 1.0).sum())
                 finally:
                     self._step_context = saved
         # Ranks of one sequence-parallel group scored the same share.

@@ -83,13 +83,14 @@ def test_resume_and_overwrite_together_is_a_recipe_error(tmp_path):
         _recipe(tmp_path, "trainer.resume=true", "trainer.overwrite=true")
 
 
-def test_a_second_run_into_a_locked_folder_is_refused(tmp_path):
-    run = tmp_path / "run"
-    first = Trainer(_recipe(run, "trainer.steps=1"))
-    with pytest.raises(RunFolderError, match=rf"is in use by another run \(pid {os.getpid()} on "):
-        Trainer(_recipe(run, "trainer.steps=1"))
-    first.fit()
-    assert not (run / LOCK_FILE).exists()
+def test_the_lock_is_shared_within_a_process_and_goes_with_its_last_holder(tmp_path):
+    first, second = RunFolder(tmp_path / "run"), RunFolder(tmp_path / "run")
+    first.claim(resume=False, overwrite=False)
+    second.claim(resume=False, overwrite=False)
+    first.release()
+    assert (tmp_path / "run" / LOCK_FILE).is_file()
+    second.release()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
 def test_the_lock_names_a_live_holder_and_takes_over_a_stale_one(tmp_path):
