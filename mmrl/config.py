@@ -48,6 +48,10 @@ class ModelConfig(_Section):
     # Encode each prompt's images/videos once per micro-batch and reuse the features for
     # all its samples (rollout and update), where the family declares media_sharing.
     share_media: bool = True
+    # Padding-free log-probs in the engine (`mmrl.engine.packing`), for families that
+    # declare padding_free: sequences packed into rows of at most `pack_tokens` tokens.
+    pack: bool = False
+    pack_tokens: int = Field(8192, gt=0)
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.
     min_pixels: int | None = Field(None, gt=0)

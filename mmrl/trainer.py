@@ -136,8 +136,10 @@ class Trainer:
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing, share_media=m.share_media)
-        self.ref = Engine(build(r.trainer.seed), self.dist, share_media=m.share_media) if r.algo.kl_coef > 0 else None
+                            gradient_checkpointing=m.gradient_checkpointing, share_media=m.share_media,
+                            pack=m.pack, pack_tokens=m.pack_tokens)
+        self.ref = (Engine(build(r.trainer.seed), self.dist, share_media=m.share_media, pack=m.pack,
+                           pack_tokens=m.pack_tokens) if r.algo.kl_coef > 0 else None)
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,

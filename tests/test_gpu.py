@@ -8,6 +8,7 @@ import torch
 
 from mmrl import build_model
 from mmrl.checks import sample_conversations
+from mmrl.config import OptimConfig
 from mmrl.engine import Engine, join
 from mmrl.parallel import init_distributed
 
@@ -58,8 +59,6 @@ def test_shared_media_under_bf16_autocast_matches_the_plain_forward(family):
     features. The fp32 comparison is the media_sharing probe (`--device cuda`)."""
     from mmrl.engine.media import SharedMedia
 
-    from mmrl.config import OptimConfig
-
     built = build_model(family, random_init=True)
     dist = init_distributed(DEVICE)
     engine = Engine(built, dist, optim=OptimConfig(lr=1e-4))
@@ -82,3 +81,30 @@ def test_shared_media_under_bf16_autocast_matches_the_plain_forward(family):
     (plain, plain_grad), (ours, our_grad) = results
     assert (plain - ours).abs().max() < 5e-2
     assert abs(plain_grad - our_grad) <= 5e-2 * plain_grad
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "gemma3"])
+def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family):
+    """Padding-free log-probs on CUDA (bf16 autocast, SDPA with the packed-sequence mask
+    transformers derives from the position ids) against the padded batch: bf16 noise at
+    most, and gradients of the same size. The exact fp32 comparison is tests/test_engine.py."""
+    built = build_model(family, random_init=True)
+    dist = init_distributed(DEVICE)
+    conversations = sample_conversations(built.adapter)
+    rows = conversations + conversations[::-1]
+    prompts = dict(built.processing(rows))
+    responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
+    results = []
+    for pack in (False, True):
+        engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=pack, pack_tokens=250)
+        seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
+                    built.tokenizer.pad_token_id).to(dist.device)
+        assert engine.packs(seqs) == pack
+        logp, _ = engine.log_probs(seqs)
+        logp.sum().backward()
+        grad = sum(p.grad.float().norm() ** 2 for p in built.model.parameters() if p.grad is not None) ** 0.5
+        built.model.zero_grad(set_to_none=True)
+        results.append((logp.detach().float(), float(grad)))
+    (padded, padded_grad), (packed, packed_grad) = results
+    assert (padded - packed).abs().max() < 5e-2
+    assert abs(padded_grad - packed_grad) <= 5e-2 * padded_grad

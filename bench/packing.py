@@ -1,0 +1,165 @@
+"""Padding-free (packed) actor updates against padded ones, in one run.
+
+A 0.5B-shaped Qwen2 (random init, 152k vocabulary) and RL-like lengths: 64 sequences,
+prompts of 128-512 tokens, responses long-tailed from 32 to 2048 tokens. Both modes run
+the same micro-batches of `--micro-batch` rows through the training engine (bf16
+autocast over fp32 weights): forward, chunked log-probs, backward and an AdamW step. The
+padded mode is the engine's plain path (left-padded prompts, right-padded responses,
+logits for every response column); the packed mode is `Engine(pack=True)`
+(`mmrl.engine.packing`). Before timing, the two modes' log-probs are compared on the same
+weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens only.
+
+    python bench/packing.py --out $OUT/packing_gpu.json
+    .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    # Qwen2.5-0.5B's shape.
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, vocab_size=151936, max_position_embeddings=32768),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=4096),
+}
+
+
+def lengths(count: int, generator: torch.Generator, short: bool) -> tuple[list[int], list[int]]:
+    """Prompt lengths uniform in [128, 512]; response lengths log-uniform in [32, 2048]."""
+    scale = 8 if short else 1
+    prompts = torch.randint(128 // scale, 512 // scale + 1, (count,), generator=generator)
+    log = torch.rand(count, generator=generator) * (torch.tensor(2048.0).log() - torch.tensor(32.0).log())
+    responses = (torch.tensor(32.0).log() + log).exp().round().long() // scale
+    return prompts.tolist(), responses.clamp(min=1).tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--pack-tokens", type=int, nargs="+", default=[8192])
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "packing_gpu.json")
+    args = parser.parse_args()
+
+    from mmrl import build_model
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine, join
+    from mmrl.engine.packing import pack_sequences
+    from mmrl.parallel import init_distributed
+    from mmrl.probes.base import device_name, versions
+
+    dist = init_distributed(args.device)
+    device = dist.device
+    shape = SHAPES[args.shape]
+    with torch.device(device):  # random init where it runs
+        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape)
+    pad = built.tokenizer.pad_token_id or 0
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths, response_lengths = lengths(args.sequences, generator, short=args.shape == "tiny")
+    vocab = shape["vocab_size"]
+
+    def micro_batch(rows: range):
+        width_p = max(prompt_lengths[i] for i in rows)
+        width_r = max(response_lengths[i] for i in rows)
+        ids = torch.full((len(rows), width_p), pad)
+        attention = torch.zeros(len(rows), width_p, dtype=torch.long)
+        responses = torch.full((len(rows), width_r), pad)
+        mask = torch.zeros(len(rows), width_r, dtype=torch.long)
+        for j, i in enumerate(rows):
+            p, r = prompt_lengths[i], response_lengths[i]
+            ids[j, width_p - p:] = torch.randint(100, vocab, (p,), generator=generator)
+            attention[j, width_p - p:] = 1
+            responses[j, :r] = torch.randint(100, vocab, (r,), generator=generator)
+            mask[j, :r] = 1
+        seqs = join({"input_ids": ids, "attention_mask": attention}, responses, mask, built.adapter, built.model, pad)
+        return seqs.to(device)
+
+    batches = [micro_batch(range(i, min(i + args.micro_batch, args.sequences)))
+               for i in range(0, args.sequences, args.micro_batch)]
+    advantages = [torch.randn(s.size, 1, generator=generator).to(device) for s in batches]
+    real_tokens = sum(prompt_lengths) + sum(response_lengths)
+    padded_tokens = sum(s.inputs["input_ids"].numel() for s in batches)
+    response_tokens = sum(response_lengths)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step(mode: str) -> tuple[float, list[torch.Tensor]]:
+        engine.pack = mode != "padded"
+        if engine.pack:
+            engine.pack_tokens = int(mode.split("_")[1])
+        sync()
+        start = time.perf_counter()
+        logps = []
+        for seqs, advantage in zip(batches, advantages):
+            logp, _ = engine.log_probs(seqs)
+            (-(logp * advantage * seqs.response_mask).sum() / response_tokens).backward()
+            logps.append(logp.detach())
+        engine.step()
+        sync()
+        return time.perf_counter() - start, logps
+
+    modes = ["padded"] + [f"packed_{n}" for n in args.pack_tokens]
+    # Same weights for the check: log-probs only, no step.
+    gaps = {}
+    with torch.no_grad():
+        for mode in modes[1:]:
+            engine.pack, engine.pack_tokens = True, int(mode.split("_")[1])
+            packed = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
+            engine.pack = False
+            padded = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
+            gaps[mode] = max((a - b)[s.response_mask.bool()].abs().max().item()
+                             for a, b, s in zip(packed, padded, batches))
+            print(f"{mode}: max |log-prob difference| to padded (bf16 autocast): {gaps[mode]:.3e}")
+    rows = {mode: [len(pack_sequences(s.inputs, s.response_mask, int(mode.split("_")[1])).rows) for s in batches]
+            for mode in modes[1:]}
+    for mode in modes:  # warm-up
+        step(mode)
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for mode in modes:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            samples[mode].append(step(mode)[0])
+            if device.type == "cuda":
+                peaks[mode] = max(peaks.get(mode, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+    medians = {m: statistics.median(v) for m, v in samples.items()}
+    params = sum(p.numel() for p in built.model.parameters())
+    print(f"{'mode':<14} {'median s':>9} {'real tok/s':>11} {'vs padded':>10} {'peak GiB':>9}")
+    for m in modes:
+        print(f"{m:<14} {medians[m]:>9.3f} {real_tokens / medians[m]:>11.0f} {medians['padded'] / medians[m]:>10.2f} "
+              f"{peaks.get(m, 0.0):>9.1f}")
+    report = {
+        "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
+        "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
+        "gradient_checkpointing": args.checkpointing, "precision": "fp32 weights, bf16 autocast",
+        "real_tokens": real_tokens, "padded_tokens": padded_tokens, "response_tokens": response_tokens,
+        "prompt_lengths": prompt_lengths, "response_lengths": response_lengths,
+        "packed_rows_per_micro_batch": rows, "max_logp_diff_vs_padded": gaps, "repeats": args.repeats,
+        "median_step_s": medians, "samples_s": samples, "peak_gib": peaks,
+        "real_tokens_per_s": {m: real_tokens / t for m, t in medians.items()},
+        "speedup_vs_padded": {m: medians["padded"] / t for m, t in medians.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
