@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--pack-tokens", type=int, nargs="+", default=[8192])
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--attn", default=None, help="attention implementation (default: SDPA)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "packing_gpu.json")
     args = parser.parse_args()
@@ -65,7 +66,7 @@ def main() -> None:
     device = dist.device
     shape = SHAPES[args.shape]
     with torch.device(device):  # random init where it runs
-        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape)
+        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, attn_implementation=args.attn)
     pad = built.tokenizer.pad_token_id or 0
     generator = torch.Generator().manual_seed(0)
     prompt_lengths, response_lengths = lengths(args.sequences, generator, short=args.shape == "tiny")
@@ -148,7 +149,8 @@ def main() -> None:
     report = {
         "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
         "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
-        "gradient_checkpointing": args.checkpointing, "precision": "fp32 weights, bf16 autocast",
+        "gradient_checkpointing": args.checkpointing,
+        "attention": built.model.config._attn_implementation, "precision": "fp32 weights, bf16 autocast",
         "real_tokens": real_tokens, "padded_tokens": padded_tokens, "response_tokens": response_tokens,
         "prompt_lengths": prompt_lengths, "response_lengths": response_lengths,
         "packed_rows_per_micro_batch": rows, "max_logp_diff_vs_padded": gaps, "repeats": args.repeats,
