@@ -2,14 +2,14 @@
 few rows bundled under recipes/data/ in the dataset's own layout, so a recipe that
 names a 7B checkpoint and a hub dataset is checked end to end on a CPU with no download.
 
-    mmrl train recipes/qwen2_5_vl_7b_geo3k_grpo.yaml --smoke         # 2 steps, tiny model
-    mmrl data check recipes/qwen2_5_vl_7b_geo3k_grpo.yaml --smoke    # how the first rows render
+    mmrl train RECIPE --smoke                 # 2 steps, tiny model, bundled rows
+    mmrl data check RECIPE --smoke --rows 2   # how the first rows render, with token counts
 
 A recipe says what stands in for its checkpoint and its dataset:
 
     smoke:
-      family: qwen2_5_vl               # the registered family whose tiny model is built
-      data: recipes/data/geometry3k    # replaces `path` in every data source mapping
+      family: FAMILY                   # the registered family whose tiny model is built
+      data: recipes/data/DATASET       # replaces `path` in every data source mapping
 
 Everything that shapes the run stays the recipe's: data column mapping and template,
 reward, algorithm, optimizer, freezing and LoRA. What only makes it big is replaced:
@@ -56,7 +56,7 @@ def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     if family is None:
         if not recipe.model.random_init:
             raise RecipeError(f"{source}: smoke.family: the recipe trains a checkpoint ({recipe.model.path}); "
-                              "name the family whose tiny model stands in for it (e.g. smoke: {family: qwen2_vl})")
+                              "name the family whose tiny model stands in for it (smoke: {family: NAME}; `mmrl models` lists them)")
         family = recipe.model.path
     model = values["model"]
     model.update(path=family, random_init=True, config_overrides=dict(smoke.config_overrides), dtype="float32",
