@@ -5,12 +5,15 @@ prompts of 128-512 tokens, responses long-tailed from 32 to 2048 tokens. Both mo
 the same micro-batches of `--micro-batch` rows through the training engine (bf16
 autocast over fp32 weights): forward, chunked log-probs, backward and an AdamW step. The
 padded mode is the engine's plain path (left-padded prompts, right-padded responses,
-logits for every response column); the packed mode is `Engine(pack=True)`
-(`mmrl.engine.packing`). Before timing, the two modes' log-probs are compared on the same
+logits for every response column, SDPA); the packed modes are `Engine(pack=True)`
+(`mmrl.engine.packing`) with SDPA over the packed-sequence mask (packed_N) or the flash
+varlen kernel (varlen_N, `mmrl.engine.varlen`). A mode that runs out of memory is recorded
+as such. Before timing, the two modes' log-probs are compared on the same
 weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens only.
 
-    python bench/packing.py --out $OUT/packing_gpu.json
-    .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1   # smoke run
+    python bench/packing.py --checkpointing --out $OUT/packing_gpu.json
+    .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
+        --modes padded packed_400   # smoke run
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--pack-tokens", type=int, nargs="+", default=[8192])
+    parser.add_argument("--modes", nargs="+", default=["padded", "packed_8192", "varlen_8192"],
+                        help="padded, packed_N (rows of N tokens, SDPA with the packed mask) or varlen_N "
+                             "(the same rows through the flash varlen kernel, mmrl.engine.varlen)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--attn", default=None, help="attention implementation (default: SDPA)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -57,7 +62,7 @@ def main() -> None:
 
     from mmrl import build_model
     from mmrl.config import OptimConfig
-    from mmrl.engine import Engine, join
+    from mmrl.engine import Engine, join, varlen
     from mmrl.engine.packing import pack_sequences
     from mmrl.parallel import init_distributed
     from mmrl.probes.base import device_name, versions
@@ -67,6 +72,7 @@ def main() -> None:
     shape = SHAPES[args.shape]
     with torch.device(device):  # random init where it runs
         built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, attn_implementation=args.attn)
+    attention = built.model.config.get_text_config()._attn_implementation
     pad = built.tokenizer.pad_token_id or 0
     generator = torch.Generator().manual_seed(0)
     prompt_lengths, response_lengths = lengths(args.sequences, generator, short=args.shape == "tiny")
@@ -94,16 +100,23 @@ def main() -> None:
     real_tokens = sum(prompt_lengths) + sum(response_lengths)
     padded_tokens = sum(s.inputs["input_ids"].numel() for s in batches)
     response_tokens = sum(response_lengths)
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing, pack=True)
+    text_config = built.model.config.get_text_config()
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def use(mode: str) -> None:
+        kind, _, tokens = mode.partition("_")
+        engine.pack = kind != "padded"
+        engine.pack_tokens = int(tokens or 0)
+        if kind == "varlen" and not engine.varlen:
+            raise SystemExit("the varlen kernel is not available here")
+        text_config._attn_implementation = varlen.NAME if kind == "varlen" else attention
+
     def step(mode: str) -> tuple[float, list[torch.Tensor]]:
-        engine.pack = mode != "padded"
-        if engine.pack:
-            engine.pack_tokens = int(mode.split("_")[1])
+        use(mode)
         sync()
         start = time.perf_counter()
         logps = []
@@ -115,37 +128,57 @@ def main() -> None:
         sync()
         return time.perf_counter() - start, logps
 
-    modes = ["padded"] + [f"packed_{n}" for n in args.pack_tokens]
+    modes = list(args.modes)
     # Same weights for the check: log-probs only, no step.
     gaps = {}
     with torch.no_grad():
-        for mode in modes[1:]:
-            engine.pack, engine.pack_tokens = True, int(mode.split("_")[1])
-            packed = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
-            engine.pack = False
-            padded = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
+        use("padded")
+        padded = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
+        for mode in modes:
+            use(mode)
+            logps = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
             gaps[mode] = max((a - b)[s.response_mask.bool()].abs().max().item()
-                             for a, b, s in zip(packed, padded, batches))
+                             for a, b, s in zip(logps, padded, batches))
             print(f"{mode}: max |log-prob difference| to padded (bf16 autocast): {gaps[mode]:.3e}")
+    del padded
     rows = {mode: [len(pack_sequences(s.inputs, s.response_mask, int(mode.split("_")[1])).rows) for s in batches]
-            for mode in modes[1:]}
+            for mode in modes if mode != "padded"}
+    failed: dict[str, str] = {}
+
+    def attempt(mode: str) -> float | None:
+        """A step's seconds, or None when it ran out of memory (recorded, the mode dropped)."""
+        try:
+            return step(mode)[0]
+        except torch.OutOfMemoryError as exc:
+            failed[mode] = str(exc).splitlines()[0][:200]
+            engine.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return None
+
     for mode in modes:  # warm-up
-        step(mode)
+        attempt(mode)
+    modes = [m for m in modes if m not in failed]
     samples: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, float] = {}
     for _ in range(args.repeats):
         for mode in modes:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            samples[mode].append(step(mode)[0])
+            seconds = attempt(mode)
+            if seconds is not None:
+                samples[mode].append(seconds)
             if device.type == "cuda":
                 peaks[mode] = max(peaks.get(mode, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
-    medians = {m: statistics.median(v) for m, v in samples.items()}
+    medians = {m: statistics.median(v) for m, v in samples.items() if v}
+    modes = list(medians)
+    reference = medians.get("padded")
     params = sum(p.numel() for p in built.model.parameters())
     print(f"{'mode':<14} {'median s':>9} {'real tok/s':>11} {'vs padded':>10} {'peak GiB':>9}")
     for m in modes:
-        print(f"{m:<14} {medians[m]:>9.3f} {real_tokens / medians[m]:>11.0f} {medians['padded'] / medians[m]:>10.2f} "
-              f"{peaks.get(m, 0.0):>9.1f}")
+        ratio = reference / medians[m] if reference else float("nan")
+        print(f"{m:<14} {medians[m]:>9.3f} {real_tokens / medians[m]:>11.0f} {ratio:>10.2f} {peaks.get(m, 0.0):>9.1f}")
+    for m, reason in failed.items():
+        print(f"{m:<14} failed: {reason}")
     report = {
         "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
         "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
@@ -156,7 +189,8 @@ def main() -> None:
         "packed_rows_per_micro_batch": rows, "max_logp_diff_vs_padded": gaps, "repeats": args.repeats,
         "median_step_s": medians, "samples_s": samples, "peak_gib": peaks,
         "real_tokens_per_s": {m: real_tokens / t for m, t in medians.items()},
-        "speedup_vs_padded": {m: medians["padded"] / t for m, t in medians.items()},
+        "speedup_vs_padded": {m: reference / t for m, t in medians.items()} if reference else None,
+        "out_of_memory": failed, "attention_calls": varlen.varlen_calls(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -191,3 +191,42 @@ def test_packed_log_probs_with_shared_media_match_the_padded_batch():
         plain, _ = Engine(built, init_distributed("cpu"), share_media=False).log_probs(seqs)
         packed, _ = Engine(built, init_distributed("cpu"), pack=True, pack_tokens=300).log_probs(seqs)
     assert torch.allclose(packed, plain, atol=1e-5)
+
+
+def _document_mask(lengths, width):
+    """The boolean (1, 1, T, T) mask transformers makes for sequences packed in one row."""
+    document = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    document = torch.cat([document, torch.full((width - len(document),), len(lengths))])
+    return ((document[:, None] == document[None, :]) & torch.ones(width, width, dtype=torch.bool).tril())[None, None]
+
+
+def test_varlen_segments_come_from_document_causal_masks_only():
+    from mmrl.engine.varlen import document_segments
+
+    mask = _document_mask([3, 5, 2], 12)
+    cu_seqlens, longest = document_segments(torch.cat([mask, _document_mask([12], 12)]))
+    assert cu_seqlens.tolist() == [0, 3, 8, 10, 12, 24] and longest == 12
+    padded = mask.clone()
+    padded[..., 0] = False  # a left-padded row: its first token is seen by nobody
+    window = mask & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)  # a 3-token sliding window
+    bidirectional = mask.clone()
+    bidirectional[0, 0, 4, 6] = True  # a media block seen both ways
+    for other in (padded, window, bidirectional, mask.float()):
+        assert document_segments(other) is None
+
+
+def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():
+    """On CPU (and for any mask that is not document-causal) the installed attention is
+    transformers' SDPA: the packed forward's logits do not change."""
+    from mmrl.checks import logits_of
+    from mmrl.engine import varlen
+    from mmrl.positions import pack
+
+    built = build_model("qwen2", random_init=True)
+    batch = built.inputs(sample_conversations(built.adapter))
+    before = logits_of(built.model, pack(batch))
+    calls = varlen.varlen_calls()["sdpa"]
+    assert varlen.install(built.model)
+    after = logits_of(built.model, pack(batch))
+    assert torch.equal(before, after)
+    assert varlen.varlen_calls()["sdpa"] > calls

@@ -83,19 +83,24 @@ def test_shared_media_under_bf16_autocast_matches_the_plain_forward(family):
     assert abs(plain_grad - our_grad) <= 5e-2 * plain_grad
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "gemma3"])
-def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family):
-    """Padding-free log-probs on CUDA (bf16 autocast, SDPA with the packed-sequence mask
-    transformers derives from the position ids) against the padded batch: bf16 noise at
-    most, and gradients of the same size. The exact fp32 comparison is tests/test_engine.py."""
+@pytest.mark.parametrize("family, causal_text", [("qwen2", True), ("qwen2_5_vl", True), ("gemma3", False)])
+def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, causal_text):
+    """Padding-free log-probs on CUDA (bf16 autocast; the flash varlen kernel where the
+    packed-sequence mask transformers derives from the position ids is document-causal,
+    SDPA elsewhere, e.g. Gemma 3's bidirectional image blocks) against the padded batch:
+    bf16 noise at most, and gradients of the same size. The exact fp32 comparison is
+    tests/test_engine.py."""
     built = build_model(family, random_init=True)
     dist = init_distributed(DEVICE)
     conversations = sample_conversations(built.adapter)
     rows = conversations + conversations[::-1]
     prompts = dict(built.processing(rows))
     responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
+    from mmrl.engine.varlen import varlen_calls
+
     results = []
     for pack in (False, True):
+        calls = varlen_calls()["varlen"]
         engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=pack, pack_tokens=250)
         seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
                     built.tokenizer.pad_token_id).to(dist.device)
@@ -105,6 +110,42 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family):
         grad = sum(p.grad.float().norm() ** 2 for p in built.model.parameters() if p.grad is not None) ** 0.5
         built.model.zero_grad(set_to_none=True)
         results.append((logp.detach().float(), float(grad)))
+        if causal_text:  # a causal text decoder runs packed rows through the varlen kernel
+            assert (varlen_calls()["varlen"] > calls) == pack
     (padded, padded_grad), (packed, packed_grad) = results
     assert (padded - packed).abs().max() < 5e-2
     assert abs(padded_grad - packed_grad) <= 5e-2 * padded_grad
+
+
+def test_varlen_attention_matches_sdpa_with_the_document_mask():
+    """The varlen kernel against transformers' SDPA function on the same packed rows and
+    document-causal mask (GQA heads, bf16): outputs and input gradients."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mmrl.engine.varlen import varlen_attention, varlen_calls
+
+    torch.manual_seed(0)
+    segments = [[40, 100, 20, 96], [256]]
+    width = 256
+    documents = []
+    for lengths in segments:
+        document = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        documents.append(torch.cat([document, torch.full((width - len(document),), len(lengths))]))
+    document = torch.stack(documents).to(DEVICE)
+    causal = torch.ones(width, width, dtype=torch.bool, device=DEVICE).tril()
+    mask = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 4
+    shapes = [(2, 8, width, 64), (2, 2, width, 64), (2, 2, width, 64)]
+    inputs = [torch.randn(s, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    outputs = []
+    for attention in (sdpa_attention_forward, varlen_attention):
+        out, _ = attention(module, *inputs, mask, scaling=0.125)
+        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, 64, device=DEVICE)).sum(), inputs)
+        outputs.append((out.float(), [g.float() for g in grads]))
+    (plain, plain_grads), (ours, our_grads) = outputs
+    assert varlen_calls()["varlen"] > 0
+    assert (plain - ours).abs().max() < 2e-2
+    for a, b in zip(plain_grads, our_grads):
+        assert (a - b).abs().max() < 5e-2 * max(1.0, a.abs().max().item())

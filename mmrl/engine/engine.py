@@ -175,6 +175,12 @@ class Engine:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
             if hasattr(self.model, "enable_input_require_grads"):
                 self.model.enable_input_require_grads()
+        # Packed rows on a GPU: flash varlen attention where the mask is document-causal.
+        self.varlen = False
+        if self.pack and dist.device.type == "cuda" and self.sequence_parallel == 1:
+            from mmrl.engine import varlen
+
+            self.varlen = varlen.available() and varlen.install(self.model)
         self.sharded = dist.distributed
         if self.sharded:
             self._shard()
