@@ -28,7 +28,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 step 1 "pip itself"
 "$VENV/bin/python" -m pip install --upgrade pip
-step 2 "torch 2.14.1 + torchvision 0.29.1 (with its nvidia-* libraries: about 5 GB unpacked, the longest step)"
+step 2 "torch 2.14.1 + torchvision 0.29.1 (with its 15 nvidia-* packages: 4.4 GB unpacked, the longest step)"
 "$VENV/bin/python" -m pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.14.1" "torchvision==0.29.1"
 step 3 "mmrl (editable) with its test extras"
 "$VENV/bin/python" -m pip install -e ".[test]"
