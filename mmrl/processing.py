@@ -186,8 +186,14 @@ class Processing:
                 {"role": m["role"], "content": "".join(p.get("text", "") for p in m["content"])}
                 for m in stripped
             ]
+        kwargs = self.template_kwargs()
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        if getattr(self.processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None):
+            # Processor classes that keep no template of their own (it is not saved with
+            # them) render with their tokenizer's.
+            kwargs.setdefault("chat_template", tokenizer.chat_template)
         return self.processor.apply_chat_template(
-            stripped, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs()
+            stripped, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
     def template_kwargs(self) -> dict[str, Any]:

@@ -89,7 +89,9 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
     vision_block = None
     vision_leaves: tuple[str, ...] = ()
     if resolved.is_vision_language:
-        vision, projector, vision_block, vision_leaves = _vision_parts(model, language, fill_in)
+        width = getattr(text_config, "hidden_size", None)
+        vision, projector, vision_block, vision_leaves = _vision_parts(
+            model, language, width, getattr(config, resolved.vision_config_key, None), fill_in)
     parts = Parts(language=language, embed=embed, lm_head=lm_head, vision=vision or None,
                   projector=projector or None)
     # A head whose output embedding sits inside a larger head module (a bias, a
@@ -137,33 +139,58 @@ def _uncovered_parameters(model, parts: Parts) -> list[str]:
     return names
 
 
-def _vision_parts(model, language: str, fill_in: list[str]):
+def _vision_parts(model, language: str, text_width: int | None, vision_config, fill_in: list[str]):
     """(vision paths, projector paths, vision block class, vision linear leaves): the
-    vision tower is the sibling of the language model that holds a stack of blocks;
-    every other sibling with parameters (and loose parameters beside them) projects."""
+    vision tower is the sibling of the language model (or of a module around it: a
+    whole causal LM nested in the VLM) that holds a stack of blocks, the one built from
+    the vision sub-config where several do; every other sibling with parameters (and
+    loose parameters beside them) projects. Where no sibling is left, the projector sits
+    inside the tower: its children after the block stack that reach the language
+    model's width."""
     inner_path = language.rpartition(".")[0]
-    inner = model.get_submodule(inner_path) if inner_path else model
-    prefix = f"{inner_path}." if inner_path else ""
+    while True:
+        inner = model.get_submodule(inner_path) if inner_path else model
+        prefix = f"{inner_path}." if inner_path else ""
+        siblings = [(prefix + name, child) for name, child in inner.named_children()
+                    if not _under(language, prefix + name) and any(True for _ in child.parameters())]
+        if not inner_path or any(_block_lists(model, path) for path, _ in siblings):
+            break
+        inner_path = inner_path.rpartition(".")[0]
     towers, projector = [], []
-    for name, child in inner.named_children():
-        path = prefix + name
-        if path == language or not any(True for _ in child.parameters()):
-            continue
+    for path, child in siblings:
         blocks = _block_lists(model, path)
-        size = sum(p.numel() for p in child.parameters())
-        (towers if blocks else projector).append((size, path, blocks))
+        built_from_vision = type(getattr(child, "config", None)) is type(vision_config)
+        rank = (built_from_vision, sum(p.numel() for p in child.parameters()))
+        (towers if blocks else projector).append((rank, path, blocks))
     projector_paths = [path for _, path, _ in projector]
     projector_paths += [prefix + name for name, _ in inner.named_parameters(recurse=False)]
     if not towers:
         fill_in.append("parts.vision / shard_layers: no vision tower with a stack of blocks was found")
         return (), tuple(projector_paths), None, ()
-    towers.sort(key=lambda t: -t[0])
+    towers.sort(key=lambda t: t[0], reverse=True)
     _, vision_path, blocks = towers[0]
-    # A second stacked sibling (rare) is treated as part of the projector.
+    # A second stacked sibling (a Q-Former) is part of the projector.
     projector_paths += [path for _, path, _ in towers[1:]]
+    if not projector_paths:
+        projector_paths = _inner_projector(model, vision_path, blocks[0][0], text_width)
     if not projector_paths:
         fill_in.append("parts.projector: the projector sits inside the vision tower; name its path")
     block = blocks[0][1][0]
     return (vision_path,), tuple(projector_paths), type(block).__name__, _linear_leaves(block)
 
 
+def _inner_projector(model, tower: str, stack: str, text_width: int | None) -> list[str]:
+    """Children of the vision tower registered after its block stack that own a
+    weight of the language model's width (the tiny vision width differs from it):
+    a merger or downsampling projection, not the tower's final norm."""
+    if not text_width:
+        return []
+    found, after = [], False
+    for name, child in model.get_submodule(tower).named_children():
+        path = f"{tower}.{name}"
+        if _under(stack, path):
+            after = True
+            continue
+        if after and any(text_width in p.shape for p in child.parameters()):
+            found.append(path)
+    return found

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmrl.scaffold.base import Resolved, ScaffoldError
+from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.scaffold.shrink import (
     _OUTPUT_WIDTH, TinyInputs, build_tiny, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
 )
@@ -128,8 +128,12 @@ def _table_class(table: dict, model_type: str, processor_cls=None):
     return None
 
 
-def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str]]:
-    """(named tokens, literal special tokens) the processor's code and defaults use."""
+def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """(named tokens, literal special tokens, optional tokens) the processor's code and
+    defaults use. Optional tokens are tokenizer attributes the processor only reads when
+    the tokenizer has them (`hasattr(tokenizer, "image_token")`), making its own token
+    otherwise: the tiny tokenizer leaves them unset, as released tokenizers do, and holds
+    the processor's own token as a plain special token."""
     named: dict[str, str] = {}
     for name, parameter in _init_parameters(processor_cls).items():
         if name.endswith("_token") and isinstance(parameter.default, str):
@@ -139,14 +143,22 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str]]:
         source = inspect.getsource(inspect.getmodule(processor_cls))
     except (OSError, TypeError):
         source = ""
+    optional: dict[str, str] = {}
+    for attribute in re.findall(r"""hasattr\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']\s*\)""", source):
+        if attribute in named:
+            continue
+        own = re.search(rf"""self\.{attribute}\s*=\s*AddedToken\(\s*["']([^"']+)["']""", source)
+        optional[attribute] = own.group(1) if own else (_class_default(processor_cls, attribute)
+                                                        or f"<{attribute.removesuffix('_token')}>")
     for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
-        if attribute not in named and attribute not in ("pad_token", "eos_token", "bos_token", "unk_token"):
+        if attribute not in named and attribute not in optional and attribute not in (
+                "pad_token", "eos_token", "bos_token", "unk_token"):
             default = _class_default(processor_cls, attribute)
             named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
     for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
         if literal not in literals and literal not in named.values():
             literals.append(literal)
-    return named, literals
+    return named, literals, optional
 
 
 def _class_default(cls, attribute: str) -> str | None:
@@ -165,13 +177,16 @@ def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None 
     except Exception:
         return {}
     sizes: dict[str, Any] = {}
-    for key in ("size", "crop_size") if image_size is not None else ():
+    for key in ("size", "crop_size", "max_image_size") if image_size is not None else ():
         value = getattr(default, key, None)
         if value is None:
             continue
         items = value.items() if isinstance(value, dict) else vars(value).items()
-        present = {k: image_size for k, v in items if isinstance(v, int) and k in (
-            "height", "width", "shortest_edge", "longest_edge")}
+        # A tower size may be (height, width).
+        height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
+        edge = {"height": height, "width": width, "shortest_edge": min(height, width),
+                "longest_edge": max(height, width)}
+        present = {k: edge[k] for k, v in items if isinstance(v, int) and k in edge}
         if present:
             sizes[key] = present
     for key, value in vars(default).items():
@@ -208,8 +223,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     if processor_cls is None:
         raise ScaffoldError(f"transformers has no processor class for {resolved.model_type!r}; write tiny()'s "
                             "processor by hand", category="processor")
-    named, literals = _tokens_in_source(processor_cls)
-    named.setdefault("image_token", "<image>")
+    named, literals, optional = _tokens_in_source(processor_cls)
+    if "image_token" not in optional:
+        named.setdefault("image_token", "<image>")
     # Config fields holding a token id: the processor token of the same stem, else a new one.
     token_fields: dict[str, str] = {}
     for key in defaults.to_dict():
@@ -217,11 +233,11 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         if match is None or key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             continue
         stem = match.group(1)
-        token = named.get(f"{stem}_token") or named.get(stem) or f"<|{stem}|>"
+        token = named.get(f"{stem}_token") or named.get(stem) or optional.get(f"{stem}_token") or f"<|{stem}|>"
         token_fields[key] = token
-        if token not in named.values():
+        if token not in named.values() and token not in optional.values():
             named[f"{stem}_token"] = token
-    literals = [t for t in literals if t not in named.values()]
+    literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
     text_class = type(text_default).__name__
     text_overrides = tiny_text_values(text_class)
     vision = {"model_type": getattr(vision_default, "model_type", "") or None,
@@ -234,6 +250,13 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             "hidden_size", "hidden_size"), vision_hidden)
     top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
            if k not in (text_key, resolved.vision_config_key)}
+    # A third sub-config between tower and text model (a Q-Former) shrinks like the tower.
+    for key in getattr(config_cls, "sub_configs", {}) or {}:
+        sub = getattr(defaults, key, None)
+        if key not in (text_key, resolved.vision_config_key) and hasattr(sub, "to_dict") and sub is not text_default:
+            values = shrink_values(sub, TINY_VISION_SHAPES, tied=top_tied, layer_indexes=True)
+            top[key] = {"model_type": getattr(sub, "model_type", None), **values} if getattr(
+                sub, "model_type", None) else values
     plan = MediaPlan(
         vision_key=resolved.vision_config_key, top_text_key=text_key, vision=vision, text_config_class=text_class,
         text_overrides=text_overrides, named_tokens=named, token_fields=token_fields, top=top,
@@ -359,21 +382,35 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
     image = Image.new("RGB", (224, 168), (120, 30, 200))
     media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
     errors: list[str] = []
+
+    def counted(token: str) -> dict[str, int]:
+        row = processor(text=[f"look {token} here"], return_tensors="pt", **media)["input_ids"][0].tolist()
+        return {t: row.count(i) for t, i in ids.items()}
+
+    try:  # what the processor inserts on its own, with no placeholder in the text
+        alone = counted("")
+    except Exception:
+        alone = None
     for token in candidates:
         try:
-            out = processor(text=[f"look {token} here"], return_tensors="pt", **media)
+            counts = counted(token)
         except Exception as exc:
             errors.append(f"{token}: {_one_line(exc, 120)}")
             continue
-        row = out["input_ids"][0].tolist()
-        counts = {t: row.count(i) for t, i in ids.items()}
         if token in framed and any(counts.get(f) != 1 for frame in frames for f in frame if f in token):
             continue  # the processor frames media itself: a frame in the text would double it
         expanded = max(counts, key=lambda t: counts[t])
+        if alone is not None and counts[expanded] == alone[expanded] + (expanded == token):
+            continue  # passed through unexpanded beside what the processor inserts itself
         if counts[expanded] > 1 or counts[expanded] == 1 and expanded != token:
             if field is not None:
                 plan.token_fields[field] = expanded
             return token
+    if alone is not None and max(alone.values(), default=0) > 1:
+        # The processor places the media tokens itself (before the text): no placeholder.
+        if field is not None:
+            plan.token_fields[field] = max(alone, key=lambda t: alone[t])
+        return ""
     if kind == "image":
         raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) is expanded by {plan.processor_class} "
                             "beside an image" + (f" (first error: {errors[0]})" if errors else "")
@@ -434,6 +471,7 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
     counts = [{}] + [{name: str(parameter.default + 1)}
                      for name, parameter in _init_parameters(getattr(transformers, plan.processor_class)).items()
                      if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
+    processor_cls = getattr(transformers, plan.processor_class)
     saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
     for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
         if not (text_shapes or projects or count or size):
@@ -459,5 +497,50 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
             continue
         if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder, plan.text_kwargs) is None:
             return tokenizer2, config2, processor2
+        # A processor that writes a fixed number of tokens per image (or tile): the
+        # number of features the tiny tower gives for one.
+        for name in _per_image_counts(processor_cls):
+            rows = _feature_rows(resolved.model_class, config2, processor2, plan)
+            if rows is None or getattr(processor2, name, None) == rows:
+                break
+            plan.processor_kwargs = {**plan.processor_kwargs, name: str(rows)}
+            processor3 = build_processor(plan, tokenizer2, config2)
+            if runs_with_image(resolved.model_class, config2, processor3, plan.image_placeholder,
+                               plan.text_kwargs) is None:
+                return tokenizer2, config2, processor3
     plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
     return tokenizer, config, processor
+
+
+_COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")
+
+
+def _per_image_counts(processor_cls) -> list[str]:
+    """The processor's integer arguments that fix how many tokens an image gets."""
+    return [name for name, parameter in _init_parameters(processor_cls).items()
+            if type(parameter.default) is int and _COUNT_ARGUMENT.search(name)]
+
+
+def _feature_rows(model_class: str, config, processor, plan: MediaPlan) -> int | None:
+    """Feature rows the tiny model's tower makes for one image (or one tile of it):
+    `get_image_features` on one processed image, its result's per-item length."""
+    import torch
+    from PIL import Image
+
+    try:
+        model = build_tiny(model_class, config)
+        inputs = processor(text=[f"look {plan.image_placeholder} here"],
+                           images=[Image.new("RGB", (224, 168), (9, 99, 199))], return_tensors="pt")
+        accepted = inspect.signature(model.get_image_features).parameters
+        with torch.no_grad():
+            out = model.get_image_features(**{k: v for k, v in inputs.items() if k in accepted})
+    except Exception:
+        return None
+    features = getattr(out, "pooler_output", None)
+    if features is None:
+        features = getattr(out, "last_hidden_state", out)
+    if isinstance(features, (list, tuple)):
+        features = features[0]
+    if not isinstance(features, torch.Tensor) or features.dim() < 2:
+        return None
+    return int(features.shape[-2])

@@ -249,7 +249,7 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
     config += [f"{k}=tokenizer.convert_tokens_to_ids({_str(t)})" for k, t in plan.token_fields.items()]
     if plan.top:
         config.append(f"**{_literal_dict(plan.top)}")
-    processor = ["tokenizer=tokenizer", "chat_template=CHAT_TEMPLATE"]
+    processor = ["tokenizer=tokenizer"]
     for argument, (cls_name, kwargs) in plan.sub_processors.items():
         made = f"transformers.{cls_name}({', '.join(_keyword_args(kwargs))})"
         processor.append(f"{argument}=as_loaded({made})" if argument == "image_processor" else f"{argument}={made}")
@@ -269,6 +269,7 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
             vision = @VISION@
             config = @CONFIG@
             processor = @PROCESSOR@
+            processor.chat_template = CHAT_TEMPLATE  # set after: not every processor takes one
             return TinyModel(config=config, processor=processor)
         """)
     source = (source.replace("@TEXT@", _call("sized_config", text_args, indent, width))

@@ -16,6 +16,8 @@ What to shrink is read from the default config itself, never from a table of typ
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,10 +195,26 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
                             category="config") from exc
     values = shrink_values(default, shapes, layer_indexes=True)
-    rope = _rescaled_mrope(getattr(default, "rope_parameters", None), values, default)
+    rope = getattr(default, "rope_parameters", None)
+    if isinstance(rope, dict) and not rope.get("mrope_section") and _modeling_reads(cls, "mrope_section"):
+        # The model splits its rotary width over (time, height, width) but the
+        # default config leaves the split to a value hard-coded in the model (or
+        # to none): give it one, in the proportions of the released checkpoints.
+        rope = {**rope, "mrope_section": [16, 24, 24]}
+    rope = _rescaled_mrope(rope, values, default)
     if rope is not None:
         values["rope_parameters"] = rope
     return values
+
+
+def _modeling_reads(config_class, key: str) -> bool:
+    """Whether the modeling module beside a config class reads `key` (as text: no import)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(config_class.__module__.replace(".configuration_", ".modeling_"))
+    if spec is None or spec.origin is None:
+        return False
+    return f'"{key}"' in Path(spec.origin).read_text()
 
 
 def _rescaled_mrope(rope, values: dict[str, Any], default) -> dict[str, Any] | None:
