@@ -256,7 +256,8 @@ td.cell:focus, td.cell.selected { outline: 2px solid #0969da; outline-offset: -2
 .gpu { display: block; width: max-content; margin: 1px auto 0; font-size: 10px; line-height: 1.2; min-width: 18px; }
 .legend .gpu { display: inline-block; }
 aside#evidence { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; margin: 8px 0;
-                 position: sticky; top: 8px; max-height: calc(100vh - 16px); overflow: auto; background: #fff; }
+                 position: sticky; top: 8px; max-height: calc(100vh - 16px); overflow: auto; background: #fff;
+                 z-index: 2; }
 aside#evidence .platform { margin-bottom: 8px; }
 aside#evidence h3 { font-size: 14px; margin: 8px 0 2px; }
 aside#evidence h2 { font-size: 15px; margin: 0 0 6px; }
