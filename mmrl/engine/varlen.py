@@ -8,7 +8,7 @@ looks at that mask: when it is exactly document-causal (each token sees the toke
 own sequence up to itself, and nothing else) it runs torch's flash varlen kernel
 (`torch.nn.attention.varlen.varlen_attn`) over the sequences the mask delimits; any
 other call (a padded batch, sliding windows shorter than a sequence, bidirectional media
-blocks, fp32, CPU, dropout, soft-capping, attention sinks) goes to transformers' SDPA
+blocks, fp32 outside autocast, CPU, dropout, soft-capping, attention sinks) goes to transformers' SDPA
 function unchanged. The mask itself decides, so no family is named and the result is
 the masked attention's by construction (up to the kernels' rounding).
 
@@ -69,8 +69,18 @@ def _segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return segments
 
 
+def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half precision the kernel runs in: the inputs', or autocast's where fp32 inputs
+    come from rotary embeddings applied in fp32 (fp32 weights under autocast); None: fp32."""
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
+    return None
+
+
 def _usable(module, query, key, attention_mask, dropout, kwargs) -> bool:
-    if attention_mask is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
+    if attention_mask is None or not query.is_cuda or _kernel_dtype(query) is None:
         return False
     if dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return False
@@ -109,8 +119,10 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             key = key.repeat_interleave(heads // kv_heads, dim=1)
             value = value.repeat_interleave(heads // kv_heads, dim=1)
 
+    dtype = _kernel_dtype(query)
+
     def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(rows * length, t.shape[1], dim)
+        return t.to(dtype).transpose(1, 2).reshape(rows * length, t.shape[1], dim)
 
     out = varlen_attn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, longest, longest, **extra)
     return out.reshape(rows, length, heads, dim), None
