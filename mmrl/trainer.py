@@ -545,7 +545,7 @@ class Trainer:
             raise KeyboardInterrupt
         self._stop_signal = signum
         if self.dist.is_main:
-            print(f"\n{signal.Signals(signum).name}: finishing step {self.step + 1}, then saving a checkpoint "
+            print(f"\n{signal.Signals(signum).name}: saving a checkpoint once this step is done "
                   "(send it again to stop at once)", flush=True)
 
     def _install_signal_handlers(self) -> dict:
