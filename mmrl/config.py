@@ -279,6 +279,9 @@ def check_before_build(recipe: Recipe) -> None:
         if m.config_overrides or m.tiny_vocabulary:
             key = "config_overrides" if m.config_overrides else "tiny_vocabulary"
             raise RecipeError(f"model.{key}: applies to random_init=true builds only")
+        problem = _weights_problem(path)
+        if problem:
+            raise RecipeError(f"model.path: {problem}")
         return
     if looks_like_path and not path.exists():
         raise RecipeError(f"model.path: no checkpoint folder {m.path} (and it is not a family name)")
@@ -286,6 +289,34 @@ def check_before_build(recipe: Recipe) -> None:
         problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
         if problem:
             raise RecipeError(problem)
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """Why the checkpoint folder's weights cannot be loaded, from the safetensors headers
+    alone (no tensor is read), or None."""
+    import json
+    import struct
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
+            return f"{folder} holds only pickle-format weights (.bin/.pt); mmrl loads safetensors only"
+        return f"{folder} holds no *.safetensors weights"
+    for file in files:
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(handle.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError):
+            return f"{file}: not a readable safetensors file (truncated or corrupt header)"
+        if 8 + length + end != size:
+            return f"{file}: truncated or padded ({size} bytes; its header describes {8 + length + end})"
+    return None
 
 
 def _base_config(m: ModelConfig):

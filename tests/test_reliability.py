@@ -545,3 +545,26 @@ def test_logged_lr_is_the_recipes_not_the_first_groups(tmp_path):
     trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_checkpoint_weights_are_checked_before_the_build(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    recipe = load_recipe(None, [f"model.path={folder}", "data.train=x.jsonl"])
+    with pytest.raises(RecipeError, match=r"holds no \*\.safetensors weights"):
+        check_before_build(recipe)
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+    with pytest.raises(RecipeError, match=r"holds only pickle-format weights \(\.bin/\.pt\); mmrl loads safetensors"):
+        check_before_build(recipe)
+    save_file({"w": torch.zeros(64)}, str(folder / "model.safetensors"))
+    check_before_build(recipe)
+    whole = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(whole[:-10])
+    with pytest.raises(RecipeError, match=r"model\.safetensors: truncated or padded \(\d+ bytes; its header"):
+        check_before_build(recipe)
+    (folder / "model.safetensors").write_bytes(whole[:20])
+    with pytest.raises(RecipeError, match=r"model\.safetensors: not a readable safetensors file"):
+        check_before_build(recipe)
