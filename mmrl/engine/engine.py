@@ -13,6 +13,12 @@ Log-probs are taken from the last R + 1 positions only (`logits_to_keep`), and t
 log-softmax runs over row chunks, each recomputed in backward (checkpointed), so fp32
 full-vocabulary logits never exist for the whole batch at once.
 
+With `pack=True` (families that declare `padding_free`) the batch runs without padding:
+whole sequences in rows of at most `pack_tokens` tokens, logits only for real response
+tokens (`mmrl.engine.packing`), and on a GPU the flash varlen kernel wherever the mask is
+document-causal (`mmrl.engine.varlen`). Training engines switch dropout off
+(`disable_dropout`; `dropout=True` keeps it).
+
 With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
 group run the same batch, each over its slice of the sequence; log-probs, entropy and
 values come back whole on every rank, and each rank's gradients are partial sums that
