@@ -347,7 +347,6 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One RL step: rollout, reward, advantages, update, weight sync."""
         from mmrl.algos import uniform_groups
-        from mmrl.data import to_conversation
 
         r = self.recipe
         self._step_context = f"step {self.step + 1}"
@@ -402,8 +401,6 @@ class Trainer:
     def evaluate(self, samples: list[dict], batch_size: int = 128, dataset=None) -> float:
         """Greedy accuracy (share of responses with reward >= 1) on `samples`, which the
         data-parallel ranks split between them."""
-        from mmrl.data import to_conversation
-
         params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
         mine = samples[self.dist.dp_rank::self.dist.dp_size]
         # Every rank takes part in every generate call (sharded weights make each forward

@@ -20,8 +20,7 @@ from PIL import Image
 
 import mmrl.trainer as trainer_module
 from mmrl.config import RecipeError, check_before_build, load_recipe
-from mmrl.data import load_prompts, to_conversation
-from mmrl.data import schema
+from mmrl.data import load_prompts, schema, to_conversation
 from mmrl.rewards import RewardError, combine
 from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint,
                        newest_checkpoint, verify_checkpoint)
@@ -265,7 +264,7 @@ def test_a_signal_finishes_the_step_saves_and_exits(tmp_path, signum, code):
     found, _ = newest_checkpoint(run / "checkpoints")
     steps, finals = _steps(run)
     assert found is not None and found.name == f"step_{steps[-1]:06d}" and finals == 0
-    assert f"continue with trainer.resume=true" in out
+    assert "continue with trainer.resume=true" in out
     resumed = Trainer(_recipe(run, f"trainer.steps={steps[-1] + 1}", "trainer.resume=true"))
     resumed.fit()
     assert _steps(run) == (list(range(1, steps[-1] + 2)), 1)
