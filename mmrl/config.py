@@ -376,7 +376,7 @@ _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
                 "save_every", "export", "target_accuracy", "output_dir"},
     "rollout": {"backend", "gpu_memory_utilization"},
-    "model": {"attn_implementation", "gradient_checkpointing"},
+    "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens"},
     "parallel": {"sequence_parallel"},
 }
 
