@@ -38,14 +38,14 @@ def test_quiet_keeps_vllm_and_torch_import_warnings_out():
 @NEEDS_VLLM
 @pytest.mark.slow
 def test_support_matrix_prints_its_result_and_logs_the_workers(tmp_path):
-    result = run(sys.executable, "-m", "mmrl.cli", "support-matrix", "--output", str(tmp_path), "--family", "qwen2",
-                 "--feature", "vllm", "--no-progress", COLUMNS="300")
+    (tmp_path / "tmp").mkdir()
+    result = run(sys.executable, "-m", "mmrl.cli", "support-matrix", "--output", str(tmp_path / "out"), "--family",
+                 "qwen2", "--feature", "vllm", "--no-progress", COLUMNS="300", TMPDIR=str(tmp_path / "tmp"))
     assert result.returncode == 0, result.stderr[-2000:]
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert len(lines) == 1 and "1 verified" in lines[0], lines[:20]
-    log = Path(os.environ.get("TMPDIR", "/tmp"))
-    logs = sorted(log.glob("mmrl-support-matrix-*.log"), key=lambda p: p.stat().st_mtime)
-    assert logs and "Loading safetensors checkpoint shards" in logs[-1].read_text(), "the workers' output is lost"
+    logs = list((tmp_path / "tmp").glob("mmrl-support-matrix-*.log"))
+    assert len(logs) == 1 and "Loading safetensors checkpoint shards" in logs[0].read_text(), "the workers' output is lost"
 
 
 @pytest.mark.slow
