@@ -288,7 +288,8 @@ def _doctor_table(subject, adapter, rows, gating: list[str], log: Path | None) -
         declared = {True: "yes", False: "no", None: "required"}[r.declared]
         sym = SYMBOLS.get((r.status.value, r.declared is not False or r.status.value in ("n/a", "not run here")),
                           SYMBOLS[(r.status.value, True)])[0]
-        cells.append((p.title, f"{sym} {r.status.value}", declared, f"{r.seconds:.1f}", r.reason, colour[r.status.value]))
+        cells.append((p.title, f"{sym} {r.status.value}", declared, f"{r.seconds:.1f}", r.reason,
+                      colour[r.status.value]))
         if r.status.value in ("failed", "not run here"):
             notes.append(f"[{colour[r.status.value]}]{p.title}[/] ({r.status.value}): {r.reason}")
     table = Table(title=f"mmrl doctor: {subject.label} (family {adapter.family}, {subject.device})")

@@ -148,7 +148,8 @@ def test_evidence_on_hover_and_click(page):
 @pytest.mark.parametrize("width", [1280, 1440])
 def test_every_column_fits_the_window(browser, width):
     context, page = open_page(browser, width=width, height=800)
-    right = page.eval_on_selector_all("#matrix thead th", "ths => Math.max(...ths.map(t => t.getBoundingClientRect().right))")
+    right = page.eval_on_selector_all("#matrix thead th",
+                                      "ths => Math.max(...ths.map(t => t.getBoundingClientRect().right))")
     assert right <= width, f"the last column ends at {right:.0f} px in a {width} px window"
     overflow = page.eval_on_selector(".scroll", "s => s.scrollWidth - s.clientWidth")
     assert overflow <= 0, f"the table scrolls sideways by {overflow} px at {width} px"

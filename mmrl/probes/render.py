@@ -238,7 +238,8 @@ th { background: #f6f8fa; cursor: pointer; user-select: none; font-weight: 600; 
 /* Feature titles read bottom to top, so all 19+ columns fit 1280 px. */
 th.feature { padding: 4px 2px; }
 th.feature span { writing-mode: vertical-rl; transform: rotate(180deg); display: inline-block; }
-th[aria-sort=ascending]::after { content: "▲"; display: block; } th[aria-sort=descending]::after { content: "▼"; display: block; }
+th[aria-sort=ascending]::after { content: "▲"; display: block; }
+th[aria-sort=descending]::after { content: "▼"; display: block; }
 /* The family column stays in view when a narrow window scrolls the table sideways. */
 td.family, th.family { position: sticky; left: 0; z-index: 1; text-align: left; }
 td.family { background: #fff; font-family: ui-monospace, monospace; }
