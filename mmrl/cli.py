@@ -61,7 +61,14 @@ def main(
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """List registered model families with their modalities and declared capabilities."""
+    from mmrl.probes import PROBES
     from mmrl.registry import families
+
+    def not_applicable(adapter) -> list[str]:
+        """Declared capabilities whose probe does not apply to the family (e.g. media
+        sharing in a text family): shown apart, as the support matrix shows them n/a."""
+        declared = adapter.capabilities.declared()
+        return [p.capability for p in PROBES if p.capability in declared and p.inapplicable(adapter)]
 
     rows = [
         {
@@ -70,6 +77,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
             "hf_class": a.hf_class,
             "modalities": list(a.modalities),
             "capabilities": a.capabilities.declared(),
+            "declared_not_applicable": not_applicable(a),
             "vllm_architecture": a.rollout.vllm_architecture,
             "module": type(a).__module__,
         }
@@ -87,9 +95,11 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
     table.add_column("modalities", max_width=12)  # "text, image," above "video"
     table.add_column("declared capabilities", min_width=longest)
     for row in rows:
+        apart = row["declared_not_applicable"]
+        applies = ", ".join(c for c in row["capabilities"] if c not in apart)
         table.add_row(
             row["family"], ", ".join(row["model_types"]), ", ".join(row["modalities"]),
-            ", ".join(row["capabilities"]),
+            applies + (f"\n[dim](declared, n/a here: {', '.join(apart)})[/]" if apart else ""),
         )
     console.print(table)
 

@@ -71,3 +71,20 @@ def test_models_keeps_capability_names_whole_at_80_columns():
     words = {word.strip(",") for line in lines for cell in line.split("│")[4:5] for word in cell.split()}
     for adapter in families():
         assert set(adapter.capabilities.declared()) <= words, adapter.family
+
+
+def test_models_sets_apart_declared_capabilities_that_do_not_apply():
+    import json
+
+    from mmrl.registry import families
+
+    result = run(sys.executable, "-m", "mmrl.cli", "models", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["family"]: row for row in json.loads(result.stdout)}
+    text = [a for a in families() if a.modalities == ("text",) and a.capabilities.media_sharing]
+    assert text, "no text family declares media_sharing: this test needs another example"
+    for adapter in text:
+        assert rows[adapter.family]["declared_not_applicable"] == ["media_sharing"]
+    for adapter in families():
+        if "image" in adapter.modalities:
+            assert "media_sharing" not in rows[adapter.family]["declared_not_applicable"]
