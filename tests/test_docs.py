@@ -104,3 +104,33 @@ def test_readme_parameter_count_is_the_recipes_model():
                         tiny_vocabulary=model.tiny_vocabulary)
     count = sum(p.numel() for p in built.model.parameters())
     assert f"model of {count:,} parameters" in README, f"the recipe's model has {count:,} parameters"
+
+
+def test_shared_media_figures_are_their_results_files():
+    """Each row of docs/training.md's shared-media table quotes the results file it names
+    (written by bench/media_sharing.py), to the digits it shows."""
+    import json
+
+    rows = [line for line in TRAINING.splitlines() if "bench/results/media_sharing" in line and line.startswith("|")]
+    assert len(rows) >= 3
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        results = json.loads((REPO / re.search(r"`(bench/results/[\w.]+\.json)`", row).group(1)).read_text())
+        measured = [results["plain_over_shared"][k] for k in ("update", "logprob", "rollout")]
+        measured.append(results["total_plain_over_shared"])
+        for shown, value in zip(cells[1:5], measured):
+            digits = len(shown.rstrip("x").partition(".")[2])
+            assert shown == f"{value:.{digits}f}x", f"{shown} for {value:.3f} in: {row}"
+
+
+def test_readme_recipe_figures_are_the_bench_results():
+    """README's per-seed steps and seconds are bench/results/tiny_vlm_recipe.json's
+    (written by bench/tiny_vlm_recipe.py)."""
+    import json
+
+    runs = json.loads((REPO / "bench" / "results" / "tiny_vlm_recipe.json").read_text())["runs"]
+    seeds = "/".join(str(r["seed"]) for r in runs)
+    steps = "/".join(str(r["steps"]) for r in runs)
+    walls = "/".join(f"{r['wall_s']:.0f}" for r in runs)
+    text = " ".join(README.split())
+    assert f"seeds {seeds} took {steps} steps and {walls} s" in text
