@@ -63,7 +63,8 @@ def main() -> None:
     rows = [conversations[o] for o in owners]
     vocab = built.model.config.get_text_config().vocab_size
     generator = torch.Generator(device="cpu").manual_seed(0)
-    responses = torch.randint(min(1000, vocab // 2), min(vocab, 150000), (len(rows), args.response_tokens), generator=generator)
+    shape = (len(rows), args.response_tokens)
+    responses = torch.randint(min(1000, vocab // 2), min(vocab, 150000), shape, generator=generator)
     mask = torch.ones_like(responses)
     shared = SharedMedia.of(built.processing, rows, owners)
 

@@ -150,7 +150,8 @@ def test_packed_log_probs_and_gradients_match_the_padded_batch(family):
         rows = conversations + conversations[::-1]
         prompts = dict(built.processing(rows))
         vocab = built.model.config.get_text_config().vocab_size
-        responses = torch.randint(min(50, vocab // 2), vocab, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+        generator = torch.Generator().manual_seed(1)
+        responses = torch.randint(min(50, vocab // 2), vocab, (len(rows), 7), generator=generator)
         mask = torch.ones_like(responses)
         mask[0, 3:] = 0
         mask[2, 5:] = 0
@@ -245,7 +246,8 @@ def test_a_packed_training_step_equals_the_padded_one(tmp_path):
     for pack in ("false", "true"):
         trainer = Trainer(load_recipe(recipe, [
             f"trainer.output_dir={tmp_path / pack}", "trainer.steps=1", "trainer.eval_every=0", "trainer.export=false",
-            "trainer.progress=false", "data.eval=null", "algo.kl_coef=0.1", f"model.pack={pack}", "model.pack_tokens=200",
+            "trainer.progress=false", "data.eval=null", "algo.kl_coef=0.1", f"model.pack={pack}",
+            "model.pack_tokens=200",
         ]))
         assert trainer.actor.pack == (pack == "true") and trainer.ref.pack == (pack == "true")
         trainer.fit()

@@ -147,7 +147,8 @@ def check_media_sharing(subject: Subject) -> Verified:
                         require(shared.collatable, "the prompts' own batches hold different keys")
                         collated = built.processing.collate([shared.singles[o] for o in shared.owners])
                         differ = batch_differences(collated, prompts)
-                        require(not differ, f"rows collated from each prompt's batch differ from processing them: {differ}")
+                        require(not differ,
+                                f"rows collated from each prompt's batch differ from processing them: {differ}")
                         prompts = collated
                     seqs = join(prompts, responses, mask, built.adapter, engine.model,
                                 built.tokenizer.pad_token_id, shared=shared)
