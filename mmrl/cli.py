@@ -196,7 +196,8 @@ def support_matrix(
                 highlight=False, soft_wrap=True)
             raise typer.Exit(code=1)
         console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
-                      f"fails on CPU ({elapsed:.0f} s)", highlight=False)
+                      f"fails on CPU ({elapsed:.0f} s{f'; worker logs in {log}' if log else ''})", highlight=False,
+                      soft_wrap=True)
         _report_gpu_failures(document)
         return
     unknown = [f for f in feature if f not in FEATURES]
@@ -214,7 +215,8 @@ def support_matrix(
     for cell in document["cells"]:
         counts[cell["status"]] = counts.get(cell["status"], 0) + 1
     console.print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - start:.0f} s: "
-                  + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())), highlight=False)
+                  + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                  + (f" (worker logs in {log})" if log else ""), highlight=False, soft_wrap=True)
     for cell in sm.gating_failures(document):
         console.print(f"[red]declared capability fails:[/] {cell['family']}/{cell['feature']}: {cell['reason']}",
                       highlight=False)

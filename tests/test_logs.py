@@ -46,6 +46,7 @@ def test_support_matrix_prints_its_result_and_logs_the_workers(tmp_path):
     assert len(lines) == 1 and "1 verified" in lines[0], lines[:20]
     logs = list((tmp_path / "tmp").glob("mmrl-support-matrix-*.log"))
     assert len(logs) == 1, "no log file for the probe workers"
+    assert f"worker logs in {logs[0]}" in lines[0]
     assert "Loading safetensors checkpoint shards" in logs[0].read_text(), "the workers' output is lost"
 
 
