@@ -20,7 +20,7 @@ NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 def run(*args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
     environment.pop("MMRL_VERBOSE", None)
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800, env=environment)
 
 
 @NEEDS_VLLM
