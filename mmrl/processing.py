@@ -225,10 +225,16 @@ class Processing:
                 # The frames are already sampled: the processor must not sample again.
                 video_kwargs.update(video_metadata=[clip.metadata for clip in clips], do_sample_frames=False)
             kwargs["videos_kwargs"] = video_kwargs
-        return self.processor(
+        batch = self.processor(
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
             add_special_tokens=False, **kwargs,
         )
+        # Media in float32 whatever precision a processor hands out (some emit bfloat16
+        # pixels): the model, or autocast, decides the compute precision.
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+                batch[key] = value.float()
+        return batch
 
     def collate(self, batches: list[dict]) -> dict[str, torch.Tensor]:
         """One batch from batches of one prompt each, equal to processing those prompts

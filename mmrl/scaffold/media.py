@@ -150,9 +150,12 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
         own = re.search(rf"""self\.{attribute}\s*=\s*AddedToken\(\s*["']([^"']+)["']""", source)
         optional[attribute] = own.group(1) if own else (_class_default(processor_cls, attribute)
                                                         or f"<{attribute.removesuffix('_token')}>")
+    from transformers import TokenizersBackend
+
     for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
-        if attribute not in named and attribute not in optional and attribute not in (
-                "pad_token", "eos_token", "bos_token", "unk_token"):
+        # Attributes every tokenizer has (bos_token, the add_bos_token switch) are not new tokens.
+        if attribute not in named and attribute not in optional and not hasattr(TokenizersBackend, attribute) and (
+                attribute not in ("pad_token", "eos_token", "bos_token", "unk_token")):
             default = _class_default(processor_cls, attribute)
             named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
     for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
@@ -179,17 +182,24 @@ def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None 
     sizes: dict[str, Any] = {}
     for key in ("size", "crop_size", "max_image_size") if image_size is not None else ():
         value = getattr(default, key, None)
-        if value is None:
-            continue
-        items = value.items() if isinstance(value, dict) else vars(value).items()
         # A tower size may be (height, width).
         height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
+        if type(value) is int:  # one edge
+            sizes[key] = max(height, width)
+            continue
+        if value is None or not isinstance(value, dict) and not hasattr(value, "__dict__"):
+            continue
+        items = value.items() if isinstance(value, dict) else vars(value).items()
         edge = {"height": height, "width": width, "shortest_edge": min(height, width),
                 "longest_edge": max(height, width)}
         present = {k: edge[k] for k, v in items if isinstance(v, int) and k in edge}
         if present:
             sizes[key] = present
+    patch = (vision or {}).get("patch_size")
     for key, value in vars(default).items():
+        if value is None and _COUNT_ARGUMENT.search(key) and type(image_size) is int and type(patch) is int:
+            sizes[key] = (image_size // patch) ** 2  # a per-image count left to the checkpoint: the patch grid
+            continue
         if type(value) is not int or "patch" not in key and "merge" not in key:
             continue
         match = next((v for k, v in (vision or {}).items() if (k == key or k.endswith("_" + key)) and type(v) is int),
@@ -212,6 +222,9 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
                             "by hand", category="config") from exc
     text_default = defaults.get_text_config(decoder=True)
     vision_default = getattr(defaults, resolved.vision_config_key, None)
+    vision_class = (getattr(config_cls, "sub_configs", {}) or {}).get(resolved.vision_config_key)
+    if vision_default is None and isinstance(vision_class, type) and vision_class.__name__ != "AutoConfig":
+        vision_default = vision_class()  # a tower left out by default (a text-only default)
     if vision_default is None or text_default is defaults:
         raise ScaffoldError(f"{resolved.config_class} has no separate text and vision sub-configs by default; write "
                             "tiny() by hand", category="config")
@@ -306,6 +319,13 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
             plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
         elif name in config.to_dict():
             plan.processor_kwargs[name] = f"config.{name}"
+    # A per-image token count the processor cannot do without (None by default): the
+    # tower's patch grid, until the tiny tower's own count replaces it (_fit_image_size).
+    key = plan.vision_key
+    for name, parameter in wanted.items():
+        if (name not in plan.processor_kwargs and parameter.default is None and _COUNT_ARGUMENT.search(name)
+                and type(vision_values.get("image_size")) is int and type(vision_values.get("patch_size")) is int):
+            plan.processor_kwargs[name] = f"(config.{key}.image_size // config.{key}.patch_size) ** 2"
     model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
     if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
         plan.text_kwargs = {"return_mm_token_type_ids": True}
@@ -428,10 +448,11 @@ def runs_with_image(model_class: str, config, processor, placeholder: str | None
         model = build_tiny(model_class, config)
         inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
                            return_tensors="pt", **(text_kwargs or {}))
+        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # as mmrl's processing
         accepted = inspect.signature(model.forward).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
             inputs = {k: v for k, v in inputs.items() if k in accepted}
-        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        model(**{**inputs, "labels": inputs["input_ids"]}).loss.backward()
     except Exception as exc:
         return _one_line(exc)
     return None
@@ -518,7 +539,7 @@ _COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_im
 def _per_image_counts(processor_cls) -> list[str]:
     """The processor's integer arguments that fix how many tokens an image gets."""
     return [name for name, parameter in _init_parameters(processor_cls).items()
-            if type(parameter.default) is int and _COUNT_ARGUMENT.search(name)]
+            if (parameter.default is None or type(parameter.default) is int) and _COUNT_ARGUMENT.search(name)]
 
 
 def _feature_rows(model_class: str, config, processor, plan: MediaPlan) -> int | None:

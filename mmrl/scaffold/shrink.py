@@ -102,7 +102,7 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
     # Without grouped-query attention by default (or with attention that needs as many
     # key/value heads as query heads), keep it so.
     heads, kv = amap.get(_HEADS, _HEADS), amap.get(_KV_HEADS, _KV_HEADS)
-    if kv in values and own.get(kv) in (None, own.get(heads)) and heads in values:
+    if (kv in values or kv in own) and own.get(kv) in (None, own.get(heads)) and heads in values:
         values[kv] = values[heads]
     # Sub-configs of a text config (a patcher, an encoder, a global model) shrink alike,
     # written as their model type plus what changed.
@@ -196,11 +196,12 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
                             category="config") from exc
     values = shrink_values(default, shapes, layer_indexes=True)
     rope = getattr(default, "rope_parameters", None)
-    if isinstance(rope, dict) and not rope.get("mrope_section") and _modeling_reads(cls, "mrope_section"):
+    if isinstance(rope, dict) and rope.get("rope_type") and not rope.get("mrope_section") and _modeling_reads(
+            cls, "mrope_section"):
         # The model splits its rotary width over (time, height, width) but the
         # default config leaves the split to a value hard-coded in the model (or
         # to none): give it one, in the proportions of the released checkpoints.
-        rope = {**rope, "mrope_section": [16, 24, 24]}
+        rope = {**rope, "mrope_section": _modeling_default(cls, "mrope_section") or [16, 24, 24]}
     rope = _rescaled_mrope(rope, values, default)
     if rope is not None:
         values["rope_parameters"] = rope
@@ -217,6 +218,17 @@ def _modeling_reads(config_class, key: str) -> bool:
     return f'"{key}"' in Path(spec.origin).read_text()
 
 
+def _modeling_default(config_class, key: str) -> list[int] | None:
+    """The list the modeling module falls back to for a rope key (`.get("key", [8, 12, 12])`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(config_class.__module__.replace(".configuration_", ".modeling_"))
+    if spec is None or spec.origin is None:
+        return None
+    found = re.search(rf"""get\(\s*["']{key}["']\s*,\s*\[([\d,\s]+)\]""", Path(spec.origin).read_text())
+    return [int(v) for v in found.group(1).split(",") if v.strip()] if found else None
+
+
 def _rescaled_mrope(rope, values: dict[str, Any], default) -> dict[str, Any] | None:
     """A rope dict whose multi-axis sections still sum to half the (shrunk) rotary width."""
     if not isinstance(rope, dict) or not rope.get("mrope_section"):
@@ -226,7 +238,9 @@ def _rescaled_mrope(rope, values: dict[str, Any], default) -> dict[str, Any] | N
     half = int(head_dim * partial) // 2
     section = [int(s) for s in rope["mrope_section"]]
     scaled = [max(1, s * half // sum(section)) for s in section]
-    scaled[0] += half - sum(scaled)
+    # The remainder goes to the last axis, so that axes of equal size stay equal
+    # (height and width: some models interleave them).
+    scaled[-1] += half - sum(scaled)
     return {**rope, "mrope_section": scaled}
 
 
