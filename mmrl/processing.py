@@ -229,6 +229,9 @@ class Processing:
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
             add_special_tokens=False, **kwargs,
         )
+        # Labels some processors add for their own fine-tuning recipe are not inputs here:
+        # the trainer scores responses itself.
+        batch.pop("labels", None)
         # Media in float32 whatever precision a processor hands out (some emit bfloat16
         # pixels): the model, or autocast, decides the compute precision.
         for key, value in batch.items():

@@ -214,3 +214,64 @@ def test_scope_rule_is_read_from_transformers_tables():
     assert scope_rule("bart") == "seq2seq"
     assert scope_rule("whisper") == "audio"
     assert scope_rule(TEXT_TYPE) is None and scope_rule(VLM_TYPE) is None
+
+
+def test_processor_tokens_read_only_when_the_tokenizer_has_them_stay_unset():
+    # Blip2Processor reads tokenizer.image_token only `if hasattr(...)` and otherwise adds
+    # its own AddedToken("<image>"): the tiny tokenizer must leave the attribute unset.
+    import transformers
+
+    from mmrl.scaffold.media import _tokens_in_source
+
+    named, literals, optional = _tokens_in_source(transformers.Blip2Processor)
+    assert optional == {"image_token": "<image>"} and "image_token" not in named
+    named, _, optional = _tokens_in_source(transformers.PaliGemmaProcessor)
+    assert "add_bos_token" not in named and "add_bos_token" not in optional, "a tokenizer switch is not a token"
+
+
+def test_multi_axis_rope_split_written_in_model_code_is_rescaled_with_equal_axes_kept():
+    from mmrl.scaffold.shrink import _modeling_default, _rescaled_mrope, tiny_text_values
+
+    import transformers
+
+    # Glm4v's default config has no mrope_section; its model code falls back to [8, 12, 12].
+    assert _modeling_default(transformers.Glm4vTextConfig, "mrope_section") == [8, 12, 12]
+    values = tiny_text_values("Glm4vTextConfig")
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    assert values["rope_parameters"]["mrope_section"] == [4, 6, 6] and sum([4, 6, 6]) == head_dim // 2
+    # Height and width sections that are equal stay equal (a model interleaves them).
+    scaled = _rescaled_mrope({"mrope_section": [22, 22, 20]}, {"hidden_size": 64, "num_attention_heads": 2}, None)
+    assert scaled["mrope_section"][0] == scaled["mrope_section"][1] and sum(scaled["mrope_section"]) == 16
+
+
+def test_image_processor_sizes_follow_a_height_width_tower_size():
+    import transformers
+
+    from mmrl.scaffold.media import _sized
+
+    sized = _sized(transformers.GotOcr2ImageProcessor, [448, 336])
+    assert sized["size"] == {"height": 448, "width": 336}
+
+
+@pytest.mark.parametrize("model_type, vision, projector", [
+    # A Q-Former beside the tower, a whole causal LM nested in the VLM, a processor that
+    # places the image tokens itself and keeps no chat template.
+    ("blip-2", ("vision_model",), {"qformer", "language_projection", "query_tokens"}),
+    # The projector (merger, downsampling) sits inside the vision tower.
+    ("glm4v", ("model.visual",), {"model.visual.merger", "model.visual.downsample"}),
+])
+def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, plugin_path, tmp_ckpt):
+    result = add_model(model_type, "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    assert "fill in" not in result.output, result.output
+    family = model_type.replace("-", "_")
+    load_plugin(f"mmrl_{family}.{family}")
+    adapter = get_adapter(family)
+    assert adapter.parts.vision == vision and set(adapter.parts.projector) == projector
+    assert adapter.capabilities.single_image
+    checks = dict(zoo_checks(family))
+    for name in ("test_save_reload_forward_backward_generate", "test_freeze_vision",
+                 "test_padded_batch_matches_each_prompt_alone"):
+        check = checks[name]
+        arguments = {"family": family, "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})

@@ -407,6 +407,7 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         row = processor(text=[f"look {token} here"], return_tensors="pt", **media)["input_ids"][0].tolist()
         return {t: row.count(i) for t, i in ids.items()}
 
+    single = None
     try:  # what the processor inserts on its own, with no placeholder in the text
         alone = counted("")
     except Exception:
@@ -426,6 +427,12 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
             if field is not None:
                 plan.token_fields[field] = expanded
             return token
+        if alone is None and counts.get(token) == 1 and single is None:
+            single = token  # required once per image and kept as one token (cross-attention models)
+    if single is not None:
+        if field is not None:
+            plan.token_fields[field] = single
+        return single
     if alone is not None and max(alone.values(), default=0) > 1:
         # The processor places the media tokens itself (before the text): no placeholder.
         if field is not None:
