@@ -1,0 +1,119 @@
+"""The built-in environments: one policy turn, and a tool-using loop.
+
+    env = ToolEnvironment(tools=["zoom"], max_calls=1, thumbnail=7)
+    messages = env.reset(row)     # the row's prompt; its images shown as 7 px thumbnails
+    ...policy answers 'zoom()'...
+    reply, done, reward = env.step(messages)   # reply: a tool message holding the full-size image
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mmrl.envs.tools import Tool, ToolError, get_tool, parse_tool_calls
+
+
+def _text(message: Mapping[str, Any]) -> str:
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+class SingleTurn:
+    """The row's prompt, one policy turn, done: the single-turn rollout as an environment."""
+
+    def reset(self, row: Mapping[str, Any]) -> list[dict]:
+        from mmrl.data import to_conversation
+
+        return to_conversation(row)
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]:
+        return [], True, None
+
+
+class ToolEnvironment:
+    """The row's prompt; each policy turn that calls tools gets their replies, a turn
+    without a call ends the episode (it is the answer).
+
+    Options: `tools` (built-in names, `Tool`s or import paths), `max_calls` (a call past
+    it ends the episode unanswered), `reply_role` (the role of tool replies: "tool", or
+    "user" for chat templates without a tool role), `thumbnail` (show the prompt's images
+    downscaled to this many pixels on the longer side, then scaled back to their size,
+    so detail is lost but the image budget is unchanged; tools see the originals), and
+    `system` (a system message prepended to the prompt)."""
+
+    def __init__(self, tools: Sequence[str | Tool] = ("calculator",), max_calls: int = 4,
+                 reply_role: str = "tool", thumbnail: int | None = None, system: str | None = None):
+        self.tools = {t.name: t for t in (get_tool(spec) for spec in tools)}
+        if max_calls < 0:
+            raise ValueError(f"max_calls must be >= 0, got {max_calls}")
+        if thumbnail is not None and thumbnail < 1:
+            raise ValueError(f"thumbnail must be a positive number of pixels, got {thumbnail}")
+        self.max_calls = max_calls
+        self.reply_role = reply_role
+        self.thumbnail = thumbnail
+        self.system = system
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.context: dict[str, Any] = {}
+
+    def reset(self, row: Mapping[str, Any]) -> list[dict]:
+        from mmrl.data import to_conversation
+
+        conversation = to_conversation(row)
+        images = [p["image"] for m in conversation if not isinstance(m["content"], str)
+                  for p in m["content"] if p.get("type") == "image"]
+        self.context = {"row": row, "images": images}
+        if self.thumbnail is not None:
+            for message in conversation:
+                if not isinstance(message["content"], str):
+                    message["content"] = [{**p, "image": self._thumbnail(p["image"])} if p.get("type") == "image"
+                                          else p for p in message["content"]]
+        if self.system is not None:
+            conversation = [{"role": "system", "content": self.system}, *conversation]
+        return conversation
+
+    def _thumbnail(self, image):
+        scale = self.thumbnail / max(image.size)
+        if scale >= 1:
+            return image
+        small = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))))
+        return small.resize(image.size)
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]:
+        try:
+            calls = parse_tool_calls(_text(messages[-1]), known=self.tools)
+        except ToolError as exc:
+            return self._error(str(exc))
+        if not calls:
+            return [], True, None
+        replies = []
+        for call in calls:
+            if self.tool_calls >= self.max_calls:
+                return [], True, None  # past the budget: the episode ends unanswered
+            self.tool_calls += 1
+            tool = self.tools.get(call.name)
+            if tool is None:
+                return self._error(f"unknown tool {call.name!r} (tools: {', '.join(self.tools)})")
+            try:
+                content = tool(call.arguments, self.context)
+            except Exception as exc:  # a tool's failure is the policy's to see, not the run's
+                self.tool_errors += 1
+                replies.append({"role": self.reply_role, "content": f"error: {exc}"})
+                continue
+            replies.append({"role": self.reply_role, "content": content})
+        return replies, False, None
+
+    def _error(self, text: str) -> tuple[list[dict], bool, float | None]:
+        self.tool_errors += 1
+        if self.tool_calls >= self.max_calls:
+            return [], True, None
+        self.tool_calls += 1
+        return [{"role": self.reply_role, "content": f"error: {text}"}], False, None
+
+
+BUILTIN_ENVIRONMENTS = {"single_turn": SingleTurn, "tools": ToolEnvironment}
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "SingleTurn", "ToolEnvironment"]

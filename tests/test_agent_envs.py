@@ -1,0 +1,78 @@
+"""The environment and tool API (mmrl.envs): parser formats, built-in tools, registry."""
+
+import pytest
+from PIL import Image
+
+from mmrl.envs import get_environment
+from mmrl.envs.builtin import ToolEnvironment
+from mmrl.envs.tools import ToolCall, ToolError, calculator, get_tool, parse_tool_calls, zoom
+
+
+def test_parser_reads_each_format():
+    qwen = 'I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    assert parse_tool_calls(qwen) == [ToolCall("calculator", {"expression": "2*3"})]
+    mistral = '[TOOL_CALLS][{"name": "zoom", "arguments": "{\\"x\\": 0.25}"}]'
+    assert parse_tool_calls(mistral) == [ToolCall("zoom", {"x": 0.25})]
+    llama = '{"name": "zoom", "parameters": {"size": 0.5}}'
+    assert parse_tool_calls(llama) == [ToolCall("zoom", {"size": 0.5})]
+    assert parse_tool_calls("zoom(x=0.5, y=1) then calc(1+2)", known=["zoom", "calc"]) == [
+        ToolCall("zoom", {"x": 0.5, "y": 1}), ToolCall("calc", {"input": "1+2"})]
+    assert parse_tool_calls("zoom()", known=["zoom"]) == [ToolCall("zoom", {})]
+    assert parse_tool_calls("the answer is 3") == []
+    assert parse_tool_calls("print(3)", known=["zoom"]) == []  # unknown names are text
+    with pytest.raises(ToolError, match="not JSON"):
+        parse_tool_calls("<tool_call>{name: zoom}</tool_call>")
+
+
+def test_calculator():
+    assert calculator({"expression": "(2 + 3) * 4 - 1"}, {}) == "19"
+    assert calculator({"input": "7 / 2"}, {}) == "3.5"
+    for bad, message in (("__import__('os')", "not arithmetic"), ("1/0", "division by zero"), ("2 +", "parse")):
+        with pytest.raises(ToolError, match=message):
+            calculator({"expression": bad}, {})
+
+
+def test_zoom_crops_the_full_resolution_image():
+    image = Image.new("RGB", (100, 60), "white")
+    image.paste((255, 0, 0), (50, 30, 100, 60))  # bottom-right quarter red
+    (part,) = zoom({"x": 0.75, "y": 0.75, "size": 0.5}, {"images": [image]})
+    assert part["type"] == "image" and part["image"].size == (50, 30)
+    assert part["image"].getpixel((10, 10)) == (255, 0, 0)
+    assert zoom({}, {"images": [image]})[0]["image"].size == (100, 60)
+    with pytest.raises(ToolError, match="no image 1"):
+        zoom({"image": 1}, {"images": [image]})
+    with pytest.raises(ToolError, match="size"):
+        zoom({"size": 2}, {"images": [image]})
+
+
+def _row():
+    image = Image.new("RGB", (56, 56), "white")
+    image.paste((0, 0, 0), (20, 20, 36, 36))
+    return {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}],
+            "images": [image], "answer": "1"}
+
+
+def test_tool_environment_replies_with_an_image_and_counts():
+    env = get_environment("tools", tools=["zoom", "calculator"], max_calls=2, thumbnail=7)()
+    messages = env.reset(_row())
+    shown = messages[0]["content"][0]["image"]
+    assert shown.size == (56, 56) and shown.getpixel((28, 28)) != (0, 0, 0)  # detail lost
+    reply, done, reward = env.step([*messages, {"role": "assistant", "content": "zoom()"}])
+    assert not done and reward is None and reply[0]["role"] == "tool"
+    assert reply[0]["content"][0]["image"].getpixel((28, 28)) == (0, 0, 0)  # the original
+    reply, done, _ = env.step([*messages, {"role": "assistant", "content": "calculator(expression='1/0')"}])
+    assert reply == [{"role": "tool", "content": "error: division by zero"}] and not done
+    assert (env.tool_calls, env.tool_errors) == (2, 1)
+    assert env.step([*messages, {"role": "assistant", "content": "zoom()"}]) == ([], True, None)  # budget
+    assert env.step([*messages, {"role": "assistant", "content": "1"}]) == ([], True, None)  # an answer
+
+
+def test_registry_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown environment 'maze'"):
+        get_environment("maze")
+    with pytest.raises(ValueError, match="environment 'tools'.*max_turns"):
+        get_environment("tools", max_turns=3)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg'"):
+        get_tool("no_such_pkg:fn")
+    assert get_environment("mmrl.envs.builtin:SingleTurn")().step([]) == ([], True, None)
+    assert isinstance(get_environment(ToolEnvironment, tools=["zoom"])(), ToolEnvironment)
