@@ -31,7 +31,11 @@ console = Console()
 
 def fail(message: str) -> None:
     """Print a one-line error and exit non-zero."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # Escaped: a message may hold brackets ("images[0]", a dict key's "[key]") that rich
+    # would otherwise read as markup and drop.
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -263,8 +267,13 @@ def doctor(
                 model_type = config.get("model_type") or "<model_type>"
                 fail(f"{target}: model type {model_type!r} is not registered with mmrl; "
                      f"add it with `mmrl add-model {model_type}` (docs/adding_a_model.md)")
-            subject = Subject(adapter=adapter, source=str(path.resolve() if path.is_dir() else path.parent.resolve()),
-                              random_init=False, device=device)
+            folder = path.resolve() if path.is_dir() else path.parent.resolve()
+            from mmrl.config import _weights_problem
+
+            problem = _weights_problem(folder)  # one line, not every probe failing on the same file
+            if problem:
+                fail(f"{target}: {problem}")
+            subject = Subject(adapter=adapter, source=str(folder), random_init=False, device=device)
         else:
             adapter = get_adapter(target)
             subject = Subject(adapter=adapter, source=adapter.family, device=device)

@@ -5,8 +5,8 @@
 Every field has a default, so a recipe states only what differs. Unknown keys and bad
 values are errors that name the dotted field (`optim.lr: Input should be a valid number`);
 a YAML error names the line and column. `check_before_build` checks what needs the
-filesystem or the model's config (model.path, config_overrides' types) before the slow
-model build; `same_run` tells whether a saved recipe is the run being resumed.
+filesystem or the model's config (model.path, config_overrides' types, the reward, every
+dataset's rows and images) before the slow model build; `same_run` tells whether a saved recipe is the run being resumed.
 """
 
 from __future__ import annotations
@@ -98,6 +98,13 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     # Fraction of memory vLLM may take; ignored by the hf backend.
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
+    # (None: one policy turn per sample), its options, the policy turns per sample and
+    # the tokens a sample may add after its prompt.
+    env: str | None = None
+    env_options: dict[str, Any] = Field(default_factory=dict)
+    max_turns: int = Field(4, gt=0)
+    max_tokens: int = Field(1024, gt=0)
 
 
 class AlgoConfig(_Section):
@@ -204,8 +211,12 @@ class RecipeError(ValueError):
     """A recipe file or override is malformed; the message names the file or field."""
 
 
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+def _parse_value(text: str, override: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
+                          "quote it to pass a string") from None
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -221,7 +232,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override {override!r}: {part!r} is not a section")
-        node[parts[-1]] = _parse_value(raw)
+        node[parts[-1]] = _parse_value(raw, override)
     return values
 
 
@@ -249,7 +260,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         return Recipe.model_validate(values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
+        # A dict key's error ends its path with "[key]" (and rich would read that as markup).
+        field = ".".join(str(p) for p in first["loc"] if p != "[key]")
         where = f"{path}: " if path is not None else ""
         message = first["msg"].removeprefix("Value error, ")
         raise RecipeError(f"{where}{field}: {message}") from None
@@ -265,9 +277,15 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def check_before_build(recipe: Recipe) -> None:
-    """Raise RecipeError for what the schema cannot see but a model build would trip on
-    late: a model.path that is not there, and config_overrides of the wrong type."""
-    m = recipe.model
+    """Raise RecipeError for what the schema cannot see but a model build or the first
+    step would trip on late: a model.path that is not there or holds unreadable weights,
+    config_overrides of the wrong type, a reward that cannot be found, a dataset that
+    cannot be loaded."""
+    _check_model(recipe.model)
+    check_reward_and_data(recipe)
+
+
+def _check_model(m: ModelConfig) -> None:
     path = Path(m.path).expanduser()
     looks_like_path = "/" in m.path or m.path.startswith((".", "~"))
     if not m.random_init:
@@ -289,6 +307,41 @@ def check_before_build(recipe: Recipe) -> None:
         problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
         if problem:
             raise RecipeError(problem)
+    elif not path.is_dir():
+        from mmrl.registry import RegistryError, get_adapter
+
+        try:
+            get_adapter(m.path)
+        except RegistryError as exc:
+            raise RecipeError(f"model.path: {exc}") from None
+
+
+def check_reward_and_data(recipe: Recipe) -> None:
+    """Raise RecipeError, one line naming the field and the file or row, when the reward
+    cannot be found or a dataset cannot be loaded (every row validated, every image
+    opened). The datasets stay cached by `load_prompts`, so the trainer does not load
+    them twice."""
+    from mmrl.data import load_prompts
+    from mmrl.rewards import get_reward
+
+    reward = recipe.reward
+    try:
+        get_reward(reward.name, **reward.options)
+    except (ValueError, TypeError) as exc:
+        field = "reward.options" if "has no option" in str(exc) else "reward.name"
+        raise RecipeError(f"{field}: {exc}") from None
+    data = recipe.data
+    for field, source, split in (("train", data.train, "train"), ("validation", data.validation, "validation"),
+                                 ("eval", data.eval, "test")):
+        if source is None:
+            continue
+        try:
+            dataset = load_prompts(source, split=split)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise RecipeError(f"data.{field}: {exc}") from None
+        if field == "train" and len(dataset) < data.prompts_per_step:
+            raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
+                              f"{dataset.name or 'data.train'} has {len(dataset)} rows")
 
 
 def _weights_problem(folder: Path) -> str | None:

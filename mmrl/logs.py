@@ -30,6 +30,7 @@ QUIET_ENVIRONMENT = {
     "TORCH_LOGS": "-all",  # torch's Python warnings (deprecations seen while vLLM imports) at ERROR
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (e.g. NUMA binding)
     "TOKENIZERS_PARALLELISM": "false",  # tokenizers' fork warning
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # "Generating train split" per data file loaded
 }
 # Python loggers that log before their library configures them (vLLM's Triton check).
 QUIET_LOGGERS = ("vllm", "torch")
@@ -53,6 +54,8 @@ def quiet(*, is_verbose: bool | None = None) -> None:
         os.environ.setdefault(name, value)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    if "datasets" in sys.modules:  # imported already: it read the variable before it was set
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def quiet_probe_worker() -> None:

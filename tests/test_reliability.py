@@ -552,7 +552,8 @@ def test_checkpoint_weights_are_checked_before_the_build(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    recipe = load_recipe(None, [f"model.path={folder}", "data.train=x.jsonl"])
+    recipe = load_recipe(None, [f"model.path={folder}", "data.train=synthetic:arithmetic?n=16",
+                                "reward.name=numeric"])
     with pytest.raises(RecipeError, match=r"holds no \*\.safetensors weights"):
         check_before_build(recipe)
     torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")

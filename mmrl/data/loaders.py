@@ -23,6 +23,11 @@ before training starts, with the error of `validate_sample` after the dataset's 
 row numbers count from 0 in the source. JSON files are read through once first, so an
 empty file, a line that is not JSON (`file:line`), bytes that are not UTF-8 or a file of
 blank lines is one line naming the file.
+
+The last few datasets loaded from a synthetic spec or a path are kept (`_RECENT`), keyed
+by the source, the split, the options and the path's size and modification time, so the
+recipe check before the model build (`mmrl.config.check_reward_and_data`) and the
+trainer share one load and one validation pass.
 """
 
 from __future__ import annotations
@@ -261,9 +266,41 @@ def _load_folder(folder: Path, split: str) -> Any:
                             "and not a folder written by save_to_disk")
 
 
+_RECENT: dict[tuple, PromptDataset] = {}
+_RECENT_SIZE = 3  # train, validation and eval of one recipe
+
+
+def _recent_key(source: Any, split: str, limit: int | None, shuffle_seed: int | None) -> tuple | None:
+    """What identifies a load for `_RECENT`, or None for sources that are not kept."""
+    if isinstance(source, str) and source.startswith(SYNTHETIC_PREFIX):
+        return (source, split, limit, shuffle_seed)
+    if not isinstance(source, (str, Path)):
+        return None
+    path = Path(source).expanduser()
+    try:
+        files = [path, *sorted(path.iterdir())] if path.is_dir() else [path]
+        stamps = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:
+        return None
+    return (str(path.resolve()), split, limit, shuffle_seed, stamps)
+
+
 def load_prompts(source: str | Path | Sequence[Sample], split: str = "train", *,
                  limit: int | None = None, shuffle_seed: int | None = None) -> PromptDataset:
     """A validated `PromptDataset` from a file, a folder, a synthetic task or a list."""
+    key = _recent_key(source, split, limit, shuffle_seed)
+    if key is not None and key in _RECENT:
+        return _RECENT[key]
+    dataset = _load_prompts(source, split, limit=limit, shuffle_seed=shuffle_seed)
+    if key is not None:
+        _RECENT[key] = dataset
+        while len(_RECENT) > _RECENT_SIZE:
+            del _RECENT[next(iter(_RECENT))]
+    return dataset
+
+
+def _load_prompts(source: str | Path | Sequence[Sample], split: str, *, limit: int | None,
+                  shuffle_seed: int | None) -> PromptDataset:
     if not isinstance(source, (str, Path, list, tuple)):
         # A public dataset's own layout with a column mapping: `mmrl.data.layouts`.
         from mmrl.data.layouts import load_layout
