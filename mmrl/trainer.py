@@ -146,6 +146,20 @@ class Trainer:
                                  total_steps=r.trainer.steps, value_head=True, share_media=m.share_media)
         self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing,
                                     **({"config": r.rollout} if r.rollout.backend == "vllm" else {}))
+        self.agent = None
+        if r.rollout.env is not None:
+            from mmrl.envs import get_environment
+            from mmrl.rollout.agent import AgentRollout
+
+            try:
+                environment = get_environment(r.rollout.env, **r.rollout.env_options)
+            except ValueError as exc:
+                raise RecipeError(f"rollout.env: {exc}") from None
+            if r.rollout.max_new_tokens > r.rollout.max_tokens:
+                raise RecipeError(f"rollout.max_tokens ({r.rollout.max_tokens}) is smaller than one turn's "
+                                  f"rollout.max_new_tokens ({r.rollout.max_new_tokens})")
+            self.agent = AgentRollout(self.rollout, self.processing, environment, max_turns=r.rollout.max_turns,
+                                      max_tokens=r.rollout.max_tokens)
         self.reward_fn = get_reward(r.reward.name, **r.reward.options)
         self.train_set = load_prompts(r.data.train)
         self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
@@ -172,7 +186,8 @@ class Trainer:
         here, before any update, naming the reward, the step and the dataset row."""
         from mmrl.rewards import RewardError, score
 
-        texts = self.processing.decode(result.response_ids)
+        # Multi-turn rollouts: the final policy turn is the answer.
+        texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
         rows = result.prompt_index.tolist()
         answers = [samples[i]["answer"] for i in rows]
         extra_keys = [k for k in samples[0] if k not in ("prompt", "answer", "images", "videos")]
@@ -188,7 +203,10 @@ class Trainer:
                 name = getattr(dataset, "name", "") if dataset is not None else ""
                 where += f", row {row}" + (f" of {name}" if name else "") + f" (response {texts[exc.index]!r})"
             raise RewardError(f"{exc} at {where}", reward=exc.reward, index=exc.index) from None
-        return torch.tensor(scores, dtype=torch.float32)
+        scores = torch.tensor(scores, dtype=torch.float32)
+        if result.env_rewards is not None:
+            scores = scores + result.env_rewards.float()
+        return scores
 
     def _sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None,
                    owners: list[int] | None = None, media=None):
@@ -237,10 +255,17 @@ class Trainer:
 
     def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> list:
         """Training sequences of the kept `rows`, in micro-batches."""
-        owners = result.prompt_index.tolist()
-        expanded = [conversations[i] for i in owners]
         micro = self.recipe.algo.micro_batch_size
         slices = [slice(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
+        if result.trajectories is not None:
+            from mmrl.rollout.agent import trajectory_sequences
+
+            pad = self.processing.tokenizer.pad_token_id
+            return [trajectory_sequences([result.trajectories[i] for i in rows[part].tolist()], self.processing,
+                                         self.built.adapter, self.actor.model, pad).to(self.dist.device)
+                    for part in slices]
+        owners = result.prompt_index.tolist()
+        expanded = [conversations[i] for i in owners]
         # One micro-batch of every row: the rollout's own prompt batch is that batch.
         reuse = result.prompt_inputs if len(slices) == 1 and len(rows) == len(expanded) else None
         batches = []
@@ -351,12 +376,15 @@ class Trainer:
         r = self.recipe
         self._step_context = f"step {self.step + 1}"
         samples = self._next_prompts()
-        conversations = _conversations(samples, self._batch_rows, self.train_set, self._step_context,
-                                       max_pixels=r.model.max_pixels)
+        # An environment opens each sample's conversation itself (from the row).
+        conversations = None if self.agent else _conversations(samples, self._batch_rows, self.train_set,
+                                                                self._step_context, max_pixels=r.model.max_pixels)
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
         with self._timed("rollout"):
-            result = self._same_in_sp_group(self.rollout.generate(conversations, params))
+            generated = self.agent.generate(samples, params) if self.agent else \
+                self.rollout.generate(conversations, params)
+            result = self._same_in_sp_group(generated)
         self._score_rows, self._score_dataset = self._batch_rows, self.train_set
         rewards = self._score(samples, result)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
@@ -366,6 +394,7 @@ class Trainer:
             "response/length": result.lengths.mean().item(),
             "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
             "groups/kept": keep.float().mean().item(),
+            **(result.stats or {}),
         }
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
@@ -414,9 +443,12 @@ class Trainer:
             chunk = mine[index * batch_size:(index + 1) * batch_size]
             chunk_rows = my_rows[index * batch_size:(index + 1) * batch_size]
             stand_in = not chunk and bool(samples)
-            conversations = _conversations(chunk or samples[:1], chunk_rows or rows[:1], dataset, context,
-                                           max_pixels=self.recipe.model.max_pixels)
-            result = self.rollout.generate(conversations, params)
+            if self.agent:
+                result = self.agent.generate(chunk or samples[:1], params)
+            else:
+                conversations = _conversations(chunk or samples[:1], chunk_rows or rows[:1], dataset, context,
+                                               max_pixels=self.recipe.model.max_pixels)
+                result = self.rollout.generate(conversations, params)
             if not stand_in:
                 saved, self._step_context = self._step_context, context
                 self._score_rows, self._score_dataset = chunk_rows, dataset

@@ -27,6 +27,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # Ask for the sampled tokens' log-probs (temperature 1, whole vocabulary); the HF
+    # backend keeps every step's logits for it, so it is off unless a caller needs them.
+    logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +49,13 @@ class RolloutResult:
     # Each prompt's own media inputs, when the backend encoded them once per prompt
     # (mmrl.engine.media): the update passes take theirs from it.
     shared_media: SharedMedia | None = None
+    # Multi-turn rollouts (`mmrl.rollout.agent`): each response's trajectory, the text of
+    # its final policy turn (what the reward scores), the environments' rewards, and
+    # per-sample statistics (turns, tool calls, tokens by source) for the metrics.
+    trajectories: list | None = None
+    texts: list[str] | None = None
+    env_rewards: torch.Tensor | None = None
+    stats: dict[str, float] | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

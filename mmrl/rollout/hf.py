@@ -47,14 +47,23 @@ class HFRollout:
                     # Sharded weights: every forward is collective, so a rank whose
                     # sequences all stopped keeps stepping until every rank is done.
                     synced_gpus=self.engine.sharded,
+                    **({"output_logits": True, "return_dict_in_generate": True} if params.logprobs else {}),
                     **sampling,
                 )
         finally:
             model.train(was_training)
-        generated = out[:, batch["input_ids"].shape[1]:].cpu()
+        sequences = out.sequences if params.logprobs else out
+        generated = sequences[:, batch["input_ids"].shape[1]:].cpu()
         ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
+        logprobs = None
+        if params.logprobs:
+            # The raw logits of each step (before temperature, top-p and blocked tokens),
+            # as vLLM's raw log-probs and `Engine.log_probs` at temperature 1 see them.
+            logits = torch.stack(out.logits, dim=1).float().cpu()
+            logprobs = torch.log_softmax(logits, -1).gather(-1, generated.unsqueeze(-1)).squeeze(-1) * mask
         return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
-                             prompt_index=prompt_index, prompt_inputs=prompt_inputs, shared_media=shared)
+                             prompt_index=prompt_index, logprobs=logprobs, prompt_inputs=prompt_inputs,
+                             shared_media=shared)
 
     def sync(self, engine) -> None:
         """Nothing to do: generation reads the engine's live weights."""

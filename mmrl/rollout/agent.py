@@ -1,0 +1,229 @@
+"""Multi-turn rollout: an agent loop that drives any backend's `generate` turn by turn.
+
+    agent = AgentRollout(make_rollout("hf", engine, processing), processing,
+                         get_environment("tools", tools=["zoom"]), max_turns=3, max_tokens=256)
+    result = agent.generate(rows, SamplingParams(n=8, max_new_tokens=8))   # dataset rows, not conversations
+    result.texts            # each sample's final policy turn (what the reward scores)
+    result.trajectories     # token ids, which of them the policy sampled, the conversation
+    seqs = trajectory_sequences(result.trajectories, processing, adapter, model, pad_id)
+
+Each sample is a conversation: the environment opens it (`reset(row)`), then policy
+turns (the backend samples, `max_new_tokens` per turn) alternate with environment turns
+(`step(messages)`: tool replies, possibly images) until the environment says done, the
+policy has had `max_turns` turns, or the tokens after the prompt would exceed
+`max_tokens`. A turn that would overflow the token budget is dropped whole, with the
+environment turn before it: the sample ends at the policy turn before, so media
+placeholders always keep their features.
+
+Every policy turn is sampled from the conversation processed in one go (the family's
+chat template and processor, all images so far), and the next turn's processed
+conversation must begin with the previous one's tokens followed by the sampled ones
+(`prefix` rule). So the final sequence holds each policy turn's tokens exactly as
+sampled, in exactly the context they were sampled in; the trainer's loss mask covers
+them alone (environment tokens, template tokens and images are context). A turn whose
+text re-renders to other tokens (a stop token the template does not write, or a
+tokenizer that does not round-trip) breaks the rule: the sample ends before it
+(`finish` "drift", counted in the metrics).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmrl.rollout.base import RolloutResult, SamplingParams
+
+
+@dataclass
+class Trajectory:
+    messages: list[dict]  # the whole conversation, the final policy turn included
+    context: list[dict] = field(default_factory=list)  # the conversation before the last policy turn
+    prompt_ids: list[int] = field(default_factory=list)  # `context` processed (generation prompt included)
+    last_ids: list[int] = field(default_factory=list)  # the last policy turn's sampled tokens
+    spans: list[tuple[int, int]] = field(default_factory=list)  # policy turns in prompt_ids + last_ids
+    logprobs: list[float] = field(default_factory=list)  # sampler log-probs of the policy tokens, in order
+    first: int = 0  # length of the opening prompt: training covers what follows it
+    finish: str = ""  # done | turns | tokens | drift
+    last_reason: str = ""  # the last policy turn's: stop | length
+    turns: int = 0
+    env_reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.last_ids
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+    @property
+    def env_tokens(self) -> int:
+        """Tokens after the opening prompt the policy did not sample (tool replies,
+        images' placeholders, chat-template scaffolding)."""
+        return len(self.ids) - self.first - self.policy_tokens
+
+
+class AgentRollout:
+    """The agent loop over `backend` (a `Rollout`); `env_factory` makes one environment
+    per sample (`mmrl.envs.get_environment`)."""
+
+    def __init__(self, backend, processing, env_factory: Callable[[], Any], *, max_turns: int = 4,
+                 max_tokens: int = 1024):
+        if max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
+        self.backend = backend
+        self.processing = processing
+        self.env_factory = env_factory
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+
+    def sync(self, engine) -> None:
+        self.backend.sync(engine)
+
+    def _prompt_ids(self, result: RolloutResult, conversations: list[list[dict]]) -> list[list[int]]:
+        batch = result.prompt_inputs if result.prompt_inputs is not None else self.processing(conversations)
+        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        return [row[keep].tolist() for row, keep in zip(ids.cpu(), mask.cpu())]
+
+    def generate(self, rows: Sequence[dict], params: SamplingParams) -> RolloutResult:
+        """`params.n` trajectories per dataset row, in row order (row 0's n first)."""
+        if params.max_new_tokens > self.max_tokens:
+            raise ValueError(f"rollout.max_tokens ({self.max_tokens}) is smaller than one turn's "
+                             f"max_new_tokens ({params.max_new_tokens})")
+        envs, trajectories = [], []
+        for row in rows:
+            for _ in range(params.n):
+                env = self.env_factory()
+                envs.append(env)
+                trajectories.append(Trajectory(messages=list(env.reset(row))))
+        turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                                     top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
+        active = list(range(len(trajectories)))
+        while active:
+            conversations = [trajectories[i].messages for i in active]
+            result = self.backend.generate(conversations, turn_params)
+            prompts = self._prompt_ids(result, conversations)
+            still = []
+            for row, i in enumerate(active):
+                t, env = trajectories[i], envs[i]
+                prompt = prompts[row]
+                if t.turns == 0:
+                    t.first = len(prompt)
+                elif prompt[:len(t.ids)] != t.ids or len(prompt) - t.first + params.max_new_tokens > self.max_tokens:
+                    # The environment turn since the last policy turn is dropped whole.
+                    t.finish = "drift" if prompt[:len(t.ids)] != t.ids else "tokens"
+                    t.messages = t.messages[:len(t.context) + 1]
+                    continue
+                length = int(result.response_mask[row].sum())
+                sampled = result.response_ids[row, :length].tolist()
+                t.context = copy.copy(t.messages)
+                t.prompt_ids, t.last_ids = prompt, sampled
+                t.spans.append((len(prompt), len(prompt) + length))
+                if result.logprobs is not None:
+                    t.logprobs += result.logprobs[row, :length].tolist()
+                t.last_reason = result.finish_reasons[row]
+                t.turns += 1
+                t.messages = [*t.messages, {"role": "assistant", "content": self._content(sampled)}]
+                new, done, reward = env.step(t.messages)
+                t.env_reward += float(reward or 0.0)
+                t.tool_calls = int(getattr(env, "tool_calls", 0))
+                t.tool_errors = int(getattr(env, "tool_errors", 0))
+                if done:
+                    t.finish = "done"
+                elif t.turns >= self.max_turns:
+                    t.finish = "turns"
+                else:
+                    t.messages = [*t.messages, *new]
+                    still.append(i)
+            active = still
+        return self._result(trajectories, params.n, len(rows))
+
+    def _content(self, sampled: list[int]) -> str:
+        """The policy turn as the assistant message's text: its tokens without the stop
+        token (the chat template writes the end of turn), special tokens kept, no strip."""
+        stops = set(self.processing.stop_token_ids)
+        if sampled and sampled[-1] in stops:
+            sampled = sampled[:-1]
+        return self.processing.tokenizer.decode(sampled, skip_special_tokens=False)
+
+    def _result(self, trajectories: list[Trajectory], n: int, prompts: int) -> RolloutResult:
+        pad = self.processing.tokenizer.pad_token_id
+        tails = [t.ids[t.first:] for t in trajectories]
+        width = max(1, max(len(x) for x in tails))
+        ids = torch.full((len(tails), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(tails), width)
+        logprobs = torch.zeros(len(tails), width)
+        for row, (t, tail) in enumerate(zip(trajectories, tails)):
+            ids[row, :len(tail)] = torch.tensor(tail, dtype=torch.long)
+            position = 0
+            for a, b in t.spans:
+                mask[row, a - t.first:b - t.first] = 1
+                if t.logprobs:
+                    logprobs[row, a - t.first:b - t.first] = torch.tensor(t.logprobs[position:position + b - a])
+                position += b - a
+        count = max(len(trajectories), 1)
+        stats = {
+            "agent/turns": sum(t.turns for t in trajectories) / count,
+            "agent/tool_calls": sum(t.tool_calls for t in trajectories) / count,
+            "agent/tool_errors": sum(t.tool_errors for t in trajectories) / count,
+            "agent/samples_calling_tools": sum(t.tool_calls > 0 for t in trajectories) / count,
+            "tokens/policy": sum(t.policy_tokens for t in trajectories) / count,
+            "tokens/environment": sum(t.env_tokens for t in trajectories) / count,
+            "tokens/prompt": sum(t.first for t in trajectories) / count,
+            **{f"agent/finish_{kind}": sum(t.finish == kind for t in trajectories) / count
+               for kind in ("done", "turns", "tokens", "drift")},
+        }
+        texts = self.processing.decode([t.last_ids for t in trajectories])
+        return RolloutResult(
+            response_ids=ids, response_mask=mask,
+            finish_reasons=[t.last_reason if t.finish == "done" else t.finish for t in trajectories],
+            prompt_index=torch.arange(prompts).repeat_interleave(n),
+            logprobs=logprobs if any(t.logprobs for t in trajectories) else None,
+            trajectories=trajectories, texts=texts,
+            env_rewards=torch.tensor([t.env_reward for t in trajectories]), stats=stats,
+        )
+
+
+def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter, model, pad_token_id: int):
+    """Training sequences of whole trajectories: each row is its last context processed in
+    one go (every image so far, the family's positions) with the last policy turn
+    joined after it; the response columns cover everything after the opening prompt,
+    and `response_mask` is 1 exactly on the tokens the policy sampled."""
+    from mmrl.engine import join
+
+    prompts = dict(processing([t.context for t in trajectories]))
+    width = prompts["input_ids"].shape[1]
+    for row, t in enumerate(trajectories):
+        got = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
+        if got != t.prompt_ids:
+            raise ValueError(f"trajectory {row}: processing its conversation again gave other tokens than the "
+                             "rollout's (processing must be deterministic)")
+    last_width = max(1, max(len(t.last_ids) for t in trajectories))
+    last = torch.full((len(trajectories), last_width), pad_token_id, dtype=torch.long)
+    last_mask = torch.zeros(len(trajectories), last_width)
+    for row, t in enumerate(trajectories):
+        last[row, :len(t.last_ids)] = torch.tensor(t.last_ids, dtype=torch.long)
+        last_mask[row, :len(t.last_ids)] = 1
+    seqs = join(prompts, last, last_mask, adapter, model, pad_token_id)
+    total = seqs.inputs["input_ids"].shape[1]
+    span = last_width + max(len(t.prompt_ids) - t.first for t in trajectories)
+    start = total - span
+    mask = torch.zeros(len(trajectories), span)
+    for row, t in enumerate(trajectories):
+        offset = width - len(t.prompt_ids) - start  # column of the row's token 0, in the response columns
+        for a, b in t.spans:
+            mask[row, offset + a:offset + b] = 1
+    device = seqs.inputs["input_ids"].device
+    seqs.response_ids = seqs.inputs["input_ids"][:, start:].clone()
+    seqs.response_mask = mask.to(device)
+    seqs.prompt_length = start
+    return seqs
+
+
+__all__ = ["AgentRollout", "Trajectory", "trajectory_sequences"]

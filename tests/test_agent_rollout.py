@@ -1,0 +1,136 @@
+"""The agent loop (mmrl.rollout.agent) on tiny random-init models, fp32 on CPU: each
+policy turn's log-probs in the training sequence equal what the rollout sampled them
+with, the loss mask covers exactly the sampled tokens (never environment tokens or
+image placeholders), images that arrive mid-conversation give the tensors and positions
+of the final conversation processed in one go, and the token budget drops whole turns."""
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl import build_model
+from mmrl.engine import Engine
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout.agent import AgentRollout, trajectory_sequences
+
+
+class ImageReplies:
+    """An environment whose every reply is an image (a different one each turn) and a word."""
+
+    def __init__(self, reply_role="tool"):
+        self.reply_role = reply_role
+        self.tool_calls = 0
+
+    def reset(self, row):
+        return [{"role": "user", "content": [{"type": "image", "image": row["image"]},
+                                             {"type": "text", "text": row["text"]}]}]
+
+    def step(self, messages):
+        self.tool_calls += 1
+        shade = 40 * self.tool_calls
+        image = Image.new("RGB", (28 * (1 + self.tool_calls % 2), 56), (shade, 255 - shade, 90))
+        return [{"role": self.reply_role, "content": [{"type": "image", "image": image},
+                                                      {"type": "text", "text": "ok"}]}], False, 0.25
+
+
+def _rows():
+    return [{"image": Image.new("RGB", (56, 56), (200, 30, 30)), "text": "What is it?"},
+            {"image": Image.new("RGB", (84, 56), (20, 30, 230)), "text": "And this?"}]
+
+
+def _setup(family):
+    built = build_model(family, random_init=True, seed=0, processing_options={"min_pixels": 784,
+                                                                               "max_pixels": 56 * 56})
+    engine = Engine(built, init_distributed(), mixed_precision=False, share_media=False)
+    return built, engine
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+def test_policy_turns_keep_their_log_probs_and_only_they_are_trained(family):
+    built, engine = _setup(family)
+    torch.manual_seed(0)
+    role = "user" if family == "gemma3" else "tool"  # Gemma 3's template has user/model turns only
+    agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing,
+                         lambda: ImageReplies(role), max_turns=3, max_tokens=4096)
+    result = agent.generate(_rows(), SamplingParams(n=2, max_new_tokens=4, logprobs=True))
+    trajectories = result.trajectories
+    assert len(trajectories) == 4 and result.prompt_index.tolist() == [0, 0, 1, 1]
+    assert all(t.finish in ("turns", "drift") for t in trajectories)
+    full = [t for t in trajectories if t.finish == "turns"]
+    assert full, "no trajectory reached three turns"
+    assert all(t.turns == 3 and len(t.spans) == 3 for t in full)
+    assert result.env_rewards.tolist() == [0.25 * t.turns for t in trajectories]  # one reward per step
+    assert result.stats["agent/turns"] == sum(t.turns for t in trajectories) / 4
+
+    seqs = trajectory_sequences(trajectories, built.processing, built.adapter, engine.model,
+                                built.processing.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = engine.log_probs(seqs, temperature=1.0, with_entropy=False)
+    mask = seqs.response_mask.bool()
+    # The mask covers exactly the sampled tokens, in order; everything else is context.
+    assert int(mask.sum()) == sum(t.policy_tokens for t in trajectories)
+    for row, t in enumerate(trajectories):
+        sampled = [tok for a, b in t.spans for tok in t.ids[a:b]]
+        assert seqs.response_ids[row][mask[row]].tolist() == sampled
+    media_ids = {getattr(built.processing.tokenizer, name + "_id", None) for name in ("image_token", "boi_token")}
+    media_ids.discard(None)
+    assert media_ids and not torch.isin(seqs.response_ids[mask], torch.tensor(sorted(media_ids))).any()
+    in_tail = torch.isin(seqs.response_ids, torch.tensor(sorted(media_ids))) & ~mask
+    assert in_tail.any(), "no tool-reply image inside the trained columns"
+    # Each policy turn's log-probs equal the rollout's (fp32: the same context, media and positions).
+    sampler = torch.cat([torch.tensor(t.logprobs) for t in trajectories])
+    assert sampler.shape == logp[mask].shape
+    torch.testing.assert_close(logp[mask], sampler, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_mid_conversation_images_match_the_final_conversation_in_one_go(family):
+    built, engine = _setup(family)
+    torch.manual_seed(1)
+    agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing, ImageReplies,
+                         max_turns=3, max_tokens=4096)
+    result = agent.generate(_rows()[:1], SamplingParams(n=2, max_new_tokens=3))
+    trajectories = [t for t in result.trajectories if t.finish == "turns"]
+    assert trajectories
+    seqs = trajectory_sequences(trajectories, built.processing, built.adapter, engine.model,
+                                built.processing.tokenizer.pad_token_id)
+    # The whole conversation (every image, the final policy turn as text) processed in one go.
+    final = dict(built.processing([t.messages for t in trajectories], add_generation_prompt=False))
+    for key in ("pixel_values", "image_grid_thw"):
+        torch.testing.assert_close(seqs.inputs[key], final[key], rtol=0, atol=0)
+    positions = built.adapter.position_ids(engine.model, {k: v for k, v in final.items()})
+    for row, t in enumerate(trajectories):
+        real = seqs.inputs["attention_mask"][row].bool()
+        one_go_real = final["attention_mask"][row].bool()
+        n = len(t.ids)
+        # The trajectory's tokens open the one-go sequence (which adds the template's end of turn).
+        assert final["input_ids"][row][one_go_real][:n].tolist() == t.ids
+        assert seqs.inputs["mm_token_type_ids"][row][real].tolist() == \
+            final["mm_token_type_ids"][row][one_go_real][:n].tolist()
+        if positions is not None:
+            torch.testing.assert_close(seqs.inputs["position_ids"][..., row, :][..., real],
+                                       positions[..., row, :][..., one_go_real][..., :n], rtol=0, atol=0)
+
+
+def test_token_budget_drops_whole_turns():
+    built, engine = _setup("qwen2_vl")
+    torch.manual_seed(2)
+    agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing, ImageReplies,
+                         max_turns=5, max_tokens=40)
+    result = agent.generate(_rows()[:1], SamplingParams(n=2, max_new_tokens=4))
+    image_pad = built.processing.tokenizer.image_token_id
+    for t in result.trajectories:
+        assert t.finish in ("tokens", "drift")
+        assert len(t.ids) - t.first <= 40
+        # The sample ends on a policy turn: no reply image was cut off after it.
+        assert t.spans[-1][1] == len(t.ids) and t.ids[-1] != image_pad
+        assert t.messages[-1]["role"] == "assistant" and len(t.messages) == len(t.context) + 1
+        # Every image's placeholders are all there: the count matches its grid.
+        seqs = trajectory_sequences([t], built.processing, built.adapter, engine.model,
+                                    built.processing.tokenizer.pad_token_id)
+        merge = engine.model.config.vision_config.spatial_merge_size ** 2
+        assert int((seqs.inputs["input_ids"] == image_pad).sum()) == int(
+            seqs.inputs["image_grid_thw"].prod(-1).sum()) // merge
+    with pytest.raises(ValueError, match="max_tokens"):
+        agent.generate(_rows()[:1], SamplingParams(n=1, max_new_tokens=64))
