@@ -50,8 +50,9 @@ def main(
         "at ERROR; probe workers print to the terminal instead of a log file.",
     ),
 ) -> None:
-    from mmrl.logs import quiet
+    from mmrl.logs import quiet, share_cpu
 
+    share_cpu()  # before anything imports torch
     quiet(is_verbose=verbose)  # before anything imports vLLM or torch
     from mmrl.registry import RegistryError, load_plugin
 

@@ -2,12 +2,16 @@
 
 import os
 
-import pytest
-import torch
+from mmrl.logs import share_cpu
+
+share_cpu()  # OpenMP threads sleep while they wait: before torch loads (mmrl/logs.py)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)))))
 
 from mmrl.registry import families  # noqa: E402
 

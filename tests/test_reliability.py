@@ -568,3 +568,17 @@ def test_checkpoint_weights_are_checked_before_the_build(tmp_path):
     (folder / "model.safetensors").write_bytes(whole[:20])
     with pytest.raises(RecipeError, match=r"model\.safetensors: not a readable safetensors file"):
         check_before_build(recipe)
+
+
+# -- CPU contention: OpenMP threads sleep while they wait (bench/cpu_contention.py) ----------
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_cli_sets_the_openmp_wait_policy_before_torch_loads(given, expected):
+    script = ("import sys; from typer.testing import CliRunner; from mmrl.cli import app; "
+              "assert 'torch' not in sys.modules; result = CliRunner().invoke(app, ['models', '--json']); "
+              "import os; print(result.exit_code, os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given  # a value the user set is kept
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
+                            timeout=300)
+    assert result.stdout.split() == ["0", expected], result.stderr[-2000:]
