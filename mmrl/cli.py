@@ -170,7 +170,7 @@ def support_matrix(
     import time
     from pathlib import Path
 
-    from mmrl.logs import new_worker_log
+    from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import FEATURES
     from mmrl.probes import matrix as sm
     from mmrl.registry import RegistryError, get_adapter
@@ -191,8 +191,15 @@ def support_matrix(
     log = new_worker_log("support-matrix") if _workers(workers) > 0 else None
     logged = f" Third-party logs of the probe workers: {log}." if log else ""
     if check:
-        problems, document, fresh = sm.check(Path(output), workers=_workers(workers), progress=progress)
+        try:
+            problems, document, fresh = sm.check(Path(output), workers=_workers(workers), progress=progress)
+        except BaseException:
+            if log:
+                Console(stderr=True).print(f"the probe workers' logs are kept in {log}", highlight=False,
+                                           soft_wrap=True)
+            raise
         elapsed = time.perf_counter() - start
+        log = close_worker_log(log, failed=bool(problems))  # a check that passed leaves no log behind
         if problems:
             Console(stderr=True).print(
                 f"[bold red]support matrix check failed[/] ({elapsed:.0f} s; fresh output in {fresh}): "
@@ -201,8 +208,7 @@ def support_matrix(
                 highlight=False, soft_wrap=True)
             raise typer.Exit(code=1)
         console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
-                      f"fails on CPU ({elapsed:.0f} s{f'; worker logs in {log}' if log else ''})", highlight=False,
-                      soft_wrap=True)
+                      f"fails on CPU ({elapsed:.0f} s)", highlight=False, soft_wrap=True)
         _report_gpu_failures(document)
         return
     unknown = [f for f in feature if f not in FEATURES]
@@ -250,7 +256,7 @@ def doctor(
     """Run every probe on a checkpoint or a family's tiny model (exit 1 when a declared capability fails)."""
     from pathlib import Path
 
-    from mmrl.logs import new_worker_log
+    from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import PROBES, Subject
     from mmrl.probes.matrix import progress_bar, run_probes
     from mmrl.registry import RegistryError, adapter_for_config, get_adapter
@@ -283,15 +289,24 @@ def doctor(
     log = new_worker_log("doctor") if _workers(workers) > 0 else None
     if progress is None:
         progress = sys.stderr.isatty()
-    with progress_bar(progress, len(PROBES), transient=True) as advance:
-        results = run_probes([subject], PROBES, workers=_workers(workers), on_result=advance)
+    try:
+        with progress_bar(progress, len(PROBES), transient=True) as advance:
+            results = run_probes([subject], PROBES, workers=_workers(workers), on_result=advance)
+    except BaseException:
+        if log:
+            Console(stderr=True).print(f"the probe workers' logs are kept in {log}", highlight=False, soft_wrap=True)
+        raise
     rows = [(p, results[(subject.label, p.feature)]) for p in PROBES]
     gating = [p.feature for p, r in rows if r.gates]
+    log = close_worker_log(log, failed=bool(gating))  # named below only when kept
     if as_json:
         json.dump({"subject": subject.label, "family": adapter.family,
                    "results": [{"feature": p.feature, "capability": p.capability, **r.to_dict()} for p, r in rows]},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
+        if log:
+            Console(stderr=True).print(f"third-party logs of the probe workers: {log}", highlight=False,
+                                       soft_wrap=True)
     else:
         _doctor_table(subject, adapter, rows, gating, log)
     if gating:

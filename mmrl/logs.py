@@ -5,7 +5,8 @@ deprecations when vLLM imports, and transformers/vLLM draw progress bars for eve
 checkpoint they write or read. Around a one-line result (`mmrl support-matrix --check`)
 or a table (`mmrl doctor`) that is hundreds of lines of noise, so the CLI calls `quiet()`
 before anything imports those libraries, and probe worker processes send their own
-stdout/stderr to a log file (`redirect_to_log`). `mmrl --verbose COMMAND` keeps it all:
+stdout/stderr to a log file (`redirect_to_log`), removed when the command succeeds and
+kept, and named, when it fails (`close_worker_log`). `mmrl --verbose COMMAND` keeps it all:
 
     mmrl --verbose doctor qwen2_vl
 
@@ -105,6 +106,15 @@ def new_worker_log(command: str) -> Path | None:
     os.close(handle)
     os.environ[WORKER_LOG_ENV] = name
     return Path(name)
+
+
+def close_worker_log(log: Path | None, *, failed: bool) -> Path | None:
+    """The worker log to name to the user: kept (and returned) when the command failed,
+    removed (None) when it succeeded, so runs do not pile `mmrl-*.log` files in $TMPDIR."""
+    if log is None or failed:
+        return log
+    log.unlink(missing_ok=True)
+    return None
 
 
 def redirect_to_log(path: Path) -> None:

@@ -582,3 +582,39 @@ def test_the_cli_sets_the_openmp_wait_policy_before_torch_loads(given, expected)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
                             timeout=300)
     assert result.stdout.split() == ["0", expected], result.stderr[-2000:]
+
+
+# -- worker logs: removed when doctor succeeds, kept and named when it fails ------------------
+@pytest.mark.parametrize("fails", [False, True])
+def test_doctor_removes_its_worker_log_on_success_and_names_it_on_failure(tmp_path, monkeypatch, fails):
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    import mmrl.probes.matrix as matrix
+    from mmrl.cli import app
+    from mmrl.probes.base import ProbeResult, Status
+
+    def fake_run_probes(subjects, probes, *, workers, on_result=None):
+        assert workers == 1
+        with open(os.environ["MMRL_WORKER_LOG"], "a") as log:  # what a worker would write
+            log.write("third-party noise\n")
+        failed = Status.FAILED if fails else Status.VERIFIED
+        return {(subjects[0].label, p.feature): ProbeResult(status=failed if i == 0 else Status.VERIFIED,
+                                                            reason="broken" if fails and i == 0 else "ok",
+                                                            declared=None)
+                for i, p in enumerate(probes)}
+
+    monkeypatch.setattr(matrix, "run_probes", fake_run_probes)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("MMRL_VERBOSE", raising=False)
+    monkeypatch.delenv("MMRL_WORKER_LOG", raising=False)
+    result = CliRunner().invoke(app, ["doctor", "qwen2", "--workers", "1", "--no-progress"])
+    logs = list(tmp_path.glob("mmrl-doctor-*.log"))
+    assert result.exit_code == (1 if fails else 0), (result.output, result.exception)
+    if fails:
+        assert len(logs) == 1 and logs[0].read_text() == "third-party noise\n"
+        squeezed = "".join(result.output.split())  # the console may wrap the line
+        assert "".join(f"third-party logs of the probe workers: {logs[0]}".split()) in squeezed
+    else:
+        assert logs == [] and "mmrl-doctor-" not in result.output
