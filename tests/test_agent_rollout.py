@@ -6,6 +6,7 @@ of the final conversation processed in one go, and the token budget drops whole 
 
 import pytest
 import torch
+from conftest import VLM_FAMILIES
 from PIL import Image
 
 from mmrl import build_model
@@ -46,11 +47,18 @@ def _setup(family):
     return built, engine
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+# LLaVA-OneVision's processor lays the first image out in fewer tokens once a second
+# image is in the conversation (multi-image mode), and the Idefics3 / SmolVLM templates
+# write a space before the assistant's text that a random policy's turn lacks: in both,
+# the conversation so far does not stay a prefix, and samples end there (tests below).
+PREFIX_STAYS = [f for f in VLM_FAMILIES if f not in ("llava_onevision", "idefics3", "smolvlm")]
+
+
+@pytest.mark.parametrize("family", PREFIX_STAYS)
 def test_policy_turns_keep_their_log_probs_and_only_they_are_trained(family):
     built, engine = _setup(family)
     torch.manual_seed(0)
-    role = "user" if family == "gemma3" else "tool"  # Gemma 3's template has user/model turns only
+    role = "tool" if family.startswith("qwen") else "user"  # the other templates have no tool role
     agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing,
                          lambda: ImageReplies(role), max_turns=3, max_tokens=4096)
     result = agent.generate(_rows(), SamplingParams(n=2, max_new_tokens=4, logprobs=True))
@@ -73,8 +81,8 @@ def test_policy_turns_keep_their_log_probs_and_only_they_are_trained(family):
     for row, t in enumerate(trajectories):
         sampled = [tok for a, b in t.spans for tok in t.ids[a:b]]
         assert seqs.response_ids[row][mask[row]].tolist() == sampled
-    media_ids = {getattr(built.processing.tokenizer, name + "_id", None) for name in ("image_token", "boi_token")}
-    media_ids.discard(None)
+    config = engine.model.config
+    media_ids = {getattr(config, key, None) for key in ("image_token_id", "image_token_index")} - {None}
     assert media_ids and not torch.isin(seqs.response_ids[mask], torch.tensor(sorted(media_ids))).any()
     in_tail = torch.isin(seqs.response_ids, torch.tensor(sorted(media_ids))) & ~mask
     assert in_tail.any(), "no tool-reply image inside the trained columns"
@@ -134,3 +142,41 @@ def test_token_budget_drops_whole_turns():
             seqs.inputs["image_grid_thw"].prod(-1).sum()) // merge
     with pytest.raises(ValueError, match="max_tokens"):
         agent.generate(_rows()[:1], SamplingParams(n=1, max_new_tokens=64))
+
+
+def test_a_second_image_that_changes_the_first_ends_the_sample():
+    """LLaVA-OneVision: the reply image would change the opening image's placeholders
+    (the context the first turn was sampled in), so the sample ends after that turn."""
+    built, engine = _setup("llava_onevision")
+    torch.manual_seed(0)
+    agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing,
+                         lambda: ImageReplies("user"), max_turns=3, max_tokens=4096)
+    result = agent.generate(_rows()[:1], SamplingParams(n=2, max_new_tokens=4, logprobs=True))
+    assert [(t.finish, t.turns) for t in result.trajectories] == [("drift", 1), ("drift", 1)]
+    assert result.stats["agent/finish_drift"] == 1.0
+    for t in result.trajectories:
+        assert t.messages[-1]["role"] == "assistant" and len(t.messages) == 2  # the reply was dropped
+    seqs = trajectory_sequences(result.trajectories, built.processing, built.adapter, engine.model,
+                                built.processing.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = engine.log_probs(seqs, temperature=1.0, with_entropy=False)
+    sampler = torch.cat([torch.tensor(t.logprobs) for t in result.trajectories])
+    torch.testing.assert_close(logp[seqs.response_mask.bool()], sampler, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_text_the_template_writes_before_the_answer_is_given_back(family):
+    """Idefics3 renders "Assistant:" + " " + content: a turn sampled as " ab" becomes the
+    content "ab", and the next conversation begins with the sampled tokens exactly."""
+    built, engine = _setup(family)
+    processing = built.processing
+    agent = AgentRollout(make_rollout("hf", engine, processing), processing, ImageReplies, max_turns=2)
+    messages = ImageReplies().reset(_rows()[0])
+    prompt = processing([messages])["input_ids"][0].tolist()
+    sampled = processing.tokenizer(" ab", add_special_tokens=False)["input_ids"] + processing.stop_token_ids[:1]
+    content = agent._content(messages, sampled)
+    assert content == "ab"
+    reply, _, _ = ImageReplies("user").step(messages)
+    following = processing([[*messages, {"role": "assistant", "content": content}, *reply]])
+    real = following["attention_mask"][0].bool()
+    assert following["input_ids"][0][real][:len(prompt) + len(sampled)].tolist() == prompt + sampled

@@ -129,7 +129,7 @@ class AgentRollout:
                     t.logprobs += result.logprobs[row, :length].tolist()
                 t.last_reason = result.finish_reasons[row]
                 t.turns += 1
-                t.messages = [*t.messages, {"role": "assistant", "content": self._content(sampled)}]
+                t.messages = [*t.messages, {"role": "assistant", "content": self._content(t.messages, sampled)}]
                 new, done, reward = env.step(t.messages)
                 t.env_reward += float(reward or 0.0)
                 t.tool_calls = int(getattr(env, "tool_calls", 0))
@@ -144,13 +144,30 @@ class AgentRollout:
             active = still
         return self._result(trajectories, params.n, len(rows))
 
-    def _content(self, sampled: list[int]) -> str:
+    def _content(self, messages: list[dict], sampled: list[int]) -> str:
         """The policy turn as the assistant message's text: its tokens without the stop
-        token (the chat template writes the end of turn), special tokens kept, no strip."""
+        token (the chat template writes the end of turn), special tokens kept, no strip.
+        Some templates write text of their own between the generation prompt and the
+        content (Idefics3: "Assistant:" then " " + content); a turn that begins with
+        that text gives it back to the template, so the rendering matches the tokens."""
         stops = set(self.processing.stop_token_ids)
         if sampled and sampled[-1] in stops:
             sampled = sampled[:-1]
-        return self.processing.tokenizer.decode(sampled, skip_special_tokens=False)
+        text = self.processing.tokenizer.decode(sampled, skip_special_tokens=False)
+        inserted = self._inserted_before_content(messages)
+        return text[len(inserted):] if inserted and text.startswith(inserted) else text
+
+    def _inserted_before_content(self, messages: list[dict]) -> str:
+        marker = "\u2063MMRL\u2063"
+        try:
+            prompt = self.processing.render(messages, add_generation_prompt=True)
+            rendered = self.processing.render([*messages, {"role": "assistant", "content": marker}],
+                                              add_generation_prompt=False)
+        except Exception:  # a template that refuses the probe inserts nothing we can see
+            return ""
+        if not rendered.startswith(prompt) or marker not in rendered:
+            return ""
+        return rendered[len(prompt):rendered.index(marker)]
 
     def _result(self, trajectories: list[Trajectory], n: int, prompts: int) -> RolloutResult:
         pad = self.processing.tokenizer.pad_token_id
