@@ -89,9 +89,10 @@ def main() -> None:
         for policy in (None, "PASSIVE"):
             row = measure(policy, busy, args.steps)
             rows.append(row)
+            step = row["median_step_s"]
             print(f"busy {busy}  OMP_WAIT_POLICY={row['omp_wait_policy']:8s}  median step: "
-                  f"2 threads {row['median_step_s']['2_threads']:.3f} s, 1 thread {row['median_step_s']['1_thread']:.3f} s"
-                  f"  ({row['wall_s']} s)", flush=True)
+                  f"2 threads {step['2_threads']:.3f} s, 1 thread {step['1_thread']:.3f} s  ({row['wall_s']} s)",
+                  flush=True)
     document = {"machine": platform.platform(), "cpus": len(os.sched_getaffinity(0)),
                 "load_average_before": load_before, "steps_per_median": args.steps, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

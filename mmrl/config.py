@@ -6,7 +6,8 @@ Every field has a default, so a recipe states only what differs. Unknown keys an
 values are errors that name the dotted field (`optim.lr: Input should be a valid number`);
 a YAML error names the line and column. `check_before_build` checks what needs the
 filesystem or the model's config (model.path, config_overrides' types, the reward, every
-dataset's rows and images) before the slow model build; `same_run` tells whether a saved recipe is the run being resumed.
+dataset's rows and images) before the slow model build; `same_run` tells whether a saved
+recipe is the run being resumed.
 """
 
 from __future__ import annotations
