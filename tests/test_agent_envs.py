@@ -76,3 +76,20 @@ def test_registry_errors_name_the_problem():
         get_tool("no_such_pkg:fn")
     assert get_environment("mmrl.envs.builtin:SingleTurn")().step([]) == ([], True, None)
     assert isinstance(get_environment(ToolEnvironment, tools=["zoom"])(), ToolEnvironment)
+
+
+def test_thumbnail_share_is_the_same_for_a_row_every_time():
+    env = ToolEnvironment(tools=["zoom"], thumbnail=1, thumbnail_share=0.5)
+    rows = []
+    for shade in range(40):
+        image = Image.new("RGB", (56, 56), "white")
+        image.paste((shade * 5, 0, 0), (0, 0, 28, 56))
+        rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}]}], "images": [image]})
+    shown = [[ToolEnvironment(tools=["zoom"], thumbnail=1, thumbnail_share=0.5).reset(r)[0]["content"][0]["image"]
+              for _ in range(2)] for r in rows]
+    blurred = [a.getpixel((0, 0)) != r["images"][0].getpixel((0, 0)) for (a, _), r in zip(shown, rows)]
+    assert all(a.tobytes() == b.tobytes() for a, b in shown)
+    assert 5 < sum(blurred) < 35  # about half
+    with pytest.raises(ValueError, match="thumbnail_share"):
+        ToolEnvironment(thumbnail_share=2)
+    assert env.thumbnail_share == 0.5

@@ -41,16 +41,22 @@ class ToolEnvironment:
     it ends the episode unanswered), `reply_role` (the role of tool replies: "tool", or
     "user" for chat templates without a tool role), `thumbnail` (show the prompt's images
     downscaled to this many pixels on the longer side, then scaled back to their size,
-    so detail is lost but the image budget is unchanged; tools see the originals), and
+    so detail is lost but the image budget is unchanged; tools see the originals),
+    `thumbnail_share` (the share of rows shown as thumbnails, the others at full size:
+    chosen by a checksum of the row's first image, so a row is always treated alike), and
     `system` (a system message prepended to the prompt)."""
 
     def __init__(self, tools: Sequence[str | Tool] = ("calculator",), max_calls: int = 4,
-                 reply_role: str = "tool", thumbnail: int | None = None, system: str | None = None):
+                 reply_role: str = "tool", thumbnail: int | None = None, thumbnail_share: float = 1.0,
+                 system: str | None = None):
         self.tools = {t.name: t for t in (get_tool(spec) for spec in tools)}
         if max_calls < 0:
             raise ValueError(f"max_calls must be >= 0, got {max_calls}")
         if thumbnail is not None and thumbnail < 1:
             raise ValueError(f"thumbnail must be a positive number of pixels, got {thumbnail}")
+        if not 0 <= thumbnail_share <= 1:
+            raise ValueError(f"thumbnail_share must lie in [0, 1], got {thumbnail_share}")
+        self.thumbnail_share = thumbnail_share
         self.max_calls = max_calls
         self.reply_role = reply_role
         self.thumbnail = thumbnail
@@ -66,7 +72,7 @@ class ToolEnvironment:
         images = [p["image"] for m in conversation if not isinstance(m["content"], str)
                   for p in m["content"] if p.get("type") == "image"]
         self.context = {"row": row, "images": images}
-        if self.thumbnail is not None:
+        if self.thumbnail is not None and images and self._shows_thumbnail(images[0]):
             for message in conversation:
                 if not isinstance(message["content"], str):
                     message["content"] = [{**p, "image": self._thumbnail(p["image"])} if p.get("type") == "image"
@@ -74,6 +80,13 @@ class ToolEnvironment:
         if self.system is not None:
             conversation = [{"role": "system", "content": self.system}, *conversation]
         return conversation
+
+    def _shows_thumbnail(self, image) -> bool:
+        import zlib
+
+        if self.thumbnail_share >= 1:
+            return True
+        return zlib.crc32(image.tobytes()) / 2**32 < self.thumbnail_share
 
     def _thumbnail(self, image):
         scale = self.thumbnail / max(image.size)
