@@ -22,7 +22,8 @@ from typing import Any
 
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.scaffold.shrink import (
-    _OUTPUT_WIDTH, TinyInputs, build_tiny, _one_line, build_text_config, shrink_values, tiny_text_values, tiny_vision_values,
+    _OUTPUT_WIDTH, TinyInputs, _modeling_reads, _one_line, build_text_config, build_tiny, shrink_values,
+    tiny_text_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -253,6 +254,11 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
     text_class = type(text_default).__name__
     text_overrides = tiny_text_values(text_class)
+    if (getattr(text_default, "sliding_window", 0) is None and "sliding_window" not in text_overrides
+            and _modeling_reads(type(text_default), "sliding_attention")):
+        # Model code that builds a sliding-window mask whatever its layers use: a window
+        # wider than any tiny sequence, the same as none.
+        text_overrides["sliding_window"] = 4096
     vision = {"model_type": getattr(vision_default, "model_type", "") or None,
               **tiny_vision_values(vision_default, getattr(text_default, "hidden_size", None))}
     vision = {k: v for k, v in vision.items() if v is not None}
@@ -263,6 +269,15 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             "hidden_size", "hidden_size"), vision_hidden)
     top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
            if k not in (text_key, resolved.vision_config_key)}
+    # Tower layers the projector reads (`vision_feature_layer(s)`), kept inside the tiny
+    # tower's hidden states (its depth plus the embeddings).
+    depth = vision.get("num_hidden_layers", TINY_VISION_SHAPES["num_hidden_layers"])
+    for key, value in defaults.to_dict().items():
+        if "feature_layer" in key and key not in top:
+            inside = [min(max(v, -(depth + 1)), depth) if type(v) is int else v for v in (
+                value if isinstance(value, list) else [value])]
+            if inside != (value if isinstance(value, list) else [value]):
+                top[key] = inside if isinstance(value, list) else inside[0]
     # A third sub-config between tower and text model (a Q-Former) shrinks like the tower.
     for key in getattr(config_cls, "sub_configs", {}) or {}:
         sub = getattr(defaults, key, None)
@@ -511,6 +526,8 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
         plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})
         if projects:
             plan.vision["hidden_size"] = width
+            if "head_dim" in plan.vision:
+                plan.vision["head_dim"] = width // plan.vision.get("num_attention_heads", 2)
         plan.processor_kwargs = {**saved[3], **count}
         plan.sub_processors = dict(saved[1])
         if size is not None:

@@ -104,6 +104,9 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
     heads, kv = amap.get(_HEADS, _HEADS), amap.get(_KV_HEADS, _KV_HEADS)
     if (kv in values or kv in own) and own.get(kv) in (None, own.get(heads)) and heads in values:
         values[kv] = values[heads]
+    elif kv not in values and type(own.get(kv)) is int and type(own.get(heads)) is int and heads in values:
+        # Grouped-query attention the tiny shapes do not name: the same grouping, scaled.
+        values[kv] = max(1, values[heads] * own[kv] // own[heads])
     # Sub-configs of a text config (a patcher, an encoder, a global model) shrink alike,
     # written as their model type plus what changed.
     for key in getattr(type(default), "sub_configs", {}) or {}:
