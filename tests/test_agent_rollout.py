@@ -180,3 +180,35 @@ def test_text_the_template_writes_before_the_answer_is_given_back(family):
     following = processing([[*messages, {"role": "assistant", "content": content}, *reply]])
     real = following["attention_mask"][0].bool()
     assert following["input_ids"][0][real][:len(prompt) + len(sampled)].tolist() == prompt + sampled
+
+
+def test_one_turn_agent_equals_the_single_turn_rollout():
+    """With `single_turn`, the agent loop samples the tokens the plain rollout samples, and
+    its training sequences give the same log-probs as the plain path's joined batch."""
+    from mmrl.data import to_conversation
+    from mmrl.engine import join
+    from mmrl.envs import get_environment
+
+    built, engine = _setup("qwen2_vl")
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["text"]}]}],
+             "images": [r["image"]], "answer": "x"} for r in _rows()]
+    params = SamplingParams(n=2, max_new_tokens=5)
+    rollout = make_rollout("hf", engine, built.processing)
+    torch.manual_seed(3)
+    plain = rollout.generate([to_conversation(r) for r in rows], params)
+    torch.manual_seed(3)
+    agent = AgentRollout(rollout, built.processing, get_environment("single_turn"), max_turns=3, max_tokens=64)
+    result = agent.generate(rows, params)
+    assert [t.turns for t in result.trajectories] == [1, 1, 1, 1]
+    width = plain.response_ids.shape[1]
+    assert torch.equal(result.response_ids[:, :width] * plain.response_mask.long(),
+                       plain.response_ids * plain.response_mask.long())
+    assert torch.equal(result.response_mask[:, :width], plain.response_mask)
+    assert result.texts == built.processing.decode(plain.response_ids)
+    pad = built.processing.tokenizer.pad_token_id
+    ours = trajectory_sequences(result.trajectories, built.processing, built.adapter, engine.model, pad)
+    theirs = join(plain.prompt_inputs, plain.response_ids, plain.response_mask, built.adapter, engine.model, pad)
+    with torch.no_grad():
+        a = engine.log_probs(ours, with_entropy=False)[0][ours.response_mask.bool()]
+        b = engine.log_probs(theirs, with_entropy=False)[0][theirs.response_mask.bool()]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
