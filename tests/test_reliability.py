@@ -638,3 +638,25 @@ def test_doctor_removes_its_worker_log_on_success_and_names_it_on_failure(tmp_pa
         assert "".join(f"third-party logs of the probe workers: {logs[0]}".split()) in squeezed
     else:
         assert logs == [] and "mmrl-doctor-" not in result.output
+
+
+# -- memory over a long run ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_resident_memory_stays_flat_over_500_steps(tmp_path):
+    """500 training steps of the tiny text recipe: resident memory at the end is within
+    1.1x of that at step 50 (after warm-up), so nothing grows with the step count."""
+
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    trainer = Trainer(_recipe(tmp_path / "run", "trainer.steps=500"))
+    at_50 = None
+    for step in range(1, 501):
+        trainer.train_step()
+        if step == 50:
+            at_50 = resident_bytes()
+    at_500 = resident_bytes()
+    trainer.folder.release()
+    print(f"resident memory: {at_50 / 2**20:.0f} MiB at step 50, {at_500 / 2**20:.0f} MiB at step 500")
+    assert at_500 <= 1.1 * at_50
