@@ -80,6 +80,7 @@ class Trainer:
         self._score_rows: list[int] | None = None
         self._score_dataset = None
         check_before_build(recipe)  # cheap checks, before the (slow) model build
+        self._environment = _environment(recipe)
         self._claim_folder()
         try:
             self._build()
@@ -147,19 +148,11 @@ class Trainer:
         self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing,
                                     **({"config": r.rollout} if r.rollout.backend == "vllm" else {}))
         self.agent = None
-        if r.rollout.env is not None:
-            from mmrl.envs import get_environment
+        if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout
 
-            try:
-                environment = get_environment(r.rollout.env, **r.rollout.env_options)
-            except ValueError as exc:
-                raise RecipeError(f"rollout.env: {exc}") from None
-            if r.rollout.max_new_tokens > r.rollout.max_tokens:
-                raise RecipeError(f"rollout.max_tokens ({r.rollout.max_tokens}) is smaller than one turn's "
-                                  f"rollout.max_new_tokens ({r.rollout.max_new_tokens})")
-            self.agent = AgentRollout(self.rollout, self.processing, environment, max_turns=r.rollout.max_turns,
-                                      max_tokens=r.rollout.max_tokens)
+            self.agent = AgentRollout(self.rollout, self.processing, self._environment,
+                                      max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
         self.reward_fn = get_reward(r.reward.name, **r.reward.options)
         self.train_set = load_prompts(r.data.train)
         self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
@@ -725,6 +718,25 @@ def _conversations(samples: list[dict], rows: list[int], dataset, context: str, 
             where = f"row {row}" + (f" of {name}" if name else "")
             raise ValueError(f"{where} ({context}): {exc}") from None
     return out
+
+def _environment(recipe: Recipe):
+    """The factory of `rollout.env`'s environments (None: single-turn rollouts); a name,
+    path or option that does not resolve is a RecipeError naming the field."""
+    rollout = recipe.rollout
+    if rollout.env is None:
+        return None
+    from mmrl.envs import get_environment
+
+    try:
+        factory = get_environment(rollout.env, **rollout.env_options)
+        factory()  # options the constructor rejects (a bad value) fail here, not at step 1
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"rollout.env: {exc}") from None
+    if rollout.max_new_tokens > rollout.max_tokens:
+        raise RecipeError(f"rollout.max_tokens ({rollout.max_tokens}) is smaller than one turn's "
+                          f"rollout.max_new_tokens ({rollout.max_new_tokens})")
+    return factory
+
 
 def _rng_state_tensors() -> dict[str, torch.Tensor]:
     py = random.getstate()

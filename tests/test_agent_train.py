@@ -39,5 +39,7 @@ def test_agent_recipe_errors_name_the_field(tmp_path):
 
     with pytest.raises(RecipeError, match="rollout.env: unknown environment 'maze'"):
         Trainer(_recipe(tmp_path, "rollout.env=maze"))
+    with pytest.raises(RecipeError, match="rollout.env: thumbnail must be a positive number"):
+        Trainer(_recipe(tmp_path, "rollout.env_options.thumbnail=0"))
     with pytest.raises(RecipeError, match="rollout.max_tokens"):
         Trainer(_recipe(tmp_path, "rollout.max_tokens=1", "rollout.max_new_tokens=2", "trainer.overwrite=true"))
