@@ -253,14 +253,18 @@ def test_image_processor_sizes_follow_a_height_width_tower_size():
     assert sized["size"] == {"height": 448, "width": 336}
 
 
-@pytest.mark.parametrize("model_type, vision, projector", [
+@pytest.mark.parametrize("model_type, vision, projector, own_positions", [
     # A Q-Former beside the tower, a whole causal LM nested in the VLM, a processor that
     # places the image tokens itself and keeps no chat template.
-    ("blip-2", ("vision_model",), {"qformer", "language_projection", "query_tokens"}),
+    ("blip-2", ("vision_model",), {"qformer", "language_projection", "query_tokens"}, False),
     # The projector (merger, downsampling) sits inside the vision tower.
-    ("glm4v", ("model.visual",), {"model.visual.merger", "model.visual.downsample"}),
+    ("glm4v", ("model.visual",), {"model.visual.merger", "model.visual.downsample"}, False),
+    # Positions offset by the model's own code (sinusoidal, past the padding index):
+    # counted positions fail padded-vs-single, the model's own pass.
+    ("kosmos-2", ("vision_model",), {"image_to_text_projection"}, True),
 ])
-def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, plugin_path, tmp_ckpt):
+def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, own_positions, plugin_path,
+                                                 tmp_ckpt):
     result = add_model(model_type, "--out", str(plugin_path))
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
@@ -269,6 +273,7 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
     adapter = get_adapter(family)
     assert adapter.parts.vision == vision and set(adapter.parts.projector) == projector
     assert adapter.capabilities.single_image
+    assert ("def position_ids" in inspect.getsource(type(adapter))) == own_positions
     checks = dict(zoo_checks(family))
     for name in ("test_save_reload_forward_backward_generate", "test_freeze_vision",
                  "test_padded_batch_matches_each_prompt_alone"):

@@ -61,6 +61,8 @@ class Discovery:
     vllm_note: str
     tiny: Any = None  # shrink.TinyInputs: the tiny config, tokenizer, processor and media plan
     fill_in: list[str] = field(default_factory=list)
+    # The model's own positions match a padded batch where counted ones do not (verify).
+    own_positions: bool = False
 
 
 @dataclass

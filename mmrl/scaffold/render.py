@@ -146,6 +146,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     else:
         lines.append("    rollout = Rollout()")
     lines.append("")
+    if d.own_positions:
+        lines += ["    def position_ids(self, model, batch):",
+                  '        """None: the model places its own positions (offset or masked by its code);',
+                  '        a padded batch matched each prompt alone that way, not with counted ones."""',
+                  "        return None", ""]
     lines += _tiny_source(d)
     summary = (f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
                f"scaffolded by `mmrl add-model {d.resolved.model_type}`.")

@@ -26,10 +26,32 @@ def _load_file(module_name: str, path: Path):
     return module
 
 
+_POSITIONS = "position_ids: "
+
+
 def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
     """Import the rendered adapter (under a scratch module name), run the zoo's quick
     checks on its tiny model and return the capabilities that passed (None when the
-    tiny model does not run at all; `d.fill_in` then says why)."""
+    tiny model does not run at all; `d.fill_in` then says why). When a padded batch
+    differs from each prompt alone with counted positions, the checks run again with the
+    model placing its own; the adapter keeps whichever matched."""
+    verified = _verify_once(d, layout, notes)
+    counted = [item for item in d.fill_in if item.startswith(_POSITIONS)]
+    if not counted or d.own_positions:
+        return verified
+    d.own_positions, kept = True, list(d.fill_in)
+    d.fill_in[:] = [item for item in d.fill_in if not item.startswith(_POSITIONS)]
+    again_notes: list[str] = []
+    again = _verify_once(d, layout, again_notes)
+    if not any(item.startswith(_POSITIONS) for item in d.fill_in):
+        notes[:] = again_notes
+        return again
+    d.own_positions = False
+    d.fill_in[:] = kept
+    return verified
+
+
+def _verify_once(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
     import torch
 
     from mmrl import build_model
@@ -92,7 +114,7 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
                          f"{hint}; then run the family's tests")
         return None
     if gap >= TOLERANCE:
-        d.fill_in.append(f"position_ids: a padded batch differs from each prompt alone by {gap:.2g}")
+        d.fill_in.append(f"{_POSITIONS}a padded batch differs from each prompt alone by {gap:.2g}")
     vlm = d.resolved.is_vision_language
 
     def learns():
