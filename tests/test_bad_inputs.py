@@ -9,7 +9,8 @@ find (a reward that raises or returns NaN) run one step of the tiny recipe.
 
 Most cases run in process through typer's CliRunner (the same `app`, its own error
 handling and exit codes); a few run `python -m mmrl.cli` in a subprocess to see the
-real stderr.
+real stderr. The same table runs through the Python API (`load_recipe`, `Trainer`), and
+`mmrl doctor` gets unreadable checkpoints: 72 + 72 + 4 + 3 cases.
 """
 
 import json
@@ -241,6 +242,31 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, monkeypatch,
     assert isinstance(result.exception, SystemExit), result.exception
     _assert_one_clean_line(result.output, fill(words))
     assert _snapshot(output_dir) == before  # nothing written, nothing lost
+
+
+@pytest.mark.parametrize("case, recipe, overrides, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_through_the_python_api_is_one_line(tmp_path, monkeypatch, case, recipe, overrides, words):
+    """The same table through `load_recipe` and `Trainer`: the exception's message is the
+    CLI's line (without "error: "), and nothing is written."""
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    _write_inputs(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
+    given = [fill(o) for o in overrides]
+    if not any(o.startswith("trainer.output_dir=") for o in given):
+        given.append(f"trainer.output_dir={tmp_path / 'run'}")
+    def state():  # every path, and every file's modification time (a refused folder's lock comes and goes)
+        return {p: p.is_file() and p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+
+    before = state()
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        Trainer(load_recipe(fill(recipe) if recipe else RECIPE, [*CHEAP, *given]))
+    message = str(err.value)
+    assert fill(words) in message and "\n" not in message.strip(), message
+    assert state() == before  # nothing written, nothing removed
 
 
 # -- what only a step finds: the tiny recipe, one step -------------------------------------------
