@@ -13,7 +13,9 @@ lock whose process is gone is stale and taken over. Within one process the lock 
 when its last holder lets go. A folder that already holds a run's
 results is refused unless the run resumes (and the saved recipe matches, so resume
 continues the same run only) or overwrites (its results are removed first; other files
-stay).
+stay). A folder holding only a recipe (a run that stopped before its first step) is not
+a run to protect; a folder that `claim` created and nothing was written into is removed
+with the lock.
 
 A checkpoint is written into a hidden temporary folder beside its final place, every file
 fsynced, then `MANIFEST_FILE` (sizes and SHA-256 of every file) last, and renamed into
@@ -52,6 +54,7 @@ class RunFolder:
         self.checkpoints = self.path / "checkpoints"
         self.lock = self.path / LOCK_FILE
         self._locked = False
+        self._created = False  # by `claim`: an empty folder it made goes with the lock
 
     # -- ownership --------------------------------------------------------------------------
     def check_path(self) -> None:
@@ -68,6 +71,7 @@ class RunFolder:
         `same_run(saved_recipe_text)` returns None when the saved recipe describes the
         run being resumed, else a short reason; it is asked only when resuming."""
         self.check_path()
+        self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -84,6 +88,11 @@ class RunFolder:
 
     def _check_contents(self, *, resume: bool, overwrite: bool, same_run) -> None:
         found = self.results()
+        if found == [RECIPE_FILE] and not resume:
+            # A run that stopped before its first step (a bad reward, a failed build)
+            # left only its recipe: nothing to lose, so the next run may start here.
+            (self.path / RECIPE_FILE).unlink()
+            return
         if not found:
             return
         if overwrite:
@@ -157,6 +166,11 @@ class RunFolder:
         if _HELD[key] <= 0:
             del _HELD[key]
             self.lock.unlink(missing_ok=True)
+            if self._created:
+                try:
+                    self.path.rmdir()  # only when empty: a run that stopped before writing anything
+                except OSError:
+                    pass
 
     def __del__(self):
         try:

@@ -288,6 +288,13 @@ def test_a_failing_reward_is_one_line_and_leaves_no_checkpoint(tmp_path, reward,
     # The run began (its recipe is saved) but no step completed: no checkpoint, no model,
     # no metrics row, and the lock is gone.
     assert sorted(p.name for p in run.iterdir()) == ["recipe.yaml"]
+    # So the same command may run again there (after the reward is fixed): not refused as
+    # a folder holding a run.
+    again = subprocess.run(
+        [sys.executable, "-m", "mmrl.cli", "train", RECIPE, *CHEAP, f"reward.name={reward}", "reward.options={}",
+         f"trainer.output_dir={run}"], capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    assert again.returncode == 2 and words in again.stderr, again.stderr
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -111,6 +111,29 @@ def test_the_lock_names_a_live_holder_and_takes_over_a_stale_one(tmp_path):
     assert not (folder / LOCK_FILE).exists()
 
 
+def test_a_folder_left_with_only_a_recipe_is_taken_and_an_unused_new_folder_goes(tmp_path):
+    """A run that stopped before its first step (a reward that raised) left only its
+    recipe: the next run starts there. A folder that a refused run created is removed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("model: {path: qwen2}\n")
+    folder = RunFolder(run)
+    folder.claim(resume=False, overwrite=False)
+    assert not (run / "recipe.yaml").exists()
+    folder.release()
+    assert run.is_dir()  # not created by this claim: kept
+    fresh = RunFolder(tmp_path / "new" / "run")
+    fresh.claim(resume=False, overwrite=False)
+    assert (tmp_path / "new" / "run" / LOCK_FILE).is_file()
+    fresh.release()
+    assert not (tmp_path / "new" / "run").exists()
+    kept = RunFolder(tmp_path / "kept")
+    kept.claim(resume=False, overwrite=False)
+    (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
+    kept.release()
+    assert (tmp_path / "kept" / "metrics.jsonl").is_file()
+
+
 def test_two_processes_into_one_folder_the_second_refuses(tmp_path):
     """A real second process: one holds the folder (through RunFolder), the CLI refuses."""
     run = tmp_path / "run"
