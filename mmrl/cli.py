@@ -4,6 +4,7 @@
     mmrl models --json
     mmrl --plugin my_pkg.models models   # also load an out-of-tree family module
     mmrl --verbose doctor qwen2_vl       # keep vLLM/torch/transformers logs (quiet by default: mmrl/logs.py)
+    mmrl --debug train RECIPE ...        # an error shows its traceback instead of one line
     mmrl train recipes/tiny_vlm_count.yaml [key=value ...]
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
     mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
@@ -29,9 +30,16 @@ app = typer.Typer(
 console = Console()
 
 
+_DEBUG = {"on": False}  # `mmrl --debug`: errors raise with their traceback
+
+
 def fail(message: str) -> None:
-    """Print a one-line error and exit non-zero."""
+    """Print a one-line error and exit non-zero (with `--debug`, re-raise the exception
+    being handled, traceback and all)."""
     from rich.markup import escape
+
+    if _DEBUG["on"] and sys.exc_info()[1] is not None:
+        raise  # noqa: PLE0704 - called from an except block: the error being handled
 
     # Escaped: a message may hold brackets ("images[0]", a dict key's "[key]") that rich
     # would otherwise read as markup and drop.
@@ -49,9 +57,11 @@ def main(
         False, "--verbose", "-v", help="Show third-party logs (vLLM, torch, transformers) instead of keeping them "
         "at ERROR; probe workers print to the terminal instead of a log file.",
     ),
+    debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback instead of one line."),
 ) -> None:
     from mmrl.logs import quiet, share_cpu
 
+    _DEBUG["on"] = debug
     share_cpu()  # before anything imports torch
     quiet(is_verbose=verbose)  # before anything imports vLLM or torch
     from mmrl.registry import RegistryError, load_plugin

@@ -328,3 +328,13 @@ def test_doctor_on_an_unreadable_checkpoint_is_one_line(tmp_path, folder, words)
     result = CliRunner().invoke(app, ["doctor", str(tmp_path / folder), "--workers", "0", "--no-progress"])
     assert result.exit_code == 2, (result.output, result.exception)
     _assert_one_clean_line(result.output, words.replace("{tmp}", str(tmp_path)))
+
+
+def test_debug_shows_the_traceback_instead_of_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["--debug", "train", RECIPE, "optim.lr=abc", f"trainer.output_dir={tmp_path}"])
+    assert type(result.exception).__name__ == "RecipeError", result.exception
+    assert "optim.lr: Input should be a valid number" in str(result.exception)
+    result = subprocess.run([sys.executable, "-m", "mmrl.cli", "--debug", "train", RECIPE, "optim.lr"],
+                            capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S)
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "override 'optim.lr' must read key=value" in result.stderr.splitlines()[-1]
