@@ -182,6 +182,29 @@ def test_jsonl_with_relative_image_paths(tmp_path, monkeypatch):
         assert conversation[1]["content"][1] == {"type": "text", "text": "q2"}
 
 
+def test_a_reload_of_an_unchanged_source_is_the_same_dataset(tmp_path):
+    """The recipe check before the build and the trainer share one load; a changed file,
+    another split or other options load afresh, and a failed load is not kept."""
+    import os
+
+    data = tmp_path / "data"
+    _write_images(data)
+    path = data / "train.jsonl"
+    _write_jsonl(path, _image_rows())
+    first = load_prompts(path)
+    assert load_prompts(str(path)) is first
+    assert load_prompts(path, split="test") is not first and load_prompts(path, limit=2) is not first
+    _write_jsonl(path, _image_rows()[:3])
+    os.utime(path, ns=(1, 1))  # another modification time even within the clock's resolution
+    assert len(load_prompts(path)) == 3
+    spec = "synthetic:arithmetic?n=8&seed=0"
+    assert load_prompts(spec) is load_prompts(spec)
+    path.write_text("{broken\n")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not valid JSON"):
+            load_prompts(path)
+
+
 def test_folder_picks_the_split_file(tmp_path):
     _write_jsonl(tmp_path / "train.jsonl", [{"prompt": _user(TEXT), "answer": "train"}])
     _write_jsonl(tmp_path / "test.jsonl", [{"prompt": _user(TEXT), "answer": "test"}])

@@ -24,10 +24,11 @@ row numbers count from 0 in the source. JSON files are read through once first, 
 empty file, a line that is not JSON (`file:line`), bytes that are not UTF-8 or a file of
 blank lines is one line naming the file.
 
-The last few datasets loaded from a synthetic spec or a path are kept (`_RECENT`), keyed
-by the source, the split, the options and the path's size and modification time, so the
-recipe check before the model build (`mmrl.config.check_reward_and_data`) and the
-trainer share one load and one validation pass.
+The last few datasets loaded from a synthetic spec, a path or a `DataSource` are kept
+(`_RECENT`), keyed by the source, the split, the options and the local files' sizes and
+modification times, so the recipe check before the model build
+(`mmrl.config.check_reward_and_data`) and the trainer share one load and one validation
+pass.
 """
 
 from __future__ import annotations
@@ -274,15 +275,24 @@ def _recent_key(source: Any, split: str, limit: int | None, shuffle_seed: int | 
     """What identifies a load for `_RECENT`, or None for sources that are not kept."""
     if isinstance(source, str) and source.startswith(SYNTHETIC_PREFIX):
         return (source, split, limit, shuffle_seed)
+    if hasattr(source, "model_dump_json"):  # a `DataSource`: its fields and its local files
+        path = Path(source.path).expanduser()
+        stamps = _stamps(path) if path.exists() else ()
+        return None if stamps is None else (source.model_dump_json(), split, limit, shuffle_seed, stamps)
     if not isinstance(source, (str, Path)):
         return None
     path = Path(source).expanduser()
+    stamps = _stamps(path)
+    return None if stamps is None else (str(path.resolve()), split, limit, shuffle_seed, stamps)
+
+
+def _stamps(path: Path) -> tuple | None:
+    """Name, size and modification time of a file, or of a folder and its entries."""
     try:
         files = [path, *sorted(path.iterdir())] if path.is_dir() else [path]
-        stamps = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+        return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     except OSError:
         return None
-    return (str(path.resolve()), split, limit, shuffle_seed, stamps)
 
 
 def load_prompts(source: str | Path | Sequence[Sample], split: str = "train", *,
