@@ -8,13 +8,13 @@ from mmrl.config import RecipeError, load_recipe
 from mmrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "agent_zoom_compare.yaml"
+RECIPE = REPO / "recipes" / "agent_zoom_count.yaml"
 
 
 def _recipe(tmp_path, *extra):
     return load_recipe(RECIPE, [f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=2", "trainer.progress=false",
                                 "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "trainer.eval_every=0",
-                                "data.eval=synthetic:compare_colours?n=8&seed=1&image_size=56",
+                                "data.eval=synthetic:count_shapes?n=8&seed=1&image_size=56",
                                 "trainer.export=false", *extra])
 
 
