@@ -10,7 +10,7 @@ find (a reward that raises or returns NaN) run one step of the tiny recipe.
 Most cases run in process through typer's CliRunner (the same `app`, its own error
 handling and exit codes); a few run `python -m mmrl.cli` in a subprocess to see the
 real stderr. The same table runs through the Python API (`load_recipe`, `Trainer`), and
-`mmrl doctor` gets unreadable checkpoints: 72 + 72 + 4 + 3 cases.
+`mmrl doctor` gets unreadable checkpoints.
 """
 
 import json
@@ -75,6 +75,10 @@ def _write_inputs(tmp: Path) -> None:
         "extra_image.jsonl": rows_with(images=["shape.png", "shape.png"]),
         "no_image.jsonl": rows_with(images=[]),
         "images_not_list.jsonl": rows_with(images="shape.png"),
+        "image_is_folder.jsonl": rows_with(images=["no_data_folder"]),
+        "missing_video.jsonl": rows_with(prompt=[{"role": "user", "content": [{"type": "video"}]}], images=None,
+                                         videos=["clip.mp4"]),
+        "broken.parquet": "PAR1 not really",
         "data.csv": "prompt,answer\nx,1\n",
         "broken.json": '{"prompt": [',
         "bad_recipe.yaml": "model:\n  path: qwen2_vl\n  dtype: [unclosed\ndata: {}\n",
@@ -191,6 +195,12 @@ CASES = [
     ("data-image-absent", None, ["data.train={tmp}/no_image.jsonl"],
      "row 3: prompt[0].content[0]: image part without an image"),
     ("data-images-not-list", None, ["data.train={tmp}/images_not_list.jsonl"], "row 3: images: expected a list"),
+    ("data-image-is-folder", None, ["data.train={tmp}/image_is_folder.jsonl"],
+     "row 3: images[0]: image file not found: {tmp}/no_data_folder"),
+    ("data-video-missing", None, ["data.train={tmp}/missing_video.jsonl"],
+     "row 3: videos[0]: video file not found: {tmp}/clip.mp4"),
+    ("data-parquet-corrupt", None, ["data.train={tmp}/broken.parquet"],
+     "{tmp}/broken.parquet: cannot be read as parquet"),
     ("data-synthetic-unknown", None, ["data.train=synthetic:no_such_task"],
      "data.train: unknown synthetic task 'no_such_task'; tasks: count_shapes"),
     ("data-synthetic-bad-query", None, ["data.train=synthetic:count_shapes?n"], "synthetic:count_shapes?n: cannot"),

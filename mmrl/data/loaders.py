@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -210,10 +211,26 @@ def _load_file(path: Path) -> Any:
     if builder == "json":
         _check_json_file(path)
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        with _datasets_logs_off():
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets' errors: pyarrow, its own, JSON; none names the file
         text = str(exc).strip().splitlines()
         raise ValueError(f"{path}: cannot be read as {builder} ({text[0] if text else type(exc).__name__})") from None
+
+
+@contextmanager
+def _datasets_logs_off():
+    """`datasets` logs an error before it raises one (a second, longer line about the same
+    file); the exception comes back here and becomes the one line, so its log is off."""
+    import logging
+
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_json_file(path: Path) -> None:
