@@ -266,6 +266,7 @@ def doctor(
     """Run every probe on a checkpoint or a family's tiny model (exit 1 when a declared capability fails)."""
     from pathlib import Path
 
+    from mmrl.config import _weights_problem
     from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import PROBES, Subject
     from mmrl.probes.matrix import progress_bar, run_probes
@@ -285,8 +286,6 @@ def doctor(
                 fail(f"{target}: model type {model_type!r} is not registered with mmrl; "
                      f"add it with `mmrl add-model {model_type}` (docs/adding_a_model.md)")
             folder = path.resolve() if path.is_dir() else path.parent.resolve()
-            from mmrl.config import _weights_problem
-
             problem = _weights_problem(folder)  # one line, not every probe failing on the same file
             if problem:
                 fail(f"{target}: {problem}")

@@ -5,8 +5,8 @@ deprecations when vLLM imports, and transformers/vLLM draw progress bars for eve
 checkpoint they write or read. Around a one-line result (`mmrl support-matrix --check`)
 or a table (`mmrl doctor`) that is hundreds of lines of noise, so the CLI calls `quiet()`
 before anything imports those libraries, and probe worker processes send their own
-stdout/stderr to a log file (`redirect_to_log`), removed when the command succeeds and
-kept, and named, when it fails (`close_worker_log`). `mmrl --verbose COMMAND` keeps it all:
+stdout/stderr to a log file (`redirect_to_log`); `doctor` and `support-matrix --check`
+remove it when they succeed and keep and name it when they fail (`close_worker_log`). `mmrl --verbose COMMAND` keeps it all:
 
     mmrl --verbose doctor qwen2_vl
 
