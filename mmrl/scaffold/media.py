@@ -151,6 +151,10 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
         own = re.search(rf"""self\.{attribute}\s*=\s*AddedToken\(\s*["']([^"']+)["']""", source)
         optional[attribute] = own.group(1) if own else (_class_default(processor_cls, attribute)
                                                         or f"<{attribute.removesuffix('_token')}>")
+    # Tokens the processor fixes in its own code (`self.image_token = "<|IMAGE_PAD|>"`).
+    for attribute, literal in re.findall(r"""self\.(\w+_token)\s*=\s*["'](<[^"'\s]{1,40}>)["']""", source):
+        if attribute not in named and attribute not in optional:
+            named[attribute] = literal
     from transformers import TokenizersBackend
 
     for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
