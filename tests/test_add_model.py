@@ -280,3 +280,18 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
         check = checks[name]
         arguments = {"family": family, "tmp_ckpt": tmp_ckpt / name}
         check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+
+
+def test_docs_state_the_committed_coverage():
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "support_matrix" / "coverage.json").read_text())["summary"]
+    text = " ".join((root / "docs" / "adding_a_model.md").read_text().split())
+    found = re.search(r"\*\*(\d+) of (\d+)\*\* in-scope causal-LM types and \*\*(\d+) of (\d+)\*\* in-scope "
+                      r"image-text-to-text types are green", text)
+    assert found, "docs/adding_a_model.md must state the sweep's figures"
+    text_lm, vlm = summary["causal_lm"], summary["image_text_to_text"]
+    assert [int(g) for g in found.groups()] == [text_lm["green"], text_lm["in_scope"], vlm["green"], vlm["in_scope"]]
