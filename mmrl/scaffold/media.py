@@ -135,6 +135,8 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
     the tokenizer has them (`hasattr(tokenizer, "image_token")`), making its own token
     otherwise: the tiny tokenizer leaves them unset, as released tokenizers do, and holds
     the processor's own token as a plain special token."""
+    from transformers import TokenizersBackend
+
     named: dict[str, str] = {}
     for name, parameter in _init_parameters(processor_cls).items():
         if name.endswith("_token") and isinstance(parameter.default, str):
@@ -155,8 +157,6 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
     for attribute, literal in re.findall(r"""self\.(\w+_token)\s*=\s*["'](<[^"'\s]{1,40}>)["']""", source):
         if attribute not in named and attribute not in optional:
             named[attribute] = literal
-    from transformers import TokenizersBackend
-
     for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
         # Attributes every tokenizer has (bos_token, the add_bos_token switch) are not new tokens.
         if attribute not in named and attribute not in optional and not hasattr(TokenizersBackend, attribute) and (
@@ -185,10 +185,10 @@ def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None 
     except Exception:
         return {}
     sizes: dict[str, Any] = {}
+    # A tower size may be (height, width).
+    height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
     for key in ("size", "crop_size", "max_image_size") if image_size is not None else ():
         value = getattr(default, key, None)
-        # A tower size may be (height, width).
-        height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
         if type(value) is int:  # one edge
             sizes[key] = max(height, width)
             continue
@@ -515,10 +515,10 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
     sizes = [None]
     if isinstance(base, int):
         sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
-    counts = [{}] + [{name: str(parameter.default + 1)}
-                     for name, parameter in _init_parameters(getattr(transformers, plan.processor_class)).items()
-                     if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
     processor_cls = getattr(transformers, plan.processor_class)
+    counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in _init_parameters(processor_cls).items()
+                     if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
+    count_arguments = _per_image_counts(processor_cls)
     saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
     for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
         if not (text_shapes or projects or count or size):
@@ -548,8 +548,8 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
             return tokenizer2, config2, processor2
         # A processor that writes a fixed number of tokens per image (or tile): the
         # number of features the tiny tower gives for one.
-        for name in _per_image_counts(processor_cls):
-            rows = _feature_rows(resolved.model_class, config2, processor2, plan)
+        rows = _feature_rows(resolved.model_class, config2, processor2, plan) if count_arguments else None
+        for name in count_arguments:
             if rows is None or getattr(processor2, name, None) == rows:
                 break
             plan.processor_kwargs = {**plan.processor_kwargs, name: str(rows)}

@@ -16,10 +16,9 @@ What to shrink is read from the default config itself, never from a table of typ
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
@@ -211,24 +210,23 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     return values
 
 
-def _modeling_reads(config_class, key: str) -> bool:
-    """Whether the modeling module beside a config class reads `key` (as text: no import)."""
+def _modeling_source(config_class) -> str:
+    """The text of the modeling module beside a config class ("" where there is none):
+    read, not imported."""
     import importlib.util
 
     spec = importlib.util.find_spec(config_class.__module__.replace(".configuration_", ".modeling_"))
-    if spec is None or spec.origin is None:
-        return False
-    return f'"{key}"' in Path(spec.origin).read_text()
+    return Path(spec.origin).read_text() if spec is not None and spec.origin is not None else ""
+
+
+def _modeling_reads(config_class, key: str) -> bool:
+    """Whether the modeling module beside a config class reads `key`."""
+    return f'"{key}"' in _modeling_source(config_class)
 
 
 def _modeling_default(config_class, key: str) -> list[int] | None:
     """The list the modeling module falls back to for a rope key (`.get("key", [8, 12, 12])`)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(config_class.__module__.replace(".configuration_", ".modeling_"))
-    if spec is None or spec.origin is None:
-        return None
-    found = re.search(rf"""get\(\s*["']{key}["']\s*,\s*\[([\d,\s]+)\]""", Path(spec.origin).read_text())
+    found = re.search(rf"""get\(\s*["']{key}["']\s*,\s*\[([\d,\s]+)\]""", _modeling_source(config_class))
     return [int(v) for v in found.group(1).split(",") if v.strip()] if found else None
 
 

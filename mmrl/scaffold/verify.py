@@ -36,19 +36,22 @@ def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | Non
     differs from each prompt alone with counted positions, the checks run again with the
     model placing its own; the adapter keeps whichever matched."""
     verified = _verify_once(d, layout, notes)
-    counted = [item for item in d.fill_in if item.startswith(_POSITIONS)]
-    if not counted or d.own_positions:
+    if d.own_positions or not _position_gap(d):
         return verified
     d.own_positions, kept = True, list(d.fill_in)
     d.fill_in[:] = [item for item in d.fill_in if not item.startswith(_POSITIONS)]
     again_notes: list[str] = []
     again = _verify_once(d, layout, again_notes)
-    if not any(item.startswith(_POSITIONS) for item in d.fill_in):
+    if not _position_gap(d):
         notes[:] = again_notes
         return again
     d.own_positions = False
     d.fill_in[:] = kept
     return verified
+
+
+def _position_gap(d: Discovery) -> bool:
+    return any(item.startswith(_POSITIONS) for item in d.fill_in)
 
 
 def _verify_once(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
