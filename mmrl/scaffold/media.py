@@ -22,8 +22,8 @@ from typing import Any
 
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.scaffold.shrink import (
-    _OUTPUT_WIDTH, TinyInputs, _modeling_reads, _one_line, build_text_config, build_tiny, shrink_values,
-    tiny_text_values, tiny_vision_values,
+    _OUTPUT_WIDTH, TinyInputs, _modeling_reads, _modeling_source, _one_line, build_text_config, build_tiny,
+    shrink_values, tiny_text_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -163,6 +163,11 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
                 attribute not in ("pad_token", "eos_token", "bos_token", "unk_token")):
             default = _class_default(processor_cls, attribute)
             named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
+    # A processor token that is a tokenizer token under another name
+    # (`self.image_token = tokenizer.context_image_token`) is that token.
+    for attribute, target in re.findall(r"self\.(\w+_token)\s*=\s*(?:self\.)?tokenizer\.(\w+_token)\b", source):
+        if attribute != target and target in named:
+            named[attribute] = named[target]
     for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
         if literal not in literals and literal not in named.values():
             literals.append(literal)
@@ -251,10 +256,15 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         if match is None or key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             continue
         stem = match.group(1)
-        token = named.get(f"{stem}_token") or named.get(stem) or optional.get(f"{stem}_token") or f"<|{stem}|>"
+        token = _named_token(stem, named) or optional.get(f"{stem}_token") or f"<|{stem}|>"
         token_fields[key] = token
         if token not in named.values() and token not in optional.values():
             named[f"{stem}_token"] = token
+    # Token ids the model code reads off its config that the config class leaves out
+    # (`config.vision_start_token_id`): set where the processor names that token.
+    for key in dict.fromkeys(re.findall(r"config\.(\w+_token_(?:id|index))\b", _modeling_source(config_cls))):
+        if not hasattr(defaults, key) and (token := _named_token(_TOKEN_FIELD.match(key).group(1), named)):
+            token_fields[key] = token
     literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
     text_class = type(text_default).__name__
     text_overrides = tiny_text_values(text_class)
@@ -390,14 +400,31 @@ def build_processor(plan: MediaPlan, tokenizer, config):
     return processor
 
 
+# The words token names use for the two ends of a frame.
+_FRAME_WORDS = {"start": "end", "begin": "end", "bos": "eos"}
+
+
+def _named_token(stem: str, named: dict[str, str]) -> str | None:
+    """The named token for a config field's stem (`vision_start` for
+    `vision_start_token_id`), also where the processor spells the frame word differently
+    (`vision_bos_token`)."""
+    head, _, word = stem.rpartition("_")
+    synonyms = [group for group in (tuple(_FRAME_WORDS), tuple(set(_FRAME_WORDS.values()) | {"eos"}))
+                if word in group]
+    spellings = [stem, *(f"{head}_{w}" for w in (synonyms[0] if head and synonyms else ()))]
+    return next((named.get(f"{s}_token") or named.get(s) for s in spellings
+                 if named.get(f"{s}_token") or named.get(s)), None)
+
+
 def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
     """(start, end) token pairs among the named tokens: `vision_start` / `vision_end`,
-    `image_begin` / `image_end` (names that differ only in start|begin vs end)."""
+    `image_begin` / `image_end`, `vision_bos` / `vision_eos` (names that differ only in
+    the frame word)."""
     pairs = []
     for name, start in named.items():
-        for word in ("start", "begin"):
+        for word, end_word in _FRAME_WORDS.items():
             if word in name:
-                end = named.get(name.replace(word, "end"))
+                end = named.get(name.replace(word, end_word))
                 if end is not None and end != start:
                     pairs.append((start, end))
     return pairs
