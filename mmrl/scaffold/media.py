@@ -344,10 +344,11 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
     for name in wanted:
         if name in _PLUMBING or name.endswith("_token") or name in plan.processor_kwargs:
             continue
-        if name in vision_values:
-            plan.processor_kwargs[name] = f"config.{plan.vision_key}.{name}"
-        elif name in config.to_dict():
-            plan.processor_kwargs[name] = f"config.{name}"
+        field = re.sub(r"(?<![a-z])img(?![a-z])", "image", name)  # `img_size` is the config's `image_size`
+        if field in vision_values:
+            plan.processor_kwargs[name] = f"config.{plan.vision_key}.{field}"
+        elif field in config.to_dict():
+            plan.processor_kwargs[name] = f"config.{field}"
     # A per-image token count the processor cannot do without (None by default): the
     # tower's patch grid, until the tiny tower's own count replaces it (_fit_image_size).
     key = plan.vision_key
