@@ -113,9 +113,17 @@ class AlgoConfig(_Section):
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
-    # Updates per rollout batch; with 1 the ratio is exactly 1 and no old log-probs are needed.
+    # Passes over each rollout batch; with 1 pass of 1 mini-batch the ratio is exactly 1 and
+    # no old log-probs are needed.
     epochs_per_rollout: int = Field(1, gt=0)
+    # Optimizer steps per pass (PPO-style): the batch's sequences split in this many
+    # consecutive parts, each one step, with the ratio against the log-probs taken before
+    # the first step (so clipping acts from the second part on).
+    mini_batches: int = Field(1, gt=0)
     micro_batch_size: int = Field(64, gt=0)
+    # Micro-batches by tokens instead of rows: consecutive sequences up to this many
+    # tokens (prompt + response) each, a longer one alone; None: micro_batch_size rows.
+    micro_batch_tokens: int | None = Field(None, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
@@ -197,6 +205,17 @@ class Recipe(_Section):
     parallel: ParallelConfig = ParallelConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
+
+    @field_validator("algo")
+    @classmethod
+    def _mini_batches_fit_the_step(cls, value: AlgoConfig, info) -> AlgoConfig:
+        data, rollout = info.data.get("data"), info.data.get("rollout")
+        if data is not None and rollout is not None:
+            sequences = data.prompts_per_step * rollout.samples_per_prompt
+            if value.mini_batches > sequences:
+                raise ValueError(f"mini_batches ({value.mini_batches}) is above the sequences of a step "
+                                 f"({sequences}: data.prompts_per_step x rollout.samples_per_prompt)")
+        return value
 
     @field_validator("trainer")
     @classmethod

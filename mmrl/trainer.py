@@ -246,34 +246,62 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> list:
-        """Training sequences of the kept `rows`, in micro-batches."""
-        micro = self.recipe.algo.micro_batch_size
-        slices = [slice(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
+    def _build_batches(self, conversations: list, result, rows: torch.Tensor) -> tuple[list, list]:
+        """Training sequences of the kept `rows` in micro-batches, and the update's plan:
+        its mini-batches as lists of (micro-batch index, loss scale) (`mmrl.engine.batching`)."""
+        from mmrl.engine.batching import even_out, update_plan
+
+        algo = self.recipe.algo
+        lengths = self._row_lengths(conversations, result, rows) if algo.micro_batch_tokens else [0] * len(rows)
+        # Every rank takes as many optimizer steps, and as many passes per step (FSDP2's
+        # collectives), as the others: the fewest kept rows bound the mini-batches.
+        mini_batches = min(algo.mini_batches, *(int(n) for n in self.dist.all_gather_objects(len(rows))))
+        plan = update_plan(lengths, mini_batches=mini_batches, micro_batch_size=algo.micro_batch_size,
+                           micro_batch_tokens=algo.micro_batch_tokens)
+        if self.dist.distributed:
+            counts = self.dist.all_gather_objects([len(mini) for mini in plan])
+            plan = even_out(plan, [max(c) for c in zip(*counts)])
+        parts = list(dict.fromkeys(micro.rows for mini in plan for micro in mini if micro.scale))
+        index = {part: i for i, part in enumerate(parts)}
+        minis = [[(index[micro.rows], micro.scale) for micro in mini] for mini in plan]
+        chosen_rows = [rows[list(part)] for part in parts]
         if result.trajectories is not None:
             from mmrl.rollout.agent import trajectory_sequences
 
             pad = self.processing.tokenizer.pad_token_id
-            return [trajectory_sequences([result.trajectories[i] for i in rows[part].tolist()], self.processing,
+            return [trajectory_sequences([result.trajectories[i] for i in chosen.tolist()], self.processing,
                                          self.built.adapter, self.actor.model, pad).to(self.dist.device)
-                    for part in slices]
+                    for chosen in chosen_rows], minis
         owners = result.prompt_index.tolist()
         expanded = [conversations[i] for i in owners]
         # One micro-batch of every row: the rollout's own prompt batch is that batch.
-        reuse = result.prompt_inputs if len(slices) == 1 and len(rows) == len(expanded) else None
+        reuse = result.prompt_inputs if len(parts) == 1 and len(rows) == len(expanded) else None
         batches = []
-        for part in slices:
-            chosen = rows[part]
+        for chosen in chosen_rows:
             batches.append(self._sequences([expanded[i] for i in chosen], result.response_ids[chosen],
                                            result.response_mask[chosen], reuse, [owners[i] for i in chosen],
                                            result.shared_media))
-        return batches
+        return batches, minis
+
+    def _row_lengths(self, conversations: list, result, rows: torch.Tensor) -> list[int]:
+        """Tokens (prompt + response) of each kept row, for micro-batches by token budget."""
+        if result.trajectories is not None:
+            return [len(result.trajectories[i].prompt_ids) + len(result.trajectories[i].last_ids)
+                    for i in rows.tolist()]
+        responses = result.response_mask.sum(-1).long()
+        if result.prompt_inputs is not None:
+            prompts = result.prompt_inputs["attention_mask"].sum(-1).long().cpu()
+        else:  # a backend that kept no processed batch: each prompt processed once
+            per_prompt = self.processing(conversations)["attention_mask"].sum(-1).long()
+            prompts = per_prompt[result.prompt_index]
+        return (prompts[rows] + responses[rows]).tolist()
 
     @torch.no_grad()
     def _estimate(self, batches: list, temperature: float) -> None:
         """Old-policy, reference and value estimates of the sampled tokens."""
         algo = self.recipe.algo
-        need_old = algo.epochs_per_rollout > 1 or (self.ref is not None and algo.kl_in == "reward")
+        need_old = (algo.epochs_per_rollout > 1 or algo.mini_batches > 1
+                    or (self.ref is not None and algo.kl_in == "reward"))
         for seqs in batches:
             if need_old:
                 seqs.extras["old_logp"] = self.actor.log_probs(seqs, temperature, with_entropy=False)[0]
@@ -312,54 +340,75 @@ class Trainer:
                 seqs.extras["returns"] = returns[offset:offset + size, :length].to(self.dist.device)
             offset += size
 
-    def _update(self, batches: list, temperature: float) -> dict[str, float]:
-        """Policy (and critic) updates over the micro-batches, `epochs_per_rollout` times."""
+    def _update(self, batches: list, minis: list, temperature: float) -> dict[str, float]:
+        """Policy (and critic) updates: `epochs_per_rollout` passes over the mini-batches
+        (`minis`: lists of (micro-batch index, loss scale)), one optimizer step each."""
         from mmrl.algos import kl_loss, policy_loss
         from mmrl.algos.losses import aggregate, value_loss
 
         algo = self.recipe.algo
         norm_length = self.recipe.rollout.max_new_tokens
         # Loss weights make the summed micro-batch gradients equal the gradient of the
-        # whole batch across ranks: FSDP averages over ranks, hence the world-size factor.
-        # With sequence parallelism every group counts its tokens P times over P times as
-        # many ranks, and FSDP sums the group's partial gradients: the same weights hold.
+        # whole mini-batch across ranks: FSDP averages over ranks, hence the world-size
+        # factor. With sequence parallelism every group counts its tokens P times over P
+        # times as many ranks, and FSDP sums the group's partial gradients: the same
+        # weights hold. A zero-scaled (filler) micro-batch adds nothing.
         tokens = [float(s.response_mask.sum()) for s in batches]
-        global_tokens = self.dist.all_reduce_sum(sum(tokens)) / self.dist.world_size
-        global_rows = self.dist.all_reduce_sum(float(sum(s.size for s in batches))) / self.dist.world_size
+        totals = []
+        for mini in minis:
+            real = [i for i, scale in mini if scale]
+            totals.append((self.dist.all_reduce_sum(sum(tokens[i] for i in real)) / self.dist.world_size,
+                           self.dist.all_reduce_sum(float(sum(batches[i].size for i in real))) / self.dist.world_size))
         sums: dict[str, float] = defaultdict(float)
+        steps = 0
         for _ in range(algo.epochs_per_rollout):
-            for seqs, count in zip(batches, tokens):
-                weight = count / global_tokens if algo.loss_aggregation == "token_mean" else seqs.size / global_rows
-                logp, entropy = self.actor.log_probs(seqs, temperature)
-                old = seqs.extras.get("old_logp", logp.detach())
-                loss, stats = policy_loss(
-                    logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
-                    clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
-                )
-                if self.ref is not None and algo.kl_in == "loss":
-                    kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
-                                      kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
-                                      norm_length=norm_length)
-                    loss = loss + kl_term
-                    sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
-                entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
-                if algo.entropy_coef:
-                    loss = loss - algo.entropy_coef * entropy_mean
-                (loss * weight).backward()
-                sums["loss/policy"] += weight * float(loss.detach())
-                sums["entropy"] += weight * float(entropy_mean.detach())
-                sums["clip_fraction"] += weight * float(stats["clip_fraction"])
-                sums["approx_kl"] += weight * float(stats["approx_kl"])
+            for mini, (global_tokens, global_rows) in zip(minis, totals):
+                for index, scale in mini:
+                    seqs, count = batches[index], tokens[index]
+                    if algo.loss_aggregation == "token_mean":
+                        share = count / global_tokens if global_tokens else 0.0
+                    else:
+                        share = seqs.size / global_rows
+                    weight = scale * share
+                    logp, entropy = self.actor.log_probs(seqs, temperature)
+                    # Old log-probs are taken before the first step whenever there are
+                    # several; with one the ratio is exactly 1.
+                    old = seqs.extras.get("old_logp", logp.detach())
+                    loss, stats = policy_loss(
+                        logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
+                        clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
+                    )
+                    if self.ref is not None and algo.kl_in == "loss":
+                        kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
+                                          kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
+                                          norm_length=norm_length)
+                        loss = loss + kl_term
+                        sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
+                    entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
+                    if algo.entropy_coef:
+                        # Aggregated as the loss is, so the micro-batch split changes nothing.
+                        loss = loss - algo.entropy_coef * aggregate(entropy, seqs.response_mask,
+                                                                    algo.loss_aggregation, norm_length=norm_length)
+                    (loss * weight).backward()
+                    sums["loss/policy"] += weight * float(loss.detach())
+                    token_share = scale * count / global_tokens if global_tokens else 0.0
+                    sums["entropy"] += token_share * float(entropy_mean.detach())
+                    sums["clip_fraction"] += weight * float(stats["clip_fraction"])
+                    sums["approx_kl"] += weight * float(stats["approx_kl"])
+                    if self.critic is not None:
+                        values = self.critic.values(seqs)
+                        vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"],
+                                              seqs.response_mask)
+                        (vloss * weight).backward()
+                        sums["loss/value"] += weight * float(vloss.detach())
+                sums["grad_norm"] += self.actor.step()
                 if self.critic is not None:
-                    values = self.critic.values(seqs)
-                    vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"], seqs.response_mask)
-                    (vloss * weight).backward()
-                    sums["loss/value"] += weight * float(vloss.detach())
-            sums["grad_norm"] += self.actor.step()
-            if self.critic is not None:
-                self.critic.step()
-        metrics = {key: value / algo.epochs_per_rollout for key, value in sums.items()}
+                    self.critic.step()
+                steps += 1
+        metrics = {key: value / steps for key, value in sums.items()}
         metrics["tokens"] = sum(tokens)
+        metrics["update/optimizer_steps"] = steps
+        metrics["update/micro_batches"] = len(batches)
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -398,12 +447,12 @@ class Trainer:
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
         temperature = r.rollout.temperature or 1.0
-        batches = self._build_batches(conversations, result, rows)
+        batches, minis = self._build_batches(conversations, result, rows)
         with self._timed("logprob"):
             self._estimate(batches, temperature)
         self._advantages(batches, rewards[rows], params.n, metrics)
         with self._timed("update"):
-            metrics.update(self._update(batches, temperature))
+            metrics.update(self._update(batches, minis, temperature))
         with self._timed("sync"):
             self.rollout.sync(self.actor)
         metrics["lr"] = self._recipe_lr()

@@ -140,3 +140,122 @@ def test_cli_train_reports_bad_recipes_in_one_line(tmp_path):
                              "rollout.backend=sglang"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2
     assert "rollout.backend" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _gradients_of_first_step(trainer) -> tuple[dict, dict]:
+    """The actor's gradients just before its first optimizer step, and that step's metrics."""
+    seen = {}
+    take_step = trainer.actor.step
+
+    def step():
+        if "grads" not in seen:
+            seen["grads"] = {n: p.grad.detach().clone() for n, p in trainer.actor.model.named_parameters()
+                             if p.grad is not None}
+        return take_step()
+
+    trainer.actor.step = step
+    metrics = trainer.train_step()
+    return seen["grads"], metrics
+
+
+VLM = REPO / "recipes" / "tiny_vlm_count.yaml"
+VLM_CHEAP = ["trainer.eval_every=0", "data.eval=null", "data.validation=null", "data.prompts_per_step=4",
+             "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3", "model.tiny_vocabulary={}",
+             "reward.options={}"]
+
+
+@pytest.mark.parametrize("family", ["text", "vlm"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_by_tokens_give_the_same_loss_and_gradients(tmp_path, family, aggregation):
+    """algo.micro_batch_tokens splits the step into uneven micro-batches (a KL reference and
+    an entropy term in the loss, and for the VLM packed rows); the loss and the gradients
+    of the update equal those of one micro-batch of every row."""
+    common = ["trainer.steps=1", "trainer.export=false", "trainer.progress=false", "algo.kl_coef=0.1",
+              "algo.entropy_coef=0.01", f"algo.loss_aggregation={aggregation}",
+              "reward.name=test_trainer:length_reward"]
+    runs = []
+    for name, extra in (("rows", ["algo.micro_batch_size=64"]),
+                        ("tokens", ["algo.micro_batch_tokens=40", "model.pack=true", "model.pack_tokens=40"])):
+        out = [f"trainer.output_dir={tmp_path / name}", *common, *extra]
+        recipe = _recipe(tmp_path / name, *out) if family == "text" else load_recipe(VLM, [*VLM_CHEAP, *out])
+        trainer = Trainer(recipe)
+        grads, metrics = _gradients_of_first_step(trainer)
+        runs.append((grads, metrics))
+    (plain, plain_metrics), (split, split_metrics) = runs
+    assert plain_metrics["update/micro_batches"] == 1 and split_metrics["update/micro_batches"] >= 3
+    assert split_metrics["reward/mean"] == plain_metrics["reward/mean"]  # the same rollout
+    assert split_metrics["loss/policy"] == pytest.approx(plain_metrics["loss/policy"], abs=1e-6)
+    assert plain.keys() == split.keys()
+    scale = max(g.abs().max().item() for g in plain.values())
+    assert scale > 0
+    for name, grad in plain.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_one_mini_batch_is_the_plain_update(tmp_path):
+    """algo.mini_batches=1 takes one step per rollout with the ratio exactly 1: no old
+    log-probs are estimated, and the weights equal a run without the field, bit for bit."""
+    weights = []
+    for name, extra in (("default", []), ("one", ["algo.mini_batches=1"])):
+        trainer = Trainer(_recipe(tmp_path / name, "trainer.steps=2", "trainer.export=false",
+                                  "reward.name=test_trainer:length_reward", *extra))
+        calls = []
+        estimate = trainer.actor.log_probs
+        trainer.actor.log_probs = lambda *a, **k: (calls.append(torch.is_grad_enabled()), estimate(*a, **k))[1]
+        trainer.fit()
+        assert calls and all(calls)  # only the update's (grad-enabled) passes
+        weights.append(_weights(trainer))
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_mini_batches_step_against_the_log_probs_before_the_first_update(tmp_path, monkeypatch):
+    """algo.mini_batches=2 takes 2 optimizer steps per rollout; both steps' ratios are taken
+    against the log-probs computed before the first, so the first step's ratio is 1 and the
+    second's is not, and at a large learning rate the clip acts there."""
+    import mmrl.algos
+
+    calls = []
+    plain_loss = mmrl.algos.policy_loss
+
+    def recording_loss(logp, old_logp, *args, **kwargs):
+        loss, stats = plain_loss(logp, old_logp, *args, **kwargs)
+        calls.append((logp.detach().clone(), old_logp.detach().clone(), args[1].bool(), float(stats["clip_fraction"])))
+        return loss, stats
+
+    monkeypatch.setattr(mmrl.algos, "policy_loss", recording_loss)
+    trainer = Trainer(_recipe(tmp_path, "trainer.steps=1", "trainer.export=false", "algo.mini_batches=2",
+                              "algo.micro_batch_size=3", "optim.lr=0.05", "reward.name=test_trainer:length_reward"))
+    steps = []
+    take_step = trainer.actor.step
+    trainer.actor.step = lambda: (steps.append(len(calls)), take_step())[1]
+    estimated = []
+    estimate = trainer._estimate
+    trainer._estimate = lambda batches, t: (estimate(batches, t),
+                                            estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
+    metrics = trainer.train_step()
+    assert metrics["update/optimizer_steps"] == 2 and len(steps) == 2
+    # 16 rows in micro-batches of 3: two mini-batches of 8 rows, three micro-batches each.
+    assert steps == [3, 6] and metrics["update/micro_batches"] == 6
+    for (logp, old, mask, _), before in zip(calls, estimated):
+        assert torch.equal(old, before)  # the pre-update log-probs, in both mini-batches
+    first, second = calls[:3], calls[3:]
+    for logp, old, mask, _ in first:
+        torch.testing.assert_close(logp[mask], old[mask], rtol=0, atol=1e-5)
+    ratios = torch.cat([(logp - old)[mask].exp() for logp, old, mask, _ in second])
+    assert (ratios - 1).abs().max() > 0.2  # the first step moved the policy
+    assert max(clip for *_, clip in second) > 0
+
+
+def test_update_plan_splits_by_rows_tokens_and_mini_batches():
+    from mmrl.engine.batching import Micro, even_out, update_plan
+
+    rows = lambda plan: [[m.rows for m in mini] for mini in plan]  # noqa: E731
+    assert rows(update_plan([5] * 5, micro_batch_size=2)) == [[(0, 1), (2, 3), (4,)]]
+    assert rows(update_plan([5] * 5, mini_batches=2, micro_batch_size=2)) == [[(0, 1), (2,)], [(3, 4)]]
+    assert rows(update_plan([30, 5, 5, 50, 10], micro_batch_tokens=40)) == [[(0, 1, 2), (3,), (4,)]]
+    assert rows(update_plan([1, 1], mini_batches=5)) == [[(0,)], [(1,)]]
+    evened = even_out(update_plan([5] * 3, micro_batch_size=4), [4])
+    # Halved while a micro-batch has two rows, then a zero-weighted repeat.
+    assert evened == [[Micro((0,)), Micro((1,)), Micro((2,)), Micro((2,), 0.0)]]
+    assert even_out(update_plan([5] * 4, micro_batch_size=4), [2]) == [[Micro((0, 1)), Micro((2, 3))]]
