@@ -143,6 +143,9 @@ class Capabilities:
     # only transformers' get_image_features/get_video_features: claimed unless opted out
     # (text families have no media, and their cell is n/a).
     media_sharing: bool = True
+    # Images arriving mid-conversation in the agent loop (mmrl.rollout.agent) train as the
+    # final conversation processed in one go; claimed per family (the prefix rule).
+    multi_turn: bool = False
 
     def declared(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
