@@ -23,7 +23,8 @@ class Gemma3(VisionLanguageAdapter):
     # Not `vllm`: vLLM attends causally over image tokens where transformers attends
     # bidirectionally, so their log-probs differ (5e-3 on the tiny model; with the
     # image tokens made causal in transformers they agree to 5e-7).
-    capabilities = Capabilities(single_image=True, multi_image=True, lora_vision=True, sequence_parallel=True)
+    capabilities = Capabilities(single_image=True, multi_image=True, lora_vision=True, sequence_parallel=True,
+                                multi_turn=True)
     processing = "mmrl.processors.gemma3:Gemma3Processing"
     # vLLM's own hf_to_vllm_mapper for this architecture (gemma3_mm.py); vLLM's SigLIP
     # tower keeps the `vision_model.` level that transformers' tower drops.

@@ -38,6 +38,7 @@ class InternVL(VisionLanguageAdapter):
     )
     capabilities = Capabilities(
         single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+        multi_turn=True,
     )
     processing = "mmrl.processors.internvl:InternVLProcessing"
 

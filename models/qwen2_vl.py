@@ -29,6 +29,7 @@ class Qwen2VL(VisionLanguageAdapter):
     lora = LoraTargets(vision=VISION_ATTENTION + ("fc1", "fc2"))
     capabilities = Capabilities(
         single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+        multi_turn=True,
     )
     # vLLM's hf_to_vllm_mapper maps transformers' own names, so no prefixes to rewrite.
     rollout = Rollout(vllm_architecture="Qwen2VLForConditionalGeneration")

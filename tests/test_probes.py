@@ -295,3 +295,34 @@ def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
     assert sm.differences(before, after_without_toy) == []
     assert "`toy`" in (out / sm.MARKDOWN_FILE).read_text()
     assert 'data-family="toy"' in (out / sm.HTML_FILE).read_text()
+
+
+# -- multi_turn: an image from the environment in turn 3 ------------------------------------
+def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold():
+    result = probe("multi_turn").run(_subject("qwen2_vl"))
+    assert result.status is Status.VERIFIED, result.reason
+    assert "positions" in result.reason and result.evidence["kept"] >= 1
+    assert result.evidence["max_logprob_diff"] <= 2e-4
+    assert probe("multi_turn").run(_subject("qwen2")).status is Status.NOT_APPLICABLE
+    llava = probe("multi_turn").run(_subject("llava_onevision"))
+    assert llava.status is Status.FAILED and "opening turn is processed into other tokens" in llava.reason
+    idefics = probe("multi_turn").run(_subject("idefics3"))
+    assert idefics.status is Status.FAILED and "writes ' ' before the assistant's text" in idefics.reason
+
+
+def test_multi_turn_probe_catches_a_loss_mask_on_context(monkeypatch):
+    """A training batch whose mask also covers a context token (the first one after the
+    first policy turn: template scaffolding) must fail the probe."""
+    import mmrl.rollout.agent as agent
+
+    plain = agent.trajectory_sequences
+
+    def widened(trajectories, *args, **kwargs):
+        seqs = plain(trajectories, *args, **kwargs)
+        context = (seqs.response_mask[0] == 0).nonzero()
+        seqs.response_mask[0, context[0]] = 1
+        return seqs
+
+    monkeypatch.setattr(agent, "trajectory_sequences", widened)
+    result = probe("multi_turn").run(_subject("qwen2_vl"))
+    assert result.status is Status.FAILED and "loss mask" in result.reason

@@ -42,6 +42,7 @@ from mmrl.probes.model import (
     needs_video,
     needs_vision_lora,
 )
+from mmrl.probes.multi_turn import check_multi_turn
 from mmrl.probes.sequence_parallel import (
     check_sequence_parallel,
     check_sequence_parallel_many,
@@ -104,6 +105,10 @@ PROBES: tuple[Probe, ...] = (
           "rows collated from each prompt's batch equal processing them; log-probs (1e-5), gradients and the AdamW "
           "step equal the plain forward's, with less vision input.",
           check_media_sharing, capability="media_sharing", inapplicable=media_sharing_inapplicable, cost=2.0),
+    Probe("multi_turn", "Multi-turn", "The agent loop (hf backend) with an image arriving in turn 3, from the "
+          "environment: the training batch equals the final conversation processed in one go (ids, media tensors, "
+          "positions incl. mrope), the loss mask covers only sampled tokens, and each policy turn's log-probs equal "
+          "the rollout's (2e-4).", check_multi_turn, capability="multi_turn", inapplicable=needs_images, cost=1.5),
 )
 
 FEATURES: tuple[str, ...] = tuple(p.feature for p in PROBES)
