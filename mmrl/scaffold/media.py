@@ -283,6 +283,10 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             "hidden_size", "hidden_size"), vision_hidden)
     top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
            if k not in (text_key, resolved.vision_config_key)}
+    if isinstance(defaults.to_dict().get("hidden_size"), int):
+        # A composite config's own width is its text model's, even where the
+        # defaults disagree (a 1536-wide top level over a 4096-wide text default).
+        top["hidden_size"] = text_overrides.get("hidden_size", TINY_TEXT_SHAPES["hidden_size"])
     # Tower layers the projector reads (`vision_feature_layer(s)`), kept inside the tiny
     # tower's hidden states (its depth plus the embeddings).
     depth = vision.get("num_hidden_layers", TINY_VISION_SHAPES["num_hidden_layers"])
