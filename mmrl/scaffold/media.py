@@ -62,6 +62,7 @@ class MediaPlan:
     processor_kwargs: dict[str, str]  # argument -> expression over `config`
     literals: list[str] = field(default_factory=list)  # other special tokens the processor's code names
     text_kwargs: dict[str, Any] = field(default_factory=dict)  # what the processing asks the processor for
+    flat_images: bool = False  # the processor takes one flat image list, not one list per prompt
     image_placeholder: str | None = None
     video_placeholder: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -317,6 +318,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
     tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
     processor = build_processor(plan, tokenizer, config)
+    plan.flat_images = _wants_flat_images(processor, plan.image_placeholder)
     tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
     return TinyInputs(config=config, media=plan)
 
@@ -425,12 +427,15 @@ def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
     """(start, end) token pairs among the named tokens: `vision_start` / `vision_end`,
     `image_begin` / `image_end`, `vision_bos` / `vision_eos` (names that differ only in
     the frame word)."""
+    from mmrl.processors.templates import CHATML_SPECIAL_TOKENS
+
     pairs = []
     for name, start in named.items():
         for word, end_word in _FRAME_WORDS.items():
             if word in name:
                 end = named.get(name.replace(word, end_word))
-                if end is not None and end != start:
+                # The chat template's message markers frame messages, not media.
+                if end is not None and end != start and not {start, end} & set(CHATML_SPECIAL_TOKENS):
                     pairs.append((start, end))
     return pairs
 
@@ -494,6 +499,23 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
                             "beside an image" + (f" (first error: {errors[0]})" if errors else "")
                             + "; write the chat template by hand", category="processor")
     return None
+
+
+def _wants_flat_images(processor, placeholder: str | None) -> bool:
+    """Whether the processor refuses one image list per prompt (`[[image]]`) but takes
+    the same image in a flat list."""
+    from PIL import Image
+
+    image = Image.new("RGB", (224, 168), (9, 99, 199))
+
+    def takes(images) -> bool:
+        try:
+            processor(text=[f"look {placeholder or ''} here"], images=images, return_tensors="pt")
+        except Exception:
+            return False
+        return True
+
+    return not takes([[image]]) and takes([image])
 
 
 def runs_with_image(model_class: str, config, processor, placeholder: str | None,

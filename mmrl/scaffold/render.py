@@ -392,6 +392,11 @@ def render_processing(d: Discovery) -> str:
                  "",
                  "    def text_kwargs(self):",
                  f"        return {_literal_dict(text_kwargs)}"]
+    if d.tiny is not None and d.tiny.media is not None and d.tiny.media.flat_images:
+        lines += ["",
+                  "    def arrange_images(self, images):",
+                  '        """The processor takes one flat image list (it refuses one list per prompt)."""',
+                  "        return [image for per_sample in images for image in per_sample]"]
     head = textwrap.dedent(f"""\
         \"\"\"{d.class_name} input processing (scaffolded by `mmrl add-model {d.resolved.model_type}`).
 
