@@ -297,12 +297,15 @@ class Trainer:
         return (prompts[rows] + responses[rows]).tolist()
 
     @torch.no_grad()
-    def _estimate(self, batches: list, temperature: float) -> None:
-        """Old-policy, reference and value estimates of the sampled tokens."""
+    def _estimate(self, batches: list, minis: list, temperature: float) -> None:
+        """Old-policy, reference and value estimates of the sampled tokens. The passes follow
+        the update's plan (`minis`), zero-weighted repeats included, so every rank runs as
+        many forwards as the others (FSDP2's collectives); a repeat stores the same values."""
         algo = self.recipe.algo
         need_old = (algo.epochs_per_rollout > 1 or algo.mini_batches > 1
                     or (self.ref is not None and algo.kl_in == "reward"))
-        for seqs in batches:
+        for index, _ in (entry for mini in minis for entry in mini):
+            seqs = batches[index]
             if need_old:
                 seqs.extras["old_logp"] = self.actor.log_probs(seqs, temperature, with_entropy=False)[0]
             if self.ref is not None:
@@ -449,7 +452,7 @@ class Trainer:
         temperature = r.rollout.temperature or 1.0
         batches, minis = self._build_batches(conversations, result, rows)
         with self._timed("logprob"):
-            self._estimate(batches, temperature)
+            self._estimate(batches, minis, temperature)
         self._advantages(batches, rewards[rows], params.n, metrics)
         with self._timed("update"):
             metrics.update(self._update(batches, minis, temperature))

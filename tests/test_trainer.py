@@ -231,8 +231,8 @@ def test_mini_batches_step_against_the_log_probs_before_the_first_update(tmp_pat
     trainer.actor.step = lambda: (steps.append(len(calls)), take_step())[1]
     estimated = []
     estimate = trainer._estimate
-    trainer._estimate = lambda batches, t: (estimate(batches, t),
-                                            estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
+    trainer._estimate = lambda batches, minis, t: (estimate(batches, minis, t),
+                                                   estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
     metrics = trainer.train_step()
     assert metrics["update/optimizer_steps"] == 2 and len(steps) == 2
     # 16 rows in micro-batches of 3: two mini-batches of 8 rows, three micro-batches each.
@@ -259,3 +259,33 @@ def test_update_plan_splits_by_rows_tokens_and_mini_batches():
     # Halved while a micro-batch has two rows, then a zero-weighted repeat.
     assert evened == [[Micro((0,)), Micro((1,)), Micro((2,)), Micro((2,), 0.0)]]
     assert even_out(update_plan([5] * 4, micro_batch_size=4), [2]) == [[Micro((0, 1)), Micro((2, 3))]]
+
+
+def rank_skewed_reward(completions, answers, **fields):
+    """Rewards that differ within every group on rank 0 and are uniform in the first half
+    of rank 1's groups (which `filter_uniform_groups` then drops): the ranks keep unequal rows."""
+    import os
+
+    rank, half = int(os.environ.get("RANK", "0")), len(completions) // 2
+    return [1.0 if rank == 1 and i < half else float(i % 2) for i in range(len(completions))]
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_unequal_kept_rows_run_as_many_passes(tmp_path):
+    """Under FSDP2 (2 processes, gloo) rank 1 keeps half as many rows as rank 0 and makes
+    micro-batches of one row (a 1-token budget): it repeats micro-batches with weight 0 so
+    both ranks run as many forward/backward passes, and the run finishes its steps."""
+    from cpu_processes import run, torchrun
+
+    out = tmp_path / "run"
+    run(torchrun(2, "-m", "mmrl.cli", "train", REPO / "recipes" / "tiny_vlm_count.yaml", "trainer.steps=2",
+                 f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0", "trainer.export=false",
+                 "data.eval=null", "data.validation=null", "data.train=synthetic:count_shapes?n=16&seed=0",
+                 "data.prompts_per_step=8", "rollout.samples_per_prompt=2", "trainer.threads=1",
+                 "algo.micro_batch_tokens=1", "algo.mini_batches=2", "algo.filter_uniform_groups=true",
+                 "algo.kl_coef=0.1", "reward.name=test_trainer:rank_skewed_reward", "reward.options={}"), timeout=900)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if not line.get("final")]
+    assert [line["step"] for line in steps] == [1, 2]
+    # Rank 0 (which logs): 8 rows, in 2 mini-batches of 4 single-row micro-batches.
+    assert all(line["update/optimizer_steps"] == 2 and line["update/micro_batches"] == 8 for line in steps)
