@@ -149,3 +149,34 @@ def test_varlen_attention_matches_sdpa_with_the_document_mask():
     assert (plain - ours).abs().max() < 2e-2
     for a, b in zip(plain_grads, our_grads):
         assert (a - b).abs().max() < 5e-2 * max(1.0, a.abs().max().item())
+
+
+def test_token_budget_micro_batches_on_cuda_match_the_row_micro_batches(tmp_path):
+    """The tiny VLM recipe's first update on CUDA (bf16 autocast; packed rows through the
+    varlen kernel) by token budget against one micro-batch of rows: the same rollout, and
+    loss and gradient norm equal up to bf16 noise. The fp32 comparison is tests/test_trainer.py."""
+    from pathlib import Path
+
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    runs = []
+    for name, extra in (("rows", []), ("tokens", ["algo.micro_batch_tokens=64", "model.pack=true",
+                                                  "model.pack_tokens=64"])):
+        trainer = Trainer(load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+            f"trainer.output_dir={tmp_path / name}", "trainer.steps=1", "trainer.eval_every=0",
+            "trainer.progress=false", "trainer.export=false", "data.eval=null", "data.prompts_per_step=4",
+            "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4", "model.tiny_vocabulary={}",
+            "reward.name=test_trainer:length_reward", "reward.options={}", *extra]))
+        norms = []
+        step = trainer.actor.step
+        trainer.actor.step = lambda: (norms.append(float(sum(p.grad.float().norm() ** 2 for p in
+                                                               trainer.actor.model.parameters()
+                                                               if p.grad is not None) ** 0.5)), step())[1]
+        metrics = trainer.train_step()
+        runs.append((metrics, norms[0]))
+    (rows, rows_norm), (tokens, tokens_norm) = runs
+    assert rows["update/micro_batches"] == 1 and tokens["update/micro_batches"] > 1
+    assert tokens["reward/mean"] == rows["reward/mean"]
+    assert abs(tokens["loss/policy"] - rows["loss/policy"]) <= 5e-2 * max(abs(rows["loss/policy"]), 1e-3)
+    assert abs(tokens_norm - rows_norm) <= 5e-2 * rows_norm
