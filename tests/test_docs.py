@@ -134,3 +134,15 @@ def test_readme_recipe_figures_are_the_bench_results():
     walls = "/".join(f"{r['wall_s']:.0f}" for r in runs)
     text = " ".join(README.split())
     assert f"seeds {seeds} took {steps} steps and {walls} s" in text
+
+
+def test_readme_gpu_table_is_gpu_targets_json():
+    """README's H200 table is bench/results/gpu_targets.json as bench/gpu_targets.py renders it."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_targets", REPO / "bench" / "gpu_targets.py")
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    summary = json.loads((REPO / "bench" / "results" / "gpu_targets.json").read_text())
+    assert f"{targets.TABLE_START}\n{targets.readme_table(summary)}\n{targets.TABLE_END}" in README
