@@ -118,7 +118,7 @@ def test_in_tree_dry_run_targets_the_checkout(tmp_path):
 
 
 VLM_TYPE = "mistral3"  # a vision-language type in transformers, not in the zoo
-FAILING_VLM = "aya_vision"  # one whose scaffolded tiny model does not run
+FAILING_VLM = "llama4"  # one whose scaffolded tiny model does not run
 
 
 def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
@@ -143,14 +143,14 @@ def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt)
 
 
 def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_path):
-    # aya_vision's processor counts image tokens from arguments (its own image size and
-    # tiling) that its default config does not share: not discoverable generically yet.
+    # llama4's projector widths (vision_config.projector_*_dim) are tied to no width the
+    # scaffold shrinks: not discoverable generically yet.
     result = add_model(FAILING_VLM, "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "fill in: tiny(): the scaffolded tiny model does not run" in " ".join(result.output.split())
     source = (tmp_path / f"mmrl_{FAILING_VLM}" / f"{FAILING_VLM}.py").read_text()
     assert "Fill in by hand" in source and "capabilities = Capabilities.none()" in source
-    assert "parts = VISION_TOWER_PARTS" in source and "SiglipEncoderLayer" in source
+    assert "parts = Parts(" in source and "Llama4VisionEncoderLayer" in source
 
 
 def test_in_tree_scaffold_writes_models_tests_and_docs(tmp_path, monkeypatch):
@@ -244,6 +244,24 @@ def test_multi_axis_rope_split_written_in_model_code_is_rescaled_with_equal_axes
     assert scaled["mrope_section"][0] == scaled["mrope_section"][1] and sum(scaled["mrope_section"]) == 16
 
 
+def test_processor_token_names_are_read_through_aliases_and_frame_words():
+    import transformers
+
+    from mmrl.scaffold.media import _frames, _named_token, _tokens_in_source
+
+    # InternVLProcessor: `self.image_token = tokenizer.context_image_token`.
+    named, _, _ = _tokens_in_source(transformers.InternVLProcessor)
+    assert named["image_token"] == named["context_image_token"]
+    # A config field's stem finds the processor's token under another frame word.
+    named = {"vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>", "image_token": "<i>"}
+    assert _named_token("vision_start", named) == "<|vision_bos|>"
+    assert _named_token("vision_end", named) == "<|vision_eos|>"
+    assert _named_token("audio_start", named) is None
+    assert _frames(named) == [("<|vision_bos|>", "<|vision_eos|>")]
+    # The chat template's own message markers are no media frame.
+    assert _frames({"message_start_token": "<|im_start|>", "message_end_token": "<|im_end|>"}) == []
+
+
 def test_image_processor_sizes_follow_a_height_width_tower_size():
     import transformers
 
@@ -280,6 +298,48 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
         check = checks[name]
         arguments = {"family": family, "tmp_ckpt": tmp_ckpt / name}
         check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+
+
+@pytest.mark.parametrize("model_type, rule", [
+    # The model code reads config.vision_start_token_id, which its config class lacks;
+    # the processor names that token vision_bos_token.
+    ("qwen2_5_omni_thinker", "token_id_read_by_model_code"),
+    # The processor takes `img_size`, the config's vision_config.image_size.
+    ("aya_vision", "img_size"),
+    # The processor refuses one image list per prompt: the processing flattens them.
+    ("got_ocr2", "flat_images"),
+])
+def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need(model_type, rule, plugin_path,
+                                                                               tmp_ckpt):
+    result = add_model(model_type, "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    assert "fill in" not in result.output, result.output
+    package = plugin_path / f"mmrl_{model_type}"
+    source = (package / f"{model_type}.py").read_text()
+    if rule == "token_id_read_by_model_code":
+        assert 'vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_bos|>")' in source
+        assert "<|vision_bos|><|image|><|vision_eos|>" in source
+    elif rule == "img_size":
+        assert "img_size=config.vision_config.image_size" in " ".join(source.split())
+    else:
+        assert "def arrange_images" in (package / "processing.py").read_text()
+    load_plugin(f"mmrl_{model_type}.{model_type}")
+    checks = dict(zoo_checks(model_type))
+    for name in ("test_save_reload_forward_backward_generate", "test_padded_batch_matches_each_prompt_alone"):
+        check = checks[name]
+        arguments = {"family": model_type, "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+
+
+def test_composite_config_width_follows_the_tiny_text_model():
+    # Ovis2Config's defaults: a 1536-wide top level over a 4096-wide text default.
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs
+
+    with quiet_transformers():
+        config = tiny_model_inputs(resolve("ovis2")).config
+    assert config.hidden_size == config.text_config.hidden_size
 
 
 def test_docs_state_the_committed_coverage():
