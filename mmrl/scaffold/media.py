@@ -165,9 +165,10 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
             default = _class_default(processor_cls, attribute)
             named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
     # A processor token that is a tokenizer token under another name
-    # (`self.image_token = tokenizer.context_image_token`) is that token.
+    # (`self.image_token = tokenizer.context_image_token`) is that token, unless the
+    # processor also reads the tokenizer's own attribute of that name (then the two differ).
     for attribute, target in re.findall(r"self\.(\w+_token)\s*=\s*(?:self\.)?tokenizer\.(\w+_token)\b", source):
-        if attribute != target and target in named:
+        if attribute != target and target in named and not re.search(rf"tokenizer\.{attribute}\b", source):
             named[attribute] = named[target]
     for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
         if literal not in literals and literal not in named.values():
