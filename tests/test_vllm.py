@@ -236,6 +236,50 @@ def test_head_size_vllm_cannot_run_is_refused_up_front():
         make_rollout("vllm", engine, built.processing)
 
 
+def test_vllm_reads_the_head_dim_transformers_derives():
+    """A config class without `head_dim` (its attention takes hidden_size / heads): the
+    config vLLM reads carries the attention modules' head_dim, as published ones do."""
+    import copy
+
+    import transformers
+
+    from mmrl.adapter import Parts
+    from mmrl.rollout.vllm import _derived_fields, _language_head_sizes
+
+    class Adapter:
+        parts = Parts(language="transformer", lm_head="lm_head")
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, n_positions=32,
+                                                                 vocab_size=50, bos_token_id=0, eos_token_id=0))
+    assert not hasattr(model.config, "head_dim")
+    config = copy.deepcopy(model.config)
+    _derived_fields(config, model, Adapter)
+    assert config.head_dim == 32 and _language_head_sizes(model, Adapter) == {32}
+    model.config.head_dim = 16  # a config that states it is left as it is
+    config = copy.deepcopy(model.config)
+    _derived_fields(config, model, Adapter)
+    assert config.head_dim == 16
+
+
+def _reworded_refusal():
+    try:
+        raise NotImplementedError("Sparse Attention is not supported on CPU.")
+    except NotImplementedError as exc:
+        raise RuntimeError("sparse attention was requested, but no backend is available") from exc
+
+
+def test_platform_limits_are_told_apart_from_failures():
+    """A kernel vLLM lacks here (probe: not run here) is not a model vLLM loads wrongly (failed)."""
+    from mmrl.rollout.vllm import platform_limit
+
+    with pytest.raises(RuntimeError) as refused:
+        _reworded_refusal()
+    assert platform_limit(refused.value)
+    assert platform_limit(AttributeError("'_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'"))
+    assert not platform_limit(ValueError("Following weights were not initialized from checkpoint: {'a.weight'}"))
+    assert not platform_limit(AttributeError("'Lfm2Config' object has no attribute 'block_dim'"))
+
+
 def _count_recipe(tmp_path, *overrides):
     return load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
         "rollout.backend=vllm", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",

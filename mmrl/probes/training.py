@@ -22,7 +22,7 @@ import torch
 
 from mmrl.adapter import ModelAdapter
 from mmrl.parallel.mesh import backend
-from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, require
+from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, one_line, require
 
 FSDP_PROCESSES = 2
 FSDP_TIMEOUT_BASE_S = 120  # start-up of two interpreters importing torch and transformers
@@ -289,7 +289,7 @@ def check_vllm(subject: Subject) -> Verified:
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine, join
     from mmrl.rollout import SamplingParams, make_rollout
-    from mmrl.rollout.vllm import UnsupportedByVLLM
+    from mmrl.rollout.vllm import UnsupportedByVLLM, platform_limit
 
     built = subject.build()
     engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
@@ -297,21 +297,18 @@ def check_vllm(subject: Subject) -> Verified:
         rollout = make_rollout("vllm", engine, built.processing)
     except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result
         raise NotRunHere(str(exc).split(": use ")[0]) from exc
-    except AttributeError as exc:
-        # vLLM reads the config.json the rollout wrote; its model classes are written for
-        # published checkpoints, whose config.json may carry fields the transformers
-        # config class does not define (so a config built in code lacks them).
-        missing = re.fullmatch(r"'(\w+Config)' object has no attribute '(\w+)'", str(exc))
-        if missing is None:
-            raise
-        config_class, field = missing.groups()
-        raise CheckFailed(f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does "
-                          f"not define it; published checkpoints' config.json carry it): set it in the config") from exc
+    except Exception as exc:  # noqa: BLE001 - say which stage failed, in one line
+        raise CheckFailed(_vllm_start_failure(exc)) from exc
     conversations = sample_conversations(built.adapter)
     params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
 
     def gap_to_trainer() -> float:
-        result = rollout.generate(conversations, params)
+        try:
+            result = rollout.generate(conversations, params)
+        except Exception as exc:  # noqa: BLE001 - say which stage failed, in one line
+            if platform_limit(exc):  # a kernel this build of vLLM lacks, first called here
+                raise NotRunHere(f"vLLM cannot run this model here ({one_line(exc)})") from exc
+            raise CheckFailed(f"vLLM generation failed: {one_line(exc)}") from exc
         require(result.logprobs is not None, "the vLLM backend returned no sampler log-probs")
         prompts = dict(built.processing(conversations))
         seqs = join(prompts, result.response_ids, result.response_mask, built.adapter, engine.model,
@@ -337,7 +334,10 @@ def check_vllm(subject: Subject) -> Verified:
         logp, _ = engine.log_probs(seqs)
         (-(logp * seqs.response_mask).sum()).backward()
         engine.step()
-        rollout.sync(engine)
+        try:
+            rollout.sync(engine)
+        except Exception as exc:  # noqa: BLE001 - say which stage failed, in one line
+            raise CheckFailed(f"vLLM weight sync failed: {one_line(exc)}") from exc
         after = gap_to_trainer()
         require(after < VLLM_LOGPROB_TOLERANCE,
                 f"after a weight sync, vLLM and trainer log-probs differ by {after:.2e}")
@@ -348,6 +348,19 @@ def check_vllm(subject: Subject) -> Verified:
     return Verified(f"vLLM greedy rollout log-probs match the trainer's before and after a weight sync "
                     f"(tolerance {VLLM_LOGPROB_TOLERANCE:.0e})",
                     {"max_logprob_diff_before": before, "max_logprob_diff_after_sync": after})
+
+
+def _vllm_start_failure(exc: BaseException) -> str:
+    """One line on why vLLM did not start from the checkpoint the rollout wrote."""
+    # vLLM reads the config.json the rollout wrote; its model classes are written for
+    # published checkpoints, whose config.json may carry fields the transformers config
+    # class does not define (so a config built in code lacks them).
+    missing = re.fullmatch(r"'(\w+Config)' object has no attribute '(\w+)'", str(exc))
+    if isinstance(exc, AttributeError) and missing is not None:
+        config_class, field = missing.groups()
+        return (f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does not define "
+                f"it; published checkpoints' config.json carry it): set it in the adapter's tiny() config")
+    return f"vLLM did not load the model: {one_line(exc)}"
 
 
 def _active_dropout(model) -> str:

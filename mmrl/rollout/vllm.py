@@ -34,6 +34,7 @@ import copy
 import logging
 import os
 import random
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,11 @@ DEFAULT_MEDIA_LIMITS = {"image": 8, "video": 2}
 # nearby seeds start far apart. Torch's CPU generator keeps only a seed's low 32 bits.
 _SEED_SPREAD = 0x9E3779B1
 _RELOAD_LAYER_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+# How torch words a call to a custom op that this build of vLLM does not register.
+_MISSING_OP = re.compile(r"'_OpNamespace' '_C\w*' object has no attribute")
+# Where vLLM calls its kernels: its attention backends, and its Triton kernels (Triton has
+# no CPU backend, so on CPU their dispatch fails).
+_KERNEL_PLACES = ("/vllm/v1/attention/backends/", "/vllm/triton_utils/")
 
 
 class UnsupportedByVLLM(ValueError):
@@ -109,7 +115,14 @@ class VLLMRollout:
         if processing.blocked_token_ids:
             options["logits_processors"] = [_blocking_processor(processing.blocked_token_ids)]
         with _preserved_process_state():
-            self.llm = LLM(**options)
+            try:
+                self.llm = LLM(**options)
+            except Exception as exc:
+                self.close()  # what the failed start set up (its process group), so the next one can start
+                if platform_limit(exc):
+                    raise UnsupportedByVLLM(f"vLLM cannot run this model here ({_first_line(exc)}): use the hf "
+                                            "rollout backend, or vLLM on a GPU") from exc
+                raise
         self._check_reloadable()
         self._stop_ids = list(processing.stop_token_ids)
         self._pad_id = processing.tokenizer.pad_token_id
@@ -128,16 +141,14 @@ class VLLMRollout:
             return
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        text = engine.model.config.get_text_config()
-        # Some of vLLM's decoder layers read `head_dim`, others take hidden_size // heads.
-        sizes = {text.hidden_size // text.num_attention_heads, getattr(text, "head_dim", None)} - {None}
+        sizes = _language_head_sizes(engine.model, self.adapter)
         supported = CPUAttentionBackend.get_supported_head_sizes()
         if not sizes <= set(supported):
             raise UnsupportedByVLLM(
                 f"vLLM on CPU supports attention head sizes {supported}; this model's are {sorted(sizes)} "
-                f"(head_dim, and hidden_size {text.hidden_size} / {text.num_attention_heads} heads): use the hf "
-                "rollout backend, or a config whose head size is supported (e.g. model.config_overrides with "
-                "fewer heads and head_dim = hidden_size / heads)"
+                "(its attention modules' head_dim, and hidden_size / heads): use the hf rollout backend, or a "
+                "config whose head size is supported (e.g. model.config_overrides with fewer heads and "
+                "head_dim = hidden_size / heads)"
             )
 
     def _check_reloadable(self) -> None:
@@ -165,6 +176,7 @@ class VLLMRollout:
             model = model.get_base_model()
         config = copy.deepcopy(model.config)
         config.architectures = [arch]
+        _derived_fields(config, model, self.adapter)
         config.save_pretrained(self.path)
         # safetensors wants each tensor contiguous and on storage of its own.
         tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in self._weights(engine)}
@@ -299,12 +311,91 @@ class VLLMRollout:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del self.llm
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-            destroy_model_parallel()
-            if not self._external:  # under torchrun the process group is the trainer's
-                destroy_distributed_environment()
+        destroy_model_parallel()  # both are no-ops where nothing was set up
+        if not self._external:  # under torchrun the process group is the trainer's
+            destroy_distributed_environment()
         self._dir.cleanup()
+
+
+def platform_limit(exc: BaseException) -> bool:
+    """Whether vLLM failed for want of a kernel on this platform: a NotImplementedError
+    (e.g. sparse attention on CPU), a custom op its build lacks (`torch.ops._C.X`, e.g. the
+    selective scan of state-space models on CPU), or an error raised where it calls its
+    kernels (e.g. a CPU attention kernel that takes bf16 weights only, given fp32; a Triton
+    kernel on CPU), as the error itself or as its cause (`raise ... from`)."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, NotImplementedError) or _MISSING_OP.search(str(exc)):
+            return True
+        # The kernel call is the innermost frame or close to it (torch's op dispatch follows).
+        if any(place in frame.filename for frame in traceback.extract_tb(exc.__traceback__)[-3:]
+               for place in _KERNEL_PLACES):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def _config_value(config, name: str):
+    """`config.name`, or None where the config lacks it or refuses a global value (a
+    per-layer attribute of a heterogeneous config raises a non-AttributeError)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - any refusal means "no single value"
+        return None
+
+
+def _language_head_sizes(model, adapter) -> set[int]:
+    """The language model's attention head sizes: each attention module's `head_dim`
+    (transformers' attention classes keep one, per layer), and hidden_size / heads, which
+    some of vLLM's decoder layers take instead. Empty for a model without attention (a
+    state-space model)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    sizes = _attention_head_dims(model, adapter)
+    text = model.config.get_text_config()
+    hidden, heads = _config_value(text, "hidden_size"), _config_value(text, "num_attention_heads")
+    if sizes or heads:
+        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            sizes.add(hidden // heads)
+        if isinstance(head_dim := _config_value(text, "head_dim"), int):
+            sizes.add(head_dim)
+    return sizes
+
+
+def _derived_fields(config, model, adapter) -> None:
+    """Write into `config` (the copy vLLM reads) the fields published checkpoints carry
+    and vLLM's model classes read, where the config class only derives them in the model
+    code: `head_dim` (transformers' attention takes hidden_size / heads when the config
+    has none), read off the language model's attention modules when they agree."""
+    text = config.get_text_config()
+    try:
+        getattr(text, "head_dim")
+        return
+    except AttributeError:
+        pass
+    except Exception:  # noqa: BLE001 - a per-layer attribute: the config has it, per layer
+        return
+    sizes = _attention_head_dims(model, adapter)
+    if len(sizes) == 1:
+        text.head_dim = sizes.pop()
+
+
+def _attention_head_dims(model, adapter) -> set[int]:
+    """The `head_dim` of each attention module of the language part (transformers'
+    attention classes keep one; a state-space mixer's `head_dim` is not an attention's)."""
+    from mmrl.parts import part_of
+
+    return {module.head_dim for name, module in model.named_modules()
+            if "Attention" in type(module).__name__ and isinstance(getattr(module, "head_dim", None), int)
+            and part_of(name, adapter) == "language"}
 
 
 def _blocking_processor(token_ids: list[int]):

@@ -1,0 +1,198 @@
+"""The vLLM probe on families `mmrl add-model` scaffolds for types the zoo lacks (issue 8).
+
+    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/vllm_scaffolded.py [--limit N] [--types a,b] \
+        [--timeout 300] [--out bench/results/vllm_scaffolded.json] [--fresh]
+
+Which types, by rule (nothing picked by hand): every in-scope row of
+`support_matrix/coverage.json` whose scaffold is green there, whose model type no zoo
+family registers, and whose transformers class (the architecture the scaffold names) vLLM's
+model registry serves with a model class of its own (its text-generation or multimodal
+table, not its Transformers backend); causal-LM types first, then image-text-to-text, each
+alphabetically; `--limit N` keeps the first N of each mapping.
+
+Each type runs in a fresh process (vLLM's engine and its memory go with it) under a time
+limit: `mmrl add-model TYPE --out TMP --no-verify` into a temporary directory under /tmp,
+then the `vllm` probe (`mmrl.probes.training.check_vllm`: greedy rollout log-probs against
+the trainer's, then again after an optimizer step and a weight sync) on the scaffolded
+adapter. A row records the status (verified / failed / not_run), the stage where it ended
+(scaffold, load, engine-start, generate, parity, sync, probe, timeout, crash) and one line of
+reason. The JSON is rewritten after every type, and a rerun skips the types already
+recorded unless `--fresh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COVERAGE = REPO / "support_matrix" / "coverage.json"
+MAPPINGS = {"causal_lm": "_TEXT_GENERATION_MODELS", "image_text_to_text": "_MULTIMODAL_MODELS"}
+
+
+def candidates() -> list[dict]:
+    """The rule above, applied: [{"model_type", "mapping", "architecture", "vllm_class"}]."""
+    from transformers.models.auto import modeling_auto
+    from vllm.model_executor.models import registry
+
+    from mmrl.registry import families
+
+    zoo = {t for adapter in families() for t in adapter.model_types}
+    tables = {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+              "image_text_to_text": modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    rows = json.loads(COVERAGE.read_text())["types"]
+    picked = []
+    for mapping, table_name in MAPPINGS.items():
+        served = getattr(registry, table_name)
+        for row in sorted(rows, key=lambda r: r["model_type"]):
+            if row["mapping"] != mapping or not row["in_scope"] or row["status"] != "green":
+                continue
+            if row["model_type"] in zoo:
+                continue
+            architecture = tables[mapping].get(row["model_type"])
+            entry = served.get(architecture)
+            if entry is None or entry[0] == "transformers":  # absent, or vLLM's Transformers backend
+                continue
+            picked.append({"model_type": row["model_type"], "mapping": mapping, "architecture": architecture,
+                           "vllm_class": f"{entry[0]}:{entry[1]}"})
+    return picked
+
+
+def stage_of(reason: str) -> str:
+    """Where a failed or skipped probe ended, read off the one-line reason `check_vllm` gives."""
+    stages = {"engine-start": ("vLLM did not load", "vLLM's model reads", "vLLM cannot run", "head sizes",
+                               "mixture-of-experts"),
+              "generate": ("vLLM generation failed",), "sync": ("vLLM weight sync failed", "after a weight sync"),
+              "parity": ("log-probs differ",)}
+    for stage, starts in stages.items():
+        if any(text in reason for text in starts):
+            return stage
+    return "probe"
+
+
+def child(model_type: str) -> None:
+    """In a fresh process: scaffold `model_type` under /tmp, run the vLLM probe, print one JSON row."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    row: dict = {"model_type": model_type}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"mmrl-vllm-scaffold-{model_type}-") as out:
+        scaffold = subprocess.run(
+            [sys.executable, "-m", "mmrl.cli", "add-model", model_type, "--out", out, "--no-verify"],
+            capture_output=True, text=True, cwd=out, timeout=300)
+        if scaffold.returncode != 0:
+            lines = (scaffold.stderr or scaffold.stdout).strip().splitlines() or ["(no output)"]
+            row.update(status="failed", stage="scaffold", reason=lines[-1][:300])
+            print(json.dumps(row), flush=True)
+            return
+        sys.path.insert(0, out)
+        try:
+            from mmrl.registry import get_adapter, load_plugin
+
+            package = next(p.name for p in Path(out).iterdir() if p.name.startswith("mmrl_"))
+            module = next(p.stem for p in (Path(out) / package).glob("*.py") if p.stem != "__init__")
+            load_plugin(f"{package}.{module}")
+            adapter = get_adapter(model_type)
+        except Exception as exc:  # noqa: BLE001 - recorded as the row's outcome
+            row.update(status="failed", stage="load", reason=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+            print(json.dumps(row), flush=True)
+            return
+        from mmrl.probes import Subject, probe
+
+        row["scaffold_seconds"] = round(time.perf_counter() - start, 1)
+        result = probe("vllm").run(Subject(adapter=adapter, source=adapter.family))
+        row.update(status=result.status.value, reason=result.reason.splitlines()[0][:300] if result.reason else "",
+                   probe_seconds=round(result.seconds, 1))
+        if result.status.value != "verified":
+            row["stage"] = stage_of(result.reason)
+            if result.evidence.get("traceback"):
+                row["traceback"] = result.evidence["traceback"][-1500:]
+        else:
+            row["evidence"] = {k: v for k, v in result.evidence.items() if k.startswith("max_")}
+    print(json.dumps(row), flush=True)
+
+
+def run_one(model_type: str, timeout: float) -> dict:
+    start = time.perf_counter()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", model_type], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"model_type": model_type, "status": "failed", "stage": "timeout",
+                "reason": f"no result within {timeout:.0f}s", "seconds": round(time.perf_counter() - start, 1)}
+    rows = [line for line in proc.stdout.splitlines() if line.startswith('{"model_type"')]
+    if rows:
+        row = json.loads(rows[-1])
+    else:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        row = {"model_type": model_type, "status": "failed", "stage": "crash",
+               "reason": f"exit {proc.returncode}: {tail[:300]}"}
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for mapping in MAPPINGS:
+        mine = [r for r in rows if r["mapping"] == mapping]
+        out[mapping] = {"tried": len(mine), "verified": sum(r["status"] == "verified" for r in mine),
+                        "failed": sum(r["status"] == "failed" for r in mine),
+                        "not_run": sum(r["status"] == "not_run" for r in mine)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--types", help="only these comma-separated types (still filtered by the rule)")
+    parser.add_argument("--limit", type=int, default=0, help="the first N types of each mapping (0: all)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type")
+    parser.add_argument("--fresh", action="store_true", help="forget the rows already recorded")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_scaffolded.json")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    import transformers
+    import vllm
+
+    picked = candidates()
+    if args.types:
+        wanted = set(args.types.split(","))
+        picked = [c for c in picked if c["model_type"] in wanted]
+    if args.limit:
+        picked = [c for m in MAPPINGS for c in [c for c in picked if c["mapping"] == m][:args.limit]]
+    done = {}
+    if args.out.is_file() and not args.fresh:
+        done = {r["model_type"]: r for r in json.loads(args.out.read_text())["types"]}
+    rows = list(done.values())
+    for candidate in picked:
+        if candidate["model_type"] in done:
+            continue
+        row = {**candidate, **run_one(candidate["model_type"], args.timeout)}
+        rows.append(row)
+        print(f"{row['model_type']:24} {row['status']:9} {row.get('stage', ''):13} {row['seconds']:6.1f}s "
+              f"{row['reason'][:110]}", flush=True)
+        order = {m: i for i, m in enumerate(MAPPINGS)}
+        rows.sort(key=lambda r: (order[r["mapping"]], r["model_type"]))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "vllm": vllm.__version__, "transformers": transformers.__version__,
+            "torch": __import__("torch").__version__, "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/vllm_scaffolded.py", *sys.argv[1:]]),
+            "rule": __doc__.split("Which types, by rule (nothing picked by hand): ")[1].split("\n\n")[0].replace("\n", " "),
+            "summary": summary(rows), "types": rows,
+        }, indent=1) + "\n")
+    print(json.dumps(summary(rows)))
+
+
+if __name__ == "__main__":
+    main()
