@@ -92,7 +92,8 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["hf", "vllm"] = "hf"
+    # hf_compiled: HF with a static KV cache and a compiled decode step (docs/training.md).
+    backend: Literal["hf", "hf_compiled", "vllm"] = "hf"
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, ge=0)

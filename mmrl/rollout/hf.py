@@ -32,38 +32,47 @@ class HFRollout:
         was_training = model.training
         model.eval()
         self.engine.gather_root()
-        tokenizer = self.processing.tokenizer
-        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         try:
-            device = self.engine.dist.device
-            with self.engine.autocast(), self.engine.media_sharing(batch, shared.to(device) if shared else None):
-                out = model.generate(
-                    **batch,
-                    do_sample=not params.greedy,
-                    max_new_tokens=params.max_new_tokens,
-                    eos_token_id=self.processing.stop_token_ids,
-                    pad_token_id=tokenizer.pad_token_id,
-                    suppress_tokens=self.processing.blocked_token_ids or None,
-                    # Sharded weights: every forward is collective, so a rank whose
-                    # sequences all stopped keeps stepping until every rank is done.
-                    synced_gpus=self.engine.sharded,
-                    **({"output_logits": True, "return_dict_in_generate": True} if params.logprobs else {}),
-                    **sampling,
-                )
+            generated, logprobs = self._sample(batch, shared, params)
         finally:
             model.train(was_training)
-        sequences = out.sequences if params.logprobs else out
-        generated = sequences[:, batch["input_ids"].shape[1]:].cpu()
+        tokenizer = self.processing.tokenizer
         ids, mask, reasons = trim_responses(generated, self.processing.stop_token_ids, tokenizer.pad_token_id)
-        logprobs = None
-        if params.logprobs:
-            # The raw logits of each step (before temperature, top-p and blocked tokens),
-            # as vLLM's raw log-probs and `Engine.log_probs` at temperature 1 see them.
-            logits = torch.stack(out.logits, dim=1).float().cpu()
-            logprobs = torch.log_softmax(logits, -1).gather(-1, generated.unsqueeze(-1)).squeeze(-1) * mask
+        if logprobs is not None:
+            logprobs = logprobs * mask
         return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                              prompt_index=prompt_index, logprobs=logprobs, prompt_inputs=prompt_inputs,
                              shared_media=shared)
+
+    def _sample(self, batch: dict, shared, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Generated tokens (B, R) on the CPU, and with `params.logprobs` each token's
+        log-prob under the raw logits (B, R); rows that stopped early are padded."""
+        model = self.engine.model
+        tokenizer = self.processing.tokenizer
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        device = self.engine.dist.device
+        with self.engine.autocast(), self.engine.media_sharing(batch, shared.to(device) if shared else None):
+            out = model.generate(
+                **batch,
+                do_sample=not params.greedy,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=self.processing.stop_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                suppress_tokens=self.processing.blocked_token_ids or None,
+                # Sharded weights: every forward is collective, so a rank whose
+                # sequences all stopped keeps stepping until every rank is done.
+                synced_gpus=self.engine.sharded,
+                **({"output_logits": True, "return_dict_in_generate": True} if params.logprobs else {}),
+                **sampling,
+            )
+        sequences = out.sequences if params.logprobs else out
+        generated = sequences[:, batch["input_ids"].shape[1]:].cpu()
+        if not params.logprobs:
+            return generated, None
+        # The raw logits of each step (before temperature, top-p and blocked tokens),
+        # as vLLM's raw log-probs and `Engine.log_probs` at temperature 1 see them.
+        logits = torch.stack(out.logits, dim=1).float().cpu()
+        return generated, torch.log_softmax(logits, -1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
 
     def sync(self, engine) -> None:
         """Nothing to do: generation reads the engine's live weights."""

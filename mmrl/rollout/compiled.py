@@ -1,0 +1,250 @@
+"""HF rollout with a static KV cache and a compiled decode step (`rollout.backend: hf_compiled`).
+
+    rollout = make_rollout("hf_compiled", engine, processing)
+    result = rollout.generate(conversations, SamplingParams(n=8, max_new_tokens=256))
+
+The same prompts, tokens and log-probs as the `hf` backend (greedy output is identical to
+plain `generate`), sampled by a decode loop of our own over `model.forward`:
+
+- the prompt batch (with its images) runs once, eagerly, into a transformers
+  `StaticCache`; every later step feeds one text token per row, so its shapes never
+  change and `torch.compile(mode="reduce-overhead")` replays it as a CUDA graph;
+- positions come from the family's adapter (`position_ids`, 3-D for mrope): a new token
+  sits one past its row's largest prompt position on every axis, which is what
+  transformers' rope deltas give;
+- token choice (blocked tokens, temperature, top-p, sampling) and the raw log-prob run
+  inside the compiled step; finished rows emit padding;
+- every few steps the loop looks at how many rows are still running: it stops when none
+  are, and when half of them have finished it moves the running rows (and their cache)
+  into a batch half as wide, so finished rows stop costing compute.
+
+Where this cannot run (sharded weights, a family that computes its own positions, a
+generation config with logits processors this loop lacks) or compiling fails, the
+backend warns once and uses plain `generate`. Speed: `python bench/rollout_speed.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.hf import HFRollout
+
+# Rows are compacted only in batches wider than this: below it a step costs about the
+# same whatever the width, and every new width is one more graph to compile.
+MIN_COMPACT_ROWS = 8
+# Steps between looks at the running rows (each look waits for the GPU).
+CHECK_EVERY = 8
+# Cache lengths are rounded up to a multiple of this, so prompts of similar length share
+# their caches and compiled graphs.
+CACHE_LENGTH_STEP = 256
+
+# Generation-config fields whose logits processors plain `generate` would apply and this
+# loop does not, with their no-op values.
+_UNSUPPORTED = {
+    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
+    "min_new_tokens": (None, 0), "bad_words_ids": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "sequence_bias": (None,), "begin_suppress_tokens": (None,),
+    "suppress_tokens": (None,), "encoder_repetition_penalty": (None, 1.0),
+    "exponential_decay_length_penalty": (None,), "num_beams": (None, 1), "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+}
+_UNSUPPORTED_SAMPLING = {"min_p": (None, 0.0), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
+                         "eta_cutoff": (None, 0.0)}
+
+
+class Unsupported(Exception):
+    """This batch or model cannot take the compiled path (the message says why)."""
+
+
+def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: float, top_p: float,
+                  want_logprobs: bool):
+    """One token per row from its last logits (float32), as `generate`'s processors
+    choose it: blocked tokens removed, then temperature and top-p, then a sample (greedy
+    at temperature 0). Finished rows get `pad_id`. Returns the tokens, their log-probs
+    under the raw logits (or None), and which rows are still running."""
+    scores = logits + blocked
+    if temperature > 0:
+        if temperature != 1.0:
+            scores = scores / temperature
+        if top_p < 1.0:
+            ordered, order = scores.sort(dim=-1)
+            drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+            drop[:, -1] = False  # the likeliest token always stays
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        probs = scores.softmax(-1)
+        # probs / Exp(1) noise: its argmax is a draw from probs (no host sync, graph-safe).
+        tokens = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    else:
+        tokens = scores.argmax(-1)
+    tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
+    logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1) if want_logprobs else None
+    unfinished = unfinished & ~(tokens[:, None] == stops).any(-1)
+    return tokens, logprobs, unfinished
+
+
+class CompiledHFRollout(HFRollout):
+    """`HFRollout` with a static-cache decode loop; `compile=False` runs the same loop
+    eagerly (what CPU tests check), `compile_options` go to `torch.compile`."""
+
+    def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
+                 min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY):
+        super().__init__(engine, processing)
+        self.compile = compile
+        self.min_compact_rows = min_compact_rows
+        self.check_every = check_every
+        self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
+        self.fallback_reason: str | None = None  # set once the compiled path is given up
+        self._step = None
+        self._caches: dict[tuple[int, int], object] = {}
+        self.stats: dict[str, int] = {}
+
+    # -- the switch --------------------------------------------------------------------------
+    def _sample(self, batch, shared, params: SamplingParams):
+        if self.fallback_reason is None:
+            try:
+                return self._fast_sample(batch, shared, params)
+            except Exception as error:  # noqa: BLE001 - any failure falls back, once, loudly
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                self.fallback_reason = f"{type(error).__name__}: {reason}"[:300]
+                self._caches.clear()
+                warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
+                              stacklevel=2)
+        return super()._sample(batch, shared, params)
+
+    def _check(self, params: SamplingParams) -> None:
+        if self.engine.sharded:
+            raise Unsupported("sharded weights (FSDP2) step every rank together")
+        config = self.engine.model.generation_config
+        fields = dict(_UNSUPPORTED, **({} if params.greedy else _UNSUPPORTED_SAMPLING))
+        for name, neutral in fields.items():
+            value = getattr(config, name, None)
+            if value not in neutral and value != []:
+                raise Unsupported(f"generation_config.{name}={value!r} has no equivalent here")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _fast_sample(self, batch, shared, params: SamplingParams):
+        self._check(params)
+        model = self.engine.model
+        device = self.engine.dist.device
+        positions = self.engine.adapter.position_ids(model, batch)
+        if positions is None:
+            raise Unsupported("the family computes its own position ids")
+        rows, prompt_length = batch["input_ids"].shape
+        new_tokens = params.max_new_tokens
+        length = -(-(prompt_length + new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+        pad_id = self.processing.tokenizer.pad_token_id
+        stops = torch.tensor(self.processing.stop_token_ids, device=device)
+        pick = dict(pad_id=pad_id, temperature=params.temperature, top_p=params.top_p,
+                    want_logprobs=params.logprobs)
+        cache = self._cache(rows, length)
+        keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        with self.engine.autocast():
+            with self.engine.media_sharing(batch, shared.to(device) if shared else None):
+                out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
+            logits = out.logits[:, -1].float()
+            del out
+            blocked = torch.zeros(logits.shape[-1], device=device)
+            blocked[[i for i in self.processing.blocked_token_ids if i < logits.shape[-1]]] = float("-inf")
+            running = torch.ones(rows, dtype=torch.bool, device=device)
+            token, logprob, running = choose_tokens(logits, running, blocked, stops, **pick)
+            tokens = torch.full((rows, new_tokens), pad_id, dtype=torch.long, device=device)
+            logprobs = torch.zeros(rows, new_tokens, device=device) if params.logprobs else None
+            tokens[:, 0] = token
+            if logprobs is not None:
+                logprobs[:, 0] = logprob
+            # Each row's next position, axis by axis (mrope's, and a text axis where the
+            # family adds one): one past the largest position of its real prompt tokens,
+            # as transformers' rope deltas give (padding may hold any position).
+            last = positions.masked_fill(batch["attention_mask"] == 0, -1).amax(-1)
+            mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(rows, length - prompt_length)], 1)
+            index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
+            step = self._compiled_step()
+            steps = 1
+            for t in range(1, new_tokens):
+                if t % self.check_every == 0:
+                    alive = int(running.sum())
+                    if alive == 0:
+                        break
+                    width = len(index)
+                    if width > self.min_compact_rows and alive <= width // 2:
+                        keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
+                        cache = self._moved(cache, keep, length)
+                        index, token, running, mask = (x[keep] for x in (index, token, running, mask))
+                        last = last[..., keep]
+                place = (last + t).unsqueeze(-1)
+                if self.compile and device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                token, logprob, running = step(model, token[:, None], place, mask, cache, running, blocked, stops, **pick)
+                # The graph's outputs are overwritten by its next replay: keep copies.
+                token, running = token.clone(), running.clone()
+                tokens[index, t] = token
+                if logprobs is not None:
+                    logprobs[index, t] = logprob
+                steps += 1
+        # What the last call did (tests and the benchmark read it).
+        self.stats = {"steps": steps, "final_rows": len(index)}
+        width = _used_width(tokens, stops)
+        return tokens[:, :width].cpu(), None if logprobs is None else logprobs[:, :width].cpu()
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _compiled_step(self):
+        if self._step is None:
+            self._step = torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+        return self._step
+
+    def _cache(self, rows: int, length: int):
+        """A reset static cache for `rows` x `length`, kept between calls: a compiled graph
+        replays on the same cache tensors."""
+        from transformers import StaticCache
+
+        if any(key[1] != length for key in self._caches):
+            self._caches = {key: c for key, c in self._caches.items() if key[1] == length}
+        cache = self._caches.get((rows, length))
+        if cache is None:
+            cache = self._caches[(rows, length)] = StaticCache(config=self.engine.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    def _moved(self, cache, keep: torch.Tensor, length: int):
+        """The cache rows `keep` in a (kept) cache of len(keep) rows."""
+        smaller = self._cache(len(keep), length)
+        for old, new in zip(cache.layers, smaller.layers, strict=True):
+            keys, values = old.keys.index_select(0, keep), old.values.index_select(0, keep)
+            if not new.is_initialized:
+                new.lazy_initialization(keys, values)
+            new.keys.copy_(keys)
+            new.values.copy_(values)
+            # How far the layer is filled (a tensor, or an int for sliding windows).
+            for name, value in vars(old).items():
+                if name.startswith("cumulative_length"):
+                    if isinstance(value, torch.Tensor):
+                        getattr(new, name).copy_(value)
+                    else:
+                        setattr(new, name, value)
+        return smaller
+
+
+def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, **pick):
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                past_key_values=cache, use_cache=True)
+    return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, **pick)
+
+
+def _compact_rows(running: torch.Tensor, width: int) -> torch.Tensor:
+    """`width` row indices: every running row, then finished rows to fill the width."""
+    order = torch.argsort((~running).to(torch.int8), stable=True)
+    return order[:width]
+
+
+def _used_width(tokens: torch.Tensor, stops: torch.Tensor) -> int:
+    """Columns up to the last row's first stop token when every row stopped (where
+    `generate` ends its loop), else all of them."""
+    is_stop = torch.isin(tokens, stops)
+    if not bool(is_stop.any(-1).all()):
+        return tokens.shape[1]
+    return int(is_stop.int().argmax(-1).max()) + 1

@@ -1,0 +1,146 @@
+"""The static-cache rollout (`rollout.backend: hf_compiled`, mmrl/rollout/compiled.py) on
+tiny random-init models, fp32 on CPU: greedy tokens, finish reasons and log-probs equal
+plain `generate`'s for a text family and for VLM families (images in the prefill, mrope
+positions after it), also when finished rows are moved out of the batch mid-way and when
+the decode step goes through `torch.compile` (dynamo, full graph); sampling follows the
+filtered distribution; a model it cannot serve falls back to plain generate with one
+warning. The compiled CUDA-graph path and its speed are checked in tests/test_gpu.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl import build_model
+from mmrl.engine import Engine
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout.compiled import choose_tokens
+
+TEXT_PROMPTS = ["What is it?", "And this one here, a longer one?", "no", "Say something about the sea and sky"]
+
+
+def _setup(family, spread: float = 0.3):
+    """A tiny model whose greedy continuations differ from token to token: random init
+    with widened weights (the default init repeats one token forever)."""
+    options = {"min_pixels": 784, "max_pixels": 56 * 56} if family != "qwen2" else {}
+    built = build_model(family, random_init=True, seed=0, processing_options=options)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in built.model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * spread)
+    engine = Engine(built, init_distributed(), mixed_precision=False, share_media=False)
+    return built, engine
+
+
+def _conversations(built, count=2):
+    if not built.adapter.is_multimodal:
+        return [[{"role": "user", "content": text}] for text in TEXT_PROMPTS[:count]]
+    sizes = [(56, 56), (84, 56), (56, 84), (28, 56)]
+    return [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", sizes[i], (60 * i, 30, 200))},
+                                          {"type": "text", "text": TEXT_PROMPTS[i]}]}] for i in range(count)]
+
+
+def _assert_same(plain, fast):
+    assert fast.response_ids.shape == plain.response_ids.shape
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    assert torch.equal(fast.response_mask, plain.response_mask)
+    assert fast.finish_reasons == plain.finish_reasons
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl", "qwen2_5_vl", "idefics3"])
+def test_greedy_tokens_and_logprobs_equal_plain_generate(family):
+    built, engine = _setup(family)
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    fast = rollout.generate(conversations, params)
+    assert rollout.fallback_reason is None
+    # The continuations are not one token repeated: a wrong position would show.
+    assert len(set(plain.response_ids[0].tolist())) > 3
+    _assert_same(plain, fast)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_finished_rows_leave_the_batch_without_changing_the_output(family):
+    built, engine = _setup(family)
+    conversations = _conversations(built, count=4)
+    params = SamplingParams(n=4, max_new_tokens=24, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    # A stop token that the first prompt's rows meet early and some other prompt's never.
+    for candidate in plain.response_ids[0, :6].tolist():
+        built.processing.extra_stop_ids = [candidate]
+        plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+        if plain.finish_reasons.count("length") >= 4:
+            break
+    assert plain.finish_reasons[:4] == ["stop"] * 4 and plain.finish_reasons.count("length") >= 4
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, min_compact_rows=2, check_every=2)
+    fast = rollout.generate(conversations, params)
+    assert rollout.stats["final_rows"] < 16  # rows were moved into a narrower batch
+    _assert_same(plain, fast)
+
+
+def test_compiled_decode_step_traces_as_one_graph():
+    built, engine = _setup("qwen2")
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing,
+                           compile_options={"backend": "eager", "fullgraph": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        fast = rollout.generate(conversations, params)
+    assert rollout.fallback_reason is None
+    _assert_same(plain, fast)
+    sampled = rollout.generate(conversations, SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_p=0.9))
+    assert sampled.response_ids.shape[0] == 4 and rollout.fallback_reason is None
+
+
+def test_sampling_draws_from_the_filtered_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0]).repeat(40000, 1)
+    blocked = torch.zeros(6)
+    blocked[5] = float("-inf")  # the likeliest token is blocked: never drawn
+    stops = torch.tensor([4])
+    running = torch.ones(len(logits), dtype=torch.bool)
+    running[:10] = False
+    tokens, logprobs, still = choose_tokens(logits, running, blocked, stops, pad_id=3, temperature=0.5, top_p=0.95,
+                                            want_logprobs=True)
+    assert (tokens[:10] == 3).all() and not still[:10].any()
+    drawn = tokens[10:]
+    # At temperature 0.5 tokens 3 and 4 hold 1.7% of the mass together: top-p 0.95 drops them.
+    probs = (torch.tensor([2.0, 1.0, 0.5]) / 0.5).softmax(-1)
+    frequencies = torch.bincount(drawn, minlength=6)[:3].float() / len(drawn)
+    assert set(drawn.unique().tolist()) == {0, 1, 2}
+    torch.testing.assert_close(frequencies, probs, atol=0.01, rtol=0)
+    # Log-probs are the raw logits' (temperature 1, nothing blocked).
+    raw = logits[0].log_softmax(-1)
+    torch.testing.assert_close(logprobs[10:], raw[drawn], atol=1e-6, rtol=0)
+
+
+def test_a_generation_config_it_cannot_follow_falls_back_with_one_warning():
+    built, engine = _setup("qwen2")
+    engine.model.generation_config.repetition_penalty = 1.3
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    with pytest.warns(UserWarning, match="repetition_penalty") as caught:
+        fast = rollout.generate(conversations, params)
+        rollout.generate(conversations, params)
+    assert len([w for w in caught if "hf_compiled" in str(w.message)]) == 1
+    _assert_same(plain, fast)
+
+
+def test_the_recipe_names_the_backend():
+    from mmrl.config import load_recipe
+
+    recipe = load_recipe("recipes/tiny_vlm_count.yaml", ["rollout.backend=hf_compiled"])
+    assert recipe.rollout.backend == "hf_compiled"
+    with pytest.raises(ValueError, match="hf_compiled"):
+        make_rollout("hf_fast", None, None)
