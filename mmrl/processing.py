@@ -232,6 +232,14 @@ class Processing:
         # Labels some processors add for their own fine-tuning recipe are not inputs here:
         # the trainer scores responses itself.
         batch.pop("labels", None)
+        # A second text encoder's inputs (`qformer_input_ids` beside `input_ids`) are padded
+        # on the right whatever the decoder's side: such encoders number positions from the
+        # first slot, so left padding would shift every prompt's positions.
+        for key in [k for k in batch if k.endswith("_input_ids") and k != "input_ids"]:
+            mask_key = key.removesuffix("input_ids") + "attention_mask"
+            if isinstance(batch.get(mask_key), torch.Tensor) and batch[mask_key].dim() == 2:
+                order = torch.sort((batch[mask_key] == 0).int(), dim=1, stable=True).indices
+                batch[key], batch[mask_key] = batch[key].gather(1, order), batch[mask_key].gather(1, order)
         # Media in float32 whatever precision a processor hands out (some emit bfloat16
         # pixels): the model, or autocast, decides the compute precision.
         for key, value in batch.items():

@@ -85,3 +85,33 @@ def test_config_overrides_resize_layer_types_and_check_rope():
         build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"head_dim": 64}})
     with pytest.raises(ValueError, match="config.text_config.nonsense"):
         build_model("qwen2_vl", random_init=True, config_overrides={"text_config": {"nonsense": 1}})
+
+
+def test_a_second_text_encoders_inputs_are_padded_on_the_right():
+    # A processor that pads everything on the decoder's (left) side, and emits the
+    # inputs of a second text encoder (a Q-Former's) beside the decoder's.
+    from mmrl.processing import Processing
+
+    class LeftPaddingProcessor:
+        def __init__(self):
+            self.tokenizer = object()
+
+        def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True, **kwargs):
+            return conversation[0]["content"][-1]["text"]
+
+        def __call__(self, text, padding_side, **kwargs):
+            assert padding_side == "left"
+            rows = [[7] * len(t) for t in text]
+            width = max(map(len, rows))
+            ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+            mask = (ids != 0).long()
+            return {"input_ids": ids, "attention_mask": mask, "qformer_input_ids": ids.clone(),
+                    "qformer_attention_mask": mask.clone(), "pixel_values": torch.zeros(len(text), 3, 2, 2)}
+
+    image = Image.new("RGB", (8, 8))
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": t}]}]
+                     for t in ("ab", "abcd")]
+    batch = Processing(LeftPaddingProcessor())(conversations)
+    assert batch["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]  # the decoder's: left
+    assert batch["qformer_attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch["qformer_input_ids"].tolist() == [[7, 7, 0, 0], [7, 7, 7, 7]]
