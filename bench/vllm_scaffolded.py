@@ -14,7 +14,7 @@ Each type runs in a fresh process (vLLM's engine and its memory go with it) unde
 limit: `mmrl add-model TYPE --out TMP --no-verify` into a temporary directory under /tmp,
 then the `vllm` probe (`mmrl.probes.training.check_vllm`: greedy rollout log-probs against
 the trainer's, then again after an optimizer step and a weight sync) on the scaffolded
-adapter. A row records the status (verified / failed / not_run), the stage where it ended
+adapter. A row records the status (verified / failed / not run here), the stage where it ended
 (scaffold, load, engine-start, generate, parity, sync, probe, timeout, crash) and one line of
 reason. The JSON is rewritten after every type, and a rerun skips the types already
 recorded unless `--fresh`.
@@ -145,7 +145,7 @@ def summary(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["mapping"] == mapping]
         out[mapping] = {"tried": len(mine), "verified": sum(r["status"] == "verified" for r in mine),
                         "failed": sum(r["status"] == "failed" for r in mine),
-                        "not_run": sum(r["status"] == "not_run" for r in mine)}
+                        "not_run": sum(r["status"] == "not run here" for r in mine)}
     return out
 
 
