@@ -281,6 +281,19 @@ def test_platform_limits_are_told_apart_from_failures():
     assert not platform_limit(AttributeError("'Lfm2Config' object has no attribute 'block_dim'"))
 
 
+def test_a_failed_vllm_start_is_named_in_one_line():
+    from mmrl.probes.training import _vllm_start_failure
+
+    reason = _vllm_start_failure(AttributeError("'Lfm2Config' object has no attribute 'block_dim'"))
+    assert "config.block_dim" in reason and "Lfm2Config" in reason and "tiny()" in reason
+    try:
+        raise AssertionError  # what a bare `assert` in vLLM raises (pytest rewrites the ones here)
+    except AssertionError as bare:
+        reason = _vllm_start_failure(bare)
+    assert reason.startswith("vLLM did not load the model: AssertionError at ") and "(raise AssertionError" in reason
+    assert "\n" not in reason
+
+
 def _count_recipe(tmp_path, *overrides):
     return load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
         "rollout.backend=vllm", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",

@@ -360,7 +360,13 @@ def _vllm_start_failure(exc: BaseException) -> str:
         config_class, field = missing.groups()
         return (f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does not define "
                 f"it; published checkpoints' config.json carry it): set it in the adapter's tiny() config")
-    return f"vLLM did not load the model: {one_line(exc)}"
+    where = ""
+    if not str(exc).strip():  # a bare assert: name the line that failed
+        import traceback
+
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f" at {frame.filename.split('site-packages/')[-1]}:{frame.lineno} ({(frame.line or '').strip()})"
+    return f"vLLM did not load the model: {one_line(exc)}{where}"
 
 
 def _active_dropout(model) -> str:
