@@ -279,6 +279,12 @@ def test_platform_limits_are_told_apart_from_failures():
     assert platform_limit(AttributeError("'_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'"))
     assert not platform_limit(ValueError("Following weights were not initialized from checkpoint: {'a.weight'}"))
     assert not platform_limit(AttributeError("'Lfm2Config' object has no attribute 'block_dim'"))
+    # Raised where vLLM calls a kernel (a CPU op wrapper), or in a model's own code.
+    for place, limit in (("model_executor/layers/mamba/ops/cpu/gdn_attention.py", True),
+                         ("model_executor/models/clip.py", False)):
+        with pytest.raises(AssertionError) as raised:
+            exec(compile("raise AssertionError('needs bf16')", f"/site-packages/vllm/{place}", "exec"))
+        assert platform_limit(raised.value) is limit, place
 
 
 def test_a_failed_vllm_start_is_named_in_one_line():

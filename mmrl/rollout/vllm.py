@@ -52,9 +52,10 @@ _SEED_SPREAD = 0x9E3779B1
 _RELOAD_LAYER_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 # How torch words a call to a custom op that this build of vLLM does not register.
 _MISSING_OP = re.compile(r"'_OpNamespace' '_C\w*' object has no attribute")
-# Where vLLM calls its kernels: its attention backends, and its Triton kernels (Triton has
-# no CPU backend, so on CPU their dispatch fails).
-_KERNEL_PLACES = ("/vllm/v1/attention/backends/", "/vllm/triton_utils/")
+# Where vLLM calls its kernels: its attention backends, its layers' op wrappers (e.g. the
+# CPU gated-delta-net kernel, bf16 only) and its Triton kernels (Triton has no CPU
+# backend, so on CPU their dispatch fails).
+_KERNEL_PLACES = re.compile(r"/vllm/(v1/attention/backends/|model_executor/layers/(\w+/)*ops/|_custom_ops\.py|triton_utils/)")
 
 
 class UnsupportedByVLLM(ValueError):
@@ -333,8 +334,7 @@ def platform_limit(exc: BaseException) -> bool:
         if isinstance(exc, NotImplementedError) or _MISSING_OP.search(str(exc)):
             return True
         # The kernel call is the innermost frame or close to it (torch's op dispatch follows).
-        if any(place in frame.filename for frame in traceback.extract_tb(exc.__traceback__)[-3:]
-               for place in _KERNEL_PLACES):
+        if any(_KERNEL_PLACES.search(frame.filename) for frame in traceback.extract_tb(exc.__traceback__)[-3:]):
             return True
         exc = exc.__cause__
     return False
