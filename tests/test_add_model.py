@@ -355,3 +355,11 @@ def test_docs_state_the_committed_coverage():
     assert found, "docs/adding_a_model.md must state the sweep's figures"
     text_lm, vlm = summary["causal_lm"], summary["image_text_to_text"]
     assert [int(g) for g in found.groups()] == [text_lm["green"], text_lm["in_scope"], vlm["green"], vlm["in_scope"]]
+
+
+def test_sweep_names_a_killed_process_in_one_line():
+    from mmrl.scaffold.sweep import _killed
+
+    line = _killed(-9, "stage config")
+    assert line.startswith("stage config: killed by SIGKILL") and "memory" in line and "\n" not in line
+    assert _killed(-15, "the generated tests") == "the generated tests: killed by SIGTERM"

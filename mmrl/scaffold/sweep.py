@@ -164,8 +164,8 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
         if code is None:
             row.status, row.reason = "timeout", f"stage {row.stage} ran past the {scaffold_seconds:.0f} s limit"
         elif "status" not in record:
-            row.status, row.reason = "scaffold-crash", one_line(output.strip().splitlines()[-1] if output.strip()
-                                                                else f"exit code {code}")
+            row.status, row.reason = "scaffold-crash", (_killed(code, f"stage {row.stage}") if code < 0 else one_line(
+                output.strip().splitlines()[-1] if output.strip() else f"exit code {code}"))
         elif record["status"] != "written":
             row.status, row.reason = record["status"], record.get("reason", "")
         else:
@@ -176,11 +176,27 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
                                 tests_seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
             if code is None:
                 row.status, row.reason = "timeout", f"the generated tests ran past the {tests_seconds:.0f} s limit"
+            elif code < 0:
+                row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
             elif code != 0:
                 row.status, row.reason = "tests-fail", one_line(_first_failure(output))
     row.seconds = round(time.monotonic() - start, 1)
     row.runner = runner()
     return row
+
+
+def _killed(code: int, what: str) -> str:
+    """One line for a process the system killed (a negative return code)."""
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGKILL":  # most often the kernel's out-of-memory killer
+        return (f"{what}: killed by SIGKILL, most often the system out of memory (the tiny model or its inputs are "
+                "too large); write tiny() by hand with smaller shapes")
+    return f"{what}: killed by {name}"
 
 
 def runner() -> str:
