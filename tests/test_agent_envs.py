@@ -93,3 +93,51 @@ def test_thumbnail_share_is_the_same_for_a_row_every_time():
     with pytest.raises(ValueError, match="thumbnail_share"):
         ToolEnvironment(thumbnail_share=2)
     assert env.thumbnail_share == 0.5
+
+
+def test_restate_puts_the_question_after_a_reply_image():
+    env = ToolEnvironment(tools=["zoom"], max_calls=1, restate=True, reply_role="user")
+    messages = env.reset(_row())
+    reply, done, _ = env.step([*messages, {"role": "assistant", "content": "zoom()"}])
+    parts = reply[0]["content"]
+    assert [p["type"] for p in parts] == ["image", "text"] and parts[1]["text"] == "What?" and not done
+    # An error reply is text, then the question.
+    env = ToolEnvironment(tools=["calculator"], max_calls=1, restate=True)
+    env.reset(_row())
+    reply, _, _ = env.step([{"role": "assistant", "content": "calculator(expression='1/0')"}])
+    assert reply[0]["content"] == "error: division by zero"  # tool errors are not replies to restate
+    plain = ToolEnvironment(tools=["zoom"], max_calls=1)
+    plain.reset(_row())
+    assert len(plain.step([{"role": "assistant", "content": "zoom()"}])[0][0]["content"]) == 1
+
+
+def test_tool_use_reward_pays_an_answer_after_a_tool_reply_only():
+    def episode(*turns, **options):
+        env = ToolEnvironment(tools=["zoom"], max_calls=1, tool_use_reward=0.3, **options)
+        messages, rewards = env.reset(_row()), []
+        for turn in turns:
+            messages.append({"role": "assistant", "content": turn})
+            reply, done, reward = env.step(messages)
+            rewards.append(reward)
+            messages += reply
+        return rewards, done
+
+    assert episode("3") == ([None], True)  # a direct answer: nothing
+    assert episode("zoom()", "3") == ([None, 0.3], True)  # zoomed, then answered
+    assert episode("zoom()", "zoom()") == ([None, None], True)  # past the budget: no answer, nothing
+    assert episode("zoom(size=2)", "3") == ([None, None], True)  # the call failed: no reply, nothing
+
+
+def test_opening_calls_and_hidden_images():
+    env = ToolEnvironment(tools=["zoom"], max_calls=0, thumbnail=7, reply_role="user", opening_calls=["zoom()"])
+    messages = env.reset(_row())
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"] and messages[1]["content"] == "zoom()"
+    assert messages[2]["content"][0]["image"].getpixel((28, 28)) == (0, 0, 0)  # the original, not the thumbnail
+    assert (env.tool_calls, env.tool_errors) == (0, 0)  # the environment's calls are not the policy's
+    with pytest.raises(ValueError, match="opening_calls: 'look\\(\\)' is not a call of a tool here"):
+        ToolEnvironment(tools=["zoom"], opening_calls=["look()"]).reset(_row())
+    hidden = ToolEnvironment(tools=["zoom"], hide_images=True, reply_role="user")
+    messages = hidden.reset(_row())
+    assert [p["type"] for p in messages[0]["content"]] == ["text"]
+    reply, done, _ = hidden.step([*messages, {"role": "assistant", "content": "zoom()"}])
+    assert reply[0]["content"][0]["image"].size == (56, 56) and not done  # the tool still sees the image

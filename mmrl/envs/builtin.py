@@ -43,12 +43,20 @@ class ToolEnvironment:
     downscaled to this many pixels on the longer side, then scaled back to their size,
     so detail is lost but the image budget is unchanged; tools see the originals),
     `thumbnail_share` (the share of rows shown as thumbnails, the others at full size:
-    chosen by a checksum of the row's first image, so a row is always treated alike), and
-    `system` (a system message prepended to the prompt)."""
+    chosen by a checksum of the row's first image, so a row is always treated alike),
+    `system` (a system message prepended to the prompt), `hide_images` (drop the prompt's
+    images: the policy sees them only through a tool), `restate` (follow each tool reply
+    with the text of the prompt's last user message), `tool_use_reward` (a shaping reward
+    for an answer that follows a tool's reply: exploring the tool pays before reading its
+    replies is learned; keep it plus the reward function's partial credit below 1, which
+    counts as correct) and `opening_calls` (calls such as "zoom()" the environment makes
+    before the policy's first turn: their replies open the conversation, a demonstration
+    that is context, not trained on, not counted as the policy's calls)."""
 
     def __init__(self, tools: Sequence[str | Tool] = ("calculator",), max_calls: int = 4,
                  reply_role: str = "tool", thumbnail: int | None = None, thumbnail_share: float = 1.0,
-                 system: str | None = None):
+                 system: str | None = None, restate: bool = False, tool_use_reward: float = 0.0,
+                 opening_calls: Sequence[str] = (), hide_images: bool = False):
         self.tools = {t.name: t for t in (get_tool(spec) for spec in tools)}
         if max_calls < 0:
             raise ValueError(f"max_calls must be >= 0, got {max_calls}")
@@ -61,6 +69,12 @@ class ToolEnvironment:
         self.reply_role = reply_role
         self.thumbnail = thumbnail
         self.system = system
+        self.restate = restate
+        self.tool_use_reward = float(tool_use_reward)
+        self.answered_tools = 0  # tool calls that got a reply (not an error)
+        self.question: list[dict] = []
+        self.opening_calls = list(opening_calls)
+        self.hide_images = hide_images
         self.tool_calls = 0
         self.tool_errors = 0
         self.context: dict[str, Any] = {}
@@ -72,14 +86,36 @@ class ToolEnvironment:
         images = [p["image"] for m in conversation if not isinstance(m["content"], str)
                   for p in m["content"] if p.get("type") == "image"]
         self.context = {"row": row, "images": images}
+        users = [m for m in conversation if m["role"] == "user"]
+        if users:
+            content = users[-1]["content"]
+            self.question = ([{"type": "text", "text": content}] if isinstance(content, str)
+                             else [p for p in content if p.get("type") == "text"])
         if self.thumbnail is not None and images and self._shows_thumbnail(images[0]):
             for message in conversation:
                 if not isinstance(message["content"], str):
                     message["content"] = [{**p, "image": self._thumbnail(p["image"])} if p.get("type") == "image"
                                           else p for p in message["content"]]
+        if self.hide_images:
+            for message in conversation:
+                if not isinstance(message["content"], str):
+                    message["content"] = [p for p in message["content"] if p.get("type") != "image"]
         if self.system is not None:
             conversation = [{"role": "system", "content": self.system}, *conversation]
+        for call in self.opening_calls:
+            conversation += self._opening_call(conversation, call)
         return conversation
+
+    def _opening_call(self, conversation: list[dict], call: str) -> list[dict]:
+        """A call the environment makes on the policy's behalf before its first turn (an
+        assistant message and the replies): a demonstration in the prompt, never trained
+        on, not counted in `tool_calls`, not charged to `max_calls`."""
+        calls = parse_tool_calls(call, known=self.tools)
+        if not calls or any(c.name not in self.tools for c in calls):
+            raise ValueError(f"opening_calls: {call!r} is not a call of a tool here ({', '.join(self.tools)})")
+        replies = [{"role": self.reply_role, "content": self._restated(self.tools[c.name](c.arguments, self.context))}
+                   for c in calls]
+        return [{"role": "assistant", "content": call}, *replies]
 
     def _shows_thumbnail(self, image) -> bool:
         import zlib
@@ -100,8 +136,8 @@ class ToolEnvironment:
             calls = parse_tool_calls(_text(messages[-1]), known=self.tools)
         except ToolError as exc:
             return self._error(str(exc))
-        if not calls:
-            return [], True, None
+        if not calls:  # an answer: after a tool's reply, it earns the shaping reward
+            return [], True, (self.tool_use_reward if self.tool_use_reward and self.answered_tools else None)
         replies = []
         for call in calls:
             if self.tool_calls >= self.max_calls:
@@ -116,8 +152,15 @@ class ToolEnvironment:
                 self.tool_errors += 1
                 replies.append({"role": self.reply_role, "content": f"error: {exc}"})
                 continue
-            replies.append({"role": self.reply_role, "content": content})
+            self.answered_tools += 1
+            replies.append({"role": self.reply_role, "content": self._restated(content)})
         return replies, False, None
+
+    def _restated(self, content):
+        if not self.restate or not self.question:
+            return content
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        return [*parts, *self.question]
 
     def _error(self, text: str) -> tuple[list[dict], bool, float | None]:
         self.tool_errors += 1
