@@ -1,5 +1,6 @@
 """The trainer with a multi-turn environment: the demo recipe's agent loop runs through
-rollout, scoring, update and evaluation, logging the agent metrics."""
+rollout, scoring, update and evaluation, logging the agent metrics; its policy calls the
+tool and the reply images reach the training batch."""
 
 import json
 from pathlib import Path
@@ -29,9 +30,37 @@ def test_agent_recipe_trains_and_logs_agent_metrics(tmp_path):
     for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "tokens/policy", "tokens/environment"):
         assert key in step
     assert 1 <= step["agent/turns"] <= 2 and step["agent/tool_calls"] <= 1
-    # A sample that called zoom saw a reply image: its environment tokens include the image's.
-    if step["agent/tool_calls"] > 0:
-        assert step["tokens/environment"] > 4 * step["agent/tool_calls"]
+    assert 0 <= step["agent/samples_calling_tools"] <= 1
+
+
+def test_agent_recipe_calls_the_tool_and_the_reply_image_reaches_the_batch(tmp_path):
+    """The demo's opening prompt holds no image: the only image a sample sees is the
+    zoom reply. A random-init policy calls zoom in about 1 of 8 turns, so 64 samples
+    call it; each caller's training row holds exactly the reply image's placeholders and
+    patches, outside the loss mask."""
+    import torch
+
+    from mmrl.rollout import SamplingParams
+    from mmrl.rollout.agent import trajectory_sequences
+
+    trainer = Trainer(_recipe(tmp_path))
+    rows = [trainer.train_set[i] for i in range(8)]
+    torch.manual_seed(0)
+    result = trainer.agent.generate(rows, SamplingParams(n=8, max_new_tokens=1))
+    called = [t for t in result.trajectories if t.tool_calls > 0]
+    assert called and result.stats["agent/samples_calling_tools"] == len(called) / 64
+    assert all(not any(p.get("type") == "image" for p in t.messages[0]["content"] if isinstance(p, dict))
+               for t in result.trajectories)  # the opening hides the image
+    processing = trainer.processing
+    seqs = trajectory_sequences(called, processing, trainer.built.adapter, trainer.actor.model,
+                                processing.tokenizer.pad_token_id)
+    pad = trainer.actor.model.config.image_token_id
+    placeholders = seqs.inputs["input_ids"] == pad
+    assert placeholders.sum(-1).tolist() == [4] * len(called)  # one 56 px image (2x2 merged tokens) each
+    assert seqs.inputs["pixel_values"].shape[0] == 16 * len(called)  # its 4x4 patches
+    assert seqs.inputs["image_grid_thw"].tolist() == [[1, 4, 4]] * len(called)
+    in_tail = (seqs.response_ids == pad)
+    assert in_tail.any(-1).all() and not (in_tail & seqs.response_mask.bool()).any()
 
 
 def test_agent_recipe_errors_name_the_field(tmp_path):
