@@ -331,6 +331,20 @@ def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need
         check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
 
 
+def test_a_framed_placeholder_must_expand_not_just_pass_through():
+    # QianfanOCRProcessor expands `<image>` into start + context tokens + end; a framed
+    # `<|start_image|><|context_image|><|end_image|>` in the text passes through as is
+    # and must not be taken for the placeholder.
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs
+
+    with quiet_transformers():
+        plan = tiny_model_inputs(resolve("qianfan_ocr")).media
+    assert plan.image_placeholder == "<image>"
+    assert plan.token_fields["image_token_id"] == plan.named_tokens["context_image_token"]
+
+
 def test_composite_config_width_follows_the_tiny_text_model():
     # Ovis2Config's defaults: a 1536-wide top level over a 4096-wide text default.
     from mmrl.scaffold import quiet_transformers

@@ -480,7 +480,7 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         expanded = max(counts, key=lambda t: counts[t])
         if alone is not None and counts[expanded] == alone[expanded] + (expanded == token):
             continue  # passed through unexpanded beside what the processor inserts itself
-        if counts[expanded] > 1 or counts[expanded] == 1 and expanded != token:
+        if counts[expanded] > 1 or counts[expanded] == 1 and expanded not in token:
             if field is not None:
                 plan.token_fields[field] = expanded
             return token
