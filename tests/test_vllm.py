@@ -16,7 +16,7 @@
 - marked slow, the vLLM probe verifies families `mmrl add-model` scaffolds for types the
   zoo lacks: one vLLM serves with its Transformers backend (which rewrites transformers'
   classes while the trainer uses them) and a tied lm_head, one with vLLM's own class
-  that has no lm_head at all, a GPT-2 layout, and a VLM
+  that has no lm_head at all, one with per-layer head sizes, and a VLM
   (bench/vllm_scaffolded.py measures the probe over every such type).
 
 vLLM's CPU attention has no head size below 32 (and some of its decoder layers take
@@ -426,7 +426,7 @@ def test_count_recipe_learns_with_the_vllm_backend(tmp_path):
 @pytest.mark.parametrize("model_type", [
     "starcoder2",  # vLLM's Transformers backend; lm_head tied to the embedding
     "gemma2",  # vLLM's own class, which has no lm_head (logits from the embedding)
-    "gpt2",  # vLLM's own class; a GPT-2 layout (transformer.h, Conv1D weights)
+    "gemma4_text",  # per-layer head_dim (a heterogeneous config refuses a global config.head_dim)
     "llava",  # a vision-language type: vLLM's own class, its processor on the scaffold's tiny one
 ])
 def test_vllm_probe_verifies_a_scaffolded_family(plugin_path, model_type):
