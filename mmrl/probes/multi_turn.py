@@ -2,7 +2,7 @@
 exactly as the final conversation processed in one go.
 
     from mmrl.probes import Subject, probe
-    probe("multi_turn").run(Subject(get_adapter("qwen2_vl"), source="qwen2_vl"))
+    probe("multi_turn").run(Subject(get_adapter("FAMILY"), source="FAMILY"))
 
 The agent loop (`mmrl.rollout.agent`, hf backend, fp32) runs on the family's tiny
 model: the user's image and question (turn 1), a sampled policy turn (2), an
