@@ -181,6 +181,11 @@ def _class_default(cls, attribute: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
+# are pixel areas.
+_LONGEST_EDGE = 8192
+
+
 def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None = None) -> dict[str, Any]:
     """Arguments of an image/video processor: its size keys set to `image_size`, and its
     patch geometry (`patch_size`, `merge_size`, `temporal_patch_size`, ...) set to the
@@ -202,9 +207,14 @@ def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None 
         if value is None or not isinstance(value, dict) and not hasattr(value, "__dict__"):
             continue
         items = value.items() if isinstance(value, dict) else vars(value).items()
+        items = dict(items)
         edge = {"height": height, "width": width, "shortest_edge": min(height, width),
                 "longest_edge": max(height, width)}
-        present = {k: edge[k] for k, v in items if isinstance(v, int) and k in edge}
+        if any(isinstance(items.get(k), int) and items[k] > _LONGEST_EDGE for k in ("shortest_edge", "longest_edge")):
+            # Pixel areas, not edges (a min/max pixel budget): up to the tower's image area.
+            edge = {"shortest_edge": min(items.get("shortest_edge") or 0, height * width),
+                    "longest_edge": height * width}
+        present = {k: edge[k] for k, v in items.items() if isinstance(v, int) and k in edge}
         if present:
             sizes[key] = present
     patch = (vision or {}).get("patch_size")
