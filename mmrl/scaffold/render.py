@@ -360,7 +360,7 @@ def render_test(d: Discovery, layout: Layout) -> str:
             built = build_model(FAMILY, random_init=True)
             assert check_parts(built.model) == []
             groups = parameters_by_part(built.model)
-            assert None not in groups, f"parameters in no part: {[n for n, _ in groups[None]][:5]}"
+            assert None not in groups, f"parameters in no part: {{[n for n, _ in groups[None]][:5]}}"
 
 
         def test_padded_batch_matches_each_prompt_alone():
