@@ -377,3 +377,14 @@ def test_sweep_names_a_killed_process_in_one_line():
     line = _killed(-9, "stage config")
     assert line.startswith("stage config: killed by SIGKILL") and "memory" in line and "\n" not in line
     assert _killed(-15, "the generated tests") == "the generated tests: killed by SIGTERM"
+
+
+def test_sweep_names_the_failing_generated_test_and_what_to_write():
+    from mmrl.scaffold.sweep import _tests_reason
+
+    output = ("F\n=== FAILURES ===\nE       AssertionError: assert 0.0045 < 0.0002\n"
+              "=== short test summary info ===\n"
+              "FAILED tests/test_family_x.py::test_padded_batch_matches_each_prompt_alone - AssertionError: ...\n")
+    reason = _tests_reason(output)
+    assert reason.startswith("test_padded_batch_matches_each_prompt_alone: AssertionError: assert 0.0045 < 0.0002;")
+    assert "position_ids" in reason and "\n" not in reason

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -179,7 +180,7 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
             elif code < 0:
                 row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
             elif code != 0:
-                row.status, row.reason = "tests-fail", one_line(_first_failure(output))
+                row.status, row.reason = "tests-fail", _tests_reason(output)
     row.seconds = round(time.monotonic() - start, 1)
     row.runner = runner()
     return row
@@ -205,6 +206,29 @@ def runner() -> str:
     import torch
 
     return f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs"
+
+
+# What the user writes by hand when a generated test fails, by the test's name.
+_TO_WRITE = (
+    ("padded", "write the adapter's position_ids (or the processing's padding) so that a padded batch equals "
+               "each prompt alone"),
+    ("packed", "write packed positions or declare padding_free=False"),
+    ("parts", "name the listed parameters' part in the adapter's parts"),
+    ("lora", "set the adapter's LoraTargets"),
+    ("save_reload", "fix tiny() or the processing so that the tiny model saves, reloads, trains and generates"),
+)
+
+
+def _tests_reason(output: str) -> str:
+    """One line for failed generated tests: the first failing test, its error and what
+    to write by hand."""
+    reason = _first_failure(output)
+    test = re.search(r"^FAILED \S+::(\S+)", output, re.MULTILINE)
+    if test is None:
+        return one_line(reason)
+    advice = next((advice for key, advice in _TO_WRITE if key in test.group(1)),
+                  "fix tiny() or the adapter until the family's tests pass")
+    return one_line(f"{test.group(1)}: {reason}; {advice}")
 
 
 def _first_failure(output: str) -> str:
