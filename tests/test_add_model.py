@@ -388,3 +388,29 @@ def test_sweep_names_the_failing_generated_test_and_what_to_write():
     reason = _tests_reason(output)
     assert reason.startswith("test_padded_batch_matches_each_prompt_alone: AssertionError: assert 0.0045 < 0.0002;")
     assert "position_ids" in reason and "\n" not in reason
+
+
+def test_rope_per_layer_type_is_filled_where_the_model_code_reads_one_per_type():
+    # CohereCompassTextConfig's defaults carry no rope entries, while its model code reads
+    # rope_parameters[layer_type] (and a multi-axis split it falls back to).
+    import transformers
+
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    values = tiny_text_values("CohereCompassTextConfig")
+    rope = values["rope_parameters"]
+    assert set(rope) == set(transformers.CohereCompassTextConfig().layer_types)
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    for entry in rope.values():
+        assert entry["rope_type"] == "default" and sum(entry["mrope_section"]) == head_dim // 2
+
+
+def test_image_processor_pixel_budgets_are_sized_to_the_tower_area():
+    # Glm4vImageProcessor's size holds pixel areas (a min/max budget), not edges.
+    import transformers
+
+    from mmrl.scaffold.media import _sized
+
+    sized = _sized(transformers.Glm4vImageProcessor, 336)
+    assert sized["size"]["longest_edge"] == 336 * 336
+    assert sized["size"]["shortest_edge"] <= 336 * 336
