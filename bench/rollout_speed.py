@@ -24,15 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from packing import SHAPES  # the model shapes the packing bench measures (bench/ is on the path)
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {
-    # Qwen2.5-0.5B's shape.
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, head_dim=64, vocab_size=151936, max_position_embeddings=32768),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=4096),
-}
 
 
 def timed(rollout, batch, params, device) -> tuple[torch.Tensor, float]:

@@ -206,8 +206,7 @@ def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None 
             continue
         if value is None or not isinstance(value, dict) and not hasattr(value, "__dict__"):
             continue
-        items = value.items() if isinstance(value, dict) else vars(value).items()
-        items = dict(items)
+        items = dict(value) if isinstance(value, dict) else vars(value)
         edge = {"height": height, "width": width, "shortest_edge": min(height, width),
                 "longest_edge": max(height, width)}
         if any(isinstance(items.get(k), int) and items[k] > _LONGEST_EDGE for k in ("shortest_edge", "longest_edge")):
@@ -427,11 +426,13 @@ def _named_token(stem: str, named: dict[str, str]) -> str | None:
     `vision_start_token_id`), also where the processor spells the frame word differently
     (`vision_bos_token`)."""
     head, _, word = stem.rpartition("_")
-    synonyms = [group for group in (tuple(_FRAME_WORDS), tuple(set(_FRAME_WORDS.values()) | {"eos"}))
-                if word in group]
-    spellings = [stem, *(f"{head}_{w}" for w in (synonyms[0] if head and synonyms else ()))]
-    return next((named.get(f"{s}_token") or named.get(s) for s in spellings
-                 if named.get(f"{s}_token") or named.get(s)), None)
+    ends = tuple(dict.fromkeys(_FRAME_WORDS.values()))
+    twins = next((g for g in (tuple(_FRAME_WORDS), ends) if word in g), ()) if head else ()
+    for spelling in dict.fromkeys([stem, *(f"{head}_{w}" for w in twins)]):
+        token = named.get(f"{spelling}_token") or named.get(spelling)
+        if token:
+            return token
+    return None
 
 
 def _frames(named: dict[str, str]) -> list[tuple[str, str]]:

@@ -202,27 +202,26 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", _modeling_source(cls)):
         # Model code that reads one rope entry per layer type, under a default config
         # that has none (released checkpoints write them): plain rope for each type.
-        theta = float(getattr(default, "rope_theta", None) or 10000.0)
-        per_type = {t: _tiny_rope({"rope_type": "default", "rope_theta": theta}, cls, values, default)
-                    for t in dict.fromkeys(layer_types)}
-        values["rope_parameters"] = per_type
+        entry = {"rope_type": "default", "rope_theta": float(getattr(default, "rope_theta", None) or 10000.0)}
+        values["rope_parameters"] = {t: _tiny_rope(entry, cls, values, default) or dict(entry)
+                                     for t in dict.fromkeys(layer_types)}
         return values
     rope = _tiny_rope(rope, cls, values, default)
-    if rope is not None and rope is not getattr(default, "rope_parameters", None):
+    if rope is not None:
         values["rope_parameters"] = rope
     return values
 
 
 def _tiny_rope(rope, cls, values: dict[str, Any], default):
-    """One rope entry for the tiny text config: its multi-axis split made explicit and
-    rescaled, or the entry itself where it has none."""
+    """One rope entry for the tiny text config with its multi-axis split made explicit
+    and rescaled; None where the entry has no such split (it stays as it is)."""
     if isinstance(rope, dict) and rope.get("rope_type") and not rope.get("mrope_section") and _modeling_reads(
             cls, "mrope_section"):
         # The model splits its rotary width over (time, height, width) but the
         # default config leaves the split to a value hard-coded in the model (or
         # to none): give it one, in the proportions of the released checkpoints.
         rope = {**rope, "mrope_section": _modeling_default(cls, "mrope_section") or [16, 24, 24]}
-    return _rescaled_mrope(rope, values, default) or rope
+    return _rescaled_mrope(rope, values, default)
 
 
 def _modeling_source(config_class) -> str:
