@@ -771,6 +771,7 @@ def _conversations(samples: list[dict], rows: list[int], dataset, context: str, 
             raise ValueError(f"{where} ({context}): {exc}") from None
     return out
 
+
 def _environment(recipe: Recipe):
     """The factory of `rollout.env`'s environments (None: single-turn rollouts); a name,
     path or option that does not resolve is a RecipeError naming the field."""
