@@ -85,6 +85,28 @@ def test_finished_rows_leave_the_batch_without_changing_the_output(family):
     _assert_same(plain, fast)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_fp32_weights_under_bf16_autocast_take_the_compiled_path(family):
+    """The recipes' precision (fp32 weights, bf16 autocast): rope leaves some families'
+    keys in fp32 while values are bf16; the static cache stores both in bf16 (what
+    attention reads under autocast) instead of falling back. CPU autocast stands in for
+    the GPU's."""
+    built, engine = _setup(family)
+    engine.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        fast = rollout.generate(conversations, params)
+    assert rollout.fallback_reason is None
+    cache = next(iter(rollout._caches.values()))
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16}
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=2e-2, rtol=0)
+
+
 def test_compiled_decode_step_traces_as_one_graph():
     built, engine = _setup("qwen2")
     conversations = _conversations(built)

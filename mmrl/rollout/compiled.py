@@ -140,9 +140,9 @@ class CompiledHFRollout(HFRollout):
         stops = torch.tensor(self.processing.stop_token_ids, device=device)
         pick = dict(pad_id=pad_id, temperature=params.temperature, top_p=params.top_p,
                     want_logprobs=params.logprobs)
-        cache = self._cache(rows, length)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with self.engine.autocast():
+            cache = self._cache(rows, length, _autocast_dtype())
             with self.engine.media_sharing(batch, shared.to(device) if shared else None):
                 out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
             logits = out.logits[:, -1].float()
@@ -196,23 +196,29 @@ class CompiledHFRollout(HFRollout):
             self._step = torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
         return self._step
 
-    def _cache(self, rows: int, length: int):
+    def _cache(self, rows: int, length: int, dtype: torch.dtype | None = None):
         """A reset static cache for `rows` x `length`, kept between calls: a compiled graph
-        replays on the same cache tensors."""
+        replays on the same cache tensors. With `dtype` (autocast's), every layer stores its
+        keys and values in it: under autocast a family's keys may leave rope in fp32 while
+        its values are bf16, and attention reads both in autocast's dtype anyway."""
         from transformers import StaticCache
 
-        if any(key[1] != length for key in self._caches):
-            self._caches = {key: c for key, c in self._caches.items() if key[1] == length}
-        cache = self._caches.get((rows, length))
+        if any(key[1:] != (length, dtype) for key in self._caches):
+            self._caches = {key: c for key, c in self._caches.items() if key[1:] == (length, dtype)}
+        cache = self._caches.get((rows, length, dtype))
         if cache is None:
-            cache = self._caches[(rows, length)] = StaticCache(config=self.engine.model.config, max_cache_len=length)
+            cache = StaticCache(config=self.engine.model.config, max_cache_len=length)
+            if dtype is not None:
+                for layer in cache.layers:
+                    layer.update = _casting(layer.update, dtype)
+            self._caches[(rows, length, dtype)] = cache
         else:
             cache.reset()
         return cache
 
     def _moved(self, cache, keep: torch.Tensor, length: int):
         """The cache rows `keep` in a (kept) cache of len(keep) rows."""
-        smaller = self._cache(len(keep), length)
+        smaller = self._cache(len(keep), length, _autocast_dtype())
         for old, new in zip(cache.layers, smaller.layers, strict=True):
             keys, values = old.keys.index_select(0, keep), old.values.index_select(0, keep)
             if not new.is_initialized:
@@ -233,6 +239,24 @@ def _decode_step(model, input_ids, position_ids, attention_mask, cache, running,
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
     return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, **pick)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    """The dtype autocast computes in here (the engine's bf16 autocast over fp32 weights),
+    or None outside autocast."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _casting(update, dtype: torch.dtype):
+    """A cache layer's `update` that stores keys and values in `dtype`."""
+
+    def cast_update(key_states, value_states, *args, **kwargs):
+        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return cast_update
 
 
 def _compact_rows(running: torch.Tensor, width: int) -> torch.Tensor:
