@@ -120,6 +120,7 @@ class Trainer:
                 m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
                 seed=seed, processing_options=options, trust_remote_code=m.trust_remote_code,
                 config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None,
+                device=self.dist.device,
             )
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
@@ -269,8 +270,10 @@ class Trainer:
             from mmrl.rollout.agent import trajectory_sequences
 
             pad = self.processing.tokenizer.pad_token_id
+            # Samples of one prompt encode its opening media once (`shared_pieces`).
             return [trajectory_sequences([result.trajectories[i] for i in chosen.tolist()], self.processing,
-                                         self.built.adapter, self.actor.model, pad).to(self.dist.device)
+                                         self.built.adapter, self.actor.model, pad,
+                                         share=self.actor.shares_media).to(self.dist.device)
                     for chosen in chosen_rows], minis
         owners = result.prompt_index.tolist()
         expanded = [conversations[i] for i in owners]

@@ -27,6 +27,13 @@ plain path.
     shared = SharedMedia.of(processing, conversations, owners=[0, 0, 1, 1])
     with sharing(model, batch, shared):
         out = model(**batch)
+
+A row may also hold media of several pieces, some shared and some its own: a multi-turn
+trajectory repeats its prompt's opening image and adds the images its tool replies
+returned (`SharedMedia.of_pieces`). The joint call then encodes each distinct piece
+once, and each row gets its pieces' features in order. Whether the pieces, processed
+alone, lay out exactly the batch's media tensors is checked when the sharing is made;
+where they do not, there is no sharing and the plain path runs.
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ class SharedMedia:
 
     owners: list[int]  # row -> index into `singles`
     singles: list[dict[str, torch.Tensor]]
+    # Per row, the `singles` whose media, in this order, are the row's (None: its owner's
+    # alone). Set by `of_pieces`.
+    parts: list[list[int]] | None = None
 
     @classmethod
     def of(cls, processing, conversations: Sequence, owners: Sequence[int]) -> SharedMedia | None:
@@ -71,9 +81,43 @@ class SharedMedia:
         shared = cls([index[o] for o in owners], [dict(processing([conversations[row]])) for row in first.values()])
         return shared if any(shared.media) else None
 
+    @classmethod
+    def of_pieces(cls, processing, pieces: Sequence[Sequence[tuple]], batch: dict,
+                  placeholders: Sequence[int]) -> SharedMedia | None:
+        """From each row's media as pieces, in order: `pieces[i]` lists `(key, conversation)`
+        pairs, the conversation holding just that piece's images/videos; pieces under one
+        key (any hashable) are processed and encoded once. `batch` is the rows processed
+        together: the pieces' media tensors stacked in row order must be its media tensors,
+        and each row's count of each of `placeholders` (`placeholder_tokens(model)`) the sum
+        of its pieces'. None when they are not
+        (the plain path then runs), or when no key repeats (nothing to save)."""
+        index: dict = {}
+        for row in pieces:
+            for key, conversation in row:
+                index.setdefault(key, conversation)
+        if len(index) == sum(len(row) for row in pieces):
+            return None
+        keys = list(index)
+        singles = [dict(processing([index[key]])) for key in keys]
+        shared = cls(list(range(len(pieces))), singles)
+        media = shared.media
+        position = {key: i for i, key in enumerate(keys)}
+        parts = [[position[key] for key, _ in row if media[position[key]]] for row in pieces]
+        shared.parts = parts
+        used = [i for part in parts for i in part]
+        if len(set(used)) == len(used) or not _lays_out(shared, batch, placeholders):
+            return None
+        return shared
+
+    def row_parts(self) -> list[list[int]]:
+        """Per row, the `singles` whose media make up the row's, in order."""
+        return self.parts if self.parts is not None else [[owner] for owner in self.owners]
+
     def select(self, owners: Sequence[int]) -> SharedMedia | None:
         """The sharing of a sub-batch whose rows repeat `owners[i]` (indices into this
         one's prompts), reusing their processed batches; None when no prompt repeats."""
+        if self.parts is not None:
+            raise ValueError("a sharing of pieces (SharedMedia.of_pieces) is made per batch, not selected")
         distinct = list(dict.fromkeys(owners))
         media = self.media
         if len(distinct) == len(owners) or not any(media[i] for i in distinct):
@@ -87,7 +131,7 @@ class SharedMedia:
         processing any image twice (`Processing.collate_rows` checks that once). Prompts
         whose batches hold different keys (image prompts beside video or text-only ones)
         have a layout only the processor knows: their rows are processed."""
-        if not self.collatable:
+        if not self.collatable or self.parts is not None:
             return dict(processing(list(conversations)))
         return processing.collate_rows([self.singles[o] for o in self.owners], list(conversations))
 
@@ -111,7 +155,33 @@ class SharedMedia:
 
     def to(self, device: torch.device) -> SharedMedia:
         return SharedMedia(self.owners, [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                                         for s in self.singles])
+                                         for s in self.singles], self.parts)
+
+
+def _lays_out(shared: SharedMedia, batch: dict, placeholders: Sequence[int]) -> bool:
+    """Whether the rows' pieces, processed alone, give `batch`'s media tensors (stacked in
+    row order) and, per row, its count of each placeholder token."""
+    media, parts = shared.media, shared.row_parts()
+    batch_media = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and not text_aligned(k, v, batch)}
+    if shared.keys != batch_media:
+        return False
+    for key in batch_media:
+        tensors = [media[i][key] for part in parts for i in part if key in media[i]]
+        stacked = stack_media(tensors).to(batch[key].device)
+        if stacked.shape != batch[key].shape or not torch.equal(stacked.to(batch[key].dtype), batch[key]):
+            return False
+    ids = [single_ids.cpu() for single_ids in shared.ids]
+    rows = batch["input_ids"].cpu()
+    return all(int((rows[row] == token).sum()) == sum(int((ids[i] == token).sum()) for i in part)
+               for token in placeholders for row, part in enumerate(parts))
+
+
+def placeholder_tokens(model: torch.nn.Module) -> list[int]:
+    """The ids of the tokens that media features replace, from the configs of the
+    modules that encode media (transformers' names)."""
+    tokens = {_placeholder_token(getattr(owner, "config", None), modality)
+              for owner in _encoder_owners(model) for modality in ENCODER_METHODS.values()}
+    return sorted(tokens - {None})
 
 
 @contextlib.contextmanager
@@ -198,8 +268,9 @@ def _shared_call(original, batch: dict, shared: SharedMedia, token: int | None):
         if parts is None:
             parts = [encode({pos: media[i][key] for pos, key in matched.items()}) for i in prompts]
         outputs = dict(zip(prompts, parts))
-        rows = [owner for owner in shared.owners if owner in outputs]
-        return join([outputs[owner] for owner in rows], [counts[owner] for owner in rows])
+        # Each row's pieces in order (a row without pieces of its own: its prompt's).
+        units = [piece for part in shared.row_parts() for piece in part if piece in outputs]
+        return join([outputs[piece] for piece in units], [counts[piece] for piece in units])
 
     return call
 

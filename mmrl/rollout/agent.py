@@ -47,6 +47,8 @@ class Trajectory:
     spans: list[tuple[int, int]] = field(default_factory=list)  # policy turns in prompt_ids + last_ids
     logprobs: list[float] = field(default_factory=list)  # sampler log-probs of the policy tokens, in order
     first: int = 0  # length of the opening prompt: training covers what follows it
+    opening: int = 0  # messages of the opening conversation (what the environment's reset gave)
+    prompt: int = 0  # the dataset row it answers (index into the rows given to `generate`)
     finish: str = ""  # done | turns | tokens | drift
     last_reason: str = ""  # the last policy turn's: stop | length
     turns: int = 0
@@ -97,11 +99,12 @@ class AgentRollout:
             raise ValueError(f"rollout.max_tokens ({self.max_tokens}) is smaller than one turn's "
                              f"max_new_tokens ({params.max_new_tokens})")
         envs, trajectories = [], []
-        for row in rows:
+        for index, row in enumerate(rows):
             for _ in range(params.n):
                 env = self.env_factory()
                 envs.append(env)
-                trajectories.append(Trajectory(messages=list(env.reset(row))))
+                opening = list(env.reset(row))
+                trajectories.append(Trajectory(messages=opening, opening=len(opening), prompt=index))
         turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                      top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
         active = list(range(len(trajectories)))
@@ -207,14 +210,21 @@ class AgentRollout:
         )
 
 
-def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter, model, pad_token_id: int):
+def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter, model, pad_token_id: int,
+                         share: bool = False):
     """Training sequences of whole trajectories: each row is its last context processed in
     one go (every image so far, the family's positions) with the last policy turn
     joined after it; the response columns cover everything after the opening prompt,
-    and `response_mask` is 1 exactly on the tokens the policy sampled."""
+    and `response_mask` is 1 exactly on the tokens the policy sampled.
+
+    With `share` (pass the engine's `shares_media`), samples of one prompt encode its
+    opening media once per batch and each its mid-conversation media alone
+    (`shared_pieces`); where the pieces do not lay out the batch's media exactly, the
+    batch carries no sharing and the engine runs the plain path."""
     from mmrl.engine import join
 
     prompts = dict(processing([t.context for t in trajectories]))
+    shared = shared_pieces(trajectories, processing, prompts, model) if share else None
     width = prompts["input_ids"].shape[1]
     for row, t in enumerate(trajectories):
         got = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
@@ -227,7 +237,7 @@ def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter
     for row, t in enumerate(trajectories):
         last[row, :len(t.last_ids)] = torch.tensor(t.last_ids, dtype=torch.long)
         last_mask[row, :len(t.last_ids)] = 1
-    seqs = join(prompts, last, last_mask, adapter, model, pad_token_id)
+    seqs = join(prompts, last, last_mask, adapter, model, pad_token_id, shared=shared)
     total = seqs.inputs["input_ids"].shape[1]
     span = last_width + max(len(t.prompt_ids) - t.first for t in trajectories)
     start = total - span
@@ -243,4 +253,32 @@ def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter
     return seqs
 
 
-__all__ = ["AgentRollout", "Trajectory", "trajectory_sequences"]
+def _media_parts(message: dict) -> list[dict]:
+    content = message.get("content")
+    return [p for p in content if isinstance(p, dict) and p.get("type") in ("image", "video")] \
+        if isinstance(content, list) else []
+
+
+def shared_pieces(trajectories: Sequence[Trajectory], processing, batch: dict, model):
+    """The media sharing of a trajectory batch (`SharedMedia.of_pieces`): each row's media
+    are its opening conversation's, shared by the samples of one prompt whose openings
+    are equal, then those that arrived after it, its own; None where nothing repeats or
+    the pieces do not lay out `batch` (each trajectory's context processed) exactly."""
+    from mmrl.engine.media import SharedMedia, placeholder_tokens
+
+    pieces, openings = [], []
+    for row, t in enumerate(trajectories):
+        opening = t.context[:t.opening]
+        # Samples of one prompt share its opening unless their environment changed it.
+        key = next((("opening", other) for other, (prompt, seen) in enumerate(openings)
+                    if prompt == t.prompt and seen == opening), ("opening", row))
+        openings.append((t.prompt, opening))
+        later = [part for message in t.context[t.opening:] for part in _media_parts(message)]
+        row_pieces = [(key, opening)]
+        if later:
+            row_pieces.append((("later", row), [{"role": "user", "content": later}]))
+        pieces.append(row_pieces)
+    return SharedMedia.of_pieces(processing, pieces, batch, placeholder_tokens(model))
+
+
+__all__ = ["AgentRollout", "Trajectory", "shared_pieces", "trajectory_sequences"]
