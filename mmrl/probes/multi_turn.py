@@ -21,6 +21,8 @@ training on a context the policy never saw.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,10 +35,11 @@ SEED = 0
 
 
 class _ImageReply:
-    """Replies to the first policy turn with an image and a word; the second ends it."""
+    """Replies to the first policy turn with an image (and a short video, where `video`)
+    and a word; the second ends it."""
 
-    def __init__(self, row: dict, role: str):
-        self.row, self.role, self.steps = row, role, 0
+    def __init__(self, row: dict, role: str, video: bool = False):
+        self.row, self.role, self.video, self.steps = row, role, video, 0
 
     def reset(self, row: dict) -> list[dict]:
         return [{"role": "user", "content": [{"type": "image", "image": row["image"]},
@@ -44,16 +47,22 @@ class _ImageReply:
 
     def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]:
         self.steps += 1
-        reply = [{"role": self.role, "content": [{"type": "image", "image": self.row["reply"]},
+        clip = [{"type": "video", "video": self.row["clip"]}] if self.video else []
+        reply = [{"role": self.role, "content": [{"type": "image", "image": self.row["reply"]}, *clip,
                                                  {"type": "text", "text": "zoomed"}]}]
         return (reply, False, None) if self.steps == 1 else ([], True, None)
 
 
 def _row() -> dict[str, Any]:
-    from mmrl.checks import sample_images
+    from mmrl.checks import sample_images, sample_video
 
     images = sample_images()
-    return {"image": images[0], "reply": images[1], "text": "What is shown here?"}
+    return {"image": images[0], "reply": images[1], "clip": sample_video(), "text": "What is shown here?"}
+
+
+def _with_video(adapter) -> bool:
+    """Whether the reply carries a video too: the family declares video."""
+    return adapter.capabilities.video and "video" in adapter.modalities
 
 
 def _reply_role(processing, opening: list[dict], reply_image) -> str:
@@ -89,21 +98,36 @@ def _prefix_rule_breaks(agent, processing, opening: list[dict], reply: list[dict
     return None
 
 
-def check_multi_turn(subject: Subject) -> Verified:
+@dataclass
+class Rollout:
+    """The probe's agent rollout on a subject's tiny model: the samples that reached the
+    reply (two policy turns), and what made them."""
+
+    built: Any
+    engine: Any
+    kept: list
+    samples: int
+    role: str
+    video: bool
+
+
+def rollout(subject: Subject) -> Rollout:
+    """The agent loop (hf backend, fp32, plain engine) on the subject's model, seeded:
+    one row, `SAMPLES` samples; raises `CheckFailed` where the prefix rule cannot hold."""
     from mmrl.engine import Engine
     from mmrl.probes.training import _single_process
     from mmrl.rollout import SamplingParams, make_rollout
-    from mmrl.rollout.agent import AgentRollout, trajectory_sequences
+    from mmrl.rollout.agent import AgentRollout
 
     built = subject.build(seed=0)
     engine = Engine(built, _single_process(subject.device), mixed_precision=False, share_media=False)
-    processing, adapter = built.processing, built.adapter
-    row = _row()
+    processing = built.processing
+    row, video = _row(), _with_video(built.adapter)
     opening = _ImageReply(row, "user").reset(row)
     role = _reply_role(processing, opening, row["reply"])
-    agent = AgentRollout(make_rollout("hf", engine, processing), processing, lambda: _ImageReply(row, role),
-                         max_turns=2, max_tokens=4096)
-    reason = _prefix_rule_breaks(agent, processing, opening, _ImageReply(row, role).step(opening)[0])
+    agent = AgentRollout(make_rollout("hf", engine, processing), processing,
+                         lambda: _ImageReply(row, role, video), max_turns=2, max_tokens=4096)
+    reason = _prefix_rule_breaks(agent, processing, opening, _ImageReply(row, role, video).step(opening)[0])
     if reason is not None:
         raise CheckFailed(reason)
     torch.manual_seed(SEED)
@@ -111,6 +135,23 @@ def check_multi_turn(subject: Subject) -> Verified:
     kept = [t for t in result.trajectories if t.turns == 2]
     require(kept, "no sampled turn stayed a prefix of the next conversation (finishes: "
             f"{', '.join(t.finish for t in result.trajectories)})")
+    return Rollout(built, engine, kept, len(result.trajectories), role, video)
+
+
+def check_multi_turn(subject: Subject) -> Verified:
+    outcome, _ = check_multi_turn_many([subject])[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def check_one_process(subject: Subject) -> Verified:
+    """Every check of the probe but Ulysses (which needs several processes)."""
+    from mmrl.rollout.agent import trajectory_sequences
+
+    run = rollout(subject)
+    built, engine, kept, role = run.built, run.engine, run.kept, run.role
+    processing, adapter = built.processing, built.adapter
     pad = processing.tokenizer.pad_token_id
     seqs = trajectory_sequences(kept, processing, adapter, engine.model, pad)
     final = {k: v.cpu() if isinstance(v, torch.Tensor) else v
@@ -168,11 +209,12 @@ def check_multi_turn(subject: Subject) -> Verified:
         sampled = [tok for a, b in t.spans for tok in t.ids[a:b]]
         require(response[i][mask[i]].tolist() == sampled, f"sample {i}: the masked tokens are not its turns")
     config = engine.model.config
-    media_ids = sorted({getattr(config, key, None) for key in ("image_token_id", "image_token_index")} - {None})
-    placeholders = torch.isin(response, torch.tensor(media_ids)) if media_ids else torch.zeros_like(mask)
-    require(not (placeholders & mask).any(), "the loss mask covers image placeholders")
-    require(not media_ids or bool((placeholders & ~mask).any()), "the reply image's placeholders are not in "
-            "the trained columns")
+    for kind in ("image", "video") if run.video else ("image",):
+        ids = sorted({getattr(config, f"{kind}_token_{s}", None) for s in ("id", "index")} - {None})
+        placeholders = torch.isin(response, torch.tensor(ids)) if ids else torch.zeros_like(mask)
+        require(not (placeholders & mask).any(), f"the loss mask covers {kind} placeholders")
+        require(not ids or bool((placeholders & ~mask).any()), f"the reply {kind}'s placeholders are not in "
+                "the trained columns")
 
     # Each policy turn's log-probs: the trainer's equal the rollout's.
     with torch.no_grad():
@@ -182,14 +224,122 @@ def check_multi_turn(subject: Subject) -> Verified:
     require(ours.shape == sampler.shape, "the rollout's log-probs do not match the sampled tokens")
     worst = float((ours - sampler).abs().max())
     require(worst <= TOLERANCE, f"policy-turn log-probs differ from the rollout's by {worst:.2e} (> {TOLERANCE})")
+    evidence = {"samples": run.samples, "kept": len(kept), "last_turn_round_trips": len(exact),
+                "policy_tokens": int(mask.sum()), "max_logprob_diff": worst, "reply_role": role,
+                "reply_video": run.video}
+    engines = _engine_variants(run, seqs, logp, evidence)
     return Verified(
-        f"an image in turn 3 ({role} role): the training batch equals the final conversation processed in one go "
-        f"(ids, {', '.join(media + per_token)}{', positions' if positions is not None else ''}); "
-        f"policy-turn log-probs equal the rollout's",
-        {"samples": len(result.trajectories), "kept": len(kept), "last_turn_round_trips": len(exact),
-         "policy_tokens": int(mask.sum()),
-         "max_logprob_diff": worst, "reply_role": role},
-    )
+        f"an image{' and a video' if run.video else ''} in turn 3 ({role} role): the training batch equals the final "
+        f"conversation processed in one go (ids, {', '.join(media + per_token)}"
+        f"{', positions' if positions is not None else ''}); policy-turn log-probs equal the rollout's"
+        + (f"; {engines}" if engines else ""), evidence)
 
 
-__all__ = ["check_multi_turn"]
+# Shared media encoding changes only which rows the vision tower sees: the media
+# sharing probe's bound. Packing changes attention's layout: the padding-free probe's.
+SHARED_TOLERANCE = 1e-5
+
+
+def _engine_variants(run: Rollout, plain, plain_logp: torch.Tensor, evidence: dict) -> str:
+    """The trajectory batch's log-probs under the optimizations the family declares
+    (shared media encoding, padding-free packing, both) against the plain path's."""
+    from mmrl.engine import Engine
+    from mmrl.engine.packing import pack_sequences
+    from mmrl.probes.training import _single_process
+    from mmrl.rollout.agent import trajectory_sequences
+
+    built, kept = run.built, run.kept
+    capabilities = built.adapter.capabilities
+    pad = built.processing.tokenizer.pad_token_id
+    lengths = plain.inputs["attention_mask"].sum(-1).tolist()
+    # Packed rows: all sequences but the last in one row, the last in a row of its own.
+    row_tokens = int(sum(lengths) - 1)
+    mask = plain.response_mask.bool()
+    said = []
+    variants = [(name, share, pack) for name, share, pack in (
+        ("shared media", True, False), ("packed", False, True), ("packed with shared media", True, True))
+        if (not share or capabilities.media_sharing) and (not pack or capabilities.padding_free)]
+    for name, share, pack in variants:
+        engine = Engine(built, _single_process(run.engine.dist.device.type), mixed_precision=False,
+                        share_media=share, pack=pack, pack_tokens=row_tokens)
+        seqs = trajectory_sequences(kept, built.processing, built.adapter, engine.model, pad, share=share)
+        if share:
+            require(seqs.shared is not None, "the trajectory batch shares no media encoding (its pieces do not lay "
+                    "out the batch's media tensors)")
+            pieces = {p for part in seqs.shared.row_parts() for p in part}
+            evidence["shared_pieces"] = f"{len(pieces)} media pieces encoded for {len(kept)} rows"
+        if pack:
+            require(engine.packs(seqs), "the packed engine runs the trajectory batch padded")
+            packed = pack_sequences(seqs.inputs, seqs.response_mask, row_tokens, pad)
+            require(len(packed.rows) == 2 and len(packed.rows[0]) == len(kept) - 1,
+                    f"the batch packed into rows {packed.rows}, not all-but-one and one")
+            _packed_positions_per_sequence(seqs.inputs, packed)
+        with torch.no_grad():
+            logp, _ = engine.log_probs(seqs, temperature=1.0, with_entropy=False)
+        gap = float((logp[mask] - plain_logp[mask]).abs().max())
+        bound = SHARED_TOLERANCE if not pack else TOLERANCE
+        evidence[f"max_logprob_diff_{name.replace(' ', '_')}"] = gap
+        require(gap <= bound, f"{name}: the trajectory batch's log-probs differ from the plain path's by {gap:.2e} "
+                f"(> {bound:.0e})")
+        said.append(name)
+    return f"{', '.join(said)} give the plain path's log-probs" if said else ""
+
+
+def _packed_positions_per_sequence(inputs: dict, packed) -> None:
+    """Each sequence's positions in the packed rows (mrope included) are its own."""
+    positions, real = inputs["position_ids"], inputs["attention_mask"].bool()
+    ours = packed.inputs["position_ids"]
+    for k, members in enumerate(packed.rows):
+        offset = 0
+        for i in members:
+            own = positions[..., i, :][..., real[i]]
+            got = ours[..., k, :][..., offset:offset + own.shape[-1]]
+            require(torch.equal(got, own), f"sequence {i}: its packed position ids are not its own")
+            offset += own.shape[-1]
+
+
+def _sequence_parallel_applies(adapter) -> bool:
+    return adapter.capabilities.sequence_parallel and adapter.sequence_parallel is not None
+
+
+def check_multi_turn_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
+    """The probe for several subjects: the one-process checks subject by subject, then
+    Ulysses over 2 processes for those that passed and declare sequence parallelism, in
+    one torchrun launch (`mmrl.probes.multi_turn_sp`)."""
+    from mmrl.probes.base import NotRunHere
+    from mmrl.probes.sequence_parallel import SP_PROCESSES
+    from mmrl.probes.training import _fsdp_available, torchrun_many
+
+    outcomes: list[list] = []
+    for subject in subjects:
+        start = time.perf_counter()
+        try:
+            outcome: Verified | BaseException = check_one_process(subject)
+        except Exception as exc:  # noqa: BLE001 - recorded per subject
+            outcome = exc
+        outcomes.append([outcome, time.perf_counter() - start])
+    todo = [i for i, (outcome, _) in enumerate(outcomes)
+            if isinstance(outcome, Verified) and _sequence_parallel_applies(subjects[i].adapter)]
+    if todo:
+        start = time.perf_counter()
+        try:
+            _fsdp_available(subjects[0].device)
+            parallel = torchrun_many("mmrl.probes.multi_turn_sp", [subjects[i] for i in todo], "", processes=SP_PROCESSES)
+        except NotRunHere as exc:
+            parallel = [(exc, 0.0)] * len(todo)
+        share = (time.perf_counter() - start) / len(todo)
+        for i, (result, _) in zip(todo, parallel):
+            verified = outcomes[i][0]
+            outcomes[i][1] += share
+            if isinstance(result, Verified):
+                verified.reason += (f"; Ulysses over {SP_PROCESSES} processes equals one process on the trajectory "
+                                    "batch (log-probs 1e-5, gradients, AdamW step)")
+                verified.evidence["sequence_parallel"] = result.evidence
+            elif isinstance(result, NotRunHere):
+                verified.reason += f"; Ulysses not run here ({result})"
+            else:
+                outcomes[i][0] = CheckFailed(f"Ulysses over {SP_PROCESSES} processes on the trajectory batch: {result}")
+    return [(outcome, seconds) for outcome, seconds in outcomes]
+
+
+__all__ = ["check_multi_turn", "check_multi_turn_many", "rollout"]
