@@ -1,16 +1,25 @@
-"""The `multi_turn` probe: an image that the environment returns in turn 3 trains
-exactly as the final conversation processed in one go.
+"""The `multi_turn` probe: an image (and a video) that the environment returns in turn 3
+trains exactly as the final conversation processed in one go, under every engine
+optimization the family declares.
 
     from mmrl.probes import Subject, probe
     probe("multi_turn").run(Subject(get_adapter("FAMILY"), source="FAMILY"))
+    check_multi_turn_many(subjects)      # [(outcome, seconds)], one torchrun launch
 
 The agent loop (`mmrl.rollout.agent`, hf backend, fp32) runs on the family's tiny
 model: the user's image and question (turn 1), a sampled policy turn (2), an
-environment reply holding an image of another size (3), a sampled policy turn (4).
-Its training batch (`trajectory_sequences`) must equal the final conversation processed
-in one go (token ids, media tensors, per-token type ids, the adapter's positions, mrope
-included); the loss mask must cover exactly the sampled tokens and no media placeholder;
-and each policy turn's log-probs must equal those the rollout sampled it with.
+environment reply holding an image of another size, and a 4-frame video where the
+family declares video (3), a sampled policy turn (4). Its training batch
+(`trajectory_sequences`) must equal the final conversation processed in one go (token
+ids, media tensors, per-token type ids, the adapter's positions, mrope included); the
+loss mask must cover exactly the sampled tokens and no media placeholder; and each
+policy turn's log-probs must equal those the rollout sampled them with. Then the same
+batch's log-probs must equal the plain path's with shared media encoding (the prompt's
+opening image encoded once for its samples, `SharedMedia.of_pieces`; 1e-5), packed
+without padding (each sequence's packed positions its own; 2e-4) and both, as far as
+the family declares `media_sharing` / `padding_free`; and where it declares
+`sequence_parallel`, one update on it under Ulysses over 2 processes must equal one
+process (`mmrl.probes.multi_turn_sp`: log-probs 1e-5, gradients, AdamW step).
 
 Where the prefix rule cannot hold, the check fails with the reason: a processor that
 lays the opening turn out anew once a second image is in the conversation, or a chat
@@ -127,7 +136,13 @@ def rollout(subject: Subject) -> Rollout:
     role = _reply_role(processing, opening, row["reply"])
     agent = AgentRollout(make_rollout("hf", engine, processing), processing,
                          lambda: _ImageReply(row, role, video), max_turns=2, max_tokens=4096)
-    reason = _prefix_rule_breaks(agent, processing, opening, _ImageReply(row, role, video).step(opening)[0])
+    try:
+        reason = _prefix_rule_breaks(agent, processing, opening, _ImageReply(row, role, video).step(opening)[0])
+    except Exception as exc:
+        if not video:
+            raise
+        raise CheckFailed(f"the family declares video, but a video in the environment's reply, in a conversation "
+                          f"holding images, does not process: {exc}") from exc
     if reason is not None:
         raise CheckFailed(reason)
     torch.manual_seed(SEED)
