@@ -78,3 +78,18 @@ def test_pieces_that_do_not_lay_out_the_batch_give_no_sharing():
     single = dict(built.processing([trajectories[0].context]))
     assert SharedMedia.of_pieces(built.processing, [[("a", trajectories[0].context[:1])]], single,
                                  placeholder_tokens(plain.model)) is None
+
+
+def test_openings_without_media_process_nothing_more():
+    """The demo's layout (the opening hides the image; only tool replies hold one): no
+    piece repeats with media, so no piece is processed again."""
+    built, plain, trajectories = _trajectories(seed=2)
+    for t in trajectories:
+        t.context = [{"role": "user", "content": "What is it?"}, *t.context[1:]]
+    calls = []
+
+    def processing(*args, **kwargs):
+        calls.append(args)
+        return built.processing(*args, **kwargs)
+
+    assert shared_pieces(trajectories, processing, {}, plain.model) is None and calls == []

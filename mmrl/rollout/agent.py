@@ -278,6 +278,10 @@ def shared_pieces(trajectories: Sequence[Trajectory], processing, batch: dict, m
         if later:
             row_pieces.append((("later", row), [{"role": "user", "content": later}]))
         pieces.append(row_pieces)
+    # Only openings that hold media and repeat save anything: else process nothing more.
+    shared_openings = [row[0][0] for row in pieces if any(_media_parts(m) for m in row[0][1])]
+    if len(set(shared_openings)) == len(shared_openings):
+        return None
     return SharedMedia.of_pieces(processing, pieces, batch, placeholder_tokens(model))
 
 
