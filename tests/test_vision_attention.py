@@ -26,15 +26,18 @@ def _per_chunk(query, key, value, cu_seqlens):
     return torch.cat(outs, dim=1)
 
 
-def test_padded_call_equals_one_call_per_chunk_with_gradients():
+# Chunks of 3, 1, 7 and 5 tokens (padded to 7), and four equal chunks (no padding).
+@pytest.mark.parametrize("bounds", [[0, 3, 4, 11, 16], [0, 4, 8, 12, 16]])
+def test_one_call_equals_one_call_per_chunk_with_gradients(bounds):
     torch.manual_seed(0)
-    cu_seqlens = torch.tensor([0, 3, 4, 11, 16], dtype=torch.int32)  # chunks of 3, 1, 7, 5
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     expected = _per_chunk(q, k, v, cu_seqlens)
     grads_expected = torch.autograd.grad(expected.square().sum(), (q, k, v))
     module = torch.nn.Module()
     got, _ = vision_attention.vision_attention(module, q, k, v, None, scaling=8 ** -0.5, is_causal=False,
-                                               cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=7)
+                                               cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                               max_length_q=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
     assert got.shape == expected.shape == (1, 16, 2, 8)
     torch.testing.assert_close(got, expected, **FP32)
     for g, e in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads_expected):
@@ -145,6 +148,29 @@ def test_installed_tower_and_model_match_the_plain_path(family, monkeypatch):
     assert after["padded"] > before["padded"] and after["varlen"] == before["varlen"]
 
 
+def test_installed_tower_under_activation_checkpointing_matches_the_plain_path():
+    """Recomputed blocks reach the one-call path again with the same chunks."""
+    built = build_model("qwen2_5_vl", random_init=True)
+    conversations = sample_conversations(built.adapter)
+
+    def grads():
+        built.model.zero_grad(set_to_none=True)
+        loss = loss_and_backward(built, conversations)
+        return loss, {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = grads()
+    vision_attention.install(built.model)
+    built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = vision_attention.calls()["padded"]
+    loss, installed = grads()
+    # Forward and recomputation: two calls per vision attention layer.
+    assert vision_attention.calls()["padded"] - before == 2 * len(built.model.model.visual.blocks)
+    torch.testing.assert_close(loss, plain_loss, **FP32)
+    assert installed.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(installed[name], grad, **FP32, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_install_applies_to_packed_towers_only_and_is_idempotent(family):
     built = build_model(family, random_init=True)
@@ -192,10 +218,11 @@ def test_gpu_varlen_kernel_matches_the_plain_path_in_bf16(family, mode):
     features, grads = run()
     after = vision_attention.calls()
     assert after["varlen"] > before["varlen"] and after["padded"] == before["padded"]
+    # bf16 kernels differ in rounding only: relative errors of a few 1e-3 (a wrong chunking
+    # is off by order 1; the CPU tests check exactness in fp32).
     for got, expected in zip(features, plain_features, strict=True):
-        scale = expected.abs().max().clamp_min(1.0)
-        assert (got - expected).abs().max() / scale < 2e-2
+        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
     assert grads.keys() == plain_grads.keys() and grads
     for name, grad in plain_grads.items():
-        scale = grad.abs().max().clamp_min(1e-6)
-        assert (grads[name] - grad).abs().max() / scale < 5e-2, name
+        if grad.norm() > 0:
+            assert ((grads[name] - grad).norm() / grad.norm()).item() < 5e-2, name

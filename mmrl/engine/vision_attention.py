@@ -164,6 +164,14 @@ def _padded(query, key, value, cu_seqlens, longest, dropout, scaling) -> torch.T
     """(T, H, D) inputs -> (T, H, D): every chunk in one SDPA call over padded chunks."""
     total, heads, dim = query.shape
     chunks = cu_seqlens.shape[0] - 1
+    gqa = key.shape[1] != heads
+    if chunks * longest == total:  # equal chunks (same-size images, full windows): a plain batch
+        def batch(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(chunks, longest, t.shape[1], dim).transpose(1, 2)
+
+        out = torch.nn.functional.scaled_dot_product_attention(
+            batch(query), batch(key), batch(value), dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(total, heads, dim)
     rows, real = _layout(cu_seqlens, longest, total)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -172,7 +180,7 @@ def _padded(query, key, value, cu_seqlens, longest, dropout, scaling) -> torch.T
 
     out = torch.nn.functional.scaled_dot_product_attention(
         pad(query), pad(key), pad(value), attn_mask=real, dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != heads)
+        enable_gqa=gqa)
     return out.transpose(1, 2).reshape(chunks * longest, heads, dim).index_select(0, rows)
 
 
@@ -193,7 +201,7 @@ def vision_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             f"{NAME}: only bidirectional attention within the chunks of one packed row is supported "
             f"(mask={attention_mask is not None}, is_causal={is_causal}, batch={query.shape[0]})")
     cu_seqlens = cu_seq_lens_q
-    longest = max_length_q if max_length_q is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    longest = int(max_length_q if max_length_q is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).max())
     flat = [t[0].transpose(0, 1) for t in (query, key, value)]  # (T, H, D)
     if _varlen_usable(module, query, dropout):
         from torch.nn.attention.varlen import varlen_attn
