@@ -120,7 +120,6 @@ class Trainer:
                 m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
                 seed=seed, processing_options=options, trust_remote_code=m.trust_remote_code,
                 config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None,
-                device=self.dist.device,
             )
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
