@@ -18,6 +18,9 @@ per step are capped by the bundled rows and the response length by `--max-new-to
         --shape-of recipes/qwen2_5_vl_3b_shape.yaml --max-new-tokens 256 --steps 10 --out $OUT/b.json
     .venv/bin/python bench/recipe_steps.py recipes/tiny_vlm_count.yaml --steps 2 --device cpu \
         --variant rows --variant tokens algo.micro_batch_tokens=64   # smoke run on CPU
+
+Against an older commit, in the same call: `git archive <commit> mmrl recipes | tar -x -C old`
+and `PYTHONPATH=old python bench/recipe_steps.py old/recipes/... --out $OUT/old.json`.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ def recipe_values(path: Path, shape_of: Path | None, max_new_tokens: int | None)
 
 
 def run_variant(values: dict, overrides: list[str], steps: int, device: str, out_dir: Path) -> dict:
-    from mmrl.config import Recipe, apply_overrides
+    from mmrl.config import Recipe, TrainerConfig, apply_overrides
     from mmrl.trainer import Trainer
 
+    # `overwrite` is newer than some commits this runs against (PYTHONPATH=<old tree>).
+    fresh = ["trainer.overwrite=true"] if "overwrite" in TrainerConfig.model_fields else []
     values = apply_overrides(values, [*overrides, f"trainer.steps={steps}", "trainer.export=false",
                                       "trainer.progress=false", "trainer.eval_every=0", "trainer.save_every=0",
-                                      f"trainer.output_dir={out_dir}", "trainer.overwrite=true"])
+                                      f"trainer.output_dir={out_dir}", *fresh])
     values["data"]["eval"] = None
     recipe = Recipe.model_validate(values)
     if device == "cuda":
@@ -91,7 +96,7 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
         "tokens": statistics.median(r.get("tokens", 0.0) for r in records),
         "response_length": statistics.median(r["response/length"] for r in records),
         "reward_mean_step1": records[0]["reward/mean"],
-        "packed": trainer.actor.pack, "varlen": trainer.actor.varlen,
+        "packed": getattr(trainer.actor, "pack", False), "varlen": getattr(trainer.actor, "varlen", False),
         "parameters": sum(p.numel() for p in trainer.actor.model.parameters()),
     }
     if device == "cuda":

@@ -75,6 +75,7 @@ def build_model(
     trust_remote_code: bool = False,
     config_overrides: dict[str, Any] | None = None,
     tiny_vocabulary: dict[str, Any] | None = None,
+    device: str | torch.device | None = None,
 ) -> BuiltModel:
     """Build model + processing for a family name or a local checkpoint directory.
 
@@ -84,7 +85,9 @@ def build_model(
     inits only, and `tiny_vocabulary` ({"characters": str, "words": [...]}, see
     `mmrl.tiny.vocabulary`) shapes the tiny tokenizer. Weights are read from
     safetensors only. `attn_implementation` None means SDPA where the model class
-    supports it, else eager attention.
+    supports it, else eager attention. `device` is where random weights are drawn (on a
+    GPU, seconds for billions of parameters that take minutes on the CPU; a seed draws
+    other numbers there than on the CPU) and checkpoints are loaded to; None: the CPU.
     """
     path = Path(str(name_or_path))
     is_checkpoint = path.is_dir()
@@ -110,7 +113,8 @@ def build_model(
         adapter = adapter_for_config(config)
         config = _customized(config, adapter, config_overrides or {})
         config._attn_implementation = attn_implementation
-        with torch.random.fork_rng(devices=[]):
+        place = torch.device(device) if device is not None else torch.device("cpu")
+        with torch.random.fork_rng(devices=[place] if place.type == "cuda" else [], device_type=place.type), place:
             torch.manual_seed(seed)
             model = adapter.model_class()._from_config(config, dtype=dtype)
             model = adapter.prepare_model(model)
@@ -124,6 +128,7 @@ def build_model(
         model = adapter.model_class().from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation,
             use_safetensors=True, trust_remote_code=trust_remote_code,
+            **({"device_map": {"": torch.device(device)}} if device is not None else {}),
         )
     model = adapter.on_load(model)
     eos = getattr(model.generation_config, "eos_token_id", None)

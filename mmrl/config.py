@@ -45,7 +45,10 @@ class ModelConfig(_Section):
     freeze: list[Literal["vision", "projector", "language", "embed", "lm_head"]] = Field(default_factory=list)
     lora_scope: Literal["none", "language", "vision", "all"] = "none"
     lora_rank: int = Field(8, gt=0)
-    gradient_checkpointing: bool = False
+    # Activation checkpointing. "auto": off in one GPU process until an update runs out
+    # of memory (then on, and that mini-batch redone), on for sharded GPU ranks, off on
+    # the CPU.
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     # Encode each prompt's images/videos once per micro-batch and reuse the features for
     # all its samples (rollout and update), where the family declares media_sharing.
     share_media: bool = True

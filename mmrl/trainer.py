@@ -120,6 +120,7 @@ class Trainer:
                 m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
                 seed=seed, processing_options=options, trust_remote_code=m.trust_remote_code,
                 config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None,
+                device=self.dist.device,
             )
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
@@ -348,11 +349,7 @@ class Trainer:
     def _update(self, batches: list, minis: list, temperature: float) -> dict[str, float]:
         """Policy (and critic) updates: `epochs_per_rollout` passes over the mini-batches
         (`minis`: lists of (micro-batch index, loss scale)), one optimizer step each."""
-        from mmrl.algos import kl_loss, policy_loss
-        from mmrl.algos.losses import aggregate, value_loss
-
         algo = self.recipe.algo
-        norm_length = self.recipe.rollout.max_new_tokens
         # Loss weights make the summed micro-batch gradients equal the gradient of the
         # whole mini-batch across ranks: FSDP averages over ranks, hence the world-size
         # factor. With sequence parallelism every group counts its tokens P times over P
@@ -368,44 +365,9 @@ class Trainer:
         steps = 0
         for _ in range(algo.epochs_per_rollout):
             for mini, (global_tokens, global_rows) in zip(minis, totals):
-                for index, scale in mini:
-                    seqs, count = batches[index], tokens[index]
-                    if algo.loss_aggregation == "token_mean":
-                        share = count / global_tokens if global_tokens else 0.0
-                    else:
-                        share = seqs.size / global_rows
-                    weight = scale * share
-                    logp, entropy = self.actor.log_probs(seqs, temperature)
-                    # Old log-probs are taken before the first step whenever there are
-                    # several; with one the ratio is exactly 1.
-                    old = seqs.extras.get("old_logp", logp.detach())
-                    loss, stats = policy_loss(
-                        logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
-                        clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
-                    )
-                    if self.ref is not None and algo.kl_in == "loss":
-                        kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
-                                          kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
-                                          norm_length=norm_length)
-                        loss = loss + kl_term
-                        sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
-                    entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
-                    if algo.entropy_coef:
-                        # Aggregated as the loss is, so the micro-batch split changes nothing.
-                        loss = loss - algo.entropy_coef * aggregate(entropy, seqs.response_mask,
-                                                                    algo.loss_aggregation, norm_length=norm_length)
-                    (loss * weight).backward()
-                    sums["loss/policy"] += weight * float(loss.detach())
-                    token_share = scale * count / global_tokens if global_tokens else 0.0
-                    sums["entropy"] += token_share * float(entropy_mean.detach())
-                    sums["clip_fraction"] += weight * float(stats["clip_fraction"])
-                    sums["approx_kl"] += weight * float(stats["approx_kl"])
-                    if self.critic is not None:
-                        values = self.critic.values(seqs)
-                        vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"],
-                                              seqs.response_mask)
-                        (vloss * weight).backward()
-                        sums["loss/value"] += weight * float(vloss.detach())
+                for key, value in self._accumulate(batches, tokens, mini, global_tokens, global_rows,
+                                                   temperature).items():
+                    sums[key] += value
                 sums["grad_norm"] += self.actor.step()
                 if self.critic is not None:
                     self.critic.step()
@@ -415,6 +377,73 @@ class Trainer:
         metrics["update/optimizer_steps"] = steps
         metrics["update/micro_batches"] = len(batches)
         return metrics
+
+    def _accumulate(self, batches: list, tokens: list[float], mini: list, global_tokens: float, global_rows: float,
+                    temperature: float) -> dict[str, float]:
+        """One mini-batch's gradients, micro-batch by micro-batch, and its metric sums.
+        Under `gradient_checkpointing: auto`, a GPU that runs out of memory here gets
+        checkpointing turned on and the mini-batch is redone from zeroed gradients, so
+        the step is the one it would have been (`Engine.checkpoint_after_oom`)."""
+        try:
+            return self._micro_batches(batches, tokens, mini, global_tokens, global_rows, temperature)
+        except torch.OutOfMemoryError:
+            if not self.actor.can_checkpoint_after_oom():
+                raise
+        # Outside the except block, so the failed pass's activations are free to go.
+        self.actor.checkpoint_after_oom()
+        if self.critic is not None:
+            self.critic.drop_gradients()
+        print("update: out of GPU memory without activation checkpointing; turned it on "
+              "(gradient_checkpointing: auto) and redid the mini-batch", flush=True)
+        return self._micro_batches(batches, tokens, mini, global_tokens, global_rows, temperature)
+
+    def _micro_batches(self, batches: list, tokens: list[float], mini: list, global_tokens: float,
+                       global_rows: float, temperature: float) -> dict[str, float]:
+        from mmrl.algos import kl_loss, policy_loss
+        from mmrl.algos.losses import aggregate, value_loss
+
+        algo = self.recipe.algo
+        norm_length = self.recipe.rollout.max_new_tokens
+        sums: dict[str, float] = defaultdict(float)
+        for index, scale in mini:
+            seqs, count = batches[index], tokens[index]
+            if algo.loss_aggregation == "token_mean":
+                share = count / global_tokens if global_tokens else 0.0
+            else:
+                share = seqs.size / global_rows
+            weight = scale * share
+            logp, entropy = self.actor.log_probs(seqs, temperature)
+            # Old log-probs are taken before the first step whenever there are
+            # several; with one the ratio is exactly 1.
+            old = seqs.extras.get("old_logp", logp.detach())
+            loss, stats = policy_loss(
+                logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
+                clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
+            )
+            if self.ref is not None and algo.kl_in == "loss":
+                kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
+                                  kind=algo.kl_estimator, aggregation=algo.loss_aggregation,
+                                  norm_length=norm_length)
+                loss = loss + kl_term
+                sums["kl/loss"] += weight * float(kl_term.detach()) / algo.kl_coef
+            entropy_mean = aggregate(entropy, seqs.response_mask, "token_mean")
+            if algo.entropy_coef:
+                # Aggregated as the loss is, so the micro-batch split changes nothing.
+                loss = loss - algo.entropy_coef * aggregate(entropy, seqs.response_mask,
+                                                            algo.loss_aggregation, norm_length=norm_length)
+            (loss * weight).backward()
+            sums["loss/policy"] += weight * float(loss.detach())
+            token_share = scale * count / global_tokens if global_tokens else 0.0
+            sums["entropy"] += token_share * float(entropy_mean.detach())
+            sums["clip_fraction"] += weight * float(stats["clip_fraction"])
+            sums["approx_kl"] += weight * float(stats["approx_kl"])
+            if self.critic is not None:
+                values = self.critic.values(seqs)
+                vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"],
+                                      seqs.response_mask)
+                (vloss * weight).backward()
+                sums["loss/value"] += weight * float(vloss.detach())
+        return sums
 
     def train_step(self) -> dict[str, float]:
         """One RL step: rollout, reward, advantages, update, weight sync."""

@@ -209,6 +209,41 @@ def test_one_mini_batch_is_the_plain_update(tmp_path):
         assert torch.equal(weights[0][name], weights[1][name]), name
 
 
+def test_auto_checkpointing_redoes_an_update_that_ran_out_of_memory(tmp_path):
+    """gradient_checkpointing: auto starts without checkpointing; when an update runs out
+    of memory (here: raised on its second micro-batch, after the first one's gradients
+    were accumulated) checkpointing turns on and the mini-batch is redone from zeroed
+    gradients: the weights equal a run with checkpointing from the start."""
+    common = ("trainer.steps=2", "trainer.export=false", "reward.name=test_trainer:length_reward",
+              "algo.micro_batch_size=6")
+    reference = Trainer(_recipe(tmp_path / "on", *common, "model.gradient_checkpointing=true"))
+    assert reference.actor.checkpointing
+    reference.fit()
+    trainer = Trainer(_recipe(tmp_path / "auto", *common))
+    assert trainer.recipe.model.gradient_checkpointing == "auto" and not trainer.actor.checkpointing
+    passes = []
+    log_probs = trainer.actor.log_probs
+
+    def short_of_memory(*args, **kwargs):
+        if torch.is_grad_enabled():
+            passes.append(trainer.actor.checkpointing)
+            if passes == [False, False]:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return log_probs(*args, **kwargs)
+
+    trainer.actor.log_probs = short_of_memory
+    trainer.fit()
+    assert passes[:2] == [False, False] and all(passes[2:]) and len(passes) == 2 + 2 * 3
+    theirs = _weights(reference)
+    for name, value in _weights(trainer).items():
+        assert torch.allclose(value, theirs[name], atol=1e-6), name
+    # Without "auto" the error is the user's to see.
+    fixed = Trainer(_recipe(tmp_path / "off", *common, "model.gradient_checkpointing=false"))
+    fixed.actor.log_probs = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("simulated"))
+    with pytest.raises(torch.OutOfMemoryError):
+        fixed.fit()
+
+
 def test_mini_batches_step_against_the_log_probs_before_the_first_update(tmp_path, monkeypatch):
     """algo.mini_batches=2 takes 2 optimizer steps per rollout; both steps' ratios are taken
     against the log-probs computed before the first, so the first step's ratio is 1 and the

@@ -138,7 +138,7 @@ class Engine:
         optim: OptimConfig | None = None,
         lr: float | None = None,
         total_steps: int = 1,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | str = False,
         value_head: bool = False,
         mixed_precision: bool = True,
         share_media: bool = True,
@@ -171,16 +171,22 @@ class Engine:
             torch.nn.init.zeros_(self.value_head.bias)
         # Ulysses sequence parallelism over the ranks of dist's SP group (1: off).
         self.sequence_parallel = dist.sequence_parallel
-        checkpoint_kwargs = {"use_reentrant": False}
+        self._checkpoint_kwargs = {"use_reentrant": False}
         if self.sequence_parallel > 1:
             from mmrl.parallel import ulysses
 
             ulysses.install(self.model, self.adapter)
-            checkpoint_kwargs["context_fn"] = ulysses.checkpoint_context
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
-            if hasattr(self.model, "enable_input_require_grads"):
-                self.model.enable_input_require_grads()
+            self._checkpoint_kwargs["context_fn"] = ulysses.checkpoint_context
+        # "auto": checkpointing only where memory needs it. One GPU process starts
+        # without it and turns it on when an update runs out of memory (the trainer
+        # redoes that optimizer step: `checkpoint_after_oom`); sharded ranks cannot
+        # recover from one rank's OOM, so they keep it on; the CPU never needs it.
+        if gradient_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"gradient_checkpointing must be true, false or auto, got {gradient_checkpointing!r}")
+        self.checkpointing_auto = gradient_checkpointing == "auto"
+        if gradient_checkpointing is True or (self.checkpointing_auto and dist.distributed
+                                               and dist.device.type == "cuda"):
+            self.enable_checkpointing()
         # Packed rows on a GPU: flash varlen attention where the mask is document-causal.
         self.varlen = False
         if self.pack and dist.device.type == "cuda" and self.sequence_parallel == 1:
@@ -228,6 +234,36 @@ class Engine:
         # FSDP2 picks its root at the first forward it sees. HF generate may call a
         # submodule first (the vision encoder, before prefill), so settle the root now.
         self.model._get_fsdp_state()._lazy_init()
+
+    def enable_checkpointing(self) -> None:
+        """Recompute each layer's activations in the backward pass instead of keeping them."""
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self._checkpoint_kwargs)
+        if hasattr(self.model, "enable_input_require_grads"):
+            self.model.enable_input_require_grads()
+
+    @property
+    def checkpointing(self) -> bool:
+        return bool(getattr(self.model, "is_gradient_checkpointing", False))
+
+    def can_checkpoint_after_oom(self) -> bool:
+        """Whether an update that ran out of GPU memory can be redone with checkpointing
+        (`gradient_checkpointing: auto`, one process, checkpointing still off)."""
+        return self.checkpointing_auto and not self.checkpointing and not self.sharded
+
+    def checkpoint_after_oom(self) -> None:
+        """Turn checkpointing on for a redo of the update that ran out of memory: the
+        partial gradients dropped, the allocator's cached blocks released."""
+        import gc
+
+        self.drop_gradients()
+        self.enable_checkpointing()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def drop_gradients(self) -> None:
+        for parameter in self.parameters():
+            parameter.grad = None
 
     def gather_root(self) -> None:
         """All-gather the root group's parameters (embeddings, patch embedding, norms)

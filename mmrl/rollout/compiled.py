@@ -9,6 +9,10 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
 - the prompt batch (with its images) runs once, eagerly, into a transformers
   `StaticCache`; every later step feeds one text token per row, so its shapes never
   change and `torch.compile(mode="reduce-overhead")` replays it as a CUDA graph;
+- in those steps the text decoder's SDPA attention runs as two batched matmuls per
+  layer, one query per row against its key/value heads (`decode_attention`): SDPA
+  with a mask would first copy the whole cache out to every query head (grouped-query
+  models), which took more of an H200 step than the rest of the layer;
 - positions come from the family's adapter (`position_ids`, 3-D for mrope): a new token
   sits one past its row's largest prompt position on every axis, which is what
   transformers' rope deltas give;
@@ -54,6 +58,9 @@ _UNSUPPORTED = {
 }
 _UNSUPPORTED_SAMPLING = {"min_p": (None, 0.0), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
                          "eta_cutoff": (None, 0.0)}
+
+
+DECODE_ATTENTION = "mmrl_decode"
 
 
 class Unsupported(Exception):
@@ -164,27 +171,28 @@ class CompiledHFRollout(HFRollout):
             index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
             step = self._compiled_step()
             steps = 1
-            for t in range(1, new_tokens):
-                if t % self.check_every == 0:
-                    alive = int(running.sum())
-                    if alive == 0:
-                        break
-                    width = len(index)
-                    if width > self.min_compact_rows and alive <= width // 2:
-                        keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
-                        cache = self._moved(cache, keep, length)
-                        index, token, running, mask = (x[keep] for x in (index, token, running, mask))
-                        last = last[..., keep]
-                place = (last + t).unsqueeze(-1)
-                if self.compile and device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()
-                token, logprob, running = step(model, token[:, None], place, mask, cache, running, blocked, stops, **pick)
-                # The graph's outputs are overwritten by its next replay: keep copies.
-                token, running = token.clone(), running.clone()
-                tokens[index, t] = token
-                if logprobs is not None:
-                    logprobs[index, t] = logprob
-                steps += 1
+            with _decode_attention(model):
+                for t in range(1, new_tokens):
+                    if t % self.check_every == 0:
+                        alive = int(running.sum())
+                        if alive == 0:
+                            break
+                        width = len(index)
+                        if width > self.min_compact_rows and alive <= width // 2:
+                            keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
+                            cache = self._moved(cache, keep, length)
+                            index, token, running, mask = (x[keep] for x in (index, token, running, mask))
+                            last = last[..., keep]
+                    place = (last + t).unsqueeze(-1)
+                    if self.compile and device.type == "cuda":
+                        torch.compiler.cudagraph_mark_step_begin()
+                    token, logprob, running = step(model, token[:, None], place, mask, cache, running, blocked, stops, **pick)
+                    # The graph's outputs are overwritten by its next replay: keep copies.
+                    token, running = token.clone(), running.clone()
+                    tokens[index, t] = token
+                    if logprobs is not None:
+                        logprobs[index, t] = logprob
+                    steps += 1
         # What the last call did (tests and the benchmark read it).
         self.stats = {"steps": steps, "final_rows": len(index)}
         width = _used_width(tokens, stops)
@@ -272,3 +280,60 @@ def _used_width(tokens: torch.Tensor, stops: torch.Tensor) -> int:
     if not bool(is_stop.any(-1).all()):
         return tokens.shape[1]
     return int(is_stop.int().argmax(-1).max()) + 1
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The decode steps' attention function: one query per row, (B, H, 1, D), against the
+    static cache's (B, H_kv, L, D) keys and values, as two batched matmuls over each key
+    head's group of query heads, in fp32. Any other call (a prompt, dropout,
+    soft-capping, attention sinks, mismatched head sizes) goes to transformers' SDPA."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    rows, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
+        getattr(module, "config", None), "attn_logit_softcapping", None)
+    mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+                                         and attention_mask.shape[2] == 1)
+    if (queries != 1 or dropout or softcap or heads % kv_heads or key.shape[-1] != dim or not mask_ok
+            or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, **kwargs)
+    # Inputs rounded to the cache's dtype as SDPA's kernels take them, products and
+    # softmax in fp32 as they compute them.
+    dtype = value.dtype
+    scale = dim ** -0.5 if scaling is None else scaling
+    with torch.autocast(query.device.type, enabled=False):  # autocast would round the products
+        grouped = query.to(dtype).float().reshape(rows, kv_heads, heads // kv_heads, dim)  # head h: key head h // group
+        scores = torch.matmul(grouped, key.to(dtype).float().transpose(-1, -2)) * scale  # (B, H_kv, group, L)
+        if attention_mask is not None:
+            if attention_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attention_mask, float("-inf"))
+            else:
+                scores = scores + attention_mask
+        out = torch.matmul(scores.softmax(-1), value.float())  # (B, H_kv, group, D)
+    return out.to(dtype).reshape(rows, 1, heads, dim), None
+
+
+class _decode_attention:
+    """While open, the text decoder of `model` (where its attention is SDPA) runs
+    `decode_attention`; the name is registered with SDPA's masks."""
+
+    def __init__(self, model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.config = base.config.get_text_config()
+        self.before = self.config._attn_implementation
+
+    def __enter__(self):
+        if self.before == "sdpa":
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+            AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+            self.config._attn_implementation = DECODE_ATTENTION
+        return self
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.before
+        return False
