@@ -74,7 +74,8 @@ def main() -> None:
     pixels = torch.randn(images * grid * grid, config.in_channels * temporal * patch * patch, generator=generator)
     pixels = pixels.to(device, dtype)
     grid_thw = torch.tensor([[1, grid, grid]] * images, device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.float32 and device.type == "cuda")
+    autocasting = dtype == torch.float32 and device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocasting)
 
     def use(mode: str) -> None:
         if mode == "plain":
@@ -161,9 +162,10 @@ def main() -> None:
                                                          "window_size", "fullatt_block_indexes", "patch_size")},
         "tower_parameters": sum(p.numel() for p in tower.parameters()),
         "images": images, "image_side": side, "patches": images * grid * grid,
-        "precision": "bf16 weights" if dtype == torch.bfloat16 else "fp32 weights, bf16 autocast",
+        "precision": f"{args.dtype} weights" + (", bf16 autocast" if autocasting else ""),
         "gradient_checkpointing": args.checkpointing, "repeats": args.repeats,
-        "max_relative_diff_vs_plain": gaps, "images_checked": checked, "median_step_s": medians, "samples_s": samples, "peak_gib": peaks,
+        "max_relative_diff_vs_plain": gaps, "images_checked": checked,
+        "median_step_s": medians, "samples_s": samples, "peak_gib": peaks,
         "speedup_vs_plain": {m: plain / t for m, t in medians.items()} if plain else None,
         "attention_calls_while_timed": calls, "out_of_memory": failed,
         "command": " ".join(["python bench/vision_attention.py", *sys.argv[1:]]),
