@@ -42,7 +42,7 @@ from mmrl.probes.model import (
     needs_video,
     needs_vision_lora,
 )
-from mmrl.probes.multi_turn import check_multi_turn
+from mmrl.probes.multi_turn import check_multi_turn, check_multi_turn_many
 from mmrl.probes.sequence_parallel import (
     check_sequence_parallel,
     check_sequence_parallel_many,
@@ -105,10 +105,12 @@ PROBES: tuple[Probe, ...] = (
           "rows collated from each prompt's batch equal processing them; log-probs (1e-5), gradients and the AdamW "
           "step equal the plain forward's, with less vision input.",
           check_media_sharing, capability="media_sharing", inapplicable=media_sharing_inapplicable, cost=2.0),
-    Probe("multi_turn", "Multi-turn", "The agent loop (hf backend) with an image arriving in turn 3, from the "
-          "environment: the training batch equals the final conversation processed in one go (ids, media tensors, "
-          "positions incl. mrope), the loss mask covers only sampled tokens, and each policy turn's log-probs equal "
-          "the rollout's (2e-4).", check_multi_turn, capability="multi_turn", inapplicable=needs_images, cost=1.5),
+    Probe("multi_turn", "Multi-turn", "The agent loop (hf backend) with an image (and a video, where declared) "
+          "arriving in turn 3, from the environment: the training batch equals the final conversation processed in "
+          "one go (ids, media tensors, positions incl. mrope), the loss mask covers only sampled tokens, each policy "
+          "turn's log-probs equal the rollout's (2e-4); shared media, packed rows (2e-4) and Ulysses over 2 "
+          "processes give the plain batch's log-probs.", check_multi_turn, capability="multi_turn",
+          inapplicable=needs_images, check_many=check_multi_turn_many, cost=4.0),
 )
 
 FEATURES: tuple[str, ...] = tuple(p.feature for p in PROBES)
