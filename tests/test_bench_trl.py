@@ -26,14 +26,17 @@ def test_reward_counts_ascii_letters(bench):
 
 
 def test_ratios_are_against_the_fastest_trl_run(bench):
-    runs = {"mmrl_fast": {"steps_done": 3, "median_s": {"step": 2.0}},
+    runs = {"mmrl_fast": {"steps_done": 3, "median_s": {"step": 2.0}, "layer0_elements_changed": 0.02},
+            "mmrl_compiled_fp32": {"steps_done": 3, "median_s": {"step": 4.0}, "layer0_elements_changed": 0.99},
             "trl": {"steps_done": 3, "median_s": {"step": 10.0}},
             "trl_bf16": {"steps_done": 3, "median_s": {"step": 8.0}},
             "mmrl_plain": {"steps_done": 1, "median_s": {"step": 1.0}}}  # one step: no warm median, left out
-    comparison = bench.compare(runs)
+    comparison = bench.compare(runs, bench.RUNS)
     assert comparison["baseline"] == "trl_bf16"
-    assert comparison["ratio_vs_baseline"] == {"mmrl_fast": 4.0, "trl": 0.8, "trl_bf16": 1.0}
+    assert comparison["ratio_vs_baseline"] == {"mmrl_fast": 4.0, "mmrl_compiled_fp32": 2.0, "trl": 0.8,
+                                               "trl_bf16": 1.0}
     assert comparison["ratio_vs_trl"]["mmrl_fast"] == 5.0
+    assert comparison["best_learning_mmrl"] == "mmrl_compiled_fp32"  # mmrl_fast's updates barely moved it
 
 
 def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path, monkeypatch):
@@ -52,5 +55,6 @@ def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path, monkeypa
     assert 0 < step["response_length"] <= 4
     assert step["optimizer_steps"] == 1 and step["micro_batches"] == 1
     assert report["weights_dtype"] == "float32" and report["rollout_backend"] == "hf"
+    assert report["layer0_elements_changed"] > 0.5  # fp32 weights: a 1e-6 AdamW step moves them
     summary = bench.summarize(report, args)
     assert summary["tokens_per_s"] == pytest.approx(2 * 4 * 4 / step["step_s"])
