@@ -102,8 +102,9 @@ def trl_entry() -> dict | None:
     trl, mmrl = report["comparison"]["baseline"], report["comparison"]["best_learning_mmrl"]
     failed = "; ".join(f"{n}: {r['error'][:80]}" for n, r in report["runs"].items() if r.get("error"))
     if trl is None or mmrl is None:
+        missing = "TRL run" if trl is None else "mmrl run that learns"
         return {"name": TRL_TARGET, "measured": None, "baseline": None, "ratio": None, "target": 3.0, "met": False,
-                "command": report["command"], "note": f"no complete {'TRL run' if trl is None else 'mmrl run that learns'}: {failed or 'see the JSON'}"}
+                "command": report["command"], "note": f"no complete {missing}: {failed or 'see the JSON'}"}
     ratio = report["comparison"]["ratio_vs_baseline"][mmrl]
 
     def seconds(name: str) -> str:

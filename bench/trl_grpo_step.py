@@ -367,7 +367,8 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
-                       layer0_elements_changed=probe.changed(trainer.actor.model), torch_threads=torch.get_num_threads())
+                       layer0_elements_changed=probe.changed(trainer.actor.model),
+                       torch_threads=torch.get_num_threads())
     steps.write()
     if trainer._metrics_file is not None:
         trainer._metrics_file.close()
@@ -445,8 +446,9 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
             model = kw["model"]
             probe = ChangeProbe(model)
             steps = Steps(result, device, {
-                "startup_s": round(time.perf_counter() - began, 2), "weights_dtype": dtype, "tokenizer_class": type(tokenizer).__name__,
-                "parameter_dtype": str(next(model.parameters()).dtype), "bf16_autocast": config.bf16,
+                "startup_s": round(time.perf_counter() - began, 2), "weights_dtype": dtype,
+                "tokenizer_class": type(tokenizer).__name__, "parameter_dtype": str(next(model.parameters()).dtype),
+                "bf16_autocast": config.bf16,
                 "suppress_tokens": len(blocked),
                 **same_prompt_ids(trl_prompt_ids(trainer, rows[:args.prompts]), start_record["first_prompt_ids"])})
             steps.start()
@@ -542,7 +544,8 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
         print(f"{name:<20} {r.get('weights_dtype', '?'):>8} {r['steps_done']:>5} {m['step']:>7.2f} "
               f"{m.get('rollout', float('nan')):>7.2f} {m.get('generate', float('nan')):>8.2f} "
               f"{m.get('update', float('nan')):>7.2f} {r['tokens_per_s']:>7.0f} {r['first_step_s']:>7.1f} "
-              f"{r.get('peak_allocated_gib') or 0:>8.1f} {changed(r):>7} {'-' if ratio is None else f'{ratio:.2f}x':>12}"
+              f"{r.get('peak_allocated_gib') or 0:>8.1f} {changed(r):>7} "
+              f"{'-' if ratio is None else f'{ratio:.2f}x':>12}"
               + (f"  ({r['error'][:60]})" if r.get("error") else ""))
 
 
@@ -568,7 +571,8 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict 
             error = f"stopped after --run-timeout {args.run_timeout} s"
     if error:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        last = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        last = (errors or lines or [""])[-1]
         error = f"{error}: {last.strip()[:300]}"
         print(f"  {worker}: {error}\n" + "\n".join(lines[-25:]), file=sys.stderr, flush=True)
     return (json.loads(result.read_text()) if result.is_file() else None), error
