@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mmrl.config import OptimConfig
+from mmrl.engine import vision_attention
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
@@ -193,6 +194,9 @@ class Engine:
             from mmrl.engine import varlen
 
             self.varlen = varlen.available() and varlen.install(self.model)
+        # The vision tower's per-image/per-window attention in one call per layer, where
+        # the model code offers a sequence-boundaries path (`mmrl.engine.vision_attention`).
+        self.vision_one_call = vision_attention.install(self.model)
         self.sharded = dist.distributed
         if self.sharded:
             self._shard()
