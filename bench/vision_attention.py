@@ -57,9 +57,16 @@ def main() -> None:
     overrides = {} if args.tiny else {"vision_config": recipe.model.config_overrides.get("vision_config", {})}
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    with torch.device(device):  # random init where it runs
-        built = build_model(recipe.model.path, random_init=True, seed=0, dtype=dtype, config_overrides=overrides)
+    # Random init where it runs. `device=` is what places it: build_model draws the weights
+    # under its own device context (the CPU when none is given), which overrides a caller's
+    # `with torch.device(...)` (the H200 run failed so: CPU conv weights, CUDA pixels).
+    built = build_model(recipe.model.path, random_init=True, seed=0, dtype=dtype, config_overrides=overrides,
+                        device=device)
     model = built.model
+    misplaced = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+                 if t.device.type != device.type]
+    if misplaced:
+        raise SystemExit(f"{len(misplaced)} parameters/buffers are not on {device}, e.g. {misplaced[:3]}")
     if not vision_attention.install(model):
         raise SystemExit(f"{recipe.model.path}: its vision tower does not take the one-call path")
     tower = model.get_submodule(built.adapter.parts.vision[0])
