@@ -159,6 +159,11 @@ def test_compiled_decode_step_traces_as_one_graph():
     _assert_same(plain, fast)
     sampled = rollout.generate(conversations, SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_p=0.9))
     assert sampled.response_ids.shape[0] == 4 and rollout.fallback_reason is None
+    engine.model.generation_config.repetition_penalty = 1.8  # the penalty's mask in the graph too
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same(plain, rollout.generate(conversations, params))
 
 
 def test_sampling_draws_from_the_filtered_distribution():
@@ -169,8 +174,9 @@ def test_sampling_draws_from_the_filtered_distribution():
     stops = torch.tensor([4])
     running = torch.ones(len(logits), dtype=torch.bool)
     running[:10] = False
-    tokens, logprobs, still = choose_tokens(logits, running, blocked, stops, pad_id=3, temperature=0.5, top_p=0.95,
-                                            want_logprobs=True)
+    tokens, logprobs, still, seen = choose_tokens(logits, running, blocked, stops, pad_id=3, temperature=0.5,
+                                                  top_p=0.95, want_logprobs=True)
+    assert seen is None
     assert (tokens[:10] == 3).all() and not still[:10].any()
     drawn = tokens[10:]
     # At temperature 0.5 tokens 3 and 4 hold 1.7% of the mass together: top-p 0.95 drops them.
@@ -183,14 +189,33 @@ def test_sampling_draws_from_the_filtered_distribution():
     torch.testing.assert_close(logprobs[10:], raw[drawn], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_the_generation_configs_repetition_penalty_is_applied_as_generate_does(family):
+    """A checkpoint whose generation config sets `repetition_penalty` (prompt tokens,
+    padding and image placeholders included, then each sampled token): the same greedy
+    tokens and raw log-probs as plain generate, and other tokens than without it."""
+    built, engine = _setup(family)
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=16, temperature=0, logprobs=True)
+    unpenalized = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    engine.model.generation_config.repetition_penalty = 1.8
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    assert not torch.equal(plain.response_ids, unpenalized.response_ids)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, min_compact_rows=2, check_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        fast = rollout.generate(conversations, params)
+    _assert_same(plain, fast)
+
+
 def test_a_generation_config_it_cannot_follow_falls_back_with_one_warning():
     built, engine = _setup("qwen2")
-    engine.model.generation_config.repetition_penalty = 1.3
+    engine.model.generation_config.no_repeat_ngram_size = 2
     conversations = _conversations(built)
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
-    with pytest.warns(UserWarning, match="repetition_penalty") as caught:
+    with pytest.warns(UserWarning, match="no_repeat_ngram_size") as caught:
         fast = rollout.generate(conversations, params)
         rollout.generate(conversations, params)
     assert len([w for w in caught if "hf_compiled" in str(w.message)]) == 1

@@ -16,8 +16,9 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
 - positions come from the family's adapter (`position_ids`, 3-D for mrope): a new token
   sits one past its row's largest prompt position on every axis, which is what
   transformers' rope deltas give;
-- token choice (blocked tokens, temperature, top-p, sampling) and the raw log-prob run
-  inside the compiled step; finished rows emit padding;
+- token choice (the generation config's repetition penalty, blocked tokens,
+  temperature, top-p, sampling) and the raw log-prob run inside the compiled step;
+  finished rows emit padding;
 - every few steps the loop looks at how many rows are still running: it stops when none
   are, and when half of them have finished it moves the running rows (and their cache)
   into a batch half as wide, so finished rows stop costing compute.
@@ -49,7 +50,7 @@ CACHE_LENGTH_STEP = 256
 # Generation-config fields whose logits processors plain `generate` would apply and this
 # loop does not, with their no-op values.
 _UNSUPPORTED = {
-    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
+    "no_repeat_ngram_size": (None, 0), "min_length": (None, 0),
     "min_new_tokens": (None, 0), "bad_words_ids": (None,), "forced_bos_token_id": (None,),
     "forced_eos_token_id": (None,), "sequence_bias": (None,), "begin_suppress_tokens": (None,),
     "suppress_tokens": (None,), "encoder_repetition_penalty": (None, 1.0),
@@ -68,12 +69,17 @@ class Unsupported(Exception):
 
 
 def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: float, top_p: float,
-                  want_logprobs: bool):
+                  want_logprobs: bool, seen=None, penalty: float = 1.0):
     """One token per row from its last logits (float32), as `generate`'s processors
-    choose it: blocked tokens removed, then temperature and top-p, then a sample (greedy
-    at temperature 0). Finished rows get `pad_id`. Returns the tokens, their log-probs
-    under the raw logits (or None), and which rows are still running."""
-    scores = logits + blocked
+    choose it: the repetition penalty on tokens already in the row (`seen`, a (B, V)
+    mask, where the generation config sets one), blocked tokens removed, then
+    temperature and top-p, then a sample (greedy at temperature 0). Finished rows get
+    `pad_id`. Returns the tokens, their log-probs under the raw logits (or None), which
+    rows are still running, and `seen` with the new tokens (None without a penalty)."""
+    scores = logits
+    if seen is not None:
+        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+    scores = scores + blocked
     if temperature > 0:
         if temperature != 1.0:
             scores = scores / temperature
@@ -90,7 +96,9 @@ def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: 
     tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
     logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1) if want_logprobs else None
     unfinished = unfinished & ~(tokens[:, None] == stops).any(-1)
-    return tokens, logprobs, unfinished
+    if seen is not None:
+        seen = seen.scatter(1, tokens[:, None], True)
+    return tokens, logprobs, unfinished, seen
 
 
 class CompiledHFRollout(HFRollout):
@@ -145,8 +153,9 @@ class CompiledHFRollout(HFRollout):
         length = -(-(prompt_length + new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
         pad_id = self.processing.tokenizer.pad_token_id
         stops = torch.tensor(self.processing.stop_token_ids, device=device)
+        penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         pick = dict(pad_id=pad_id, temperature=params.temperature, top_p=params.top_p,
-                    want_logprobs=params.logprobs)
+                    want_logprobs=params.logprobs, penalty=penalty)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with self.engine.autocast():
             cache = self._cache(rows, length, _autocast_dtype())
@@ -157,7 +166,13 @@ class CompiledHFRollout(HFRollout):
             blocked = torch.zeros(logits.shape[-1], device=device)
             blocked[[i for i in self.processing.blocked_token_ids if i < logits.shape[-1]]] = float("-inf")
             running = torch.ones(rows, dtype=torch.bool, device=device)
-            token, logprob, running = choose_tokens(logits, running, blocked, stops, **pick)
+            # The penalty's memory of each row: its prompt (padding included, as
+            # `generate` sees it) and every token it samples.
+            seen = None
+            if penalty != 1.0:
+                seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device)
+                seen.scatter_(1, batch["input_ids"].clamp(max=logits.shape[-1] - 1), True)
+            token, logprob, running, seen = choose_tokens(logits, running, blocked, stops, seen=seen, **pick)
             tokens = torch.full((rows, new_tokens), pad_id, dtype=torch.long, device=device)
             logprobs = torch.zeros(rows, new_tokens, device=device) if params.logprobs else None
             tokens[:, 0] = token
@@ -182,13 +197,16 @@ class CompiledHFRollout(HFRollout):
                             keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
                             cache = self._moved(cache, keep, length)
                             index, token, running, mask = (x[keep] for x in (index, token, running, mask))
+                            seen = None if seen is None else seen[keep]
                             last = last[..., keep]
                     place = (last + t).unsqueeze(-1)
                     if self.compile and device.type == "cuda":
                         torch.compiler.cudagraph_mark_step_begin()
-                    token, logprob, running = step(model, token[:, None], place, mask, cache, running, blocked, stops, **pick)
+                    token, logprob, running, seen = step(model, token[:, None], place, mask, cache, running, blocked,
+                                                         stops, seen, **pick)
                     # The graph's outputs are overwritten by its next replay: keep copies.
                     token, running = token.clone(), running.clone()
+                    seen = None if seen is None else seen.clone()
                     tokens[index, t] = token
                     if logprobs is not None:
                         logprobs[index, t] = logprob
@@ -243,10 +261,10 @@ class CompiledHFRollout(HFRollout):
         return smaller
 
 
-def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, **pick):
+def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, **pick):
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
-    return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, **pick)
+    return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
 
 
 def _autocast_dtype() -> torch.dtype | None:
