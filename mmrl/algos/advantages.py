@@ -10,6 +10,20 @@ estimators assume the G samples of one prompt sit next to each other: rows
     estimator = get_advantage_estimator("gae")      # or pick one by name ...
     advantages, returns = estimator.compute(token_rewards, mask, values=values, gamma=1.0, lam=0.95)
 
+Per-turn credit for multi-turn rollouts (`estimator.compute_by_turn`, docs/agents.md):
+`turn` (N, T) numbers each sampled token by its policy turn (1, 2, ...; 0 elsewhere), the
+environment's reward after each turn sits on that turn's last token, the reward
+function's score (`outcome`, (N,)) counts at the last turn. Per-token estimators take
+these token rewards as they are (the return-to-go does the rest); grouped estimators
+normalize the outcome and each turn's rewards within the prompt's group apart, and turn
+k's tokens get the outcome's advantage plus those of turns k, k+1, ...:
+
+    A[i, k] = est(outcome)[i] + sum over j >= k of est(R[:, j])[i]
+
+where R[i, j] is sample i's reward after its turn j (0 where it had no turn j) and `est`
+the estimator's group normalization (GRPO, Dr. GRPO, RLOO). Each column is normalized
+on its own, so a column whose rewards are all equal adds 0, never x / eps.
+
 Every estimator returns tensors without gradient: advantages are targets, not outputs.
 """
 
@@ -208,6 +222,42 @@ class AdvantageEstimator:
         rewards = torch.where(mask, _as_float(token_rewards), 0.0).sum(dim=-1)
         per_sequence = self.fn(rewards, group_size, **options)
         return torch.where(mask, per_sequence[:, None], 0.0), None
+
+    def compute_by_turn(
+        self,
+        outcome: Tensor,
+        token_rewards: Tensor,
+        turn: Tensor,
+        *,
+        group_size: int | None = None,
+        values: Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-turn credit: like `compute`, with each policy turn's tokens credited the
+        rewards from that turn on (module docstring). `turn` (N, T) is each token's 1-based
+        policy turn, 0 off the policy's tokens; `token_rewards` (N, T) hold the rewards
+        earned after each turn (on its last token; a KL penalty may sit on any token);
+        `outcome` (N,) is the reward function's score, counted at the last turn."""
+        if turn.shape != token_rewards.shape:
+            raise ValueError(f"turn {tuple(turn.shape)} and token_rewards {tuple(token_rewards.shape)} differ")
+        mask = turn > 0
+        token_rewards = torch.where(mask, _as_float(token_rewards), 0.0)
+        if self.per_token or self.needs_critic:
+            return self.compute(token_rewards + scalar_to_token_rewards(outcome, mask), mask, group_size=group_size,
+                                values=values, gamma=gamma, lam=lam)
+        if group_size is None:
+            raise ValueError(f"advantage estimator {self.name!r} needs group_size")
+        options = dict(self.options)
+        turns = int(turn.max()) if turn.numel() else 0
+        # R[i, j]: sample i's rewards on its turn j's tokens (column 0 gathers the unmarked ones, dropped).
+        per_turn = torch.zeros(turn.shape[0], turns + 1, dtype=token_rewards.dtype, device=token_rewards.device)
+        per_turn = per_turn.scatter_add_(1, turn.long(), token_rewards)[:, 1:]
+        columns = [self.fn(per_turn[:, j], group_size, **options) for j in range(turns)]
+        to_go = torch.stack(columns, dim=-1).flip(-1).cumsum(-1).flip(-1) if columns else per_turn
+        by_turn = self.fn(_as_float(outcome), group_size, **options)[:, None] + to_go
+        by_turn = torch.cat([torch.zeros_like(by_turn[:, :1]), by_turn], dim=-1)  # turn 0: no credit
+        return torch.where(mask, by_turn.gather(1, turn.long()), 0.0), None
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {

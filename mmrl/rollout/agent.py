@@ -53,6 +53,7 @@ class Trajectory:
     last_reason: str = ""  # the last policy turn's: stop | length
     turns: int = 0
     env_reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's reward after each policy turn
     tool_calls: int = 0
     tool_errors: int = 0
 
@@ -135,6 +136,7 @@ class AgentRollout:
                 t.messages = [*t.messages, {"role": "assistant", "content": self._content(t.messages, sampled)}]
                 new, done, reward = env.step(t.messages)
                 t.env_reward += float(reward or 0.0)
+                t.turn_rewards.append(float(reward or 0.0))
                 t.tool_calls = int(getattr(env, "tool_calls", 0))
                 t.tool_errors = int(getattr(env, "tool_errors", 0))
                 if done:
@@ -196,6 +198,9 @@ class AgentRollout:
             "tokens/policy": sum(t.policy_tokens for t in trajectories) / count,
             "tokens/environment": sum(t.env_tokens for t in trajectories) / count,
             "tokens/prompt": sum(t.first for t in trajectories) / count,
+            # The environment's reward per policy turn (turns of every sample pooled).
+            "agent/turn_reward": sum(map(sum, (t.turn_rewards for t in trajectories)))
+            / max(sum(len(t.turn_rewards) for t in trajectories), 1),
             **{f"agent/finish_{kind}": sum(t.finish == kind for t in trajectories) / count
                for kind in ("done", "turns", "tokens", "drift")},
         }
@@ -216,6 +221,10 @@ def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter
     one go (every image so far, the family's positions) with the last policy turn
     joined after it; the response columns cover everything after the opening prompt,
     and `response_mask` is 1 exactly on the tokens the policy sampled.
+
+    Per-turn credit (`algo.credit_assignment: turn`) reads two extras: `turn` (N, R), the
+    1-based policy turn of each sampled token (0 elsewhere), and `turn_rewards` (N, R),
+    the environment's reward after each policy turn on that turn's last token.
 
     With `share` (pass the engine's `shares_media`), samples of one prompt encode its
     opening media once per batch and each its mid-conversation media alone
@@ -242,13 +251,20 @@ def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter
     span = last_width + max(len(t.prompt_ids) - t.first for t in trajectories)
     start = total - span
     mask = torch.zeros(len(trajectories), span)
+    turn = torch.zeros(len(trajectories), span, dtype=torch.long)
+    turn_rewards = torch.zeros(len(trajectories), span)
     for row, t in enumerate(trajectories):
         offset = width - len(t.prompt_ids) - start  # column of the row's token 0, in the response columns
-        for a, b in t.spans:
+        for index, (a, b) in enumerate(t.spans):
             mask[row, offset + a:offset + b] = 1
+            turn[row, offset + a:offset + b] = index + 1
+            if b > a and index < len(t.turn_rewards):
+                turn_rewards[row, offset + b - 1] = t.turn_rewards[index]
     device = seqs.inputs["input_ids"].device
     seqs.response_ids = seqs.inputs["input_ids"][:, start:].clone()
     seqs.response_mask = mask.to(device)
+    seqs.extras["turn"] = turn.to(device)
+    seqs.extras["turn_rewards"] = turn_rewards.to(device)
     seqs.prompt_length = start
     return seqs
 
