@@ -135,6 +135,10 @@ class AlgoConfig(_Section):
     filter_uniform_groups: bool = False
     gamma: float = 1.0
     lam: float = 0.95
+    # Multi-turn rollouts: "trajectory" sums the environment's rewards into one reward per
+    # sample; "turn" credits each policy turn with the rewards from that turn on, the
+    # reward function's score counted at the last turn (docs/agents.md has the formula).
+    credit_assignment: Literal["trajectory", "turn"] = "trajectory"
 
 
 class RewardConfig(_Section):
@@ -219,6 +223,14 @@ class Recipe(_Section):
             if value.mini_batches > sequences:
                 raise ValueError(f"mini_batches ({value.mini_batches}) is above the sequences of a step "
                                  f"({sequences}: data.prompts_per_step x rollout.samples_per_prompt)")
+        return value
+
+    @field_validator("algo")
+    @classmethod
+    def _turn_credit_needs_turns(cls, value: AlgoConfig, info) -> AlgoConfig:
+        rollout = info.data.get("rollout")
+        if value.credit_assignment == "turn" and rollout is not None and rollout.env is None:
+            raise ValueError("credit_assignment 'turn' needs a multi-turn rollout (set rollout.env)")
         return value
 
     @field_validator("trainer")

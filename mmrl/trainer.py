@@ -198,6 +198,7 @@ class Trainer:
                 where += f", row {row}" + (f" of {name}" if name else "") + f" (response {texts[exc.index]!r})"
             raise RewardError(f"{exc} at {where}", reward=exc.reward, index=exc.index) from None
         scores = torch.tensor(scores, dtype=torch.float32)
+        self._outcomes = scores  # the reward function's alone: per-turn credit counts the environment's apart
         if result.env_rewards is not None:
             scores = scores + result.env_rewards.float()
         return scores
@@ -316,9 +317,13 @@ class Trainer:
             if self.critic is not None:
                 seqs.extras["values"] = self.critic.values(seqs)
 
-    def _advantages(self, batches: list, rewards: torch.Tensor, group_size: int, metrics: dict) -> None:
+    def _advantages(self, batches: list, rewards: torch.Tensor, group_size: int, metrics: dict,
+                    outcomes: torch.Tensor | None = None) -> None:
         """Advantages (and value targets) over the whole kept batch, stored per micro-batch.
-        Groups stay whole: the uniform-group filter drops groups, never single rows."""
+        Groups stay whole: the uniform-group filter drops groups, never single rows. With
+        `algo.credit_assignment: turn`, `outcomes` are the reward function's scores alone
+        and each environment reward is credited to the policy turns up to the one it
+        followed (`AdvantageEstimator.compute_by_turn`)."""
         from mmrl.algos import kl_estimate, kl_in_reward, scalar_to_token_rewards
 
         algo = self.recipe.algo
@@ -329,15 +334,21 @@ class Trainer:
             return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts]).cpu()
 
         mask = gather(lambda s: s.response_mask)
-        token_rewards = scalar_to_token_rewards(rewards, mask)
+        by_turn = algo.credit_assignment == "turn"
+        token_rewards = gather("turn_rewards") if by_turn else scalar_to_token_rewards(rewards, mask)
         if self.ref is not None and algo.kl_in == "reward":
             kl = kl_estimate(gather("old_logp"), gather("ref_logp"), algo.kl_estimator)
             token_rewards = kl_in_reward(token_rewards, kl, algo.kl_coef, mask)
             metrics["kl/reward"] = (kl * mask).sum().item() / max(mask.sum().item(), 1)
         values = gather("values") if self.critic is not None else None
-        advantages, returns = self.estimator.compute(
-            token_rewards, mask, group_size=group_size, values=values, gamma=algo.gamma, lam=algo.lam
-        )
+        if by_turn:
+            advantages, returns = self.estimator.compute_by_turn(
+                outcomes, token_rewards, gather("turn"), group_size=group_size, values=values, gamma=algo.gamma,
+                lam=algo.lam)
+        else:
+            advantages, returns = self.estimator.compute(
+                token_rewards, mask, group_size=group_size, values=values, gamma=algo.gamma, lam=algo.lam
+            )
         offset = 0
         for seqs in batches:
             size, length = seqs.response_ids.shape
@@ -484,7 +495,7 @@ class Trainer:
         batches, minis = self._build_batches(conversations, result, rows)
         with self._timed("logprob"):
             self._estimate(batches, minis, temperature)
-        self._advantages(batches, rewards[rows], params.n, metrics)
+        self._advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
         with self._timed("update"):
             metrics.update(self._update(batches, minis, temperature))
         with self._timed("sync"):
