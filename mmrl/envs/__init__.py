@@ -9,7 +9,9 @@ one per sample and calls
 `step` sees the whole conversation (its last message is the policy's turn, role
 "assistant") and returns the messages to append (tool replies, which may hold images),
 whether the episode is over, and a reward (None: none; rewards of a trajectory add up,
-on top of the recipe's reward function on the final answer). Optional integer attributes
+on top of the recipe's reward function on the final answer, or with
+`algo.credit_assignment: turn` each is credited to the policy turns up to the one it
+followed: docs/agents.md). Optional integer attributes
 `tool_calls` and `tool_errors` are logged as metrics.
 
     factory = get_environment("tools", tools=["zoom"], max_calls=1)   # a built-in, options bound
