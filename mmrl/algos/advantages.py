@@ -243,7 +243,7 @@ class AdvantageEstimator:
             raise ValueError(f"turn {tuple(turn.shape)} and token_rewards {tuple(token_rewards.shape)} differ")
         mask = turn > 0
         token_rewards = torch.where(mask, _as_float(token_rewards), 0.0)
-        if self.per_token or self.needs_critic:
+        if self.per_token:  # the return-to-go credits each turn
             return self.compute(token_rewards + scalar_to_token_rewards(outcome, mask), mask, group_size=group_size,
                                 values=values, gamma=gamma, lam=lam)
         if group_size is None:
