@@ -23,6 +23,19 @@ With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks o
 group run the same batch, each over its slice of the sequence; log-probs, entropy and
 values come back whole on every rank, and each rank's gradients are partial sums that
 FSDP2 adds up (its divide factor is the data-parallel size).
+
+Half-precision weights (`model.dtype: bfloat16`) train through fp32 master weights by
+default (`master_weights=True`): at RL learning rates most AdamW steps are smaller than
+bf16's resolution and would round away in the weights themselves. In one process the
+optimizer steps fp32 copies of the trainable half-precision parameters (its moments are
+fp32 too), each backward's bf16 gradients are added into the copies' fp32 gradients as
+they arrive (so micro-batches accumulate in fp32 and clipping sees fp32), and after each
+step the model's parameters are the masters rounded to bf16. Sharded, the masters are the
+FSDP2 shards themselves: those parameters are upcast to fp32 before `fully_shard` and the
+policy all-gathers them in bf16 and reduces gradients in fp32. Cost per trainable
+parameter: +4 bytes (masters), AdamW's moments 8 bytes instead of 4, gradients 4 instead
+of 2 (one process: 18 bytes with the bf16 weights; sharded: 16 bytes over the ranks, as
+for fp32 weights). Checkpoints hold the masters; `full_state_dict` stays in bf16.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
 LOGPROB_CHUNK_TOKENS = 4096
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -146,6 +160,7 @@ class Engine:
         dropout: bool = False,
         pack: bool = False,
         pack_tokens: int = 8192,
+        master_weights: bool = True,
     ):
         self.built = built
         # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
@@ -197,7 +212,17 @@ class Engine:
         # The vision tower's per-image/per-window attention in one call per layer, where
         # the model code offers a sequence-boundaries path (`mmrl.engine.vision_attention`).
         self.vision_one_call = vision_attention.install(self.model)
+        # Trainable half-precision parameters get fp32 masters (the module docstring).
+        half = {p.dtype for p in self.parameters() if p.requires_grad and p.dtype in HALF_DTYPES}
+        if len(half) > 1:
+            raise ValueError(f"trainable parameters mix half-precision dtypes {sorted(map(str, half))}")
+        # The dtype whose trainable weights step through fp32 masters (None: no masters).
+        self.half_dtype = next(iter(half)) if optim is not None and master_weights and half else None
         self.sharded = dist.distributed
+        # (model parameter, its fp32 master) in one process; empty when sharded, where
+        # the upcast FSDP2 shards are the masters.
+        self._masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._upcast_names: set[str] = set()
         if self.sharded:
             self._shard()
         self.optimizer = None
@@ -207,6 +232,8 @@ class Engine:
             groups = self._param_groups(base_lr, optim.lr_multipliers)
             if not groups:
                 raise ValueError("nothing to train: every parameter is frozen")
+            if self.half_dtype is not None and not self.sharded:
+                groups = self._with_masters(groups)
             self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
             self.grad_clip = optim.grad_clip
@@ -220,13 +247,27 @@ class Engine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = None
-        if self.dist.device.type == "cuda" and self.mixed_precision:
+        if self.half_dtype is not None:
+            # FSDP2 over fp32 parameters with a half param_dtype is a master-weight scheme:
+            # the fp32 shards are what AdamW steps, the all-gathered copies are half.
+            mp = MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
+        elif self.dist.device.type == "cuda" and self.mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         kwargs = {"mesh": self.dist.mesh, **({"mp_policy": mp} if mp else {})}
         layer_names = set(self.adapter.shard_layers)
         sharded = [module for module in self.model.modules() if type(module).__name__ in layer_names]
         sharded += [self.model] + ([self.value_head] if self.value_head is not None else [])
+        if self.half_dtype is not None:
+            self._upcast_names = {name for name, p in self._named_parameters() if self._needs_master(p)}
+        upcast: set[int] = set()
         for module in sharded:
+            if self.half_dtype is not None:
+                # Module by module, just before its shard: one layer at a time exists in
+                # fp32 unsharded, not the whole model.
+                for param in module.parameters():
+                    if id(param) not in upcast and self._needs_master(param):
+                        param.data = param.data.float()
+                        upcast.add(id(param))
             fully_shard(module, **kwargs)
         if self.sequence_parallel > 1:
             # Each rank of an SP group holds a partial gradient of the same batch: sum
@@ -268,6 +309,59 @@ class Engine:
     def drop_gradients(self) -> None:
         for parameter in self.parameters():
             parameter.grad = None
+        for _, master in self._masters:
+            master.grad = None
+
+    def _needs_master(self, param: torch.Tensor) -> bool:
+        return self.half_dtype is not None and param.requires_grad and param.dtype == self.half_dtype
+
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Parameters under their state-dict names, tied ones under each of their names."""
+        return self._modules_for_state().named_parameters(remove_duplicate=False)
+
+    def _with_masters(self, groups: list[dict]) -> list[dict]:
+        """`groups` with each half-precision parameter replaced by an fp32 master, whose
+        gradient each backward's half gradient is added to as soon as it is complete.
+
+        A gradient is rounded to bf16 once per backward (2**-9 relative), then summed in
+        fp32: micro-batches do not compound the rounding, and clipping and AdamW see fp32.
+        The half gradient is freed at once, so only the fp32 one stays between backwards."""
+        def accumulate(param: torch.Tensor) -> None:
+            master = masters[id(param)]
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
+            param.grad = None
+
+        masters: dict[int, torch.nn.Parameter] = {}
+        for group in groups:
+            replaced = []
+            for param in group["params"]:
+                if self._needs_master(param):
+                    master = torch.nn.Parameter(param.detach().float())
+                    masters[id(param)] = master
+                    self._masters.append((param, master))
+                    param.register_post_accumulate_grad_hook(accumulate)
+                    replaced.append(master)
+                else:
+                    replaced.append(param)
+            group["params"] = replaced
+        return groups
+
+    @torch.no_grad()
+    def _masters_to_model(self) -> None:
+        """The model's half parameters become their masters rounded to nearest."""
+        if self._masters:
+            params, masters = zip(*self._masters)
+            torch._foreach_copy_(list(params), list(masters))
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters by state-dict name (local shards when sharded); empty without."""
+        if self.sharded:
+            return {name: p for name, p in self._named_parameters() if name in self._upcast_names}
+        masters = {id(param): master for param, master in self._masters}
+        return {name: masters[id(p)] for name, p in self._named_parameters() if id(p) in masters}
 
     def gather_root(self) -> None:
         """All-gather the root group's parameters (embeddings, patch embedding, norms)
@@ -403,12 +497,13 @@ class Engine:
 
     def step(self) -> float:
         """Clip gradients, take an optimizer and schedule step; returns the grad norm."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._masters_to_model()
         self.scheduler.step()
         return float(norm)
 
@@ -428,6 +523,10 @@ class Engine:
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank, broadcast_from_rank0=False)
             state = get_model_state_dict(self.model, options=options)
+            if self._upcast_names:  # the fp32 masters leave as the half weights they train
+                prefix = "" if self.value_head is None else "model."
+                state = {k: v.to(self.half_dtype) if prefix + k in self._upcast_names else v
+                         for k, v in state.items()}
             if every_rank:
                 state = {k: v.detach().cpu() for k, v in state.items()}
         else:
@@ -462,6 +561,12 @@ class Engine:
             )
         else:
             self._modules_for_state().load_state_dict(model_state)
+            # The file holds the fp32 masters (half weights from a run without them
+            # are upcast, as at the start of a run).
+            with torch.no_grad():
+                for name, master in self.master_state_dict().items():
+                    master.copy_(model_state[name])
+            self._masters_to_model()
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(rest["optimizer"])
         if self.scheduler is not None:
@@ -481,7 +586,8 @@ class Engine:
                 module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
         else:
-            model_state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            masters = self.master_state_dict()
+            model_state = {k: masters.get(k, v).detach().cpu() for k, v in module.state_dict().items()}
             optim_state = self.optimizer.state_dict() if self.optimizer else {}
         return {"model": model_state, "optimizer": optim_state,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else {}}
