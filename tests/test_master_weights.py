@@ -222,3 +222,50 @@ def test_two_process_fsdp2_bf16_update_equals_one_process(tmp_path):
     assert record["masters_moved"] > 0.99
     assert record["masters_gap"] < 0.05, record
     assert record["weights_equal"] > 0.99, record
+
+
+def test_micro_batch_gradients_add_up_in_fp32_and_clipping_sees_them():
+    """Each backward's bf16 gradient lands in the master's fp32 gradient (the bf16 one is
+    freed): two micro-batches sum exactly in fp32, where a bf16 sum would round, and the
+    norm `step` clips by is the fp32 gradients'."""
+    built = build_model("qwen2", random_init=True, seed=0, dtype="bfloat16")
+    engine = Engine(built, _single("cpu"), optim=OptimConfig(lr=LR, grad_clip=1e9))
+    seqs = _sequences(built)
+
+    def backward(weight: float) -> dict[str, torch.Tensor]:
+        logp, _ = engine.log_probs(seqs)
+        (-(logp * seqs.response_mask).sum() * weight).backward()
+        assert all(p.grad is None for p in engine.model.parameters())
+        return {n: m.grad.clone() for n, m in engine.master_state_dict().items()}
+
+    first = backward(1.0)
+    engine.drop_gradients()
+    second = backward(0.37)
+    both = backward(1.0)  # on top of the second
+    assert all(g.dtype == torch.float32 for g in both.values())
+    rounded_in_bf16 = 0
+    for name, grad in both.items():
+        assert torch.equal(grad, second[name] + first[name]), name
+        rounded_in_bf16 += int((grad != (second[name].bfloat16() + first[name].bfloat16()).float()).sum())
+    assert rounded_in_bf16 > 0
+    grads = {id(m): m.grad for m in engine.master_state_dict().values()}  # tied weights once
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+    assert engine.step() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_critic_on_bf16_weights_keeps_an_fp32_head_and_round_trips(tmp_path):
+    built = build_model("qwen2", random_init=True, seed=0, dtype="bfloat16")
+    critic = Engine(built, _single("cpu"), optim=OptimConfig(lr=LR), value_head=True)
+    seqs = _sequences(built)
+    critic.values(seqs).sum().backward()
+    assert critic.value_head.weight.grad.dtype == torch.float32  # fp32 already: no master
+    critic.step()
+    masters = critic.master_state_dict()
+    assert masters and all(name.startswith("model.") for name in masters)
+    critic.save_checkpoint(tmp_path / "critic")
+    other = Engine(build_model("qwen2", random_init=True, seed=3, dtype="bfloat16"), _single("cpu"),
+                   optim=OptimConfig(lr=LR), value_head=True)
+    other.load_checkpoint(tmp_path / "critic")
+    for name, master in other.master_state_dict().items():
+        assert torch.equal(master, masters[name]), name
+    assert all(v.dtype == torch.bfloat16 for v in other.full_state_dict().values() if v.is_floating_point())
