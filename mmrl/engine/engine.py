@@ -27,10 +27,9 @@ FSDP2 adds up (its divide factor is the data-parallel size).
 Half-precision weights (`model.dtype: bfloat16`) train through fp32 master weights by
 default (`master_weights=True`): at RL learning rates most AdamW steps are smaller than
 bf16's resolution and would round away in the weights themselves. In one process the
-optimizer steps fp32 copies of the trainable half-precision parameters (its moments are
-fp32 too), each backward's bf16 gradients are added into the copies' fp32 gradients as
-they arrive (so micro-batches accumulate in fp32 and clipping sees fp32), and after each
-step the model's parameters are the masters rounded to bf16. Sharded, the masters are the
+optimizer steps fp32 copies of the trainable half-precision parameters, with fp32
+gradients and moments (`mmrl.engine.master_weights`), and after each step the model's
+parameters are the masters rounded to bf16. Sharded, the masters are the
 FSDP2 shards themselves: those parameters are upcast to fp32 before `fully_shard` and the
 policy all-gathers them in bf16 and reduces gradients in fp32. Cost per trainable
 parameter: +4 bytes (masters), AdamW's moments 8 bytes instead of 4, gradients 4 instead
@@ -50,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mmrl.config import OptimConfig
 from mmrl.engine import vision_attention
+from mmrl.engine.master_weights import MasterWeights
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
@@ -219,9 +219,9 @@ class Engine:
         # The dtype whose trainable weights step through fp32 masters (None: no masters).
         self.half_dtype = next(iter(half)) if optim is not None and master_weights and half else None
         self.sharded = dist.distributed
-        # (model parameter, its fp32 master) in one process; empty when sharded, where
-        # the upcast FSDP2 shards are the masters.
-        self._masters: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        # fp32 masters in one process; none when sharded, where the upcast FSDP2 shards
+        # are the masters.
+        self._masters = MasterWeights()
         self._upcast_names: set[str] = set()
         if self.sharded:
             self._shard()
@@ -233,7 +233,7 @@ class Engine:
             if not groups:
                 raise ValueError("nothing to train: every parameter is frozen")
             if self.half_dtype is not None and not self.sharded:
-                groups = self._with_masters(groups)
+                groups = self._masters.replace(groups, self._needs_master)
             self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
             self.grad_clip = optim.grad_clip
@@ -309,8 +309,7 @@ class Engine:
     def drop_gradients(self) -> None:
         for parameter in self.parameters():
             parameter.grad = None
-        for _, master in self._masters:
-            master.grad = None
+        self._masters.drop_gradients()
 
     def _needs_master(self, param: torch.Tensor) -> bool:
         return self.half_dtype is not None and param.requires_grad and param.dtype == self.half_dtype
@@ -319,49 +318,11 @@ class Engine:
         """Parameters under their state-dict names, tied ones under each of their names."""
         return self._modules_for_state().named_parameters(remove_duplicate=False)
 
-    def _with_masters(self, groups: list[dict]) -> list[dict]:
-        """`groups` with each half-precision parameter replaced by an fp32 master, whose
-        gradient each backward's half gradient is added to as soon as it is complete.
-
-        A gradient is rounded to bf16 once per backward (2**-9 relative), then summed in
-        fp32: micro-batches do not compound the rounding, and clipping and AdamW see fp32.
-        The half gradient is freed at once, so only the fp32 one stays between backwards."""
-        def accumulate(param: torch.Tensor) -> None:
-            master = masters[id(param)]
-            if master.grad is None:
-                master.grad = param.grad.float()
-            else:
-                master.grad.add_(param.grad)
-            param.grad = None
-
-        masters: dict[int, torch.nn.Parameter] = {}
-        for group in groups:
-            replaced = []
-            for param in group["params"]:
-                if self._needs_master(param):
-                    master = torch.nn.Parameter(param.detach().float())
-                    masters[id(param)] = master
-                    self._masters.append((param, master))
-                    param.register_post_accumulate_grad_hook(accumulate)
-                    replaced.append(master)
-                else:
-                    replaced.append(param)
-            group["params"] = replaced
-        return groups
-
-    @torch.no_grad()
-    def _masters_to_model(self) -> None:
-        """The model's half parameters become their masters rounded to nearest."""
-        if self._masters:
-            params, masters = zip(*self._masters)
-            torch._foreach_copy_(list(params), list(masters))
-
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 masters by state-dict name (local shards when sharded); empty without."""
         if self.sharded:
             return {name: p for name, p in self._named_parameters() if name in self._upcast_names}
-        masters = {id(param): master for param, master in self._masters}
-        return {name: masters[id(p)] for name, p in self._named_parameters() if id(p) in masters}
+        return self._masters.by_name(self._named_parameters())
 
     def gather_root(self) -> None:
         """All-gather the root group's parameters (embeddings, patch embedding, norms)
@@ -503,7 +464,7 @@ class Engine:
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._masters_to_model()
+        self._masters.to_model()
         self.scheduler.step()
         return float(norm)
 
@@ -566,7 +527,7 @@ class Engine:
             with torch.no_grad():
                 for name, master in self.master_state_dict().items():
                     master.copy_(model_state[name])
-            self._masters_to_model()
+            self._masters.to_model()
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(rest["optimizer"])
         if self.scheduler is not None:
