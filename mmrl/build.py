@@ -113,7 +113,8 @@ def build_model(
         adapter = adapter_for_config(config)
         config = _customized(config, adapter, config_overrides or {})
         config._attn_implementation = attn_implementation
-        place = torch.device(device) if device is not None else torch.device("cpu")
+        # Without `device`, the caller's default device (`with torch.device(...)`) holds.
+        place = torch.device(device) if device is not None else torch.get_default_device()
         with torch.random.fork_rng(devices=[place] if place.type == "cuda" else [], device_type=place.type), place:
             torch.manual_seed(seed)
             model = adapter.model_class()._from_config(config, dtype=dtype)

@@ -137,3 +137,17 @@ def test_multi_image_and_video(family):
         assert new_tokens.shape == (1, 4)
     if not (caps.multi_image or caps.video):
         pytest.skip(f"{family} declares neither multi-image nor video")
+
+
+def test_random_weights_are_drawn_where_asked():
+    """`device=` draws random weights there; without it the caller's default device
+    (`with torch.device(...)`) holds, as it did before `device` existed."""
+    import torch
+
+    from mmrl import build_model
+
+    assert {p.device.type for p in build_model("qwen2", random_init=True, device="meta").model.parameters()} == {"meta"}
+    with torch.device("meta"):
+        built = build_model("qwen2", random_init=True)
+    assert {p.device.type for p in built.model.parameters()} == {"meta"}
+    assert {p.device.type for p in build_model("qwen2", random_init=True).model.parameters()} == {"cpu"}
