@@ -650,6 +650,8 @@ class Trainer:
                 model = model.get_base_model()
             path.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
+            if self.actor.half_dtype is not None:
+                _record_dtype(path / "config.json", self.actor.half_dtype)
             self.processing.processor.save_pretrained(path)
         self.dist.barrier()
         return path
@@ -831,6 +833,26 @@ def _environment(recipe: Recipe):
         raise RecipeError(f"rollout.max_tokens ({rollout.max_tokens}) is smaller than one turn's "
                           f"rollout.max_new_tokens ({rollout.max_new_tokens})")
     return factory
+
+
+def _record_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """Name `dtype` as the checkpoint's: sharded half-precision training holds fp32
+    parameters (its masters), which `save_pretrained` records, though the weights written
+    are `dtype`'s."""
+    import json
+
+    name = str(dtype).removeprefix("torch.")
+
+    def rename(values: dict) -> None:
+        for key, value in values.items():
+            if key in ("dtype", "torch_dtype") and value == "float32":
+                values[key] = name
+            elif isinstance(value, dict):
+                rename(value)
+
+    config = json.loads(config_file.read_text())
+    rename(config)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _rng_state_tensors() -> dict[str, torch.Tensor]:

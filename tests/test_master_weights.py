@@ -281,3 +281,20 @@ def test_a_critic_on_bf16_weights_keeps_an_fp32_head_and_round_trips(tmp_path):
     for name, master in other.master_state_dict().items():
         assert torch.equal(master, masters[name]), name
     assert all(v.dtype == torch.bfloat16 for v in other.full_state_dict().values() if v.is_floating_point())
+
+
+def test_an_export_of_half_precision_training_names_the_half_dtype(tmp_path):
+    """Sharded bf16 training holds fp32 parameters (its masters), which save_pretrained
+    records in config.json; the export renames it to the weights' dtype, nested
+    sub-configs included, and leaves other fields alone."""
+    import json
+
+    from mmrl.trainer import _record_dtype
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"dtype": "float32", "text_config": {"dtype": "float32", "hidden_size": 8},
+                                  "vision_config": {"torch_dtype": "float32"}, "note": "float32"}))
+    _record_dtype(config, torch.bfloat16)
+    written = json.loads(config.read_text())
+    assert written["dtype"] == written["text_config"]["dtype"] == written["vision_config"]["torch_dtype"] == "bfloat16"
+    assert written["note"] == "float32" and written["text_config"]["hidden_size"] == 8
