@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -46,6 +45,8 @@ def lengths(count: int, generator: torch.Generator, short: bool) -> tuple[list[i
 
 
 def main() -> None:
+    from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
@@ -143,33 +144,9 @@ def main() -> None:
     del padded
     rows = {mode: [len(pack_sequences(s.inputs, s.response_mask, int(mode.split("_")[1])).rows) for s in batches]
             for mode in modes if mode != "padded"}
-    failed: dict[str, str] = {}
-
-    def attempt(mode: str) -> float | None:
-        """A step's seconds, or None when it ran out of memory (recorded, the mode dropped)."""
-        try:
-            return step(mode)[0]
-        except torch.OutOfMemoryError as exc:
-            failed[mode] = str(exc).splitlines()[0][:200]
-            engine.optimizer.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            return None
-
-    for mode in modes:  # warm-up
-        attempt(mode)
-    modes = [m for m in modes if m not in failed]
-    samples: dict[str, list[float]] = {m: [] for m in modes}
-    peaks: dict[str, float] = {}
-    for _ in range(args.repeats):
-        for mode in modes:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds = attempt(mode)
-            if seconds is not None:
-                samples[mode].append(seconds)
-            if device.type == "cuda":
-                peaks[mode] = max(peaks.get(mode, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
-    medians = {m: statistics.median(v) for m, v in samples.items() if v}
+    samples, medians, peaks, failed = alternate(
+        modes, lambda mode: step(mode)[0], args.repeats, device,
+        free=lambda: engine.optimizer.zero_grad(set_to_none=True))
     modes = list(medians)
     reference = medians.get("padded")
     params = sum(p.numel() for p in built.model.parameters())

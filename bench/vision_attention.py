@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
+    from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=REPO / "recipes" / "qwen2_5_vl_3b_shape.yaml")
     parser.add_argument("--device", default="cuda")
@@ -127,34 +128,11 @@ def main() -> None:
         print(f"{mode}: max relative difference to plain: output {gaps[mode]['output']:.2e}, "
               f"gradients {gaps[mode]['grads']:.2e}")
     del reference, reference_grads
-    failed: dict[str, str] = {}
-
-    def attempt(mode: str) -> float | None:
-        try:
-            return step(mode)[0]
-        except torch.OutOfMemoryError as exc:
-            failed[mode] = str(exc).splitlines()[0][:200]
-            tower.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            return None
-
-    for mode in modes:  # warm-up
-        attempt(mode)
-    modes = [m for m in modes if m not in failed]
-    samples: dict[str, list[float]] = {m: [] for m in modes}
-    peaks: dict[str, float] = {}
-    before = vision_attention.calls()
-    for _ in range(args.repeats):
-        for mode in modes:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds = attempt(mode)
-            if seconds is not None:
-                samples[mode].append(seconds)
-            if device.type == "cuda":
-                peaks[mode] = max(peaks.get(mode, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+    before = {}
+    samples, medians, peaks, failed = alternate(modes, lambda mode: step(mode)[0], args.repeats, device,
+                                                free=lambda: tower.zero_grad(set_to_none=True),
+                                                after_warm_up=lambda: before.update(vision_attention.calls()))
     calls = {k: v - before[k] for k, v in vision_attention.calls().items()}
-    medians = {m: statistics.median(v) for m, v in samples.items() if v}
     plain = medians.get("plain")
     print(f"{'mode':<8} {'median s':>9} {'vs plain':>9} {'peak GiB':>9}")
     for m, t in medians.items():
