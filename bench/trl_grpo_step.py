@@ -252,20 +252,26 @@ class Steps:
 
 
 class ChangeProbe:
-    """Copies of the first decoder layer's weights, to tell after training which share of
-    their elements the updates changed: bf16 weights under plain AdamW can round a 1e-6
-    step away, and a fast step that does not learn is not a fair one."""
+    """Copies of the first decoder layer's weights (name -> tensor), to tell after training
+    which share of their elements the updates changed: bf16 weights under plain AdamW can
+    round a 1e-6 step away, and a fast step that does not learn is not a fair one. For
+    mmrl the weights are its fp32 masters where it keeps them (`trainer_weights`): with
+    masters the learning is there even while steps stay below bf16's spacing."""
 
-    def __init__(self, model):
-        self.before = {name: p.detach().clone() for name, p in model.named_parameters() if ".layers.0." in name}
+    def __init__(self, weights: dict):
+        self.before = {name: t.detach().clone() for name, t in weights.items() if ".layers.0." in name}
 
-    def changed(self, model) -> float | None:
-        params = dict(model.named_parameters())
+    def changed(self, weights: dict) -> float | None:
         total = sum(t.numel() for t in self.before.values())
         if not total:
             return None
-        moved = sum(int((params[name].detach() != t).sum()) for name, t in self.before.items())
+        moved = sum(int((weights[name].detach() != t).sum()) for name, t in self.before.items())
         return moved / total
+
+
+def trainer_weights(trainer) -> dict:
+    """An mmrl trainer's weights the optimizer steps: its fp32 masters, else the parameters."""
+    return trainer.actor.master_state_dict() or dict(trainer.actor.model.named_parameters())
 
 
 def device_of(name: str):
@@ -355,7 +361,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     steps = Steps(result, device, {"startup_s": round(startup_s, 2), "overrides": overrides,
                                    "rollout_backend": recipe.rollout.backend, "weights_dtype": recipe.model.dtype,
                                    "parameter_dtype": str(next(trainer.actor.model.parameters()).dtype)})
-    probe = ChangeProbe(trainer.actor.model)
+    probe = ChangeProbe(trainer_weights(trainer))
     steps.start()
     while trainer.step < args.steps:
         metrics = trainer.train_step()
@@ -367,7 +373,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
-                       layer0_elements_changed=probe.changed(trainer.actor.model),
+                       layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())
     steps.write()
     if trainer._metrics_file is not None:
@@ -444,7 +450,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
         def on_train_begin(self, targs, state, control, **kw):
             nonlocal steps, probe
             model = kw["model"]
-            probe = ChangeProbe(model)
+            probe = ChangeProbe(dict(model.named_parameters()))
             steps = Steps(result, device, {
                 "startup_s": round(time.perf_counter() - began, 2), "weights_dtype": dtype,
                 "tokenizer_class": type(tokenizer).__name__, "parameter_dtype": str(next(model.parameters()).dtype),
@@ -467,7 +473,8 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     trainer.train()
     for record in steps.records:
         record["update_s"] = record["step_s"] - record["rollout_s"]
-    steps.extra.update(layer0_elements_changed=probe.changed(trainer.model), torch_threads=torch.get_num_threads())
+    steps.extra.update(layer0_elements_changed=probe.changed(dict(trainer.model.named_parameters())),
+                       torch_threads=torch.get_num_threads())
     steps.write()
 
 
