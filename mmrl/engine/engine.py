@@ -44,46 +44,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from mmrl.config import OptimConfig
 from mmrl.engine import vision_attention
+from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.master_weights import MasterWeights
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
-LOGPROB_CHUNK_TOKENS = 4096
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (F.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
-
-
-def token_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `targets` (B, R) under `logits` (B, R, V), and the entropy, in fp32."""
-    batch, length = targets.shape
-    rows_per_chunk = max(1, chunk_tokens // max(length, 1))
-    logps, entropies = [], []
-    for start in range(0, batch, rows_per_chunk):
-        chunk = (logits[start:start + rows_per_chunk], targets[start:start + rows_per_chunk])
-        if torch.is_grad_enabled() and logits.requires_grad:
-            logp, entropy = checkpoint(_chunk_log_probs, *chunk, temperature, use_reentrant=False)
-        else:
-            logp, entropy = _chunk_log_probs(*chunk, temperature)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies)
+# Real positions the model's own logits are computed for on an engine's first log-prob call,
+# to check the chunked head's logit post-processing against (`mmrl.engine.logprobs`).
+PROBE_TOKENS = 4
 
 
 # Names of the probabilities with which models drop activations, attention weights,
@@ -161,8 +133,14 @@ class Engine:
         pack: bool = False,
         pack_tokens: int = 8192,
         master_weights: bool = True,
+        chunked_head: bool = True,
     ):
         self.built = built
+        # Log-probs through the output embedding chunk by chunk (`mmrl.engine.logprobs`);
+        # False: the model's own logits (the plain path). The logit post-processing it
+        # reproduces is checked on the first call (None until then).
+        self.chunked_head = chunked_head
+        self.logit_transform = None
         # bf16 compute on GPUs (FSDP's policy when sharded, autocast in one process);
         # False keeps fp32 throughout, as the probes do to compare sharded with plain.
         self.mixed_precision = mixed_precision
@@ -354,25 +332,130 @@ class Engine:
 
     # -- compute ---------------------------------------------------------------------------
     def log_probs(self, seqs: Sequences, temperature: float = 1.0, with_entropy: bool = True):
-        """Per-token log-probs (B, R) of the response tokens, and entropy (B, R).
+        """Per-token log-probs (B, R) of the response tokens, and entropy (B, R); 0 where
+        the response mask is 0.
 
         Runs with autograd when the engine trains and grad mode is on."""
+        result = self._chunked_log_probs(seqs, temperature) if self.chunked_head else None
+        if result is None:
+            result = self._plain_log_probs(seqs, temperature)
+        return result[0], (result[1] if with_entropy else None)
+
+    def _plain_log_probs(self, seqs: Sequences, temperature: float):
+        """`log_probs` from the model's own logits (fp32 log-softmax over row chunks)."""
         if self.sequence_parallel > 1:
-            return self._sp_log_probs(seqs, temperature, with_entropy)
-        if self.packs(seqs):
-            return self._packed_log_probs(seqs, temperature, with_entropy)
-        length = seqs.response_ids.shape[1]
-        out = self._forward(seqs, logits_to_keep=length + 1)
-        logits = out.logits[:, :-1]
-        logp, entropy = token_log_probs(logits, seqs.response_ids, temperature)
-        return logp, (entropy if with_entropy else None)
+            logp, entropy = self._sp_log_probs(seqs, temperature)
+        elif self.packs(seqs):
+            return self._packed_log_probs(seqs, temperature)
+        else:
+            length = seqs.response_ids.shape[1]
+            out = self._forward(seqs, logits_to_keep=length + 1)
+            logp, entropy = token_log_probs(out.logits[:, :-1], seqs.response_ids, temperature)
+        padding = ~seqs.response_mask.bool()
+        return logp.masked_fill(padding, 0.0), entropy.masked_fill(padding, 0.0)
+
+    def _chunked_log_probs(self, seqs: Sequences, temperature: float):
+        """`log_probs` with the output embedding applied chunk by chunk to the positions
+        that predict response tokens (`mmrl.engine.logprobs`), in the layout `log_probs`
+        runs (padded, packed or sequence-parallel); None when the first call's check finds
+        that this model's logits cannot be reproduced (the plain path then runs)."""
+        from mmrl.engine.logprobs import candidates, chunked_head
+
+        mask = seqs.response_mask.bool()
+        device = mask.device
+        if self.sequence_parallel > 1:
+            keep, columns, widths = self._sp_columns(seqs)
+            mask = mask[:, columns]
+            grid = torch.arange(mask.numel(), device=device).view(mask.shape)
+            index, targets = grid[mask], seqs.response_ids[:, columns][mask]
+            run = lambda: self._sp_forward(seqs, logits_to_keep=keep)  # noqa: E731
+            place = lambda v: self._sp_gather(v.new_zeros(mask.shape).masked_scatter(mask, v), widths)  # noqa: E731
+        elif self.packs(seqs):
+            from mmrl.engine.packing import pack_sequences
+
+            packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+            index, targets = packed.logit_index, seqs.response_ids[packed.response_mask]
+
+            def run():
+                # Media sharing matches the media tensors against the padded batch's.
+                with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
+                    return self.model(**packed.inputs, use_cache=False, logits_to_keep=0)
+
+            place = packed.to_padded
+        else:
+            # The last R + 1 positions reach the head; the first R of them predict the response.
+            rows, length = mask.shape
+            grid = torch.arange(rows * (length + 1), device=device).view(rows, length + 1)[:, :-1]
+            index, targets = grid[mask], seqs.response_ids[mask]
+            run = lambda: self._forward(seqs, logits_to_keep=length + 1)  # noqa: E731
+            place = lambda v: v.new_zeros(mask.shape).masked_scatter(mask, v)  # noqa: E731
+        checked = self.logit_transform is not None
+        transforms = [self.logit_transform] if checked else candidates(self.model.config)
+        with chunked_head(self.model, index, targets, temperature, transforms,
+                          probe_tokens=0 if checked else PROBE_TOKENS) as call:
+            out = run()
+        if checked:
+            logp, entropy = call.values[0]
+        else:
+            choice = self._check_logit_transform(call, out, transforms)
+            if choice is None:
+                return None
+            logp, entropy = call.values[choice]
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.requires_grad:
+            # An empty term that puts the model's output in the loss's graph, so hooks on
+            # it (FSDP2's pre-backward of the root) run as on the plain path.
+            tie = logits.reshape(-1)[:0].sum()
+            logp, entropy = logp + tie, entropy + tie
+        return place(logp), place(entropy)
+
+    def _check_logit_transform(self, call, out, transforms) -> int | None:
+        """Which of `transforms` maps the model's head output to its logits on the probe
+        positions, the same on every rank. None (and the plain path from now on, with one
+        warning) when none does or the head did not run exactly once."""
+        import warnings
+
+        from mmrl.engine.logprobs import mismatch
+
+        logits = getattr(out, "logits", None)
+        # Per transform, its largest difference in units of the logits' rounding (<= 1: same).
+        errors = torch.zeros(len(transforms))
+        reason = None
+        if call.calls != 1:
+            reason = f"the output embedding ran {call.calls} times in the forward, not once"
+        elif call.probe_raw is None or not isinstance(logits, torch.Tensor) or logits.shape != call.probe_raw.shape:
+            reason = "the model's logits are not its output embedding's output on the given positions"
+        elif call.probe_raw.numel():
+            errors = torch.tensor(mismatch(call.probe_raw, logits, transforms))
+        checked = torch.tensor([float(reason is not None or call.probe_raw.numel() > 0)])
+        if reason is not None:
+            errors.fill_(math.inf)
+        if self.dist.distributed:
+            import torch.distributed as torch_dist
+
+            errors, checked = errors.to(self.dist.device), checked.to(self.dist.device)
+            torch_dist.all_reduce(errors, op=torch_dist.ReduceOp.MAX)
+            torch_dist.all_reduce(checked, op=torch_dist.ReduceOp.MAX)
+            errors, checked = errors.cpu(), checked.cpu()
+        if not checked.item():  # no rank had a position to check: decide on a later call
+            return 0
+        choice = int(errors.argmin())
+        if errors[choice] > 1.0:
+            reason = reason or ("another rank's check failed" if errors[choice] == math.inf else
+                                f"none of the logit post-processings {[t.source for t in transforms]} reproduces "
+                                f"the model's logits (closest: {float(errors[choice]):.3g} x the rounding tolerance)")
+            warnings.warn(f"chunked log-probs off for this engine, full logits instead: {reason}", stacklevel=3)
+            self.chunked_head = False
+            return None
+        self.logit_transform = transforms[choice]
+        return choice
 
     def packs(self, seqs: Sequences) -> bool:
         """Whether `log_probs` runs `seqs` packed: packing is on, and the batch carries the
         adapter's position ids (a model that computes its own would count across sequences)."""
         return self.pack and self.sequence_parallel == 1 and "position_ids" in seqs.inputs
 
-    def _packed_log_probs(self, seqs: Sequences, temperature: float, with_entropy: bool):
+    def _packed_log_probs(self, seqs: Sequences, temperature: float):
         """`log_probs` over the batch packed without padding; logits only for response tokens."""
         from mmrl.engine.packing import keep_rows, pack_sequences
 
@@ -382,7 +465,7 @@ class Engine:
         with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared), keep_rows(self.model, packed.logit_index):
             logits = self.model(**packed.inputs, use_cache=False, logits_to_keep=0).logits
         logp, entropy = token_log_probs(logits[0].unsqueeze(1), targets.unsqueeze(1), temperature)
-        return packed.to_padded(logp[:, 0]), (packed.to_padded(entropy[:, 0]) if with_entropy else None)
+        return packed.to_padded(logp[:, 0]), packed.to_padded(entropy[:, 0])
 
     def values(self, seqs: Sequences) -> torch.Tensor:
         """Critic values (B, R): the value head on the hidden state before each response token."""
@@ -421,12 +504,11 @@ class Engine:
 
         return gather_columns(local, widths, self.dist.sp_rank, self.dist.sp_group)
 
-    def _sp_log_probs(self, seqs: Sequences, temperature: float, with_entropy: bool):
+    def _sp_log_probs(self, seqs: Sequences, temperature: float):
         keep, columns, widths = self._sp_columns(seqs)
         out = self._sp_forward(seqs, logits_to_keep=keep)
         logp, entropy = token_log_probs(out.logits, seqs.response_ids[:, columns], temperature)
-        logp = self._sp_gather(logp, widths)
-        return logp, (self._sp_gather(entropy, widths) if with_entropy else None)
+        return self._sp_gather(logp, widths), self._sp_gather(entropy, widths)
 
     def _sp_values(self, seqs: Sequences) -> torch.Tensor:
         keep, _, widths = self._sp_columns(seqs)

@@ -1,0 +1,275 @@
+"""Per-token log-probs and entropy without full-vocabulary logits for the batch.
+
+A plain forward turns every kept position's hidden state into a (V,) row of logits; at
+16 x 4096 response tokens and a 152k vocabulary that is 20 GB in bf16, as much again for
+its gradient, and twice that once upcast to fp32. Here the model runs to the input of its
+output embedding (`model.get_output_embeddings()`) and no further:
+
+    with chunked_head(model, index, targets, temperature, [transform]) as call:
+        out = model(**inputs, use_cache=False, logits_to_keep=R + 1)
+    logp, entropy = call.values[0]                   # (N,) each, for the N targets
+
+A forward pre-hook on the output embedding takes the hidden states the model hands it,
+keeps the flat positions `index` (those that predict `targets`), and computes, chunk by
+chunk of tokens, head(hidden) -> the model's logit post-processing -> / temperature ->
+fp32 log-softmax gather and entropy (`head_log_probs`). Each chunk is recomputed in
+backward (`torch.utils.checkpoint`) and its log-softmax has a hand-written backward
+(`_LogProbEntropy`), so one chunk's logits and their gradient exist at a time. The model
+itself gets an empty slice, so its own logits are (1, 0, V). Everything runs inside the
+model's forward: FSDP2's root parameters are unsharded there, autocast is the forward's.
+
+What a model does to its logits after the output embedding (soft-capping, a scale) is
+not visible from outside its forward. `candidates(config)` lists the post-processings
+that config fields name (`LOGIT_FIELDS`) plus none at all; on an engine's first call the
+model is also handed a few real positions (`probe_tokens`), and the engine picks the
+candidate that reproduces the model's own logits there from its own head output
+(`mismatch`). It falls back to full logits when none does, or when the head did not run exactly
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LOGPROB_CHUNK_TOKENS = 4096
+# Elements of one chunk's (tokens, vocabulary) logits: 2^27 is 0.5 GiB in fp32, about 880
+# tokens at a 152k vocabulary. A chunk's backward holds ~3 fp32 buffers of this size.
+HEAD_CHUNK_ELEMENTS = 2**27
+
+
+# -- the plain path: log-probs from given logits ------------------------------------------------
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` (B, R) under `logits` (B, R, V), and the entropy, in fp32."""
+    batch, length = targets.shape
+    rows_per_chunk = max(1, chunk_tokens // max(length, 1))
+    logps, entropies = [], []
+    for start in range(0, batch, rows_per_chunk):
+        chunk = (logits[start:start + rows_per_chunk], targets[start:start + rows_per_chunk])
+        if torch.is_grad_enabled() and logits.requires_grad:
+            logp, entropy = checkpoint(_chunk_log_probs, *chunk, temperature, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_log_probs(*chunk, temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+# -- what models do to their logits after the output embedding ----------------------------------
+@dataclass(frozen=True, slots=True)
+class LogitTransform:
+    """logits = scale * softcap * tanh(head_output / softcap) (no tanh when softcap is None)."""
+
+    softcap: float | None = None
+    scale: float = 1.0
+    source: str = "none"  # the config field it came from, for messages
+
+    def apply(self, raw: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """fp32 logits / temperature, in a new tensor (callers work on it in place)."""
+        z = raw.to(torch.float32, copy=True)
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        factor = self.scale / temperature
+        return z.mul_(factor) if factor != 1.0 else z
+
+    def chain(self, grad: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Tensor:
+        """d loss / d head_output from d loss / d (logits / temperature), in place on `grad`."""
+        factor = self.scale / temperature
+        if factor != 1.0:
+            grad.mul_(factor)
+        if self.softcap is not None:
+            slope = raw.to(torch.float32, copy=True).div_(self.softcap).tanh_()
+            grad.mul_(slope.square_().neg_().add_(1.0))
+        return grad
+
+
+# Config fields (of the model's config or its text config) that name a post-processing of
+# the output embedding's logits in some model's forward, and what it may be. A field whose
+# meaning differs between models lists each reading; the first-call check picks.
+LOGIT_FIELDS = {
+    "final_logit_softcapping": lambda v: [LogitTransform(softcap=v)],
+    "logit_scale": lambda v: [LogitTransform(scale=v)],
+    "logits_scaling": lambda v: [LogitTransform(scale=1.0 / v), LogitTransform(scale=v)],
+    "lm_head_multiplier": lambda v: [LogitTransform(scale=v)],
+    "output_multiplier": lambda v: [LogitTransform(scale=v)],
+}
+
+
+def candidates(config) -> list[LogitTransform]:
+    """The post-processings `config`'s fields suggest, then none."""
+    found: list[LogitTransform] = []
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for name, readings in LOGIT_FIELDS.items():
+        for each in configs:
+            value = getattr(each, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+                for transform in readings(float(value)):
+                    transform = LogitTransform(transform.softcap, transform.scale, f"{name}={value}")
+                    if transform not in found:
+                        found.append(transform)
+    return [*found, LogitTransform()]
+
+
+def mismatch(raw: torch.Tensor, logits: torch.Tensor, transforms: list[LogitTransform]) -> list[float]:
+    """Per transform, the largest difference between it applied to the model's head output
+    `raw` and the model's `logits`, in units of the logits' rounding (8 ulps of their
+    largest magnitude): at most 1 where the transform is what the model does."""
+    target = logits.detach().float()
+    tolerance = 8 * torch.finfo(logits.dtype).eps * max(1.0, target.abs().max().item())
+    return [(transform.apply(raw.detach()) - target).abs().max().item() / tolerance for transform in transforms]
+
+
+# -- the chunked head -----------------------------------------------------------------------------
+class _LogProbEntropy(torch.autograd.Function):
+    """(log p(target), entropy) of softmax(transform(raw) / temperature), in fp32, with a
+    backward that rebuilds the probabilities from the saved log-normalizer in place."""
+
+    @staticmethod
+    def forward(ctx, raw, targets, transform, temperature):
+        with torch.autocast(raw.device.type, enabled=False):
+            z = transform.apply(raw, temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+            p = z.sub(lse.unsqueeze(-1)).exp_()
+            entropy = lse - p.mul_(z).sum(-1)
+        ctx.save_for_backward(raw, targets, lse, entropy)
+        ctx.transform, ctx.temperature = transform, temperature
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        raw, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
+        with torch.autocast(raw.device.type, enabled=False):
+            log_p = ctx.transform.apply(raw, ctx.temperature).sub_(lse.unsqueeze(-1))
+            p = log_p.exp()
+            # d entropy / d z_j = -p_j (log p_j + entropy); d log p_t / d z_j = [j = t] - p_j.
+            if grad_entropy is not None:
+                grad = log_p.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
+            else:
+                grad = log_p.zero_()
+            if grad_logp is not None:
+                grad.sub_(p.mul_(grad_logp.unsqueeze(-1)))
+                grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+            del p
+            grad = ctx.transform.chain(grad, raw, ctx.temperature)
+        return grad.to(raw.dtype), None, None, None
+
+
+def head_log_probs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+    transform: LogitTransform, chunk_tokens: int | None = None, project=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` (N,) under transform(head(hidden)) / temperature, `hidden`
+    (N, H), and the entropy: (N,) each in fp32, chunk by chunk of tokens, each chunk's
+    logits recomputed in backward. `project` calls the head (default: `head` itself)."""
+    if chunk_tokens is None:
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        chunk_tokens = max(1, HEAD_CHUNK_ELEMENTS // vocab)
+    project = project or head
+
+    def chunk(h, t):
+        return _LogProbEntropy.apply(project(h), t, transform, temperature)
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logps, entropies = [], []
+    # split, not slicing: one backward node joins the chunks' hidden-state gradients.
+    for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+        logp, entropy = checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
+        logps.append(logp)
+        entropies.append(entropy)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty.clone()
+    return torch.cat(logps), torch.cat(entropies)
+
+
+@dataclass
+class HeadCall:
+    """What `chunked_head` saw: per transform, (log-probs, entropy) of the targets; how
+    often the model called its output embedding; its output on the probe positions."""
+
+    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    calls: int = 0
+    probe_raw: torch.Tensor | None = None
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
+    if args:
+        return args[0], 0
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return value, key
+    raise ValueError("the output embedding was called without a tensor")
+
+
+@contextlib.contextmanager
+def chunked_head(
+    model: torch.nn.Module, index: torch.Tensor | None, targets: torch.Tensor, temperature: float,
+    transforms: list[LogitTransform], probe_tokens: int = 0, chunk_tokens: int | None = None,
+) -> Iterator[HeadCall]:
+    """Within the block, the model's output embedding computes the chunked log-probs of
+    `targets` at the flat positions `index` of its input (all positions when None), once
+    per transform, into the yielded `HeadCall`, and then runs on the first `probe_tokens`
+    of those positions only, as one (1, probe_tokens, H) row: the model's logits are those."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError("the model has no output embedding")
+    call = HeadCall()
+    own = [False]  # our own calls of the head (recomputations too) pass through the hooks
+
+    def project(h):
+        own[0] = True
+        try:
+            return head(h)
+        finally:
+            own[0] = False
+
+    def before(module, args, kwargs):
+        if own[0]:
+            return None
+        call.calls += 1
+        hidden, where = _first_tensor(args, kwargs)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if index is not None:
+            flat = flat[index]
+        call.values = [head_log_probs(head, flat, targets, temperature, transform, chunk_tokens, project)
+                       for transform in transforms]
+        probe = flat[:probe_tokens].unsqueeze(0)
+        if where == 0:
+            return (probe, *args[1:]), kwargs
+        return args, {**kwargs, where: probe}
+
+    def after(module, args, kwargs, output):
+        if not own[0] and probe_tokens:
+            call.probe_raw = output.detach()
+
+    handles = [head.register_forward_pre_hook(before, with_kwargs=True),
+               head.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield call
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,252 @@
+"""The chunked output embedding (`mmrl.engine.logprobs`) against the plain path: log-probs,
+entropy and gradients of the engine with `chunked_head=True` (default) and False on the same
+inputs (fp32, CPU), padded, packed, shared media, LoRA, soft-capped logits; the first-call
+check that falls back; the size of the largest logits tensor."""
+
+import pytest
+import torch
+
+from mmrl import build_model
+from mmrl.checks import sample_conversations
+from mmrl.config import OptimConfig
+from mmrl.engine import Engine, join
+from mmrl.engine.logprobs import LogitTransform, _LogProbEntropy, candidates, head_log_probs
+from mmrl.parallel import init_distributed
+
+TEMPERATURE = 0.7
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=0.8), LogitTransform(scale=0.25)])
+def test_log_prob_entropy_function_matches_autograd(transform):
+    """The hand-written backward against autograd through the plain formula."""
+    torch.manual_seed(0)
+    raw = torch.randn(6, 13, dtype=torch.float64) * 2
+    raw.requires_grad_(True)
+    targets = torch.randint(0, 13, (6,))
+    weights = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def plain(x):
+        z = x if transform.softcap is None else transform.softcap * torch.tanh(x / transform.softcap)
+        log_p = torch.log_softmax(z * transform.scale / TEMPERATURE, -1)
+        return log_p.gather(-1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+    results = []
+    for function in (lambda x: _LogProbEntropy.apply(x, targets, transform, TEMPERATURE), plain):
+        logp, entropy = function(raw)
+        (grad,) = torch.autograd.grad((logp * weights[0]).sum() + (entropy * weights[1]).sum(), raw)
+        results.append((logp, entropy, grad))
+    for ours, reference in zip(*results):
+        assert ours.dtype == torch.float32 or reference.dtype == torch.float64
+        assert torch.allclose(ours.double(), reference, atol=1e-5), (ours, reference)
+    # Only the log-probs' gradient (entropy unused) is right too.
+    logp, _ = _LogProbEntropy.apply(raw, targets, transform, TEMPERATURE)
+    (grad,) = torch.autograd.grad(logp.sum(), raw)
+    (expected,) = torch.autograd.grad(plain(raw)[0].sum(), raw)
+    assert torch.allclose(grad.double(), expected, atol=1e-5)
+
+
+def test_head_chunks_are_recomputed_and_join_their_gradients():
+    """Chunks of 3 tokens over 10: values and gradients (hidden and weight) equal one chunk."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 29, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 29, (10,))
+    results = []
+    for chunk in (3, 10):
+        head.zero_grad()
+        logp, entropy = head_log_probs(head, hidden, targets, TEMPERATURE, LogitTransform(softcap=2.0), chunk)
+        (grad,) = torch.autograd.grad(logp.sum() - entropy.sum(), hidden, retain_graph=True)
+        (logp.sum() - entropy.sum()).backward()
+        results.append((logp, entropy, grad, head.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_candidates_come_from_config_fields_then_none():
+    from transformers import Gemma2Config, Qwen2Config
+
+    assert candidates(Qwen2Config()) == [LogitTransform()]
+    gemma = candidates(Gemma2Config())
+    assert gemma[0].softcap == 30.0 and gemma[-1] == LogitTransform()
+
+
+def _batch(built, engine, rows=None, response_length=7, shared=None):
+    conversations = sample_conversations(built.adapter)
+    rows = rows or conversations + conversations[::-1]
+    prompts = dict(built.processing(rows))
+    vocab = built.model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(1)
+    responses = torch.randint(min(50, vocab // 2), vocab, (len(rows), response_length), generator=generator)
+    mask = torch.ones_like(responses)
+    mask[0, 3:] = 0
+    mask[-1, 5:] = 0
+    return join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id, shared=shared)
+
+
+def _run(family, chunked, *, pack=False, overrides=None, lora=False, shared_media=False, prepare=None):
+    """Log-probs, entropy (temperature 0.7) and the gradients of a weighted sum of both."""
+    built = build_model(family, random_init=True, seed=0, config_overrides=overrides)
+    if lora:
+        from mmrl.lora import apply_lora
+
+        torch.manual_seed(0)
+        built.model = apply_lora(built.model, scope="language", rank=4, init_lora_weights=False,
+                                 adapter=built.adapter)
+    if prepare:
+        prepare(built.model)
+    engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), pack=pack, pack_tokens=250,
+                    chunked_head=chunked)
+    shared = None
+    if shared_media:
+        from mmrl.engine.media import SharedMedia
+
+        conversations = sample_conversations(built.adapter)
+        owners = [0, 1, 0, 1, 1]
+        rows = [conversations[o] for o in owners]
+        shared = SharedMedia.of(built.processing, rows, owners)
+        seqs = _batch(built, engine, rows=rows, shared=shared)
+    else:
+        seqs = _batch(built, engine)
+    assert engine.packs(seqs) == pack
+    logp, entropy = engine.log_probs(seqs, temperature=TEMPERATURE)
+    weights = torch.linspace(-1, 1, seqs.response_ids.shape[1])
+    ((logp * weights).sum() + 0.3 * entropy.sum()).backward()
+    grads = {n: p.grad for n, p in engine.model.named_parameters() if p.grad is not None}
+    return engine, seqs, logp.detach(), entropy.detach(), grads
+
+
+CASES = {
+    "text": dict(family="qwen2"),
+    "text_packed": dict(family="qwen2", pack=True),
+    "vlm_padded": dict(family="qwen2_vl"),
+    "vlm_packed": dict(family="qwen2_vl", pack=True),
+    "vlm_tied_embeddings": dict(family="smolvlm"),
+    "shared_media_packed": dict(family="qwen2_5_vl", pack=True, shared_media=True),
+    "lora": dict(family="qwen2", lora=True),
+    # A cap small enough that tanh bends the tiny model's logits.
+    "softcap": dict(family="gemma3_text", overrides={"final_logit_softcapping": 0.05}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_head_equals_the_plain_path(case):
+    engine, seqs, logp, entropy, grads = _run(chunked=True, **CASES[case])
+    _, _, plain_logp, plain_entropy, plain_grads = _run(chunked=False, **CASES[case])
+    assert engine.chunked_head and engine.logit_transform is not None
+    real = seqs.response_mask.bool()
+    assert torch.allclose(logp, plain_logp, atol=1e-5)
+    assert torch.allclose(entropy, plain_entropy, atol=1e-5)
+    assert (logp[~real] == 0).all() and (entropy[~real] == 0).all()
+    assert grads.keys() == plain_grads.keys() and grads
+    for name, grad in plain_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5, rtol=1e-4), name
+    if case == "softcap":
+        assert engine.logit_transform.softcap == 0.05
+        # The cap matters here: without it the log-probs are far off.
+        built = engine.built
+        with torch.no_grad():
+            uncapped = Engine(built, init_distributed("cpu"))
+            uncapped.logit_transform = LogitTransform()
+            assert not torch.allclose(uncapped.log_probs(seqs, temperature=TEMPERATURE)[0], logp, atol=1e-2)
+
+
+def test_the_check_falls_back_where_the_model_changes_its_logits_unseen():
+    """A forward that transforms its logits in a way no config field names: the first call
+    warns once, returns the plain path's values, and the engine stays on the plain path."""
+    def prepare(model):
+        model.register_forward_hook(lambda module, args, out: out.__setitem__("logits", out.logits * 1.5 + 0.1))
+
+    with pytest.warns(UserWarning, match="chunked log-probs off"):
+        engine, seqs, logp, entropy, grads = _run("qwen2", True, prepare=prepare)
+    _, _, plain_logp, _, plain_grads = _run("qwen2", False, prepare=prepare)
+    assert not engine.chunked_head
+    assert torch.allclose(logp, plain_logp, atol=1e-5)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_the_check_falls_back_where_the_head_is_bypassed():
+    """A forward that never calls its output embedding module (0 calls seen)."""
+    def prepare(model):
+        head = model.get_output_embeddings()
+        model.get_output_embeddings = lambda: torch.nn.Linear(head.in_features, head.out_features)
+
+    with pytest.warns(UserWarning, match="ran 0 times"):
+        engine, _, logp, _, _ = _run("qwen2", True, prepare=prepare)
+    _, _, plain_logp, _, _ = _run("qwen2", False)
+    assert not engine.chunked_head and torch.allclose(logp, plain_logp, atol=1e-5)
+
+
+def _largest_logits(engine, seqs, vocab):
+    """The most elements of any tensor with a vocabulary-sized last dimension that the
+    log-prob pass and its backward allocate."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        size = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:  # views (the head weight's transpose among them) allocate nothing
+                return out
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == vocab:
+                    self.size = max(self.size, tensor.numel())
+            return out
+
+    with Largest() as mode:
+        logp, entropy = engine.log_probs(seqs)
+        (logp.sum() + entropy.sum()).backward()
+    return mode.size
+
+
+def test_only_one_chunk_of_logits_exists_at_a_time(monkeypatch):
+    from mmrl.engine import logprobs
+
+    built = build_model("qwen2", random_init=True, seed=0)
+    vocab = built.model.config.vocab_size
+    chunk_tokens = 4
+    monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", chunk_tokens * vocab)
+    sizes = {}
+    for chunked in (True, False):
+        engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), chunked_head=chunked)
+        seqs = _batch(built, engine, response_length=12)
+        engine.log_probs(seqs)  # the first call (with its check) aside
+        engine.drop_gradients()
+        sizes[chunked] = _largest_logits(engine, seqs, vocab)
+    tokens = int(seqs.response_mask.sum())
+    assert sizes[True] == chunk_tokens * vocab
+    assert sizes[False] >= tokens * vocab > 4 * sizes[True]
+
+
+@pytest.mark.gpu
+def test_chunked_head_peak_memory_on_the_gpu():
+    """bf16 weights, a 152k vocabulary, 4 x 2048 response tokens: the chunked pass's extra
+    peak is a fraction of the plain path's, log-probs agree within bf16 rounding."""
+    device = torch.device("cuda")
+    dist = init_distributed("cuda")
+    overrides = {"vocab_size": 151936, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+    ids = torch.randint(100, 151936, (4, 1))
+    responses = torch.randint(100, 151936, (4, 2048))
+    peaks, values = {}, {}
+    for chunked in (False, True):
+        built = build_model("qwen2", random_init=True, seed=0, config_overrides=overrides, dtype="bfloat16",
+                            device=device)
+        engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), chunked_head=chunked)
+        seqs = join({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, responses,
+                    torch.ones_like(responses), built.adapter, engine.model, 0).to(device)
+        engine.log_probs(seqs)
+        engine.drop_gradients()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        logp, entropy = engine.log_probs(seqs)
+        (logp.sum() + entropy.sum()).backward()
+        torch.cuda.synchronize()
+        peaks[chunked] = torch.cuda.max_memory_allocated() - base
+        values[chunked] = logp.detach().float()
+        engine.drop_gradients()
+    full_logits = 4 * 2048 * 151936 * 2  # one bf16 copy of the batch's logits
+    assert peaks[False] > full_logits
+    assert peaks[True] < full_logits / 2, peaks
+    assert (values[True] - values[False]).abs().max() < 0.1
