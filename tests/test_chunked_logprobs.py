@@ -10,56 +10,57 @@ from mmrl import build_model
 from mmrl.checks import sample_conversations
 from mmrl.config import OptimConfig
 from mmrl.engine import Engine, join
-from mmrl.engine.logprobs import LogitTransform, _LogProbEntropy, candidates, head_log_probs
+from mmrl.engine.logprobs import LogitTransform, candidates, head_log_probs
 from mmrl.parallel import init_distributed
 
 TEMPERATURE = 0.7
 
 
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=0.8), LogitTransform(scale=0.25)])
-def test_log_prob_entropy_function_matches_autograd(transform):
-    """The hand-written backward against autograd through the plain formula."""
+@pytest.mark.parametrize("chunk", [3, 10])
+def test_chunked_head_matches_autograd_through_the_plain_formula(transform, chunk):
+    """Log-probs, entropy and the gradients of hidden states and head weight (chunks of 3
+    of 10 tokens, and one chunk), against autograd through full logits; with only the
+    log-probs' gradient too (entropy unused)."""
     torch.manual_seed(0)
-    raw = torch.randn(6, 13, dtype=torch.float64) * 2
-    raw.requires_grad_(True)
-    targets = torch.randint(0, 13, (6,))
-    weights = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    head = torch.nn.Linear(8, 29, bias=True)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 29, (10,))
+    weights = torch.randn(10), torch.randn(10)
 
-    def plain(x):
+    def plain(h):
+        x = head(h)
         z = x if transform.softcap is None else transform.softcap * torch.tanh(x / transform.softcap)
         log_p = torch.log_softmax(z * transform.scale / TEMPERATURE, -1)
         return log_p.gather(-1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
 
-    results = []
-    for function in (lambda x: _LogProbEntropy.apply(x, targets, transform, TEMPERATURE), plain):
-        logp, entropy = function(raw)
-        (grad,) = torch.autograd.grad((logp * weights[0]).sum() + (entropy * weights[1]).sum(), raw)
-        results.append((logp, entropy, grad))
-    for ours, reference in zip(*results):
-        assert ours.dtype == torch.float32 or reference.dtype == torch.float64
-        assert torch.allclose(ours.double(), reference, atol=1e-5), (ours, reference)
-    # Only the log-probs' gradient (entropy unused) is right too.
-    logp, _ = _LogProbEntropy.apply(raw, targets, transform, TEMPERATURE)
-    (grad,) = torch.autograd.grad(logp.sum(), raw)
-    (expected,) = torch.autograd.grad(plain(raw)[0].sum(), raw)
-    assert torch.allclose(grad.double(), expected, atol=1e-5)
+    def chunked(h):
+        return head_log_probs(head, h, targets, TEMPERATURE, transform, chunk)
+
+    for use_entropy in (True, False):
+        results = []
+        for function in (chunked, plain):
+            logp, entropy = function(hidden)
+            loss = (logp * weights[0]).sum()
+            if use_entropy:
+                loss = loss + (entropy * weights[1]).sum()
+            results.append((logp, entropy, *torch.autograd.grad(loss, [hidden, *head.parameters()])))
+        for ours, reference in zip(*results):
+            assert torch.allclose(ours, reference, atol=1e-5), (ours, reference)
 
 
-def test_head_chunks_are_recomputed_and_join_their_gradients():
-    """Chunks of 3 tokens over 10: values and gradients (hidden and weight) equal one chunk."""
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 29, bias=False)
-    hidden = torch.randn(10, 8, requires_grad=True)
-    targets = torch.randint(0, 29, (10,))
-    results = []
-    for chunk in (3, 10):
-        head.zero_grad()
-        logp, entropy = head_log_probs(head, hidden, targets, TEMPERATURE, LogitTransform(softcap=2.0), chunk)
-        (grad,) = torch.autograd.grad(logp.sum() - entropy.sum(), hidden, retain_graph=True)
-        (logp.sum() - entropy.sum()).backward()
-        results.append((logp, entropy, grad, head.weight.grad.clone()))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, atol=1e-6)
+def test_chunked_head_without_gradients_or_tokens():
+    head = torch.nn.Linear(8, 29)
+    with torch.no_grad():
+        logp, entropy = head_log_probs(head, torch.randn(5, 8), torch.randint(0, 29, (5,)), 1.0, LogitTransform(), 2)
+    assert logp.shape == entropy.shape == (5,) and not logp.requires_grad
+    # No tokens (a sequence-parallel rank may own no response column): zero gradients, not
+    # None, so every rank reduces the same parameters.
+    hidden = torch.randn(0, 8, requires_grad=True)
+    logp, entropy = head_log_probs(head, hidden, torch.zeros(0, dtype=torch.long), 1.0, LogitTransform())
+    assert logp.shape == (0,)
+    (logp.sum() + entropy.sum() + hidden.sum()).backward()
+    assert head.weight.grad is not None and not head.weight.grad.any()
 
 
 def test_candidates_come_from_config_fields_then_none():

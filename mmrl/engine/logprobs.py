@@ -12,9 +12,9 @@ output embedding (`model.get_output_embeddings()`) and no further:
 A forward pre-hook on the output embedding takes the hidden states the model hands it,
 keeps the flat positions `index` (those that predict `targets`), and computes, chunk by
 chunk of tokens, head(hidden) -> the model's logit post-processing -> / temperature ->
-fp32 log-softmax gather and entropy (`head_log_probs`). Each chunk is recomputed in
-backward (`torch.utils.checkpoint`) and its log-softmax has a hand-written backward
-(`_LogProbEntropy`), so one chunk's logits and their gradient exist at a time. The model
+fp32 log-softmax gather and entropy (`head_log_probs`). Backward recomputes each chunk's
+logits once and differentiates the log-softmax by hand (`_ChunkedHead`), so one chunk's
+logits and their gradient exist at a time. The model
 itself gets an empty slice, so its own logits are (1, 0, V). Everything runs inside the
 model's forward: FSDP2's root parameters are unsharded there, autocast is the forward's.
 
@@ -140,42 +140,89 @@ def mismatch(raw: torch.Tensor, logits: torch.Tensor, transforms: list[LogitTran
 
 
 # -- the chunked head -----------------------------------------------------------------------------
-class _LogProbEntropy(torch.autograd.Function):
-    """(log p(target), entropy) of softmax(transform(raw) / temperature), in fp32, with a
-    backward that rebuilds the probabilities from the saved log-normalizer in place."""
+def _stats(raw: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, temperature: float):
+    """(log p(target), entropy, log-normalizer) of softmax(transform(raw) / temperature), fp32."""
+    z = transform.apply(raw, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    p = z.sub(lse.unsqueeze(-1)).exp_()
+    entropy = lse - p.mul_(z).sum(-1)
+    return logp, entropy, lse
+
+
+def _raw_grad(raw, targets, lse, entropy, grad_logp, grad_entropy, transform, temperature) -> torch.Tensor:
+    """d loss / d raw from the log-probs' and entropies' gradients (either may be None),
+    rebuilding the probabilities from the saved log-normalizer, in place where it can."""
+    log_p = transform.apply(raw, temperature).sub_(lse.unsqueeze(-1))
+    p = log_p.exp()
+    # d entropy / d z_j = -p_j (log p_j + entropy); d log p_t / d z_j = [j = t] - p_j.
+    if grad_entropy is not None:
+        grad = log_p.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
+    else:
+        grad = log_p.zero_()
+    if grad_logp is not None:
+        grad.sub_(p.mul_(grad_logp.unsqueeze(-1)))
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+    del p
+    return transform.chain(grad, raw, temperature).to(raw.dtype)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(log-probs, entropy) of `targets` under transform(project(hidden)) / temperature,
+    `chunk_tokens` rows at a time. Saved for backward: the hidden states and two numbers
+    per token; backward recomputes each chunk's head output once, takes the gradient of
+    the log-softmax by hand and the head's by autograd, and sums the head parameters'
+    gradients over the chunks in fp32 (one rounding to their dtype, as one matmul has)."""
 
     @staticmethod
-    def forward(ctx, raw, targets, transform, temperature):
-        with torch.autocast(raw.device.type, enabled=False):
-            z = transform.apply(raw, temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-            p = z.sub(lse.unsqueeze(-1)).exp_()
-            entropy = lse - p.mul_(z).sum(-1)
-        ctx.save_for_backward(raw, targets, lse, entropy)
-        ctx.transform, ctx.temperature = transform, temperature
+    def forward(ctx, hidden, targets, project, transform, temperature, chunk_tokens, *params):
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        results = []
+        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+            raw = project(h)
+            with torch.autocast(device, enabled=False):
+                results.append(_stats(raw, t, transform, temperature))
+            del raw
+        logp, entropy, lse = (torch.cat(parts) for parts in zip(*results))
+        ctx.save_for_backward(hidden, targets, lse, entropy)
+        ctx.args = (project, transform, temperature, chunk_tokens, params)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        raw, targets, lse, entropy = ctx.saved_tensors
-        if grad_logp is None and grad_entropy is None:
-            return None, None, None, None
-        with torch.autocast(raw.device.type, enabled=False):
-            log_p = ctx.transform.apply(raw, ctx.temperature).sub_(lse.unsqueeze(-1))
-            p = log_p.exp()
-            # d entropy / d z_j = -p_j (log p_j + entropy); d log p_t / d z_j = [j = t] - p_j.
-            if grad_entropy is not None:
-                grad = log_p.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
-            else:
-                grad = log_p.zero_()
-            if grad_logp is not None:
-                grad.sub_(p.mul_(grad_logp.unsqueeze(-1)))
-                grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
-            del p
-            grad = ctx.transform.chain(grad, raw, ctx.temperature)
-        return grad.to(raw.dtype), None, None, None
+        hidden, targets, lse, entropy = ctx.saved_tensors
+        project, transform, temperature, chunk_tokens, params = ctx.args
+        need_hidden = ctx.needs_input_grad[0]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        nothing = (None,) * (6 + len(params))
+        if (grad_logp is None and grad_entropy is None) or not (need_hidden or wanted):
+            return nothing
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        device, enabled, dtype = ctx.autocast
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h = hidden[rows].detach().requires_grad_(need_hidden)
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                raw = project(h)
+            with torch.autocast(device, enabled=False):
+                grad_raw = _raw_grad(raw.detach(), targets[rows], lse[rows], entropy[rows],
+                                     None if grad_logp is None else grad_logp[rows],
+                                     None if grad_entropy is None else grad_entropy[rows], transform, temperature)
+            grads = list(torch.autograd.grad(raw, [h] * need_hidden + [params[i] for i in wanted], grad_raw))
+            del raw, grad_raw
+            if need_hidden:
+                grad_hidden[rows] = grads.pop(0)
+            for k, grad in enumerate(grads):
+                sums[k] = grad.float() if sums[k] is None else sums[k].add_(grad)
+        param_grads = [None] * len(params)
+        for k, i in enumerate(wanted):
+            # Zeros, not None, without tokens (a sequence-parallel rank may own no response
+            # column): every rank then reduces the same gradients.
+            param_grads[i] = torch.zeros_like(params[i]) if sums[k] is None else sums[k].to(params[i].dtype)
+        return (grad_hidden, *nothing[1:6], *param_grads)
 
 
 def head_log_probs(
@@ -188,22 +235,8 @@ def head_log_probs(
     if chunk_tokens is None:
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]
         chunk_tokens = max(1, HEAD_CHUNK_ELEMENTS // vocab)
-    project = project or head
-
-    def chunk(h, t):
-        return _LogProbEntropy.apply(project(h), t, transform, temperature)
-
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    logps, entropies = [], []
-    # split, not slicing: one backward node joins the chunks' hidden-state gradients.
-    for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
-        logp, entropy = checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
-        logps.append(logp)
-        entropies.append(entropy)
-    if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty.clone()
-    return torch.cat(logps), torch.cat(entropies)
+    params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+    return _ChunkedHead.apply(hidden, targets, project or head, transform, temperature, chunk_tokens, *params)
 
 
 @dataclass
