@@ -9,9 +9,13 @@ per-token log-probs and entropy of given response tokens. Roles differ only in o
     ref = Engine(built_ref, dist)                                           # frozen
     critic = Engine(built_critic, dist, optim=..., value_head=True)         # values
 
-Log-probs are taken from the last R + 1 positions only (`logits_to_keep`), and the fp32
-log-softmax runs over row chunks, each recomputed in backward (checkpointed), so fp32
-full-vocabulary logits never exist for the whole batch at once.
+Log-probs never need the batch's full-vocabulary logits: the model runs to the input of
+its output embedding, and the positions that predict response tokens go through the
+embedding, the model's logit post-processing (checked against the model's own logits on
+the first call), the temperature and an fp32 log-softmax in chunks of tokens, recomputed
+in backward (`mmrl.engine.logprobs`). `chunked_head=False`, or a model whose logits the
+check cannot reproduce, takes the plain path: the model's logits for the last R + 1
+positions (`logits_to_keep`), an fp32 log-softmax over checkpointed row chunks.
 
 With `pack=True` (families that declare `padding_free`) the batch runs without padding:
 whole sequences in rows of at most `pack_tokens` tokens, logits only for real response
