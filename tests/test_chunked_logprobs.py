@@ -12,6 +12,7 @@ from mmrl.config import OptimConfig
 from mmrl.engine import Engine, join
 from mmrl.engine.logprobs import LogitTransform, candidates, head_log_probs
 from mmrl.parallel import init_distributed
+from conftest import FAMILIES
 
 TEMPERATURE = 0.7
 
@@ -251,3 +252,57 @@ def test_chunked_head_peak_memory_on_the_gpu():
     assert peaks[False] > full_logits
     assert peaks[True] < full_logits / 2, peaks
     assert (values[True] - values[False]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_takes_the_chunked_path(family):
+    """Each registered family passes the first-call check (no fallback warning) and its
+    chunked log-probs and entropy equal the plain path's (no gradients: cheap)."""
+    import warnings
+
+    built = build_model(family, random_init=True, seed=0)
+    results = []
+    for chunked in (True, False):
+        engine = Engine(built, init_distributed("cpu"), chunked_head=chunked)
+        seqs = _batch(built, engine)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="chunked log-probs off")
+            with torch.no_grad():
+                results.append(engine.log_probs(seqs, temperature=TEMPERATURE))
+        assert engine.chunked_head == chunked
+    (logp, entropy), (plain_logp, plain_entropy) = results
+    assert torch.allclose(logp, plain_logp, atol=1e-5) and torch.allclose(entropy, plain_entropy, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, field, expected", [
+    ("Cohere", {"logit_scale": 3.0}, LogitTransform(scale=3.0)),
+    ("Granite", {"logits_scaling": 0.25}, LogitTransform(scale=4.0)),  # the forward divides
+    ("Gemma2", {"final_logit_softcapping": 0.05}, LogitTransform(softcap=0.05)),
+])
+def test_the_check_finds_each_config_named_post_processing(name, field, expected):
+    """transformers models outside the zoo that scale or soft-cap their logits: the
+    candidate that reproduces their logits is the one their forward applies, and the
+    chunked log-probs with it equal a log-softmax of the model's own logits."""
+    import transformers
+
+    from mmrl.engine.logprobs import chunked_head, mismatch
+
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, **field)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    targets = ids[:, 1:].reshape(-1)
+    index = (torch.arange(2)[:, None] * 9 + torch.arange(8)).reshape(-1)
+    transforms = candidates(config)
+    with torch.no_grad():
+        with chunked_head(model, index, targets, TEMPERATURE, transforms, probe_tokens=4) as call:
+            out = model(ids)
+        errors = mismatch(call.probe_raw, out.logits, transforms)
+        choice = min(range(len(errors)), key=errors.__getitem__)
+        plain = torch.log_softmax(model(ids).logits[:, :-1].float() / TEMPERATURE, -1)
+    assert transforms[choice].softcap == expected.softcap and transforms[choice].scale == expected.scale
+    assert errors[choice] <= 1.0 < errors[-1]  # none at all (last) does not reproduce them
+    expected_logp = plain.gather(-1, ids[:, 1:, None])[..., 0].reshape(-1)
+    assert torch.allclose(call.values[choice][0], expected_logp, atol=1e-5)
