@@ -71,6 +71,9 @@ def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     rollout.update(backend="hf", samples_per_prompt=min(rollout["samples_per_prompt"], 2),
                    max_new_tokens=min(rollout["max_new_tokens"], 8))
     values["algo"]["micro_batch_size"] = min(values["algo"]["micro_batch_size"], 4)
+    # A smoke step holds a handful of sequences: at most one mini-batch each.
+    sequences = data["prompts_per_step"] * rollout["samples_per_prompt"]
+    values["algo"]["mini_batches"] = min(values["algo"].get("mini_batches", 1), sequences)
     values["trainer"].update(steps=SMOKE_STEPS, eval_every=0, save_every=0, target_accuracy=None,
                              time_budget_s=None, resume=False, export=False,
                              output_dir=f"runs/smoke/{Path(str(source)).stem}")

@@ -108,6 +108,19 @@ def test_cli_smoke_and_data_check(tmp_path):
     assert "smoke.family: the recipe trains a checkpoint" in done.stderr
 
 
+def test_smoke_caps_the_mini_batches_at_its_sequences(tmp_path):
+    """A recipe with more mini-batches than a smoke step has sequences (2 prompts x 2
+    samples) still smoke-runs: one mini-batch per sequence."""
+    import yaml
+
+    values = yaml.safe_load((REPO / "recipes" / "tiny_vlm_count.yaml").read_text())
+    values.setdefault("algo", {})["mini_batches"] = 16
+    path = tmp_path / "many_mini_batches.yaml"
+    path.write_text(yaml.safe_dump(values))
+    recipe = load_smoke_recipe(path, [f"trainer.output_dir={tmp_path / 'run'}"])
+    assert recipe.algo.mini_batches == recipe.data.prompts_per_step * recipe.rollout.samples_per_prompt == 4
+
+
 def test_smoke_errors_name_the_field(tmp_path):
     with pytest.raises(RecipeError, match=r"\(smoke\): trainer.steps"):
         load_smoke_recipe(REPO / "recipes" / "qwen2_5_7b_math12k_grpo.yaml", ["trainer.steps=0"])
