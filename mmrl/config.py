@@ -95,8 +95,9 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    # hf_compiled: HF with a static KV cache and a compiled decode step (docs/training.md).
-    backend: Literal["hf", "hf_compiled", "vllm"] = "hf"
+    # hf_compiled: HF with a static KV cache and a compiled decode step (docs/training.md);
+    # auto: hf_compiled in one GPU process for single-turn rollouts, hf elsewhere.
+    backend: Literal["auto", "hf", "hf_compiled", "vllm"] = "auto"
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, ge=0)

@@ -37,7 +37,7 @@ import torch
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine, join
 from mmrl.parallel import Dist, LaunchError, init_distributed
-from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.runs import (RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint, newest_checkpoint,
                        temporary_for)
 
@@ -146,8 +146,9 @@ class Trainer:
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
                                  total_steps=r.trainer.steps, value_head=True, share_media=m.share_media)
-        self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing,
-                                    **({"config": r.rollout} if r.rollout.backend == "vllm" else {}))
+        backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
+        self.rollout = make_rollout(backend, self.actor, self.processing,
+                                    **({"config": r.rollout} if backend == "vllm" else {}))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout

@@ -222,6 +222,24 @@ def test_a_generation_config_it_cannot_follow_falls_back_with_one_warning():
     _assert_same(plain, fast)
 
 
+def test_auto_takes_the_compiled_rollout_in_one_gpu_process_only():
+    from types import SimpleNamespace
+
+    from mmrl.rollout import choose_backend
+
+    def engine(device, sharded=False):
+        return SimpleNamespace(dist=SimpleNamespace(device=torch.device(device)), sharded=sharded)
+
+    assert choose_backend("auto", engine("cuda")) == "hf_compiled"
+    assert choose_backend("auto", engine("cpu")) == "hf"
+    assert choose_backend("auto", engine("cuda", sharded=True)) == "hf"
+    assert choose_backend("auto", engine("cuda"), multi_turn=True) == "hf"
+    for named in ("hf", "hf_compiled", "vllm"):
+        assert choose_backend(named, engine("cpu")) == named
+    built, cpu_engine = _setup("qwen2")
+    assert type(make_rollout("auto", cpu_engine, built.processing)).__name__ == "HFRollout"
+
+
 def test_the_recipe_names_the_backend():
     from mmrl.config import load_recipe
 

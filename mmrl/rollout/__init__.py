@@ -1,11 +1,25 @@
 """Rollout backends behind one API (`mmrl.rollout.base`): `hf`, `hf_compiled` (the same
-with a static cache and a compiled decode step, `mmrl.rollout.compiled`) and `vllm`."""
+with a static cache and a compiled decode step, `mmrl.rollout.compiled`) and `vllm`;
+`auto` picks one of the HF two for the engine (`choose_backend`)."""
 
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 
+def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
+    """`backend`, with "auto" resolved: the compiled HF rollout for one GPU process
+    (6.7x plain `generate` on an H200, bench/results/rollout_speed_gpu.json), plain `generate`
+    on the CPU (compiling there costs more than it saves), under FSDP2 (every rank steps
+    together) and for multi-turn rollouts (each turn's new prompt length is another graph)."""
+    if backend != "auto":
+        return backend
+    one_gpu = engine.dist.device.type == "cuda" and not engine.sharded
+    return "hf_compiled" if one_gpu and not multi_turn else "hf"
+
+
 def make_rollout(backend: str, engine, processing, **options):
-    """The rollout backend named `backend` ("hf", "hf_compiled" or "vllm") for `engine`'s model."""
+    """The rollout backend named `backend` ("hf", "hf_compiled", "vllm" or "auto") for
+    `engine`'s model."""
+    backend = choose_backend(backend, engine)
     if backend == "hf":
         from mmrl.rollout.hf import HFRollout
 
@@ -18,7 +32,7 @@ def make_rollout(backend: str, engine, processing, **options):
         from mmrl.rollout.vllm import VLLMRollout
 
         return VLLMRollout(engine, processing, **options)
-    raise ValueError(f"rollout.backend must be 'hf', 'hf_compiled' or 'vllm', got {backend!r}")
+    raise ValueError(f"rollout.backend must be 'auto', 'hf', 'hf_compiled' or 'vllm', got {backend!r}")
 
 
-__all__ = ["RolloutResult", "SamplingParams", "make_rollout", "trim_responses"]
+__all__ = ["RolloutResult", "SamplingParams", "choose_backend", "make_rollout", "trim_responses"]
