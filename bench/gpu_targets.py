@@ -249,26 +249,13 @@ def main() -> None:
                     "utilization counted on the same real tokens",
         })
     targets += recipe_step_entries()
-    baseline = baseline_commit_entry()
-    if baseline:
-        targets.append(baseline)
-    rollout = rollout_entry()
-    if rollout:
-        targets.append(rollout)
-    trl = trl_entry()
-    if trl:
-        targets.append(trl)
-    logprob = logprob_entry()
-    if logprob:
-        targets.append(logprob)
-    for name, target in (
-        *([] if baseline else [(BASELINE_TARGET, 2.0)]),
-        *([] if rollout else [(ROLLOUT_TARGET, 10.0)]),
-        *([] if trl else [(TRL_TARGET, 3.0)]),
-        *([] if logprob else [(LOGPROB_TARGET, 5.0)]),
-    ):
-        targets.append({"name": name, "measured": None, "baseline": None, "ratio": None, "target": target,
-                        "met": False, "command": None, "note": "not measured yet"})
+    # Each reader's entry, or its target row unmeasured while its bench has not run.
+    readers = ((baseline_commit_entry, BASELINE_TARGET, 2.0), (rollout_entry, ROLLOUT_TARGET, 10.0),
+               (trl_entry, TRL_TARGET, 3.0), (logprob_entry, LOGPROB_TARGET, 5.0))
+    entries = [(read(), name, target) for read, name, target in readers]
+    targets += [entry for entry, _, _ in entries if entry]
+    targets += [{"name": name, "measured": None, "baseline": None, "ratio": None, "target": target, "met": False,
+                 "command": None, "note": "not measured yet"} for entry, name, target in entries if not entry]
     summary = {
         "device": packing["device"] if packing else None, "versions": packing["versions"] if packing else None,
         "date": datetime.date.today().isoformat(), "targets": targets,

@@ -198,14 +198,12 @@ def write_prompts(path: Path, words: list[str], count: int, low: int, high: int,
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    """bench/trl_comparison.py's package versions, torch without its build tag."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    from trl_comparison import versions as installed
 
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mmrl"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "missing"
+    out = installed()
     out["torch"] = out["torch"].split("+")[0]
     return out
 

@@ -56,7 +56,7 @@ class _ImageReply:
 
     def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]:
         self.steps += 1
-        clip = [{"type": "video", "video": self.row["clip"]}] if self.video else []
+        clip = [{"type": "video", "video": self.row["reply_video"]}] if self.video else []
         reply = [{"role": self.role, "content": [{"type": "image", "image": self.row["reply"]}, *clip,
                                                  {"type": "text", "text": "zoomed"}]}]
         return (reply, False, None) if self.steps == 1 else ([], True, None)
@@ -66,7 +66,7 @@ def _row() -> dict[str, Any]:
     from mmrl.checks import sample_images, sample_video
 
     images = sample_images()
-    return {"image": images[0], "reply": images[1], "clip": sample_video(), "text": "What is shown here?"}
+    return {"image": images[0], "reply": images[1], "reply_video": sample_video(), "text": "What is shown here?"}
 
 
 def _with_video(adapter) -> bool:

@@ -30,6 +30,7 @@ backend warns once and uses plain `generate`. Speed: `python bench/rollout_speed
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -333,25 +334,21 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.to(dtype).reshape(rows, 1, heads, dim), None
 
 
-class _decode_attention:
+@contextlib.contextmanager
+def _decode_attention(model):
     """While open, the text decoder of `model` (where its attention is SDPA) runs
     `decode_attention`; the name is registered with SDPA's masks."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    before = config._attn_implementation
+    if before == "sdpa":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def __init__(self, model):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.config = base.config.get_text_config()
-        self.before = self.config._attn_implementation
-
-    def __enter__(self):
-        if self.before == "sdpa":
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-            AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-            AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-            self.config._attn_implementation = DECODE_ATTENTION
-        return self
-
-    def __exit__(self, *exc):
-        self.config._attn_implementation = self.before
-        return False
+        AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+        AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+        config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
