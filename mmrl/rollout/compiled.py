@@ -12,7 +12,9 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
 - in those steps the text decoder's SDPA attention runs as two batched matmuls per
   layer, one query per row against its key/value heads (`decode_attention`): SDPA
   with a mask would first copy the whole cache out to every query head (grouped-query
-  models), which took more of an H200 step than the rest of the layer;
+  models), which took more of an H200 step than the rest of the layer; on CUDA the
+  products read a bf16 cache as stored and return fp32 (an fp32 copy of the cache per
+  step had cost 40% of an H200 decode step);
 - positions come from the family's adapter (`position_ids`, 3-D for mrope): a new token
   sits one past its row's largest prompt position on every axis, which is what
   transformers' rope deltas give;
@@ -304,7 +306,8 @@ def _used_width(tokens: torch.Tensor, stops: torch.Tensor) -> int:
 def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The decode steps' attention function: one query per row, (B, H, 1, D), against the
     static cache's (B, H_kv, L, D) keys and values, as two batched matmuls over each key
-    head's group of query heads, in fp32. Any other call (a prompt, dropout,
+    head's group of query heads with fp32 results and softmax (on CUDA straight from a
+    bf16/fp16 cache, elsewhere from an fp32 copy of it). Any other call (a prompt, dropout,
     soft-capping, attention sinks, mismatched head sizes) goes to transformers' SDPA."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -322,16 +325,38 @@ def decode_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # softmax in fp32 as they compute them.
     dtype = value.dtype
     scale = dim ** -0.5 if scaling is None else scaling
+    group = heads // kv_heads
     with torch.autocast(query.device.type, enabled=False):  # autocast would round the products
-        grouped = query.to(dtype).float().reshape(rows, kv_heads, heads // kv_heads, dim)  # head h: key head h // group
-        scores = torch.matmul(grouped, key.to(dtype).float().transpose(-1, -2)) * scale  # (B, H_kv, group, L)
-        if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                scores = scores.masked_fill(~attention_mask, float("-inf"))
-            else:
-                scores = scores + attention_mask
-        out = torch.matmul(scores.softmax(-1), value.float())  # (B, H_kv, group, D)
+        grouped = query.to(dtype).reshape(rows, kv_heads, group, dim)  # head h: key head h // group
+        key = key.to(dtype)
+        if _low_precision_products(query, dtype):
+            # bf16/fp16 products into fp32 results on the tensor cores, reading the cache
+            # as it is stored; the probabilities are rounded to the cache's dtype for the
+            # second product, as flash attention rounds them.
+            length = key.shape[-2]
+            scores = torch.bmm(grouped.reshape(-1, group, dim), key.reshape(-1, length, dim).transpose(1, 2),
+                               out_dtype=torch.float32).view(rows, kv_heads, group, length) * scale
+            probs = _masked(scores, attention_mask).softmax(-1).to(dtype)
+            out = torch.bmm(probs.view(-1, group, length), value.reshape(-1, length, dim), out_dtype=torch.float32)
+        else:
+            scores = torch.matmul(grouped.float(), key.float().transpose(-1, -2)) * scale  # (B, H_kv, group, L)
+            out = torch.matmul(_masked(scores, attention_mask).softmax(-1), value.float())  # (B, H_kv, group, D)
     return out.to(dtype).reshape(rows, 1, heads, dim), None
+
+
+def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return scores
+    if attention_mask.dtype == torch.bool:
+        return scores.masked_fill(~attention_mask, float("-inf"))
+    return scores + attention_mask
+
+
+def _low_precision_products(query: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether bf16/fp16 matrix products can return fp32 here (CUDA's `bmm(out_dtype=)`;
+    elsewhere the inputs are widened to fp32 first, a copy of the cache per step)."""
+    return (query.is_cuda and dtype in (torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.aten.bmm, "dtype"))
 
 
 @contextlib.contextmanager
