@@ -21,6 +21,25 @@ per step are capped by the bundled rows and the response length by `--max-new-to
 
 Against an older commit, in the same call: `git archive <commit> mmrl recipes | tar -x -C old`
 and `PYTHONPATH=old python bench/recipe_steps.py old/recipes/... --out $OUT/old.json`.
+
+`--same-start DIR` makes runs (two trees, or two variants) learn from the same start, so
+that their first steps can be compared (`bench/same_learning.py`): the first variant to
+run saves its actor's initial weights to DIR/actor.safetensors, every later one loads
+them into its actor (and its reference and critic models), and each reseeds the RNGs
+with the recipe's seed before `fit()`. A random-init recipe otherwise starts each tree
+from different weights and samples different rollouts. Each variant's report holds
+`first_step` (the first metrics record), and with `--same-start` also `first_rollout`
+(the first rollout's response tokens). Both sides must sample alike: the plain `hf`
+rollout backend (the old tree has no `hf_compiled`) and the same sampling settings
+(temperature, top-p, samples, response length). A file already in DIR is loaded, not
+replaced, so start from an empty DIR; it holds the full weights (15 GB for the 3B shape
+in fp32), so keep it off $OUT:
+
+    python bench/recipe_steps.py recipes/qwen2_5_vl_3b_shape.yaml --steps 5 --out $OUT/new.json \
+        --same-start /tmp/start --variant new rollout.backend=hf
+    PYTHONPATH=old_2446380 python bench/recipe_steps.py old_2446380/recipes/qwen2_5_vl_3b_shape.yaml \
+        --steps 5 --out $OUT/old.json --same-start /tmp/start --variant old rollout.backend=hf
+    python bench/same_learning.py $OUT/old.json $OUT/new.json --out $OUT/same_learning.json
 """
 
 from __future__ import annotations
@@ -28,7 +47,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -66,9 +87,10 @@ def recipe_values(path: Path, shape_of: Path | None, max_new_tokens: int | None)
     return values
 
 
-def run_variant(values: dict, overrides: list[str], steps: int, device: str, out_dir: Path) -> dict:
+def variant_recipe(values: dict, overrides: list[str], steps: int, out_dir: Path):
+    """The recipe of one variant: `values` with its overrides, `steps` steps, no export,
+    evaluation or checkpoints, written to `out_dir`."""
     from mmrl.config import Recipe, TrainerConfig, apply_overrides
-    from mmrl.trainer import Trainer
 
     # `overwrite` is newer than some commits this runs against (PYTHONPATH=<old tree>).
     fresh = ["trainer.overwrite=true"] if "overwrite" in TrainerConfig.model_fields else []
@@ -76,13 +98,127 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
                                       "trainer.progress=false", "trainer.eval_every=0", "trainer.save_every=0",
                                       f"trainer.output_dir={out_dir}", *fresh])
     values["data"]["eval"] = None
-    recipe = Recipe.model_validate(values)
+    return Recipe.model_validate(values)
+
+
+def _start_models(trainer) -> list[tuple[str, object]]:
+    """(name, engine) of each engine the trainer builds from the initial weights: the
+    actor, and the reference and critic where the recipe has them (`trainer.ref` and
+    `trainer.critic` in this tree and in 2446380)."""
+    engines = [("actor", trainer.actor)]
+    for name in ("ref", "critic"):
+        if getattr(trainer, name, None) is not None:
+            engines.append((name, getattr(trainer, name)))
+    return engines
+
+
+def save_start(trainer, path: Path) -> None:
+    """The actor's HF module's weights to `path` (safetensors), through a temporary name so
+    that a run killed while writing leaves no half-written file to load."""
+    from safetensors.torch import save_file
+
+    if getattr(trainer.actor, "sharded", False):
+        raise ValueError("--same-start needs one process; this actor is sharded")
+    # Copies: tied weights share storage, which safetensors refuses.
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.actor.model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(temporary))
+    os.replace(temporary, path)
+
+
+def _name_keys(keys, limit: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+@torch.no_grad()
+def load_start(trainer, path: Path) -> None:
+    """The weights of `path` into every engine built from the initial weights (actor,
+    reference, critic's model), and into their fp32 master weights where an engine keeps
+    them (this tree; 2446380 has none). Keys must match exactly."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    for name, engine in _start_models(trainer):
+        if getattr(engine, "sharded", False):
+            raise ValueError(f"--same-start needs one process; the {name} model is sharded")
+        module = engine.model
+        own = module.state_dict()
+        missing, unexpected = set(own) - set(state), set(state) - set(own)
+        if missing or unexpected:
+            parts = ([f"missing {_name_keys(missing)}"] if missing else []) + (
+                [f"unexpected {_name_keys(unexpected)}"] if unexpected else [])
+            raise ValueError(f"{path} does not fit the {name} model: {'; '.join(parts)}")
+        shapes = [k for k in own if own[k].shape != state[k].shape]
+        if shapes:
+            k = shapes[0]
+            raise ValueError(f"{path} does not fit the {name} model: {k} is {tuple(state[k].shape)} in the file, "
+                             f"{tuple(own[k].shape)} in the model ({len(shapes)} tensors differ in shape)")
+        cast = sum(own[k].dtype != state[k].dtype for k in own)
+        if cast:
+            print(f"--same-start: {cast} tensors of {path} cast to the {name} model's dtype", file=sys.stderr)
+        module.load_state_dict(state)
+        # This tree's engines step fp32 masters of half-precision weights; without a copy
+        # the first update would step from the start the model was built with. As when an
+        # engine is built, the masters are the model's (loaded) weights upcast.
+        if hasattr(engine, "master_state_dict"):
+            prefix = "model." if getattr(engine, "value_head", None) is not None else ""
+            for key, master in engine.master_state_dict().items():
+                if key.startswith(prefix) and key[len(prefix):] in own:
+                    master.copy_(own[key[len(prefix):]])
+
+
+def same_start(trainer, folder: Path) -> dict:
+    """Save the initial weights to `folder` (the first run) or load them (later runs),
+    then reseed as the trainer does, so that `fit()` starts from the same weights and the
+    same random state in every run that shares `folder`."""
+    path = folder / "actor.safetensors"
+    action = "loaded" if path.exists() else "saved"
+    if action == "loaded":
+        load_start(trainer, path)
+    else:
+        save_start(trainer, path)
+    seed = trainer.recipe.trainer.seed
+    torch.manual_seed(seed)  # every device's generator, CUDA's included
+    random.seed(seed)
+    return {"same_start": str(path), "same_start_action": action}
+
+
+def record_first_rollout(trainer) -> dict:
+    """A dict that the trainer's first rollout fills with its response tokens (each
+    response's masked ids), for `bench/same_learning.py` to compare between runs."""
+    record: dict = {}
+    source = getattr(trainer, "agent", None) or trainer.rollout
+    generate = source.generate
+
+    def recording_generate(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        if not record:
+            ids, mask = result.response_ids.cpu(), result.response_mask.cpu() > 0
+            record["ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
+            record["responses"], record["tokens"] = len(record["ids"]), int(mask.sum())
+        return result
+
+    source.generate = recording_generate
+    return record
+
+
+def run_variant(values: dict, overrides: list[str], steps: int, device: str, out_dir: Path,
+                start_folder: Path | None = None) -> dict:
+    from mmrl.trainer import Trainer
+
+    recipe = variant_recipe(values, overrides, steps, out_dir)
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer = Trainer(recipe)
     built = time.perf_counter() - start
+    started, first_rollout = {}, None
+    if start_folder is not None:
+        started = same_start(trainer, start_folder)
+        first_rollout = record_first_rollout(trainer)
     trainer.fit()
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if not r.get("final")]
@@ -99,6 +235,12 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
         "packed": getattr(trainer.actor, "pack", False), "varlen": getattr(trainer.actor, "varlen", False),
         "parameters": sum(p.numel() for p in trainer.actor.model.parameters()),
     }
+    # The whole first record: with `--same-start`, what bench/same_learning.py compares;
+    # without, it shows how far apart two starts are.
+    report["first_step"] = {k: v for k, v in records[0].items() if isinstance(v, (int, float))
+                            and not isinstance(v, bool)}
+    if start_folder is not None:
+        report.update(started, first_rollout=first_rollout)
     if device == "cuda":
         report["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         report["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -113,7 +255,7 @@ def write_report(args, results: dict, errors: dict) -> dict:
     first = next(iter(results.values()), None)
     ratios = {name: first["median_s"]["step"] / r["median_s"]["step"] for name, r in results.items()} if first else {}
     report = {
-        "command": " ".join(sys.argv), "recipe": str(args.recipe), "shape_of": str(args.shape_of or ""),
+        "command": " ".join(args.argv), "recipe": str(args.recipe), "shape_of": str(args.shape_of or ""),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__.split("+")[0],
                      "transformers": transformers.__version__},
@@ -126,7 +268,7 @@ def write_report(args, results: dict, errors: dict) -> dict:
     return ratios
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--shape-of", type=Path, default=None)
@@ -135,15 +277,19 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "KEY=VALUE"),
                         help="a name and the overrides of one variant (default: the recipe as it is)")
+    parser.add_argument("--same-start", type=Path, default=None, metavar="DIR",
+                        help="save the initial weights to DIR (first run) or load them from there, and reseed")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.argv = sys.argv if argv is None else ["bench/recipe_steps.py", *argv]
     values = recipe_values(args.recipe, args.shape_of, args.max_new_tokens)
     variants = args.variant or [["recipe"]]
     results, errors = {}, {}
     for name, *overrides in variants:
         with tempfile.TemporaryDirectory() as folder:
             try:
-                results[name] = run_variant(values, overrides, args.steps, args.device, Path(folder) / "run")
+                results[name] = run_variant(values, overrides, args.steps, args.device, Path(folder) / "run",
+                                            args.same_start)
             except Exception as exc:  # a variant that fails (out of memory, say) is recorded as such
                 errors[name] = f"{type(exc).__name__}: {exc}"[:500]
                 print(f"{name}: {errors[name]}", file=sys.stderr, flush=True)
