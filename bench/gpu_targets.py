@@ -144,17 +144,32 @@ def baseline_commit_entry() -> dict | None:
                 f"first step {run['first_step_s']:.0f} s, build {run['build_s']:.0f} s, step-1 reward "
                 f"{run['reward_mean_step1']:.3f}")
 
+    same, learning = same_learning()
     return {
         "name": BASELINE_TARGET, "measured": ours["median_s"]["step"], "baseline": theirs["median_s"]["step"],
-        "ratio": ratio, "target": 2.0, "met": ratio >= 2.0, "mode": name,
+        "ratio": ratio, "target": 2.0, "met": ratio >= 2.0 and same is True, "mode": name, "same_learning": same,
         "command": f"{report['current']['command']}; "
                    f"PYTHONPATH=old_2446380 python {report['baseline_2446380']['command']}",
         "note": f"{report['current']['steps']} steps each, median of steps 2-{report['current']['steps']}, seconds; "
-                f"this commit ({' '.join(ours['overrides'])}): {split(ours)}; 2446380: {split(theirs)}. Random-init "
-                "weights are drawn on the GPU now and on the CPU then, and the samplers differ, so the two runs do "
-                "not see the same tokens: learning is compared by the tests (auto checkpointing equals "
-                "checkpointing; the compiled rollout equals generate in fp32), not here",
+                f"this commit ({' '.join(ours['overrides'])}): {split(ours)}; 2446380: {split(theirs)}. {learning}",
     }
+
+
+def same_learning(path: Path = RESULTS / "same_learning_vl3b_gpu.json") -> tuple[bool | None, str]:
+    """Whether the two commits' first steps agreed (bench/same_learning.py: same start
+    weights, the first rollout replayed, rewards equal, log-prob metrics within bf16
+    tolerance), and a sentence saying how it was measured; None before it has run."""
+    if not path.is_file():
+        return None, "Same learning: not measured yet (bench/recipe_steps.py --same-start, bench/same_learning.py)"
+    report = json.loads(path.read_text())
+    metrics = report["metrics"]
+    shown = ", ".join(f"{key} {metrics[key]['a']:.6g} vs {metrics[key]['b']:.6g}"
+                      for key in ("reward/mean", "entropy", "grad_norm") if key in metrics)
+    verdict = "yes" if report["same_learning"] else "NO"
+    return report["same_learning"], (
+        f"Same learning: {verdict} (bench/results/same_learning_vl3b_gpu.json: both commits from one set of "
+        f"start weights, plain HF rollouts, the first rollout replayed in the second run; first step "
+        f"2446380 vs this commit: {shown})")
 
 
 LOGPROB_TARGET = "log-probs + entropy at 16 x 4096 tokens, 152k vocabulary: extra peak GiB (at most)"

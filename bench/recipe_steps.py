@@ -185,20 +185,56 @@ def same_start(trainer, folder: Path) -> dict:
     return {"same_start": str(path), "same_start_action": action}
 
 
-def record_first_rollout(trainer) -> dict:
+def record_first_rollout(trainer, folder: Path | None = None) -> dict:
     """A dict that the trainer's first rollout fills with its response tokens (each
-    response's masked ids), for `bench/same_learning.py` to compare between runs."""
+    response's masked ids), for `bench/same_learning.py` to compare between runs.
+
+    With `folder` (the same-start folder): the run that finds no `first_rollout.json`
+    there writes its first rollout to it; a run that finds one replays it, its first
+    rollout returning those responses instead of its own samples. Sampled rollouts part
+    ways at the first token that bf16 rounding draws differently (on the VL-3B shape 39%
+    of responses came out identical between commits), so the replay is what lets the two
+    runs' first updates be compared on the same sequences."""
+    import dataclasses
+
     record: dict = {}
     source = getattr(trainer, "agent", None) or trainer.rollout
     generate = source.generate
+    stored = None if folder is None else folder / "first_rollout.json"
+    replay = json.loads(stored.read_text())["ids"] if stored is not None and stored.exists() else None
 
     def recording_generate(*args, **kwargs):
         result = generate(*args, **kwargs)
-        if not record:
-            ids, mask = result.response_ids.cpu(), result.response_mask.cpu() > 0
-            record["ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
-            record["responses"], record["tokens"] = len(record["ids"]), int(mask.sum())
+        if record:
+            return result
+        if replay is not None:
+            result = replayed(result, replay, trainer.processing.tokenizer.pad_token_id or 0)
+            record["replayed"] = str(stored)
+        ids, mask = result.response_ids.cpu(), result.response_mask.cpu() > 0
+        record["ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
+        record["responses"], record["tokens"] = len(record["ids"]), int(mask.sum())
+        if stored is not None and replay is None:
+            partial = stored.with_suffix(".partial")
+            partial.write_text(json.dumps({"ids": record["ids"]}))
+            partial.rename(stored)
         return result
+
+    def replayed(result, rows: list[list[int]], pad: int):
+        if len(rows) != result.response_ids.shape[0]:
+            raise ValueError(f"{stored}: {len(rows)} responses, this rollout has {result.response_ids.shape[0]}")
+        width = max(1, max(map(len, rows)))
+        ids = result.response_ids.new_full((len(rows), width), pad)
+        mask = result.response_mask.new_zeros((len(rows), width))
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row, dtype=ids.dtype)
+            mask[i, :len(row)] = 1
+        # Where a replayed response is as long as this run's own, it ended the same way.
+        own = result.lengths.tolist()
+        reasons = [reason if len(row) == int(n) else ("length" if len(row) == width else "stop")
+                   for reason, row, n in zip(result.finish_reasons, rows, own)]
+        # The sampler's log-probs were of this run's own tokens.
+        return dataclasses.replace(result, response_ids=ids, response_mask=mask, finish_reasons=reasons,
+                                   logprobs=None)
 
     source.generate = recording_generate
     return record
@@ -218,7 +254,7 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
     started, first_rollout = {}, None
     if start_folder is not None:
         started = same_start(trainer, start_folder)
-        first_rollout = record_first_rollout(trainer)
+        first_rollout = record_first_rollout(trainer, start_folder)
     trainer.fit()
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if not r.get("final")]

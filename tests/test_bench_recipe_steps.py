@@ -59,10 +59,12 @@ def test_two_runs_from_one_start_have_the_same_first_step(runs, same_learning):
     assert runs.saved["errors"] == {} and runs.loaded["errors"] == {}
     assert saved["same_start_action"] == "saved" and loaded["same_start_action"] == "loaded"
     assert saved["same_start"] == loaded["same_start"] == str(runs.start) and runs.start.is_file()
-    assert [p.name for p in runs.start.parent.iterdir()] == ["actor.safetensors"]  # no temporary left behind
+    # No temporary left behind: the weights, and the first run's rollout that later runs replay.
+    assert sorted(p.name for p in runs.start.parent.iterdir()) == ["actor.safetensors", "first_rollout.json"]
     # Same code, same weights, same seed: every metric but the timings is the same number.
     assert _learning_keys(saved["first_step"]) == _learning_keys(loaded["first_step"])
     assert "entropy" in saved["first_step"] and "reward/mean" in saved["first_step"]
+    assert loaded["first_rollout"].pop("replayed") == str(runs.start.parent / "first_rollout.json")
     assert saved["first_rollout"] == loaded["first_rollout"] and saved["first_rollout"]["responses"] == 128
     result = same_learning.main([str(runs.folder / "saved.json"), str(runs.folder / "loaded.json"),
                                  "--out", str(runs.folder / "same.json")])
@@ -155,3 +157,25 @@ def test_same_start_saves_then_loads_and_reseeds_either_way(bench, tmp_path):
     assert bench.same_start(second, tmp_path)["same_start_action"] == "loaded"
     assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
     assert torch.equal(second.actor.model.weight, first.actor.model.weight)
+
+
+def test_a_stored_first_rollout_replaces_the_runs_own_samples(bench, tmp_path):
+    """A run that finds `first_rollout.json` in the start folder gets those responses from
+    its first rollout (ids, mask, lengths; no sampler log-probs), and its own later."""
+    import torch
+
+    from mmrl.rollout.base import RolloutResult
+
+    (tmp_path / "first_rollout.json").write_text(json.dumps({"ids": [[5, 6, 7], [8]]}))
+    own = RolloutResult(response_ids=torch.tensor([[1, 2], [3, 4]]), response_mask=torch.ones(2, 2),
+                        finish_reasons=["length", "length"], prompt_index=torch.tensor([0, 0]),
+                        logprobs=torch.zeros(2, 2))
+    rollout = SimpleNamespace(generate=lambda *a, **k: own)
+    trainer = SimpleNamespace(rollout=rollout, processing=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)))
+    record = bench.record_first_rollout(trainer, tmp_path)
+    first = rollout.generate([], None)
+    assert first.response_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert first.response_mask.tolist() == [[1, 1, 1], [1, 0, 0]] and first.logprobs is None
+    assert first.finish_reasons == ["length", "stop"] and first.prompt_index.tolist() == [0, 0]
+    assert record["ids"] == [[5, 6, 7], [8]] and record["replayed"] == str(tmp_path / "first_rollout.json")
+    assert rollout.generate([], None) is own  # later rollouts are the run's own

@@ -7,7 +7,7 @@ from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     """`backend`, with "auto" resolved: the compiled HF rollout for one GPU process
-    (6.7x plain `generate` on an H200, bench/results/rollout_speed_gpu.json), plain `generate`
+    (14x plain `generate` in bf16 on an H200, bench/results/rollout_speed_gpu.json), plain `generate`
     on the CPU (compiling there costs more than it saves), under FSDP2 (every rank steps
     together) and for multi-turn rollouts (each turn's new prompt length is another graph)."""
     if backend != "auto":
