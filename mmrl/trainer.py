@@ -145,7 +145,8 @@ class Trainer:
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
-                                 total_steps=r.trainer.steps, value_head=True, share_media=m.share_media)
+                                 total_steps=r.trainer.steps, value_head=True, share_media=m.share_media,
+                                 pack=m.pack, pack_tokens=m.pack_tokens)
         backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
         self.rollout = make_rollout(backend, self.actor, self.processing,
                                     **({"config": r.rollout} if backend == "vllm" else {}))

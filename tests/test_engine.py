@@ -174,6 +174,39 @@ def test_packed_log_probs_and_gradients_match_the_padded_batch(family):
         assert torch.allclose(packed_grads[name], grad, atol=1e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_packed_critic_values_and_gradients_match_the_padded_batch(family):
+    """The critic packed like the actor (rows of several sequences, per-sequence positions,
+    mrope for Qwen2-VL): the same values at real response tokens, zeros elsewhere, and the
+    same gradients of a value loss in every parameter, value head included (fp32, CPU)."""
+    results = []
+    for pack in (False, True):
+        built = build_model(family, random_init=True, seed=0)
+        engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), value_head=True, pack=pack,
+                        pack_tokens=250)
+        conversations = sample_conversations(built.adapter)
+        rows = conversations + conversations[::-1]
+        prompts = dict(built.processing(rows))
+        vocab = built.model.config.get_text_config().vocab_size
+        responses = torch.randint(min(50, vocab // 2), vocab, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(responses)
+        mask[0, 3:] = 0
+        mask[2, 5:] = 0
+        seqs = join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id)
+        assert engine.packs(seqs) == pack
+        values = engine.values(seqs)
+        ((values - torch.linspace(-1, 1, 7)).square() * seqs.response_mask).sum().backward()
+        named = [*engine.model.named_parameters(), *(("value_head." + n, p) for n, p in engine.value_head.named_parameters())]
+        results.append((values.detach(), {n: p.grad for n, p in named if p.grad is not None}))
+    (padded, padded_grads), (packed, packed_grads) = results
+    real = seqs.response_mask.bool()
+    assert torch.allclose(packed[real], padded[real], atol=1e-5)
+    assert (packed[~real] == 0).all()
+    assert packed_grads.keys() == padded_grads.keys() and any(k.startswith("value_head.") for k in packed_grads)
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
 def test_packed_log_probs_with_shared_media_match_the_padded_batch():
     """Packing and shared media encoding together (what the trainer combines)."""
     from mmrl.engine.media import SharedMedia
@@ -233,9 +266,10 @@ def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     assert varlen.varlen_calls()["sdpa"] > calls
 
 
-def test_a_packed_training_step_equals_the_padded_one(tmp_path):
-    """The tiny VLM recipe (mrope, shared media, a KL reference) takes the same step with
-    `model.pack=true` as without: packing stays inside the engine."""
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])
+def test_a_packed_training_step_equals_the_padded_one(tmp_path, advantage):
+    """The tiny VLM recipe (mrope, shared media, a KL reference; with GAE a critic too)
+    takes the same step with `model.pack=true` as without: packing stays inside the engine."""
     from pathlib import Path
 
     from mmrl.config import load_recipe
@@ -247,11 +281,16 @@ def test_a_packed_training_step_equals_the_padded_one(tmp_path):
         trainer = Trainer(load_recipe(recipe, [
             f"trainer.output_dir={tmp_path / pack}", "trainer.steps=1", "trainer.eval_every=0", "trainer.export=false",
             "trainer.progress=false", "data.eval=null", "algo.kl_coef=0.1", f"model.pack={pack}",
-            "model.pack_tokens=200",
+            "model.pack_tokens=200", f"algo.advantage={advantage}",
         ]))
-        assert trainer.actor.pack == (pack == "true") and trainer.ref.pack == (pack == "true")
+        engines = [trainer.actor, trainer.ref] + ([trainer.critic] if advantage == "gae" else [])
+        assert all(engine.pack == (pack == "true") for engine in engines)
         trainer.fit()
         weights.append({k: v.detach().clone() for k, v in trainer.actor.model.state_dict().items()})
+        if trainer.critic is not None:
+            weights[-1].update({f"critic.{k}": v.detach().clone() for k, v in trainer.critic.model.state_dict().items()})
+            weights[-1].update({f"value_head.{k}": v.detach().clone()
+                                for k, v in trainer.critic.value_head.state_dict().items()})
     # One AdamW step moves a weight by about lr (3e-4 here): Adam divides each gradient by
     # its own size, so where a gradient is nearly zero (rare embedding rows) summation-order
     # differences show; 10% of a step bounds them (seen: 1e-5).

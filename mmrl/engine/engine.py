@@ -477,10 +477,24 @@ class Engine:
             raise RuntimeError("this engine has no value head (build it with value_head=True)")
         if self.sequence_parallel > 1:
             return self._sp_values(seqs)
+        if self.packs(seqs):
+            return self._packed_values(seqs)
         length = seqs.response_ids.shape[1]
         out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -(length + 1):-1]
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    def _packed_values(self, seqs: Sequences) -> torch.Tensor:
+        """`values` over the batch packed without padding: the value head on the hidden
+        states of the positions before real response tokens only."""
+        from mmrl.engine.packing import pack_sequences
+
+        packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
+            out = self.model(**packed.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+        hidden = out.hidden_states[-1].flatten(0, 1)[packed.logit_index]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return packed.to_padded(values)
 
     # -- Ulysses sequence parallelism ------------------------------------------------------------
     # Every rank of an SP group runs the same batch; each keeps the hidden states of its

@@ -12,7 +12,8 @@ row's unused tail continues the counting of its last sequence's positions, so it
 causally after every real token and no real token sees it.
 
 Only the positions that predict response tokens reach the output embedding
-(`keep_rows`), so logits exist for real response tokens alone.
+(`keep_rows`), so logits exist for real response tokens alone; a critic takes its value
+head at the same positions (`Engine.values`).
 
     packed = pack_sequences(seqs.inputs, seqs.response_mask, row_tokens=8192)
     with keep_rows(model, packed.logit_index):
