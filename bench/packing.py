@@ -3,7 +3,8 @@
 A 0.5B-shaped Qwen2 (random init, 152k vocabulary) and RL-like lengths: 64 sequences,
 prompts of 128-512 tokens, responses long-tailed from 32 to 2048 tokens. Both modes run
 the same micro-batches of `--micro-batch` rows through the training engine (bf16
-autocast over fp32 weights): forward, chunked log-probs, backward and an AdamW step. The
+autocast over fp32 weights, or with `--dtype bfloat16` bf16 weights stepping fp32 masters):
+forward, chunked log-probs, backward and an AdamW step. The
 padded mode is the engine's plain path (left-padded prompts, right-padded responses,
 logits for every response column, SDPA); the packed modes are `Engine(pack=True)`
 (`mmrl.engine.packing`) with SDPA over the packed-sequence mask (packed_N) or the flash
@@ -12,6 +13,7 @@ as such. Before timing, the two modes' log-probs are compared on the same
 weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens only.
 
     python bench/packing.py --checkpointing --out $OUT/packing_gpu.json
+    python bench/packing.py --dtype bfloat16 --modes padded varlen_4096 --out $OUT/packing_gpu_bf16.json
     .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
         --modes padded packed_400   # smoke run
 """
@@ -33,6 +35,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=4096),
 }
+
+
+PRECISION = {"float32": "fp32 weights, bf16 autocast", "bfloat16": "bf16 weights, fp32 master weights"}
 
 
 def lengths(count: int, generator: torch.Generator, short: bool) -> tuple[list[int], list[int]]:
@@ -57,6 +62,8 @@ def main() -> None:
                              "(the same rows through the flash varlen kernel, mmrl.engine.varlen)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--attn", default=None, help="attention implementation (default: SDPA)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights: float32 under bf16 autocast (the default), or bfloat16 with fp32 masters")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "packing_gpu.json")
     args = parser.parse_args()
@@ -72,7 +79,8 @@ def main() -> None:
     device = dist.device
     shape = SHAPES[args.shape]
     with torch.device(device):  # random init where it runs
-        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, attn_implementation=args.attn)
+        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, attn_implementation=args.attn,
+                            dtype=args.dtype)
     attention = built.model.config.get_text_config()._attn_implementation
     pad = built.tokenizer.pad_token_id or 0
     generator = torch.Generator().manual_seed(0)
@@ -160,7 +168,7 @@ def main() -> None:
         "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
         "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
         "gradient_checkpointing": args.checkpointing,
-        "attention": built.model.config._attn_implementation, "precision": "fp32 weights, bf16 autocast",
+        "attention": built.model.config._attn_implementation, "precision": PRECISION[args.dtype],
         "real_tokens": real_tokens, "padded_tokens": padded_tokens, "response_tokens": response_tokens,
         "prompt_lengths": prompt_lengths, "response_lengths": response_lengths,
         "packed_rows_per_micro_batch": rows, "max_logp_diff_vs_padded": gaps, "repeats": args.repeats,
