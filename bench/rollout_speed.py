@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="the static-cache loop without torch.compile")
+    parser.add_argument("--half-weights", action="store_true",
+                        help="fp32 weights: cast the linear layers once per rollout, not at every step")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rollout_speed_gpu.json")
     args = parser.parse_args()
 
@@ -67,7 +69,7 @@ def main() -> None:
     report = {
         "device": device_name(str(device)), "versions": versions(), "shape": args.shape,
         "batch": args.batch, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "compile": not args.no_compile,
+        "compile": not args.no_compile, "half_weights": args.half_weights,
         "command": "python bench/rollout_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
             for k, v in vars(args).items() if k not in ("out", "no_compile") and v is not None)
@@ -79,7 +81,7 @@ def main() -> None:
             built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, dtype=dtype)
         engine = Engine(built, dist)
         plain = HFRollout(engine, built.processing)
-        fast = CompiledHFRollout(engine, built.processing, compile=not args.no_compile)
+        fast = CompiledHFRollout(engine, built.processing, compile=not args.no_compile, half_weights=args.half_weights)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(shape["vocab_size"] // 4, shape["vocab_size"], (args.batch, args.prompt), generator=generator)
         batch = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}

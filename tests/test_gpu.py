@@ -256,3 +256,28 @@ def test_compiled_rollout_on_cuda_in_bf16_follows_plain_generate():
     same = (fast.response_ids == plain.response_ids).int().cumprod(-1).bool()
     assert int(same.sum(-1).min()) >= 4, same.sum(-1)  # a wrong attention parts at token 1
     torch.testing.assert_close(fast.logprobs[same], plain.logprobs[same], atol=0.1, rtol=0)
+
+
+def test_half_weights_on_cuda_give_the_tokens_of_per_step_casting():
+    """fp32 weights under the engine's bf16 autocast, compiled with CUDA graphs: casting the
+    linear layers once per rollout (`half_weights=True`) gives the greedy tokens of casting
+    them at every step, and log-probs within bf16 rounding; twice (the second call replays
+    the graph on the refreshed copies). Speed: bench/rollout_speed.py --half-weights."""
+    from mmrl.rollout import SamplingParams, make_rollout
+
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, vocab_size=151936)
+    with torch.device(DEVICE):
+        built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape)
+    engine = Engine(built, init_distributed(DEVICE))
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ("What is it?", "And this one here, a longer one?", "no", "Say something about the sea")]
+    params = SamplingParams(n=2, max_new_tokens=32, temperature=0, logprobs=True)
+    per_step = make_rollout("hf_compiled", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing, half_weights=True)
+    for _ in range(2):
+        once = rollout.generate(conversations, params)
+        assert rollout.fallback_reason is None and rollout._half_store
+        assert torch.equal(once.response_ids, per_step.response_ids)
+        torch.testing.assert_close(once.logprobs, per_step.logprobs, atol=1e-3, rtol=0)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}

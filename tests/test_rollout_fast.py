@@ -115,6 +115,39 @@ def test_fp32_weights_under_bf16_autocast_take_the_compiled_path(family):
     torch.testing.assert_close(fast.logprobs[same], plain.logprobs[same], atol=0.1, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_half_weights_under_autocast_give_the_same_tokens_to_the_bit(family):
+    """`half_weights=True` (fp32 weights under bf16 autocast: the linear layers' weights
+    cast once per rollout): the same tokens and log-probs, bit for bit, as casting at
+    every step; the model's own fp32 parameters are back in place afterwards, and a
+    second rollout after a weight change uses the new weights."""
+    built, engine = _setup(family)
+    engine.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
+    own = {name: p for name, p in engine.model.named_parameters()}
+    results = {}
+    for half in (False, True):
+        rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, half_weights=half)
+        results[half] = rollout.generate(conversations, params)
+        assert rollout.fallback_reason is None
+    assert torch.equal(results[True].response_ids, results[False].response_ids)
+    assert torch.equal(results[True].logprobs, results[False].logprobs)
+    assert rollout._half_store and {p.dtype for p in rollout._half_store.values()} == {torch.bfloat16}
+    assert all(p is own[name] for name, p in engine.model.named_parameters())
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # changed weights (as after training steps): the next rollout sees them
+        for p in engine.model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    changed = rollout.generate(conversations, params)
+    reference = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
+    assert torch.equal(changed.response_ids, reference.response_ids)
+    assert torch.equal(changed.logprobs, reference.logprobs)
+    assert not torch.equal(changed.response_ids, results[True].response_ids)
+
+
 def test_decode_attention_equals_sdpa_on_grouped_heads():
     """The decode steps' attention (one query per row, grouped key heads, padded rows):
     SDPA's result in fp32; in bf16 no farther from the fp32 result than SDPA is."""

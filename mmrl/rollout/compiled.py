@@ -109,9 +109,14 @@ class CompiledHFRollout(HFRollout):
     eagerly (what CPU tests check), `compile_options` go to `torch.compile`."""
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
-                 min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY):
+                 min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
+                 half_weights: bool = False):
         super().__init__(engine, processing)
         self.compile = compile
+        # fp32 weights under autocast: cast the linear layers' weights once per rollout
+        # instead of at every step (`_half_linears`); off until measured on a GPU.
+        self.half_weights = half_weights
+        self._half_store: dict[str, torch.nn.Parameter] = {}
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
         self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
@@ -160,7 +165,9 @@ class CompiledHFRollout(HFRollout):
         pick = dict(pad_id=pad_id, temperature=params.temperature, top_p=params.top_p,
                     want_logprobs=params.logprobs, penalty=penalty)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        with self.engine.autocast():
+        with self.engine.autocast(), contextlib.ExitStack() as stack:
+            if self.half_weights and _autocast_dtype() is not None:
+                stack.enter_context(_half_linears(model, _autocast_dtype(), self._half_store))
             cache = self._cache(rows, length, _autocast_dtype())
             with self.engine.media_sharing(batch, shared.to(device) if shared else None):
                 out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
@@ -277,6 +284,38 @@ def _autocast_dtype() -> torch.dtype | None:
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
     return None
+
+
+@contextlib.contextmanager
+def _half_linears(model: torch.nn.Module, dtype: torch.dtype, store: dict):
+    """While open, every `nn.Linear` of `model` with an fp32 weight holds `dtype` copies of
+    its weight and bias: the values autocast casts them to at each call, cast once per
+    rollout instead of once per decode step (in fp32 under bf16 autocast that cast read
+    and wrote every weight of the decoder at every step). Results are those of autocast
+    to the bit. `store` keeps the copies between rollouts, refreshed in place, so a
+    compiled graph replays on the same addresses."""
+    swapped = []
+    try:
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if not isinstance(module, torch.nn.Linear) or module.weight.dtype != torch.float32:
+                    continue
+                for attr in ("weight", "bias"):
+                    own = module._parameters.get(attr)
+                    if own is None:
+                        continue
+                    key = f"{name}.{attr}"
+                    half = store.get(key)
+                    if half is None or half.shape != own.shape or half.device != own.device or half.dtype != dtype:
+                        half = store[key] = torch.nn.Parameter(own.detach().to(dtype), requires_grad=False)
+                    else:
+                        half.copy_(own.detach())
+                    module._parameters[attr] = half
+                    swapped.append((module, attr, own))
+        yield
+    finally:
+        for module, attr, own in swapped:
+            module._parameters[attr] = own
 
 
 def _casting(update, dtype: torch.dtype):
