@@ -375,20 +375,33 @@ class Trainer:
             totals.append((self.dist.all_reduce_sum(sum(tokens[i] for i in real)) / self.dist.world_size,
                            self.dist.all_reduce_sum(float(sum(batches[i].size for i in real))) / self.dist.world_size))
         sums: dict[str, float] = defaultdict(float)
-        steps = 0
+        steps = taken = 0
+        # float16 engines scale the loss (`Engine.backward`) and skip steps whose
+        # gradients overflowed; the grad norm averages over the steps taken.
+        scaled = [(prefix, e) for prefix, e in (("", self.actor), ("critic_", self.critic))
+                  if e is not None and e.loss_scaler is not None]
+        skipped = {prefix: engine.skipped_steps for prefix, engine in scaled}
         for _ in range(algo.epochs_per_rollout):
             for mini, (global_tokens, global_rows) in zip(minis, totals):
                 for key, value in self._accumulate(batches, tokens, mini, global_tokens, global_rows,
                                                    temperature).items():
                     sums[key] += value
-                sums["grad_norm"] += self.actor.step()
+                norm = self.actor.step()
+                if not self.actor.step_skipped:
+                    sums["grad_norm"] += norm
+                    taken += 1
                 if self.critic is not None:
                     self.critic.step()
                 steps += 1
-        metrics = {key: value / steps for key, value in sums.items()}
+        metrics = {key: value / steps for key, value in sums.items() if key != "grad_norm"}
+        if taken:
+            metrics["grad_norm"] = sums["grad_norm"] / taken
         metrics["tokens"] = sum(tokens)
         metrics["update/optimizer_steps"] = steps
         metrics["update/micro_batches"] = len(batches)
+        for prefix, engine in scaled:
+            metrics[f"update/{prefix}loss_scale"] = engine.loss_scale
+            metrics[f"update/{prefix}skipped_steps"] = engine.skipped_steps - skipped[prefix]
         return metrics
 
     def _accumulate(self, batches: list, tokens: list[float], mini: list, global_tokens: float, global_rows: float,
@@ -444,7 +457,7 @@ class Trainer:
                 # Aggregated as the loss is, so the micro-batch split changes nothing.
                 loss = loss - algo.entropy_coef * aggregate(entropy, seqs.response_mask,
                                                             algo.loss_aggregation, norm_length=norm_length)
-            (loss * weight).backward()
+            self.actor.backward(loss * weight)
             sums["loss/policy"] += weight * float(loss.detach())
             token_share = scale * count / global_tokens if global_tokens else 0.0
             sums["entropy"] += token_share * float(entropy_mean.detach())
@@ -454,7 +467,7 @@ class Trainer:
                 values = self.critic.values(seqs)
                 vloss, _ = value_loss(values, seqs.extras["values"], seqs.extras["returns"],
                                       seqs.response_mask)
-                (vloss * weight).backward()
+                self.critic.backward(vloss * weight)
                 sums["loss/value"] += weight * float(vloss.detach())
         return sums
 

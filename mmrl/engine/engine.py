@@ -39,6 +39,15 @@ policy all-gathers them in bf16 and reduces gradients in fp32. Cost per trainabl
 parameter: +4 bytes (masters), AdamW's moments 8 bytes instead of 4, gradients 4 instead
 of 2 (one process: 18 bytes with the bf16 weights; sharded: 16 bytes over the ranks, as
 for fp32 weights). Checkpoints hold the masters; `full_state_dict` stays in bf16.
+
+float16 weights (with masters, in one process or sharded) also get dynamic loss scaling
+(`mmrl.engine.master_weights.LossScaler`): `engine.backward(loss)` runs the loss times
+the scale (2**16 to start), `step` divides the fp32 gradients by it before clipping, and
+skips the optimizer step where any gradient on any rank is inf or nan, halving the scale;
+2000 good steps in a row double it. A skipped step still advances the LR schedule, as in
+torch's AMP recipe (GradScaler skips only `optimizer.step`), so the schedule keeps
+counting the run's steps. `loss.backward()` called directly runs unscaled, and `step`
+then takes the gradients as they are. fp32 and bf16 engines scale nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ import torch
 from mmrl.config import OptimConfig
 from mmrl.engine import vision_attention
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
-from mmrl.engine.master_weights import MasterWeights
+from mmrl.engine.master_weights import LossScaler, MasterWeights
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
@@ -138,6 +147,7 @@ class Engine:
         pack_tokens: int = 8192,
         master_weights: bool = True,
         chunked_head: bool = True,
+        loss_scale_growth_interval: int = 2000,
     ):
         self.built = built
         # Log-probs through the output embedding chunk by chunk (`mmrl.engine.logprobs`);
@@ -201,6 +211,12 @@ class Engine:
         # The dtype whose trainable weights step through fp32 masters (None: no masters).
         self.half_dtype = next(iter(half)) if optim is not None and master_weights and half else None
         self.sharded = dist.distributed
+        # float16's narrow range needs a scaled loss; bf16 and fp32 never scale. Without
+        # masters the unscaled gradients would be fp16 again, so no scaling there either.
+        self.loss_scaler = (LossScaler(growth_interval=loss_scale_growth_interval)
+                            if self.half_dtype == torch.float16 else None)
+        self._scaled_backward = False  # whether the gradients held now are scaled
+        self.step_skipped = False  # whether the last `step` skipped the optimizer (inf/nan)
         # fp32 masters in one process; none when sharded, where the upcast FSDP2 shards
         # are the masters.
         self._masters = MasterWeights()
@@ -292,6 +308,7 @@ class Engine:
         for parameter in self.parameters():
             parameter.grad = None
         self._masters.drop_gradients()
+        self._scaled_backward = False
 
     def _needs_master(self, param: torch.Tensor) -> bool:
         return self.half_dtype is not None and param.requires_grad and param.dtype == self.half_dtype
@@ -556,9 +573,39 @@ class Engine:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    @property
+    def loss_scale(self) -> float:
+        """The factor `backward` multiplies the loss by now (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/nan gradients since the run began."""
+        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`, scaled by `loss_scale` on float16 engines (the module docstring)."""
+        if self.loss_scaler is None:
+            loss.backward()
+            return
+        (loss * self.loss_scaler.scale).backward()
+        self._scaled_backward = True
+
     def step(self) -> float:
-        """Clip gradients, take an optimizer and schedule step; returns the grad norm."""
+        """Clip gradients, take an optimizer and schedule step; returns the grad norm.
+        With loss scaling the gradients are unscaled first, and a step with inf or nan
+        gradients only drops them, backs the scale off and advances the schedule
+        (`step_skipped`; it returns nan)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.step_skipped = False
+        if self.loss_scaler is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            finite = self.loss_scaler.unscale(grads, self._scaled_backward, self.dist.device,
+                                               across_ranks=self.sharded)
+            self._scaled_backward = False
+            self.loss_scaler.update(finite)
+            if not finite:
+                return self._skip_step()
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -567,6 +614,18 @@ class Engine:
         self._masters.to_model()
         self.scheduler.step()
         return float(norm)
+
+    def _skip_step(self) -> float:
+        import warnings
+
+        self.step_skipped = True
+        self.drop_gradients()
+        with warnings.catch_warnings():
+            # The schedule advances as in torch's AMP loop; a skipped first step makes
+            # torch warn that the scheduler stepped before the optimizer did.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        return math.nan
 
     @property
     def lr(self) -> float:
@@ -595,7 +654,7 @@ class Engine:
         return merged_state_dict(self.model, state)
 
     def save_checkpoint(self, path: Path) -> None:
-        """Model (safetensors), optimizer and schedule, so a run resumes exactly."""
+        """Model (safetensors), optimizer, schedule and loss scale, so a run resumes exactly."""
         from safetensors.torch import save_file
 
         state = self._train_state()
@@ -604,7 +663,10 @@ class Engine:
             # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
             tensors = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
             save_file(tensors, str(path / "model.safetensors"))
-            torch.save({"optimizer": state["optimizer"], "scheduler": state["scheduler"]}, path / "optimizer.pt")
+            rest = {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}
+            if self.loss_scaler is not None:
+                rest["loss_scaler"] = self.loss_scaler.state_dict()
+            torch.save(rest, path / "optimizer.pt")
         self.dist.barrier()
 
     def load_checkpoint(self, path: Path) -> None:
@@ -632,6 +694,9 @@ class Engine:
                 self.optimizer.load_state_dict(rest["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(rest["scheduler"])
+        # Checkpoints from before loss scaling (or of bf16/fp32 runs) start from the default.
+        if self.loss_scaler is not None and "loss_scaler" in rest:
+            self.loss_scaler.load_state_dict(rest["loss_scaler"])
 
     def _modules_for_state(self) -> torch.nn.Module:
         if self.value_head is None:
