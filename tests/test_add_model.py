@@ -414,3 +414,13 @@ def test_image_processor_pixel_budgets_are_sized_to_the_tower_area():
     sized = _sized(transformers.Glm4vImageProcessor, 336)
     assert sized["size"]["longest_edge"] == 336 * 336
     assert sized["size"]["shortest_edge"] <= 336 * 336
+
+
+def test_a_single_layer_index_stays_inside_the_shrunk_depth():
+    import transformers
+
+    from mmrl.scaffold.shrink import tiny_vision_values
+
+    # The vision merger is inserted after layer 6 of 12; two layers deep it must still run.
+    values = tiny_vision_values(transformers.MiniCPMV4_6VisionConfig(), 1024)
+    assert values["num_hidden_layers"] == 2 and values["insert_layer_id"] == 1

@@ -298,6 +298,15 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         # A composite config's own width is its text model's, even where the
         # defaults disagree (a 1536-wide top level over a 4096-wide text default).
         top["hidden_size"] = text_overrides.get("hidden_size", TINY_TEXT_SHAPES["hidden_size"])
+    # A top-level field that mirrors a tower field (same name, same default) is copied
+    # onto the tower by the config class (`insert_layer_id`): it takes the shrunk value,
+    # or the class writes the full-size one back. The standard shapes are left out: a
+    # top-level depth or width is the text model's.
+    own_top, own_vision = defaults.to_dict(), vision_default.to_dict()
+    for key, value in vision.items():
+        if (key not in top and key not in TINY_VISION_SHAPES and key in own_top and key in own_vision
+                and own_top[key] == own_vision[key] and own_top[key] != value):
+            top[key] = value
     # Tower layers the projector reads (`vision_feature_layer(s)`), kept inside the tiny
     # tower's hidden states (its depth plus the embeddings).
     depth = vision.get("num_hidden_layers", TINY_VISION_SHAPES["num_hidden_layers"])

@@ -10,8 +10,8 @@ What to shrink is read from the default config itself, never from a table of typ
 - expert counts, low-rank widths and per-head widths by what their names say they are;
 - per-layer lists (`layer_types`, `mlp_layer_types`, ...) keep one layer of each kind,
   so a hybrid or sliding/full model stays hybrid when it is two layers deep;
-- layer-index lists of a vision tower (DeepStack, full-attention blocks) are remapped
-  into the shrunk depth.
+- layer indexes of a vision tower (DeepStack lists, full-attention blocks, the layer a
+  merger is inserted after) are remapped into the shrunk depth.
 """
 
 from __future__ import annotations
@@ -158,7 +158,15 @@ def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_ke
         tiny_depth = len(keep)
     if layer_indexes:
         for key, value in own.items():
-            if key in out or not isinstance(value, (list, tuple)) or not value:
+            if key in out:
+                continue
+            if type(value) is int and _LAYER_INDEX.search(key) and 0 <= value < depth:
+                # One layer named by its index (where a merger is inserted): it must
+                # still name a layer of the shrunk depth, or the code that runs there
+                # never runs and the tiny model's shapes no longer agree.
+                out[key] = min(value * tiny_depth // depth, tiny_depth - 1)
+                continue
+            if not isinstance(value, (list, tuple)) or not value:
                 continue
             if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in value) and (
                     "index" in key or "indices" in key or "layer" in key or "block" in key or "idx" in key):
@@ -167,6 +175,10 @@ def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_ke
                     remapped = remapped[1:]  # a subset of the layers stays a subset
                 out[key] = remapped
     return out
+
+
+# A single layer's index (`insert_layer_id`), not a count or a range bound.
+_LAYER_INDEX = re.compile(r"layer_(id|idx|index)$")
 
 
 def _hashable(value):
