@@ -31,6 +31,32 @@ def text_aligned(key: str, value, batch: dict) -> bool:
                                   and value.shape == ids.shape)
 
 
+def _align_to_tokens(batch) -> None:
+    """Move per-token entries a processor laid out from each row's first slot, whatever
+    the padding (a mask of where image embeddings go that one processor builds for an
+    unpadded row), onto the row's real tokens. An entry is moved only where it holds values in padding slots
+    and nothing past the row's length, so correctly padded entries stay as they are."""
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+        return
+    real = mask.bool()
+    for key in list(batch):
+        value = batch[key]
+        if (key in ("input_ids", "attention_mask") or key.endswith(("_input_ids", "_attention_mask"))
+                or not text_aligned(key, value, batch) or value.is_floating_point()):
+            continue
+        rows = []
+        for row, keep in zip(value, real):
+            count = int(keep.sum())
+            if not row[~keep].any() or row[count:].any():
+                rows.append(row)
+                continue
+            aligned = torch.zeros_like(row)
+            aligned[keep] = row[:count]
+            rows.append(aligned)
+        batch[key] = torch.stack(rows)
+
+
 def batch_differences(batch: dict, reference: dict) -> list[str]:
     """Keys where `batch` differs from `reference` (missing, other shape or other values
     once cast to the reference's dtype); empty when they hold the same tensors."""
@@ -240,6 +266,7 @@ class Processing:
             if isinstance(batch.get(mask_key), torch.Tensor) and batch[mask_key].dim() == 2:
                 order = torch.sort((batch[mask_key] == 0).int(), dim=1, stable=True).indices
                 batch[key], batch[mask_key] = batch[key].gather(1, order), batch[mask_key].gather(1, order)
+        _align_to_tokens(batch)
         # Media in float32 whatever precision a processor hands out (some emit bfloat16
         # pixels): the model, or autocast, decides the compute precision.
         for key, value in batch.items():

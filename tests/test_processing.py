@@ -115,3 +115,20 @@ def test_a_second_text_encoders_inputs_are_padded_on_the_right():
     assert batch["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]  # the decoder's: left
     assert batch["qformer_attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert batch["qformer_input_ids"].tolist() == [[7, 7, 0, 0], [7, 7, 7, 7]]
+
+
+def test_per_token_entries_laid_out_from_the_row_start_follow_left_padding():
+    from mmrl.processing import _align_to_tokens
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    batch = {
+        "input_ids": torch.tensor([[9, 9, 1, 2, 3], [1, 2, 3, 4, 5]]),
+        "attention_mask": mask,
+        # Laid out as if unpadded: the short row's values sit in its padding slots.
+        "image_embeds_position_mask": torch.tensor([[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]]),
+        # Padded correctly already (zeros in the padding): left as it is.
+        "token_type_ids": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]]),
+    }
+    _align_to_tokens(batch)
+    assert batch["image_embeds_position_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0]]
+    assert batch["token_type_ids"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]]
