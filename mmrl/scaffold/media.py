@@ -290,8 +290,14 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     top_tied = {getattr(text_default, "hidden_size", -1): TINY_TEXT_SHAPES["hidden_size"]}
     vision_hidden = getattr(vision_default, "hidden_size", None)
     if isinstance(vision_hidden, int):
-        top_tied[vision_hidden] = vision.get(dict(getattr(vision_default, "attribute_map", {})).get(
+        tiny_hidden = vision.get(dict(getattr(vision_default, "attribute_map", {})).get(
             "hidden_size", "hidden_size"), vision_hidden)
+        top_tied[vision_hidden] = tiny_hidden
+        # The tower's width after merging merge x merge patches into one token (their
+        # channels stacked): a projector input of that width follows the tiny tower's.
+        for key, merge in vision_default.to_dict().items():
+            if "merge" in key and type(merge) is int and merge > 1:
+                top_tied.setdefault(vision_hidden * merge * merge, tiny_hidden * merge * merge)
     top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
            if k not in (text_key, resolved.vision_config_key)}
     if isinstance(defaults.to_dict().get("hidden_size"), int):
