@@ -424,3 +424,11 @@ def test_a_single_layer_index_stays_inside_the_shrunk_depth():
     # The vision merger is inserted after layer 6 of 12; two layers deep it must still run.
     values = tiny_vision_values(transformers.MiniCPMV4_6VisionConfig(), 1024)
     assert values["num_hidden_layers"] == 2 and values["insert_layer_id"] == 1
+
+
+def test_a_placeholder_spelled_out_per_feature_renders_as_a_repetition():
+    from mmrl.scaffold.render import _jinja_text
+
+    assert _jinja_text("<image>" * 256) == "'<image>' * 256"
+    assert _jinja_text("<|vision_start|><|image_pad|><|vision_end|>") == "'<|vision_start|><|image_pad|><|vision_end|>'"
+    assert _jinja_text("<image>") == "'<image>'" and _jinja_text("") == "''"

@@ -338,7 +338,12 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     tokenizer, config = build_config(resolved, plan)
     _plan_processor(resolved, plan, processor_cls, config)
     processor = build_processor(plan, tokenizer, config)
-    plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
+    try:
+        plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
+    except ScaffoldError as exc:
+        plan.image_placeholder = _unexpanded_placeholder(resolved.model_class, config, processor, plan)
+        if plan.image_placeholder is None:
+            raise exc
     if "video_processor" in plan.sub_processors:
         plan.video_placeholder = find_placeholder(processor, tokenizer, plan, "video")
     tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
@@ -525,6 +530,44 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) is expanded by {plan.processor_class} "
                             "beside an image" + (f" (first error: {errors[0]})" if errors else "")
                             + "; write the chat template by hand", category="processor")
+    return None
+
+
+def _unexpanded_placeholder(model_class: str, config, processor, plan: MediaPlan) -> str | None:
+    """The image placeholder for a processor that expands no token (the released chat
+    template writes them out): none, where the model reads the image by cross-attention
+    and runs without one; else the kind's own token written once per image feature the
+    tiny model makes, where that runs. None when neither does."""
+    import torch
+    from PIL import Image
+
+    if runs_with_image(model_class, config, processor, "") is None:
+        return ""
+    own = [t for name, t in plan.named_tokens.items() if name.startswith("image")]
+    if not own:
+        return None
+    try:  # how many features the tiny model makes of one image, at two sizes
+        model = build_tiny(model_class, config)
+        accepted = inspect.signature(model.get_image_features).parameters
+        counts = set()
+        for size in ((224, 168), (56, 56)):
+            inputs = processor(text=["look here"], images=[Image.new("RGB", size, (9, 99, 199))], return_tensors="pt")
+            media = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items() if k in accepted}
+            with torch.no_grad():
+                features = model.get_image_features(**media)
+            features = getattr(features, "pooler_output", features)
+            features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+            counts.add(features.numel() // features.shape[-1])
+    except Exception:
+        return None
+    if len(counts) != 1:  # the count follows the image size: no fixed template can spell it
+        return None
+    count = counts.pop()
+    # The token the config's id field already names (the config was built with it).
+    field = next((k for k in plan.token_fields if k.startswith("image")), None)
+    token = plan.token_fields[field] if field is not None else own[0]
+    if count > 0 and runs_with_image(model_class, config, processor, token * count) is None:
+        return token * count
     return None
 
 

@@ -215,6 +215,16 @@ def _keyword_args(values: dict[str, Any]) -> list[str]:
     return args + ([f"**{_literal_dict(odd)}"] if odd else [])
 
 
+def _jinja_text(text: str) -> str:
+    """A Jinja string expression for `text`: one token written N times (a template that
+    spells out every image feature) as `'token' * N`, else the quoted text."""
+    for size in range(1, len(text) // 2 + 1):
+        unit, count = text[:size], len(text) // size
+        if count >= 8 and unit * count == text:
+            return f"'{unit}' * {count}"
+    return f"'{text}'"
+
+
 def _vision_template_source(d: Discovery) -> str:
     plan = d.tiny.media
     named = _literal_dict({k: _Raw(_str(v)) for k, v in plan.named_tokens.items()})
@@ -231,7 +241,7 @@ def _vision_template_source(d: Discovery) -> str:
             "{{% if message['content'] is string %}}{{{{ message['content'] }}}}"
             "{{% else %}}{{% for part in message['content'] %}}"
             "{{% if part['type'] == 'text' %}}{{{{ part['text'] }}}}"
-            "{{% elif part['type'] == 'image' %}}{{{{ '{plan.image_placeholder}' }}}}"
+            "{{% elif part['type'] == 'image' %}}{{{{ {_jinja_text(plan.image_placeholder)} }}}}"
             @VIDEO@"{{% endif %}}{{% endfor %}}{{% endif %}}"
             "{{{{ '<|im_end|>\\\\n' }}}}"
             "{{% endfor %}}"
