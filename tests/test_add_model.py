@@ -432,3 +432,10 @@ def test_a_placeholder_spelled_out_per_feature_renders_as_a_repetition():
     assert _jinja_text("<image>" * 256) == "'<image>' * 256"
     assert _jinja_text("<|vision_start|><|image_pad|><|vision_end|>") == "'<|vision_start|><|image_pad|><|vision_end|>'"
     assert _jinja_text("<image>") == "'<image>'" and _jinja_text("") == "''"
+
+
+def test_an_unset_router_top_k_gets_a_tiny_value():
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    # DeepseekV2Config leaves num_experts_per_tok None; its router passes it to torch.topk.
+    assert tiny_text_values("DeepseekV2Config")["num_experts_per_tok"] == 2

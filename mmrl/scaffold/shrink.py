@@ -31,11 +31,13 @@ _LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _HEAD_DIM = (
 # Integers that are never shapes, whatever their value.
 _NOT_SHAPES = re.compile(r"token|vocab|position|seed|window|chunk|max_|length|bucket|ctx|steps|rate|epoch|"
                          r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels")
+# Experts a token is routed to (a router's top-k).
+_EXPERTS_PER_TOKEN = re.compile(r"(experts_per_tok|experts_per_token|moe_topk|moe_k|^top_k$|num_selected_experts|topk)$")
 # Sizes a name announces, for integers that follow no default shape.
 _BY_NAME = (
     (re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_experts|moe_num_experts|n_experts|num_routed_experts"
                 r"|zero_expert_num)$"), 4),
-    (re.compile(r"(experts_per_tok|experts_per_token|moe_topk|moe_k|^top_k$|num_selected_experts|topk)$"), 2),
+    (_EXPERTS_PER_TOKEN, 2),
     (re.compile(r"(^|_)(n_group|num_expert_group|topk_group|n_shared_experts|num_shared_experts)$"), 1),
     (re.compile(r"lora_rank$|_rank$"), 16),
     (re.compile(r"(intermediate|ffn|mlp)[a-z_]*size$|_ffn_dim$|^ffn_dim$|dim_ff$|^dff$"), 128),
@@ -81,6 +83,11 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
     layers_key = amap.get(_LAYERS, _LAYERS)
     depth = own.get(layers_key)
     for key, value in own.items():
+        if value is None and key not in values and _EXPERTS_PER_TOKEN.search(key):
+            # Left unset by default (checkpoints write it) but a router needs it: a
+            # top-k of None reaches `torch.topk` as k.
+            values[key] = 2
+            continue
         if key in values or isinstance(value, bool) or not isinstance(value, int):
             continue
         by_name = next((size for pattern, size in _BY_NAME if pattern.search(key)), None)
