@@ -29,7 +29,10 @@ them into its actor (and its reference and critic models), and each reseeds the 
 with the recipe's seed before `fit()`. A random-init recipe otherwise starts each tree
 from different weights and samples different rollouts. Each variant's report holds
 `first_step` (the first metrics record), and with `--same-start` also `first_rollout`
-(the first rollout's response tokens). Both sides must sample alike: the plain `hf`
+(the first rollout's response tokens). The first run also writes its first rollout to
+DIR/first_rollout.json and later runs replay it (their first rollout returns those
+responses): bf16 rounding otherwise parts sampled rollouts at the first token drawn
+differently, and the two first updates would not see the same sequences. Both sides must sample alike: the plain `hf`
 rollout backend (the old tree has no `hf_compiled`) and the same sampling settings
 (temperature, top-p, samples, response length). A file already in DIR is loaded, not
 replaced, so start from an empty DIR; it holds the full weights (15 GB for the 3B shape

@@ -5,8 +5,8 @@ Reports made without it compare too, and show how far apart two starts are.
 Every metric of the two first steps is listed with both values and their absolute and
 relative difference; three groups decide the verdict:
 
-- rewards (`reward/*`): equal within 1e-6. The same weights and random state sample the
-  same rollouts, and the same rollouts get the same rewards.
+- rewards (`reward/*`): equal within 1e-6. The later run replays the first run's first
+  rollout (`--same-start` keeps it), and the same rollouts get the same rewards.
 - log-prob-derived metrics (keys with `logprob`, `kl`, `entropy`, `ratio` or `loss`):
   within bf16 tolerance, since two code paths may round bf16 matmuls differently.
 - response length: equal.

@@ -392,9 +392,7 @@ class Engine:
             run = lambda: self._sp_forward(seqs, logits_to_keep=keep)  # noqa: E731
             place = lambda v: self._sp_gather(v.new_zeros(mask.shape).masked_scatter(mask, v), widths)  # noqa: E731
         elif self.packs(seqs):
-            from mmrl.engine.packing import pack_sequences
-
-            packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+            packed = self._packed(seqs)
             index, targets = packed.logit_index, seqs.response_ids[packed.response_mask]
 
             def run():
@@ -476,11 +474,21 @@ class Engine:
         adapter's position ids (a model that computes its own would count across sequences)."""
         return self.pack and self.sequence_parallel == 1 and "position_ids" in seqs.inputs
 
+    def _packed(self, seqs: Sequences):
+        """`seqs` packed into rows of at most `pack_tokens` tokens (`mmrl.engine.packing`)."""
+        from mmrl.engine.packing import pack_sequences
+
+        return pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+
+    def _value_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head on hidden states (..., H): fp32 values (...)."""
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
     def _packed_log_probs(self, seqs: Sequences, temperature: float):
         """`log_probs` over the batch packed without padding; logits only for response tokens."""
-        from mmrl.engine.packing import keep_rows, pack_sequences
+        from mmrl.engine.packing import keep_rows
 
-        packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+        packed = self._packed(seqs)
         targets = seqs.response_ids[packed.response_mask]
         # Media sharing matches the media tensors against the padded batch's (the same objects).
         with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared), keep_rows(self.model, packed.logit_index):
@@ -499,19 +507,16 @@ class Engine:
         length = seqs.response_ids.shape[1]
         out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -(length + 1):-1]
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return self._value_of(hidden)
 
     def _packed_values(self, seqs: Sequences) -> torch.Tensor:
         """`values` over the batch packed without padding: the value head on the hidden
         states of the positions before real response tokens only."""
-        from mmrl.engine.packing import pack_sequences
-
-        packed = pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+        packed = self._packed(seqs)
         with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
             out = self.model(**packed.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1].flatten(0, 1)[packed.logit_index]
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return packed.to_padded(values)
+        return packed.to_padded(self._value_of(hidden))
 
     # -- Ulysses sequence parallelism ------------------------------------------------------------
     # Every rank of an SP group runs the same batch; each keeps the hidden states of its
@@ -549,7 +554,7 @@ class Engine:
         keep, _, widths = self._sp_columns(seqs)
         out = self._sp_forward(seqs, logits_to_keep=keep[:0], output_hidden_states=True)
         hidden = out.hidden_states[-1][:, keep]
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        values = self._value_of(hidden)
         return self._sp_gather(values, widths)
 
     def _forward(self, seqs: Sequences, **kwargs):

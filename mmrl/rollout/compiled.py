@@ -166,9 +166,10 @@ class CompiledHFRollout(HFRollout):
                     want_logprobs=params.logprobs, penalty=penalty)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with self.engine.autocast(), contextlib.ExitStack() as stack:
-            if self.half_weights and _autocast_dtype() is not None:
-                stack.enter_context(_half_linears(model, _autocast_dtype(), self._half_store))
-            cache = self._cache(rows, length, _autocast_dtype())
+            computes_in = _autocast_dtype()
+            if self.half_weights and computes_in is not None:
+                stack.enter_context(_half_linears(model, computes_in, self._half_store))
+            cache = self._cache(rows, length, computes_in)
             with self.engine.media_sharing(batch, shared.to(device) if shared else None):
                 out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
             logits = out.logits[:, -1].float()
