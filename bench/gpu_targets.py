@@ -68,21 +68,28 @@ ROLLOUT_TARGET = "HF rollout tokens/s vs plain generate (0.5B, batch 64, prompt 
 
 
 def rollout_entry() -> dict | None:
-    """The compiled HF rollout against plain `generate` (bench/rollout_speed.py), bf16
-    weights, from rollout_speed_gpu.json; None before that bench has run."""
-    path = RESULTS / "rollout_speed_gpu.json"
-    if not path.is_file():
+    """The compiled HF rollout against plain `generate` (bench/rollout_speed.py) with bf16
+    weights, over every sample on file (rollout_speed_gpu*.json; plain `generate` is
+    CPU-bound, so its figure moves between machines): the sample with the lowest ratio is
+    reported, every ratio is in the note. None before that bench has run."""
+    reports = [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("rollout_speed_gpu*.json"))]
+    samples = [(rep["runs"]["bfloat16"]["speedup"], name, rep) for name, rep in reports if "bfloat16" in rep["runs"]]
+    if not samples:
         return None
-    report = json.loads(path.read_text())
-    dtype = "bfloat16" if "bfloat16" in report["runs"] else next(iter(report["runs"]))
-    run = report["runs"][dtype]
-    ratio = run["speedup"]
+    ratio, _, report = min(samples, key=lambda sample: sample[0])
+    run = report["runs"]["bfloat16"]
+    others = ", ".join(f"{r:.1f}x ({name})" for r, name, _ in samples)
+    fp32 = [(name, rep) for name, rep in reports if "float32" in rep["runs"] and rep.get("half_weights")]
+    fp32_note = "".join(f"; fp32 weights under bf16 autocast, linear weights cast once per rollout ({name}): "
+                        f"{rep['runs']['float32']['tokens_per_s']['compiled']:,.0f} vs "
+                        f"{rep['runs']['float32']['tokens_per_s']['plain']:,.0f} tok/s "
+                        f"({rep['runs']['float32']['speedup']:.1f}x)" for name, rep in fp32[-1:])
     return {
         "name": ROLLOUT_TARGET, "measured": run["tokens_per_s"]["compiled"], "baseline": run["tokens_per_s"]["plain"],
         "ratio": ratio, "target": 10.0, "met": ratio >= 10.0, "command": report["command"],
-        "note": f"{dtype} weights, greedy; medians of {report['repeats']} alternating runs after warm-up "
-                f"(compiled warm-up {run['warm_up_s']:.0f} s); greedy rows identical to plain generate: "
-                f"{min(run['greedy_rows_identical']):.0%} (worst run); fallback: {run['fallback'] or 'none'}",
+        "note": f"bf16 weights, greedy; lowest of {len(samples)} samples ({others}); medians of "
+                f"{report['repeats']} alternating runs after warm-up (compiled warm-up {run['warm_up_s']:.0f} s); "
+                f"fallback: {run['fallback'] or 'none'}{fp32_note}",
     }
 
 

@@ -50,8 +50,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="the static-cache loop without torch.compile")
-    parser.add_argument("--half-weights", action="store_true",
-                        help="fp32 weights: cast the linear layers once per rollout, not at every step")
+    parser.add_argument("--half-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="fp32 weights: cast the linear layers once per rollout (default), "
+                             "or at every step (--no-half-weights)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rollout_speed_gpu.json")
     args = parser.parse_args()
 
@@ -72,8 +73,8 @@ def main() -> None:
         "compile": not args.no_compile, "half_weights": args.half_weights,
         "command": "python bench/rollout_speed.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if k not in ("out", "no_compile") and v is not None)
-        + (" --no-compile" if args.no_compile else ""),
+            for k, v in vars(args).items() if k not in ("out", "no_compile", "half_weights") and v is not None)
+        + (" --no-compile" if args.no_compile else "") + ("" if args.half_weights else " --no-half-weights"),
         "runs": {},
     }
     for dtype in args.dtypes:
