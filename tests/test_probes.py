@@ -326,3 +326,16 @@ def test_multi_turn_probe_catches_a_loss_mask_on_context(monkeypatch):
     monkeypatch.setattr(agent, "trajectory_sequences", widened)
     result = probe("multi_turn").run(_subject("qwen2_vl"))
     assert result.status is Status.FAILED and "loss mask" in result.reason
+
+
+def test_a_gpu_cell_the_new_machine_could_not_run_keeps_the_earlier_result():
+    def cell(feature, status, device, date):
+        return {"family": "qwen2", "feature": feature, "status": status, "device": device, "date": date}
+    old = [cell("fsdp2", "verified", "2 x H200", "2026-11-30"), cell("rope", "verified", "2 x H200", "2026-11-30"),
+           cell("vllm", "not run here", "2 x H200", "2026-11-30")]
+    new = [cell("fsdp2", "not run here", "1 x H200", "2026-12-01"), cell("rope", "failed", "1 x H200", "2026-12-01"),
+           cell("vllm", "not run here", "1 x H200", "2026-12-01"), cell("video", "not run here", "1 x H200", "2026-12-01")]
+    merged = {c["feature"]: c for c in sm.merge_gpu_cells(old, new)}
+    assert merged["fsdp2"] == old[0]  # two GPUs ran it; one GPU could not: the run stays
+    assert merged["rope"] == new[1]  # a cell that ran replaces the old one, whatever its status
+    assert merged["vllm"] == new[2] and merged["video"] == new[3]  # nothing better to keep

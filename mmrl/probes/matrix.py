@@ -301,9 +301,15 @@ def load_gpu_cells(path: Path) -> list[dict]:
 
 
 def merge_gpu_cells(old: list[dict], new: list[dict]) -> list[dict]:
-    """New GPU cells replace old ones of the same family and feature."""
+    """New GPU cells replace old ones of the same family and feature, except that a cell
+    the new machine could not run (one GPU where the probe needs two) keeps the result an
+    earlier machine recorded; the kept cell still names its own device and date."""
     merged = {(c["family"], c["feature"]): c for c in old}
-    merged.update({(c["family"], c["feature"]): c for c in new})
+    for cell in new:
+        key = (cell["family"], cell["feature"])
+        if cell["status"] == Status.NOT_RUN and merged.get(key, cell)["status"] != Status.NOT_RUN:
+            continue
+        merged[key] = cell
     return [merged[k] for k in sorted(merged)]
 
 
