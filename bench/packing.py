@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--modes", nargs="+", default=["padded", "packed_8192", "varlen_8192"],
+    parser.add_argument("--modes", nargs="+", default=["padded", "packed_16384", "varlen_16384"],
                         help="padded, packed_N (rows of N tokens, SDPA with the packed mask) or varlen_N "
                              "(the same rows through the flash varlen kernel, mmrl.engine.varlen)")
     parser.add_argument("--checkpointing", action="store_true")

@@ -144,7 +144,7 @@ class Engine:
         share_media: bool = True,
         dropout: bool = False,
         pack: bool = False,
-        pack_tokens: int = 8192,
+        pack_tokens: int = 16384,
         master_weights: bool = True,
         chunked_head: bool = True,
         loss_scale_growth_interval: int = 2000,
