@@ -36,6 +36,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from mmrl.errors import one_line
+
 Sample = dict[str, Any]
 Message = dict[str, Any]
 
@@ -125,7 +127,7 @@ def _unreadable(source: Path | bytes, name: str) -> str | None:
                 return problem
             image.verify()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        return f"{name}: not a readable image ({_first_line(exc)})"
+        return f"{name}: not a readable image ({_why_unreadable(exc)})"
     return None
 
 
@@ -139,13 +141,13 @@ def _size_problem(image, name: str) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def _why_unreadable(exc: BaseException) -> str:
+    """Pillow's reason on one line, in words where its own would only name the file."""
     from PIL import UnidentifiedImageError
 
     if isinstance(exc, UnidentifiedImageError):
         return "not an image format Pillow knows, or a corrupt header"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return one_line(exc)
 
 
 def decode_image(source: Any, max_pixels: int | None = None) -> Any:
@@ -179,7 +181,7 @@ def decode_image(source: Any, max_pixels: int | None = None) -> Any:
             image.load()
             return _reduced(image, max_pixels).convert("RGB")
     except (OSError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{name}: not a readable image ({_first_line(exc)})") from None
+        raise ValueError(f"{name}: not a readable image ({_why_unreadable(exc)})") from None
 
 
 def _decode_target(max_pixels: int | None) -> int:

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from mmrl.errors import one_line
+
 LOGPROB_CHUNK_TOKENS = 4096
 # Elements of one chunk's (tokens, vocabulary) logits: 2^27 is 0.5 GiB in fp32, about 880
 # tokens at a 152k vocabulary. A chunk's backward holds ~3 fp32 buffers of this size.
@@ -164,8 +166,8 @@ def _fused(fn):
             return state["compiled"](raw, *args)
         except Exception as error:  # noqa: BLE001 - any compile failure keeps the eager path
             state["failed"] = True
-            warnings.warn(f"chunked log-probs: {fn.__name__} runs eagerly ({type(error).__name__}: "
-                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})"[:300], stacklevel=2)
+            warnings.warn(f"chunked log-probs: {fn.__name__} runs eagerly ({one_line(error, typed=True)})"[:300],
+                          stacklevel=2)
             return fn(raw, *args)
 
     call.state = state  # "compiled" once compiled, "failed" once given up

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from mmrl import errors
+
 if TYPE_CHECKING:
     from mmrl.adapter import ModelAdapter
     from mmrl.build import BuiltModel
@@ -209,10 +211,9 @@ def missing_package(exc: Exception) -> str | None:
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
-    """`Type: first line of the message`, short enough for a table cell's evidence."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    text = message if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {message}".rstrip(": ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """`Type: first line of the message` (a CheckFailed's own sentence untyped), short
+    enough for a table cell's evidence."""
+    return errors.one_line(exc, limit, typed=not isinstance(exc, CheckFailed), empty="")
 
 
 def versions() -> dict[str, str]:

@@ -26,6 +26,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 
+from mmrl.errors import one_line
 from mmrl.rewards.builtin import BUILTIN_REWARDS
 
 RewardFn = Callable[..., list[float]]
@@ -56,13 +57,13 @@ def score(fn: RewardFn, completions: list[str], answers: list[str], **fields) ->
     except RewardError:
         raise
     except Exception as exc:
-        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {_first_line(exc)}", reward=name,
-                          index=_failing_index(fn, completions, answers, fields)) from exc
+        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {one_line(exc, empty='(no message)')}",
+                          reward=name, index=_failing_index(fn, completions, answers, fields)) from exc
     try:
         scores = [float(s) for s in scores]
     except (TypeError, ValueError) as exc:
-        raise RewardError(f"reward {name!r} returned something other than numbers ({_first_line(exc)})",
-                          reward=name) from None
+        raise RewardError(f"reward {name!r} returned something other than numbers "
+                          f"({one_line(exc, empty='(no message)')})", reward=name) from None
     if len(scores) != len(completions):
         raise RewardError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} completions",
                           reward=name)
@@ -71,11 +72,6 @@ def score(fn: RewardFn, completions: list[str], answers: list[str], **fields) ->
             raise RewardError(f"reward {name!r} returned {value} (a reward must be a finite number)",
                               reward=name, index=index)
     return scores
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 
 def _failing_index(fn: RewardFn, completions, answers, fields) -> int | None:

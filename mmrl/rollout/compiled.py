@@ -38,6 +38,7 @@ import warnings
 
 import torch
 
+from mmrl.errors import one_line
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.hf import HFRollout
 
@@ -132,8 +133,7 @@ class CompiledHFRollout(HFRollout):
             try:
                 return self._fast_sample(batch, shared, params)
             except Exception as error:  # noqa: BLE001 - any failure falls back, once, loudly
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                self.fallback_reason = f"{type(error).__name__}: {reason}"[:300]
+                self.fallback_reason = one_line(error, typed=True)[:300]
                 self._caches.clear()
                 warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
                               stacklevel=2)

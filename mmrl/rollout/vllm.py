@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mmrl.errors import one_line
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 # Images and videos per prompt that vLLM accepts when a caller does not say.
@@ -121,8 +122,8 @@ class VLLMRollout:
             except Exception as exc:
                 self.close()  # what the failed start set up (its process group), so the next one can start
                 if platform_limit(exc):
-                    raise UnsupportedByVLLM(f"vLLM cannot run this model here ({_first_line(exc)}): use the hf "
-                                            "rollout backend, or vLLM on a GPU") from exc
+                    raise UnsupportedByVLLM(f"vLLM cannot run this model here ({one_line(exc, typed=True)}): "
+                                            "use the hf rollout backend, or vLLM on a GPU") from exc
                 raise
         self._check_reloadable()
         self._stop_ids = list(processing.stop_token_ids)
@@ -338,10 +339,6 @@ def platform_limit(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__
     return False
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def _config_value(config, name: str):

@@ -1,0 +1,26 @@
+"""Errors as one line: what a warning, a table cell or a wrapping error quotes of a cause.
+
+    one_line(exc)                      # "first line of the message", or "KeyError" if blank
+    one_line(exc, typed=True)          # "KeyError: first line of the message"
+    one_line(exc, 300, typed=True)     # the same, cut to 300 characters ending in "..."
+"""
+
+from __future__ import annotations
+
+
+def one_line(source: BaseException | str, limit: int | None = None, *, typed: bool = False,
+             empty: str | None = None) -> str:
+    """The first line of an exception's stripped message (or of a stripped text).
+
+    `typed` puts the exception's type name first (`Type: line`, no dangling ": " where the
+    line is blank or ends in one); untyped, a blank message reads as `empty` (default: the
+    type name). `limit` cuts a longer result to `limit` characters, the last three "...".
+    """
+    name = "" if isinstance(source, str) else type(source).__name__
+    text = str(source).strip()
+    line = text.splitlines()[0] if text else ""
+    if typed and name:
+        line = f"{name}: {line}".rstrip(": ")
+    elif not line:
+        line = name if empty is None else empty
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
