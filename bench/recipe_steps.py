@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import random
 import statistics
@@ -60,6 +59,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from mmrl.runs import replacing
 
 REPO = Path(__file__).resolve().parents[1]
 SPLIT = ("step", "rollout", "logprob", "update", "sync")
@@ -124,10 +125,8 @@ def save_start(trainer, path: Path) -> None:
         raise ValueError("--same-start needs one process; this actor is sharded")
     # Copies: tied weights share storage, which safetensors refuses.
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.actor.model.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(temporary))
-    os.replace(temporary, path)
+    with replacing(path) as temporary:
+        save_file(tensors, str(temporary))
 
 
 def _name_keys(keys, limit: int = 5) -> str:
@@ -217,9 +216,8 @@ def record_first_rollout(trainer, folder: Path | None = None) -> dict:
         record["ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
         record["responses"], record["tokens"] = len(record["ids"]), int(mask.sum())
         if stored is not None and replay is None:
-            partial = stored.with_suffix(".partial")
-            partial.write_text(json.dumps({"ids": record["ids"]}))
-            partial.rename(stored)
+            with replacing(stored) as partial:
+                partial.write_text(json.dumps({"ids": record["ids"]}))
         return result
 
     def replayed(result, rows: list[list[int]], pad: int):

@@ -31,7 +31,8 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_FILE = ".mmrl.lock"
@@ -209,6 +210,20 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def replacing(final: Path) -> Iterator[Path]:
+    """A temporary file beside `final` to write into: it replaces `final` when the block
+    ends, and is removed if the block raises, so `final` is never half-written."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        yield temp
+        os.replace(temp, final)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def temporary_for(final: Path) -> Path:

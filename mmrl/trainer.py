@@ -39,7 +39,7 @@ from mmrl.engine import Engine, join
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.runs import (RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint, newest_checkpoint,
-                       temporary_for)
+                       replacing, temporary_for)
 
 STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"
@@ -649,9 +649,8 @@ class Trainer:
                 continue  # a line cut short by the interruption
             if isinstance(record, dict) and not record.get("final") and record.get("step", step + 1) <= step:
                 kept.append(record)
-        temp = path.with_name(f".{path.name}.tmp")
-        temp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(temp, path)
+        with replacing(path) as temp:
+            temp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
     def export(self, path: Path) -> Path:

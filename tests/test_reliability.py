@@ -686,3 +686,18 @@ def test_resident_memory_stays_flat_over_500_steps(tmp_path):
     trainer.folder.release()
     print(f"resident memory: {at_50 / 2**20:.0f} MiB at step 50, {at_500 / 2**20:.0f} MiB at step 500")
     assert at_500 <= 1.1 * at_50
+
+
+def test_replacing_leaves_the_old_file_whole_when_the_writer_fails(tmp_path):
+    from mmrl.runs import replacing
+
+    path = tmp_path / "sub" / "metrics.jsonl"
+    with replacing(path) as temp:
+        temp.write_text("first\n")
+    assert path.read_text() == "first\n"
+    with pytest.raises(RuntimeError):
+        with replacing(path) as temp:
+            temp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "first\n"
+    assert [p.name for p in path.parent.iterdir()] == ["metrics.jsonl"]  # no temporary left behind
