@@ -381,6 +381,11 @@ def add_model(
     if sweep:
         from mmrl.scaffold.sweep import run_sweep
 
+        if model_type is not None:
+            fail(f"--sweep takes no MODEL_TYPE (got {model_type!r}); name the types with --types "
+                 f"{model_type},OTHER_TYPE")
+        if types is not None and types.startswith("-"):
+            fail(f"--types: {types!r} is not a type list; give comma-separated types, e.g. --types TYPE_A,TYPE_B")
         try:
             document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress,
                                  workers=workers)

@@ -439,3 +439,44 @@ def test_an_unset_router_top_k_gets_a_tiny_value():
 
     # DeepseekV2Config leaves num_experts_per_tok None; its router passes it to torch.topk.
     assert tiny_text_values("DeepseekV2Config")["num_experts_per_tok"] == 2
+
+
+def test_sweep_refuses_a_type_list_it_would_half_read(tmp_path):
+    """`--types a b` leaves b as MODEL_TYPE, which a sweep would ignore (only a swept): it
+    fails in one line that names the right spelling, and no coverage file is written."""
+    coverage = tmp_path / "coverage.json"
+    result = add_model("--sweep", "--types", "llama", "qwen2", "--coverage", str(coverage), "--no-progress")
+    assert result.exit_code != 0
+    assert "--types qwen2,OTHER_TYPE" in result.output and "MODEL_TYPE" in result.output
+    assert not coverage.exists()
+
+
+def test_a_model_without_a_vision_tower_reads_images_through_its_patch_embedders():
+    """No sibling of the language model holds a block stack at any level (patches are
+    projected straight into the decoder): those nearest siblings are the vision part, with
+    their linear leaves for LoRA and no vision blocks to shard; a model with a tower keeps
+    the tower and its projector."""
+    import torch
+
+    from mmrl.scaffold.discover import _vision_parts
+
+    def language():
+        return torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(10, 8),
+                                    "layers": torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])})
+
+    towerless = torch.nn.ModuleDict({
+        "model": torch.nn.ModuleDict({"language_model": language(), "patch_embed": torch.nn.Linear(12, 8),
+                                      "embedder": torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8)})}),
+        "lm_head": torch.nn.Linear(8, 10)})
+    fill_in: list[str] = []
+    vision, projector, block, leaves = _vision_parts(towerless, "model.language_model", 8, None, fill_in)
+    assert vision == ("model.patch_embed", "model.embedder") and projector == () and block is None
+    assert leaves == ("patch_embed", "proj") and fill_in == []
+
+    towered = torch.nn.ModuleDict({
+        "model": torch.nn.ModuleDict({"language_model": language(), "projector": torch.nn.Linear(4, 8),
+                                      "tower": torch.nn.ModuleDict({"blocks": torch.nn.ModuleList(
+                                          [torch.nn.Linear(4, 4) for _ in range(2)])})}),
+        "lm_head": torch.nn.Linear(8, 10)})
+    vision, projector, block, _ = _vision_parts(towered, "model.language_model", 8, None, fill_in)
+    assert vision == ("model.tower",) and projector == ("model.projector",) and block == "Linear"
