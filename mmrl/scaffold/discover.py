@@ -146,16 +146,25 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
     the vision sub-config where several do; every other sibling with parameters (and
     loose parameters beside them) projects. Where no sibling is left, the projector sits
     inside the tower: its children after the block stack that reach the language
-    model's width."""
+    model's width. A model with no stacked sibling at any level reads images through
+    patch embedders beside the language model (Fuyu-style, no tower): the language
+    model's nearest siblings are then its vision part, with no blocks to shard."""
     inner_path = language.rpartition(".")[0]
+    nearest = None
     while True:
         inner = model.get_submodule(inner_path) if inner_path else model
         prefix = f"{inner_path}." if inner_path else ""
         siblings = [(prefix + name, child) for name, child in inner.named_children()
                     if not _under(language, prefix + name) and any(True for _ in child.parameters())]
+        if nearest is None and inner_path:
+            nearest = siblings
         if not inner_path or any(_block_lists(model, path) for path, _ in siblings):
             break
         inner_path = inner_path.rpartition(".")[0]
+    if nearest and not any(_block_lists(model, path) for path, _ in siblings):
+        leaves = tuple(dict.fromkeys(leaf or path.rpartition(".")[2] for path, child in nearest
+                                     for leaf in _linear_leaves(child)))
+        return tuple(path for path, _ in nearest), (), None, leaves
     towers, projector = [], []
     for path, child in siblings:
         blocks = _block_lists(model, path)
