@@ -3,14 +3,17 @@
     one_line(exc)                      # "first line of the message", or "KeyError" if blank
     one_line(exc, typed=True)          # "KeyError: first line of the message"
     one_line(exc, 300, typed=True)     # the same, cut to 300 characters ending in "..."
+    one_line(exc, typed=True, whole=True)  # every line of the message, whitespace collapsed
 """
 
 from __future__ import annotations
 
 
 def one_line(source: BaseException | str, limit: int | None = None, *, typed: bool = False,
-             empty: str | None = None) -> str:
-    """The first line of an exception's stripped message (or of a stripped text).
+             empty: str | None = None, whole: bool = False) -> str:
+    """The first line of an exception's stripped message (or of a stripped text); with
+    `whole`, all of it, each run of whitespace one space (a validation error's field is
+    often on its second line).
 
     `typed` puts the exception's type name first (`Type: line`, no dangling ": " where the
     line is blank or ends in one); untyped, a blank message reads as `empty` (default: the
@@ -18,7 +21,7 @@ def one_line(source: BaseException | str, limit: int | None = None, *, typed: bo
     """
     name = "" if isinstance(source, str) else type(source).__name__
     text = str(source).strip()
-    line = text.splitlines()[0] if text else ""
+    line = " ".join(text.split()) if whole else (text.splitlines()[0] if text else "")
     if typed and name:
         line = f"{name}: {line}".rstrip(": ")
     elif not line:

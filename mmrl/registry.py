@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from mmrl.adapter import ModelAdapter
+from mmrl.errors import one_line
 
 ENTRY_POINT_GROUP = "mmrl.models"
 
@@ -94,10 +95,9 @@ def unregister(family: str) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The cause of a failed plugin load on one line: the exception type and its message
-    (a validation error's message names the field, a duplicate's the name taken)."""
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    """The cause of a failed plugin load on one line: the exception type and its whole
+    message (a validation error's message names the field, a duplicate's the name taken)."""
+    return one_line(exc, typed=True, whole=True)
 
 
 def _load_whole(load: Callable[[], object]) -> None:

@@ -102,3 +102,12 @@ def test_an_unreadable_image_names_pillows_first_line():
     Image.new("RGB", (64, 64)).save(png, "PNG")
     with pytest.raises(ValueError, match=r"^image bytes: not a readable image \(image file is truncated\)$"):
         decode_image(png.getvalue()[:60])
+
+
+def test_whole_joins_every_line_of_the_message_into_one():
+    error = ValueError("1 validation error for Recipe\n  trainer.steps\n    must be positive  ")
+    assert one_line(error, typed=True, whole=True) == \
+        "ValueError: 1 validation error for Recipe trainer.steps must be positive"
+    assert one_line(error, 40, typed=True, whole=True) == "ValueError: 1 validation error for Re..."
+    assert one_line(KeyError(), typed=True, whole=True) == "KeyError"
+    assert one_line(" a\n\tb ", whole=True) == "a b"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.errors import one_line
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -359,5 +360,4 @@ _OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_siz
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return one_line(exc, limit, typed=True, whole=True)

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mmrl import errors
+
 # Each stage's own time limit (seconds); a stage that runs past it ends the type with
 # status "timeout" and the stage's name.
 SCAFFOLD_SECONDS = 420
@@ -135,8 +137,7 @@ def family_for(model_type: str) -> str:
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return errors.one_line(str(text), limit, whole=True)
 
 
 def _run(command: list[str], seconds: float, env: dict) -> tuple[int | None, str]:
