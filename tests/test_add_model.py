@@ -480,3 +480,20 @@ def test_a_model_without_a_vision_tower_reads_images_through_its_patch_embedders
         "lm_head": torch.nn.Linear(8, 10)})
     vision, projector, block, _ = _vision_parts(towered, "model.language_model", 8, None, fill_in)
     assert vision == ("model.tower",) and projector == ("model.projector",) and block == "Linear"
+
+
+def test_a_stack_left_all_linear_attention_gets_one_attention_layer_as_a_last_try():
+    """Hybrids whose default config holds no attention layer: the per-layer kinds (or an
+    unset list of attention-layer indexes) name the last tiny layer attention, only when
+    asked (the scaffold's last candidate); a pure state-space config is left as it is."""
+    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+    from mmrl.scaffold.resolve import resolve
+
+    assert "layer_types" not in tiny_text_values("GraniteMoeHybridConfig") or set(
+        tiny_text_values("GraniteMoeHybridConfig")["layer_types"]) == {"linear_attention"}
+    assert tiny_text_values("GraniteMoeHybridConfig", attend_last=True)["layer_types"] == [
+        "linear_attention", "full_attention"]
+    assert tiny_text_values("BambaConfig", attend_last=True)["attn_layer_indices"] == [1]
+    assert "attn_layer_indices" not in tiny_text_values("BambaConfig")
+    tiny = tiny_model_inputs(resolve("bamba"))  # the earlier candidates fail in the cache; this one runs
+    assert tiny.config.layers_block_type == ["linear_attention", "full_attention"]

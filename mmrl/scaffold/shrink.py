@@ -206,8 +206,11 @@ TEXT_SHAPE_CANDIDATES = (
 )
 
 
-def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES) -> dict[str, Any]:
-    """The values that shrink a text config class (only fields the class has)."""
+def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES,
+                     attend_last: bool = False) -> dict[str, Any]:
+    """The values that shrink a text config class (only fields the class has); with
+    `attend_last`, a stack the default config leaves all linear-attention gets one
+    attention layer, its last (`_attending_last`)."""
     import transformers
 
     cls = getattr(transformers, config_class)
@@ -217,6 +220,8 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
                             category="config") from exc
     values = shrink_values(default, shapes, layer_indexes=True)
+    if attend_last:
+        values.update(_attending_last(default, values, shapes))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
     if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", _modeling_source(cls)):
@@ -230,6 +235,28 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     if rope is not None:
         values["rope_parameters"] = rope
     return values
+
+
+_LINEAR = "linear_attention"
+_ATTENTION_INDEXES = re.compile(r"^(attn|attention)_layer_(indices|indexes|ids)$")
+
+
+def _attending_last(default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
+    """A hybrid whose default config holds no attention layer (its released checkpoints
+    do): the per-layer kinds with the last layer full attention, or an unset list of
+    attention-layer indexes naming the last layer. A stack of linear-attention layers
+    alone cannot run in transformers' cache, which asks an attention layer for the length."""
+    changed: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, list) and len(value) > 1 and all(kind == _LINEAR for kind in value):
+            changed[key] = [*value[:-1], "full_attention"]
+    if not changed:
+        depth = values.get(dict(getattr(default, "attribute_map", {}) or {}).get(_LAYERS, _LAYERS),
+                           shapes.get(_LAYERS))
+        for key, value in default.to_dict().items():
+            if value is None and _ATTENTION_INDEXES.match(key) and depth:
+                changed[key] = [depth - 1]
+    return changed
 
 
 def _tiny_rope(rope, cls, values: dict[str, Any], default):
@@ -299,9 +326,10 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
 
     tokenizer = tiny_text_tokenizer()
     first: ScaffoldError | None = None
-    for shapes in TEXT_SHAPE_CANDIDATES:
+    # Last, a stack left all linear-attention by default with one attention layer.
+    for shapes, attend_last in [*((shapes, False) for shapes in TEXT_SHAPE_CANDIDATES), (TINY_TEXT_SHAPES, True)]:
         try:
-            overrides = tiny_text_values(resolved.config_class, shapes)
+            overrides = tiny_text_values(resolved.config_class, shapes, attend_last)
             config = build_text_config(resolved.config_class, tokenizer, overrides)
             runs(resolved.model_class, config)
         except ScaffoldError as exc:
