@@ -497,3 +497,11 @@ def test_a_stack_left_all_linear_attention_gets_one_attention_layer_as_a_last_tr
     assert "attn_layer_indices" not in tiny_text_values("BambaConfig")
     tiny = tiny_model_inputs(resolve("bamba"))  # the earlier candidates fail in the cache; this one runs
     assert tiny.config.layers_block_type == ["linear_attention", "full_attention"]
+
+
+def test_state_space_head_groups_shrink_with_the_heads():
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    # NemotronH's 8 head groups over 2 tiny heads left 0 heads per group (repeat_interleave).
+    values = tiny_text_values("NemotronHConfig")
+    assert values["mamba_num_heads"] % values["n_groups"] == 0 and values["n_groups"] == 1

@@ -46,6 +46,8 @@ _BY_NAME = (
     (re.compile(r"(d_state|state_size|ssm_state_size|mamba_d_state)$"), 16),
     (re.compile(r"^depth$|^num_layers$|^n_layers$|^num_blocks$"), "layers"),
     (re.compile(r"(mamba_n_heads|mamba_num_heads|linear_num_value_heads|linear_num_key_heads)$"), 2),
+    # A state-space layer's head groups divide its (tiny: 2) heads.
+    (re.compile(r"(^|_)(n_groups|ngroups)$"), 1),
 )
 
 
