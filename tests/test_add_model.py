@@ -505,3 +505,13 @@ def test_state_space_head_groups_shrink_with_the_heads():
     # NemotronH's 8 head groups over 2 tiny heads left 0 heads per group (repeat_interleave).
     values = tiny_text_values("NemotronHConfig")
     assert values["mamba_num_heads"] % values["n_groups"] == 0 and values["n_groups"] == 1
+
+
+def test_a_count_of_some_layers_keeps_its_share_of_the_shrunk_depth():
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    # Gemma3n: the last 15 of 35 layers share key/value caches; 4 tiny layers keep 2
+    # (15 left none unshared, and the model looks one up by kind).
+    values = tiny_text_values("Gemma3nTextConfig")
+    assert values["num_hidden_layers"] == 4 and values["num_kv_shared_layers"] == 2
+    assert "num_nextn_predict_layers" not in tiny_text_values("DeepseekV3Config")  # 1 stays 1, unwritten

@@ -128,6 +128,15 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
     if isinstance(depth, int) and depth > 0 and (values.get(layers_key) or shapes.get(_LAYERS)):
         values.update(_per_layer_lists(own, depth, values.get(layers_key, shapes.get(_LAYERS)), layers_key,
                                        layer_indexes))
+        # A count of some of the layers (the last 15 of 35 share their key/value cache)
+        # keeps its share of the shrunk depth, at least one layer and not all of them.
+        tiny_depth = values.get(layers_key)
+        for key, value in own.items():
+            if (_SOME_LAYERS.match(key) and key != layers_key and key not in values and type(value) is int
+                    and 0 < value < depth and isinstance(tiny_depth, int) and tiny_depth > 1):
+                share = min(max(1, round(value * tiny_depth / depth)), tiny_depth - 1)
+                if share != value:
+                    values[key] = share
     return values
 
 
@@ -187,6 +196,8 @@ def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_ke
     return out
 
 
+# A count of some of the layers (`num_kv_shared_layers`, `num_dense_layers`).
+_SOME_LAYERS = re.compile(r"^num_\w+_layers$")
 # A single layer's index (`insert_layer_id`), not a count or a range bound.
 _LAYER_INDEX = re.compile(r"layer_(id|idx|index)$")
 
