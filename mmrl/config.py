@@ -105,6 +105,10 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     # Fraction of memory vLLM may take; ignored by the hf backend.
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    # hf_compiled with fp32 weights under autocast: bf16 copies of the linear layers, cast
+    # once per rollout and kept between rollouts (half the weights' memory); false casts
+    # them at every decode step instead.
+    half_weights: bool = True
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

@@ -148,8 +148,8 @@ class Trainer:
                                  total_steps=r.trainer.steps, value_head=True, share_media=m.share_media,
                                  pack=m.pack, pack_tokens=m.pack_tokens)
         backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
-        self.rollout = make_rollout(backend, self.actor, self.processing,
-                                    **({"config": r.rollout} if backend == "vllm" else {}))
+        options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights}}
+        self.rollout = make_rollout(backend, self.actor, self.processing, **options.get(backend, {}))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout

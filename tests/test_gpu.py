@@ -262,7 +262,7 @@ def test_half_weights_on_cuda_give_the_tokens_of_per_step_casting():
     """fp32 weights under the engine's bf16 autocast, compiled with CUDA graphs: casting the
     linear layers once per rollout (`half_weights=True`) gives the greedy tokens of casting
     them at every step, and log-probs within bf16 rounding; twice (the second call replays
-    the graph on the refreshed copies). Speed: bench/rollout_speed.py --half-weights."""
+    the graph on the refreshed copies). Speed: bench/rollout_speed.py (--no-half-weights for per-step casting)."""
     from mmrl.rollout import SamplingParams, make_rollout
 
     shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
@@ -273,8 +273,10 @@ def test_half_weights_on_cuda_give_the_tokens_of_per_step_casting():
     conversations = [[{"role": "user", "content": text}] for text in
                      ("What is it?", "And this one here, a longer one?", "no", "Say something about the sea")]
     params = SamplingParams(n=2, max_new_tokens=32, temperature=0, logprobs=True)
-    per_step = make_rollout("hf_compiled", engine, built.processing).generate(conversations, params)
-    rollout = make_rollout("hf_compiled", engine, built.processing, half_weights=True)
+    per_step_rollout = make_rollout("hf_compiled", engine, built.processing, half_weights=False)
+    per_step = per_step_rollout.generate(conversations, params)
+    assert not per_step_rollout._half_store
+    rollout = make_rollout("hf_compiled", engine, built.processing)  # half_weights is the default
     for _ in range(2):
         once = rollout.generate(conversations, params)
         assert rollout.fallback_reason is None and rollout._half_store

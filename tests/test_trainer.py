@@ -324,3 +324,11 @@ def test_ranks_with_unequal_kept_rows_run_as_many_passes(tmp_path):
     assert [line["step"] for line in steps] == [1, 2]
     # Rank 0 (which logs): 8 rows, in 2 mini-batches of 4 single-row micro-batches.
     assert all(line["update/optimizer_steps"] == 2 and line["update/micro_batches"] == 8 for line in steps)
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_rollout_half_weights_reaches_the_compiled_rollout(tmp_path, half):
+    from mmrl.rollout.compiled import CompiledHFRollout
+
+    trainer = Trainer(_recipe(tmp_path, "rollout.backend=hf_compiled", f"rollout.half_weights={str(half).lower()}"))
+    assert isinstance(trainer.rollout, CompiledHFRollout) and trainer.rollout.half_weights is half
