@@ -147,8 +147,9 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
     loose parameters beside them) projects. Where no sibling is left, the projector sits
     inside the tower: its children after the block stack that reach the language
     model's width. A model with no stacked sibling at any level reads images through
-    patch embedders beside the language model (Fuyu-style, no tower): the language
-    model's nearest siblings are then its vision part, with no blocks to shard."""
+    patch embedders beside the language model (no tower: patches projected straight
+    into the decoder's width): the language model's nearest siblings are then its
+    vision part, with no blocks to shard."""
     inner_path = language.rpartition(".")[0]
     nearest = None
     while True:
@@ -158,10 +159,11 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
                     if not _under(language, prefix + name) and any(True for _ in child.parameters())]
         if nearest is None and inner_path:
             nearest = siblings
-        if not inner_path or any(_block_lists(model, path) for path, _ in siblings):
+        stacked = any(_block_lists(model, path) for path, _ in siblings)
+        if not inner_path or stacked:
             break
         inner_path = inner_path.rpartition(".")[0]
-    if nearest and not any(_block_lists(model, path) for path, _ in siblings):
+    if nearest and not stacked:
         leaves = tuple(dict.fromkeys(leaf or path.rpartition(".")[2] for path, child in nearest
                                      for leaf in _linear_leaves(child)))
         return tuple(path for path, _ in nearest), (), None, leaves

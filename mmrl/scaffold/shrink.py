@@ -339,10 +339,14 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
 
     tokenizer = tiny_text_tokenizer()
     first: ScaffoldError | None = None
+    tried: list[dict[str, Any]] = []
     # Last, a stack left all linear-attention by default with one attention layer.
     for shapes, attend_last in [*((shapes, False) for shapes in TEXT_SHAPE_CANDIDATES), (TINY_TEXT_SHAPES, True)]:
         try:
             overrides = tiny_text_values(resolved.config_class, shapes, attend_last)
+            if overrides in tried:  # a candidate that changes nothing the class has: already run
+                continue
+            tried.append(overrides)
             config = build_text_config(resolved.config_class, tokenizer, overrides)
             runs(resolved.model_class, config)
         except ScaffoldError as exc:
