@@ -515,3 +515,14 @@ def test_a_count_of_some_layers_keeps_its_share_of_the_shrunk_depth():
     values = tiny_text_values("Gemma3nTextConfig")
     assert values["num_hidden_layers"] == 4 and values["num_kv_shared_layers"] == 2
     assert "num_nextn_predict_layers" not in tiny_text_values("DeepseekV3Config")  # 1 stays 1, unwritten
+
+
+def test_a_causal_lm_built_from_the_text_sub_config_is_scaffolded_on_that_config():
+    """A composite type whose causal-LM class declares its text sub-config's class (as
+    `AutoModelForCausalLM.from_config` reads it) is shrunk and built on that class; a type
+    whose causal LM takes its own config keeps it."""
+    from mmrl.scaffold.resolve import resolve
+
+    # Emu3's causal LM is its text model alone; Emu3Config itself has no text shape fields.
+    assert resolve("emu3").config_class == "Emu3TextConfig" and not resolve("emu3").is_vision_language
+    assert resolve("llama").config_class == "LlamaConfig"

@@ -44,10 +44,20 @@ def resolve(model_type: str) -> Resolved:
                 "built into the decoder, so the scaffold cannot find a vision tower to shrink; write tiny() "
                 "and parts by hand", category="unsupported")
     if causal:
-        return Resolved(model_type, config_class, causal, False)
+        return Resolved(model_type, causal_config_class(config_cls, getattr(transformers, causal)), causal, False)
     raise ScaffoldError(
         f"model type {model_type!r} has no causal-LM or image-text-to-text model class in transformers; "
         "mmrl trains generative models only", category="unsupported")
+
+
+def causal_config_class(config_cls, model_cls) -> str:
+    """The config class a causal-LM class is built from: the type's own, or its text
+    sub-config's class where the model class declares that one (a composite type whose
+    causal LM is its text model alone), as transformers' `AutoModelForCausalLM` does."""
+    text_class = (getattr(config_cls, "sub_configs", {}) or {}).get("text_config")
+    if text_class is not None and getattr(model_cls, "config_class", None) is text_class:
+        return text_class.__name__
+    return config_cls.__name__
 
 
 def vision_config_key(config_cls) -> str | None:
