@@ -7,13 +7,14 @@ autocast over fp32 weights, or with `--dtype bfloat16` bf16 weights stepping fp3
 forward, chunked log-probs, backward and an AdamW step. The
 padded mode is the engine's plain path (left-padded prompts, right-padded responses,
 logits for every response column, SDPA); the packed modes are `Engine(pack=True)`
-(`mmrl.engine.packing`) with SDPA over the packed-sequence mask (packed_N) or the flash
-varlen kernel (varlen_N, `mmrl.engine.varlen`). A mode that runs out of memory is recorded
+(`mmrl.engine.packing`) with SDPA over the packed-sequence mask (packed_N), the flash
+varlen kernel (varlen_N, `mmrl.engine.varlen`), or that kernel with the decoder layers
+compiled (compiled_N, `mmrl.engine.compiled_layers`; the engine's default on a GPU). A mode that runs out of memory is recorded
 as such. Before timing, the two modes' log-probs are compared on the same
 weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens only.
 
     python bench/packing.py --checkpointing --out $OUT/packing_gpu.json
-    python bench/packing.py --dtype bfloat16 --modes padded varlen_4096 --out $OUT/packing_gpu_bf16.json
+    python bench/packing.py --dtype bfloat16 --modes padded varlen_16384 compiled_16384 --out $OUT/packing_gpu_bf16.json
     .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
         --modes padded packed_400   # smoke run
 """
@@ -57,9 +58,10 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--modes", nargs="+", default=["padded", "packed_16384", "varlen_16384"],
-                        help="padded, packed_N (rows of N tokens, SDPA with the packed mask) or varlen_N "
-                             "(the same rows through the flash varlen kernel, mmrl.engine.varlen)")
+    parser.add_argument("--modes", nargs="+", default=["padded", "packed_16384", "varlen_16384", "compiled_16384"],
+                        help="padded, packed_N (rows of N tokens, SDPA with the packed mask), varlen_N "
+                             "(the same rows through the flash varlen kernel, mmrl.engine.varlen) or compiled_N "
+                             "(varlen_N with the decoder layers compiled, mmrl.engine.compiled_layers)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--attn", default=None, help="attention implementation (default: SDPA)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -109,7 +111,9 @@ def main() -> None:
     real_tokens = sum(prompt_lengths) + sum(response_lengths)
     padded_tokens = sum(s.inputs["input_ids"].numel() for s in batches)
     response_tokens = sum(response_lengths)
-    engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing, pack=True)
+    compiles = any(mode.startswith("compiled") for mode in args.modes)
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing, pack=True,
+                    compile_layers=compiles)
     text_config = built.model.config.get_text_config()
 
     def sync() -> None:
@@ -122,7 +126,9 @@ def main() -> None:
         engine.pack_tokens = int(tokens or 0)
         if kind == "varlen" and not engine.varlen:
             raise SystemExit("the varlen kernel is not available here")
-        text_config._attn_implementation = varlen.NAME if kind == "varlen" else attention
+        text_config._attn_implementation = varlen.NAME if kind in ("varlen", "compiled") and engine.varlen else attention
+        if engine.compiled_layers is not None:
+            engine.compiled_layers.enabled = kind == "compiled"
 
     def step(mode: str) -> tuple[float, list[torch.Tensor]]:
         use(mode)
@@ -176,6 +182,8 @@ def main() -> None:
         "real_tokens_per_s": {m: real_tokens / t for m, t in medians.items()},
         "speedup_vs_padded": {m: reference / t for m, t in medians.items()} if reference else None,
         "out_of_memory": failed, "attention_calls": varlen.varlen_calls(),
+        "compiled_layer_calls": engine.compiled_layers.compiled_calls if engine.compiled_layers else 0,
+        "compile_failed": engine.compiled_layers.failed if engine.compiled_layers else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

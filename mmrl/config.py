@@ -54,9 +54,15 @@ class ModelConfig(_Section):
     share_media: bool = True
     # Padding-free log-probs in the engine (`mmrl.engine.packing`), for families that
     # declare padding_free: sequences packed into rows of at most `pack_tokens` tokens
-    # (16384: 2.46x the padded update on an H200 against 2.23x at 8192, bench/packing.py).
+    # (16384: 2.46x the padded update on an H200 against 2.23x at 8192, bench/packing.py;
+    # 3.60x with compile_layers).
     pack: bool = False
     pack_tokens: int = Field(16384, gt=0)
+    # The text decoder's layers through torch.compile in the engines' log-prob and value
+    # forwards (`mmrl.engine.compiled_layers`). "auto": where packed rows run the flash
+    # varlen kernel (a GPU, `pack: true`) in one process: the 0.5B packed update went
+    # from 0.595 s to 0.444 s on an H200 (bench/packing.py).
+    compile_layers: bool | Literal["auto"] = "auto"
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.
     min_pixels: int | None = Field(None, gt=0)
@@ -471,7 +477,8 @@ _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
                 "save_every", "export", "target_accuracy", "output_dir"},
     "rollout": {"backend", "gpu_memory_utilization"},
-    "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens"},
+    "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
+              "compile_layers"},
     "parallel": {"sequence_parallel"},
 }
 

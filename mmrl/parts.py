@@ -91,3 +91,34 @@ def freeze(
                 param.requires_grad_(False)
                 frozen += 1
     return frozen
+
+
+def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
+    """The module that runs the text decoder layers: the parent of the ModuleList of
+    `adapter.shard_layers` modules that lies under `adapter.parts.language`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_names = set(adapter.shard_layers)
+    found = []
+    for name, module in base.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
+                found.append((name, module))
+    language = adapter.parts.language
+
+    def under_language(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in language)
+
+    stacks = [(name, module) for name, module in found if under_language(name)]
+    if len(stacks) != 1:
+        raise ValueError(f"cannot find the text decoder layers: {len(stacks)} module lists of "
+                         f"{sorted(layer_names)} under {list(language)} (found {[n for n, _ in found]})")
+    return stacks[0][1]
+
+
+def decoder_layers(model: torch.nn.Module, adapter) -> list[torch.nn.Module]:
+    """The text decoder's layers, in order (the `adapter.shard_layers` modules of `decoder_stack`'s list)."""
+    layer_names = set(adapter.shard_layers)
+    for child in decoder_stack(model, adapter).children():
+        if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
+            return [m for m in child if type(m).__name__ in layer_names]
+    return []

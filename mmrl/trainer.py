@@ -139,14 +139,15 @@ class Trainer:
         self.estimator = get_advantage_estimator(r.algo.advantage)
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
                             gradient_checkpointing=m.gradient_checkpointing, share_media=m.share_media,
-                            pack=m.pack, pack_tokens=m.pack_tokens)
+                            pack=m.pack, pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
         self.ref = (Engine(build(r.trainer.seed), self.dist, share_media=m.share_media, pack=m.pack,
-                           pack_tokens=m.pack_tokens) if r.algo.kl_coef > 0 else None)
+                           pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
+                    if r.algo.kl_coef > 0 else None)
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
                                  total_steps=r.trainer.steps, value_head=True, share_media=m.share_media,
-                                 pack=m.pack, pack_tokens=m.pack_tokens)
+                                 pack=m.pack, pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
         backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
         options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights}}
         self.rollout = make_rollout(backend, self.actor, self.processing, **options.get(backend, {}))

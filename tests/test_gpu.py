@@ -102,7 +102,8 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, cau
     results = []
     for pack in (False, True):
         calls = varlen_calls()["varlen"]
-        engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=pack, pack_tokens=250)
+        # Eager layers: the compiled ones are the next test's (the counter counts eager calls).
+        engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=pack, pack_tokens=250, compile_layers=False)
         seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
                     built.tokenizer.pad_token_id).to(dist.device)
         assert engine.packs(seqs) == pack
@@ -116,6 +117,50 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, cau
     (padded, padded_grad), (packed, packed_grad) = results
     assert (padded - packed).abs().max() < 5e-2
     assert abs(padded_grad - packed_grad) <= 5e-2 * padded_grad
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_compiled_layers_on_cuda_match_the_eager_packed_update(family):
+    """Packed rows through the varlen kernel with the decoder layers compiled (the engine's
+    default here) against the same engine's eager layers: bf16 noise at most, gradients of
+    the same size, the kernel inside the compiled graph and no graph break."""
+    from torch._dynamo.utils import counters
+
+    from mmrl.engine.varlen import varlen_calls
+
+    torch._dynamo.reset()
+    counters.clear()
+    built = build_model(family, random_init=True)
+    dist = init_distributed(DEVICE)
+    conversations = sample_conversations(built.adapter)
+    rows = conversations + conversations[::-1]
+    prompts = dict(built.processing(rows))
+    responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
+    engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=True, pack_tokens=250)
+    assert engine.varlen and engine.compiled_layers is not None
+    seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
+                built.tokenizer.pad_token_id).to(dist.device)
+    results = []
+    for compiled in (False, True, True):  # the second compiled pass: no recompile
+        engine.compiled_layers.enabled = compiled
+        calls = varlen_calls()["varlen"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            logp, _ = engine.log_probs(seqs)
+        logp.sum().backward()
+        grad = sum(p.grad.float().norm() ** 2 for p in built.model.parameters() if p.grad is not None) ** 0.5
+        built.model.zero_grad(set_to_none=True)
+        results.append((logp.detach().float(), float(grad)))
+        # The kernel ran (inside the compiled graph the eager counter does not count).
+        assert any("varlen_attn" in event.name for event in profile.events())
+        assert (varlen_calls()["varlen"] > calls) == (not compiled)
+    (eager, eager_grad), (ours, our_grad), _ = results
+    assert engine.compiled_layers.failed is None and engine.compiled_layers.compiled_calls > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    engine.log_probs(seqs)
+    assert counters["stats"]["unique_graphs"] == graphs  # the same inputs again: no recompile
+    assert (eager - ours).abs().max() < 5e-2
+    assert abs(eager_grad - our_grad) <= 5e-2 * eager_grad
 
 
 def test_varlen_attention_matches_sdpa_with_the_document_mask():

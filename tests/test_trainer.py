@@ -332,3 +332,13 @@ def test_rollout_half_weights_reaches_the_compiled_rollout(tmp_path, half):
 
     trainer = Trainer(_recipe(tmp_path, "rollout.backend=hf_compiled", f"rollout.half_weights={str(half).lower()}"))
     assert isinstance(trainer.rollout, CompiledHFRollout) and trainer.rollout.half_weights is half
+
+
+@pytest.mark.parametrize("value, compiled", [("true", True), ("false", False), ("auto", False)])
+def test_model_compile_layers_reaches_every_engine(tmp_path, value, compiled):
+    """`model.compile_layers` reaches actor, reference and critic ("auto" compiles only where
+    packed rows run the GPU's varlen kernel, so not here)."""
+    trainer = Trainer(_recipe(tmp_path, f"model.compile_layers={value}", "algo.kl_coef=0.1", "algo.advantage=gae"))
+    engines = [trainer.actor, trainer.ref, trainer.critic]
+    assert all(engine is not None for engine in engines)
+    assert [engine.compiled_layers is not None for engine in engines] == [compiled] * 3

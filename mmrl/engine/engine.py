@@ -20,7 +20,9 @@ positions (`logits_to_keep`), an fp32 log-softmax over checkpointed row chunks.
 With `pack=True` (families that declare `padding_free`) the batch runs without padding:
 whole sequences in rows of at most `pack_tokens` tokens, logits only for real response
 tokens (`mmrl.engine.packing`), and on a GPU the flash varlen kernel wherever the mask is
-document-causal (`mmrl.engine.varlen`). Training engines switch dropout off
+document-causal (`mmrl.engine.varlen`), with the text decoder's layers compiled in the
+log-prob and value forwards (`compile_layers`, `mmrl.engine.compiled_layers`; "auto" does
+so exactly there, in one process). Training engines switch dropout off
 (`disable_dropout`; `dropout=True` keeps it).
 
 With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
@@ -52,6 +54,7 @@ then takes the gradients as they are. fp32 and bf16 engines scale nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,6 +148,7 @@ class Engine:
         dropout: bool = False,
         pack: bool = False,
         pack_tokens: int = 16384,
+        compile_layers: bool | str = "auto",
         master_weights: bool = True,
         chunked_head: bool = True,
         loss_scale_growth_interval: int = 2000,
@@ -200,7 +204,20 @@ class Engine:
         if self.pack and dist.device.type == "cuda" and self.sequence_parallel == 1:
             from mmrl.engine import varlen
 
-            self.varlen = varlen.available() and varlen.install(self.model)
+            self.varlen = varlen.available() and varlen.install(self.model, self._decoder_layers())
+        # The text decoder's layers compiled in the log-prob and value forwards
+        # (`mmrl.engine.compiled_layers`). "auto": where packed rows run the varlen kernel in
+        # one process (measured there; sharded layers are not compiled unless asked).
+        if compile_layers not in (True, False, "auto"):
+            raise ValueError(f"compile_layers must be true, false or auto, got {compile_layers!r}")
+        self.compiled_layers = None
+        if compile_layers is True or (compile_layers == "auto" and self.varlen and not dist.distributed):
+            from mmrl.engine.compiled_layers import CompiledLayers
+
+            layers = self._decoder_layers()
+            if not layers and compile_layers is True:
+                raise ValueError("compile_layers: cannot find the text decoder's layers to compile")
+            self.compiled_layers = CompiledLayers(layers) if layers else None
         # The vision tower's per-image/per-window attention in one call per layer, where
         # the model code offers a sequence-boundaries path (`mmrl.engine.vision_attention`).
         self.vision_one_call = vision_attention.install(self.model)
@@ -277,6 +294,24 @@ class Engine:
         # FSDP2 picks its root at the first forward it sees. HF generate may call a
         # submodule first (the vision encoder, before prefill), so settle the root now.
         self.model._get_fsdp_state()._lazy_init()
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        """The text decoder's layers (`mmrl.parts.decoder_layers`); empty where not found."""
+        from mmrl.parts import decoder_layers
+
+        try:
+            return decoder_layers(self.model, self.adapter)
+        except ValueError:
+            return []
+
+    def _compiled(self):
+        """The block in which the decoder layers run compiled: where the engine compiles
+        them, and not under activation checkpointing, whose recomputation in backward has
+        to save what the forward saved (it runs outside the block, and could pick another
+        of the compiled graphs)."""
+        if self.compiled_layers is None or self.checkpointing:
+            return contextlib.nullcontext()
+        return self.compiled_layers.active()
 
     def enable_checkpointing(self) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them."""
@@ -357,9 +392,10 @@ class Engine:
         the response mask is 0.
 
         Runs with autograd when the engine trains and grad mode is on."""
-        result = self._chunked_log_probs(seqs, temperature) if self.chunked_head else None
-        if result is None:
-            result = self._plain_log_probs(seqs, temperature)
+        with self._compiled():
+            result = self._chunked_log_probs(seqs, temperature) if self.chunked_head else None
+            if result is None:
+                result = self._plain_log_probs(seqs, temperature)
         return result[0], (result[1] if with_entropy else None)
 
     def _plain_log_probs(self, seqs: Sequences, temperature: float):
@@ -500,14 +536,15 @@ class Engine:
         """Critic values (B, R): the value head on the hidden state before each response token."""
         if self.value_head is None:
             raise RuntimeError("this engine has no value head (build it with value_head=True)")
-        if self.sequence_parallel > 1:
-            return self._sp_values(seqs)
-        if self.packs(seqs):
-            return self._packed_values(seqs)
-        length = seqs.response_ids.shape[1]
-        out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, -(length + 1):-1]
-        return self._value_of(hidden)
+        with self._compiled():
+            if self.sequence_parallel > 1:
+                return self._sp_values(seqs)
+            if self.packs(seqs):
+                return self._packed_values(seqs)
+            length = seqs.response_ids.shape[1]
+            out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
+            hidden = out.hidden_states[-1][:, -(length + 1):-1]
+            return self._value_of(hidden)
 
     def _packed_values(self, seqs: Sequences) -> torch.Tensor:
         """`values` over the batch packed without padding: the value head on the hidden

@@ -12,11 +12,17 @@ blocks, fp32 outside autocast, CPU, dropout, soft-capping, attention sinks) goes
 function unchanged. The mask itself decides, so no family is named and the result is
 the masked attention's by construction (up to the kernels' rounding).
 
-    install(model)   # once; idempotent. varlen_calls() counts the kernel's uses.
+    install(model, layers)   # once; idempotent. varlen_calls() counts the kernel's uses.
+
+Given the decoder's layers, `install` also hooks each of them (`segments_hook`): the mask's
+segments are found before the layer runs, eagerly, and reach the attention function as a
+keyword argument. Inside the layer nothing then depends on the mask's values, so a
+compiled layer (`mmrl.engine.compiled_layers`) traces it as one graph, kernel and all.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -26,6 +32,7 @@ BASE = "sdpa"
 _CACHE: list[tuple[torch.Tensor, tuple[torch.Tensor, int] | None]] = []  # (mask, its segments)
 _CACHE_SIZE = 4
 _CALLS = {"varlen": 0, "sdpa": 0}
+SEGMENTS = "mmrl_segments"  # the keyword `segments_hook` passes a layer's segments under
 
 
 def available() -> bool:
@@ -69,6 +76,28 @@ def _segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return segments
 
 
+def segments_hook(module, args, kwargs):
+    """Forward pre-hook of a decoder layer: the segments of its `attention_mask` keyword,
+    when that mask is document-causal, join its keywords as `mmrl_segments` (which the
+    layer hands down to its attention function, as transformers' layers do)."""
+    mask = kwargs.get("attention_mask")
+    # Only a square mask can be document-causal (not a decode step's); under a compile of
+    # the whole model (the compiled rollout) the attention function reads the mask itself.
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2] \
+            or torch.compiler.is_compiling():
+        return None
+    segments = _segments(mask)
+    return None if segments is None else (args, {**kwargs, SEGMENTS: segments})
+
+
+@functools.cache
+def _options() -> frozenset[str]:
+    """The keyword options of this torch's `varlen_attn`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
     """The half precision the kernel runs in: the inputs', or autocast's where fp32 inputs
     come from rotary embeddings applied in fp32 (fp32 weights under autocast); None: fp32."""
@@ -95,18 +124,21 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """The registered attention function: (K, T, H, D) output, as transformers' SDPA's."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    segments = _segments(attention_mask) if _usable(module, query, key, attention_mask, dropout, kwargs) else None
+    given = kwargs.pop(SEGMENTS, None)  # from `segments_hook`, for this same mask
+    segments = None
+    if _usable(module, query, key, attention_mask, dropout, kwargs):
+        segments = given if given is not None else _segments(attention_mask)
     if segments is None:
-        _CALLS["sdpa"] += 1
+        _count("sdpa")
         return ALL_ATTENTION_FUNCTIONS[BASE](module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
     from torch.nn.attention.varlen import varlen_attn
 
-    _CALLS["varlen"] += 1
+    _count("varlen")
     cu_seqlens, longest = segments
     rows, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    options = inspect.signature(varlen_attn).parameters
+    options = _options()
     extra = {"scale": scaling}
     if "window_size" in options:
         extra["window_size"] = (-1, 0)
@@ -128,14 +160,23 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.reshape(rows, length, heads, dim), None
 
 
+def _count(kind: str) -> None:
+    # Not inside a compiled graph: a counter read there becomes a guard on its value, and
+    # every call would recompile (then, past the recompile limit, run eagerly).
+    if not torch.compiler.is_compiling():
+        _CALLS[kind] += 1
+
+
 def varlen_calls() -> dict[str, int]:
-    """How many attention calls ran the varlen kernel, and how many fell back to SDPA."""
+    """How many eager attention calls ran the varlen kernel, and how many fell back to SDPA
+    (calls inside a compiled layer are not counted)."""
     return dict(_CALLS)
 
 
-def install(model: torch.nn.Module) -> bool:
+def install(model: torch.nn.Module, layers=()) -> bool:
     """Select the varlen-where-possible attention for `model`'s text decoder (whose
-    attention is SDPA); False, changing nothing, where it does not apply."""
+    attention is SDPA) and hook its `layers` with `segments_hook`; False, changing
+    nothing, where it does not apply."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -146,4 +187,9 @@ def install(model: torch.nn.Module) -> bool:
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks SDPA gets
     text_config._attn_implementation = NAME
+    for layer in layers:
+        takes_keywords = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(layer.forward).parameters.values())
+        if takes_keywords and not getattr(layer, "_mmrl_segments_hook", False):
+            layer.register_forward_pre_hook(segments_hook, with_kwargs=True)
+            layer._mmrl_segments_hook = True
     return True

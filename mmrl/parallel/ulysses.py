@@ -37,6 +37,8 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
+from mmrl.parts import decoder_stack
+
 NAME = "mmrl_ulysses"
 # What the text decoder runs when no sequence-parallel forward is active. Only "sdpa":
 # families keep their own eager functions (soft-capping, sinks), which delegation from a
@@ -262,28 +264,6 @@ def _register() -> None:
 
 
 # -- installing on a model ----------------------------------------------------------------------
-def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
-    """The module that runs the text decoder layers: the parent of the ModuleList of
-    `adapter.shard_layers` modules that lies under `adapter.parts.language`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layer_names = set(adapter.shard_layers)
-    found = []
-    for name, module in base.named_modules():
-        for child_name, child in module.named_children():
-            if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
-                found.append((name, module))
-    language = adapter.parts.language
-
-    def under_language(name: str) -> bool:
-        return any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in language)
-
-    stacks = [(name, module) for name, module in found if under_language(name)]
-    if len(stacks) != 1:
-        raise ValueError(f"cannot find the text decoder layers: {len(stacks)} module lists of "
-                         f"{sorted(layer_names)} under {list(language)} (found {[n for n, _ in found]})")
-    return stacks[0][1]
-
-
 def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     """Select Ulysses attention for the text decoder of `model` and hook its decoder
     stack; returns the stack. Idempotent."""

@@ -1,0 +1,142 @@
+"""Compiled decoder layers (`mmrl.engine.compiled_layers`) against the eager layers, and the
+varlen segments hook that keeps the varlen kernel's setup out of the compiled graph.
+
+On the CPU inductor compiles C++ kernels, so these compare the compiled path with the
+plain one on the same inputs; the CUDA check (varlen kernel, bf16) is in tests/test_gpu.py."""
+
+import warnings
+
+import pytest
+import torch
+
+from mmrl import build_model
+from mmrl.checks import sample_conversations
+from mmrl.config import OptimConfig
+from mmrl.engine import Engine, join
+from mmrl.parallel import init_distributed
+
+
+def _built(layers=4):
+    # Four layers: one compiled graph serving all of them shows no per-layer recompiles.
+    return build_model("qwen2", random_init=True, seed=0, config_overrides={"num_hidden_layers": layers})
+
+
+def _sequences(built):
+    conversations = sample_conversations(built.adapter)
+    prompts = dict(built.processing(conversations))
+    generator = torch.Generator().manual_seed(1)
+    responses = torch.randint(50, built.model.config.vocab_size, (len(conversations), 6), generator=generator)
+    mask = torch.ones_like(responses)
+    mask[0, 4:] = 0  # a response that stopped early
+    return join(prompts, responses, mask, built.adapter, built.model, built.tokenizer.pad_token_id)
+
+
+def _step(compile_layers, pack, checkpointing=False):
+    """Log-probs, entropy and every gradient of one loss, from a fresh engine on the same weights."""
+    built = _built()
+    engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), compile_layers=compile_layers,
+                    pack=pack, pack_tokens=64, gradient_checkpointing=checkpointing)
+    seqs = _sequences(built)
+    logp, entropy = engine.log_probs(seqs)
+    ((logp - 0.1 * entropy) * seqs.response_mask).sum().backward()
+    grads = {name: p.grad.clone() for name, p in built.model.named_parameters() if p.grad is not None}
+    return engine, logp.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _, logp, entropy, grads = _step(False, pack)
+    engine, logp_c, entropy_c, grads_c = _step(True, pack)
+    assert engine.compiled_layers is not None and engine.compiled_layers.failed is None
+    assert engine.compiled_layers.compiled_calls == 4  # every layer, through the compiled forward
+    assert torch.allclose(logp_c, logp, atol=1e-5) and torch.allclose(entropy_c, entropy, atol=1e-5)
+    assert grads.keys() == grads_c.keys() and len(grads) > 10
+    for name in grads:
+        assert torch.allclose(grads_c[name], grads[name], atol=1e-5, rtol=1e-4), name
+    # One graph for the four layers, none broken: each layer does not compile its own.
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    for _ in range(2):  # the same batch again: no recompile (nothing in the layer guards on a count)
+        engine.log_probs(_sequences(engine.built))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_activation_checkpointing_keeps_the_layers_eager():
+    """A checkpointed layer is recomputed in backward, outside the engine's forward: it runs
+    eagerly both times (a compiled forward and an eager recompute would save different tensors)."""
+    _, logp, _, grads = _step(False, pack=False, checkpointing=True)
+    engine, logp_c, _, grads_c = _step(True, pack=False, checkpointing=True)
+    assert engine.checkpointing and engine.compiled_layers.compiled_calls == 0
+    assert torch.equal(logp_c, logp) and all(torch.equal(grads_c[n], grads[n]) for n in grads)
+
+
+def test_compiled_layers_run_eagerly_outside_the_engines_forwards():
+    """Generation (growing caches) and direct model calls keep the eager layers."""
+    built = _built(layers=2)
+    engine = Engine(built, init_distributed("cpu"), compile_layers=True)
+    batch = built.inputs(sample_conversations(built.adapter))
+    with torch.no_grad():
+        built.model(**batch)
+        built.model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert engine.compiled_layers.compiled_calls == 0
+
+
+def test_a_compile_that_fails_warns_once_and_leaves_the_layers_eager(monkeypatch):
+    class Refused(torch._dynamo.exc.TorchDynamoException):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Refused("this layer cannot be traced\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: refuse)
+    _, logp, _, grads = _step(False, pack=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, logp_c, _, grads_c = _step(True, pack=False)
+    messages = [str(w.message) for w in caught if "compiled decoder layers" in str(w.message)]
+    assert messages == ["compiled decoder layers: off, eager from now on (Refused: this layer cannot be traced)"]
+    assert engine.compiled_layers.failed and engine.compiled_layers.compiled_calls == 0
+    assert torch.equal(logp_c, logp) and all(torch.equal(grads_c[n], grads[n]) for n in grads)
+
+
+def test_compile_layers_auto_is_off_on_the_cpu_and_other_values_are_refused():
+    built = _built(layers=2)
+    assert Engine(built, init_distributed("cpu"), pack=True).compiled_layers is None  # no varlen kernel here
+    assert Engine(built, init_distributed("cpu"), compile_layers=False).compiled_layers is None
+    with pytest.raises(ValueError, match="compile_layers must be true, false or auto, got 'yes'"):
+        Engine(built, init_distributed("cpu"), compile_layers="yes")
+
+
+def test_the_segments_hook_hands_each_layer_its_masks_segments(monkeypatch):
+    """A packed forward: every decoder layer's attention call receives the segments of its
+    own document-causal mask as a keyword, so nothing inside the layer reads the mask."""
+    from mmrl.engine import varlen
+    from mmrl.parts import decoder_layers
+    from mmrl.positions import pack
+
+    built = _built(layers=2)
+    seen = []
+    real = varlen.varlen_attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs.get(varlen.SEGMENTS)))
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attention", spy)
+    layers = decoder_layers(built.model, built.adapter)
+    assert len(layers) == 2 and varlen.install(built.model, layers)
+    assert varlen.install(built.model, layers)  # idempotent: one hook per layer
+    assert sum(len(layer._forward_pre_hooks) for layer in layers) == 2
+    with torch.no_grad():
+        packed = pack(built.inputs(sample_conversations(built.adapter)))
+        packed.pop("cu_seqlens", None)  # as the engine's packed rows: boundaries from the positions alone
+        built.model(**packed, use_cache=False)  # with no cache transformers reads the boundaries
+    assert len(seen) == 2
+    for mask, segments in seen:
+        expected = varlen.document_segments(mask)
+        assert expected is not None and segments is not None
+        assert torch.equal(segments[0], expected[0]) and segments[1] == expected[1]
