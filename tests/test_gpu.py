@@ -84,6 +84,28 @@ def test_shared_media_under_bf16_autocast_matches_the_plain_forward(family):
     assert abs(plain_grad - our_grad) <= 5e-2 * plain_grad
 
 
+def _packing_case(family):
+    """A random-init model of `family`, its sample prompts twice (once reversed) and 6 random
+    response tokens each: (built, dist, prompts, responses)."""
+    built = build_model(family, random_init=True)
+    conversations = sample_conversations(built.adapter)
+    rows = conversations + conversations[::-1]
+    prompts = dict(built.processing(rows))
+    responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
+    return built, init_distributed(DEVICE), prompts, responses
+
+
+def _log_probs_and_gradient_norm(engine, seqs):
+    """The engine's log-probs (fp32, detached) and the norm of the gradient of their sum,
+    which is then dropped."""
+    logp, _ = engine.log_probs(seqs)
+    logp.sum().backward()
+    model = engine.model
+    grad = sum(p.grad.float().norm() ** 2 for p in model.parameters() if p.grad is not None) ** 0.5
+    model.zero_grad(set_to_none=True)
+    return logp.detach().float(), float(grad)
+
+
 @pytest.mark.parametrize("family, causal_text", [("qwen2", True), ("qwen2_5_vl", True), ("gemma3", False)])
 def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, causal_text):
     """Padding-free log-probs on CUDA (bf16 autocast; the flash varlen kernel where the
@@ -91,14 +113,9 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, cau
     SDPA elsewhere, e.g. Gemma 3's bidirectional image blocks) against the padded batch:
     bf16 noise at most, and gradients of the same size. The exact fp32 comparison is
     tests/test_engine.py."""
-    built = build_model(family, random_init=True)
-    dist = init_distributed(DEVICE)
-    conversations = sample_conversations(built.adapter)
-    rows = conversations + conversations[::-1]
-    prompts = dict(built.processing(rows))
-    responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
     from mmrl.engine.varlen import varlen_calls
 
+    built, dist, prompts, responses = _packing_case(family)
     results = []
     for pack in (False, True):
         calls = varlen_calls()["varlen"]
@@ -107,11 +124,7 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, cau
         seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
                     built.tokenizer.pad_token_id).to(dist.device)
         assert engine.packs(seqs) == pack
-        logp, _ = engine.log_probs(seqs)
-        logp.sum().backward()
-        grad = sum(p.grad.float().norm() ** 2 for p in built.model.parameters() if p.grad is not None) ** 0.5
-        built.model.zero_grad(set_to_none=True)
-        results.append((logp.detach().float(), float(grad)))
+        results.append(_log_probs_and_gradient_norm(engine, seqs))
         if causal_text:  # a causal text decoder runs packed rows through the varlen kernel
             assert (varlen_calls()["varlen"] > calls) == pack
     (padded, padded_grad), (packed, packed_grad) = results
@@ -130,12 +143,7 @@ def test_compiled_layers_on_cuda_match_the_eager_packed_update(family):
 
     torch._dynamo.reset()
     counters.clear()
-    built = build_model(family, random_init=True)
-    dist = init_distributed(DEVICE)
-    conversations = sample_conversations(built.adapter)
-    rows = conversations + conversations[::-1]
-    prompts = dict(built.processing(rows))
-    responses = torch.randint(30, built.model.config.get_text_config().vocab_size, (len(rows), 6))
+    built, dist, prompts, responses = _packing_case(family)
     engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=True, pack_tokens=250)
     assert engine.varlen and engine.compiled_layers is not None
     seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
@@ -145,11 +153,7 @@ def test_compiled_layers_on_cuda_match_the_eager_packed_update(family):
         engine.compiled_layers.enabled = compiled
         calls = varlen_calls()["varlen"]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            logp, _ = engine.log_probs(seqs)
-        logp.sum().backward()
-        grad = sum(p.grad.float().norm() ** 2 for p in built.model.parameters() if p.grad is not None) ** 0.5
-        built.model.zero_grad(set_to_none=True)
-        results.append((logp.detach().float(), float(grad)))
+            results.append(_log_probs_and_gradient_norm(engine, seqs))
         # The kernel ran (inside the compiled graph the eager counter does not count).
         assert any("varlen_attn" in event.name for event in profile.events())
         assert (varlen_calls()["varlen"] > calls) == (not compiled)
