@@ -31,9 +31,15 @@ def _sequences(built):
     return join(prompts, responses, mask, built.adapter, built.model, built.tokenizer.pad_token_id)
 
 
-def _step(compile_layers, pack, checkpointing=False):
+def _step(compile_layers, pack, checkpointing=False, lora=False):
     """Log-probs, entropy and every gradient of one loss, from a fresh engine on the same weights."""
     built = _built()
+    if lora:  # LoRA adapters inside the compiled layers (non-zero B, so they change the output)
+        from mmrl.lora import apply_lora
+
+        torch.manual_seed(0)
+        built.model = apply_lora(built.model, scope="language", rank=4, init_lora_weights=False,
+                                 adapter=built.adapter)
     engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), compile_layers=compile_layers,
                     pack=pack, pack_tokens=64, gradient_checkpointing=checkpointing)
     seqs = _sequences(built)
@@ -63,6 +69,16 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack):
     for _ in range(2):  # the same batch again: no recompile (nothing in the layer guards on a count)
         engine.log_probs(_sequences(engine.built))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_layers_with_lora_give_the_eager_log_probs_and_gradients():
+    _, logp, _, grads = _step(False, pack=True, lora=True)
+    engine, logp_c, _, grads_c = _step(True, pack=True, lora=True)
+    assert engine.compiled_layers.failed is None and engine.compiled_layers.compiled_calls == 4
+    assert torch.allclose(logp_c, logp, atol=1e-5)
+    assert grads.keys() == grads_c.keys() and all("lora_" in name for name in grads)
+    for name in grads:
+        assert torch.allclose(grads_c[name], grads[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_activation_checkpointing_keeps_the_layers_eager():
