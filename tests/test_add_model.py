@@ -526,3 +526,18 @@ def test_a_causal_lm_built_from_the_text_sub_config_is_scaffolded_on_that_config
     # Emu3's causal LM is its text model alone; Emu3Config itself has no text shape fields.
     assert resolve("emu3").config_class == "Emu3TextConfig" and not resolve("emu3").is_vision_language
     assert resolve("llama").config_class == "LlamaConfig"
+
+
+def test_expert_counts_left_unset_by_default_get_tiny_values_as_a_later_try():
+    """A default config that leaves its expert counts None (checkpoints write them) gets
+    tiny ones, only when asked (after the default's own None failed: None can also mean
+    a dense model)."""
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+
+    # Dots1Config leaves n_routed_experts and n_shared_experts None; its experts are sized by them.
+    assert "n_routed_experts" not in tiny_text_values("Dots1Config")
+    values = tiny_text_values("Dots1Config", unset_experts=True)
+    assert values["n_routed_experts"] == 4 and values["n_shared_experts"] == 1
+    tiny = tiny_model_inputs(resolve("dots1"))  # the earlier candidates fail at torch.empty(None, ...)
+    assert tiny.config.n_routed_experts == 4

@@ -32,6 +32,9 @@ _LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _HEAD_DIM = (
 # Integers that are never shapes, whatever their value.
 _NOT_SHAPES = re.compile(r"token|vocab|position|seed|window|chunk|max_|length|bucket|ctx|steps|rate|epoch|"
                          r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels")
+# How many experts a mixture holds (routed, shared).
+_EXPERT_COUNTS = re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_experts|moe_num_experts|n_experts"
+                            r"|num_routed_experts|n_shared_experts|num_shared_experts)$")
 # Experts a token is routed to (a router's top-k).
 _EXPERTS_PER_TOKEN = re.compile(r"(experts_per_tok|experts_per_token|moe_topk|moe_k|^top_k$|num_selected_experts|topk)$")
 # Sizes a name announces, for integers that follow no default shape.
@@ -220,10 +223,11 @@ TEXT_SHAPE_CANDIDATES = (
 
 
 def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES,
-                     attend_last: bool = False) -> dict[str, Any]:
+                     attend_last: bool = False, unset_experts: bool = False) -> dict[str, Any]:
     """The values that shrink a text config class (only fields the class has); with
     `attend_last`, a stack the default config leaves all linear-attention gets one
-    attention layer, its last (`_attending_last`)."""
+    attention layer, its last (`_attending_last`); with `unset_experts`, expert counts the
+    default config leaves None get tiny values (`_unset_expert_counts`)."""
     import transformers
 
     cls = getattr(transformers, config_class)
@@ -235,6 +239,8 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     values = shrink_values(default, shapes, layer_indexes=True)
     if attend_last:
         values.update(_attending_last(default, values, shapes))
+    if unset_experts:
+        values.update(_unset_expert_counts(default, values))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
     if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", _modeling_source(cls)):
@@ -270,6 +276,16 @@ def _attending_last(default, values: dict[str, Any], shapes: dict[str, int]) -> 
             if value is None and _ATTENTION_INDEXES.match(key) and depth:
                 changed[key] = [depth - 1]
     return changed
+
+
+def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
+    """Expert counts (routed, shared) the default config leaves None: released checkpoints
+    write them, and model code that sizes its experts by them fails on None. A None count
+    can also mean a dense model (a switch elsewhere turns the mixture on), so this is
+    tried only after the default's own None has failed."""
+    return {key: next(size for pattern, size in _BY_NAME if pattern.search(key))
+            for key, value in default.to_dict().items()
+            if value is None and key not in values and _EXPERT_COUNTS.search(key)}
 
 
 def _tiny_rope(rope, cls, values: dict[str, Any], default):
@@ -340,10 +356,13 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     tokenizer = tiny_text_tokenizer()
     first: ScaffoldError | None = None
     tried: list[dict[str, Any]] = []
-    # Last, a stack left all linear-attention by default with one attention layer.
-    for shapes, attend_last in [*((shapes, False) for shapes in TEXT_SHAPE_CANDIDATES), (TINY_TEXT_SHAPES, True)]:
+    # Last, a stack left all linear-attention by default with one attention layer, and
+    # expert counts left unset by default given one.
+    candidates = [*((shapes, False, False) for shapes in TEXT_SHAPE_CANDIDATES), (TINY_TEXT_SHAPES, True, False),
+                  (TINY_TEXT_SHAPES, False, True)]
+    for shapes, attend_last, unset_experts in candidates:
         try:
-            overrides = tiny_text_values(resolved.config_class, shapes, attend_last)
+            overrides = tiny_text_values(resolved.config_class, shapes, attend_last, unset_experts)
             if overrides in tried:  # a candidate that changes nothing the class has: already run
                 continue
             tried.append(overrides)
