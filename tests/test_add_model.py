@@ -541,3 +541,23 @@ def test_expert_counts_left_unset_by_default_get_tiny_values_as_a_later_try():
     assert values["n_routed_experts"] == 4 and values["n_shared_experts"] == 1
     tiny = tiny_model_inputs(resolve("dots1"))  # the earlier candidates fail at torch.empty(None, ...)
     assert tiny.config.n_routed_experts == 4
+
+
+def test_fields_a_validator_relates_are_related_again_after_shrinking():
+    """Where the class's validation rejects the shrunk values, the integer fields its
+    message names keep the relation the default config gives them, by changing a field
+    left at its default: a product (hidden width x expansion = heads x per-head width)
+    solved for the head count, a divisor cut to one of the shrunk value."""
+    import transformers
+
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    values = tiny_text_values("Mamba2Config")
+    assert values["hidden_size"] * transformers.Mamba2Config().expand == values["num_heads"] * values["head_dim"]
+    assert values["num_heads"] < transformers.Mamba2Config().num_heads
+    transformers.Mamba2Config(**values)  # accepted
+
+    values = tiny_text_values("Glm5NextTextConfig")  # index_topk 2048 over pools of 16, shrunk to 2
+    assert values["index_topk"] % values["index_kpool"] == 0
+    transformers.Glm5NextTextConfig(**values)
+    assert "num_heads" not in tiny_text_values("LlamaConfig")  # an accepted config is left as it is

@@ -16,8 +16,10 @@ What to shrink is read from the default config itself, never from a table of typ
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +251,65 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         entry = {"rope_type": "default", "rope_theta": float(getattr(default, "rope_theta", None) or 10000.0)}
         values["rope_parameters"] = {t: _tiny_rope(entry, cls, values, default) or dict(entry)
                                      for t in dict.fromkeys(layer_types)}
-        return values
+        return _accepted(cls, default, values)
     rope = _tiny_rope(rope, cls, values, default)
     if rope is not None:
         values["rope_parameters"] = rope
-    return values
+    return _accepted(cls, default, values)
+
+
+def _accepted(cls, default, values: dict[str, Any]) -> dict[str, Any]:
+    """`values`, or, where the class's validation rejects them, the same values with the
+    fields its message names related again as the default config relates them
+    (`_relations_kept`) if the class accepts those; else `values`, whose rejection is
+    reported where the config is built."""
+    try:
+        cls(**values)
+        return values
+    except Exception as exc:  # a validator may raise anything
+        message = str(exc)
+    repaired = _relations_kept(default, values, message)
+    if repaired is None:
+        return values
+    try:
+        cls(**repaired)
+    except Exception:
+        return values
+    return repaired
+
+
+def _relations_kept(default, values: dict[str, Any], message: str) -> dict[str, Any] | None:
+    """Integer fields named in a validation `message` that the default config relates and
+    the shrunk values no longer do, related again by changing a field left at its default:
+    - a divisor (the default's 16 divides a shrunk field's default 2048 but not its tiny 2)
+      becomes the largest that divides the tiny value;
+    - a product (by default a * b == c * d, one side shrunk) is kept by solving for a field
+      left at its default, the solution that shrinks it most (a count of heads follows a
+      shrunk width and per-head width).
+    None where nothing changes."""
+    own = default.to_dict()
+    named = {k: v for k, v in own.items()
+             if type(v) is int and v > 0 and re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", message)}
+    tiny = {k: values.get(k, v) for k, v in named.items()}
+    if not all(type(v) is int and v > 0 for v in tiny.values()):
+        return None
+    changed: dict[str, int] = {}
+    for shrunk, divisor in permutations(named, 2):
+        if (shrunk in values and divisor not in values and named[shrunk] % named[divisor] == 0
+                and tiny[shrunk] % tiny[divisor]):
+            changed[divisor] = math.gcd(tiny[shrunk], tiny[divisor])
+    for (a, b), (c, d) in combinations(list(combinations(named, 2)), 2):
+        if len({a, b, c, d}) < 4 or named[a] * named[b] != named[c] * named[d]:
+            continue
+        solutions = []
+        for solve, mate, (e, f) in ((a, b, (c, d)), (b, a, (c, d)), (c, d, (a, b)), (d, c, (a, b))):
+            product = tiny[e] * tiny[f]
+            if solve not in values and product % tiny[mate] == 0 and 0 < product // tiny[mate] <= named[solve]:
+                solutions.append((product // tiny[mate] / named[solve], solve, product // tiny[mate]))
+        if solutions:
+            _, solve, value = min(solutions)
+            changed[solve] = value
+    return {**values, **changed} if changed else None
 
 
 _LINEAR = "linear_attention"
