@@ -16,7 +16,7 @@ weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens on
     python bench/packing.py --checkpointing --out $OUT/packing_gpu.json
     python bench/packing.py --dtype bfloat16 --modes padded varlen_16384 compiled_16384 --out $OUT/packing_gpu_bf16.json
     .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
-        --modes padded packed_400   # smoke run
+        --modes padded packed_400 compiled_400   # smoke run (compiled: inductor's C++ kernels)
 """
 
 from __future__ import annotations
