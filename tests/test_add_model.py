@@ -561,3 +561,18 @@ def test_fields_a_validator_relates_are_related_again_after_shrinking():
     assert values["index_topk"] % values["index_kpool"] == 0
     transformers.Glm5NextTextConfig(**values)
     assert "num_heads" not in tiny_text_values("LlamaConfig")  # an accepted config is left as it is
+
+
+def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
+    """A default config that leaves `layer_types` None, under model code that keys its
+    attention masks by layer kind: one layer of each kind, attention last; a default that
+    sets its own list is left to the per-layer shrink."""
+    import transformers
+
+    from mmrl.scaffold.shrink import _unset_layer_kinds, tiny_text_values
+
+    # Lfm2MoeConfig leaves layer_types None; its model indexes it per layer, and
+    # {"full_attention": ..., "conv": ...} names the kinds.
+    values = tiny_text_values("Lfm2MoeConfig")
+    assert values["layer_types"] == ["conv", "full_attention"] and values["num_hidden_layers"] == 2
+    assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {}) == {}

@@ -243,6 +243,7 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         values.update(_attending_last(default, values, shapes))
     if unset_experts:
         values.update(_unset_expert_counts(default, values))
+    values.update(_unset_layer_kinds(cls, default, values, shapes))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
     if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", _modeling_source(cls)):
@@ -332,6 +333,28 @@ def _attending_last(default, values: dict[str, Any], shapes: dict[str, int]) -> 
             if value is None and _ATTENTION_INDEXES.match(key) and depth:
                 changed[key] = [depth - 1]
     return changed
+
+
+def _unset_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
+    """Per-layer kinds (`layer_types`) the default config leaves None, read off the model
+    code where it keys its attention masks by them (`causal_mask_mapping = {"kind": ...}`
+    indexed by `layer_types[i]`): every kind once, attention last (transformers' cache asks
+    an attention layer for the length), and as many layers as kinds where the tiny depth
+    holds fewer. Released checkpoints write the list; a default without it builds no layer."""
+    if "layer_types" in values or default.to_dict().get("layer_types", 0) is not None:
+        return {}
+    source = _modeling_source(cls)
+    mapping = re.search(r"causal_mask_mapping\s*=\s*\{(.*?)\n\s*\}", source, re.S)
+    if mapping is None or not re.search(r"causal_mask_mapping\[[^\]]*layer_types\[", source):
+        return {}
+    kinds = list(dict.fromkeys(re.findall(r'^\s*["\'](\w+)["\']\s*:', mapping.group(1), re.M)))
+    if len(kinds) < 2:
+        return {}
+    kinds.sort(key=lambda kind: kind == "full_attention")
+    layers_key = dict(getattr(default, "attribute_map", {}) or {}).get(_LAYERS, _LAYERS)
+    depth = max(values.get(layers_key, shapes.get(_LAYERS, 2)), len(kinds))
+    layer_types = [kinds[0]] * (depth - len(kinds)) + kinds
+    return {"layer_types": layer_types, layers_key: depth}
 
 
 def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
