@@ -576,3 +576,16 @@ def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
     values = tiny_text_values("Lfm2MoeConfig")
     assert values["layer_types"] == ["conv", "full_attention"] and values["num_hidden_layers"] == 2
     assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {}) == {}
+
+
+def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
+    """Fields whose class default is None but that the default config holds (the class
+    derived them) are left out, only when asked: each shrunk on its own by name, they can
+    break the sum the class keeps (query/key width = plain + rotary part)."""
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+
+    assert tiny_text_values("LongcatFlashConfig")["qk_head_dim"] == 32  # 32 + 32 by its parts
+    assert "qk_head_dim" not in tiny_text_values("LongcatFlashConfig", derived=True)
+    tiny = tiny_model_inputs(resolve("longcat_flash"))  # the earlier candidates fail in torch.split
+    assert tiny.config.qk_head_dim == tiny.config.qk_nope_head_dim + tiny.config.qk_rope_head_dim

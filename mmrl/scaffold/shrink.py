@@ -225,11 +225,13 @@ TEXT_SHAPE_CANDIDATES = (
 
 
 def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES,
-                     attend_last: bool = False, unset_experts: bool = False) -> dict[str, Any]:
+                     attend_last: bool = False, unset_experts: bool = False,
+                     derived: bool = False) -> dict[str, Any]:
     """The values that shrink a text config class (only fields the class has); with
     `attend_last`, a stack the default config leaves all linear-attention gets one
     attention layer, its last (`_attending_last`); with `unset_experts`, expert counts the
-    default config leaves None get tiny values (`_unset_expert_counts`)."""
+    default config leaves None get tiny values (`_unset_expert_counts`); with `derived`,
+    fields the class derives itself are left to it (`_derived_by_the_class`)."""
     import transformers
 
     cls = getattr(transformers, config_class)
@@ -239,6 +241,9 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
                             category="config") from exc
     values = shrink_values(default, shapes, layer_indexes=True)
+    if derived:
+        for key in _derived_by_the_class(cls, default):
+            values.pop(key, None)
     if attend_last:
         values.update(_attending_last(default, values, shapes))
     if unset_experts:
@@ -357,6 +362,20 @@ def _unset_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[str, i
     return {"layer_types": layer_types, layers_key: depth}
 
 
+def _derived_by_the_class(cls, default) -> set[str]:
+    """Fields whose class default is None but which the default config holds a value
+    for: the class derives them from other fields when it is built (a query/key head
+    width as the sum of its rotary and plain parts). Shrunk each on its own by name, they
+    can break the sum the class would have kept; left out, the class derives them from
+    the shrunk fields. Tried only after the shrunk values failed."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    own = default.to_dict()
+    return {f.name for f in dataclasses.fields(cls) if f.default is None and own.get(f.name) is not None}
+
+
 def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
     """Expert counts (routed, shared) the default config leaves None: released checkpoints
     write them, and model code that sizes its experts by them fails on None. A None count
@@ -435,13 +454,14 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     tokenizer = tiny_text_tokenizer()
     first: ScaffoldError | None = None
     tried: list[dict[str, Any]] = []
-    # Last, a stack left all linear-attention by default with one attention layer, and
-    # expert counts left unset by default given one.
-    candidates = [*((shapes, False, False) for shapes in TEXT_SHAPE_CANDIDATES), (TINY_TEXT_SHAPES, True, False),
-                  (TINY_TEXT_SHAPES, False, True)]
-    for shapes, attend_last, unset_experts in candidates:
+    # Last, a stack left all linear-attention by default with one attention layer,
+    # expert counts left unset by default given one, and fields the class derives left to it.
+    candidates = [*((shapes, False, False, False) for shapes in TEXT_SHAPE_CANDIDATES),
+                  (TINY_TEXT_SHAPES, True, False, False), (TINY_TEXT_SHAPES, False, True, False),
+                  (TINY_TEXT_SHAPES, False, False, True)]
+    for shapes, attend_last, unset_experts, derived in candidates:
         try:
-            overrides = tiny_text_values(resolved.config_class, shapes, attend_last, unset_experts)
+            overrides = tiny_text_values(resolved.config_class, shapes, attend_last, unset_experts, derived)
             if overrides in tried:  # a candidate that changes nothing the class has: already run
                 continue
             tried.append(overrides)
