@@ -93,16 +93,18 @@ def freeze(
     return frozen
 
 
+def _layer_lists(module: torch.nn.Module, layer_names: set[str]) -> list[torch.nn.ModuleList]:
+    """`module`'s ModuleList children that hold layers of the `layer_names` classes."""
+    return [child for child in module.children()
+            if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child)]
+
+
 def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
     """The module that runs the text decoder layers: the parent of the ModuleList of
     `adapter.shard_layers` modules that lies under `adapter.parts.language`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layer_names = set(adapter.shard_layers)
-    found = []
-    for name, module in base.named_modules():
-        for child_name, child in module.named_children():
-            if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
-                found.append((name, module))
+    found = [(name, module) for name, module in base.named_modules() for _ in _layer_lists(module, layer_names)]
     language = adapter.parts.language
 
     def under_language(name: str) -> bool:
@@ -118,7 +120,5 @@ def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
 def decoder_layers(model: torch.nn.Module, adapter) -> list[torch.nn.Module]:
     """The text decoder's layers, in order (the `adapter.shard_layers` modules of `decoder_stack`'s list)."""
     layer_names = set(adapter.shard_layers)
-    for child in decoder_stack(model, adapter).children():
-        if isinstance(child, torch.nn.ModuleList) and any(type(m).__name__ in layer_names for m in child):
-            return [m for m in child if type(m).__name__ in layer_names]
-    return []
+    lists = _layer_lists(decoder_stack(model, adapter), layer_names)
+    return [m for m in lists[0] if type(m).__name__ in layer_names] if lists else []

@@ -55,6 +55,7 @@ then takes the gradients as they are. fp32 and bf16 engines scale nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,7 +205,7 @@ class Engine:
         if self.pack and dist.device.type == "cuda" and self.sequence_parallel == 1:
             from mmrl.engine import varlen
 
-            self.varlen = varlen.available() and varlen.install(self.model, self._decoder_layers())
+            self.varlen = varlen.available() and varlen.install(self.model, self._decoder_layers)
         # The text decoder's layers compiled in the log-prob and value forwards
         # (`mmrl.engine.compiled_layers`). "auto": where packed rows run the varlen kernel in
         # one process (measured there; sharded layers are not compiled unless asked).
@@ -214,10 +215,9 @@ class Engine:
         if compile_layers is True or (compile_layers == "auto" and self.varlen and not dist.distributed):
             from mmrl.engine.compiled_layers import CompiledLayers
 
-            layers = self._decoder_layers()
-            if not layers and compile_layers is True:
+            if not self._decoder_layers and compile_layers is True:
                 raise ValueError("compile_layers: cannot find the text decoder's layers to compile")
-            self.compiled_layers = CompiledLayers(layers) if layers else None
+            self.compiled_layers = CompiledLayers(self._decoder_layers) if self._decoder_layers else None
         # The vision tower's per-image/per-window attention in one call per layer, where
         # the model code offers a sequence-boundaries path (`mmrl.engine.vision_attention`).
         self.vision_one_call = vision_attention.install(self.model)
@@ -295,8 +295,9 @@ class Engine:
         # submodule first (the vision encoder, before prefill), so settle the root now.
         self.model._get_fsdp_state()._lazy_init()
 
+    @functools.cached_property
     def _decoder_layers(self) -> list[torch.nn.Module]:
-        """The text decoder's layers (`mmrl.parts.decoder_layers`); empty where not found."""
+        """The text decoder's layers (`mmrl.parts.decoder_layers`), found once; empty where not found."""
         from mmrl.parts import decoder_layers
 
         try:
