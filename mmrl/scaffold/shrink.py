@@ -224,7 +224,7 @@ TEXT_SHAPE_CANDIDATES = (
 )
 
 
-def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES,
+def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES, *,
                      attend_last: bool = False, unset_experts: bool = False,
                      derived: bool = False) -> dict[str, Any]:
     """The values that shrink a text config class (only fields the class has); with
@@ -456,12 +456,11 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     tried: list[dict[str, Any]] = []
     # Last, a stack left all linear-attention by default with one attention layer,
     # expert counts left unset by default given one, and fields the class derives left to it.
-    candidates = [*((shapes, False, False, False) for shapes in TEXT_SHAPE_CANDIDATES),
-                  (TINY_TEXT_SHAPES, True, False, False), (TINY_TEXT_SHAPES, False, True, False),
-                  (TINY_TEXT_SHAPES, False, False, True)]
-    for shapes, attend_last, unset_experts, derived in candidates:
+    candidates = [*({"shapes": shapes} for shapes in TEXT_SHAPE_CANDIDATES),
+                  {"attend_last": True}, {"unset_experts": True}, {"derived": True}]
+    for candidate in candidates:
         try:
-            overrides = tiny_text_values(resolved.config_class, shapes, attend_last, unset_experts, derived)
+            overrides = tiny_text_values(resolved.config_class, **candidate)
             if overrides in tried:  # a candidate that changes nothing the class has: already run
                 continue
             tried.append(overrides)
