@@ -9,8 +9,8 @@ padded mode is the engine's plain path (left-padded prompts, right-padded respon
 logits for every response column, SDPA); the packed modes are `Engine(pack=True)`
 (`mmrl.engine.packing`) with SDPA over the packed-sequence mask (packed_N), the flash
 varlen kernel (varlen_N, `mmrl.engine.varlen`), or that kernel with the decoder layers
-compiled (compiled_N, `mmrl.engine.compiled_layers`; the engine's default on a GPU). A mode that runs out of memory is recorded
-as such. Before timing, the two modes' log-probs are compared on the same
+compiled (compiled_N, `mmrl.engine.compiled_layers`; the engine's default on a GPU). A
+mode that runs out of memory is recorded as such. Before timing, the two modes' log-probs are compared on the same
 weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens only.
 
     python bench/packing.py --checkpointing --out $OUT/packing_gpu.json

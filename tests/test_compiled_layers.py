@@ -12,23 +12,14 @@ import torch
 from mmrl import build_model
 from mmrl.checks import sample_conversations
 from mmrl.config import OptimConfig
-from mmrl.engine import Engine, join
+from mmrl.engine import Engine
 from mmrl.parallel import init_distributed
+from test_engine import _sequences  # the sample prompts, random responses, one stopped early
 
 
 def _built(layers=4):
     # Four layers: one compiled graph serving all of them shows no per-layer recompiles.
     return build_model("qwen2", random_init=True, seed=0, config_overrides={"num_hidden_layers": layers})
-
-
-def _sequences(built):
-    conversations = sample_conversations(built.adapter)
-    prompts = dict(built.processing(conversations))
-    generator = torch.Generator().manual_seed(1)
-    responses = torch.randint(50, built.model.config.vocab_size, (len(conversations), 6), generator=generator)
-    mask = torch.ones_like(responses)
-    mask[0, 4:] = 0  # a response that stopped early
-    return join(prompts, responses, mask, built.adapter, built.model, built.tokenizer.pad_token_id)
 
 
 def _step(compile_layers, pack, checkpointing=False, lora=False):
