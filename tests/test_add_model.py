@@ -589,3 +589,28 @@ def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
     assert "qk_head_dim" not in tiny_text_values("LongcatFlashConfig", derived=True)
     tiny = tiny_model_inputs(resolve("longcat_flash"))  # the earlier candidates fail in torch.split
     assert tiny.config.qk_head_dim == tiny.config.qk_nope_head_dim + tiny.config.qk_rope_head_dim
+
+
+def test_a_composite_that_is_its_own_text_config_holds_its_tower_inside_the_text_module():
+    """A config whose own fields configure the text model (no text sub-config, a vision
+    sub-config) is shrunk at its top level, and the model's one module holding the text
+    stack also holds the tower: the module built from the vision sub-config is vision,
+    its siblings a text-only forward does not run are the projector (none where the model
+    cannot run without an image)."""
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import _vision_parts
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import build_tiny, tiny_model_inputs
+
+    expected = {"git": ("git", ("git.image_encoder",), ("git.visual_projection",)),
+                "idefics": ("model", ("model.vision_model",), ())}  # Idefics needs an image in every pass
+    for model_type, (language, vision, projector) in expected.items():
+        resolved = resolve(model_type)
+        with quiet_transformers():
+            tiny = tiny_model_inputs(resolved)
+        assert tiny.media.top_text_key is None and tiny.config.get_text_config(decoder=True) is tiny.config
+        assert tiny.config.hidden_size == 64 and tiny.config.num_hidden_layers == 2
+        model = build_tiny(resolved.model_class, tiny.config)
+        fill_in: list[str] = []
+        found = _vision_parts(model, language, 64, tiny.config.vision_config, fill_in)
+        assert found[:2] == (vision, projector) and found[2] is not None and fill_in == []

@@ -163,6 +163,9 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
         if not inner_path or stacked:
             break
         inner_path = inner_path.rpartition(".")[0]
+    inside = _tower_inside(model, language, vision_config) if not stacked else None
+    if inside is not None:
+        return inside
     if nearest and not stacked:
         leaves = tuple(dict.fromkeys(leaf or path.rpartition(".")[2] for path, child in nearest
                                      for leaf in _linear_leaves(child)))
@@ -188,6 +191,50 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
         fill_in.append("parts.projector: the projector sits inside the vision tower; name its path")
     block = blocks[0][1][0]
     return (vision_path,), tuple(projector_paths), type(block).__name__, _linear_leaves(block)
+
+
+def _tower_inside(model, language: str, vision_config):
+    """(vision paths, projector paths, vision block class, vision linear leaves) for a
+    model whose one module holds both its text stack and its vision tower (no sibling of
+    the language model is a tower): the module under the language path built from the
+    vision sub-config is the tower, and its siblings that a text-only forward does not run
+    are the projector (none where the model cannot run without an image). None where no
+    module under the language path was built from the vision sub-config."""
+    if vision_config is None:
+        return None
+    tower = next((name for name, module in model.named_modules()
+                  if name != language and _under(name, language) and _block_lists(model, name)
+                  and type(getattr(module, "config", None)) is type(vision_config)), None)
+    if tower is None:
+        return None
+    parent = tower.rpartition(".")[0]
+    beside = [f"{parent}.{name}" if parent else name for name, child in model.get_submodule(parent).named_children()
+              if any(True for _ in child.parameters())]
+    ran = _run_on_text(model, [path for path in beside if path != tower])
+    projector = tuple(path for path in beside if path != tower and ran is not None and path not in ran)
+    blocks = _block_lists(model, tower)
+    block = blocks[0][1][0]
+    return (tower,), projector, type(block).__name__, _linear_leaves(block)
+
+
+def _run_on_text(model, paths: list[str]) -> set[str] | None:
+    """Which of the modules at `paths` one forward pass on a few text tokens runs; None
+    where the model does not run without an image."""
+    import torch
+
+    ran: set[str] = set()
+    handles = [model.get_submodule(path).register_forward_pre_hook(lambda module, args, path=path: ran.add(path))
+               for path in paths]
+    vocab = model.get_input_embeddings().num_embeddings
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 11).reshape(1, 8) % vocab)
+    except Exception:  # a model that needs an image in every pass
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ran
 
 
 def _inner_projector(model, tower: str, stack: str, text_width: int | None) -> list[str]:

@@ -246,11 +246,14 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     vision_class = (getattr(config_cls, "sub_configs", {}) or {}).get(resolved.vision_config_key)
     if vision_default is None and isinstance(vision_class, type) and vision_class.__name__ != "AutoConfig":
         vision_default = vision_class()  # a tower left out by default (a text-only default)
-    if vision_default is None or text_default is defaults:
+    if vision_default is None:
         raise ScaffoldError(f"{resolved.config_class} has no separate text and vision sub-configs by default; write "
                             "tiny() by hand", category="config")
-    text_key = next((k for k, v in vars(defaults).items() if v is text_default), None)
-    if text_key is None:
+    # A composite whose own fields configure its text model (it is its own text config)
+    # keeps the text values at its top level: text_key None.
+    text_key = None if text_default is defaults else next(
+        (k for k, v in vars(defaults).items() if v is text_default), None)
+    if text_key is None and text_default is not defaults:
         raise ScaffoldError(f"{resolved.config_class}: the text sub-config sits under no attribute the scaffold can "
                             "set; write tiny() by hand", category="config")
     processor_cls = _processor_class(resolved.model_type, config_cls)
@@ -278,7 +281,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             token_fields[key] = token
     literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
     text_class = type(text_default).__name__
-    text_overrides = tiny_text_values(text_class)
+    text_overrides = _text_values(text_class, TINY_TEXT_SHAPES, config_cls)
     if (getattr(text_default, "sliding_window", 0) is None and "sliding_window" not in text_overrides
             and _modeling_reads(type(text_default), "sliding_attention")):
         # Model code that builds a sliding-window mask whatever its layers use: a window
@@ -299,8 +302,8 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
             if "merge" in key and type(merge) is int and merge > 1:
                 top_tied.setdefault(vision_hidden * merge * merge, tiny_hidden * merge * merge)
     top = {k: v for k, v in shrink_values(defaults, {}, tied=top_tied).items()
-           if k not in (text_key, resolved.vision_config_key)}
-    if isinstance(defaults.to_dict().get("hidden_size"), int):
+           if k not in (text_key, resolved.vision_config_key) and (text_key is not None or k not in text_overrides)}
+    if isinstance(defaults.to_dict().get("hidden_size"), int) and text_key is not None:
         # A composite config's own width is its text model's, even where the
         # defaults disagree (a 1536-wide top level over a 4096-wide text default).
         top["hidden_size"] = text_overrides.get("hidden_size", TINY_TEXT_SHAPES["hidden_size"])
@@ -353,6 +356,15 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     return TinyInputs(config=config, media=plan)
 
 
+def _text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
+    """The shrunk text values; for a composite that is its own text config, without its
+    sub-configs (the tower and any third one are shrunk as towers, not as text)."""
+    values = tiny_text_values(text_class, shapes)
+    if text_class != config_cls.__name__:
+        return values
+    return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
+
+
 def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) -> None:
     """Fill in the processor part of `plan`: sub-processors from transformers' tables
     (sized to the tower), a second tokenizer where one is required, arguments the config
@@ -403,9 +415,12 @@ def build_config(resolved: Resolved, plan: MediaPlan):
     # Processors that prepend a begin-of-text token read it off the tokenizer.
     tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens, special_tokens=tuple(plan.literals),
                                     bos_token="<|endoftext|>")
-    text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
-    values = {plan.top_text_key: text.to_dict(), plan.vision_key: dict(plan.vision), **plan.top}
+    values = {plan.vision_key: dict(plan.vision), **plan.top}
     values.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in plan.token_fields.items()})
+    if plan.top_text_key is None:  # the composite is its own text config
+        return tokenizer, build_text_config(plan.text_config_class, tokenizer, {**plan.text_overrides, **values})
+    text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
+    values[plan.top_text_key] = text.to_dict()
     try:
         config = getattr(transformers, resolved.config_class)(**values)
     except Exception as exc:
@@ -648,7 +663,8 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
         if not (text_shapes or projects or count or size):
             continue  # the defaults, already tried
         width = (text_shapes or TINY_TEXT_SHAPES)["hidden_size"]
-        plan.text_overrides = (tiny_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes})
+        plan.text_overrides = (_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes},
+                                            getattr(transformers, resolved.config_class))
                                if text_shapes else dict(saved[2]))
         plan.vision = dict(saved[0])
         plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})

@@ -260,7 +260,9 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
     plan = d.tiny.media
     indent, width = " " * 4, 112  # the body of tiny(), before the class indent is added
     text_args = [f'"transformers:{plan.text_config_class}"', "tokenizer", *_keyword_args(plan.text_overrides)]
-    config = [f"{plan.top_text_key}=text.to_dict()", f"{plan.vision_key}=vision"]
+    own_text = plan.top_text_key is None  # the composite is its own text config: one call builds it
+    config = text_args[2:] if own_text else [f"{plan.top_text_key}=text.to_dict()"]
+    config.append(f"{plan.vision_key}=vision")
     config += [f"{k}=tokenizer.convert_tokens_to_ids({_str(t)})" for k, t in plan.token_fields.items()]
     if plan.top:
         config.append(f"**{_literal_dict(plan.top)}")
@@ -287,9 +289,14 @@ def _tiny_vision_source(d: Discovery) -> list[str]:
             processor.chat_template = CHAT_TEMPLATE  # set after: not every processor takes one
             return TinyModel(config=config, processor=processor)
         """)
+    if own_text:
+        source = source.replace("    text = @TEXT@\n", "")
+        made = _call("sized_config", [*text_args[:2], *config], indent, width)
+    else:
+        made = _call(f"transformers.{d.resolved.config_class}", config, indent, width)
     source = (source.replace("@TEXT@", _call("sized_config", text_args, indent, width))
               .replace("@VISION@", _literal_dict(plan.vision))
-              .replace("@CONFIG@", _call(f"transformers.{d.resolved.config_class}", config, indent, width))
+              .replace("@CONFIG@", made)
               .replace("@PROCESSOR@", _call(f"transformers.{plan.processor_class}", processor, indent, width)))
     return textwrap.indent(source, "    ").rstrip().split("\n")
 
