@@ -614,3 +614,35 @@ def test_a_composite_that_is_its_own_text_config_holds_its_tower_inside_the_text
         fill_in: list[str] = []
         found = _vision_parts(model, language, 64, tiny.config.vision_config, fill_in)
         assert found[:2] == (vision, projector) and found[2] is not None and fill_in == []
+
+
+def test_a_text_scaffold_declares_the_unrun_modules_beside_its_nested_language_model_as_vision():
+    """A multimodal model scaffolded as a text family (Fuyu: its causal-LM class is its
+    image-text class) holds modules beside its nested language model, in no part: those a
+    text-only forward does not run read images (a patch embedding) and are its vision
+    part; one the text path runs is not."""
+    import torch
+
+    from mmrl.adapter import Parts
+    from mmrl.scaffold.discover import _image_input_beside
+
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.ModuleDict({
+                "language_model": torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(10, 8),
+                                                       "layers": torch.nn.ModuleList([torch.nn.Linear(8, 8)])}),
+                "patch_embed": torch.nn.Linear(12, 8), "final_norm": torch.nn.LayerNorm(8)})
+            self.lm_head = torch.nn.Linear(8, 10)
+
+        def get_input_embeddings(self):
+            return self.model["language_model"]["embed_tokens"]
+
+        def forward(self, input_ids):
+            hidden = self.get_input_embeddings()(input_ids)
+            for layer in self.model["language_model"]["layers"]:
+                hidden = layer(hidden)
+            return self.lm_head(self.model["final_norm"](hidden))
+
+    parts = Parts(language="model.language_model", embed="model.language_model.embed_tokens", lm_head="lm_head")
+    assert _image_input_beside(Nested(), "model.language_model", parts) == ("model.patch_embed",)

@@ -104,6 +104,8 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         outside = sorted({n.split(".")[0] for n in _uncovered_parameters(model, parts)})
         if outside and "." not in language:
             parts = replace(parts, lm_head=tuple(dict.fromkeys((*parts.lm_head, *outside))))
+        elif outside:
+            parts = replace(parts, vision=_image_input_beside(model, language, parts))
     uncovered = _uncovered_parameters(model, parts)
     if uncovered:
         fill_in.append(f"parts: parameters in no part: {', '.join(uncovered[:5])}")
@@ -215,6 +217,19 @@ def _tower_inside(model, language: str, vision_config):
     blocks = _block_lists(model, tower)
     block = blocks[0][1][0]
     return (tower,), projector, type(block).__name__, _linear_leaves(block)
+
+
+def _image_input_beside(model, language: str, parts: Parts) -> tuple[str, ...]:
+    """Modules beside a nested language model, in no part, that a text-only forward does
+    not run: a multimodal model scaffolded as a text family (its causal-LM class is the
+    same as its image-text one) reads images through them (a patch embedding), so they
+    are its vision part; the text family declares no image capability."""
+    parent = language.rpartition(".")[0]
+    uncovered = _uncovered_parameters(model, parts)
+    beside = [f"{parent}.{name}" for name, _ in model.get_submodule(parent).named_children()
+              if any(_under(n, f"{parent}.{name}") for n in uncovered)]
+    ran = _run_on_text(model, beside)
+    return () if ran is None else tuple(path for path in beside if path not in ran)
 
 
 def _run_on_text(model, paths: list[str]) -> set[str] | None:
