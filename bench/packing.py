@@ -2,7 +2,8 @@
 
 A 0.5B-shaped Qwen2 (random init, 152k vocabulary) and RL-like lengths: 64 sequences,
 prompts of 128-512 tokens, responses long-tailed from 32 to 2048 tokens. Both modes run
-the same micro-batches of `--micro-batch` rows through the training engine (bf16
+the same micro-batches of `--micro-batch` rows (packed modes: with `--micro-batch-tokens`,
+consecutive sequences up to that many tokens) through the training engine (bf16
 autocast over fp32 weights, or with `--dtype bfloat16` bf16 weights stepping fp32 masters):
 forward, chunked log-probs, backward and an AdamW step. The
 padded mode is the engine's plain path (left-padded prompts, right-padded responses,
@@ -15,6 +16,8 @@ weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens on
 
     python bench/packing.py --checkpointing --out $OUT/packing_gpu.json
     python bench/packing.py --dtype bfloat16 --modes padded varlen_16384 compiled_16384 --out $OUT/packing_gpu_bf16.json
+    python bench/packing.py --dtype bfloat16 --micro-batch-tokens 32768 --modes padded compiled_32768 \
+        --out $OUT/packing_gpu_bf16_tokens.json
     .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
         --modes padded packed_400 compiled_400   # smoke run (compiled: inductor's C++ kernels)
 """
@@ -61,7 +64,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["padded", "packed_16384", "varlen_16384", "compiled_16384"],
                         help="padded, packed_N (rows of N tokens, SDPA with the packed mask), varlen_N "
                              "(the same rows through the flash varlen kernel, mmrl.engine.varlen) or compiled_N "
-                             "(varlen_N with the decoder layers compiled, mmrl.engine.compiled_layers)")
+                             "(varlen_N with the decoder layers compiled, mmrl.engine.compiled_layers); "
+                             "padded_compiled: the padded rows with the layers compiled")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="packed modes: micro-batches of consecutive sequences up to this many tokens "
+                             "(default: --micro-batch rows, as the padded mode)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--attn", default=None, help="attention implementation (default: SDPA)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -73,7 +80,9 @@ def main() -> None:
     from mmrl import build_model
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine, join, varlen
-    from mmrl.engine.packing import pack_sequences
+    from torch._dynamo.utils import counters
+
+    from mmrl.engine.packing import bins_by_tokens, pack_sequences
     from mmrl.parallel import init_distributed
     from mmrl.probes.base import device_name, versions
 
@@ -89,7 +98,11 @@ def main() -> None:
     prompt_lengths, response_lengths = lengths(args.sequences, generator, short=args.shape == "tiny")
     vocab = shape["vocab_size"]
 
-    def micro_batch(rows: range):
+    prompt_ids = [torch.randint(100, vocab, (p,), generator=generator) for p in prompt_lengths]
+    response_ids = [torch.randint(100, vocab, (r,), generator=generator) for r in response_lengths]
+    sequence_advantages = torch.randn(args.sequences, 1, generator=generator)
+
+    def micro_batch(rows: list[int]):
         width_p = max(prompt_lengths[i] for i in rows)
         width_r = max(response_lengths[i] for i in rows)
         ids = torch.full((len(rows), width_p), pad)
@@ -98,20 +111,26 @@ def main() -> None:
         mask = torch.zeros(len(rows), width_r, dtype=torch.long)
         for j, i in enumerate(rows):
             p, r = prompt_lengths[i], response_lengths[i]
-            ids[j, width_p - p:] = torch.randint(100, vocab, (p,), generator=generator)
+            ids[j, width_p - p:] = prompt_ids[i]
             attention[j, width_p - p:] = 1
-            responses[j, :r] = torch.randint(100, vocab, (r,), generator=generator)
+            responses[j, :r] = response_ids[i]
             mask[j, :r] = 1
         seqs = join({"input_ids": ids, "attention_mask": attention}, responses, mask, built.adapter, built.model, pad)
-        return seqs.to(device)
+        return seqs.to(device), sequence_advantages[rows].to(device)
 
-    batches = [micro_batch(range(i, min(i + args.micro_batch, args.sequences)))
-               for i in range(0, args.sequences, args.micro_batch)]
-    advantages = [torch.randn(s.size, 1, generator=generator).to(device) for s in batches]
+    # Padded modes: micro-batches of --micro-batch rows; packed modes: the same, or with
+    # --micro-batch-tokens consecutive sequences up to that many tokens (the trainer's
+    # algo.micro_batch_tokens). Either way every sequence once, in order.
+    padded_groups = [list(range(i, min(i + args.micro_batch, args.sequences)))
+                     for i in range(0, args.sequences, args.micro_batch)]
+    packed_groups = (bins_by_tokens([p + r for p, r in zip(prompt_lengths, response_lengths)], args.micro_batch_tokens)
+                     if args.micro_batch_tokens else padded_groups)
+    padded_batches = [micro_batch(rows) for rows in padded_groups]
+    packed_batches = [micro_batch(rows) for rows in packed_groups] if args.micro_batch_tokens else padded_batches
     real_tokens = sum(prompt_lengths) + sum(response_lengths)
-    padded_tokens = sum(s.inputs["input_ids"].numel() for s in batches)
+    padded_tokens = sum(s.inputs["input_ids"].numel() for s, _ in padded_batches)
     response_tokens = sum(response_lengths)
-    compiles = any(mode.startswith("compiled") for mode in args.modes)
+    compiles = any("compiled" in mode for mode in args.modes)
     engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), gradient_checkpointing=args.checkpointing, pack=True,
                     compile_layers=compiles)
     text_config = built.model.config.get_text_config()
@@ -122,20 +141,25 @@ def main() -> None:
 
     def use(mode: str) -> None:
         kind, _, tokens = mode.partition("_")
+        if mode == "padded_compiled":  # the padded rows with the decoder layers compiled
+            kind, tokens = "padded", ""
         engine.pack = kind != "padded"
         engine.pack_tokens = int(tokens or 0)
         if kind == "varlen" and not engine.varlen:
             raise SystemExit("the varlen kernel is not available here")
         text_config._attn_implementation = varlen.NAME if kind in ("varlen", "compiled") and engine.varlen else attention
         if engine.compiled_layers is not None:
-            engine.compiled_layers.enabled = kind == "compiled"
+            engine.compiled_layers.enabled = kind == "compiled" or mode == "padded_compiled"
+
+    def chosen(mode: str) -> list:
+        return padded_batches if mode.startswith("padded") else packed_batches
 
     def step(mode: str) -> tuple[float, list[torch.Tensor]]:
         use(mode)
         sync()
         start = time.perf_counter()
         logps = []
-        for seqs, advantage in zip(batches, advantages):
+        for seqs, advantage in chosen(mode):
             logp, _ = engine.log_probs(seqs)
             (-(logp * advantage * seqs.response_mask).sum() / response_tokens).backward()
             logps.append(logp.detach())
@@ -146,18 +170,20 @@ def main() -> None:
     modes = list(args.modes)
     # Same weights for the check: log-probs only, no step.
     gaps = {}
+    def response_log_probs(mode: str) -> torch.Tensor:
+        """Every response token's log-prob, in sequence order."""
+        use(mode)
+        return torch.cat([engine.log_probs(s, with_entropy=False)[0][s.response_mask.bool()] for s, _ in chosen(mode)])
+
     with torch.no_grad():
-        use("padded")
-        padded = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
+        padded = response_log_probs("padded")
         for mode in modes:
-            use(mode)
-            logps = [engine.log_probs(s, with_entropy=False)[0] for s in batches]
-            gaps[mode] = max((a - b)[s.response_mask.bool()].abs().max().item()
-                             for a, b, s in zip(logps, padded, batches))
+            gaps[mode] = (response_log_probs(mode) - padded).abs().max().item()
             print(f"{mode}: max |log-prob difference| to padded (bf16 autocast): {gaps[mode]:.3e}")
     del padded
-    rows = {mode: [len(pack_sequences(s.inputs, s.response_mask, int(mode.split("_")[1])).rows) for s in batches]
-            for mode in modes if mode != "padded"}
+    rows = {mode: [len(pack_sequences(s.inputs, s.response_mask, int(mode.split("_")[1])).rows)
+                   for s, _ in packed_batches]
+            for mode in modes if not mode.startswith("padded")}
     samples, medians, peaks, failed = alternate(
         modes, lambda mode: step(mode)[0], args.repeats, device,
         free=lambda: engine.optimizer.zero_grad(set_to_none=True))
@@ -173,6 +199,7 @@ def main() -> None:
     report = {
         "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
         "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
+        "packed_micro_batch_tokens": args.micro_batch_tokens, "packed_micro_batches": len(packed_batches),
         "gradient_checkpointing": args.checkpointing,
         "attention": built.model.config._attn_implementation, "precision": PRECISION[args.dtype],
         "real_tokens": real_tokens, "padded_tokens": padded_tokens, "response_tokens": response_tokens,
@@ -184,6 +211,7 @@ def main() -> None:
         "out_of_memory": failed, "attention_calls": varlen.varlen_calls(),
         "compiled_layer_calls": engine.compiled_layers.compiled_calls if engine.compiled_layers else 0,
         "compile_failed": engine.compiled_layers.failed if engine.compiled_layers else None,
+        "dynamo_graphs": dict(counters["stats"]), "dynamo_recompiles": sum(counters["recompiles"].values()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

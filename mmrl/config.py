@@ -59,9 +59,10 @@ class ModelConfig(_Section):
     pack: bool = False
     pack_tokens: int = Field(16384, gt=0)
     # The text decoder's layers through torch.compile in the engines' log-prob and value
-    # forwards (`mmrl.engine.compiled_layers`). "auto": where packed rows run the flash
-    # varlen kernel (a GPU, `pack: true`) in one process: the 0.5B packed update went
-    # from 0.595 s to 0.444 s on an H200 (bench/packing.py).
+    # forwards (`mmrl.engine.compiled_layers`). "auto": on a GPU in one process. On an
+    # H200 the 0.5B packed update went from 0.595 s to 0.444 s, the padded one from 1.60 s
+    # to 1.16 s (bench/packing.py), the VL-3B recipe's padded update from 1.81 s to 1.57 s
+    # (bench/recipe_steps.py).
     compile_layers: bool | Literal["auto"] = "auto"
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.

@@ -13,6 +13,7 @@ from mmrl import build_model
 from mmrl.checks import sample_conversations
 from mmrl.config import OptimConfig
 from mmrl.engine import Engine
+from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.parallel import init_distributed
 from test_engine import _sequences  # the sample prompts, random responses, one stopped early
 
@@ -112,7 +113,7 @@ def test_a_compile_that_fails_warns_once_and_leaves_the_layers_eager(monkeypatch
 
 def test_compile_layers_auto_is_off_on_the_cpu_and_other_values_are_refused():
     built = _built(layers=2)
-    assert Engine(built, init_distributed("cpu"), pack=True).compiled_layers is None  # no varlen kernel here
+    assert Engine(built, init_distributed("cpu"), pack=True).compiled_layers is None  # auto: a GPU only
     assert Engine(built, init_distributed("cpu"), compile_layers=False).compiled_layers is None
     with pytest.raises(ValueError, match="compile_layers must be true, false or auto, got 'yes'"):
         Engine(built, init_distributed("cpu"), compile_layers="yes")
@@ -147,3 +148,17 @@ def test_the_segments_hook_hands_each_layer_its_masks_segments(monkeypatch):
         expected = varlen.document_segments(mask)
         assert expected is not None and segments is not None
         assert torch.equal(segments[0], expected[0]) and segments[1] == expected[1]
+
+
+def test_the_recompile_limit_is_raised_only_inside_the_passes():
+    """Inside the engine's passes dynamo may keep more graphs per layer forward than its
+    default 8 (grad and no grad, one packed row and several, padded and packed), so the
+    layers do not silently fall back to eager; outside, the user's setting stands."""
+    from mmrl.engine.compiled_layers import RECOMPILE_LIMIT, _recompile_limit
+
+    name, outside = next(iter(_recompile_limit().items()))
+    default = getattr(torch._dynamo.config, name)
+    layers = CompiledLayers([torch.nn.Linear(2, 2)])
+    with layers.active():
+        assert getattr(torch._dynamo.config, name) == max(RECOMPILE_LIMIT, default) == outside
+    assert getattr(torch._dynamo.config, name) == default

@@ -336,8 +336,8 @@ def test_rollout_half_weights_reaches_the_compiled_rollout(tmp_path, half):
 
 @pytest.mark.parametrize("value, compiled", [("true", True), ("false", False), ("auto", False)])
 def test_model_compile_layers_reaches_every_engine(tmp_path, value, compiled):
-    """`model.compile_layers` reaches actor, reference and critic ("auto" compiles only where
-    packed rows run the GPU's varlen kernel, so not here)."""
+    """`model.compile_layers` reaches actor, reference and critic ("auto" compiles only on
+    a GPU, so not here)."""
     trainer = Trainer(_recipe(tmp_path, f"model.compile_layers={value}", "algo.kl_coef=0.1", "algo.advantage=gae"))
     engines = [trainer.actor, trainer.ref, trainer.critic]
     assert all(engine is not None for engine in engines)

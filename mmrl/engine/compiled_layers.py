@@ -39,6 +39,16 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+RECOMPILE_LIMIT = 64
+
+
+def _recompile_limit() -> dict[str, int]:
+    """dynamo's per-code-object graph limit raised to RECOMPILE_LIMIT (never lowered)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return {name: max(RECOMPILE_LIMIT, getattr(config, name))}
+
+
 class CompiledLayers:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = list(layers)
@@ -69,9 +79,16 @@ class CompiledLayers:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Within the block, layer forwards run compiled (where enabled and not failed)."""
+        """Within the block, layer forwards run compiled (where enabled and not failed).
+
+        One layer forward (a code object all layers of all engines share) meets several
+        graphs in a run: with and without grad, one packed row and several (size 1 is
+        specialized), padded and packed. dynamo's default limit of 8 graphs per code object
+        was reached on an H200 by bench/packing.py, after which the layers silently ran
+        eager; within the block the limit is RECOMPILE_LIMIT."""
         before, self._active = self._active, True
         try:
-            yield
+            with torch._dynamo.config.patch(**_recompile_limit()):
+                yield
         finally:
             self._active = before

@@ -20,9 +20,9 @@ positions (`logits_to_keep`), an fp32 log-softmax over checkpointed row chunks.
 With `pack=True` (families that declare `padding_free`) the batch runs without padding:
 whole sequences in rows of at most `pack_tokens` tokens, logits only for real response
 tokens (`mmrl.engine.packing`), and on a GPU the flash varlen kernel wherever the mask is
-document-causal (`mmrl.engine.varlen`), with the text decoder's layers compiled in the
-log-prob and value forwards (`compile_layers`, `mmrl.engine.compiled_layers`; "auto" does
-so exactly there, in one process). Training engines switch dropout off
+document-causal (`mmrl.engine.varlen`). On a GPU in one process the text decoder's
+layers run compiled in the log-prob and value forwards, packed or padded
+(`compile_layers`, `mmrl.engine.compiled_layers`). Training engines switch dropout off
 (`disable_dropout`; `dropout=True` keeps it).
 
 With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
@@ -207,12 +207,13 @@ class Engine:
 
             self.varlen = varlen.available() and varlen.install(self.model, self._decoder_layers)
         # The text decoder's layers compiled in the log-prob and value forwards
-        # (`mmrl.engine.compiled_layers`). "auto": where packed rows run the varlen kernel in
-        # one process (measured there; sharded layers are not compiled unless asked).
+        # (`mmrl.engine.compiled_layers`). "auto": on a GPU in one process, packed or padded
+        # (measured both ways; sharded layers are not compiled unless asked).
         if compile_layers not in (True, False, "auto"):
             raise ValueError(f"compile_layers must be true, false or auto, got {compile_layers!r}")
         self.compiled_layers = None
-        if compile_layers is True or (compile_layers == "auto" and self.varlen and not dist.distributed):
+        if compile_layers is True or (compile_layers == "auto" and dist.device.type == "cuda"
+                                      and not dist.distributed):
             from mmrl.engine.compiled_layers import CompiledLayers
 
             if not self._decoder_layers and compile_layers is True:
@@ -249,7 +250,12 @@ class Engine:
                 raise ValueError("nothing to train: every parameter is frozen")
             if self.half_dtype is not None and not self.sharded:
                 groups = self._masters.replace(groups, self._needs_master)
-            self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay)
+            # One process on a GPU: the fused AdamW kernel (one launch over all parameters
+            # instead of a dozen foreach passes): the 0.5B bf16 update of bench/packing.py
+            # went from 0.460 s to 0.431 s a step on an H200. Sharded, the default.
+            fused = {"fused": True} if self.dist.device.type == "cuda" and not self.sharded else {}
+            self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                                               **fused)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
             self.grad_clip = optim.grad_clip
         else:
