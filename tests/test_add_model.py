@@ -646,3 +646,15 @@ def test_a_text_scaffold_declares_the_unrun_modules_beside_its_nested_language_m
 
     parts = Parts(language="model.language_model", embed="model.language_model.embed_tokens", lm_head="lm_head")
     assert _image_input_beside(Nested(), "model.language_model", parts) == ("model.patch_embed",)
+
+
+def test_a_sub_processor_that_cannot_save_has_the_switches_its_error_names_turned_off():
+    """Ernie 4.5 VL's video processor draws timestamps with a font file its checkpoints
+    ship; offline it cannot be saved and its error says "disable `draw_on_frames`": the
+    switch is turned off (it then saves). A processor that saves keeps its defaults."""
+    import transformers
+
+    from mmrl.scaffold.media import _switches_off_to_save
+
+    assert _switches_off_to_save(transformers.Ernie4_5_VLMoeVideoProcessor, {}) == {"draw_on_frames": False}
+    assert _switches_off_to_save(transformers.Qwen2VLImageProcessor, {}) == {}
