@@ -137,17 +137,15 @@ class Trainer:
         self.built = built
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
+        passes = {"share_media": m.share_media, "pack": m.pack, "compile_layers": m.compile_layers,
+                  "pack_tokens": m.pack_tokens or max(16384, r.algo.micro_batch_tokens or 0)}
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing, share_media=m.share_media,
-                            pack=m.pack, pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
-        self.ref = (Engine(build(r.trainer.seed), self.dist, share_media=m.share_media, pack=m.pack,
-                           pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
-                    if r.algo.kl_coef > 0 else None)
+                            gradient_checkpointing=m.gradient_checkpointing, **passes)
+        self.ref = Engine(build(r.trainer.seed), self.dist, **passes) if r.algo.kl_coef > 0 else None
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
-                                 total_steps=r.trainer.steps, value_head=True, share_media=m.share_media,
-                                 pack=m.pack, pack_tokens=m.pack_tokens, compile_layers=m.compile_layers)
+                                 total_steps=r.trainer.steps, value_head=True, **passes)
         backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
         options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights}}
         self.rollout = make_rollout(backend, self.actor, self.processing, **options.get(backend, {}))

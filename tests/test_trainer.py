@@ -334,6 +334,16 @@ def test_rollout_half_weights_reaches_the_compiled_rollout(tmp_path, half):
     assert isinstance(trainer.rollout, CompiledHFRollout) and trainer.rollout.half_weights is half
 
 
+@pytest.mark.parametrize("extra, tokens", [((), 16384), (("algo.micro_batch_tokens=20000",), 20000),
+                                           (("algo.micro_batch_tokens=400",), 16384),
+                                           (("algo.micro_batch_tokens=20000", "model.pack_tokens=500"), 500)])
+def test_pack_tokens_default_follows_a_larger_token_budget(tmp_path, extra, tokens):
+    """Unset, `model.pack_tokens` is 16384 or `algo.micro_batch_tokens` where larger (a
+    token-budget micro-batch in one row), in every engine; set, it stands."""
+    trainer = Trainer(_recipe(tmp_path, "model.pack=true", "algo.kl_coef=0.1", "algo.advantage=gae", *extra))
+    assert [e.pack_tokens for e in (trainer.actor, trainer.ref, trainer.critic)] == [tokens] * 3
+
+
 @pytest.mark.parametrize("value, compiled", [("true", True), ("false", False), ("auto", False)])
 def test_model_compile_layers_reaches_every_engine(tmp_path, value, compiled):
     """`model.compile_layers` reaches actor, reference and critic ("auto" compiles only on
