@@ -162,3 +162,26 @@ def test_the_recompile_limit_is_raised_only_inside_the_passes():
     with layers.active():
         assert getattr(torch._dynamo.config, name) == max(RECOMPILE_LIMIT, default) == outside
     assert getattr(torch._dynamo.config, name) == default
+
+
+def test_reaching_the_recompile_limit_warns_and_leaves_the_layers_eager(monkeypatch):
+    """Past the limit dynamo would run the layers eagerly without a word; here it is a
+    compile failure: one warning, eager from then on, the same results."""
+    from mmrl.engine import compiled_layers
+
+    monkeypatch.setattr(compiled_layers, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(3, 3)
+    eager = torch.nn.Linear(3, 3)
+    eager.load_state_dict(layer.state_dict())
+    layers = CompiledLayers([layer])
+    inputs = [torch.randn(2, 3), torch.randn(5, 3)]  # a new shape: a second graph
+    with warnings.catch_warnings(record=True) as caught, layers.active():
+        warnings.simplefilter("always")
+        outs = [layer(x) for x in inputs]
+    assert layers.compiled_calls == 1 and layers.failed
+    assert [str(w.message) for w in caught if "compiled decoder layers" in str(w.message)] == [
+        f"compiled decoder layers: off, eager from now on ({layers.failed})"[:300]]
+    for x, out in zip(inputs, outs):
+        torch.testing.assert_close(out, eager(x))

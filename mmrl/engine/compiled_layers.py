@@ -33,6 +33,8 @@ from mmrl.errors import one_line
 def _compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "this could not be compiled" (not "this failed to run")."""
     errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    if hasattr(torch._dynamo.exc, "FailOnRecompileLimitHit"):  # not a TorchDynamoException
+        errors.append(torch._dynamo.exc.FailOnRecompileLimitHit)
     inductor = getattr(getattr(torch, "_inductor", None), "exc", None)
     if inductor is not None and hasattr(inductor, "InductorError"):
         errors.append(inductor.InductorError)
@@ -42,11 +44,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 RECOMPILE_LIMIT = 64
 
 
-def _recompile_limit() -> dict[str, int]:
-    """dynamo's per-code-object graph limit raised to RECOMPILE_LIMIT (never lowered)."""
+def _recompile_limit() -> dict[str, int | bool]:
+    """dynamo's per-code-object graph limit raised to RECOMPILE_LIMIT (never lowered), and
+    reaching it raised as an error where this torch can."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return {name: max(RECOMPILE_LIMIT, getattr(config, name))}
+    fail = {"fail_on_recompile_limit_hit": True} if hasattr(config, "fail_on_recompile_limit_hit") else {}
+    return {name: max(RECOMPILE_LIMIT, getattr(config, name)), **fail}
 
 
 class CompiledLayers:
@@ -85,7 +89,8 @@ class CompiledLayers:
         graphs in a run: with and without grad, one packed row and several (size 1 is
         specialized), padded and packed. dynamo's default limit of 8 graphs per code object
         was reached on an H200 by bench/packing.py, after which the layers silently ran
-        eager; within the block the limit is RECOMPILE_LIMIT."""
+        eager; within the block the limit is RECOMPILE_LIMIT, and reaching it is a compile
+        failure (a warning, then eager layers) rather than silent."""
         before, self._active = self._active, True
         try:
             with torch._dynamo.config.patch(**_recompile_limit()):
