@@ -22,7 +22,6 @@ checkpoint and exit 130 / 143.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -34,15 +33,13 @@ from typing import Any
 
 import torch
 
+from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine, join
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
-from mmrl.runs import (RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint, newest_checkpoint,
-                       replacing, temporary_for)
-
-STATE_FILE = "trainer_state.json"
-METRICS_FILE = "metrics.jsonl"
+from mmrl.run_log import RunLog, plot_rewards
+from mmrl.runs import RunFolder, RunFolderError
 
 
 class Trainer:
@@ -70,9 +67,7 @@ class Trainer:
         self.folder = RunFolder(self.output_dir)
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
-        self._metrics_file = None
-        self._tensorboard = None
-        self._purge_step: int | None = None
+        self.log = RunLog(self.output_dir, main=self.dist.is_main)
         self._stop_signal: int | None = None
         # Where scores are taken (for error messages): the step, and the dataset rows
         # of the samples being scored.
@@ -563,111 +558,35 @@ class Trainer:
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
-        if not self.dist.is_main:
-            return
-        if self._metrics_file is None:
-            self._metrics_file = open(self.output_dir / METRICS_FILE, "a")
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
-        if self._tensorboard is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # After a resume, events past the checkpoint (written before the
-                # interruption) are dropped, as metrics.jsonl's lines are.
-                self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=self._purge_step)
-            except ImportError:
-                self._tensorboard = False
-        if self._tensorboard:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tensorboard.add_scalar(key, value, record.get("step", 0))
+        self.log.write(record)
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / f"step_{step:06d}"
 
+    def _engines(self) -> dict[str, Engine | None]:
+        return {"actor": self.actor, "critic": self.critic}
+
     def save(self) -> Path:
-        """Write the checkpoint of this step aside, then rename it into place whole
-        (`mmrl.runs`): an interrupted save never leaves a checkpoint resume would load."""
-        path = self.checkpoint_dir(self.step)
-        temp = temporary_for(path)
-        if self.dist.is_main:
-            begin_checkpoint(path)
-        self.dist.barrier()
-        self.actor.save_checkpoint(temp / "actor")
-        if self.critic is not None:
-            self.critic.save_checkpoint(temp / "critic")
-        state = {"step": self.step, "data_position": list(self.position)}
-        torch.save(_rng_state_tensors(), temp / f"rng_rank{self.dist.rank}.pt")
-        if self.dist.is_main:
-            (temp / STATE_FILE).write_text(json.dumps(state))
-        self.dist.barrier()
-        if self.dist.is_main:
-            commit_checkpoint(temp, path)
-        self.dist.barrier()
-        return path
+        """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole."""
+        return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
+                               {"step": self.step, "data_position": list(self.position)})
 
     def resume(self) -> bool:
-        """Load the newest checkpoint under output_dir whose manifest verifies (newer
-        broken ones are named with why they were skipped); False when there is none."""
-        found = None
-        if self.dist.is_main:
-            path, skipped = newest_checkpoint(self.output_dir / "checkpoints")
-            for bad, why in skipped:
-                print(f"skipped checkpoint {bad}: {why}", flush=True)
-            found = str(path) if path is not None else None
-        found = self.dist.all_gather_objects(found)[0]
+        """Load the newest checkpoint under output_dir that verifies; False when none does."""
+        found = load_checkpoint(self.output_dir / "checkpoints", self.dist, self._engines())
         if found is None:
             return False
-        path = Path(found)
-        state = json.loads((path / STATE_FILE).read_text())
-        self.actor.load_checkpoint(path / "actor")
-        if self.critic is not None:
-            self.critic.load_checkpoint(path / "critic")
-        self.step = state["step"]
         from mmrl.data import Position
 
+        _, state = found
+        self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None
-        rng_file = path / f"rng_rank{self.dist.rank}.pt"
-        if rng_file.is_file():
-            _set_rng_tensors(torch.load(rng_file, weights_only=True))
         return True
-
-    def _history_until(self, step: int) -> list[dict[str, Any]]:
-        """The logged records of steps up to `step`; metrics.jsonl is cut back to them, so
-        steps run after the checkpoint (and a finished run's final line) appear once."""
-        path = self.output_dir / METRICS_FILE
-        if not path.is_file():
-            return []
-        kept = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by the interruption
-            if isinstance(record, dict) and not record.get("final") and record.get("step", step + 1) <= step:
-                kept.append(record)
-        with replacing(path) as temp:
-            temp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        return kept
 
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
-        from mmrl.lora import merged_state_dict
-
-        state = self.actor.full_state_dict()
-        if self.dist.is_main:
-            model = self.actor.model
-            if hasattr(model, "get_base_model"):
-                model = model.get_base_model()
-            path.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
-            if self.actor.half_dtype is not None:
-                _record_dtype(path / "config.json", self.actor.half_dtype)
-            self.processing.processor.save_pretrained(path)
-        self.dist.barrier()
-        return path
+        return export_policy(self.actor, self.processing.processor, path, self.dist)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -702,10 +621,10 @@ class Trainer:
         if cfg.resume:
             resumed = self.resume()
             if self.dist.is_main:
-                history = self._history_until(self.step)
+                history = self.log.history_until(self.step)
                 if resumed:
                     print(f"resumed from step {self.step}", flush=True)
-            self._purge_step = self.step + 1
+            self.log.purge_step = self.step + 1
         progress = None
         if cfg.progress and self.dist.is_main:
             from tqdm.auto import tqdm
@@ -771,7 +690,7 @@ class Trainer:
         """After SIGINT / SIGTERM: the checkpoint is saved; plot, close and exit 128 + signal."""
         signum = self._stop_signal or signal.SIGTERM
         if self.dist.is_main:
-            _plot(history, self.output_dir / "reward_curve.png", self._plot_title())
+            plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             print(f"{signal.Signals(signum).name}: stopped after step {self.step}; checkpoint "
                   f"{self.checkpoint_dir(self.step)} saved; continue with trainer.resume=true", flush=True)
         self._close()
@@ -783,11 +702,7 @@ class Trainer:
         return f"{self.output_dir.name}: {r.algo.advantage}, {r.reward.name} reward, {self.step} steps"
 
     def _close(self) -> None:
-        if self._tensorboard:
-            self._tensorboard.close()
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
+        self.log.close()
 
     def finish(self, history: list[dict[str, Any]], train_seconds: float) -> dict[str, Any]:
         """Final evaluation (with the majority and shuffled-image controls), plot, export."""
@@ -803,7 +718,7 @@ class Trainer:
                                                                          dataset=self.eval_set)
         self._log({"step": self.step, "final": True, **summary})
         if self.dist.is_main:
-            _plot(history, self.output_dir / "reward_curve.png", self._plot_title())
+            plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
                 summary["export"] = str(self.export(self.output_dir / "final"))
         elif self.recipe.trainer.export:
@@ -846,73 +761,6 @@ def _environment(recipe: Recipe):
         raise RecipeError(f"rollout.max_tokens ({rollout.max_tokens}) is smaller than one turn's "
                           f"rollout.max_new_tokens ({rollout.max_new_tokens})")
     return factory
-
-
-def _record_dtype(config_file: Path, dtype: torch.dtype) -> None:
-    """Name `dtype` as the checkpoint's: sharded half-precision training holds fp32
-    parameters (its masters), which `save_pretrained` records, though the weights written
-    are `dtype`'s."""
-    import json
-
-    name = str(dtype).removeprefix("torch.")
-
-    def rename(values: dict) -> None:
-        for key, value in values.items():
-            if key in ("dtype", "torch_dtype") and value == "float32":
-                values[key] = name
-            elif isinstance(value, dict):
-                rename(value)
-
-    config = json.loads(config_file.read_text())
-    rename(config)
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _rng_state_tensors() -> dict[str, torch.Tensor]:
-    py = random.getstate()
-    return {"torch": torch.get_rng_state(), "python": torch.tensor(py[1], dtype=torch.int64),
-            "python_pos": torch.tensor([py[0], py[2] if py[2] is not None else -1], dtype=torch.float64)}
-
-
-def _set_rng_tensors(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, gauss = state["python_pos"].tolist()
-    random.setstate((int(version), tuple(int(x) for x in state["python"].tolist()), None if gauss == -1 else gauss))
-
-
-def _plot(history: list[dict[str, Any]], path: Path, title: str = "reward curve") -> None:
-    if not history:
-        return
-    import matplotlib.pyplot as plt
-
-    fig = _reward_figure(history, title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _reward_figure(history: list[dict[str, Any]], title: str):
-    """The reward curve (and validation accuracy) over the steps of `history`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rewarded = [h for h in history if "reward/mean" in h]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in rewarded], [h["reward/mean"] for h in rewarded], label="mean reward per step")
-    evals = [(h["step"], h["validation/accuracy"]) for h in history if "validation/accuracy" in h]
-    if evals:
-        ax.plot(*zip(*evals), marker="o", label="greedy validation accuracy")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("reward / accuracy")
-    low = min([0.0, *(h["reward/mean"] for h in rewarded)])
-    high = max([1.0, *(h["reward/mean"] for h in rewarded)])
-    ax.set_ylim(low - 0.02, high + 0.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    return fig
 
 
 def train(recipe: Recipe) -> dict[str, Any]:

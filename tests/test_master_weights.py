@@ -289,12 +289,12 @@ def test_an_export_of_half_precision_training_names_the_half_dtype(tmp_path):
     sub-configs included, and leaves other fields alone."""
     import json
 
-    from mmrl.trainer import _record_dtype
+    from mmrl.checkpoint import record_dtype
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"dtype": "float32", "text_config": {"dtype": "float32", "hidden_size": 8},
                                   "vision_config": {"torch_dtype": "float32"}, "note": "float32"}))
-    _record_dtype(config, torch.bfloat16)
+    record_dtype(config, torch.bfloat16)
     written = json.loads(config.read_text())
     assert written["dtype"] == written["text_config"]["dtype"] == written["vision_config"]["torch_dtype"] == "bfloat16"
     assert written["note"] == "float32" and written["text_config"]["hidden_size"] == 8

@@ -243,7 +243,7 @@ def test_resume_cuts_metrics_back_and_plots_the_whole_run(tmp_path, monkeypatch)
     with open(run / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 4, "reward/me')  # a line cut short by the kill
     plotted = {}
-    monkeypatch.setattr(trainer_module, "_plot", lambda history, path, title="": plotted.update(
+    monkeypatch.setattr(trainer_module, "plot_rewards", lambda history, path, title="": plotted.update(
         steps=[h["step"] for h in history]))
     resumed = Trainer(_recipe(run, "trainer.steps=5", "trainer.resume=true"))
     resumed.fit()
@@ -252,8 +252,10 @@ def test_resume_cuts_metrics_back_and_plots_the_whole_run(tmp_path, monkeypatch)
 
 
 def test_reward_curve_has_a_title_and_axis_labels():
-    figure = trainer_module._reward_figure([{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.7,
-                                                                             "validation/accuracy": 0.4}], "run: grpo")
+    from mmrl.run_log import reward_figure
+
+    figure = reward_figure([{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.7,
+                                                             "validation/accuracy": 0.4}], "run: grpo")
     ax = figure.axes[0]
     assert ax.get_title() == "run: grpo" and ax.get_xlabel() == "training step" and ax.get_ylabel()
 
