@@ -278,8 +278,7 @@ def run_mmrl(model_dir: Path, args, multipliers: bool) -> dict[str, Any]:
     wall_s = startup_s + (time.perf_counter() - t_train)
     final = evaluate(model, evaluation)
     own = trainer.evaluate(evaluation)  # mmrl's own evaluator, as a cross-check of the shared one
-    if trainer._metrics_file is not None:
-        trainer._metrics_file.close()
+    trainer.log.close()
     return {"startup_s": round(startup_s, 2), "wall_s": round(wall_s, 2), **clock.summary(),
             "final_eval_accuracy": final, "mmrl_own_eval_accuracy": own,
             "setup": {**setup, "first_step_answers": first_answers},

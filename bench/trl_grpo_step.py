@@ -374,8 +374,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())
     steps.write()
-    if trainer._metrics_file is not None:
-        trainer._metrics_file.close()
+    trainer.log.close()
 
 
 def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
