@@ -67,7 +67,7 @@ def main() -> None:
         actor.shares_media = share
         times = {}
         start = time.perf_counter()
-        batches = trainer._build_batches(conversations, result, rows)
+        batches = trainer.update.batches(conversations, result, rows)
         times["batches"] = time.perf_counter() - start
         _sync(device)
         start = time.perf_counter()

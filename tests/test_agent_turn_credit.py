@@ -203,15 +203,15 @@ def _demo(tmp_path, *extra):
 
 
 def _capture_advantages(trainer):
-    """Wrap the trainer's `_advantages` to keep each call's batches and arguments."""
+    """Wrap the trainer's `update.advantages` to keep each call's batches and arguments."""
     calls = []
-    original = trainer._advantages
+    original = trainer.update.advantages
 
     def capture(batches, rewards, group_size, metrics, outcomes=None):
         original(batches, rewards, group_size, metrics, outcomes)
         calls.append((batches, rewards, outcomes))
 
-    trainer._advantages = capture
+    trainer.update.advantages = capture
     return calls
 
 

@@ -265,9 +265,9 @@ def test_mini_batches_step_against_the_log_probs_before_the_first_update(tmp_pat
     take_step = trainer.actor.step
     trainer.actor.step = lambda: (steps.append(len(calls)), take_step())[1]
     estimated = []
-    estimate = trainer._estimate
-    trainer._estimate = lambda batches, minis, t: (estimate(batches, minis, t),
-                                                   estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
+    estimate = trainer.update.estimate
+    trainer.update.estimate = lambda batches, minis, t: (
+        estimate(batches, minis, t), estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
     metrics = trainer.train_step()
     assert metrics["update/optimizer_steps"] == 2 and len(steps) == 2
     # 16 rows in micro-batches of 3: two mini-batches of 8 rows, three micro-batches each.
