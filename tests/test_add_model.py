@@ -221,7 +221,7 @@ def test_processor_tokens_read_only_when_the_tokenizer_has_them_stay_unset():
     # its own AddedToken("<image>"): the tiny tokenizer must leave the attribute unset.
     import transformers
 
-    from mmrl.scaffold.media import _tokens_in_source
+    from mmrl.scaffold.placeholders import _tokens_in_source
 
     named, literals, optional = _tokens_in_source(transformers.Blip2Processor)
     assert optional == {"image_token": "<image>"} and "image_token" not in named
@@ -247,7 +247,7 @@ def test_multi_axis_rope_split_written_in_model_code_is_rescaled_with_equal_axes
 def test_processor_token_names_are_read_through_aliases_and_frame_words():
     import transformers
 
-    from mmrl.scaffold.media import _frames, _named_token, _tokens_in_source
+    from mmrl.scaffold.placeholders import _frames, _named_token, _tokens_in_source
 
     # InternVLProcessor: `self.image_token = tokenizer.context_image_token`.
     named, _, _ = _tokens_in_source(transformers.InternVLProcessor)
@@ -265,7 +265,7 @@ def test_processor_token_names_are_read_through_aliases_and_frame_words():
 def test_image_processor_sizes_follow_a_height_width_tower_size():
     import transformers
 
-    from mmrl.scaffold.media import _sized
+    from mmrl.scaffold.image_size import _sized
 
     sized = _sized(transformers.GotOcr2ImageProcessor, [448, 336])
     assert sized["size"] == {"height": 448, "width": 336}
@@ -409,7 +409,7 @@ def test_image_processor_pixel_budgets_are_sized_to_the_tower_area():
     # Glm4vImageProcessor's size holds pixel areas (a min/max budget), not edges.
     import transformers
 
-    from mmrl.scaffold.media import _sized
+    from mmrl.scaffold.image_size import _sized
 
     sized = _sized(transformers.Glm4vImageProcessor, 336)
     assert sized["size"]["longest_edge"] == 336 * 336

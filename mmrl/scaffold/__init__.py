@@ -14,11 +14,12 @@ capabilities that passed.
     mmrl add-model olmo2 --dry-run             # print what would be written
     mmrl add-model --sweep                     # the coverage sweep (sweep.py)
 
-One module per stage: `resolve` (the type's classes), `shrink` (the tiny config),
-`media` (the tiny tokenizer and processor), `discover` (parts, blocks, LoRA leaves),
-`verify` (the quick checks), `render` (the files' text), `layout` (where they go, and the
-atomic write). Nothing here knows a family by name: everything comes from transformers'
-tables, classes and configs and from the modules of the tiny model.
+One module per stage: `resolve` (the type's classes), `shrink` (the tiny config), `media`
+(the tiny tokenizer and processor, with `media_plan`, `placeholders` and `image_size`),
+`discover` (parts, blocks, LoRA leaves), `verify` (the quick checks), `render` (the
+files' text), `layout` (where they go, and the atomic write). Nothing here knows a family
+by name: everything comes from transformers' tables, classes and configs and from the
+modules of the tiny model.
 """
 
 from __future__ import annotations

@@ -11,19 +11,23 @@ Everything is read from the model type's own classes:
   `image_seq_length`, `spatial_merge_size`, ...) take the config's value;
 - the text placeholder: the first special token that, put in a prompt beside one image,
   makes the processor emit the config's image token.
+
+The plan and what is built from it live in `media_plan`, the special tokens and the
+placeholder search in `placeholders`, the image size fitting in `image_size`.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
+from mmrl.scaffold.image_size import _COUNT_ARGUMENT, _fit_image_size, _sized
+from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, _text_values, build_config, build_processor
+from mmrl.scaffold.placeholders import _named_token, _tokens_in_source, _unexpanded_placeholder, find_placeholder
 from mmrl.scaffold.shrink import (
-    _OUTPUT_WIDTH, TinyInputs, _modeling_reads, _modeling_source, _one_line, build_text_config, build_tiny,
-    shrink_values, tiny_text_values, tiny_vision_values,
+    TinyInputs, _modeling_reads, _modeling_source, _one_line, shrink_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -31,48 +35,6 @@ _TOKEN_FIELD = re.compile(r"^(.*)_token_(id|index)$")
 # Processor __init__ arguments that are sub-processors or plumbing, never config values.
 _PLUMBING = {"self", "image_processor", "tokenizer", "video_processor", "audio_processor", "feature_extractor",
              "chat_template", "kwargs", "args"}
-
-
-def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
-                        special_tokens: tuple[str, ...] = (), bos_token: str | None = None):
-    """The ChatML character tokenizer every scaffolded tiny model starts from."""
-    from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
-    from mmrl.tiny import char_tokenizer
-
-    return char_tokenizer(special_tokens=(*CHATML_SPECIAL_TOKENS, *special_tokens), named_tokens=named_tokens,
-                          eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template or CHATML,
-                          bos_token=bos_token)
-
-
-@dataclass
-class MediaPlan:
-    """How the tiny vision-language model and its processor are put together; the
-    adapter's `tiny()` is rendered from this."""
-
-    vision_key: str
-    top_text_key: str
-    vision: dict[str, Any]
-    text_config_class: str
-    text_overrides: dict[str, Any]
-    named_tokens: dict[str, str]  # tokenizer attribute -> token
-    token_fields: dict[str, str]  # config field -> token whose id it holds
-    top: dict[str, Any]  # other top-level config values
-    processor_class: str | None
-    sub_processors: dict[str, tuple[str, dict[str, Any]]]  # argument -> (class, kwargs)
-    processor_kwargs: dict[str, str]  # argument -> expression over `config`
-    literals: list[str] = field(default_factory=list)  # other special tokens the processor's code names
-    text_kwargs: dict[str, Any] = field(default_factory=dict)  # what the processing asks the processor for
-    flat_images: bool = False  # the processor takes one flat image list, not one list per prompt
-    image_placeholder: str | None = None
-    video_placeholder: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def _init_parameters(cls) -> dict[str, Any]:
-    try:
-        return dict(inspect.signature(cls.__init__).parameters)
-    except (TypeError, ValueError):
-        return {}
 
 
 def _processor_class(model_type: str, config_cls=None):
@@ -128,106 +90,6 @@ def _table_class(table: dict, model_type: str, processor_cls=None):
         if names and hasattr(transformers, names):
             return getattr(transformers, names)
     return None
-
-
-def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
-    """(named tokens, literal special tokens, optional tokens) the processor's code and
-    defaults use. Optional tokens are tokenizer attributes the processor only reads when
-    the tokenizer has them (`hasattr(tokenizer, "image_token")`), making its own token
-    otherwise: the tiny tokenizer leaves them unset, as released tokenizers do, and holds
-    the processor's own token as a plain special token."""
-    from transformers import TokenizersBackend
-
-    named: dict[str, str] = {}
-    for name, parameter in _init_parameters(processor_cls).items():
-        if name.endswith("_token") and isinstance(parameter.default, str):
-            named[name] = parameter.default
-    literals: list[str] = []
-    try:
-        source = inspect.getsource(inspect.getmodule(processor_cls))
-    except (OSError, TypeError):
-        source = ""
-    optional: dict[str, str] = {}
-    for attribute in re.findall(r"""hasattr\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']\s*\)""", source):
-        if attribute in named:
-            continue
-        own = re.search(rf"""self\.{attribute}\s*=\s*AddedToken\(\s*["']([^"']+)["']""", source)
-        optional[attribute] = own.group(1) if own else (_class_default(processor_cls, attribute)
-                                                        or f"<{attribute.removesuffix('_token')}>")
-    # Tokens the processor fixes in its own code (`self.image_token = "<|IMAGE_PAD|>"`).
-    for attribute, literal in re.findall(r"""self\.(\w+_token)\s*=\s*["'](<[^"'\s]{1,40}>)["']""", source):
-        if attribute not in named and attribute not in optional:
-            named[attribute] = literal
-    for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
-        # Attributes every tokenizer has (bos_token, the add_bos_token switch) are not new tokens.
-        if attribute not in named and attribute not in optional and not hasattr(TokenizersBackend, attribute) and (
-                attribute not in ("pad_token", "eos_token", "bos_token", "unk_token")):
-            default = _class_default(processor_cls, attribute)
-            named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
-    # A processor token that is a tokenizer token under another name
-    # (`self.image_token = tokenizer.context_image_token`) is that token, unless the
-    # processor also reads the tokenizer's own attribute of that name (then the two differ).
-    for attribute, target in re.findall(r"self\.(\w+_token)\s*=\s*(?:self\.)?tokenizer\.(\w+_token)\b", source):
-        if attribute != target and target in named and not re.search(rf"tokenizer\.{attribute}\b", source):
-            named[attribute] = named[target]
-    for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
-        if literal not in literals and literal not in named.values():
-            literals.append(literal)
-    return named, literals, optional
-
-
-def _class_default(cls, attribute: str) -> str | None:
-    value = getattr(cls, attribute, None)
-    return value if isinstance(value, str) else None
-
-
-# No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
-# are pixel areas.
-_LONGEST_EDGE = 8192
-
-
-def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Arguments of an image/video processor: its size keys set to `image_size`, and its
-    patch geometry (`patch_size`, `merge_size`, `temporal_patch_size`, ...) set to the
-    vision config's value of the same name (or a name ending in it: `spatial_merge_size`)."""
-    if processor_cls is None:
-        return {}
-    try:
-        default = processor_cls()
-    except Exception:
-        return {}
-    sizes: dict[str, Any] = {}
-    # A tower size may be (height, width).
-    height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
-    for key in ("size", "crop_size", "max_image_size") if image_size is not None else ():
-        value = getattr(default, key, None)
-        if type(value) is int:  # one edge
-            sizes[key] = max(height, width)
-            continue
-        if value is None or not isinstance(value, dict) and not hasattr(value, "__dict__"):
-            continue
-        items = dict(value) if isinstance(value, dict) else vars(value)
-        edge = {"height": height, "width": width, "shortest_edge": min(height, width),
-                "longest_edge": max(height, width)}
-        if any(isinstance(items.get(k), int) and items[k] > _LONGEST_EDGE for k in ("shortest_edge", "longest_edge")):
-            # Pixel areas, not edges (a min/max pixel budget): up to the tower's image area.
-            edge = {"shortest_edge": min(items.get("shortest_edge") or 0, height * width),
-                    "longest_edge": height * width}
-        present = {k: edge[k] for k, v in items.items() if isinstance(v, int) and k in edge}
-        if present:
-            sizes[key] = present
-    patch = (vision or {}).get("patch_size")
-    for key, value in vars(default).items():
-        if value is None and _COUNT_ARGUMENT.search(key) and type(image_size) is int and type(patch) is int:
-            sizes[key] = (image_size // patch) ** 2  # a per-image count left to the checkpoint: the patch grid
-            continue
-        if type(value) is not int or "patch" not in key and "merge" not in key:
-            continue
-        match = next((v for k, v in (vision or {}).items() if (k == key or k.endswith("_" + key)) and type(v) is int),
-                     None)
-        if match is not None and match != value:
-            sizes[key] = match
-    return sizes
 
 
 def tiny_vision_language(resolved: Resolved) -> TinyInputs:
@@ -356,15 +218,6 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     return TinyInputs(config=config, media=plan)
 
 
-def _text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
-    """The shrunk text values; for a composite that is its own text config, without its
-    sub-configs (the tower and any third one are shrunk as towers, not as text)."""
-    values = tiny_text_values(text_class, shapes)
-    if text_class != config_cls.__name__:
-        return values
-    return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
-
-
 def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) -> None:
     """Fill in the processor part of `plan`: sub-processors from transformers' tables
     (sized to the tower), a second tokenizer where one is required, arguments the config
@@ -436,183 +289,6 @@ def _switches_off_to_save(cls, kwargs: dict[str, Any]) -> dict[str, bool]:
     return switches if switches and save_error({**kwargs, **switches}) is None else {}
 
 
-def build_config(resolved: Resolved, plan: MediaPlan):
-    import transformers
-
-    # Processors that prepend a begin-of-text token read it off the tokenizer.
-    tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens, special_tokens=tuple(plan.literals),
-                                    bos_token="<|endoftext|>")
-    values = {plan.vision_key: dict(plan.vision), **plan.top}
-    values.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in plan.token_fields.items()})
-    if plan.top_text_key is None:  # the composite is its own text config
-        return tokenizer, build_text_config(plan.text_config_class, tokenizer, {**plan.text_overrides, **values})
-    text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
-    values[plan.top_text_key] = text.to_dict()
-    try:
-        config = getattr(transformers, resolved.config_class)(**values)
-    except Exception as exc:
-        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() by "
-                            "hand with values it accepts", category="config") from exc
-    return tokenizer, config
-
-
-def build_processor(plan: MediaPlan, tokenizer, config):
-    """The tiny processor; the chat template places the placeholder that works."""
-    import transformers
-
-    from mmrl.tiny import as_loaded
-
-    subs = {}
-    for argument, (cls_name, kwargs) in plan.sub_processors.items():
-        try:
-            sub = getattr(transformers, cls_name)(**kwargs)
-        except Exception as exc:
-            raise ScaffoldError(f"{cls_name}({kwargs}) fails ({_one_line(exc)})", category="processor") from exc
-        subs[argument] = as_loaded(sub) if argument == "image_processor" else sub
-    kwargs = {name: eval(expression, {"config": config, "tokenizer": tokenizer})
-              for name, expression in plan.processor_kwargs.items()}
-    try:
-        processor = getattr(transformers, plan.processor_class)(tokenizer=tokenizer, **subs, **kwargs)
-    except Exception as exc:
-        raise ScaffoldError(f"{plan.processor_class} cannot be built from the tiny tokenizer and its default "
-                            f"sub-processors ({_one_line(exc)}); write tiny() by hand", category="processor") from exc
-    return processor
-
-
-# The words token names use for the two ends of a frame.
-_FRAME_WORDS = {"start": "end", "begin": "end", "bos": "eos"}
-
-
-def _named_token(stem: str, named: dict[str, str]) -> str | None:
-    """The named token for a config field's stem (`vision_start` for
-    `vision_start_token_id`), also where the processor spells the frame word differently
-    (`vision_bos_token`)."""
-    head, _, word = stem.rpartition("_")
-    ends = tuple(dict.fromkeys(_FRAME_WORDS.values()))
-    twins = next((g for g in (tuple(_FRAME_WORDS), ends) if word in g), ()) if head else ()
-    for spelling in dict.fromkeys([stem, *(f"{head}_{w}" for w in twins)]):
-        token = named.get(f"{spelling}_token") or named.get(spelling)
-        if token:
-            return token
-    return None
-
-
-def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
-    """(start, end) token pairs among the named tokens: `vision_start` / `vision_end`,
-    `image_begin` / `image_end`, `vision_bos` / `vision_eos` (names that differ only in
-    the frame word)."""
-    from mmrl.processors.templates import CHATML_SPECIAL_TOKENS
-
-    pairs = []
-    for name, start in named.items():
-        for word, end_word in _FRAME_WORDS.items():
-            if word in name:
-                end = named.get(name.replace(word, end_word))
-                # The chat template's message markers frame messages, not media.
-                if end is not None and end != start and not {start, end} & set(CHATML_SPECIAL_TOKENS):
-                    pairs.append((start, end))
-    return pairs
-
-
-def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
-    """The text that, written in a prompt beside one image (or video), the processor
-    expands: the processor's own `*_token` for the kind inside a start/end frame the
-    processor does not add itself (so that two media in a row stay two runs), else that
-    token alone, then every other named token. The token it expands into most often is
-    the one the model counts, so the config's id field for the kind is pointed at it."""
-    from PIL import Image
-
-    field = next((k for k in plan.token_fields if k.startswith(kind)), None)
-    own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
-    specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
-    frames = _frames(plan.named_tokens)
-    framed = [f"{a}{t}{b}" for t in own for a, b in frames if t not in (a, b)]
-    candidates = list(dict.fromkeys(framed + own + specials))
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
-    image = Image.new("RGB", (224, 168), (120, 30, 200))
-    media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
-    errors: list[str] = []
-
-    def counted(token: str) -> dict[str, int]:
-        row = processor(text=[f"look {token} here"], return_tensors="pt", **media)["input_ids"][0].tolist()
-        return {t: row.count(i) for t, i in ids.items()}
-
-    single = None
-    try:  # what the processor inserts on its own, with no placeholder in the text
-        alone = counted("")
-    except Exception:
-        alone = None
-    for token in candidates:
-        try:
-            counts = counted(token)
-        except Exception as exc:
-            errors.append(f"{token}: {_one_line(exc, 120)}")
-            continue
-        if token in framed and any(counts.get(f) != 1 for frame in frames for f in frame if f in token):
-            continue  # the processor frames media itself: a frame in the text would double it
-        expanded = max(counts, key=lambda t: counts[t])
-        if alone is not None and counts[expanded] == alone[expanded] + (expanded == token):
-            continue  # passed through unexpanded beside what the processor inserts itself
-        if counts[expanded] > 1 or counts[expanded] == 1 and expanded not in token:
-            if field is not None:
-                plan.token_fields[field] = expanded
-            return token
-        if alone is None and counts.get(token) == 1 and single is None:
-            single = token  # required once per image and kept as one token (cross-attention models)
-    if single is not None:
-        if field is not None:
-            plan.token_fields[field] = single
-        return single
-    if alone is not None and max(alone.values(), default=0) > 1:
-        # The processor places the media tokens itself (before the text): no placeholder.
-        if field is not None:
-            plan.token_fields[field] = max(alone, key=lambda t: alone[t])
-        return ""
-    if kind == "image":
-        raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) is expanded by {plan.processor_class} "
-                            "beside an image" + (f" (first error: {errors[0]})" if errors else "")
-                            + "; write the chat template by hand", category="processor")
-    return None
-
-
-def _unexpanded_placeholder(model_class: str, config, processor, plan: MediaPlan) -> str | None:
-    """The image placeholder for a processor that expands no token (the released chat
-    template writes them out): none, where the model reads the image by cross-attention
-    and runs without one; else the kind's own token written once per image feature the
-    tiny model makes, where that runs. None when neither does."""
-    import torch
-    from PIL import Image
-
-    if runs_with_image(model_class, config, processor, "") is None:
-        return ""
-    own = [t for name, t in plan.named_tokens.items() if name.startswith("image")]
-    if not own:
-        return None
-    try:  # how many features the tiny model makes of one image, at two sizes
-        model = build_tiny(model_class, config)
-        accepted = inspect.signature(model.get_image_features).parameters
-        counts = set()
-        for size in ((224, 168), (56, 56)):
-            inputs = processor(text=["look here"], images=[Image.new("RGB", size, (9, 99, 199))], return_tensors="pt")
-            media = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items() if k in accepted}
-            with torch.no_grad():
-                features = model.get_image_features(**media)
-            features = getattr(features, "pooler_output", features)
-            features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
-            counts.add(features.numel() // features.shape[-1])
-    except Exception:
-        return None
-    if len(counts) != 1:  # the count follows the image size: no fixed template can spell it
-        return None
-    count = counts.pop()
-    # The token the config's id field already names (the config was built with it).
-    field = next((k for k in plan.token_fields if k.startswith("image")), None)
-    token = plan.token_fields[field] if field is not None else own[0]
-    if count > 0 and runs_with_image(model_class, config, processor, token * count) is None:
-        return token * count
-    return None
-
-
 def _wants_flat_images(processor, placeholder: str | None) -> bool:
     """Whether the processor refuses one image list per prompt (`[[image]]`) but takes
     the same image in a flat list."""
@@ -628,135 +304,3 @@ def _wants_flat_images(processor, placeholder: str | None) -> bool:
         return True
 
     return not takes([[image]]) and takes([image])
-
-
-def runs_with_image(model_class: str, config, processor, placeholder: str | None,
-                    text_kwargs: dict[str, Any] | None = None) -> str | None:
-    """None when the tiny model runs a forward/backward pass on one processed image
-    beside `placeholder`, else the error in one line."""
-    from PIL import Image
-
-    try:
-        model = build_tiny(model_class, config)
-        inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
-                           return_tensors="pt", **(text_kwargs or {}))
-        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # as mmrl's processing
-        accepted = inspect.signature(model.forward).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-            inputs = {k: v for k, v in inputs.items() if k in accepted}
-        model(**{**inputs, "labels": inputs["input_ids"]}).loss.backward()
-    except Exception as exc:
-        return _one_line(exc)
-    return None
-
-
-# Text widths to try when the defaults do not run: wider heads for model code that
-# splits a head into fixed rotary sections (multi-axis rope defaults written in code).
-VLM_TEXT_CANDIDATES = (
-    {},
-    {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-     "head_dim": 128},
-)
-# Image sizes to try, besides multiples of the default: common tower sizes.
-COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
-
-
-def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
-    """Default configs are not always one checkpoint's, and processors learn some counts
-    only from a checkpoint. When the tiny model does not run on one image, try, in turn:
-    wider text heads (model code that fixes rotary sections), the tower's `hidden_size` as
-    the width it projects into the text model, one more image token per image than the
-    processor's default (a class token), and other image sizes (vision tower and image
-    processor together); keep the first combination that runs, else the defaults (verify
-    then says why)."""
-    import itertools
-
-    import transformers
-
-    from mmrl.tiny import TINY_TEXT_SHAPES
-
-    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs) is None:
-        return tokenizer, config, processor
-    base = getattr(getattr(config, plan.vision_key), "image_size", None)
-    sizes = [None]
-    if isinstance(base, int):
-        sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
-    processor_cls = getattr(transformers, plan.processor_class)
-    counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in _init_parameters(processor_cls).items()
-                     if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
-    count_arguments = _per_image_counts(processor_cls)
-    saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
-    for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
-        if not (text_shapes or projects or count or size):
-            continue  # the defaults, already tried
-        width = (text_shapes or TINY_TEXT_SHAPES)["hidden_size"]
-        plan.text_overrides = (_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes},
-                                            getattr(transformers, resolved.config_class))
-                               if text_shapes else dict(saved[2]))
-        plan.vision = dict(saved[0])
-        plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})
-        if projects:
-            plan.vision["hidden_size"] = width
-            if "head_dim" in plan.vision:
-                plan.vision["head_dim"] = width // plan.vision.get("num_attention_heads", 2)
-        plan.processor_kwargs = {**saved[3], **count}
-        plan.sub_processors = dict(saved[1])
-        if size is not None:
-            plan.vision["image_size"] = size
-            vision_values = getattr(config, plan.vision_key).to_dict()
-            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size, vision_values))
-                                   for arg, (name, _) in saved[1].items()}
-        try:
-            tokenizer2, config2 = build_config(resolved, plan)
-            processor2 = build_processor(plan, tokenizer2, config2)
-        except ScaffoldError:
-            continue
-        if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder, plan.text_kwargs) is None:
-            return tokenizer2, config2, processor2
-        # A processor that writes a fixed number of tokens per image (or tile): the
-        # number of features the tiny tower gives for one.
-        rows = _feature_rows(resolved.model_class, config2, processor2, plan) if count_arguments else None
-        for name in count_arguments:
-            if rows is None or getattr(processor2, name, None) == rows:
-                break
-            plan.processor_kwargs = {**plan.processor_kwargs, name: str(rows)}
-            processor3 = build_processor(plan, tokenizer2, config2)
-            if runs_with_image(resolved.model_class, config2, processor3, plan.image_placeholder,
-                               plan.text_kwargs) is None:
-                return tokenizer2, config2, processor3
-    plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
-    return tokenizer, config, processor
-
-
-_COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")
-
-
-def _per_image_counts(processor_cls) -> list[str]:
-    """The processor's integer arguments that fix how many tokens an image gets."""
-    return [name for name, parameter in _init_parameters(processor_cls).items()
-            if (parameter.default is None or type(parameter.default) is int) and _COUNT_ARGUMENT.search(name)]
-
-
-def _feature_rows(model_class: str, config, processor, plan: MediaPlan) -> int | None:
-    """Feature rows the tiny model's tower makes for one image (or one tile of it):
-    `get_image_features` on one processed image, its result's per-item length."""
-    import torch
-    from PIL import Image
-
-    try:
-        model = build_tiny(model_class, config)
-        inputs = processor(text=[f"look {plan.image_placeholder} here"],
-                           images=[Image.new("RGB", (224, 168), (9, 99, 199))], return_tensors="pt")
-        accepted = inspect.signature(model.get_image_features).parameters
-        with torch.no_grad():
-            out = model.get_image_features(**{k: v for k, v in inputs.items() if k in accepted})
-    except Exception:
-        return None
-    features = getattr(out, "pooler_output", None)
-    if features is None:
-        features = getattr(out, "last_hidden_state", out)
-    if isinstance(features, (list, tuple)):
-        features = features[0]
-    if not isinstance(features, torch.Tensor) or features.dim() < 2:
-        return None
-    return int(features.shape[-2])

@@ -63,7 +63,7 @@ class TinyInputs:
     config: Any
     # The values a text family's tiny() passes to its config class (`sized_config`).
     text_overrides: dict[str, Any] = field(default_factory=dict)
-    media: Any = None  # mmrl.scaffold.media.MediaPlan for vision-language types
+    media: Any = None  # mmrl.scaffold.media_plan.MediaPlan for vision-language types
 
 
 def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None = None,
@@ -449,7 +449,7 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
         from mmrl.scaffold.media import tiny_vision_language
 
         return tiny_vision_language(resolved)
-    from mmrl.scaffold.media import tiny_text_tokenizer
+    from mmrl.scaffold.media_plan import tiny_text_tokenizer
 
     tokenizer = tiny_text_tokenizer()
     first: ScaffoldError | None = None

@@ -1,0 +1,179 @@
+"""The image size of the tiny vision-language model and its processor.
+
+Decides the arguments of an image/video processor (its size keys set to the vision
+tower's image size, its patch geometry to the tower's) and, when the tiny model does not
+run on one image with the defaults, the first combination of text width, tower width,
+image token count and image size that runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+from mmrl.scaffold.base import Resolved, ScaffoldError
+from mmrl.scaffold.media_plan import (
+    MediaPlan, _init_parameters, _text_values, build_config, build_processor, runs_with_image,
+)
+from mmrl.scaffold.shrink import _OUTPUT_WIDTH, build_tiny
+
+# No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
+# are pixel areas.
+_LONGEST_EDGE = 8192
+
+
+def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Arguments of an image/video processor: its size keys set to `image_size`, and its
+    patch geometry (`patch_size`, `merge_size`, `temporal_patch_size`, ...) set to the
+    vision config's value of the same name (or a name ending in it: `spatial_merge_size`)."""
+    if processor_cls is None:
+        return {}
+    try:
+        default = processor_cls()
+    except Exception:
+        return {}
+    sizes: dict[str, Any] = {}
+    # A tower size may be (height, width).
+    height, width = image_size if isinstance(image_size, (list, tuple)) else (image_size, image_size)
+    for key in ("size", "crop_size", "max_image_size") if image_size is not None else ():
+        value = getattr(default, key, None)
+        if type(value) is int:  # one edge
+            sizes[key] = max(height, width)
+            continue
+        if value is None or not isinstance(value, dict) and not hasattr(value, "__dict__"):
+            continue
+        items = dict(value) if isinstance(value, dict) else vars(value)
+        edge = {"height": height, "width": width, "shortest_edge": min(height, width),
+                "longest_edge": max(height, width)}
+        if any(isinstance(items.get(k), int) and items[k] > _LONGEST_EDGE for k in ("shortest_edge", "longest_edge")):
+            # Pixel areas, not edges (a min/max pixel budget): up to the tower's image area.
+            edge = {"shortest_edge": min(items.get("shortest_edge") or 0, height * width),
+                    "longest_edge": height * width}
+        present = {k: edge[k] for k, v in items.items() if isinstance(v, int) and k in edge}
+        if present:
+            sizes[key] = present
+    patch = (vision or {}).get("patch_size")
+    for key, value in vars(default).items():
+        if value is None and _COUNT_ARGUMENT.search(key) and type(image_size) is int and type(patch) is int:
+            sizes[key] = (image_size // patch) ** 2  # a per-image count left to the checkpoint: the patch grid
+            continue
+        if type(value) is not int or "patch" not in key and "merge" not in key:
+            continue
+        match = next((v for k, v in (vision or {}).items() if (k == key or k.endswith("_" + key)) and type(v) is int),
+                     None)
+        if match is not None and match != value:
+            sizes[key] = match
+    return sizes
+
+
+# Text widths to try when the defaults do not run: wider heads for model code that
+# splits a head into fixed rotary sections (multi-axis rope defaults written in code).
+VLM_TEXT_CANDIDATES = (
+    {},
+    {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+     "head_dim": 128},
+)
+# Image sizes to try, besides multiples of the default: common tower sizes.
+COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
+
+
+def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
+    """Default configs are not always one checkpoint's, and processors learn some counts
+    only from a checkpoint. When the tiny model does not run on one image, try, in turn:
+    wider text heads (model code that fixes rotary sections), the tower's `hidden_size` as
+    the width it projects into the text model, one more image token per image than the
+    processor's default (a class token), and other image sizes (vision tower and image
+    processor together); keep the first combination that runs, else the defaults (verify
+    then says why)."""
+    import itertools
+
+    import transformers
+
+    from mmrl.tiny import TINY_TEXT_SHAPES
+
+    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs) is None:
+        return tokenizer, config, processor
+    base = getattr(getattr(config, plan.vision_key), "image_size", None)
+    sizes = [None]
+    if isinstance(base, int):
+        sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
+    processor_cls = getattr(transformers, plan.processor_class)
+    counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in _init_parameters(processor_cls).items()
+                     if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
+    count_arguments = _per_image_counts(processor_cls)
+    saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
+    for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
+        if not (text_shapes or projects or count or size):
+            continue  # the defaults, already tried
+        width = (text_shapes or TINY_TEXT_SHAPES)["hidden_size"]
+        plan.text_overrides = (_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes},
+                                            getattr(transformers, resolved.config_class))
+                               if text_shapes else dict(saved[2]))
+        plan.vision = dict(saved[0])
+        plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})
+        if projects:
+            plan.vision["hidden_size"] = width
+            if "head_dim" in plan.vision:
+                plan.vision["head_dim"] = width // plan.vision.get("num_attention_heads", 2)
+        plan.processor_kwargs = {**saved[3], **count}
+        plan.sub_processors = dict(saved[1])
+        if size is not None:
+            plan.vision["image_size"] = size
+            vision_values = getattr(config, plan.vision_key).to_dict()
+            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size, vision_values))
+                                   for arg, (name, _) in saved[1].items()}
+        try:
+            tokenizer2, config2 = build_config(resolved, plan)
+            processor2 = build_processor(plan, tokenizer2, config2)
+        except ScaffoldError:
+            continue
+        if runs_with_image(resolved.model_class, config2, processor2, plan.image_placeholder, plan.text_kwargs) is None:
+            return tokenizer2, config2, processor2
+        # A processor that writes a fixed number of tokens per image (or tile): the
+        # number of features the tiny tower gives for one.
+        rows = _feature_rows(resolved.model_class, config2, processor2, plan) if count_arguments else None
+        for name in count_arguments:
+            if rows is None or getattr(processor2, name, None) == rows:
+                break
+            plan.processor_kwargs = {**plan.processor_kwargs, name: str(rows)}
+            processor3 = build_processor(plan, tokenizer2, config2)
+            if runs_with_image(resolved.model_class, config2, processor3, plan.image_placeholder,
+                               plan.text_kwargs) is None:
+                return tokenizer2, config2, processor3
+    plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
+    return tokenizer, config, processor
+
+
+_COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")
+
+
+def _per_image_counts(processor_cls) -> list[str]:
+    """The processor's integer arguments that fix how many tokens an image gets."""
+    return [name for name, parameter in _init_parameters(processor_cls).items()
+            if (parameter.default is None or type(parameter.default) is int) and _COUNT_ARGUMENT.search(name)]
+
+
+def _feature_rows(model_class: str, config, processor, plan: MediaPlan) -> int | None:
+    """Feature rows the tiny model's tower makes for one image (or one tile of it):
+    `get_image_features` on one processed image, its result's per-item length."""
+    import torch
+    from PIL import Image
+
+    try:
+        model = build_tiny(model_class, config)
+        inputs = processor(text=[f"look {plan.image_placeholder} here"],
+                           images=[Image.new("RGB", (224, 168), (9, 99, 199))], return_tensors="pt")
+        accepted = inspect.signature(model.get_image_features).parameters
+        with torch.no_grad():
+            out = model.get_image_features(**{k: v for k, v in inputs.items() if k in accepted})
+    except Exception:
+        return None
+    features = getattr(out, "pooler_output", None)
+    if features is None:
+        features = getattr(out, "last_hidden_state", out)
+    if isinstance(features, (list, tuple)):
+        features = features[0]
+    if not isinstance(features, torch.Tensor) or features.dim() < 2:
+        return None
+    return int(features.shape[-2])

@@ -1,0 +1,132 @@
+"""The media plan of a vision-language type, and what is built from it.
+
+A `MediaPlan` records how the tiny vision-language model and its processor are put
+together (the adapter's `tiny()` is rendered from it). This module decides nothing about
+the type: it turns a plan into the tiny tokenizer, config and processor (`build_config`,
+`build_processor`) and says whether the tiny model runs a training step on one processed
+image (`runs_with_image`). `media` fills the plan in; `placeholders` and `image_size`
+adjust it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmrl.scaffold.base import Resolved, ScaffoldError
+from mmrl.scaffold.shrink import _one_line, build_text_config, build_tiny, tiny_text_values
+
+
+def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
+                        special_tokens: tuple[str, ...] = (), bos_token: str | None = None):
+    """The ChatML character tokenizer every scaffolded tiny model starts from."""
+    from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
+    from mmrl.tiny import char_tokenizer
+
+    return char_tokenizer(special_tokens=(*CHATML_SPECIAL_TOKENS, *special_tokens), named_tokens=named_tokens,
+                          eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template or CHATML,
+                          bos_token=bos_token)
+
+
+@dataclass
+class MediaPlan:
+    """How the tiny vision-language model and its processor are put together; the
+    adapter's `tiny()` is rendered from this."""
+
+    vision_key: str
+    top_text_key: str
+    vision: dict[str, Any]
+    text_config_class: str
+    text_overrides: dict[str, Any]
+    named_tokens: dict[str, str]  # tokenizer attribute -> token
+    token_fields: dict[str, str]  # config field -> token whose id it holds
+    top: dict[str, Any]  # other top-level config values
+    processor_class: str | None
+    sub_processors: dict[str, tuple[str, dict[str, Any]]]  # argument -> (class, kwargs)
+    processor_kwargs: dict[str, str]  # argument -> expression over `config`
+    literals: list[str] = field(default_factory=list)  # other special tokens the processor's code names
+    text_kwargs: dict[str, Any] = field(default_factory=dict)  # what the processing asks the processor for
+    flat_images: bool = False  # the processor takes one flat image list, not one list per prompt
+    image_placeholder: str | None = None
+    video_placeholder: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _init_parameters(cls) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
+    """The shrunk text values; for a composite that is its own text config, without its
+    sub-configs (the tower and any third one are shrunk as towers, not as text)."""
+    values = tiny_text_values(text_class, shapes)
+    if text_class != config_cls.__name__:
+        return values
+    return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
+
+
+def build_config(resolved: Resolved, plan: MediaPlan):
+    import transformers
+
+    # Processors that prepend a begin-of-text token read it off the tokenizer.
+    tokenizer = tiny_text_tokenizer(named_tokens=plan.named_tokens, special_tokens=tuple(plan.literals),
+                                    bos_token="<|endoftext|>")
+    values = {plan.vision_key: dict(plan.vision), **plan.top}
+    values.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in plan.token_fields.items()})
+    if plan.top_text_key is None:  # the composite is its own text config
+        return tokenizer, build_text_config(plan.text_config_class, tokenizer, {**plan.text_overrides, **values})
+    text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
+    values[plan.top_text_key] = text.to_dict()
+    try:
+        config = getattr(transformers, resolved.config_class)(**values)
+    except Exception as exc:
+        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() by "
+                            "hand with values it accepts", category="config") from exc
+    return tokenizer, config
+
+
+def build_processor(plan: MediaPlan, tokenizer, config):
+    """The tiny processor; the chat template places the placeholder that works."""
+    import transformers
+
+    from mmrl.tiny import as_loaded
+
+    subs = {}
+    for argument, (cls_name, kwargs) in plan.sub_processors.items():
+        try:
+            sub = getattr(transformers, cls_name)(**kwargs)
+        except Exception as exc:
+            raise ScaffoldError(f"{cls_name}({kwargs}) fails ({_one_line(exc)})", category="processor") from exc
+        subs[argument] = as_loaded(sub) if argument == "image_processor" else sub
+    kwargs = {name: eval(expression, {"config": config, "tokenizer": tokenizer})
+              for name, expression in plan.processor_kwargs.items()}
+    try:
+        processor = getattr(transformers, plan.processor_class)(tokenizer=tokenizer, **subs, **kwargs)
+    except Exception as exc:
+        raise ScaffoldError(f"{plan.processor_class} cannot be built from the tiny tokenizer and its default "
+                            f"sub-processors ({_one_line(exc)}); write tiny() by hand", category="processor") from exc
+    return processor
+
+
+def runs_with_image(model_class: str, config, processor, placeholder: str | None,
+                    text_kwargs: dict[str, Any] | None = None) -> str | None:
+    """None when the tiny model runs a forward/backward pass on one processed image
+    beside `placeholder`, else the error in one line."""
+    from PIL import Image
+
+    try:
+        model = build_tiny(model_class, config)
+        inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
+                           return_tensors="pt", **(text_kwargs or {}))
+        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # as mmrl's processing
+        accepted = inspect.signature(model.forward).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            inputs = {k: v for k, v in inputs.items() if k in accepted}
+        model(**{**inputs, "labels": inputs["input_ids"]}).loss.backward()
+    except Exception as exc:
+        return _one_line(exc)
+    return None

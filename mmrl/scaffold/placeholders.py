@@ -1,0 +1,205 @@
+"""The special tokens of a processor, and the text placeholder that stands for an image
+or a video in a prompt.
+
+Decides which special tokens the tiny tokenizer holds (the processor's `*_token`
+arguments, the tokenizer attributes its code reads, the tokens it fixes in its own code),
+which named token a config's `*_token_id` field stem names (also where the processor
+spells the frame word differently), and the placeholder: the first special token that,
+put in a prompt beside one image (or video), the processor expands; for a processor that
+expands none, no placeholder (cross-attention) or the image token written once per
+feature the tiny model makes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+from mmrl.scaffold.base import ScaffoldError
+from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, runs_with_image
+from mmrl.scaffold.shrink import _one_line, build_tiny
+
+
+def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """(named tokens, literal special tokens, optional tokens) the processor's code and
+    defaults use. Optional tokens are tokenizer attributes the processor only reads when
+    the tokenizer has them (`hasattr(tokenizer, "image_token")`), making its own token
+    otherwise: the tiny tokenizer leaves them unset, as released tokenizers do, and holds
+    the processor's own token as a plain special token."""
+    from transformers import TokenizersBackend
+
+    named: dict[str, str] = {}
+    for name, parameter in _init_parameters(processor_cls).items():
+        if name.endswith("_token") and isinstance(parameter.default, str):
+            named[name] = parameter.default
+    literals: list[str] = []
+    try:
+        source = inspect.getsource(inspect.getmodule(processor_cls))
+    except (OSError, TypeError):
+        source = ""
+    optional: dict[str, str] = {}
+    for attribute in re.findall(r"""hasattr\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']\s*\)""", source):
+        if attribute in named:
+            continue
+        own = re.search(rf"""self\.{attribute}\s*=\s*AddedToken\(\s*["']([^"']+)["']""", source)
+        optional[attribute] = own.group(1) if own else (_class_default(processor_cls, attribute)
+                                                        or f"<{attribute.removesuffix('_token')}>")
+    # Tokens the processor fixes in its own code (`self.image_token = "<|IMAGE_PAD|>"`).
+    for attribute, literal in re.findall(r"""self\.(\w+_token)\s*=\s*["'](<[^"'\s]{1,40}>)["']""", source):
+        if attribute not in named and attribute not in optional:
+            named[attribute] = literal
+    for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
+        # Attributes every tokenizer has (bos_token, the add_bos_token switch) are not new tokens.
+        if attribute not in named and attribute not in optional and not hasattr(TokenizersBackend, attribute) and (
+                attribute not in ("pad_token", "eos_token", "bos_token", "unk_token")):
+            default = _class_default(processor_cls, attribute)
+            named[attribute] = default or f"<|{attribute.removesuffix('_token')}|>"
+    # A processor token that is a tokenizer token under another name
+    # (`self.image_token = tokenizer.context_image_token`) is that token, unless the
+    # processor also reads the tokenizer's own attribute of that name (then the two differ).
+    for attribute, target in re.findall(r"self\.(\w+_token)\s*=\s*(?:self\.)?tokenizer\.(\w+_token)\b", source):
+        if attribute != target and target in named and not re.search(rf"tokenizer\.{attribute}\b", source):
+            named[attribute] = named[target]
+    for literal in re.findall(r"""["'](<[^<>"'\s{}]{1,40}>)["']""", source):
+        if literal not in literals and literal not in named.values():
+            literals.append(literal)
+    return named, literals, optional
+
+
+def _class_default(cls, attribute: str) -> str | None:
+    value = getattr(cls, attribute, None)
+    return value if isinstance(value, str) else None
+
+
+# The words token names use for the two ends of a frame.
+_FRAME_WORDS = {"start": "end", "begin": "end", "bos": "eos"}
+
+
+def _named_token(stem: str, named: dict[str, str]) -> str | None:
+    """The named token for a config field's stem (`vision_start` for
+    `vision_start_token_id`), also where the processor spells the frame word differently
+    (`vision_bos_token`)."""
+    head, _, word = stem.rpartition("_")
+    ends = tuple(dict.fromkeys(_FRAME_WORDS.values()))
+    twins = next((g for g in (tuple(_FRAME_WORDS), ends) if word in g), ()) if head else ()
+    for spelling in dict.fromkeys([stem, *(f"{head}_{w}" for w in twins)]):
+        token = named.get(f"{spelling}_token") or named.get(spelling)
+        if token:
+            return token
+    return None
+
+
+def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
+    """(start, end) token pairs among the named tokens: `vision_start` / `vision_end`,
+    `image_begin` / `image_end`, `vision_bos` / `vision_eos` (names that differ only in
+    the frame word)."""
+    from mmrl.processors.templates import CHATML_SPECIAL_TOKENS
+
+    pairs = []
+    for name, start in named.items():
+        for word, end_word in _FRAME_WORDS.items():
+            if word in name:
+                end = named.get(name.replace(word, end_word))
+                # The chat template's message markers frame messages, not media.
+                if end is not None and end != start and not {start, end} & set(CHATML_SPECIAL_TOKENS):
+                    pairs.append((start, end))
+    return pairs
+
+
+def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
+    """The text that, written in a prompt beside one image (or video), the processor
+    expands: the processor's own `*_token` for the kind inside a start/end frame the
+    processor does not add itself (so that two media in a row stay two runs), else that
+    token alone, then every other named token. The token it expands into most often is
+    the one the model counts, so the config's id field for the kind is pointed at it."""
+    from PIL import Image
+
+    field = next((k for k in plan.token_fields if k.startswith(kind)), None)
+    own = [t for name, t in plan.named_tokens.items() if name.startswith(kind)]
+    specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
+    frames = _frames(plan.named_tokens)
+    framed = [f"{a}{t}{b}" for t in own for a, b in frames if t not in (a, b)]
+    candidates = list(dict.fromkeys(framed + own + specials))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+    image = Image.new("RGB", (224, 168), (120, 30, 200))
+    media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
+    errors: list[str] = []
+
+    def counted(token: str) -> dict[str, int]:
+        row = processor(text=[f"look {token} here"], return_tensors="pt", **media)["input_ids"][0].tolist()
+        return {t: row.count(i) for t, i in ids.items()}
+
+    single = None
+    try:  # what the processor inserts on its own, with no placeholder in the text
+        alone = counted("")
+    except Exception:
+        alone = None
+    for token in candidates:
+        try:
+            counts = counted(token)
+        except Exception as exc:
+            errors.append(f"{token}: {_one_line(exc, 120)}")
+            continue
+        if token in framed and any(counts.get(f) != 1 for frame in frames for f in frame if f in token):
+            continue  # the processor frames media itself: a frame in the text would double it
+        expanded = max(counts, key=lambda t: counts[t])
+        if alone is not None and counts[expanded] == alone[expanded] + (expanded == token):
+            continue  # passed through unexpanded beside what the processor inserts itself
+        if counts[expanded] > 1 or counts[expanded] == 1 and expanded not in token:
+            if field is not None:
+                plan.token_fields[field] = expanded
+            return token
+        if alone is None and counts.get(token) == 1 and single is None:
+            single = token  # required once per image and kept as one token (cross-attention models)
+    if single is not None:
+        if field is not None:
+            plan.token_fields[field] = single
+        return single
+    if alone is not None and max(alone.values(), default=0) > 1:
+        # The processor places the media tokens itself (before the text): no placeholder.
+        if field is not None:
+            plan.token_fields[field] = max(alone, key=lambda t: alone[t])
+        return ""
+    if kind == "image":
+        raise ScaffoldError(f"no special token ({', '.join(candidates[:6])}) is expanded by {plan.processor_class} "
+                            "beside an image" + (f" (first error: {errors[0]})" if errors else "")
+                            + "; write the chat template by hand", category="processor")
+    return None
+
+
+def _unexpanded_placeholder(model_class: str, config, processor, plan: MediaPlan) -> str | None:
+    """The image placeholder for a processor that expands no token (the released chat
+    template writes them out): none, where the model reads the image by cross-attention
+    and runs without one; else the kind's own token written once per image feature the
+    tiny model makes, where that runs. None when neither does."""
+    import torch
+    from PIL import Image
+
+    if runs_with_image(model_class, config, processor, "") is None:
+        return ""
+    own = [t for name, t in plan.named_tokens.items() if name.startswith("image")]
+    if not own:
+        return None
+    try:  # how many features the tiny model makes of one image, at two sizes
+        model = build_tiny(model_class, config)
+        accepted = inspect.signature(model.get_image_features).parameters
+        counts = set()
+        for size in ((224, 168), (56, 56)):
+            inputs = processor(text=["look here"], images=[Image.new("RGB", size, (9, 99, 199))], return_tensors="pt")
+            media = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items() if k in accepted}
+            with torch.no_grad():
+                features = model.get_image_features(**media)
+            features = getattr(features, "pooler_output", features)
+            features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+            counts.add(features.numel() // features.shape[-1])
+    except Exception:
+        return None
+    if len(counts) != 1:  # the count follows the image size: no fixed template can spell it
+        return None
+    count = counts.pop()
+    # The token the config's id field already names (the config was built with it).
+    field = next((k for k in plan.token_fields if k.startswith("image")), None)
+    token = plan.token_fields[field] if field is not None else own[0]
+    if count > 0 and runs_with_image(model_class, config, processor, token * count) is None:
+        return token * count
+    return None
