@@ -658,3 +658,18 @@ def test_a_sub_processor_that_cannot_save_has_the_switches_its_error_names_turne
 
     assert _switches_off_to_save(transformers.Ernie4_5_VLMoeVideoProcessor, {}) == {"draw_on_frames": False}
     assert _switches_off_to_save(transformers.Qwen2VLImageProcessor, {}) == {}
+
+
+def test_a_shape_property_whose_setter_refuses_is_not_set():
+    """XLNet has no length limit: its config reads `max_position_embeddings` as -1 through
+    a property whose setter raises, so the shrink leaves it out (before, setting the tiny
+    1024 made the config refuse). A property that takes its own value back is still set."""
+    import transformers
+
+    from mmrl.scaffold.shrink import _read_only, tiny_text_values
+
+    assert _read_only(transformers.XLNetConfig(), "max_position_embeddings")
+    values = tiny_text_values("XLNetConfig")
+    assert "max_position_embeddings" not in values and values["d_model"] == 64
+    transformers.XLNetConfig(**values)
+    assert not _read_only(transformers.NemotronHConfig(), "num_hidden_layers")  # a setter that accepts

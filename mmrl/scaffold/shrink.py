@@ -16,6 +16,7 @@ What to shrink is read from the default config itself, never from a table of typ
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -155,9 +156,18 @@ def _attribute(config, key: str):
 
 
 def _read_only(config, key: str) -> bool:
-    """A property without a setter (derived from other fields): never set it."""
+    """A property without a setter (derived from other fields), or one whose setter
+    refuses even the value it reads (a length limit the model does not have): never set it."""
     attribute = getattr(type(config), key, None)
-    return isinstance(attribute, property) and attribute.fset is None
+    if not isinstance(attribute, property):
+        return False
+    if attribute.fset is None:
+        return True
+    try:
+        attribute.fset(copy.deepcopy(config), attribute.fget(config))
+    except Exception:  # a refusing setter may raise anything
+        return True
+    return False
 
 
 def _per_layer_lists(own: dict[str, Any], depth: int, tiny_depth: int, layers_key: str,
