@@ -170,14 +170,15 @@ def test_reaching_the_recompile_limit_warns_and_leaves_the_layers_eager(monkeypa
     from mmrl.engine import compiled_layers
 
     monkeypatch.setattr(compiled_layers, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    name = next(iter(compiled_layers._recompile_limit()))
     torch._dynamo.reset()
     layer = torch.nn.Linear(3, 3)
     eager = torch.nn.Linear(3, 3)
     eager.load_state_dict(layer.state_dict())
     layers = CompiledLayers([layer])
     inputs = [torch.randn(2, 3), torch.randn(5, 3)]  # a new shape: a second graph
-    with warnings.catch_warnings(record=True) as caught, layers.active():
+    # (torch's own patch: monkeypatch's restore would delete the aliased config name)
+    with torch._dynamo.config.patch(**{name: 1}), warnings.catch_warnings(record=True) as caught, layers.active():
         warnings.simplefilter("always")
         outs = [layer(x) for x in inputs]
     assert layers.compiled_calls == 1 and layers.failed
