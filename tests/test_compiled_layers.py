@@ -150,18 +150,23 @@ def test_the_segments_hook_hands_each_layer_its_masks_segments(monkeypatch):
         assert torch.equal(segments[0], expected[0]) and segments[1] == expected[1]
 
 
-def test_the_recompile_limit_is_raised_only_inside_the_passes():
-    """Inside the engine's passes dynamo may keep more graphs per layer forward than its
-    default 8 (grad and no grad, one packed row and several, padded and packed), so the
-    layers do not silently fall back to eager; outside, the user's setting stands."""
+def test_a_compiled_layer_call_may_keep_more_graphs_and_leaves_the_settings_alone():
+    """A compiled layer call may keep more graphs per layer forward than dynamo's default 8
+    (grad and no grad, one packed row and several, padded and packed) and fails loudly at
+    its limit; around it, the user's settings stand."""
     from mmrl.engine.compiled_layers import RECOMPILE_LIMIT, _recompile_limit
 
-    name, outside = next(iter(_recompile_limit().items()))
-    default = getattr(torch._dynamo.config, name)
-    layers = CompiledLayers([torch.nn.Linear(2, 2)])
+    settings = _recompile_limit()
+    name = next(iter(settings))
+    before = {key: getattr(torch._dynamo.config, key) for key in settings}
+    assert settings[name] == max(RECOMPILE_LIMIT, before[name]) >= 64
+    assert settings.get("fail_on_recompile_limit_hit", True) is True
+    layer = torch.nn.Linear(2, 2)
+    layers = CompiledLayers([layer])
     with layers.active():
-        assert getattr(torch._dynamo.config, name) == max(RECOMPILE_LIMIT, default) == outside
-    assert getattr(torch._dynamo.config, name) == default
+        layer(torch.randn(3, 2))
+    assert layers.compiled_calls == 1
+    assert {key: getattr(torch._dynamo.config, key) for key in settings} == before
 
 
 def test_reaching_the_recompile_limit_warns_and_leaves_the_layers_eager(monkeypatch):

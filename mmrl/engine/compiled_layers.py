@@ -45,8 +45,15 @@ RECOMPILE_LIMIT = 64
 
 
 def _recompile_limit() -> dict[str, int | bool]:
-    """dynamo's per-code-object graph limit raised to RECOMPILE_LIMIT (never lowered), and
-    reaching it raised as an error where this torch can."""
+    """The dynamo settings of a compiled layer call: its per-code-object graph limit raised
+    to RECOMPILE_LIMIT (never lowered), and reaching it raised as an error where this torch
+    can, so the layer goes eager with a warning (`_compile_errors`).
+
+    One layer forward (a code object all layers of all engines share) meets several graphs
+    in a run: with and without grad, one packed row and several (size 1 is specialized),
+    padded and packed. dynamo's default limit of 8 was reached on an H200 by
+    bench/packing.py, after which the layers silently ran eager. Set per call, not for the
+    whole pass, so other compiled code in the pass keeps the user's settings."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     fail = {"fail_on_recompile_limit_hit": True} if hasattr(config, "fail_on_recompile_limit_hit") else {}
@@ -71,7 +78,8 @@ class CompiledLayers:
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
             try:
-                out = compiled(*args, **kwargs)
+                with torch._dynamo.config.patch(**_recompile_limit()):
+                    out = compiled(*args, **kwargs)
             except _compile_errors() as error:
                 self.failed = one_line(error, typed=True)
                 warnings.warn(f"compiled decoder layers: off, eager from now on ({self.failed})"[:300], stacklevel=2)
@@ -83,17 +91,9 @@ class CompiledLayers:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Within the block, layer forwards run compiled (where enabled and not failed).
-
-        One layer forward (a code object all layers of all engines share) meets several
-        graphs in a run: with and without grad, one packed row and several (size 1 is
-        specialized), padded and packed. dynamo's default limit of 8 graphs per code object
-        was reached on an H200 by bench/packing.py, after which the layers silently ran
-        eager; within the block the limit is RECOMPILE_LIMIT, and reaching it is a compile
-        failure (a warning, then eager layers) rather than silent."""
+        """Within the block, layer forwards run compiled (where enabled and not failed)."""
         before, self._active = self._active, True
         try:
-            with torch._dynamo.config.patch(**_recompile_limit()):
-                yield
+            yield
         finally:
             self._active = before
