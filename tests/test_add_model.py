@@ -673,3 +673,24 @@ def test_a_shape_property_whose_setter_refuses_is_not_set():
     assert "max_position_embeddings" not in values and values["d_model"] == 64
     transformers.XLNetConfig(**values)
     assert not _read_only(transformers.NemotronHConfig(), "num_hidden_layers")  # a setter that accepts
+
+
+def test_layers_reused_over_cycles_are_found_by_the_configs_per_stack_count():
+    """HRM loops two stacks of layers over cycles: its config rewrites num_hidden_layers
+    to the passes its cache holds (2 per stack x 2 x (3 + 1) = 16), and no list holds 16
+    layers; the stack is then found by the config's other layer count (num_layers_per_stack).
+    A config whose depth names a list is read as before."""
+    import transformers
+
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import _other_layer_counts, inspect_family
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import tiny_model_inputs
+
+    config = transformers.HrmTextConfig(num_hidden_layers=2)
+    assert config.num_hidden_layers == 16 and _other_layer_counts(config) == [2]
+    resolved = resolve("hrm_text")
+    with quiet_transformers():
+        found = inspect_family(resolved, "hrm_text", tiny_model_inputs(resolved))
+    assert found.parts.language == ("model",) and found.decoder_layers == ("HrmTextDecoderLayer",)
+    assert found.fill_in == []

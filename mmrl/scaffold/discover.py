@@ -81,6 +81,10 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
     lm_head = _path_of(model, model.get_output_embeddings())
     text_config = config.get_text_config(decoder=True)
     language, decoder = _decoder_stack(model, embed, getattr(text_config, "num_hidden_layers", None))
+    for depth in _other_layer_counts(text_config) if decoder is None else ():
+        language, decoder = _decoder_stack(model, embed, depth)
+        if decoder is not None:
+            break
     if decoder is None:
         raise ScaffoldError(f"{resolved.model_class}: no stack of {text_config.num_hidden_layers} decoder layers "
                             f"around {embed!r}; name parts.language and shard_layers by hand", category="parts")
@@ -130,6 +134,17 @@ def _decoder_stack(model, embed: str, depth: int | None):
             if stacks:
                 return path, stacks[0]
     return embed.rpartition(".")[0], None
+
+
+def _other_layer_counts(text_config) -> list[int]:
+    """Layer counts the text config holds beside `num_hidden_layers`, in its order: where
+    the layers are reused (two stacks looped over cycles), `num_hidden_layers` counts the
+    layer passes the cache holds and a field like `num_layers_per_stack` the layers of a
+    list. Read only where no list holds `num_hidden_layers` layers."""
+    own = text_config.to_dict()
+    depth = own.get("num_hidden_layers")
+    return list(dict.fromkeys(value for key, value in own.items()
+                              if "layers" in key and type(value) is int and 0 < value != depth))
 
 
 def _uncovered_parameters(model, parts: Parts) -> list[str]:
