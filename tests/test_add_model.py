@@ -365,10 +365,27 @@ def test_docs_state_the_committed_coverage():
     summary = json.loads((root / "support_matrix" / "coverage.json").read_text())["summary"]
     text = " ".join((root / "docs" / "adding_a_model.md").read_text().split())
     found = re.search(r"\*\*(\d+) of (\d+)\*\* in-scope causal-LM types and \*\*(\d+) of (\d+)\*\* in-scope "
-                      r"image-text-to-text types are green", text)
+                      r"image-text-to-text types are green, \*\*(\d+)\*\* of those with image inputs", text)
     assert found, "docs/adding_a_model.md must state the sweep's figures"
     text_lm, vlm = summary["causal_lm"], summary["image_text_to_text"]
-    assert [int(g) for g in found.groups()] == [text_lm["green"], text_lm["in_scope"], vlm["green"], vlm["in_scope"]]
+    assert [int(g) for g in found.groups()] == [text_lm["green"], text_lm["in_scope"], vlm["green"], vlm["in_scope"],
+                                                vlm["green_with_images"]]
+
+
+def test_the_summary_counts_green_image_types_that_declare_images():
+    """A VLM type scaffolded as a text family (no image capability) is green but is not
+    counted among those with image inputs; the causal-LM table has no such count."""
+    from mmrl.scaffold.sweep import Row, summarize
+
+    def row(model_type, status, capabilities):
+        return Row(model_type=model_type, mapping="image_text_to_text", in_scope=True, status=status, stage="tests",
+                   reason="", capabilities=capabilities)
+
+    summary = summarize([row("a", "green", ["generation", "single_image"]), row("b", "green", ["generation"]),
+                         row("c", "processor", [])])
+    assert summary["image_text_to_text"]["green"] == 2
+    assert summary["image_text_to_text"]["green_with_images"] == 1
+    assert "green_with_images" not in summary["causal_lm"]
 
 
 def test_sweep_names_a_killed_process_in_one_line():

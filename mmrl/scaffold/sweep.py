@@ -286,6 +286,11 @@ def summarize(rows) -> dict:
             "out_of_scope": dict(Counter(r.scope_rule for r in mine if not r.in_scope)),
             "failures": dict(Counter(r.status for r in scope if r.status != "green").most_common()),
         }
+        if mapping == "image_text_to_text":
+            # Green types whose adapter declares image inputs: a VLM type whose vision
+            # tower cannot be found apart from its decoder is scaffolded as a text family.
+            summary[mapping]["green_with_images"] = sum(r.status == "green" and "single_image" in r.capabilities
+                                                        for r in scope)
     return summary
 
 
@@ -299,12 +304,13 @@ def render_page(document: dict, path: Path) -> None:
         "wrote the family and the tests it generated pass with no hand edit. Every other type ends "
         "with the stage that stopped it and one line saying why.",
         "",
-        "| table | types | in scope | green | share |",
-        "|---|---|---|---|---|",
+        "| table | types | in scope | green | share | green with image inputs |",
+        "|---|---|---|---|---|---|",
     ]
     for mapping, s in document["summary"].items():
         share = "" if s["green_share"] is None else f"{100 * s['green_share']:.0f}%"
-        lines.append(f"| {mapping} | {s['types']} | {s['in_scope']} | {s['green']} | {share} |")
+        images = s.get("green_with_images", "-")
+        lines.append(f"| {mapping} | {s['types']} | {s['in_scope']} | {s['green']} | {share} | {images} |")
     lines += ["", "Out of scope, by rule:", ""]
     for rule, text in OUT_OF_SCOPE_RULES.items():
         count = sum(s["out_of_scope"].get(rule, 0) for s in document["summary"].values())
