@@ -211,8 +211,8 @@ def runner() -> str:
 
 # What the user writes by hand when a generated test fails, by the test's name.
 _TO_WRITE = (
-    ("padded", "write the adapter's position_ids (or the processing's padding) so that a padded batch equals "
-               "each prompt alone"),
+    ("padded", "write the adapter's position_ids or padding so a padded batch equals each prompt alone "
+               "(impossible if the forward ignores the mask: recurrent state, positions from the start)"),
     ("packed", "write packed positions or declare padding_free=False"),
     ("parts", "name the listed parameters' part in the adapter's parts"),
     ("lora", "set the adapter's LoraTargets"),
