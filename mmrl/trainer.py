@@ -36,6 +36,7 @@ import torch
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine
+from mmrl.engine.packing import PACK_TOKENS
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
@@ -134,7 +135,7 @@ class Trainer:
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
         passes = {"share_media": m.share_media, "pack": m.pack, "compile_layers": m.compile_layers,
-                  "pack_tokens": m.pack_tokens or max(16384, r.algo.micro_batch_tokens or 0)}
+                  "pack_tokens": m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0)}
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
                             gradient_checkpointing=m.gradient_checkpointing, **passes)
         self.ref = Engine(build(r.trainer.seed), self.dist, **passes) if r.algo.kl_coef > 0 else None

@@ -64,6 +64,7 @@ import torch
 
 from mmrl.config import OptimConfig
 from mmrl.engine import vision_attention
+from mmrl.engine.packing import PACK_TOKENS
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.master_weights import LossScaler, MasterWeights
 from mmrl.engine.sequences import Sequences
@@ -148,7 +149,7 @@ class Engine:
         share_media: bool = True,
         dropout: bool = False,
         pack: bool = False,
-        pack_tokens: int = 16384,
+        pack_tokens: int = PACK_TOKENS,
         compile_layers: bool | str = "auto",
         master_weights: bool = True,
         chunked_head: bool = True,

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Tokens per packed row unless set (`model.pack_tokens`; the trainer widens it to a larger
+# `algo.micro_batch_tokens`): 2.46x the padded update on an H200 against 2.23x at 8192.
+PACK_TOKENS = 16384
+
 # Sequence-aligned inputs that the packed forward does not take: the mask (boundaries come
 # from the positions) and the varlen lengths some helpers add.
 _DROPPED = ("attention_mask", "cu_seqlens")
