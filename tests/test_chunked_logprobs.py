@@ -221,6 +221,48 @@ def test_only_one_chunk_of_logits_exists_at_a_time(monkeypatch):
     assert sizes[False] >= tokens * vocab > 4 * sizes[True]
 
 
+def test_chunks_are_larger_only_where_the_chunk_arithmetic_runs_fused(monkeypatch):
+    """CUDA tensors get the fused chunk, CPU tensors the eager one, and so do CUDA tensors
+    once the fused arithmetic has given up (its eager buffers are fp32, 3x per element)."""
+    from types import SimpleNamespace
+
+    from mmrl.engine import logprobs
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), torch.zeros(1)
+    assert logprobs.FUSED_HEAD_CHUNK_ELEMENTS > logprobs.HEAD_CHUNK_ELEMENTS
+    assert logprobs.chunk_elements(cuda) == logprobs.FUSED_HEAD_CHUNK_ELEMENTS
+    assert logprobs.chunk_elements(cpu) == logprobs.HEAD_CHUNK_ELEMENTS
+    monkeypatch.setitem(logprobs._raw_grad.state, "failed", True)
+    assert logprobs.chunk_elements(cuda) == logprobs.HEAD_CHUNK_ELEMENTS
+    monkeypatch.setattr(logprobs, "FUSE_ON_CUDA", False)
+    monkeypatch.delitem(logprobs._raw_grad.state, "failed")
+    assert logprobs.chunk_elements(cuda) == logprobs.HEAD_CHUNK_ELEMENTS
+
+
+def test_compiled_head_gradient_is_one_pointwise_pass_equal_to_the_eager_one():
+    """Compiled (as on CUDA), the gradient of a chunk's log-softmax adds the target's term
+    through a one-hot mask instead of a scatter, so that it fuses into one pass: on the same
+    inputs (bf16 head outputs, soft-capped and scaled logits, with and without the entropy's
+    gradient) it equals the eager scatter's result, in the head outputs' dtype."""
+    from mmrl.engine import logprobs
+
+    torch.manual_seed(0)
+    raw = (torch.randn(7, 50) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (7,))
+    transform = LogitTransform(softcap=4.0, scale=0.5)
+    z = transform.apply(raw, TEMPERATURE)
+    lse = torch.logsumexp(z, -1)
+    entropy = lse - (torch.softmax(z, -1) * z).sum(-1)
+    eager_fn = logprobs._raw_grad.__wrapped__
+    compiled_fn = torch.compile(eager_fn, backend="inductor", fullgraph=True)
+    for grad_entropy in (torch.randn(7), None):
+        args = (targets, lse, entropy, torch.randn(7), grad_entropy, transform, TEMPERATURE)
+        eager = eager_fn(raw, *args)
+        compiled = compiled_fn(raw, *args)
+        assert compiled.dtype == eager.dtype == torch.bfloat16
+        torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=30.0, scale=0.5)])
 def test_fused_chunk_math_on_the_gpu_equals_the_eager_math(transform, monkeypatch):
@@ -251,11 +293,11 @@ def test_fused_chunk_math_on_the_gpu_equals_the_eager_math(transform, monkeypatc
 def test_chunked_head_peak_memory_on_the_gpu(monkeypatch):
     """bf16 weights, a 152k vocabulary, 4 x 2048 response tokens, chunks of 220 tokens: the
     chunked pass's extra peak is a fraction of the plain path's, log-probs agree within
-    bf16 rounding. (At the default chunk, 883 tokens here, a chunk's backward alone holds
-    ~1.5 GiB: this batch is too small to show the difference.)"""
+    bf16 rounding. (At the default fused chunk, 3.5k tokens here, a chunk alone holds
+    ~2 GiB: this batch is too small to show the difference.)"""
     from mmrl.engine import logprobs
 
-    monkeypatch.setattr(logprobs, "HEAD_CHUNK_ELEMENTS", 2**25)
+    monkeypatch.setattr(logprobs, "FUSED_HEAD_CHUNK_ELEMENTS", 2**25)
     device = torch.device("cuda")
     dist = init_distributed("cuda")
     overrides = {"vocab_size": 151936, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
