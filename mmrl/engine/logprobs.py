@@ -30,8 +30,6 @@ once.
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -39,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mmrl.errors import one_line
+from mmrl.engine.fusion import on_cuda
 
 LOGPROB_CHUNK_TOKENS = 4096
 # Elements of one chunk's (tokens, vocabulary) logits. Eagerly a chunk's backward holds ~3
@@ -157,27 +155,7 @@ def mismatch(raw: torch.Tensor, logits: torch.Tensor, transforms: list[LogitTran
 FUSE_ON_CUDA = True
 
 
-def _fused(fn):
-    """`fn(raw, ...)`, compiled where `raw` is on CUDA; a compile that fails warns once and
-    leaves `fn` eager from then on."""
-    state: dict = {}
-
-    @functools.wraps(fn)
-    def call(raw, *args):
-        if not (FUSE_ON_CUDA and raw.is_cuda) or state.get("failed"):
-            return fn(raw, *args)
-        if "compiled" not in state:
-            state["compiled"] = torch.compile(fn)
-        try:
-            return state["compiled"](raw, *args)
-        except Exception as error:  # noqa: BLE001 - any compile failure keeps the eager path
-            state["failed"] = True
-            warnings.warn(f"chunked log-probs: {fn.__name__} runs eagerly ({one_line(error, typed=True)})"[:300],
-                          stacklevel=2)
-            return fn(raw, *args)
-
-    call.state = state  # "compiled" once compiled, "failed" once given up
-    return call
+_fused = on_cuda("chunked log-probs", enabled=lambda: FUSE_ON_CUDA)
 
 
 @_fused
