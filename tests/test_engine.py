@@ -249,28 +249,6 @@ def test_varlen_segments_come_from_document_causal_masks_only():
         assert document_segments(other) is None
 
 
-def test_varlen_mask_check_compiled_as_on_cuda_gives_the_eager_verdicts():
-    """On CUDA the document-causal check runs compiled (one pass over the mask): compiled
-    with inductor here, it gives the eager check's verdict on a document-causal batch and
-    on each way a mask can depart from it, and on two widths (a recompile)."""
-    from mmrl.engine import varlen
-
-    check = torch.compile(varlen._departs.__wrapped__, backend="inductor", fullgraph=True)
-    for lengths, width in (([3, 5, 2], 12), ([7, 9], 20)):
-        mask = _document_mask(lengths, width)[:, 0]
-        document = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]
-                             + [torch.full((width - sum(lengths),), len(lengths))])[None]
-        flipped = mask.clone()
-        flipped[0, width - 1, 1] = True
-        window = mask & ~torch.ones(width, width, dtype=torch.bool).tril(-3)
-        verdicts = []
-        for square in (mask, flipped, window):
-            eager = bool(varlen._departs.__wrapped__(square, document))
-            assert bool(check(square, document)) == eager
-            verdicts.append(eager)
-        assert verdicts == [False, True, True]
-
-
 def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     """On CPU (and for any mask that is not document-causal) the installed attention is
     transformers' SDPA: the packed forward's logits do not change."""

@@ -27,8 +27,6 @@ import inspect
 
 import torch
 
-from mmrl.engine.fusion import on_cuda
-
 NAME = "mmrl_varlen"
 BASE = "sdpa"
 _CACHE: list[tuple[torch.Tensor, tuple[torch.Tensor, int] | None]] = []  # (mask, its segments)
@@ -55,23 +53,15 @@ def document_segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     # A token starts a sequence where it cannot see the token before it.
     before = torch.diagonal(square, offset=-1, dim1=1, dim2=2)  # (K, T - 1): q sees q - 1
     starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=mask.device), ~before], dim=1)
-    if _departs(square, starts.cumsum(-1)):
+    document = starts.cumsum(-1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    expected = (document[:, :, None] == document[:, None, :]) & causal
+    if not torch.equal(square, expected):
         return None
     flat_starts = starts.flatten().nonzero().flatten()
     ends = torch.cat([flat_starts, flat_starts.new_tensor([rows * length])])
     cu_seqlens = ends.to(torch.int32)
     return cu_seqlens, int((ends[1:] - ends[:-1]).max())
-
-
-@on_cuda("varlen attention")
-def _departs(square: torch.Tensor, document: torch.Tensor) -> torch.Tensor:
-    """Whether the (K, T, T) mask differs anywhere from document-causal for the (K, T)
-    document numbers: compiled on CUDA, one pass that reads the mask and builds nothing of
-    its size (eagerly a 32k-token row took five T x T passes, ~4 GiB of traffic)."""
-    length = square.shape[-1]
-    index = torch.arange(length, device=square.device)
-    expected = (document[:, :, None] == document[:, None, :]) & (index[None, :, None] >= index[None, None, :])
-    return (square != expected).any()
 
 
 def _segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
