@@ -198,6 +198,12 @@ class ModelAdapter:
     processing: ClassVar[type[Processing] | str] = "mmrl.processing:Processing"
     # Keyword arguments for `processing` (pixel budget defaults and the like).
     processing_options: ClassVar[dict[str, Any]] = {}
+    # Whether a left-padded batch equals each prompt alone. Not so where the forward
+    # ignores the mask for the pads in front (a recurrent state, positions counted from the
+    # tensor's start): with False the engine runs each sequence in a row of its own,
+    # right-padded, and HF rollout generates the prompts of one length at a time. The
+    # padded-batch probe checks the layout the family declares.
+    left_padding: ClassVar[bool] = True
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "model_types", "hf_class", "parts", "shard_layers")
 

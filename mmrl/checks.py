@@ -70,12 +70,35 @@ def logits_of(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
+def right_padded(batch: dict) -> dict:
+    """The left-padded `batch` with each row's tokens moved to its first columns and the
+    padding after them (every (B, L, ...) tensor alike; position ids are the caller's)."""
+    mask = batch["attention_mask"].bool()
+    rows, width = mask.shape
+    columns = (torch.arange(width, device=mask.device)[None] + (~mask).sum(-1, keepdim=True)) % width
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, width):
+            index = columns.view(rows, width, *[1] * (value.dim() - 2)).expand_as(value)
+            moved[key] = value.gather(1, index)
+        else:
+            moved[key] = value
+    return moved
+
+
 def padded_vs_single(built, conversations) -> float:
     """Max |logit difference| between each prompt run alone (the model computing its
-    own positions) and the same prompt inside a left-padded batch with the adapter's
-    position ids."""
+    own positions) and the same prompt inside a padded batch with the adapter's position
+    ids: left-padded, or right-padded where the family cannot take left padding
+    (`ModelAdapter.left_padding`)."""
     model = built.model.eval()
-    batch = built.inputs(conversations)
+    if built.adapter.left_padding:
+        batch = built.inputs(conversations)
+    else:
+        batch = right_padded(dict(built.processing(conversations)))
+        positions = built.adapter.position_ids(model, batch)
+        if positions is not None:
+            batch["position_ids"] = positions
     batched = logits_of(model, batch)
     mask = batch["attention_mask"].bool()
     worst = 0.0

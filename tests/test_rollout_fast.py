@@ -260,10 +260,12 @@ def test_auto_takes_the_compiled_rollout_in_one_gpu_process_only():
 
     from mmrl.rollout import choose_backend
 
-    def engine(device, sharded=False):
-        return SimpleNamespace(dist=SimpleNamespace(device=torch.device(device)), sharded=sharded)
+    def engine(device, sharded=False, left_padding=True):
+        adapter = SimpleNamespace(left_padding=left_padding)
+        return SimpleNamespace(dist=SimpleNamespace(device=torch.device(device)), sharded=sharded, adapter=adapter)
 
     assert choose_backend("auto", engine("cuda")) == "hf_compiled"
+    assert choose_backend("auto", engine("cuda", left_padding=False)) == "hf"
     assert choose_backend("auto", engine("cpu")) == "hf"
     assert choose_backend("auto", engine("cuda", sharded=True)) == "hf"
     assert choose_backend("auto", engine("cuda"), multi_turn=True) == "hf"

@@ -173,6 +173,9 @@ class Engine:
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
         self.pack = pack and self.adapter.capabilities.padding_free
         self.pack_tokens = pack_tokens
+        # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
+        # batch as rows of one sequence each, starting at the row's first column.
+        self.right_padded = not self.adapter.left_padding
         self.model = built.model.to(dist.device)
         # Dropout off unless asked for (`disable_dropout` says why); an engine that does
         # not train runs in eval mode anyway.
@@ -514,15 +517,23 @@ class Engine:
         return choice
 
     def packs(self, seqs: Sequences) -> bool:
-        """Whether `log_probs` runs `seqs` packed: packing is on, and the batch carries the
-        adapter's position ids (a model that computes its own would count across sequences)."""
-        return self.pack and self.sequence_parallel == 1 and "position_ids" in seqs.inputs
+        """Whether `log_probs` runs `seqs` packed: packing is on (or the family cannot take
+        left padding), and the batch carries the adapter's position ids (a model that
+        computes its own would count across sequences)."""
+        positions = "position_ids" in seqs.inputs
+        if self.right_padded and (self.sequence_parallel > 1 or not positions):
+            why = "sequence parallelism splits rows" if self.sequence_parallel > 1 else "its adapter writes no position ids"
+            raise ValueError(f"family {self.adapter.family!r} cannot take left padding (left_padding=False), and its "
+                             f"batches cannot run a sequence a row here: {why}")
+        return (self.pack or self.right_padded) and self.sequence_parallel == 1 and positions
 
     def _packed(self, seqs: Sequences):
-        """`seqs` packed into rows of at most `pack_tokens` tokens (`mmrl.engine.packing`)."""
+        """`seqs` packed into rows of at most `pack_tokens` tokens (`mmrl.engine.packing`);
+        one sequence a row where the family cannot take left padding."""
         from mmrl.engine.packing import pack_sequences
 
-        return pack_sequences(seqs.inputs, seqs.response_mask, self.pack_tokens, seqs.pad_token_id or 0)
+        row_tokens = 1 if self.right_padded else self.pack_tokens
+        return pack_sequences(seqs.inputs, seqs.response_mask, row_tokens, seqs.pad_token_id or 0)
 
     def _value_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """The value head on hidden states (..., H): fp32 values (...)."""

@@ -9,11 +9,13 @@ def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     """`backend`, with "auto" resolved: the compiled HF rollout for one GPU process
     (14x plain `generate` in bf16 on an H200, bench/results/rollout_speed_gpu.json), plain `generate`
     on the CPU (compiling there costs more than it saves), under FSDP2 (every rank steps
-    together) and for multi-turn rollouts (each turn's new prompt length is another graph)."""
+    together), for multi-turn rollouts (each turn's new prompt length is another graph) and
+    for a family that cannot take left padding (its prompts generate one length at a time)."""
     if backend != "auto":
         return backend
     one_gpu = engine.dist.device.type == "cuda" and not engine.sharded
-    return "hf_compiled" if one_gpu and not multi_turn else "hf"
+    left_padding = engine.adapter.left_padding
+    return "hf_compiled" if one_gpu and not multi_turn and left_padding else "hf"
 
 
 def make_rollout(backend: str, engine, processing, **options):

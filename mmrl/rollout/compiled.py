@@ -142,6 +142,8 @@ class CompiledHFRollout(HFRollout):
     def _check(self, params: SamplingParams) -> None:
         if self.engine.sharded:
             raise Unsupported("sharded weights (FSDP2) step every rank together")
+        if not self.engine.adapter.left_padding:
+            raise Unsupported("the family cannot take left padding (left_padding=False)")
         config = self.engine.model.generation_config
         fields = dict(_UNSUPPORTED, **({} if params.greedy else _UNSUPPORTED_SAMPLING))
         for name, neutral in fields.items():

@@ -47,6 +47,37 @@ class HFRollout:
     def _sample(self, batch: dict, shared, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Generated tokens (B, R) on the CPU, and with `params.logprobs` each token's
         log-prob under the raw logits (B, R); rows that stopped early are padded."""
+        if not self.engine.adapter.left_padding:
+            return self._sample_by_length(batch, shared, params)
+        return self._generate(batch, shared, params)
+
+    def _sample_by_length(self, batch: dict, shared, params: SamplingParams):
+        """`_sample` for a family whose forward cannot take left padding: the rows of each
+        prompt length generate together, without padding, and are put back in order."""
+        rows, width = batch["attention_mask"].shape
+        aligned = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == (rows, width)]
+        others = sorted(set(batch) - set(aligned))
+        if others or shared is not None:
+            raise ValueError(f"family {self.engine.adapter.family!r} cannot take left padding (left_padding=False): "
+                             f"HF rollout generates its prompts one length at a time from token ids alone, and these "
+                             f"prompts also carry {', '.join(others) or 'shared media'}")
+        lengths = batch["attention_mask"].sum(-1)
+        parts = []
+        for length in lengths.unique().tolist():
+            index = (lengths == length).nonzero().flatten()
+            parts.append((index.cpu(), *self._generate({k: batch[k][index, width - length:] for k in aligned}, None,
+                                                       params)))
+        new_tokens = max(tokens.shape[1] for _, tokens, _ in parts)
+        generated = parts[0][1].new_full((rows, new_tokens), self.processing.tokenizer.pad_token_id)
+        logprobs = None if parts[0][2] is None else torch.zeros(rows, new_tokens)
+        for index, tokens, values in parts:
+            generated[index, :tokens.shape[1]] = tokens
+            if logprobs is not None:
+                logprobs[index, :values.shape[1]] = values
+        return generated, logprobs
+
+    def _generate(self, batch: dict, shared, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_sample` through one `generate` call over the (left-padded) batch."""
         model = self.engine.model
         tokenizer = self.processing.tokenizer
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}

@@ -1,0 +1,119 @@
+"""Families that cannot take left padding (`ModelAdapter.left_padding = False`): a forward that
+ignores the mask for the pads in front (a recurrent state, positions counted from the
+tensor's start). Stand-in: a tiny Qwen2 whose decoder drops the attention mask and the
+position ids, so it counts positions from the first column and attends to every earlier
+token, pads included. Such a family's padded-batch check, training passes and HF rollout
+run right-padded rows, and each equals every sequence run alone."""
+
+import pytest
+import torch
+
+from mmrl import build_model
+from mmrl.checks import padded_vs_single, right_padded, sample_conversations
+from mmrl.engine import Engine, join
+from mmrl.parallel import init_distributed
+from mmrl.probes import TOLERANCE
+from mmrl.rollout import SamplingParams, make_rollout
+
+
+def _drop_mask_and_positions(module, args, kwargs):
+    return args, {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids")}
+
+
+@pytest.fixture
+def built(monkeypatch):
+    built = build_model("qwen2", random_init=True, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # widened weights: greedy continuations differ from token to token
+        for parameter in built.model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    built.model.model.register_forward_pre_hook(_drop_mask_and_positions, with_kwargs=True)
+    monkeypatch.setattr(built.adapter, "left_padding", False)
+    return built
+
+
+def test_right_padded_moves_each_rows_tokens_to_the_front():
+    batch = {"input_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]]),
+             "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+             "pixel_values": torch.ones(3, 2)}
+    moved = right_padded(batch)
+    assert moved["input_ids"].tolist() == [[5, 6, 0, 0], [7, 8, 9, 1]]
+    assert moved["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert moved["pixel_values"] is batch["pixel_values"]
+
+
+def test_the_padded_batch_check_runs_the_layout_the_family_declares(built, monkeypatch):
+    conversations = sample_conversations(built.adapter)
+    assert padded_vs_single(built, conversations) < TOLERANCE
+    monkeypatch.setattr(built.adapter, "left_padding", True)
+    assert padded_vs_single(built, conversations) > 100 * TOLERANCE  # the pads in front change the logits
+
+
+def _joined(built, conversations, responses):
+    prompts = dict(built.processing(conversations))
+    mask = (responses != 0).long()
+    return join(prompts, responses, mask, built.adapter, built.model, built.tokenizer.pad_token_id)
+
+
+def test_engine_passes_equal_each_sequence_alone(built):
+    """Log-probs, entropy and values of a batch (prompts of two lengths, responses of two
+    lengths) equal each sequence's alone; with left padding assumed they do not."""
+    conversations = sample_conversations(built.adapter)
+    responses = torch.tensor([[11, 12, 13, 14], [21, 22, 0, 0]])
+    engine = Engine(built, init_distributed("cpu"), value_head=True)
+    seqs = _joined(built, conversations, responses)
+    with torch.no_grad():
+        logp, entropy = engine.log_probs(seqs)
+        values = engine.values(seqs)
+        for i, conversation in enumerate(conversations):
+            alone = _joined(built, [conversation], responses[i:i + 1])
+            logp_alone, entropy_alone = engine.log_probs(alone)
+            real = alone.response_mask[0].bool()
+            torch.testing.assert_close(logp[i][real], logp_alone[0][real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy[i][real], entropy_alone[0][real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(values[i][real], engine.values(alone)[0][real], atol=1e-5, rtol=1e-5)
+        assert (logp[:, len(responses[1].nonzero()):][1] == 0).all()  # padding stays 0
+        engine.right_padded = False  # the left-padded layout, which this forward cannot take
+        left, _ = engine.log_probs(seqs)
+    assert (left - logp).abs().max() > 1e-3
+
+
+def test_engine_refuses_a_family_without_position_ids(built, monkeypatch):
+    engine = Engine(built, init_distributed("cpu"))
+    seqs = _joined(built, sample_conversations(built.adapter), torch.tensor([[11, 12], [21, 0]]))
+    del seqs.inputs["position_ids"]
+    with pytest.raises(ValueError, match="left_padding=False.*no position ids"):
+        engine.log_probs(seqs)
+
+
+def test_hf_rollout_generates_each_prompt_length_apart(built):
+    """Greedy samples of prompts of two lengths (n=2) equal each prompt generated alone,
+    with log-probs; the compiled backend falls back to the same path."""
+    conversations = sample_conversations(built.adapter)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.0, logprobs=True)
+    result = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    assert result.prompt_index.tolist() == [0, 0, 1, 1]
+    for i, conversation in enumerate(conversations):
+        ids = dict(built.processing([conversation]))
+        alone = built.model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=built.tokenizer.pad_token_id,
+                                     eos_token_id=built.processing.stop_token_ids,
+                                     suppress_tokens=built.processing.blocked_token_ids or None)
+        alone = alone[0, ids["input_ids"].shape[1]:]
+        for row in (2 * i, 2 * i + 1):
+            length = int(result.response_mask[row].sum())
+            assert result.response_ids[row, :length].tolist() == alone[:length].tolist()
+    assert result.logprobs is not None and (result.logprobs[result.response_mask == 0] == 0).all()
+    with pytest.warns(UserWarning, match="left_padding=False"):
+        compiled = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
+    assert torch.equal(compiled.response_ids, result.response_ids)
+
+
+def test_hf_rollout_refuses_media_prompts_for_such_a_family(built):
+    engine = Engine(built, init_distributed("cpu"))
+    rollout = make_rollout("hf", engine, built.processing)
+    batch = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]]),
+             "pixel_values": torch.zeros(4, 3)}
+    with pytest.raises(ValueError, match="left_padding=False.*pixel_values"):
+        rollout._sample(batch, None, SamplingParams(max_new_tokens=2))
