@@ -64,6 +64,48 @@ def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
             "test_packed_batch_matches_padded", "test_lora_merge_matches_unmerged"} <= set(ran)
 
 
+def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_padded(plugin_path, tmp_ckpt):
+    """RWKV's forward ignores the mask, so pads in front enter its recurrent state: a
+    left-padded batch differs from each prompt alone with counted and with its own
+    positions. The scaffold declares left_padding = False (a right-padded batch matches),
+    the zoo's padded-batch test passes on the adapter unedited, and the engine's log-probs
+    of a batch equal each sequence's alone."""
+    result = add_model("rwkv", "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    assert "fill in" not in result.output, result.output
+    load_plugin("mmrl_rwkv.rwkv")
+    adapter = get_adapter("rwkv")
+    assert adapter.left_padding is False and not adapter.capabilities.padding_free
+    assert "left_padding = False" in (plugin_path / "mmrl_rwkv" / "rwkv.py").read_text()
+    checks = dict(zoo_checks("rwkv"))
+    for name in ("test_padded_batch_matches_each_prompt_alone", "test_save_reload_forward_backward_generate"):
+        check = checks[name]
+        arguments = {"family": "rwkv", "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+    import torch
+
+    from mmrl import build_model
+    from mmrl.checks import sample_conversations
+    from mmrl.engine import Engine, join
+    from mmrl.parallel import init_distributed
+
+    built = build_model("rwkv", random_init=True, seed=0)
+    engine = Engine(built, init_distributed("cpu"))
+    conversations = sample_conversations(built.adapter)
+    responses = torch.tensor([[11, 12, 13], [21, 22, 0]])
+
+    def joined(rows, answers):
+        prompts = dict(built.processing(rows))
+        return join(prompts, answers, (answers != 0).long(), built.adapter, built.model, built.tokenizer.pad_token_id)
+
+    with torch.no_grad():
+        logp, _ = engine.log_probs(joined(conversations, responses))
+        for i, conversation in enumerate(conversations):
+            alone, _ = engine.log_probs(joined([conversation], responses[i:i + 1]))
+            real = responses[i] != 0
+            torch.testing.assert_close(logp[i][real], alone[0][real], atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_model_type_is_a_one_line_error(tmp_path):
     result = add_model("no_such_model_type", "--out", str(tmp_path / "out"))
     assert result.exit_code == 2

@@ -63,6 +63,9 @@ class Discovery:
     fill_in: list[str] = field(default_factory=list)
     # The model's own positions match a padded batch where counted ones do not (verify).
     own_positions: bool = False
+    # Neither does: the forward ignores the mask for pads in front, and a right-padded
+    # batch matches each prompt alone (verify); the adapter declares left_padding = False.
+    left_padding: bool = True
 
 
 @dataclass

@@ -140,6 +140,10 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     lines += _capabilities_source(d, verified, adapter_imports, checked)
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
+    if not d.left_padding:
+        lines += ["    # The forward ignores the mask for pads in front (a left-padded batch differed from",
+                  "    # each prompt alone with counted and with its own positions; right-padded, it matched).",
+                  "    left_padding = False"]
     lines.append(f"    # {d.vllm_note}.")
     if d.vllm_architecture:
         lines.append(f"    rollout = Rollout(vllm_architecture={_str(d.vllm_architecture)})")

@@ -212,7 +212,7 @@ def runner() -> str:
 # What the user writes by hand when a generated test fails, by the test's name.
 _TO_WRITE = (
     ("padded", "write the adapter's position_ids or padding so a padded batch equals each prompt alone "
-               "(impossible if the forward ignores the mask: recurrent state, positions from the start)"),
+               "(left_padding = False where the forward ignores the mask for pads in front)"),
     ("packed", "write packed positions or declare padding_free=False"),
     ("parts", "name the listed parameters' part in the adapter's parts"),
     ("lora", "set the adapter's LoraTargets"),

@@ -34,18 +34,27 @@ def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | Non
     checks on its tiny model and return the capabilities that passed (None when the
     tiny model does not run at all; `d.fill_in` then says why). When a padded batch
     differs from each prompt alone with counted positions, the checks run again with the
-    model placing its own; the adapter keeps whichever matched."""
+    model placing its own, then (text families) with right-padded batches
+    (`left_padding = False`: a forward that ignores the mask for pads in front); the
+    adapter keeps the first that matched."""
     verified = _verify_once(d, layout, notes)
     if d.own_positions or not _position_gap(d):
         return verified
-    d.own_positions, kept = True, list(d.fill_in)
-    d.fill_in[:] = [item for item in d.fill_in if not item.startswith(_POSITIONS)]
-    again_notes: list[str] = []
-    again = _verify_once(d, layout, again_notes)
-    if not _position_gap(d):
-        notes[:] = again_notes
-        return again
-    d.own_positions = False
+    attempts = [{"own_positions": True}]
+    if not d.resolved.is_vision_language:  # right-padded rollout takes token ids only
+        attempts.append({"left_padding": False})
+    kept = list(d.fill_in)
+    for attempt in attempts:
+        for name, value in attempt.items():
+            setattr(d, name, value)
+        d.fill_in[:] = [item for item in kept if not item.startswith(_POSITIONS)]
+        again_notes: list[str] = []
+        again = _verify_once(d, layout, again_notes)
+        if not _position_gap(d):
+            notes[:] = again_notes
+            return again
+        for name in attempt:
+            setattr(d, name, type(d).__dataclass_fields__[name].default)
     d.fill_in[:] = kept
     return verified
 
