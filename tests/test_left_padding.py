@@ -117,3 +117,47 @@ def test_hf_rollout_refuses_media_prompts_for_such_a_family(built):
              "pixel_values": torch.zeros(4, 3)}
     with pytest.raises(ValueError, match="left_padding=False.*pixel_values"):
         rollout._sample(batch, None, SamplingParams(max_new_tokens=2))
+
+
+def length_reward(completions, answers, **fields):
+    """Unequal rewards within a group, so the update moves the weights."""
+    return [len(c) / 3 for c in completions]
+
+
+def test_the_trainer_runs_such_a_family_end_to_end(tmp_path, monkeypatch):
+    """A GRPO run (2 steps, prompts of several lengths, 4 samples each) on the stand-in
+    family: the rollout generates one prompt length at a time and the engines run
+    right-padded rows; the steps train (finite loss, the weights move)."""
+    import json
+
+    from mmrl.config import load_recipe
+    from mmrl.registry import get_adapter
+    from mmrl.trainer import Trainer
+
+    adapter_class = type(get_adapter("qwen2"))
+    monkeypatch.setattr(adapter_class, "left_padding", False)
+    original = adapter_class.on_load
+
+    def on_load(self, model):
+        model = original(self, model)
+        model.model.register_forward_pre_hook(_drop_mask_and_positions, with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(adapter_class, "on_load", on_load)
+    recipe = load_recipe(None, [
+        "model.path=qwen2", "model.random_init=true",
+        "model.tiny_vocabulary={characters: '0123456789+ ?', words: [What, is, user, assistant]}",
+        "data.train=synthetic:arithmetic?n=32&seed=0&max_operand=40", "data.eval=null",
+        "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3",
+        "reward.name=test_left_padding:length_reward", "trainer.progress=false", "trainer.threads=2", "trainer.steps=2",
+        "trainer.export=false", f"trainer.output_dir={tmp_path / 'run'}"])
+    trainer = Trainer(recipe)
+    assert trainer.actor.right_padded and type(trainer.rollout).__name__ == "HFRollout"
+    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if not r.get("final")]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in steps)
+    after = trainer.actor.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
