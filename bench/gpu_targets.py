@@ -253,6 +253,25 @@ def write_readme_table(summary: dict) -> None:
     README.write_text(f"{before}{TABLE_START}\n{readme_table(summary)}\n{TABLE_END}{after}")
 
 
+SCALING_TARGET = "FSDP2 actor update on 2 GPUs: scaling efficiency (real tokens/s vs 2x one GPU)"
+
+
+def scaling_entry(path: Path = RESULTS / "fsdp_scaling_gpu.json") -> dict | None:
+    """bench/fsdp_scaling.py's 2-process run against its one-process run; None before it
+    has run on 2 GPUs."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    one, many = report["runs"]["1"], report["runs"][str(report["processes"])]
+    return {
+        "name": SCALING_TARGET, "measured": report["efficiency"], "baseline": None, "ratio": None, "target": 0.85,
+        "met": report["efficiency"] >= 0.85, "command": report["command"],
+        "note": f"{report['processes']} processes {many['median_step_s']:.3f} s a step "
+                f"({many['real_tokens_per_s']:.0f} real tok/s) against one process {one['median_step_s']:.3f} s "
+                f"({one['real_tokens_per_s']:.0f}), {report['sequences_per_rank']} sequences per rank",
+    }
+
+
 def main() -> None:
     targets = []
     # The packing bench per weight precision (packing_gpu.json: fp32 under autocast;
@@ -288,7 +307,8 @@ def main() -> None:
     targets += recipe_step_entries()
     # Each reader's entry, or its target row unmeasured while its bench has not run.
     readers = ((baseline_commit_entry, BASELINE_TARGET, 2.0), (rollout_entry, ROLLOUT_TARGET, 10.0),
-               (trl_entry, TRL_TARGET, 3.0), (logprob_entry, LOGPROB_TARGET, 5.0))
+               (trl_entry, TRL_TARGET, 3.0), (logprob_entry, LOGPROB_TARGET, 5.0),
+               (scaling_entry, SCALING_TARGET, 0.85))
     entries = [(read(), name, target) for read, name, target in readers]
     targets += [entry for entry, _, _ in entries if entry]
     targets += [{"name": name, "measured": None, "baseline": None, "ratio": None, "target": target, "met": False,

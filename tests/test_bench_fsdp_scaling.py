@@ -1,0 +1,43 @@
+"""bench/fsdp_scaling.py on CPU (gloo, a tiny model, 2 processes against 1) and gpu_targets'
+reader of its result. The timings mean nothing on a shared CPU; the structure does."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scaling") / "fsdp_scaling.json"
+    subprocess.run([sys.executable, "bench/fsdp_scaling.py", "--device", "cpu", "--shape", "tiny", "--nproc", "2",
+                    "--sequences", "4", "--repeats", "1", "--micro-batch-tokens", "512", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_the_sharded_run_is_compared_with_the_one_process_run(report):
+    one, two = report["runs"]["1"], report["runs"]["2"]
+    assert (one["world_size"], one["sharded"]) == (1, False)
+    assert (two["world_size"], two["sharded"]) == (2, True)
+    assert one["real_tokens_per_rank"] == two["real_tokens_per_rank"] > 0  # weak scaling: the same batch per rank
+    assert one["micro_batches"] == two["micro_batches"] >= 1
+    expected = two["real_tokens_per_s"] / (2 * one["real_tokens_per_s"])
+    assert report["efficiency"] == pytest.approx(expected) and report["efficiency"] > 0
+
+
+def test_gpu_targets_reads_the_efficiency(report, tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_targets", REPO / "bench" / "gpu_targets.py")
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    path = tmp_path / "fsdp_scaling_gpu.json"
+    path.write_text(json.dumps(report))
+    entry = targets.scaling_entry(path)
+    assert entry["measured"] == report["efficiency"] and entry["met"] == (report["efficiency"] >= 0.85)
+    assert entry["command"].startswith("python bench/fsdp_scaling.py") and "2 processes" in entry["note"]
+    assert targets.scaling_entry(tmp_path / "absent.json") is None
