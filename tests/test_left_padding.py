@@ -5,6 +5,8 @@ position ids, so it counts positions from the first column and attends to every 
 token, pads included. Such a family's padded-batch check, training passes and HF rollout
 run right-padded rows, and each equals every sequence run alone."""
 
+import json
+
 import pytest
 import torch
 
@@ -128,7 +130,6 @@ def test_the_trainer_runs_such_a_family_end_to_end(tmp_path, monkeypatch):
     """A GRPO run (2 steps, prompts of several lengths, 4 samples each) on the stand-in
     family: the rollout generates one prompt length at a time and the engines run
     right-padded rows; the steps train (finite loss, the weights move)."""
-    import json
 
     from mmrl.config import load_recipe
     from mmrl.registry import get_adapter
@@ -161,3 +162,65 @@ def test_the_trainer_runs_such_a_family_end_to_end(tmp_path, monkeypatch):
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in steps)
     after = trainer.actor.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+SHARDED_ROLLOUT = '''
+import json, sys, torch
+from mmrl import build_model
+from mmrl.checks import sample_conversations
+from mmrl.engine import Engine
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, make_rollout
+
+def drop(module, args, kwargs):
+    return args, {k: v for k, v in kwargs.items() if k not in ("attention_mask", "position_ids")}
+
+def stand_in():
+    built = build_model("qwen2", random_init=True, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in built.model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    built.model.model.register_forward_pre_hook(drop, with_kwargs=True)
+    built.adapter.left_padding = False
+    return built
+
+out = sys.argv[1]
+dist = init_distributed("cpu")
+built = stand_in()
+engine = Engine(built, dist, mixed_precision=False)
+conversations = sample_conversations(built.adapter)
+mine = conversations if dist.rank == 0 else conversations[:1]  # two prompt lengths on rank 0, one on rank 1
+params = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)
+result = make_rollout("hf", engine, built.processing).generate(mine, params)
+gathered = dist.all_gather_objects([(row[:int(m.sum())]).tolist() for row, m in zip(result.response_ids,
+                                                                                     result.response_mask)])
+if dist.rank == 0:
+    plain = stand_in()
+    alone = []
+    for conversation in conversations:
+        ids = dict(plain.processing([conversation]))
+        tokens = plain.model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=plain.tokenizer.pad_token_id,
+                                      eos_token_id=plain.processing.stop_token_ids,
+                                      suppress_tokens=plain.processing.blocked_token_ids or None)
+        alone.append(tokens[0, ids["input_ids"].shape[1]:].tolist())
+    json.dump({"sharded": gathered, "alone": alone}, open(out, "w"))
+dist.barrier()
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_sharded_rollout_keeps_ranks_with_different_prompt_lengths_in_step(tmp_path):
+    """Under FSDP2 every forward is collective: rank 0 holds prompts of two lengths (two
+    `generate` calls), rank 1 of one; rank 1 repeats a call so neither waits forever, and
+    each greedy sample equals its prompt generated alone, unsharded."""
+    from cpu_processes import run, torchrun
+
+    script, out = tmp_path / "rollout.py", tmp_path / "rollout.json"
+    script.write_text(SHARDED_ROLLOUT)
+    run(torchrun(2, str(script), str(out)), timeout=300)
+    record = json.loads(out.read_text())
+    (first, second), (again,) = record["sharded"]
+    for sampled, alone in ((first, record["alone"][0]), (second, record["alone"][1]), (again, record["alone"][0])):
+        assert sampled == alone[:len(sampled)] and len(sampled) > 0

@@ -62,11 +62,17 @@ class HFRollout:
                              f"HF rollout generates its prompts one length at a time from token ids alone, and these "
                              f"prompts also carry {', '.join(others) or 'shared media'}")
         lengths = batch["attention_mask"].sum(-1)
+        groups = [((lengths == length).nonzero().flatten(), length) for length in lengths.unique().tolist()]
+        # Every forward of sharded weights is collective: a rank with fewer prompt lengths
+        # than another repeats its first group (result dropped) until every rank has called
+        # `generate` as often (the counts are gathered before any call).
+        calls = max(self.engine.dist.all_gather_objects(len(groups))) if self.engine.sharded else len(groups)
         parts = []
-        for length in lengths.unique().tolist():
-            index = (lengths == length).nonzero().flatten()
-            parts.append((index.cpu(), *self._generate({k: batch[k][index, width - length:] for k in aligned}, None,
-                                                       params)))
+        for call in range(calls):
+            index, length = groups[call if call < len(groups) else 0]
+            tokens, values = self._generate({k: batch[k][index, width - length:] for k in aligned}, None, params)
+            if call < len(groups):
+                parts.append((index.cpu(), tokens, values))
         new_tokens = max(tokens.shape[1] for _, tokens, _ in parts)
         generated = parts[0][1].new_full((rows, new_tokens), self.processing.tokenizer.pad_token_id)
         logprobs = None if parts[0][2] is None else torch.zeros(rows, new_tokens)
