@@ -106,6 +106,30 @@ def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_pa
             torch.testing.assert_close(logp[i][real], alone[0][real], atol=1e-5, rtol=1e-5)
 
 
+def test_a_type_without_a_processor_class_takes_the_one_of_the_model_it_derives_from(plugin_path, tmp_ckpt):
+    """GLM-OCR has no processor class in transformers' table nor in its package; its
+    modular source derives its model from GLM-4V's, so the scaffold builds GLM-4V's
+    processor, and the adapter passes the zoo's checks unedited."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from mmrl.scaffold.media import _derived_from, _processor_class
+
+    assert _derived_from(CONFIG_MAPPING["fast_vlm"]) == ["llava"]
+    assert _processor_class("glm_ocr", CONFIG_MAPPING["glm_ocr"]).__name__ == "Glm4vProcessor"
+    assert _processor_class("qwen2_vl", CONFIG_MAPPING["qwen2_vl"]).__name__ == "Qwen2VLProcessor"  # the table first
+    result = add_model("glm_ocr", "--out", str(plugin_path))
+    assert result.exit_code == 0, result.output
+    assert "fill in" not in result.output, result.output
+    load_plugin("mmrl_glm_ocr.glm_ocr")
+    adapter = get_adapter("glm_ocr")
+    assert adapter.capabilities.single_image
+    checks = dict(zoo_checks("glm_ocr"))
+    for name in ("test_save_reload_forward_backward_generate", "test_padded_batch_matches_each_prompt_alone"):
+        check = checks[name]
+        arguments = {"family": "glm_ocr", "tmp_ckpt": tmp_ckpt / name}
+        check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
+
+
 def test_unknown_model_type_is_a_one_line_error(tmp_path):
     result = add_model("no_such_model_type", "--out", str(tmp_path / "out"))
     assert result.exit_code == 2

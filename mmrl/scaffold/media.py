@@ -39,7 +39,9 @@ _PLUMBING = {"self", "image_processor", "tokenizer", "video_processor", "audio_p
 
 def _processor_class(model_type: str, config_cls=None):
     """The type's processor class: transformers' processor table, else the one processor
-    class its own model package defines."""
+    class its own model package defines, else the table's entry for the first model type
+    whose model or config its modular source derives from (a model written as another's
+    variant keeps that one's processor)."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
@@ -47,7 +49,33 @@ def _processor_class(model_type: str, config_cls=None):
     if name and hasattr(transformers, name):
         return getattr(transformers, name)
     found = _package_classes(config_cls, transformers.ProcessorMixin)
-    return found[0] if len(found) == 1 else None
+    if len(found) == 1:
+        return found[0]
+    for parent in _derived_from(config_cls):
+        name = PROCESSOR_MAPPING_NAMES.get(parent)
+        if name and hasattr(transformers, name):
+            return getattr(transformers, name)
+    return None
+
+
+def _derived_from(config_cls) -> list[str]:
+    """Model types whose modeling or configuration module the config class's modular
+    source (`modular_<type>.py`, transformers' own) imports, in order."""
+    import importlib.util
+    from pathlib import Path
+
+    if config_cls is None:
+        return []
+    package = config_cls.__module__.rpartition(".")[0]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    sources = sorted(folder.glob("modular_*.py"))
+    if not sources:
+        return []
+    imported = re.findall(r"^from \.\.(\w+)\.(?:modeling|configuration)_\w+ import", sources[0].read_text(), re.M)
+    return list(dict.fromkeys(imported))
 
 
 def _package_classes(config_cls, base) -> list:
