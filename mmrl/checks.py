@@ -69,7 +69,6 @@ def logits_of(model, batch: dict) -> torch.Tensor:
     return model(**model_inputs(batch)).logits.float()
 
 
-@torch.no_grad()
 def right_padded(batch: dict) -> dict:
     """The left-padded `batch` with each row's tokens moved to its first columns and the
     padding after them (every (B, L, ...) tensor alike; position ids are the caller's)."""
@@ -86,6 +85,7 @@ def right_padded(batch: dict) -> dict:
     return moved
 
 
+@torch.no_grad()
 def padded_vs_single(built, conversations) -> float:
     """Max |logit difference| between each prompt run alone (the model computing its
     own positions) and the same prompt inside a padded batch with the adapter's position
