@@ -18,6 +18,8 @@ weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens on
     python bench/packing.py --dtype bfloat16 --modes padded varlen_16384 compiled_16384 --out $OUT/packing_gpu_bf16.json
     python bench/packing.py --dtype bfloat16 --micro-batch-tokens 32768 --modes padded compiled_32768 \
         --out $OUT/packing_gpu_bf16_tokens.json
+    python bench/packing.py --dtype bfloat16 --micro-batch-tokens 32768 --modes compiled_32768 --profile \
+        --out $OUT/packing_profile.json   # + GPU time by kernel kind, and where the GPU sat idle
     .venv/bin/python bench/packing.py --device cpu --shape tiny --sequences 8 --repeats 1 \
         --modes padded packed_400 compiled_400   # smoke run (compiled: inductor's C++ kernels)
 """
@@ -54,7 +56,7 @@ def lengths(count: int, generator: torch.Generator, short: bool) -> tuple[list[i
 
 
 def main() -> None:
-    from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
+    from timing import alternate, kernel_profile, print_profile  # bench/timing.py (bench/ is on the path of a bench script)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights: float32 under bf16 autocast (the default), or bfloat16 with fp32 masters")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, CUDA kernel time of one step of each mode by kernel kind")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "packing_gpu.json")
     args = parser.parse_args()
 
@@ -196,6 +200,11 @@ def main() -> None:
         print(f"{m:<14} {medians[m]:>9.3f} {real_tokens / medians[m]:>11.0f} {ratio:>10.2f} {peaks.get(m, 0.0):>9.1f}")
     for m, reason in failed.items():
         print(f"{m:<14} failed: {reason}")
+    profiles = {}
+    if args.profile and device.type == "cuda":
+        for m in modes:
+            profiles[m] = kernel_profile(lambda: step(m), gaps=True)
+            print_profile(m, profiles[m])
     report = {
         "bench": "bench/packing.py", "device": device_name(str(device)), "versions": versions(),
         "shape": args.shape, "parameters": params, "sequences": args.sequences, "micro_batch_rows": args.micro_batch,
@@ -212,6 +221,7 @@ def main() -> None:
         "compiled_layer_calls": engine.compiled_layers.compiled_calls if engine.compiled_layers else 0,
         "compile_failed": engine.compiled_layers.failed if engine.compiled_layers else None,
         "dynamo_graphs": dict(counters["stats"]),  # unique_graphs: the compiled layers' graphs over all modes
+        "profiles": profiles,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
