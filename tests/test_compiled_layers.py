@@ -165,7 +165,11 @@ def test_a_compiled_layer_call_may_keep_more_graphs_and_leaves_the_settings_alon
     layers = CompiledLayers([layer])
     with layers.active():
         layer(torch.randn(3, 2))
-    assert layers.compiled_calls == 1
+        assert getattr(torch._dynamo.config, name) == settings[name]
+        with layers.active():  # nested: the same settings, kept when the inner block ends
+            layer(torch.randn(3, 2))
+        assert getattr(torch._dynamo.config, name) == settings[name]
+    assert layers.compiled_calls == 2
     assert {key: getattr(torch._dynamo.config, key) for key in settings} == before
 
 
@@ -180,12 +184,14 @@ def test_reaching_the_recompile_limit_warns_and_leaves_the_layers_eager(monkeypa
     layer = torch.nn.Linear(3, 3)
     eager = torch.nn.Linear(3, 3)
     eager.load_state_dict(layer.state_dict())
-    layers = CompiledLayers([layer])
     inputs = [torch.randn(2, 3), torch.randn(5, 3)]  # a new shape: a second graph
-    # (torch's own patch: monkeypatch's restore would delete the aliased config name)
-    with torch._dynamo.config.patch(**{name: 1}), warnings.catch_warnings(record=True) as caught, layers.active():
+    # (torch's own patch: monkeypatch's restore would delete the aliased config name; the
+    # engine reads the settings when it is built)
+    with torch._dynamo.config.patch(**{name: 1}), warnings.catch_warnings(record=True) as caught:
+        layers = CompiledLayers([layer])
         warnings.simplefilter("always")
-        outs = [layer(x) for x in inputs]
+        with layers.active():
+            outs = [layer(x) for x in inputs]
     assert layers.compiled_calls == 1 and layers.failed
     assert [str(w.message) for w in caught if "compiled decoder layers" in str(w.message)] == [
         f"compiled decoder layers: off, eager from now on ({layers.failed})"[:300]]

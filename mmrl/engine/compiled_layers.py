@@ -52,8 +52,11 @@ def _recompile_limit() -> dict[str, int | bool]:
     One layer forward (a code object all layers of all engines share) meets several graphs
     in a run: with and without grad, one packed row and several (size 1 is specialized),
     padded and packed. dynamo's default limit of 8 was reached on an H200 by
-    bench/packing.py, after which the layers silently ran eager. Set per call, not for the
-    whole pass, so other compiled code in the pass keeps the user's settings."""
+    bench/packing.py, after which the layers silently ran eager. Set for the engine's
+    forwards (`CompiledLayers.active`), not for the whole pass, so other compiled code in
+    the pass keeps the user's settings. Read once per engine: reading dynamo's config
+    takes about a millisecond of CPU, which per layer call left the GPU waiting between
+    layers (bench/packing.py --profile: 7.9 ms of idle GPU a step in the layers' forwards)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     fail = {"fail_on_recompile_limit_hit": True} if hasattr(config, "fail_on_recompile_limit_hit") else {}
@@ -67,6 +70,7 @@ class CompiledLayers:
         self.failed: str | None = None  # why compiling was given up, once it was
         self.compiled_calls = 0  # layer calls that went through the compiled forward
         self._active = False
+        self._limits = torch._dynamo.config.patch(**_recompile_limit())
         for layer in self.layers:
             self._wrap(layer)
 
@@ -78,8 +82,7 @@ class CompiledLayers:
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
             try:
-                with torch._dynamo.config.patch(**_recompile_limit()):
-                    out = compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
             except _compile_errors() as error:
                 self.failed = one_line(error, typed=True)
                 warnings.warn(f"compiled decoder layers: off, eager from now on ({self.failed})"[:300], stacklevel=2)
@@ -92,8 +95,12 @@ class CompiledLayers:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Within the block, layer forwards run compiled (where enabled and not failed)."""
-        before, self._active = self._active, True
-        try:
+        if self._active:  # nested: the outer block holds the settings
             yield
+            return
+        self._active = True
+        try:
+            with self._limits:
+                yield
         finally:
-            self._active = before
+            self._active = False
