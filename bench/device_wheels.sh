@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Wheels for the GPU machine, whose image (torch 2.11, transformers 5.17, Python 3.12) lacks
+# some of mmrl's dependencies and has no index to install them from. Run here; the wheels
+# land in .whl/ (git-ignored), which a device call carries:
+#   bash bench/device_wheels.sh
+#   # on the device, in the repository root:
+#   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+#   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+# One version of each package (two stop the install); pydantic pins its pydantic-core and
+# needs a newer typing_extensions than the image's. docopt (num2words' dependency) has no
+# wheel on PyPI: one is built from its source package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  pydantic pydantic-core annotated-types typing-inspection typing_extensions qwen-vl-utils av datasets dill \
+  multiprocess xxhash num2words math-verify latex2sympy2_extended "antlr4-python3-runtime==4.13.2"
+python3 -m pip wheel -q --no-deps docopt -w .whl
+# pydantic-core must be the release pydantic pins.
+pinned=$(unzip -p .whl/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==//p')
+ls .whl/pydantic_core-"$pinned"-*.whl > /dev/null || { echo "pydantic wants pydantic-core $pinned; .whl has $(ls .whl | grep pydantic_core)"; exit 1; }
+echo "device_wheels.sh: $(ls .whl/*.whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
