@@ -69,43 +69,32 @@ def logits_of(model, batch: dict) -> torch.Tensor:
     return model(**model_inputs(batch)).logits.float()
 
 
-def right_padded(batch: dict) -> dict:
-    """The left-padded `batch` with each row's tokens moved to its first columns and the
-    padding after them (every (B, L, ...) tensor alike; position ids are the caller's)."""
-    mask = batch["attention_mask"].bool()
-    rows, width = mask.shape
-    columns = (torch.arange(width, device=mask.device)[None] + (~mask).sum(-1, keepdim=True)) % width
-    moved = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, width):
-            index = columns.view(rows, width, *[1] * (value.dim() - 2)).expand_as(value)
-            moved[key] = value.gather(1, index)
-        else:
-            moved[key] = value
-    return moved
-
-
 @torch.no_grad()
 def padded_vs_single(built, conversations) -> float:
     """Max |logit difference| between each prompt run alone (the model computing its
-    own positions) and the same prompt inside a padded batch with the adapter's position
-    ids: left-padded, or right-padded where the family cannot take left padding
-    (`ModelAdapter.left_padding`)."""
+    own positions) and the same prompt inside a batch in the layout the engine gives the
+    family: left-padded with the adapter's position ids or, where the family cannot take
+    left padding (`ModelAdapter.left_padding`), one sequence a row from the first column
+    (`mmrl.engine.packing.pack_sequences`, as the engine runs it)."""
+    from mmrl.engine.packing import pack_sequences
+
     model = built.model.eval()
-    if built.adapter.left_padding:
-        batch = built.inputs(conversations)
-    else:
-        batch = right_padded(dict(built.processing(conversations)))
-        positions = built.adapter.position_ids(model, batch)
-        if positions is not None:
-            batch["position_ids"] = positions
-    batched = logits_of(model, batch)
+    batch = built.inputs(conversations)
     mask = batch["attention_mask"].bool()
+    if built.adapter.left_padding:
+        batched = logits_of(model, batch)
+        rows = [batched[i][mask[i]] for i in range(len(conversations))]
+    else:
+        if "position_ids" not in batch:
+            raise ValueError(f"family {built.adapter.family!r} cannot take left padding and its adapter writes no "
+                             "position ids, so its batches cannot run a sequence a row")
+        packed = pack_sequences(batch, mask[:, :0], row_tokens=1, pad_token_id=built.tokenizer.pad_token_id or 0)
+        batched = logits_of(model, packed.inputs)
+        rows = [batched[i][:n] for i, n in enumerate(mask.sum(-1).tolist())]
     worst = 0.0
-    for i, conversation in enumerate(conversations):
-        single = dict(built.processing([conversation]))
-        alone = logits_of(model, single)[0]
-        worst = max(worst, (batched[i][mask[i]] - alone).abs().max().item())
+    for row, conversation in zip(rows, conversations):
+        alone = logits_of(model, dict(built.processing([conversation])))[0]
+        worst = max(worst, (row - alone).abs().max().item())
     return worst
 
 

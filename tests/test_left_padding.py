@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmrl import build_model
-from mmrl.checks import padded_vs_single, right_padded, sample_conversations
+from mmrl.checks import padded_vs_single, sample_conversations
 from mmrl.engine import Engine, join
 from mmrl.parallel import init_distributed
 from mmrl.probes import TOLERANCE
@@ -35,19 +35,17 @@ def built(monkeypatch):
     return built
 
 
-def test_right_padded_moves_each_rows_tokens_to_the_front():
-    batch = {"input_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]]),
-             "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
-             "pixel_values": torch.ones(3, 2)}
-    moved = right_padded(batch)
-    assert moved["input_ids"].tolist() == [[5, 6, 0, 0], [7, 8, 9, 1]]
-    assert moved["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
-    assert moved["pixel_values"] is batch["pixel_values"]
-
-
 def test_the_padded_batch_check_runs_the_layout_the_family_declares(built, monkeypatch):
+    """One sequence a row, packed as the engine packs it, for a family that cannot take
+    left padding; the left-padded batch for one that can."""
+    from mmrl.engine import packing
+
     conversations = sample_conversations(built.adapter)
+    calls = []
+    plain = packing.pack_sequences
+    monkeypatch.setattr(packing, "pack_sequences", lambda *a, **k: calls.append(k["row_tokens"]) or plain(*a, **k))
     assert padded_vs_single(built, conversations) < TOLERANCE
+    assert calls == [1]
     monkeypatch.setattr(built.adapter, "left_padding", True)
     assert padded_vs_single(built, conversations) > 100 * TOLERANCE  # the pads in front change the logits
 

@@ -69,8 +69,9 @@ PROBES: tuple[Probe, ...] = (
           "VLMs); gradients reach the language model (and the vision tower).", check_forward_backward),
     Probe("generation", "HF generate", "HF generate: 8 greedy tokens per prompt, no blocked special tokens, "
           "decoded to text.", check_generation, capability="generation"),
-    Probe("padded_batch", "Padded batch", "A left-padded batch (right-padded where the family declares "
-          "left_padding=False) with the adapter's position ids equals each prompt run alone (fp32 logits, 2e-4).",
+    Probe("padded_batch", "Padded batch", "A left-padded batch with the adapter's position ids (where the family "
+          "declares left_padding=False: one sequence a row from the first column, as the engine runs it) equals "
+          "each prompt run alone (fp32 logits, 2e-4).",
           check_padded_batch),
     Probe("padding_free", "Padding-free", "The batch packed into one row (positions restart per sequence) "
           "equals the padded batch (2e-4).", check_padding_free, capability="padding_free"),

@@ -179,10 +179,10 @@ def check_generation(subject: Subject) -> Verified:
 def check_padded_batch(subject: Subject) -> Verified:
     built = subject.build()
     gap = padded_vs_single(built, sample_conversations(built.adapter))
-    side = "left" if built.adapter.left_padding else "right (left_padding=False)"
-    require(gap < TOLERANCE, f"{side}-padded batch differs from each prompt alone: max |logit diff| {gap:.2e} "
+    layout = "left-padded batch" if built.adapter.left_padding else "batch of one sequence a row (left_padding=False)"
+    require(gap < TOLERANCE, f"{layout} differs from each prompt alone: max |logit diff| {gap:.2e} "
                              f"(tolerance {TOLERANCE:.0e})")
-    return Verified(f"{side}-padded batch with the adapter's position ids equals each prompt alone "
+    return Verified(f"{layout} with the adapter's position ids equals each prompt alone "
                     f"(max |diff| {gap:.1e} < {TOLERANCE:.0e})", {"max_abs_diff": gap})
 
 
