@@ -55,8 +55,10 @@ class ModelConfig(_Section):
     # Padding-free log-probs in the engine (`mmrl.engine.packing`), for families that
     # declare padding_free: sequences packed into rows of at most `pack_tokens` tokens
     # (16384: 2.46x the padded update on an H200 against 2.23x at 8192, bench/packing.py;
-    # 3.60x with compile_layers; 3.92x in 32768-token micro-batches and rows).
-    pack: bool = False
+    # 3.60x with compile_layers; 4.01x in 32768-token micro-batches and rows). "auto": on
+    # a GPU in one process for text families (the VL-3B recipe, whose rows are about the
+    # same length, stepped slower packed: docs/training.md).
+    pack: bool | Literal["auto"] = "auto"
     # None: 16384, or algo.micro_batch_tokens where that is larger, so a token-budget
     # micro-batch packs into one row: in rows of 16384 its rows pad to the widest
     # (bench/packing.py on an H200: 0.520 s against 0.409 s in one row of 32768).

@@ -296,3 +296,25 @@ def test_a_packed_training_step_equals_the_padded_one(tmp_path, advantage):
     # differences show; 10% of a step bounds them (seen: 1e-5).
     gaps = {name: (weights[1][name] - value).abs().max().item() for name, value in weights[0].items()}
     assert max(gaps.values()) <= 0.1 * 3e-4, max(gaps.items(), key=lambda kv: kv[1])
+
+
+def test_pack_auto_packs_text_families_on_one_gpu_only():
+    """`model.pack: auto` (the default): text families on a GPU in one process; VLMs, the
+    CPU and sharded ranks stay padded unless asked; anything else is an error."""
+    from mmrl.engine.engine import packs_batches
+    from mmrl.parallel import Dist
+    from mmrl.registry import get_adapter
+
+    def dist(device: str, world: int = 1) -> Dist:
+        return Dist(rank=0, world_size=world, local_rank=0, device=torch.device(device), mesh=None)
+
+    text, vlm = get_adapter("qwen2"), get_adapter("qwen2_5_vl")
+    assert packs_batches("auto", text, dist("cuda"))
+    assert not packs_batches("auto", vlm, dist("cuda"))
+    assert not packs_batches("auto", text, dist("cpu"))
+    assert not packs_batches("auto", text, dist("cuda", world=2))
+    assert packs_batches(True, vlm, dist("cpu")) and not packs_batches(False, text, dist("cuda"))
+    with pytest.raises(ValueError, match="pack must be true, false or auto, got 'yes'"):
+        packs_batches("yes", text, dist("cpu"))
+    built = build_model("qwen2", random_init=True)
+    assert not Engine(built, init_distributed("cpu"), pack="auto").pack  # CPU: padded

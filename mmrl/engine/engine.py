@@ -134,6 +134,17 @@ def _lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
+
+def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
+    """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
+    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe, rows
+    of about one length, stepped slower packed: docs/training.md)."""
+    if pack not in (True, False, "auto"):
+        raise ValueError(f"pack must be true, false or auto, got {pack!r}")
+    if pack == "auto":
+        return dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
+    return pack
+
 class Engine:
     def __init__(
         self,
@@ -148,7 +159,7 @@ class Engine:
         mixed_precision: bool = True,
         share_media: bool = True,
         dropout: bool = False,
-        pack: bool = False,
+        pack: bool | str = False,
         pack_tokens: int = PACK_TOKENS,
         compile_layers: bool | str = "auto",
         master_weights: bool = True,
@@ -171,7 +182,9 @@ class Engine:
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
-        self.pack = pack and self.adapter.capabilities.padding_free
+        # "auto": text families on a GPU in one process (measured faster there; a VLM
+        # recipe of even lengths was not).
+        self.pack = packs_batches(pack, self.adapter, dist) and self.adapter.capabilities.padding_free
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.
