@@ -1,13 +1,14 @@
 """bench/fsdp_scaling.py on CPU (gloo, a tiny model, 2 processes against 1) and gpu_targets'
 reader of its result. The timings mean nothing on a shared CPU; the structure does."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,9 +33,7 @@ def test_the_sharded_run_is_compared_with_the_one_process_run(report):
 
 
 def test_gpu_targets_reads_the_efficiency(report, tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_targets", REPO / "bench" / "gpu_targets.py")
-    targets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(targets)
+    targets = load_bench("gpu_targets")
     path = tmp_path / "fsdp_scaling_gpu.json"
     path.write_text(json.dumps(report))
     entry = targets.scaling_entry(path)

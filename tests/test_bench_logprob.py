@@ -2,26 +2,17 @@
 above one row, to exercise the fallback the H200 run takes) and gpu_targets' reader of it."""
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def report():
-    bench = load("logprob_memory")
+    bench = load_bench("logprob_memory")
     naive = bench.naive_log_probs
 
     def naive_out_of_memory_above_one_row(model, seqs):
@@ -48,7 +39,7 @@ def test_naive_path_falls_back_to_fewer_rows_and_is_compared_there(report):
 
 
 def test_gpu_targets_reads_the_head_memory_and_the_throughput_ratio(report, tmp_path):
-    targets = load("gpu_targets")
+    targets = load_bench("gpu_targets")
     path = tmp_path / "logprob_memory_gpu.json"
     assert targets.logprob_entry(path) is None
     report = json.loads(json.dumps(report))

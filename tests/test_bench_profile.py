@@ -1,18 +1,10 @@
 """bench/timing.py's idle-time attribution (`kernel_profile(..., gaps=True)` on a GPU), on
 a trace written by hand: which idle stretches count and where they are put."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_bench
 
 
 class _Trace:
@@ -34,7 +26,7 @@ def _frame(name, ts, dur):
 
 
 def test_idle_gaps_are_summed_by_the_innermost_frames_of_ours_when_they_begin():
-    timing = load("timing")
+    timing = load_bench("timing")
     events = [
         _kernel(0, 10), _kernel(20, 10),  # 10 us apart: under the threshold, not counted
         _kernel(100, 10),  # 70 us idle from 30, while the CPU packs

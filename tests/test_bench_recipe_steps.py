@@ -5,7 +5,6 @@ start does not, and a weights file that does not fit the model fails in one line
     .venv/bin/python -m pytest -q tests/test_bench_recipe_steps.py
 """
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,27 +12,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_vlm_count.yaml")
 # A KL term, so the trainer holds a reference model that the start is loaded into too.
 WITH_REFERENCE = "algo.kl_coef=0.01"
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return load("recipe_steps")
+    return load_bench("recipe_steps")
 
 
 @pytest.fixture(scope="module")
 def same_learning():
-    return load("same_learning")
+    return load_bench("same_learning")
 
 
 @pytest.fixture(scope="module")

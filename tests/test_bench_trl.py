@@ -2,21 +2,16 @@
 installed in CI's environment), its shared reward and its ratio arithmetic."""
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_scripts import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("trl_grpo_step", BENCH / "trl_grpo_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("trl_grpo_step")
 
 
 def test_reward_counts_ascii_letters(bench):
