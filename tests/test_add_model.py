@@ -777,3 +777,24 @@ def test_layers_reused_over_cycles_are_found_by_the_configs_per_stack_count():
         found = inspect_family(resolved, "hrm_text", tiny_model_inputs(resolved))
     assert found.parts.language == ("model",) and found.decoder_layers == ("HrmTextDecoderLayer",)
     assert found.fill_in == []
+
+
+def test_a_composite_whose_validator_ties_a_tower_field_to_its_own_gets_them_equal():
+    """A composite config that holds a field both itself and in its tower, equal in its
+    default (Nemotron-H Omni's `video_temporal_patch_size`, which its validator wants equal),
+    gets the tower's copy set to its own when the shrunk tower lost it."""
+    import transformers
+
+    from mmrl.scaffold.media_plan import _shared_values_kept
+
+    config_cls = getattr(transformers, "NemotronH_Omni_Reasoning_V3_Config", None)
+    if config_cls is None:
+        pytest.skip("this transformers has no Nemotron-H Omni")
+    vision = config_cls().vision_config.to_dict()
+    vision["video_temporal_patch_size"] = None  # as a tower rebuilt from its own class's defaults has it
+    with pytest.raises(Exception, match="video_temporal_patch_size"):
+        config_cls(vision_config=vision)
+    kept = _shared_values_kept(config_cls, "vision_config", {"vision_config": vision})
+    assert kept["vision_config"]["video_temporal_patch_size"] == 2
+    assert config_cls(**kept).vision_config.video_temporal_patch_size == 2
+    assert _shared_values_kept(config_cls, "vision_config", kept) is None  # nothing left to set

@@ -81,12 +81,46 @@ def build_config(resolved: Resolved, plan: MediaPlan):
         return tokenizer, build_text_config(plan.text_config_class, tokenizer, {**plan.text_overrides, **values})
     text = build_text_config(plan.text_config_class, tokenizer, plan.text_overrides)
     values[plan.top_text_key] = text.to_dict()
+    config_cls = getattr(transformers, resolved.config_class)
     try:
-        config = getattr(transformers, resolved.config_class)(**values)
-    except Exception as exc:
-        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() by "
-                            "hand with values it accepts", category="config") from exc
+        config = config_cls(**values)
+    except Exception as exc:  # a validator may raise anything
+        kept = _shared_values_kept(config_cls, plan.vision_key, values)
+        try:
+            config = config_cls(**kept) if kept is not None else None
+        except Exception:
+            config = None
+        if config is None:
+            raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() "
+                                "by hand with values it accepts", category="config") from exc
     return tokenizer, config
+
+
+def _shared_values_kept(config_cls, vision_key: str, values: dict[str, Any]) -> dict[str, Any] | None:
+    """`values` with the tower's copies of top-level fields set to the top level's, where
+    the default config holds the same value in both (a composite whose validator wants its
+    tower's `video_temporal_patch_size` equal to its own); None when there are none to set."""
+    from transformers import PretrainedConfig
+
+    try:
+        default = config_cls()
+    except Exception:
+        return None
+    tower = getattr(default, vision_key, None)
+    if tower is None:
+        return None
+    common = set(PretrainedConfig().to_dict())
+    top, below = default.to_dict(), tower.to_dict()
+    vision = dict(values.get(vision_key) or {})
+    changed = False
+    for name, value in top.items():
+        if name in common or name == vision_key or name not in below or below[name] != value:
+            continue
+        wanted = values.get(name, value)
+        if vision.get(name) != wanted:
+            vision[name] = wanted
+            changed = True
+    return {**values, vision_key: vision} if changed else None
 
 
 def build_processor(plan: MediaPlan, tokenizer, config):
