@@ -113,12 +113,12 @@ def _idle_gaps(prof, top: int, threshold_us: float = 50.0) -> list[dict]:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
-    frames = sorted((e for e in events if e.get("cat") == "python_function"), key=lambda e: e["ts"])
     ours = ("mmrl/", "models/", "transformers/", "bench/", "peft/")
+    frames = sorted((e for e in events if e.get("cat") == "python_function"
+                     and any(part in e["name"] for part in ours)), key=lambda e: e["ts"])
 
     def where(ts: float) -> str:
-        inside = [e["name"] for e in frames if e["ts"] <= ts <= e["ts"] + e.get("dur", 0)
-                  and any(part in e["name"] for part in ours)]
+        inside = [e["name"] for e in frames if e["ts"] <= ts <= e["ts"] + e.get("dur", 0)]
         return " > ".join(name.split("/")[-1] for name in inside[-3:]) or "(no frame of ours)"
 
     totals: dict[str, list[float]] = {}

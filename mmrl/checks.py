@@ -85,9 +85,6 @@ def padded_vs_single(built, conversations) -> float:
         batched = logits_of(model, batch)
         rows = [batched[i][mask[i]] for i in range(len(conversations))]
     else:
-        if "position_ids" not in batch:
-            raise ValueError(f"family {built.adapter.family!r} cannot take left padding and its adapter writes no "
-                             "position ids, so its batches cannot run a sequence a row")
         packed = pack_sequences(batch, mask[:, :0], row_tokens=1, pad_token_id=built.tokenizer.pad_token_id or 0)
         batched = logits_of(model, packed.inputs)
         rows = [batched[i][:n] for i, n in enumerate(mask.sum(-1).tolist())]

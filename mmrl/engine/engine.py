@@ -134,7 +134,6 @@ def _lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
-
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
     """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
     0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe, rows
@@ -144,6 +143,7 @@ def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
     if pack == "auto":
         return dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
     return pack
+
 
 class Engine:
     def __init__(
@@ -182,8 +182,7 @@ class Engine:
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
-        # "auto": text families on a GPU in one process (measured faster there; a VLM
-        # recipe of even lengths was not).
+        # "auto": `packs_batches` says where.
         self.pack = packs_batches(pack, self.adapter, dist) and self.adapter.capabilities.padding_free
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
