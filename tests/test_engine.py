@@ -1,5 +1,7 @@
 """The engine against the plain path: log-probs, LoRA-merged weights, checkpoints."""
 
+import random
+
 import pytest
 import torch
 
@@ -247,6 +249,47 @@ def test_varlen_segments_come_from_document_causal_masks_only():
     bidirectional[0, 0, 4, 6] = True  # a media block seen both ways
     for other in (padded, window, bidirectional, mask.float()):
         assert document_segments(other) is None
+
+
+def _document_causal_by_full_comparison(mask):
+    """The plain check `document_segments` replaces: compare with the whole expected mask."""
+    rows, _, length, _ = mask.shape
+    square = mask[:, 0]
+    before = torch.diagonal(square, offset=-1, dim1=1, dim2=2)
+    starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool), ~before], 1)
+    document = starts.cumsum(-1)
+    expected = (document[:, :, None] == document[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    return torch.equal(square, expected)
+
+
+def test_varlen_segments_agree_with_comparing_the_whole_mask():
+    """The banded check accepts exactly the masks a full comparison accepts: document-causal
+    rows, the same with entries flipped anywhere (inside the band, above the diagonal, far
+    below it in another sequence), and sliding windows."""
+    from mmrl.engine.varlen import document_segments
+
+    rng = random.Random(0)
+    accepted = 0
+    for _ in range(400):
+        rows, length = rng.choice([1, 1, 2, 3]), rng.randint(1, 40)
+        masks = []
+        for _ in range(rows):
+            lengths, left = [], length
+            while left:
+                lengths.append(rng.randint(1, left))
+                left -= lengths[-1]
+            masks.append(_document_mask(lengths, length)[0, 0])
+        mask = torch.stack(masks)[:, None].clone()
+        kind = rng.random()
+        if kind < 0.5:
+            for _ in range(rng.randint(1, 2)):
+                mask[rng.randrange(rows), 0, rng.randrange(length), rng.randrange(length)] ^= True
+        elif kind < 0.6:
+            mask &= ~torch.ones(length, length, dtype=torch.bool).tril(-rng.randint(1, 5))
+        found = document_segments(mask)
+        assert (found is not None) == _document_causal_by_full_comparison(mask)
+        accepted += found is not None
+    assert 100 < accepted < 300  # both outcomes were exercised
 
 
 def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():

@@ -45,23 +45,55 @@ def available() -> bool:
 
 def document_segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """(cu_seqlens over the flattened K * T tokens, longest segment) when the boolean
-    (K, 1, T, T) `mask` is document-causal, else None."""
+    (K, 1, T, T) `mask` is document-causal, else None.
+
+    Exact, without building the expected T x T mask: the segments come from the
+    sub-diagonal (a token starts a sequence where it cannot see the token before it). With
+    `top` = longest - 1, every entry document-causal allows lies in the band of columns
+    q - top .. q of each row q (rows above `top`: in the top-left corner). The band and the
+    corner are compared with what they should be; everything else must be False, and is
+    read as strided views with `any` (no cast: a bool `sum` first copies the mask to int64).
+    Flattened, what lies between row q's band and row q + 1's is one run of T - top
+    entries (the rest of row q, then the start of row q + 1), so those runs form a
+    (rows, T - top) view with row stride T + 1. H200, 31k packed tokens: about 1 ms,
+    against 7.9 for comparing with the whole expected mask."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
         return None
     rows, _, length, _ = mask.shape
     square = mask[:, 0]
-    # A token starts a sequence where it cannot see the token before it.
+    device = mask.device
     before = torch.diagonal(square, offset=-1, dim1=1, dim2=2)  # (K, T - 1): q sees q - 1
-    starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=mask.device), ~before], dim=1)
-    document = starts.cumsum(-1)
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    expected = (document[:, :, None] == document[:, None, :]) & causal
-    if not torch.equal(square, expected):
-        return None
+    starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), ~before], dim=1)
     flat_starts = starts.flatten().nonzero().flatten()
     ends = torch.cat([flat_starts, flat_starts.new_tensor([rows * length])])
-    cu_seqlens = ends.to(torch.int32)
-    return cu_seqlens, int((ends[1:] - ends[:-1]).max())
+    longest = int((ends[1:] - ends[:-1]).max())
+    top = longest - 1
+    position = torch.arange(length, device=device)
+    # Each token's first visible key: the start of its own sequence.
+    first = torch.where(starts, position, torch.zeros_like(position)).cummax(-1).values  # (K, T)
+    offsets = torch.arange(longest, device=device)
+    wrong = []
+    for k in range(rows):
+        row = square[k] if square[k].is_contiguous() else square[k].contiguous()
+        base = row.storage_offset()
+        # Rows q >= top: columns q - top + j for j < longest, visible from first[q] on.
+        band = row.as_strided((length - top, longest), (length + 1, 1), base + top * length)
+        visible = offsets[None, :] >= (first[k, top:] - position[top:] + top)[:, None]
+        wrong.append((band != visible).any())
+        if top:
+            corner = row[:top, :top]
+            visible = (position[None, :top] >= first[k, :top, None]) & (position[None, :top] <= position[:top, None])
+            wrong.append((corner != visible).any())
+        # Between the bands: from row q0 = max(top - 1, 0) to T - 2.
+        q0 = max(top - 1, 0)
+        if length - 1 - q0 > 0 and length - top > 0:
+            between = row.as_strided((length - 1 - q0, length - top), (length + 1, 1), base + q0 * (length + 1) + 1)
+            wrong.append(between.any())
+        if top >= 2:
+            wrong.append(row[:top - 1, top:].any())  # above the corner, right of it
+    if torch.stack(wrong).any():
+        return None
+    return ends.to(torch.int32), longest
 
 
 def _segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
