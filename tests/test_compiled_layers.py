@@ -135,14 +135,19 @@ def test_the_segments_hook_hands_each_layer_its_masks_segments(monkeypatch):
         return real(module, query, key, value, attention_mask, **kwargs)
 
     monkeypatch.setattr(varlen, "varlen_attention", spy)
+    packed = pack(built.inputs(sample_conversations(built.adapter)))
+    packed.pop("cu_seqlens", None)  # as the engine's packed rows: boundaries from the positions alone
+    with torch.no_grad():
+        reference = built.model(**packed, use_cache=False).logits  # SDPA, transformers' mask
     layers = decoder_layers(built.model, built.adapter)
     assert len(layers) == 2 and varlen.install(built.model, layers)
     assert varlen.install(built.model, layers)  # idempotent: one hook per layer
     assert sum(len(layer._forward_pre_hooks) for layer in layers) == 2
+    written = varlen.varlen_calls()["packed_mask"]
     with torch.no_grad():
-        packed = pack(built.inputs(sample_conversations(built.adapter)))
-        packed.pop("cu_seqlens", None)  # as the engine's packed rows: boundaries from the positions alone
-        built.model(**packed, use_cache=False)  # with no cache transformers reads the boundaries
+        logits = built.model(**packed, use_cache=False).logits  # with no cache transformers reads the boundaries
+    # The mask was written by mmrl (`packed_mask`), and on the CPU attention ran SDPA with it.
+    assert varlen.varlen_calls()["packed_mask"] == written + 1 and torch.equal(logits, reference)
     assert len(seen) == 2
     for mask, segments in seen:
         expected = varlen.document_segments(mask)

@@ -292,6 +292,63 @@ def test_varlen_segments_agree_with_comparing_the_whole_mask():
     assert 100 < accepted < 300  # both outcomes were exercised
 
 
+def test_document_mask_is_the_document_causal_mask_of_packed_ids():
+    from mmrl.engine.varlen import document_mask
+
+    rng = random.Random(1)
+    for _ in range(100):
+        rows, length = rng.randint(1, 3), rng.randint(1, 50)
+        ids, expected = [], []
+        for _ in range(rows):
+            lengths, left = [], length
+            while left:
+                lengths.append(rng.randint(1, left))
+                left -= lengths[-1]
+            ids.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
+            expected.append(_document_mask(lengths, length))
+        mask, (cu_seqlens, longest) = document_mask(torch.stack(ids))
+        assert torch.equal(mask, torch.cat(expected))
+        sizes = [n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()]
+        assert cu_seqlens.tolist() == [0, *torch.tensor(sizes).cumsum(0).tolist()] and longest == max(sizes)
+    assert document_mask(torch.tensor([[0, 0, 1, 0]])) is None  # a sequence in two pieces
+
+
+def test_the_packed_mask_is_transformers_mask_and_is_written_only_for_packed_causal_batches():
+    """`packed_mask` (the mask function of "mmrl_varlen") against transformers' SDPA mask on
+    the same calls: a packed batch's mask is written by mmrl (and its segments remembered),
+    a padded batch's, a sliding window's and a plain causal one's come from transformers."""
+    from transformers import Qwen2Config
+    from transformers.masking_utils import (AttentionMaskInterface, create_causal_mask,
+                                            create_sliding_window_causal_mask)
+
+    from mmrl.engine import varlen
+
+    AttentionMaskInterface.register(varlen.NAME, varlen.packed_mask)
+    config = Qwen2Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=8,
+                         num_hidden_layers=1, sliding_window=3, use_sliding_window=True)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[0, :3] = 0
+    embeds = torch.zeros(2, 10, 8)
+    cases = [("packed", create_causal_mask, dict(attention_mask=None, position_ids=packed), True),
+             ("padded", create_causal_mask, dict(attention_mask=padding, position_ids=None), False),
+             ("sliding", create_sliding_window_causal_mask, dict(attention_mask=None, position_ids=packed), False),
+             ("causal", create_causal_mask, dict(attention_mask=None, position_ids=None), False)]
+    for name, create, inputs, written in cases:
+        masks = {}
+        for implementation in ("sdpa", varlen.NAME):
+            config._attn_implementation = implementation
+            before = varlen.varlen_calls()["packed_mask"]
+            masks[implementation] = create(config=config, inputs_embeds=embeds, past_key_values=None, **inputs)
+            assert (varlen.varlen_calls()["packed_mask"] > before) == (written and implementation == varlen.NAME), name
+        ours, theirs = masks[varlen.NAME], masks["sdpa"]
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs), name
+        if written:
+            segments = varlen._segments(ours)  # remembered, not read back
+            assert any(cached is ours for cached, _ in varlen._CACHE)
+            assert segments[0].tolist() == [0, 3, 5, 10, 16, 20] and segments[1] == 6
+
+
 def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     """On CPU (and for any mask that is not document-causal) the installed attention is
     transformers' SDPA: the packed forward's logits do not change."""
