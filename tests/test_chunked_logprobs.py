@@ -50,6 +50,34 @@ def test_chunked_head_matches_autograd_through_the_plain_formula(transform, chun
             assert torch.allclose(ours, reference, atol=1e-5), (ours, reference)
 
 
+@pytest.mark.parametrize("kept_chunks", [0, 2, 4])
+def test_kept_head_outputs_give_the_recomputed_results_with_fewer_head_calls(kept_chunks):
+    """Chunks kept from the forward (`keep_bytes`: here 0, 2 or all 4 chunks of 3 of 10
+    tokens) give the same log-probs, entropy and gradients as recomputing them, and the
+    head runs once less per kept chunk."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 29, bias=True)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 29, (10,))
+    calls = []
+
+    def project(h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    results = []
+    for keep_bytes in (0, kept_chunks * 3 * 29 * 4):  # fp32 outputs: 4 bytes each
+        calls.clear()
+        logp, entropy = head_log_probs(head, hidden, targets, TEMPERATURE, LogitTransform(softcap=0.8), 3,
+                                       project, keep_bytes=keep_bytes)
+        grads = torch.autograd.grad((logp * 0.3).sum() + (entropy * 0.1).sum(), [hidden, *head.parameters()])
+        results.append(((logp, entropy, *grads), len(calls)))
+    (recomputed, calls_recomputing), (kept, calls_keeping) = results
+    assert calls_recomputing == 8 and calls_keeping == 8 - kept_chunks
+    for ours, reference in zip(kept, recomputed):
+        assert torch.equal(ours, reference)
+
+
 def test_chunked_head_without_gradients_or_tokens():
     head = torch.nn.Linear(8, 29)
     with torch.no_grad():

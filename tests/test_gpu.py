@@ -132,6 +132,35 @@ def test_packed_log_probs_under_bf16_autocast_match_the_padded_batch(family, cau
     assert abs(padded_grad - packed_grad) <= 5e-2 * padded_grad
 
 
+def test_kept_head_outputs_on_cuda_give_the_recomputed_update(monkeypatch):
+    """One GPU process without checkpointing keeps the chunked head's outputs for the
+    backward (`Engine.head_keep_bytes`); the log-probs and gradients equal those of
+    recomputing them (keeping nothing), and the packed mask was written by mmrl."""
+    import mmrl.engine.engine as engine_module
+    from mmrl.engine.varlen import varlen_calls
+
+    built, dist, prompts, responses = _packing_case("qwen2")
+    results = []
+    for share in (engine_module.HEAD_KEEP_SHARE, 2**62):  # 2**62: nothing kept
+        monkeypatch.setattr(engine_module, "HEAD_KEEP_SHARE", share)
+        engine = Engine(built, dist, optim=OptimConfig(lr=1e-4), pack=True, pack_tokens=250, compile_layers=False)
+        assert (engine.head_keep_bytes > 0) == (share != 2**62)
+        seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
+                    built.tokenizer.pad_token_id).to(dist.device)
+        written = varlen_calls()["packed_mask"]
+        logp, _ = engine.log_probs(seqs)
+        logp.sum().backward()
+        grads = {name: p.grad.clone() for name, p in built.model.named_parameters() if p.grad is not None}
+        built.model.zero_grad(set_to_none=True)
+        results.append((logp.detach(), grads))
+        assert varlen_calls()["packed_mask"] > written
+    (kept, kept_grads), (recomputed, recomputed_grads) = results
+    assert torch.equal(kept, recomputed)
+    assert kept_grads.keys() == recomputed_grads.keys()
+    for name, grad in kept_grads.items():
+        assert torch.allclose(grad, recomputed_grads[name], rtol=1e-3, atol=1e-5), name
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
 def test_compiled_layers_on_cuda_match_the_eager_packed_update(family):
     """Packed rows through the varlen kernel with the decoder layers compiled (the engine's

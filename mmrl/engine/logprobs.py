@@ -198,21 +198,34 @@ class _ChunkedHead(torch.autograd.Function):
     `chunk_tokens` rows at a time. Saved for backward: the hidden states and two numbers
     per token; backward recomputes each chunk's head output once, takes the gradient of
     the log-softmax by hand and the head's by autograd, and sums the head parameters'
-    gradients over the chunks in fp32 (one rounding to their dtype, as one matmul has)."""
+    gradients over the chunks in fp32 (one rounding to their dtype, as one matmul has).
+    The chunks within the first `keep_tokens` tokens keep their head output and its
+    autograd graph from the forward instead, and backward skips their recomputation."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, project, transform, temperature, chunk_tokens, *params):
+    def forward(ctx, hidden, targets, project, transform, temperature, chunk_tokens, keep_tokens, *params):
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        results = []
+        training = any(ctx.needs_input_grad[:1] + ctx.needs_input_grad[7:])
+        need_hidden = ctx.needs_input_grad[0]
+        results, kept, end = [], [], 0
         for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
-            raw = project(h)
+            end += h.shape[0]
+            keep = h.detach().requires_grad_(need_hidden) if training and end <= keep_tokens else None
+            if keep is not None:
+                with torch.enable_grad():
+                    raw = project(keep)
+                kept.append((keep, raw))
+            else:
+                raw = project(h)
+                kept.append(None)
             with torch.autocast(device, enabled=False):
-                results.append(_stats(raw, t, transform, temperature))
+                results.append(_stats(raw.detach(), t, transform, temperature))
             del raw
         logp, entropy, lse = (torch.cat(parts) for parts in zip(*results))
         ctx.save_for_backward(hidden, targets, lse, entropy)
         ctx.args = (project, transform, temperature, chunk_tokens, params)
+        ctx.kept = kept
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -220,19 +233,24 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, targets, lse, entropy = ctx.saved_tensors
         project, transform, temperature, chunk_tokens, params = ctx.args
+        kept, ctx.kept = ctx.kept, None
         need_hidden = ctx.needs_input_grad[0]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
-        nothing = (None,) * (6 + len(params))
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[7:]) if need]
+        nothing = (None,) * (7 + len(params))
         if (grad_logp is None and grad_entropy is None) or not (need_hidden or wanted):
             return nothing
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         device, enabled, dtype = ctx.autocast
-        for start in range(0, hidden.shape[0], chunk_tokens):
+        for chunk, start in enumerate(range(0, hidden.shape[0], chunk_tokens)):
             rows = slice(start, start + chunk_tokens)
-            h = hidden[rows].detach().requires_grad_(need_hidden)
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-                raw = project(h)
+            if kept[chunk] is not None:
+                h, raw = kept[chunk]
+                kept[chunk] = None
+            else:
+                h = hidden[rows].detach().requires_grad_(need_hidden)
+                with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                    raw = project(h)
             with torch.autocast(device, enabled=False):
                 grad_raw = _raw_grad(raw.detach(), targets[rows], lse[rows], entropy[rows],
                                      None if grad_logp is None else grad_logp[rows],
@@ -248,7 +266,7 @@ class _ChunkedHead(torch.autograd.Function):
             # Zeros, not None, without tokens (a sequence-parallel rank may own no response
             # column): every rank then reduces the same gradients.
             param_grads[i] = torch.zeros_like(params[i]) if sums[k] is None else sums[k].to(params[i].dtype)
-        return (grad_hidden, *nothing[1:6], *param_grads)
+        return (grad_hidden, *nothing[1:7], *param_grads)
 
 
 def chunk_elements(hidden: torch.Tensor) -> int:
@@ -260,16 +278,22 @@ def chunk_elements(hidden: torch.Tensor) -> int:
 
 def head_log_probs(
     head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-    transform: LogitTransform, chunk_tokens: int | None = None, project=None,
+    transform: LogitTransform, chunk_tokens: int | None = None, project=None, keep_bytes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `targets` (N,) under transform(head(hidden)) / temperature, `hidden`
     (N, H), and the entropy: (N,) each in fp32, chunk by chunk of tokens, each chunk's
-    logits recomputed in backward. `project` calls the head (default: `head` itself)."""
+    logits recomputed in backward, except for the chunks whose head outputs fit in
+    `keep_bytes` together, which are kept from the forward. `project` calls the head
+    (default: `head` itself)."""
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
     if chunk_tokens is None:
-        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
         chunk_tokens = max(1, chunk_elements(hidden) // vocab)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    keep_tokens = keep_bytes // (vocab * dtype.itemsize)
     params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-    return _ChunkedHead.apply(hidden, targets, project or head, transform, temperature, chunk_tokens, *params)
+    return _ChunkedHead.apply(hidden, targets, project or head, transform, temperature, chunk_tokens, keep_tokens,
+                              *params)
 
 
 @dataclass
@@ -294,12 +318,14 @@ def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
 @contextlib.contextmanager
 def chunked_head(
     model: torch.nn.Module, index: torch.Tensor | None, targets: torch.Tensor, temperature: float,
-    transforms: list[LogitTransform], probe_tokens: int = 0, chunk_tokens: int | None = None,
+    transforms: list[LogitTransform], probe_tokens: int = 0, chunk_tokens: int | None = None, keep_bytes: int = 0,
 ) -> Iterator[HeadCall]:
     """Within the block, the model's output embedding computes the chunked log-probs of
     `targets` at the flat positions `index` of its input (all positions when None), once
     per transform, into the yielded `HeadCall`, and then runs on the first `probe_tokens`
-    of those positions only, as one (1, probe_tokens, H) row: the model's logits are those."""
+    of those positions only, as one (1, probe_tokens, H) row: the model's logits are those.
+    With a single transform, head outputs up to `keep_bytes` are kept for the backward
+    (`head_log_probs`)."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError("the model has no output embedding")
@@ -321,7 +347,8 @@ def chunked_head(
         flat = hidden.reshape(-1, hidden.shape[-1])
         if index is not None:
             flat = flat[index]
-        call.values = [head_log_probs(head, flat, targets, temperature, transform, chunk_tokens, project)
+        call.values = [head_log_probs(head, flat, targets, temperature, transform, chunk_tokens, project,
+                                      keep_bytes if len(transforms) == 1 else 0)
                        for transform in transforms]
         probe = flat[:probe_tokens].unsqueeze(0)
         if where == 0:
