@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmrl.scaffold.base import Resolved, ScaffoldError
-from mmrl.scaffold.shrink import _one_line, build_text_config, build_tiny, tiny_text_values
+from mmrl.scaffold.shrink import _one_line, build_text_config, build_tiny, built_or_repaired, tiny_text_values
 
 
 def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
@@ -83,16 +83,11 @@ def build_config(resolved: Resolved, plan: MediaPlan):
     values[plan.top_text_key] = text.to_dict()
     config_cls = getattr(transformers, resolved.config_class)
     try:
-        config = config_cls(**values)
+        config, _ = built_or_repaired(lambda v: config_cls(**v), values,
+                                      lambda v, _: _shared_values_kept(config_cls, plan.vision_key, v))
     except Exception as exc:  # a validator may raise anything
-        kept = _shared_values_kept(config_cls, plan.vision_key, values)
-        try:
-            config = config_cls(**kept) if kept is not None else None
-        except Exception:
-            config = None
-        if config is None:
-            raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() "
-                                "by hand with values it accepts", category="config") from exc
+        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() "
+                            "by hand with values it accepts", category="config") from exc
     return tokenizer, config
 
 

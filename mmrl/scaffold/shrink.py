@@ -280,18 +280,25 @@ def _accepted(cls, default, values: dict[str, Any]) -> dict[str, Any]:
     (`_relations_kept`) if the class accepts those; else `values`, whose rejection is
     reported where the config is built."""
     try:
-        cls(**values)
+        return built_or_repaired(lambda v: cls(**v), values,
+                                 lambda v, error: _relations_kept(default, v, str(error)))[1]
+    except Exception:  # a validator may raise anything
         return values
-    except Exception as exc:  # a validator may raise anything
-        message = str(exc)
-    repaired = _relations_kept(default, values, message)
-    if repaired is None:
-        return values
+
+
+def built_or_repaired(build, values: dict[str, Any], repair) -> tuple[Any, dict[str, Any]]:
+    """(build(values), values); where that raises, the same with `repair(values, error)`'s
+    values when it offers some (not None). Raises the first error when neither builds."""
     try:
-        cls(**repaired)
-    except Exception:
-        return values
-    return repaired
+        return build(values), values
+    except Exception as error:  # a validator may raise anything
+        repaired = repair(values, error)
+        if repaired is None:
+            raise
+        try:
+            return build(repaired), repaired
+        except Exception:
+            raise error from None
 
 
 def _relations_kept(default, values: dict[str, Any], message: str) -> dict[str, Any] | None:
