@@ -70,6 +70,30 @@ def test_greedy_tokens_and_logprobs_equal_plain_generate(family, monkeypatch):
     _assert_same(plain, fast)
 
 
+def test_decode_steps_take_decode_attention_beside_the_packed_updates_varlen(monkeypatch):
+    """An engine that packs its updates on a GPU selects the varlen attention function for
+    the model (`mmrl.engine.varlen.install`); the compiled rollout of that same model still
+    runs its decode steps through `decode_attention` (before, only an "sdpa" model did, and
+    a packed text run's decode steps fell back to SDPA with a mask), and leaves the varlen
+    function selected afterwards."""
+    from mmrl.engine import varlen
+    from mmrl.parts import decoder_layers
+
+    built, engine = _setup("qwen2")
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    assert varlen.install(built.model, decoder_layers(built.model, built.adapter))
+    config = built.model.config.get_text_config()
+    assert config._attn_implementation == varlen.NAME
+    calls = []
+    monkeypatch.setattr(compiled, "decode_attention", lambda *a, **k: calls.append(1) or decode_attention(*a, **k))
+    fast = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
+    assert len(calls) >= 9 * config.num_hidden_layers
+    assert config._attn_implementation == varlen.NAME
+    _assert_same(plain, fast)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_finished_rows_leave_the_batch_without_changing_the_output(family):
     built, engine = _setup(family)

@@ -404,12 +404,15 @@ def _low_precision_products(query: torch.Tensor, dtype: torch.dtype) -> bool:
 
 @contextlib.contextmanager
 def _decode_attention(model):
-    """While open, the text decoder of `model` (where its attention is SDPA) runs
-    `decode_attention`; the name is registered with SDPA's masks."""
+    """While open, the text decoder of `model` (where its attention is SDPA, or the
+    engine's varlen-where-possible SDPA of packed updates) runs `decode_attention`; the
+    name is registered with SDPA's masks."""
+    from mmrl.engine import varlen
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.get_text_config()
     before = config._attn_implementation
-    if before == "sdpa":
+    if before in ("sdpa", varlen.NAME):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
