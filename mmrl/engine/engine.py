@@ -139,8 +139,8 @@ def _lr_lambda(optim: OptimConfig, total_steps: int):
 
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
     """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
-    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe, rows
-    of about one length, stepped slower packed: docs/training.md)."""
+    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe's update,
+    rows of about one length, ran slower packed: docs/training.md)."""
     if pack not in (True, False, "auto"):
         raise ValueError(f"pack must be true, false or auto, got {pack!r}")
     if pack == "auto":
