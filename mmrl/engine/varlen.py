@@ -27,7 +27,6 @@ compiled layer (`mmrl.engine.compiled_layers`) traces it as one graph, kernel an
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -258,7 +257,13 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     given = kwargs.pop(SEGMENTS, None)  # from `segments_hook`, for this same mask
     segments = None
     if _usable(module, query, key, attention_mask, dropout, kwargs):
-        segments = given if given is not None else _segments(attention_mask)
+        # Inside a compiled graph the layer's hook has already looked (eagerly) and found
+        # no segments: the mask is not document-causal, and reading the cache there would
+        # guard on it.
+        if given is not None:
+            segments = given
+        elif not torch.compiler.is_compiling():
+            segments = _segments(attention_mask)
     if segments is None:
         _count("sdpa")
         return ALL_ATTENTION_FUNCTIONS[BASE](module, query, key, value, attention_mask, dropout=dropout,
