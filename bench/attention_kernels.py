@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# --backends names -> torch.nn.attention.SDPBackend members.
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
 
 
 def buckets(lengths: list[int], most: int) -> list[list[int]]:
@@ -181,8 +184,7 @@ def main() -> None:
             def make(lengths, backend=backend, most=most, name=f"{backend}_{most}"):
                 bucketed = Bucketed(lengths, most, device)
                 padded_tokens[name] = padded_tokens.get(name, 0) + bucketed.padded_tokens()
-                chosen = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-                                              "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
+                chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
                 return lambda q, k, v: bucketed.attention(q, k, v, scale, chosen)
             modes[f"{backend}_{most}"] = make
 
@@ -231,8 +233,7 @@ def main() -> None:
     for backend in args.backends:
         for most in args.buckets:
             name = f"{backend}_{most}_kernel"
-            chosen = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
-                                          "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
+            chosen = getattr(SDPBackend, SDPA_BACKENDS[backend])
             calls = []
             for lengths, q, k, v, _ in inputs:
                 bucketed = Bucketed(lengths, most, device)

@@ -251,23 +251,16 @@ def test_varlen_segments_come_from_document_causal_masks_only():
         assert document_segments(other) is None
 
 
-def _document_causal_by_full_comparison(mask):
-    """The plain check `document_segments` replaces: compare with the whole expected mask."""
-    rows, _, length, _ = mask.shape
-    square = mask[:, 0]
-    before = torch.diagonal(square, offset=-1, dim1=1, dim2=2)
-    starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool), ~before], 1)
-    document = starts.cumsum(-1)
-    expected = (document[:, :, None] == document[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
-    return torch.equal(square, expected)
-
-
 def test_varlen_segments_agree_with_comparing_the_whole_mask():
     """The banded check accepts exactly the masks a full comparison accepts: document-causal
     rows, the same with entries flipped anywhere (inside the band, above the diagonal, far
     below it in another sequence), and sliding windows."""
+    from bench_scripts import load_bench
+
     from mmrl.engine.varlen import document_segments
 
+    # The plain check it replaces: compare with the whole expected mask.
+    full_comparison = load_bench("packed_mask").full_comparison
     rng = random.Random(0)
     accepted = 0
     for _ in range(400):
@@ -287,7 +280,7 @@ def test_varlen_segments_agree_with_comparing_the_whole_mask():
         elif kind < 0.6:
             mask &= ~torch.ones(length, length, dtype=torch.bool).tril(-rng.randint(1, 5))
         found = document_segments(mask)
-        assert (found is not None) == _document_causal_by_full_comparison(mask)
+        assert (found is not None) == (full_comparison(mask) is not None)
         accepted += found is not None
     assert 100 < accepted < 300  # both outcomes were exercised
 
