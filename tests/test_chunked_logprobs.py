@@ -319,10 +319,13 @@ def test_fused_chunk_math_on_the_gpu_equals_the_eager_math(transform, monkeypatc
 
 @pytest.mark.gpu
 def test_chunked_head_peak_memory_on_the_gpu(monkeypatch):
-    """bf16 weights, a 152k vocabulary, 4 x 2048 response tokens, chunks of 220 tokens: the
-    chunked pass's extra peak is a fraction of the plain path's, log-probs agree within
-    bf16 rounding. (At the default fused chunk, 3.5k tokens here, a chunk alone holds
-    ~2 GiB: this batch is too small to show the difference.)"""
+    """bf16 weights, a 152k vocabulary, 4 x 2048 response tokens, chunks of 220 tokens: with
+    no head outputs kept (as when memory is short), the chunked pass's extra peak is a
+    fraction of the plain path's; keeping head outputs for the backward
+    (`Engine.head_keep_bytes`) adds at most its budget to that. Log-probs agree within bf16
+    rounding. (At the default fused chunk, 3.5k tokens here, a chunk alone holds ~2 GiB:
+    this batch is too small to show the difference.)"""
+    from mmrl.engine import engine as engine_module
     from mmrl.engine import logprobs
 
     monkeypatch.setattr(logprobs, "FUSED_HEAD_CHUNK_ELEMENTS", 2**25)
@@ -331,11 +334,14 @@ def test_chunked_head_peak_memory_on_the_gpu(monkeypatch):
     overrides = {"vocab_size": 151936, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
     ids = torch.randint(100, 151936, (4, 1))
     responses = torch.randint(100, 151936, (4, 2048))
-    peaks, values = {}, {}
-    for chunked in (False, True):
+    peaks, values, budgets = {}, {}, {}
+    for mode, chunked, share in (("plain", False, 2**62), ("chunked", True, 2**62),
+                                 ("kept", True, engine_module.HEAD_KEEP_SHARE)):
+        monkeypatch.setattr(engine_module, "HEAD_KEEP_SHARE", share)  # 2**62: nothing kept
         built = build_model("qwen2", random_init=True, seed=0, config_overrides=overrides, dtype="bfloat16",
                             device=device)
         engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), chunked_head=chunked)
+        budgets[mode] = engine.head_keep_bytes
         seqs = join({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, responses,
                     torch.ones_like(responses), built.adapter, engine.model, 0).to(device)
         engine.log_probs(seqs)
@@ -346,13 +352,16 @@ def test_chunked_head_peak_memory_on_the_gpu(monkeypatch):
         logp, entropy = engine.log_probs(seqs)
         (logp.sum() + entropy.sum()).backward()
         torch.cuda.synchronize()
-        peaks[chunked] = torch.cuda.max_memory_allocated() - base
-        values[chunked] = logp.detach().float()
+        peaks[mode] = torch.cuda.max_memory_allocated() - base
+        values[mode] = logp.detach().float()
         engine.drop_gradients()
     full_logits = 4 * 2048 * 151936 * 2  # one bf16 copy of the batch's logits
-    assert peaks[False] > full_logits
-    assert peaks[True] < full_logits / 2, peaks
-    assert (values[True] - values[False]).abs().max() < 0.1
+    assert budgets["chunked"] == 0 < budgets["kept"]
+    assert peaks["plain"] > full_logits
+    assert peaks["chunked"] < full_logits / 2, peaks
+    assert peaks["chunked"] < peaks["kept"] <= peaks["chunked"] + budgets["kept"], (peaks, budgets)
+    for mode in ("chunked", "kept"):
+        assert (values[mode] - values["plain"]).abs().max() < 0.1
 
 
 @pytest.mark.parametrize("family", FAMILIES)
