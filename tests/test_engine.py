@@ -411,3 +411,33 @@ def test_pack_auto_packs_text_families_on_one_gpu_only():
         packs_batches("yes", text, dist("cpu"))
     built = build_model("qwen2", random_init=True)
     assert not Engine(built, init_distributed("cpu"), pack="auto").pack  # CPU: padded
+
+
+def test_engine_checkpointing_follows_its_switch_without_walking_the_model(monkeypatch):
+    """`Engine.checkpointing` says what the model does (as built, and after
+    `enable_checkpointing`), read from the engine's switch: transformers' own flag walks
+    every module, and the engine reads it on every pass."""
+    built = build_model("qwen2", random_init=True)
+    engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3))
+    model_class = type(engine.model)
+    walks = []
+    flag = model_class.is_gradient_checkpointing
+
+    def counted(model):
+        walks.append(1)
+        return flag.fget(model)
+
+    monkeypatch.setattr(model_class, "is_gradient_checkpointing", property(counted))
+    assert not engine.checkpointing and not engine.model.is_gradient_checkpointing
+    walks.clear()
+    for _ in range(5):
+        assert not engine.checkpointing
+    assert walks == []
+    engine.enable_checkpointing()
+    assert engine.checkpointing and engine.model.is_gradient_checkpointing
+    walks.clear()
+    assert engine.checkpointing and walks == []
+    # A model built with checkpointing on is seen as such.
+    built = build_model("qwen2", random_init=True)
+    built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert Engine(built, init_distributed("cpu")).checkpointing
