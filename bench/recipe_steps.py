@@ -19,8 +19,10 @@ per step are capped by the bundled rows and the response length by `--max-new-to
     .venv/bin/python bench/recipe_steps.py recipes/tiny_vlm_count.yaml --steps 2 --device cpu \
         --variant rows --variant tokens algo.micro_batch_tokens=64   # smoke run on CPU
 
-Against an older commit, in the same call: `git archive <commit> mmrl recipes | tar -x -C old`
-and `PYTHONPATH=old python bench/recipe_steps.py old/recipes/... --out $OUT/old.json`.
+Against an older commit, in the same call: `git archive <commit> mmrl recipes | tar -x -C old`,
+its zoo beside its package (`git archive <commit> models processors | tar -x -C old/mmrl`:
+otherwise the editable install's `mmrl.models` is this tree's zoo, which need not fit the old
+package), and `PYTHONPATH=old python bench/recipe_steps.py old/recipes/... --out $OUT/old.json`.
 
 `--same-start DIR` makes runs (two trees, or two variants) learn from the same start, so
 that their first steps can be compared (`bench/same_learning.py`): the first variant to
