@@ -5,22 +5,25 @@
 # then on the device (carry [".whl", ".gl"]):
 #   bash bench/device_ab.sh [rounds] [extra bench/packing.py arguments]
 # SIDES (default "base main") names the sides of a round: "main" is this tree, any other
-# name X is .gl/X/mmrl, archived the same way. Each run's JSON goes to $OUT/ab/ (its log to
-# /tmp/ab_logs/); a line per run and the medians are printed, each side against the first.
-# PYTHON picks the interpreter (default python3, the device image's).
-# `mmrl.models` (the zoo, outside the package) is main's in both runs.
+# name X is $AB_TREES/X/mmrl (AB_TREES defaults to .gl), archived the same way. Each run's
+# JSON goes to $OUT/ab/ (its log to $AB_LOGS, default /tmp/ab_logs); a line per run and the
+# medians are printed, each side against the first. PYTHON picks the interpreter (default
+# python3, the device image's). `mmrl.models` (the zoo, outside the package) is main's on
+# every side unless a side's tree has its own (`git archive <commit> models | tar -x -C
+# .gl/X/mmrl`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pairs=${1:-3}
 shift || true
 out=${OUT:-/tmp}/ab
-logs=/tmp/ab_logs
+logs=${AB_LOGS:-/tmp/ab_logs}
 py=${PYTHON:-python3}
+trees=${AB_TREES:-.gl}
 mkdir -p "$out" "$logs"
 read -r -a sides <<< "${SIDES:-base main}"
 for side in "${sides[@]}"; do
-  if [[ $side != main && ! -d .gl/$side/mmrl ]]; then
-    echo "device_ab.sh: no .gl/$side/mmrl (see the comment at the top)"; exit 2
+  if [[ $side != main && ! -d $trees/$side/mmrl ]]; then
+    echo "device_ab.sh: no $trees/$side/mmrl (see the comment at the top)"; exit 2
   fi
 done
 if ! "$py" -c "import pydantic" 2>/dev/null; then
@@ -29,7 +32,7 @@ if ! "$py" -c "import pydantic" 2>/dev/null; then
 fi
 for i in $(seq "$pairs"); do
   for side in "${sides[@]}"; do
-    path=""; [[ $side != main ]] && path=.gl/$side
+    path=""; [[ $side != main ]] && path=$trees/$side
     PYTHONPATH=$path timeout 200 "$py" bench/packing.py --dtype bfloat16 --micro-batch-tokens 32768 \
       --modes compiled_32768 "$@" --out "$out/${side}_$i.json" > "$logs/${side}_$i.log" 2>&1
     echo "$side $i: $(grep -A1 'median s' "$logs/${side}_$i.log" | tail -1)"
