@@ -14,7 +14,7 @@
 # .gl/X/mmrl`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-pairs=${1:-3}
+rounds=${1:-3}
 shift || true
 out=${OUT:-/tmp}/ab
 logs=${AB_LOGS:-/tmp/ab_logs}
@@ -31,7 +31,7 @@ if ! "$py" -c "import pydantic" 2>/dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
   "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 fi
-for i in $(seq "$pairs"); do
+for i in $(seq "$rounds"); do
   for side in "${sides[@]}"; do
     path=""; [[ $side != main ]] && path=$trees/$side
     rm -f "$logs/${side}_$i.json"  # a failed run must not leave an earlier call's figures in the summary
@@ -40,7 +40,7 @@ for i in $(seq "$pairs"); do
     echo "$side $i: $(grep -A1 'median s' "$logs/${side}_$i.log" | tail -1)"
   done
 done
-"$py" - "$out" "$logs" "$pairs" "${sides[@]}" -- "$@" <<'EOF'
+"$py" - "$out" "$logs" "$rounds" "${sides[@]}" -- "$@" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 out, logs, rounds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
@@ -66,8 +66,9 @@ speedups = {side: medians[first] / medians[side] for side in medians if first in
 for side in sides[1:]:
     if side in speedups:
         print(f"{side} vs {first}: {speedups[side]:.3f}x")
+first_report = first_report or {}
 summary = {"bench": "bench/device_ab.sh (bench/packing.py, the sides alternating in one call)",
-           "device": (first_report or {}).get("device"), "versions": (first_report or {}).get("versions"),
+           "device": first_report.get("device"), "versions": first_report.get("versions"),
            "sides": sides, "rounds": rounds, "packing_arguments": extra, "runs": runs,
            "median_step_s": medians, "speedup_vs_first": speedups}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
