@@ -37,6 +37,13 @@ def model_flops(report: dict, seconds: float) -> float:
     return (dense + head + attention) / seconds
 
 
+def status_of(target: dict) -> str:
+    """met, missed, not measured (no figure yet) or info (no target)."""
+    if target["met"] is None:
+        return "info"
+    return "met" if target["met"] else "missed" if target["measured"] is not None else "not measured"
+
+
 def micro_batches(packing: dict) -> str:
     tokens = packing.get("packed_micro_batch_tokens")
     return (f"micro-batches of up to {tokens} tokens" if tokens
@@ -238,7 +245,7 @@ def readme_table(summary: dict) -> str:
         return "-" if value is None else form.format(value)
 
     for t in summary["targets"]:
-        status = {True: "met", False: "missed" if t["measured"] is not None else "not measured", None: "info"}[t["met"]]
+        status = status_of(t)
         lines.append(f"| {t['name']} | {number(t['measured'])} | {number(t['baseline'])} | "
                      f"{number(t['ratio'], '{:.2f}x')} | {number(t['target'], '{}')} | {status} |")
     return "\n".join(lines)
@@ -322,8 +329,7 @@ def main() -> None:
     for t in targets:
         measured = "-" if t["measured"] is None else f"{t['measured']:.3g}"
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
-        verdict = {True: "met ", False: "miss", None: "info"}[t["met"]]
-        print(f"{verdict} {measured:>9} {ratio:>7}  target {str(t['target']):<5} {t['name']}")
+        print(f"{status_of(t):<12} {measured:>9} {ratio:>7}  target {str(t['target']):<5} {t['name']}")
 
 
 if __name__ == "__main__":
