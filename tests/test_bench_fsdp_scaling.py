@@ -40,3 +40,13 @@ def test_gpu_targets_reads_the_efficiency(report, tmp_path):
     assert entry["measured"] == report["efficiency"] and entry["met"] == (report["efficiency"] >= 0.85)
     assert entry["command"].startswith("python bench/fsdp_scaling.py") and "2 processes" in entry["note"]
     assert targets.scaling_entry(tmp_path / "absent.json") is None
+
+
+def test_a_target_without_a_figure_reads_not_measured():
+    """The README table and the console say the same: an unmeasured target (the 2-GPU one
+    while no 2-GPU machine is lent) is 'not measured', a measured miss 'missed'."""
+    status_of = load_bench("gpu_targets").status_of
+    assert status_of({"measured": None, "met": False}) == "not measured"
+    assert status_of({"measured": 0.7, "met": False}) == "missed"
+    assert status_of({"measured": 0.9, "met": True}) == "met"
+    assert status_of({"measured": 2.6, "met": None}) == "info"
