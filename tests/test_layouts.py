@@ -114,3 +114,33 @@ def test_hub_layout_folder_and_bad_sources(monkeypatch):
         load_prompts({**spec, "path": "./recipes/data/nowhere"})
     with pytest.raises(LayoutError, match="data source: columns.promt: Extra inputs are not permitted"):
         load_prompts({**spec, "columns": {"promt": "problem"}})
+
+
+# A recipe is shared as data: its template must not run code or exhaust the machine (issue 30).
+HOSTILE_TEMPLATES = [
+    ("{{ cycler.__init__.__globals__.os.system('touch PWNED') }}", "refused by the sandbox"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "refused by the sandbox"),
+    ("{{ prompt.__class__ }}", "refused by the sandbox"),
+    ("{% set xs = [] %}{{ xs.append(1) }}", "refused by the sandbox"),
+    ("{{ prompt * 100000000 }}", "repetition builds"),
+    ("{{ 10 ** 100000000 }}", "exponent 100000000 is too large"),
+    ("{{ prompt }}{% for i in range(100000) %}{{ prompt }}{% endfor %}", "more than 1,000,000"),
+    ("{{ prompt | int / 0 }}", "ZeroDivisionError"),
+]
+
+
+@pytest.mark.parametrize("template, words", HOSTILE_TEMPLATES)
+def test_a_hostile_template_is_one_layout_error_and_runs_nothing(tmp_path, monkeypatch, template, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LayoutError) as error:
+        map_row({"q": "0123456789", "answer": "1"}, source(columns={"prompt": "q"}, template=template), index=3)
+    message = str(error.value)
+    assert message.startswith("row 3: template: ") and words in message and "\n" not in message
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_sandbox_still_formats_values():
+    spec = source(columns={"prompt": "q"},
+                  template="{{ prompt | trim | upper }} {{ '%.1f' % level }} {{ tags | join(',') }} {{ 'ab' * 3 }}")
+    sample = map_row({"q": " hi ", "answer": "1", "level": 2, "tags": ["x", "y"]}, spec)
+    assert sample["prompt"][0]["content"] == [{"type": "text", "text": "HI 2.0 x,y ababab"}]

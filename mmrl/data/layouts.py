@@ -152,13 +152,64 @@ class MappedRows:
                        answer_pattern=self.answer_pattern, splitter=self.splitter, consumed=self.consumed)
 
 
+# A recipe is data, so its templates must not be code: rendered in jinja2's immutable sandbox, a
+# template cannot reach Python internals (`cycler.__init__.__globals__.os`), call methods
+# that mutate, or build values past these bounds (docs/datasets.md#what-a-recipe-can-run).
+TEMPLATE_MAX_CHARS = 1_000_000  # longest rendered prompt, and longest string one operation may build
+
+
+def _sandbox():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox with `*` and `**` refused past TEMPLATE_MAX_CHARS."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise LayoutError(f"template: exponent {right} is too large (at most 64)")
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                            and len(seq) * times > TEMPLATE_MAX_CHARS:
+                        raise LayoutError(f"template: repetition builds {len(seq) * times:,} items, "
+                                          f"more than {TEMPLATE_MAX_CHARS:,}")
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedSandbox
+
+
 def _compile(template: str, where: str):
     import jinja2
 
     try:
-        return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True).from_string(template)
+        return _sandbox()(undefined=jinja2.StrictUndefined, keep_trailing_newline=True).from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise LayoutError(f"{where}: template: {exc.message} (line {exc.lineno})") from None
+
+
+def render_template(template, variables: Mapping[str, Any], index: int) -> str:
+    """A compiled template rendered for row `index`; whatever the template does wrong (an
+    undefined name, a sandbox violation, an oversized result) is one LayoutError naming the row."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    try:
+        text = template.render(variables)
+    except jinja2.UndefinedError as exc:
+        raise LayoutError(f"row {index}: template: {exc.message}") from None
+    except SecurityError as exc:
+        raise LayoutError(f"row {index}: template: refused by the sandbox ({exc}); "
+                          "a template may only format the row's values") from None
+    except LayoutError as exc:
+        raise LayoutError(f"row {index}: {exc}") from None
+    except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as exc:
+        raise LayoutError(f"row {index}: template: {type(exc).__name__}: {exc}") from None
+    if len(text) > TEMPLATE_MAX_CHARS:
+        raise LayoutError(f"row {index}: template: the rendered prompt has {len(text):,} characters, "
+                          f"more than {TEMPLATE_MAX_CHARS:,}")
+    return text
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -192,12 +243,7 @@ def map_row(row: Mapping[str, Any], source: DataSource, index: int = 0, *, templ
     elif isinstance(prompt, str):
         text = prompt
         if template is not None:
-            import jinja2
-
-            try:
-                text = template.render({**row, "prompt": prompt})
-            except jinja2.UndefinedError as exc:
-                raise LayoutError(f"row {index}: template: {exc.message}") from None
+            text = render_template(template, {**row, "prompt": prompt}, index)
         content = _parts(text, splitter, source, len(images), len(videos), index)
         conversation = [{"role": "user", "content": content}]
     else:
