@@ -97,7 +97,7 @@ def build_model(
     folder = checkpoint_folder(name_or_path, weights=not random_init, trust_remote_code=trust_remote_code)
     path = folder if folder is not None else Path(str(name_or_path))
     is_checkpoint = path.is_dir()
-    adapter = get_adapter(path if is_checkpoint else name_or_path)
+    adapter = get_adapter(path if is_checkpoint else name_or_path, source=str(name_or_path))
     if attn_implementation is None:
         attn_implementation = default_attention(adapter.model_class())
     dtype = _dtype(dtype)

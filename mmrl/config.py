@@ -358,7 +358,7 @@ def _check_model(m: ModelConfig) -> None:
         from mmrl.registry import RegistryError, get_adapter
 
         try:
-            get_adapter(path)  # its model_type has a family
+            get_adapter(path, source=m.path)  # its model_type has a family
         except RegistryError as exc:
             raise RecipeError(f"model.path: {exc}") from None
         return

@@ -31,7 +31,7 @@ def describe_checkpoint(target: str) -> dict[str, Any]:
     except HubError as exc:
         raise RegistryError(str(exc)) from None
     config = read_config(folder) if folder is not None else {}
-    adapter = get_adapter(folder if folder is not None else target)
+    adapter = get_adapter(folder if folder is not None else target, source=target)
     model_type = config.get("model_type")
     return {
         "target": target,

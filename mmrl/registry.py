@@ -180,9 +180,10 @@ def read_config(path: Path) -> dict:
         raise RegistryError(f"{config_file}: not valid JSON ({exc})") from exc
 
 
-def get_adapter(name_or_path: str | Path) -> ModelAdapter:
+def get_adapter(name_or_path: str | Path, *, source: str | None = None) -> ModelAdapter:
     """Find the adapter for a family name, HF model_type, architecture, checkpoint dir or
-    hub id (its config only is fetched; the order is mmrl/hub.py's)."""
+    hub id (its config only is fetched; the order is mmrl/hub.py's). `source` names the
+    checkpoint in messages (the hub id whose snapshot folder is `name_or_path`)."""
     discover()
     key = str(name_or_path)
     if not Path(key).expanduser().exists():
@@ -195,7 +196,7 @@ def get_adapter(name_or_path: str | Path) -> ModelAdapter:
         raise RegistryError(str(exc)) from None
     if path is not None:
         config = read_config(path)
-        return adapter_for_config(config, source=key)
+        return adapter_for_config(config, source=source or key)
     raise RegistryError(
         f"no registered model family for {key!r}; known families: {', '.join(sorted(_BY_FAMILY))}"
     )

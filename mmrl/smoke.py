@@ -122,7 +122,7 @@ def processing_for(recipe):
     m = recipe.model
     try:
         path = checkpoint_folder(m.path, weights=False, trust_remote_code=m.trust_remote_code)  # a hub id's snapshot
-        adapter = get_adapter(path if path is not None else m.path)
+        adapter = get_adapter(path if path is not None else m.path, source=m.path)
     except (HubError, RegistryError) as exc:
         raise RecipeError(f"model.path: {exc}") from None
     if path is not None and path.is_dir():
