@@ -151,10 +151,12 @@ def _snapshot(repo: str, revision: str | None, patterns: list[str], name: str) -
     except RevisionNotFoundError:
         raise HubError(f"{name}: the hub repository {repo} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
-        raise HubError(f"{name}: no such model repository on the hub (a private one needs `hf auth login`)") from None
+        raise HubError(f"{name}: no local folder and no model repository of that name on the hub (a private one "
+                       "needs `hf auth login`)") from None
     except LocalEntryNotFoundError as exc:
         why = "HF_HUB_OFFLINE=1" if offline else f"the hub cannot be reached: {_cause(exc)}"
-        raise HubError(f"{name} is not in the HF cache {cache} ({why}); download it first: {fetch}") from None
+        raise HubError(f"{name} is not in the HF cache {cache} ({why}) nor a local folder; download it first: "
+                       f"{fetch}") from None
     except OSError as exc:  # an incomplete snapshot, a cache folder that cannot be written
         raise HubError(f"{name}: {_cause(exc)}; download it again: {fetch}") from None
 

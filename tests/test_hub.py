@@ -180,8 +180,8 @@ def test_a_hub_id_not_in_the_cache_is_one_line_saying_what_to_download(hub_cache
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
-    assert f"{missing} is not in the HF cache {hub_cache} (HF_HUB_OFFLINE=1); download it first: " \
-           f"hf download {missing}" in line, line
+    assert f"{missing} is not in the HF cache {hub_cache} (HF_HUB_OFFLINE=1) nor a local folder; download it " \
+           f"first: hf download {missing}" in line, line
     if command[0] in ("data", "train"):
         assert line.startswith("error: model.path: "), line
     assert network.lookups == []
