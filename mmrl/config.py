@@ -355,26 +355,18 @@ def _check_model(m: ModelConfig) -> None:
         problem = _weights_problem(path)
         if problem:
             raise RecipeError(f"model.path: {problem}")
-        from mmrl.registry import RegistryError, get_adapter
-
-        try:
-            get_adapter(path, source=m.path)  # its model_type has a family
-        except RegistryError as exc:
-            raise RecipeError(f"model.path: {exc}") from None
-        return
-    if looks_like_path and not path.exists():
+    elif looks_like_path and not path.exists():
         raise RecipeError(f"model.path: no checkpoint folder {m.path} (and it is not a family name)")
-    if m.config_overrides:
+    from mmrl.registry import RegistryError, get_adapter
+
+    try:
+        get_adapter(path if path.is_dir() else m.path, source=m.path)  # a family, or a checkpoint of one
+    except RegistryError as exc:
+        raise RecipeError(f"model.path: {exc}") from None
+    if m.random_init and m.config_overrides:
         problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
         if problem:
             raise RecipeError(problem)
-    elif not path.is_dir():
-        from mmrl.registry import RegistryError, get_adapter
-
-        try:
-            get_adapter(m.path)
-        except RegistryError as exc:
-            raise RecipeError(f"model.path: {exc}") from None
 
 
 def check_reward_and_data(recipe: Recipe) -> None:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import mmrl
 from mmrl.cli import app
-from mmrl.config import RecipeError, check_before_build, load_recipe
+from mmrl.config import RecipeError, _check_model, check_before_build, load_recipe
 from mmrl.hub import HubError, checkpoint_folder, split_hub_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -207,13 +208,19 @@ def test_a_cached_config_without_weights_is_one_line(hub_cache, tiny_qwen2, tmp_
 def test_a_hub_id_of_an_unregistered_model_type_points_to_add_model(hub_cache, tmp_path, network):
     snapshot = _cache_snapshot(hub_cache, "tiny-org/exotic")
     (snapshot / "config.json").write_text(json.dumps({"model_type": "exotic_lm", "architectures": ["ExoticLM"]}))
+    save_file({"w": torch.zeros(2)}, str(snapshot / "model.safetensors"))
     result = CliRunner().invoke(app, ["models", "--for", "tiny-org/exotic"])
     assert result.exit_code == 2
     line = _one_clean_line(result.output)
     assert "tiny-org/exotic: model_type 'exotic_lm' is not registered with mmrl; add it with " \
            "`mmrl add-model exotic_lm`" in line, line
-    result = CliRunner().invoke(app, ["data", "check", str(_recipe(tmp_path, "tiny-org/exotic"))])
+    recipe = _recipe(tmp_path, "tiny-org/exotic")
+    result = CliRunner().invoke(app, ["data", "check", str(recipe)])
     assert result.exit_code == 2 and "model_type 'exotic_lm'" in _one_clean_line(result.output)
+    for overrides in ([], ["model.random_init=true"]):  # checked before the build, random init or not
+        with pytest.raises(RecipeError, match=r"^model.path: tiny-org/exotic: model_type 'exotic_lm' is not "
+                                              r"registered with mmrl; add it with `mmrl add-model exotic_lm`"):
+            _check_model(load_recipe(recipe, overrides).model)
 
 
 # -- a hub dataset out of reach ------------------------------------------------------------------
