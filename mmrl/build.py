@@ -1,6 +1,7 @@
 """Build a model, its processor and its adapter from a checkpoint or a random init.
 
     built = build_model("/path/to/checkpoint")                 # local weights (safetensors)
+    built = build_model("Qwen/Qwen2-VL-2B-Instruct")            # a hub id, through the HF cache
     built = build_model("qwen2_vl", random_init=True)           # the family's tiny config
     built = build_model("llama", random_init=True, config=cfg)  # any config, random weights
     built.save("/tmp/ckpt")                                     # save_pretrained both
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from mmrl.adapter import ModelAdapter
+from mmrl.hub import checkpoint_folder
 from mmrl.processing import Processing
 from mmrl.registry import adapter_for_config, get_adapter
 
@@ -77,7 +79,9 @@ def build_model(
     tiny_vocabulary: dict[str, Any] | None = None,
     device: str | torch.device | None = None,
 ) -> BuiltModel:
-    """Build model + processing for a family name or a local checkpoint directory.
+    """Build model + processing for a family name, a local checkpoint directory or a hub
+    id (`org/name[@revision]`, read through the HF cache; mmrl/hub.py says how a name is
+    told apart).
 
     With `random_init=True`, `name_or_path` names a family (or a checkpoint whose
     config is used) and the weights are random: the family's tiny config unless
@@ -89,9 +93,11 @@ def build_model(
     GPU, seconds for billions of parameters that take minutes on the CPU; a seed draws
     other numbers there than on the CPU) and checkpoints are loaded to; None: the CPU.
     """
-    path = Path(str(name_or_path))
+    # A hub id becomes its snapshot folder here (weights fetched only for a load).
+    folder = checkpoint_folder(name_or_path, weights=not random_init, trust_remote_code=trust_remote_code)
+    path = folder if folder is not None else Path(str(name_or_path))
     is_checkpoint = path.is_dir()
-    adapter = get_adapter(name_or_path)
+    adapter = get_adapter(path if is_checkpoint else name_or_path, source=str(name_or_path))
     if attn_implementation is None:
         attn_implementation = default_attention(adapter.model_class())
     dtype = _dtype(dtype)

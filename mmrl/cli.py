@@ -2,6 +2,8 @@
 
     mmrl models                      # registered families, modalities, declared capabilities
     mmrl models --json
+    mmrl models --for Qwen/Qwen2.5-VL-7B-Instruct   # the family a checkpoint (hub id or folder) maps to
+    mmrl --version
     mmrl --plugin my_pkg.models models   # also load an out-of-tree family module
     mmrl --verbose doctor qwen2_vl       # keep vLLM/torch/transformers logs (quiet by default: mmrl/logs.py)
     mmrl --debug train RECIPE ...        # an error shows its traceback instead of one line
@@ -47,6 +49,24 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _print_version(shown: bool) -> None:
+    """`mmrl --version`: read from the installed packages' metadata (nothing imported)."""
+    if not shown:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mmrl
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    typer.echo(f"mmrl {mmrl.__version__} (torch {installed('torch')}, transformers {installed('transformers')})")
+    raise typer.Exit()
+
+
 @app.callback()
 def main(
     plugin: list[str] = typer.Option(
@@ -58,6 +78,8 @@ def main(
         "at ERROR; probe workers print to the terminal instead of a log file.",
     ),
     debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback instead of one line."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=lambda shown: _print_version(shown),
+                                 help="Print mmrl's version (and torch's, transformers') and exit."),
 ) -> None:
     from mmrl.logs import quiet, share_cpu
 
@@ -74,10 +96,24 @@ def main(
 
 
 @app.command()
-def models(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+def models(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    target: str = typer.Option(None, "--for", help="Name the family a checkpoint (hub id, local folder) maps to, "
+                               "and what the support matrix verified for it.", metavar="ID_OR_PATH"),
+) -> None:
     """List registered model families with their modalities and declared capabilities."""
     from mmrl.probes import PROBES
-    from mmrl.registry import families
+    from mmrl.registry import RegistryError, families
+
+    if target is not None:
+        from mmrl.lookup import describe_checkpoint, format_description
+
+        try:
+            described = describe_checkpoint(target)
+        except RegistryError as exc:
+            fail(str(exc))
+        typer.echo(json.dumps(described, indent=2) if as_json else format_description(described))
+        return
 
     def not_applicable(adapter) -> list[str]:
         """Declared capabilities whose probe does not apply to the family (e.g. media
@@ -254,8 +290,8 @@ def _report_gpu_failures(document: dict) -> None:
 
 @app.command()
 def doctor(
-    target: str = typer.Argument(..., help="A local checkpoint directory, or a registered family / model type.",
-                                 metavar="PATH_OR_FAMILY"),
+    target: str = typer.Argument(..., help="A local checkpoint directory, a hub id (org/name[@revision], through "
+                                 "the HF cache), or a registered family / model type.", metavar="PATH_OR_FAMILY"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     workers: int = typer.Option(None, "--workers",
@@ -267,14 +303,18 @@ def doctor(
     from pathlib import Path
 
     from mmrl.config import _weights_problem
+    from mmrl.hub import HubError, checkpoint_folder
     from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import PROBES, Subject
     from mmrl.probes.matrix import progress_bar, run_probes
     from mmrl.registry import RegistryError, adapter_for_config, get_adapter
 
-    path = Path(target)
     try:
-        if path.exists():
+        path = checkpoint_folder(target)  # a hub id: its snapshot in the HF cache
+    except HubError as exc:
+        fail(str(exc))
+    try:
+        if path is not None:
             config_file = path / "config.json" if path.is_dir() else path
             if not config_file.is_file():
                 fail(f"{target}: no config.json found")

@@ -30,7 +30,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    # A local checkpoint directory, or a family name with `random_init: true`.
+    # A local checkpoint directory, a hub id `org/name[@revision]` (read through the HF
+    # cache, mmrl/hub.py), or a family name with `random_init: true`.
     path: str
     random_init: bool = False
     # Overrides applied to the (tiny or loaded) config before a random init; nested
@@ -340,7 +341,7 @@ def check_before_build(recipe: Recipe) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
-    path = Path(m.path).expanduser()
+    path = _checkpoint_folder(m) or Path(m.path).expanduser()
     looks_like_path = "/" in m.path or m.path.startswith((".", "~"))
     if not m.random_init:
         if path.is_file():
@@ -354,20 +355,18 @@ def _check_model(m: ModelConfig) -> None:
         problem = _weights_problem(path)
         if problem:
             raise RecipeError(f"model.path: {problem}")
-        return
-    if looks_like_path and not path.exists():
+    elif looks_like_path and not path.exists():
         raise RecipeError(f"model.path: no checkpoint folder {m.path} (and it is not a family name)")
-    if m.config_overrides:
+    from mmrl.registry import RegistryError, get_adapter
+
+    try:
+        get_adapter(path if path.is_dir() else m.path, source=m.path)  # a family, or a checkpoint of one
+    except RegistryError as exc:
+        raise RecipeError(f"model.path: {exc}") from None
+    if m.random_init and m.config_overrides:
         problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
         if problem:
             raise RecipeError(problem)
-    elif not path.is_dir():
-        from mmrl.registry import RegistryError, get_adapter
-
-        try:
-            get_adapter(m.path)
-        except RegistryError as exc:
-            raise RecipeError(f"model.path: {exc}") from None
 
 
 def check_reward_and_data(recipe: Recipe) -> None:
@@ -426,13 +425,23 @@ def _weights_problem(folder: Path) -> str | None:
     return None
 
 
+def _checkpoint_folder(m: ModelConfig) -> Path | None:
+    """model.path's checkpoint folder (a hub id's snapshot in the HF cache), or None."""
+    from mmrl.hub import HubError, checkpoint_folder
+
+    try:
+        return checkpoint_folder(m.path, weights=not m.random_init, trust_remote_code=m.trust_remote_code)
+    except HubError as exc:
+        raise RecipeError(f"model.path: {exc}") from None
+
+
 def _base_config(m: ModelConfig):
     """The config a random init of `m` starts from (the family's tiny one, or a checkpoint's)."""
     from contextlib import nullcontext
 
     from mmrl.registry import RegistryError, get_adapter
 
-    path = Path(m.path).expanduser()
+    path = _checkpoint_folder(m) or Path(m.path).expanduser()
     if path.is_dir():
         from transformers import AutoConfig
 

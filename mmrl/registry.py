@@ -11,6 +11,7 @@ entry point and the cause; every other family still registers. A plugin named ex
     from mmrl import get_adapter
     get_adapter("qwen2_vl")            # by HF model_type
     get_adapter("/ckpt/dir")           # by the checkpoint's config.json
+    get_adapter("Qwen/Qwen2-VL-2B-Instruct")  # by a hub id's config.json (mmrl/hub.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TypeVar
 
 from mmrl.adapter import ModelAdapter
 from mmrl.errors import one_line
+from mmrl.hub import HubError, checkpoint_folder
 
 ENTRY_POINT_GROUP = "mmrl.models"
 
@@ -168,7 +170,7 @@ def families() -> list[ModelAdapter]:
     return [_BY_FAMILY[name] for name in sorted(_BY_FAMILY)]
 
 
-def _config_dict(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise RegistryError(f"{path}: no config.json found")
@@ -178,17 +180,23 @@ def _config_dict(path: Path) -> dict:
         raise RegistryError(f"{config_file}: not valid JSON ({exc})") from exc
 
 
-def get_adapter(name_or_path: str | Path) -> ModelAdapter:
-    """Find the adapter for a family name, HF model_type, architecture or checkpoint dir."""
+def get_adapter(name_or_path: str | Path, *, source: str | None = None) -> ModelAdapter:
+    """Find the adapter for a family name, HF model_type, architecture, checkpoint dir or
+    hub id (its config only is fetched; the order is mmrl/hub.py's). `source` names the
+    checkpoint in messages (the hub id whose snapshot folder is `name_or_path`)."""
     discover()
     key = str(name_or_path)
-    for table in (_BY_FAMILY, _BY_MODEL_TYPE, _BY_ARCHITECTURE):
-        if key in table:
-            return table[key]
-    path = Path(key)
-    if path.exists():
-        config = _config_dict(path)
-        return adapter_for_config(config, source=str(path))
+    if not Path(key).expanduser().exists():
+        for table in (_BY_FAMILY, _BY_MODEL_TYPE, _BY_ARCHITECTURE):
+            if key in table:
+                return table[key]
+    try:
+        path = checkpoint_folder(key, weights=False)
+    except HubError as exc:  # callers handle one error type of a lookup
+        raise RegistryError(str(exc)) from None
+    if path is not None:
+        config = read_config(path)
+        return adapter_for_config(config, source=source or key)
     raise RegistryError(
         f"no registered model family for {key!r}; known families: {', '.join(sorted(_BY_FAMILY))}"
     )
@@ -205,6 +213,6 @@ def adapter_for_config(config, source: str = "config") -> ModelAdapter:
         if arch in _BY_ARCHITECTURE:
             return _BY_ARCHITECTURE[arch]
     raise RegistryError(
-        f"{source}: model_type {model_type!r} is not registered; "
-        "docs/adding_a_model.md says how to add a family"
+        f"{source}: model_type {model_type!r} is not registered with mmrl; add it with "
+        f"`mmrl add-model {model_type or 'MODEL_TYPE'}` (docs/adding_a_model.md)"
     )

@@ -115,12 +115,17 @@ def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
 def processing_for(recipe):
     """The recipe's input processing without building its model: a checkpoint folder's
     processor, or the family's tiny one for a random init."""
-    from mmrl.registry import get_adapter
+    from mmrl.config import RecipeError
+    from mmrl.hub import HubError, checkpoint_folder
+    from mmrl.registry import RegistryError, get_adapter
 
     m = recipe.model
-    adapter = get_adapter(m.path)
-    path = Path(m.path).expanduser()
-    if path.is_dir():
+    try:
+        path = checkpoint_folder(m.path, weights=False, trust_remote_code=m.trust_remote_code)  # a hub id's snapshot
+        adapter = get_adapter(path if path is not None else m.path, source=m.path)
+    except (HubError, RegistryError) as exc:
+        raise RecipeError(f"model.path: {exc}") from None
+    if path is not None and path.is_dir():
         from mmrl.build import _load_processor
 
         processor = _load_processor(path, adapter, m.trust_remote_code)
@@ -138,12 +143,17 @@ def processing_for(recipe):
 def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str, Any]]:
     """How the first `rows` rows of the recipe's `split` source render: the chat-template
     text, the answer, the other columns, the images' sizes and the token counts."""
+    from mmrl.config import RecipeError
     from mmrl.data import load_prompts, to_conversation
 
     source = {"train": recipe.data.train, "test": recipe.data.eval, "validation": recipe.data.validation}[split]
+    field = f"data.{ {'test': 'eval'}.get(split, split)}"
     if source is None:
-        raise ValueError(f"data.{ {'test': 'eval'}.get(split, split)}: not set in the recipe")
-    dataset = load_prompts(source, split, limit=rows)
+        raise ValueError(f"{field}: not set in the recipe")
+    try:
+        dataset = load_prompts(source, split, limit=rows)
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # as check_before_build names the field
+        raise RecipeError(f"{field}: {exc}") from None
     processing = processing_for(recipe)
     processor, tokenizer = processing.processor, processing.tokenizer
     media_ids = {getattr(processor, name, None) or getattr(tokenizer, name, None)

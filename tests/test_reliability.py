@@ -599,7 +599,7 @@ def test_checkpoint_weights_are_checked_before_the_build(tmp_path):
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')  # a family: the weights are checked
     recipe = load_recipe(None, [f"model.path={folder}", "data.train=synthetic:arithmetic?n=16",
                                 "reward.name=numeric"])
     with pytest.raises(RecipeError, match=r"holds no \*\.safetensors weights"):

@@ -38,14 +38,17 @@ Sources: a local file is read by its suffix, a folder written by `save_to_disk` 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from mmrl.data.schema import ANSWER, IMAGES, PROMPT, VIDEOS, Sample
+from mmrl.hub import download_command, unreachable_reason
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -319,14 +322,50 @@ def read_source(source: DataSource, split: str = "train") -> tuple[Any, Path | N
     if not path.exists() and (source.path.startswith((".", "/", "~")) or path.suffix in FILE_BUILDERS):
         raise FileNotFoundError(f"dataset not found: {path}")
     # A downloaded hub repository or a hub id: the `datasets` builders read its layout.
+    # A hub id out of reach is read from the datasets cache alone, at once: `datasets`
+    # would retry each request for half a minute and then raise a long traceback.
+    offline = None if path.is_dir() else _offline_reason(source.path)
     try:
-        raw = datasets.load_dataset(str(path) if path.is_dir() else source.path, source.name,
-                                    data_files=source.data_files, split=split)
+        with _datasets_offline(offline is not None):
+            raw = datasets.load_dataset(str(path) if path.is_dir() else source.path, source.name,
+                                        data_files=source.data_files, split=split)
     except ValueError as exc:
         if "split" in str(exc).lower():
             raise LayoutError(f"{source.path}: no split {split!r} ({str(exc).splitlines()[0]})") from None
         raise
+    except ConnectionError:  # offline, and not in the datasets cache
+        why = offline or "the hub cannot be reached"
+        fetch = download_command(source.path, repo_type="dataset")
+        raise LayoutError(f"{source.path}: a hub dataset that is not in the datasets cache ({why}); load it once "
+                          f"with network access, or download it and set path to the folder: {fetch} --local-dir DIR"
+                          ) from None
     return raw, path if path.is_dir() else None, f"{source.path} ({split})"
+
+
+def _offline_reason(dataset_id: str) -> str | None:
+    """Why `dataset_id` must come from the datasets cache alone (`HF_DATASETS_OFFLINE`,
+    `HF_HUB_OFFLINE`, or a hub out of reach), or None."""
+    import datasets
+
+    if os.environ.get("HF_DATASETS_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_DATASETS_OFFLINE=1"
+    if datasets.config.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1"
+    return unreachable_reason(dataset_id, repo_type="dataset")
+
+
+@contextmanager
+def _datasets_offline(offline: bool):
+    """`datasets` in offline mode for one load. It reads `HF_HUB_OFFLINE` once, at import,
+    into `datasets.config.HF_HUB_OFFLINE`, and consults that attribute on every request."""
+    import datasets
+
+    before = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = before or offline
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = before
 
 
 def load_layout(spec: DataSource | Mapping[str, Any], split: str = "train", *, limit: int | None = None,
