@@ -291,6 +291,15 @@ class Recipe(_Section):
 
     @field_validator("trainer")
     @classmethod
+    def _validation_needs_a_set(cls, value: TrainerConfig, info) -> TrainerConfig:
+        data = info.data.get("data")
+        if value.val_before_train and data is not None and data.validation is None and data.eval is None:
+            raise ValueError("val_before_train is true, but there is nothing to validate on (set data.validation "
+                             "or data.eval)")
+        return value
+
+    @field_validator("trainer")
+    @classmethod
     def _output_dir_is_set(cls, value: TrainerConfig) -> TrainerConfig:
         if not value.output_dir:
             raise ValueError("output_dir must not be empty")

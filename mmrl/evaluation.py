@@ -1,8 +1,8 @@
 """Scores of a policy on a dataset: the trainer's validation and final evaluation, and
 `mmrl eval RECIPE --checkpoint DIR` (`mmrl.eval_checkpoint`).
 
-    evaluator = Evaluator(recipe.eval, dist, generate=rollout_generator(rollout, None, max_new_tokens=4),
-                          score=reward_scorer(reward_fn, processing))
+    evaluator = Evaluator(recipe.eval, dist, generate=rollout_generator(rollout, agent=None),
+                          score=reward_scorer(reward_fn, processing), max_new_tokens=4)
     evaluator.run(samples, dataset, context="evaluation after step 30")
     # {"accuracy": 0.75, "mean_reward": 0.81}; with eval.samples: 8 also
     # {"pass@1": 0.62, "pass@2": 0.77, "pass@4": 0.88, "pass@8": 0.94, "mean@8": 0.7}

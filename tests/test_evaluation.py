@@ -128,10 +128,18 @@ def test_the_readme_recipe_keeps_its_shuffled_images_control():
     assert load_recipe(RECIPE).eval.shuffled_images is True
 
 
+def test_validation_before_training_needs_a_set():
+    from mmrl.config import RecipeError
+
+    with pytest.raises(RecipeError, match=r"trainer: val_before_train is true, but there is nothing to validate on"):
+        load_recipe(RECIPE, ["trainer.val_before_train=true", "data.validation=null", "data.eval=null"])
+
+
 # -- through the trainer -----------------------------------------------------------------------------
 def test_graded_reward_counts_by_the_threshold_in_training_and_evaluation(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    recipe = load_recipe(RECIPE, [*CHEAP, f"trainer.output_dir={tmp_path / 'run'}", "reward.name=test_evaluation:half_reward", "reward.options={}",
+    recipe = load_recipe(RECIPE, [*CHEAP, f"trainer.output_dir={tmp_path / 'run'}",
+                                  "reward.name=test_evaluation:half_reward", "reward.options={}",
                                   "eval.correct_threshold=0.5", "eval.shuffled_images=false", "data.validation=null"])
     summary = Trainer(recipe).fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
