@@ -47,8 +47,8 @@ class ModelConfig(_Section):
     lora_rank: int = Field(8, gt=0)
     # LoRA's scale is lora_alpha / lora_rank; None: 2 x lora_rank (a scale of 2).
     lora_alpha: float | None = Field(None, gt=0)
-    # Dropout on the adapters' inputs in the update (the engine keeps it, though it
-    # switches every other dropout off: `Engine.dropout`); 0 is what RL trainers use.
+    # Dropout on the adapters' inputs in the actor's passes (kept where the engine switches
+    # every other dropout off: `mmrl.lora.keep_lora_dropout`); 0 is what RL trainers use.
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     # Leaf names of the linear modules LoRA wraps inside the scope's parts (e.g.
     # [q_proj, v_proj]); empty: the family's declared targets (`ModelAdapter.lora`).
