@@ -18,12 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed
+
 from mmrl.build import build_model, build_recipe_model
 from mmrl.config import Recipe, RecipeError, _weights_problem, check_reward_and_data
+from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
+from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
+from mmrl.rewards import get_reward
+from mmrl.rollout import choose_backend, make_rollout
 from mmrl.runs import verify_checkpoint
 from mmrl.trainer import environment_factory
 
@@ -64,8 +71,6 @@ def _policy(recipe: Recipe, path: Path, kind: str, device):
 
     built = build_recipe_model(m, seed=recipe.trainer.seed, device=device)
     if m.lora_scope != "none":
-        from mmrl.lora import apply_lora
-
         built.model = apply_lora(built.model, scope=m.lora_scope, rank=m.lora_rank, alpha=m.lora_alpha,
                                  targets=m.lora_targets, adapter=built.adapter)
     try:
@@ -89,10 +94,8 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     kind = checkpoint_kind(path)
     check_reward_and_data(recipe, splits=(split,))
     environment = environment_factory(recipe)
-    from mmrl.data import load_prompts
-    from mmrl.rewards import get_reward
-    from mmrl.rollout import choose_backend, make_rollout
-
+    if recipe.trainer.threads:
+        torch.set_num_threads(recipe.trainer.threads)
     dist = init_distributed(sequence_parallel=recipe.parallel.sequence_parallel)
     r, m = recipe, recipe.model
     built = _policy(recipe, path, kind, dist.device)
@@ -113,8 +116,6 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     dataset = load_prompts(source, split="test" if split == "eval" else "validation")
     metrics = evaluator.run(list(dataset), dataset, context=f"evaluation of {path}", controls=True)
     if dist.distributed:
-        import torch.distributed
-
         # No rank may leave while another still talks to it (gloo aborts the process).
         dist.barrier()
         torch.distributed.destroy_process_group()
