@@ -364,6 +364,9 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     while trainer.step < args.steps:
         metrics = trainer.train_step()
         timings = {f"{key}_s": trainer.timings.pop(key, 0.0) for key in ("rollout", "logprob", "update", "sync")}
+        watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
+        if watch is not None:
+            timings["compile_s"], timings["compile_graphs"] = watch.take()
         trainer._log({"step": trainer.step, **metrics})  # what Trainer.fit does each step
         steps.done({**timings, "reward_mean": metrics.get("reward/mean"), "reward_std": metrics.get("reward/std"),
                     "response_length": metrics.get("response/length"), "tokens": metrics.get("tokens"),
@@ -508,7 +511,14 @@ def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
         **raw, "steps_done": len(records), "median_s": median, "first_step_s": records[0]["step_s"],
         "tokens_per_s": args.prompts * args.samples * args.new_tokens / median["step"],
         "response_length_median": statistics.median(lengths) if lengths else None,
-        "reward_std_min": min(rewards) if rewards else None, "per_step": records,
+        "reward_std_min": min(rewards) if rewards else None,
+        # What a user lives through: every step, the first's warm-up and compiles included.
+        "all_steps_s": round(sum(r["step_s"] for r in records), 2),
+        "compile_total_s": round(sum(r.get("compile_s") or 0.0 for r in records), 2),
+        "compile_graphs_total": sum(r.get("compile_graphs") or 0 for r in records),
+        "slow_steps": [(i + 1, round(r["step_s"], 2)) for i, r in enumerate(records)
+                       if r["step_s"] > 3 * median["step"]],
+        "per_step": records,
     }
 
 

@@ -34,6 +34,7 @@ import torch
 
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
+from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
@@ -81,6 +82,10 @@ class Trainer:
         check_before_build(recipe)  # cheap checks, before the (slow) model build
         self._environment = environment_factory(recipe)
         self._claim_folder()
+        if self.dist.device.type == "cuda":
+            persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
+        self.compile_watch = watch()
+        self.compile_watch.announce = self.dist.is_main
         try:
             self._build()
         except BaseException:
@@ -393,6 +398,7 @@ class Trainer:
                 metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
                 for key in ("rollout", "logprob", "update", "sync"):
                     metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
+                metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()
                 record = {"step": self.step, **metrics}
                 reached = False
                 if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:

@@ -306,3 +306,36 @@ def test_the_recipe_names_the_backend():
     assert recipe.rollout.backend == "hf_compiled"
     with pytest.raises(ValueError, match="hf_compiled"):
         make_rollout("hf_fast", None, None)
+
+
+def test_a_spread_of_prompt_lengths_and_widths_compiles_two_graphs(monkeypatch):
+    """Issue 28: rollouts over prompts of many lengths (several cache lengths) whose rows
+    finish at different steps (the loop moves them into narrower batches) trace the decode
+    step twice in all: the batch width is dynamic from the first trace, the cache length
+    after its first change (dynamo's automatic dynamic shapes). Before, every new width was
+    one more graph too."""
+    import random
+
+    from mmrl.compile_watch import watch
+
+    built, engine = _setup("qwen2")
+    vocabulary = engine.model.config.vocab_size
+    built.processing.extra_stop_ids = list(range(0, vocabulary, 12))  # rows stop at different steps
+    rollout = make_rollout("hf_compiled", engine, built.processing, min_compact_rows=2, check_every=2,
+                           compile_options={"backend": "eager", "fullgraph": True})
+    shapes = []
+    cache = rollout._cache
+    monkeypatch.setattr(rollout, "_cache", lambda rows, length, dtype=None: shapes.append((rows, length))
+                        or cache(rows, length, dtype))
+    w = watch()
+    w.take()
+    pick = random.Random(0)
+    words = "alpha beta gamma delta sea sky tree stone river cloud".split()
+    for _ in range(5):
+        conversations = [[{"role": "user", "content": " ".join(pick.choices(words, k=pick.randint(5, 300)))}]
+                         for _ in range(4)]
+        rollout.generate(conversations, SamplingParams(n=4, max_new_tokens=24, temperature=1.0))
+    assert rollout.fallback_reason is None
+    _, graphs = w.take()
+    assert len({rows for rows, _ in shapes}) >= 3 and len({length for _, length in shapes}) >= 3, shapes
+    assert graphs == 2

@@ -43,8 +43,10 @@ from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.hf import HFRollout
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
-# same whatever the width, and every new width is one more graph to compile.
-MIN_COMPACT_ROWS = 8
+# same whatever the width. The widths the loop moves rows into are powers of two from here
+# up: the batch width is a dynamic size of the one compiled graph, but triton specializes
+# its kernels on sizes that divide by 16, so a width of 8 would compile them all again.
+MIN_COMPACT_ROWS = 16
 # Steps between looks at the running rows (each look waits for the GPU).
 CHECK_EVERY = 8
 # Cache lengths are rounded up to a multiple of this, so prompts of similar length share
@@ -175,6 +177,7 @@ class CompiledHFRollout(HFRollout):
             cache = self._cache(rows, length, computes_in)
             with self.engine.media_sharing(batch, shared.to(device) if shared else None):
                 out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
+            _unguarded(cache)
             logits = out.logits[:, -1].float()
             del out
             blocked = torch.zeros(logits.shape[-1], device=device)
@@ -216,7 +219,10 @@ class CompiledHFRollout(HFRollout):
                     place = (last + t).unsqueeze(-1)
                     if self.compile and device.type == "cuda":
                         torch.compiler.cudagraph_mark_step_begin()
-                    token, logprob, running, seen = step(model, token[:, None], place, mask, cache, running, blocked,
+                    ids = token[:, None]
+                    if self.compile:
+                        _mark_dynamic_sizes(ids, place, mask, running, seen, cache)
+                    token, logprob, running, seen = step(model, ids, place, mask, cache, running, blocked,
                                                          stops, seen, **pick)
                     # The graph's outputs are overwritten by its next replay: keep copies.
                     token, running = token.clone(), running.clone()
@@ -272,6 +278,7 @@ class CompiledHFRollout(HFRollout):
                         getattr(new, name).copy_(value)
                     else:
                         setattr(new, name, value)
+        _unguarded(smaller)
         return smaller
 
 
@@ -279,6 +286,37 @@ def _decode_step(model, input_ids, position_ids, attention_mask, cache, running,
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
     return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
+
+
+def _unguarded(cache) -> None:
+    """Mark the cache's tensors as static addresses without an identity guard: CUDA graphs
+    still read them in place, and a new cache (another length, a narrower batch) records a
+    new graph instead of compiling one (transformers marks them, with a guard on torch
+    versions whose default guards)."""
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def _mark_dynamic_sizes(ids, place, mask, running, seen, cache) -> None:
+    """Mark the batch width and the cache length as dynamic before the step is traced, so
+    the first compile already serves every width the loop moves rows into and every cache
+    length bucket: without it, dynamo compiles the first shape static and recompiles once per
+    dimension that later changes (each compile of a real model is tens of seconds on a GPU).
+    `maybe_mark_dynamic`: where a family's code does fix a size, it stays static silently."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for tensor in (ids, running, seen):
+        if tensor is not None:
+            mark(tensor, 0)
+    mark(place, place.dim() - 2)
+    mark(mask, 0)
+    mark(mask, 1)
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
+                mark(tensor, 0)
+                mark(tensor, 2)
 
 
 def _autocast_dtype() -> torch.dtype | None:

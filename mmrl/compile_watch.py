@@ -1,0 +1,126 @@
+"""What `torch.compile` costs a run, seen from the run: every graph compiled in this process
+(the rollout's decode step, the engine's compiled layers) is timed as it happens, each new
+graph is announced in one line, and the trainer writes the seconds spent compiling during
+a step as `time/compile` and their count as `compile/graphs` (issue 28).
+
+    from mmrl.compile_watch import watch
+    watch().take()        # (seconds, graphs) compiled since the last take
+
+It also keeps compiled artefacts across runs: `persistent_cache()` points inductor's cache at
+a folder under the user's cache (`$MMRL_COMPILE_CACHE`, else `$XDG_CACHE_HOME/mmrl/compile`,
+else `~/.cache/mmrl/compile`), one subfolder per torch version and device, unless the user has
+set `TORCHINDUCTOR_CACHE_DIR`. Inductor keys every entry by the graph, its inputs' shapes and
+the compiler's settings, so a second run of the same recipe takes its kernels from there
+instead of compiling them again; only dynamo's tracing runs again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+class CompileWatch:
+    """Seconds spent in dynamo/inductor compiles and the number of compiles, by callbacks
+    that dynamo runs around every compile of this process. `announce` prints one line per
+    compile (rank 0 sets it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._started: float | None = None
+        self.seconds = 0.0
+        self.graphs = 0
+        self._taken = (0.0, 0)
+        self.announce = False
+        self.installed = False
+
+    def install(self) -> bool:
+        """Register with dynamo once; False where this torch has no compile callbacks."""
+        if self.installed:
+            return True
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:
+            return False
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        self.installed = True
+        return True
+
+    def _start(self, args=None) -> None:
+        with self._lock:
+            self._started = time.perf_counter()
+
+    def _end(self, args=None) -> None:
+        with self._lock:
+            if self._started is None:
+                return
+            spent = time.perf_counter() - self._started
+            self._started = None
+            self.seconds += spent
+            self.graphs += 1
+            count = self.graphs
+        if self.announce:
+            compile_id = getattr(args, "compile_id", "")
+            print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s", flush=True)
+
+    def take(self) -> tuple[float, int]:
+        """Seconds and compiles since the previous `take`."""
+        with self._lock:
+            seconds, graphs = self.seconds - self._taken[0], self.graphs - self._taken[1]
+            self._taken = (self.seconds, self.graphs)
+        return seconds, graphs
+
+
+_WATCH = CompileWatch()
+
+
+def watch() -> CompileWatch:
+    """The process's one watch, installed on first use."""
+    _WATCH.install()
+    return _WATCH
+
+
+def cache_root() -> Path:
+    explicit = os.environ.get("MMRL_COMPILE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mmrl" / "compile"
+
+
+def persistent_cache(device: torch.device | str | None = None) -> Path | None:
+    """Point inductor's on-disk caches at mmrl's compile cache (see the module docstring)
+    and turn its graph caches on; returns the folder, or None where the user chose one
+    (`TORCHINDUCTOR_CACHE_DIR`) or it cannot be created. Call before the first compile."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    device = torch.device(device) if device is not None else None
+    tag = f"torch-{torch.__version__}"
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+        tag += f"-{name}"
+    folder = cache_root() / tag
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    from torch._inductor import config as inductor_config
+
+    # Both default to on in recent torch; set them so an older default cannot turn them off.
+    for name in ("fx_graph_cache", "autotune_local_cache"):
+        if hasattr(inductor_config, name):
+            setattr(inductor_config, name, True)
+    from torch._functorch import config as functorch_config
+
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = True
+    return folder
+
+
+__all__ = ["CompileWatch", "cache_root", "persistent_cache", "watch"]

@@ -1,0 +1,42 @@
+"""mmrl/compile_watch.py: every compile of the process is counted and timed, the trainer
+reports it per step, and inductor's cache folder is mmrl's unless the user chose one."""
+
+import os
+
+import torch
+
+from mmrl.compile_watch import cache_root, persistent_cache, watch
+
+
+def test_each_new_graph_is_counted_once_and_announced(capsys):
+    w = watch()
+    w.take()
+
+    def double(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(double, backend="eager", dynamic=False)
+    compiled(torch.ones(3))
+    compiled(torch.ones(3))  # same shape: no new graph
+    w.announce = True
+    try:
+        compiled(torch.ones(5))  # a new shape, compiled again (dynamic=False)
+    finally:
+        w.announce = False
+    seconds, graphs = w.take()
+    assert graphs == 2 and seconds > 0
+    assert w.take() == (0.0, 0)
+    assert "compiled graph" in capsys.readouterr().out
+
+
+def test_the_cache_folder_is_mmrls_unless_the_user_set_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    folder = persistent_cache("cpu")
+    assert folder == tmp_path / "cache" / f"torch-{torch.__version__}" and folder.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert persistent_cache("cpu") is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("MMRL_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "mmrl" / "compile"
