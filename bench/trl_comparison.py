@@ -277,7 +277,7 @@ def run_mmrl(model_dir: Path, args, multipliers: bool) -> dict[str, Any]:
             break
     wall_s = startup_s + (time.perf_counter() - t_train)
     final = evaluate(model, evaluation)
-    own = trainer.evaluate(evaluation)  # mmrl's own evaluator, as a cross-check of the shared one
+    own = trainer.evaluate(evaluation)["accuracy"]  # mmrl's own evaluator, as a cross-check of the shared one
     trainer.log.close()
     return {"startup_s": round(startup_s, 2), "wall_s": round(wall_s, 2), **clock.summary(),
             "final_eval_accuracy": final, "mmrl_own_eval_accuracy": own,

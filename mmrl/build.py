@@ -4,6 +4,7 @@
     built = build_model("Qwen/Qwen2-VL-2B-Instruct")            # a hub id, through the HF cache
     built = build_model("qwen2_vl", random_init=True)           # the family's tiny config
     built = build_model("llama", random_init=True, config=cfg)  # any config, random weights
+    built = build_recipe_model(recipe.model, seed=0)            # what a recipe's model section says
     built.save("/tmp/ckpt")                                     # save_pretrained both
     batch = built.processing([conversation])                    # prompts -> model inputs
 """
@@ -143,6 +144,19 @@ def build_model(
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
     processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | None = None) -> BuiltModel:
+    """The model a recipe's `model` section (`mmrl.config.ModelConfig`) describes, before
+    freezing and LoRA: what the trainer builds for the actor, reference and critic."""
+    options = {k: v for k, v in (("min_pixels", model.min_pixels), ("max_pixels", model.max_pixels))
+               if v is not None}
+    return build_model(
+        model.path, random_init=model.random_init, dtype=model.dtype, attn_implementation=model.attn_implementation,
+        seed=seed, processing_options=options, trust_remote_code=model.trust_remote_code,
+        config_overrides=model.config_overrides or None, tiny_vocabulary=model.tiny_vocabulary or None,
+        device=device,
+    )
 
 
 def default_attention(model_class) -> str:

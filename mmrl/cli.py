@@ -9,6 +9,7 @@
     mmrl --debug train RECIPE ...        # an error shows its traceback instead of one line
     mmrl train recipes/tiny_vlm_count.yaml [key=value ...]
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE [key=value ...]
+    mmrl eval RECIPE --checkpoint runs/X/final [--split validation] [--out FILE] [key=value ...]
     mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
     mmrl doctor PATH_OR_FAMILY [--json]                  # the same probes on a checkpoint or a family
     mmrl add-model MODEL_TYPE [--family NAME] [--out DIR] [--dry-run] [--force]   # scaffold a family
@@ -185,6 +186,41 @@ def train(
         fail(str(exc))
     if summary is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
         console.print_json(json.dumps(summary))
+
+
+@app.command("eval")
+def evaluate(
+    recipe: str = typer.Argument(..., help="A YAML recipe: its data, reward, rollout and eval sections are used."),
+    overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. eval.samples=8"),
+    checkpoint: str = typer.Option(..., "--checkpoint", help="An exported folder (runs/X/final) or a step "
+                                   "checkpoint (runs/X/checkpoints/step_N).", metavar="DIR"),
+    split: str = typer.Option("eval", "--split", help="eval (data.eval) or validation (data.validation)."),
+    out: str = typer.Option(None, "--out", help="Also write the metrics to this JSON file.", metavar="FILE"),
+) -> None:
+    """Evaluate a saved policy on the recipe's eval split; nothing is trained or written to its run folder."""
+    from mmrl.config import RecipeError, load_recipe
+
+    try:
+        config = load_recipe(recipe, overrides or [])
+    except RecipeError as exc:
+        fail(str(exc))
+    if out is not None and Path(out).is_dir():
+        fail(f"--out: {out} is a folder; give a file name")
+    from mmrl.logs import hf_progress_bars
+
+    hf_progress_bars(config.trainer.progress)
+    from mmrl.eval_checkpoint import evaluate_checkpoint
+
+    try:
+        metrics = evaluate_checkpoint(config, checkpoint, split=split)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    if int(__import__("os").environ.get("RANK", "0")) != 0:
+        return
+    if out is not None:
+        Path(out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(out).expanduser().write_text(json.dumps(metrics, indent=2) + "\n")
+    console.print_json(json.dumps(metrics))
 
 
 def _workers(workers: int | None) -> int:

@@ -46,6 +46,14 @@ class ModelConfig(_Section):
     freeze: list[Literal["vision", "projector", "language", "embed", "lm_head"]] = Field(default_factory=list)
     lora_scope: Literal["none", "language", "vision", "all"] = "none"
     lora_rank: int = Field(8, gt=0)
+    # LoRA's scale is lora_alpha / lora_rank; None: 2 x lora_rank (a scale of 2).
+    lora_alpha: float | None = Field(None, gt=0)
+    # Dropout on the adapters' inputs in the actor's passes (kept where the engine switches
+    # every other dropout off: `mmrl.lora.keep_lora_dropout`); 0 is what RL trainers use.
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    # Leaf names of the linear modules LoRA wraps inside the scope's parts (e.g.
+    # [q_proj, v_proj]); empty: the family's declared targets (`ModelAdapter.lora`).
+    lora_targets: list[str] = Field(default_factory=list)
     # Activation checkpointing. "auto": off in one GPU process until an update runs out
     # of memory (then on, and that mini-batch redone), on for sharded GPU ranks, off on
     # the CPU.
@@ -86,6 +94,15 @@ class ModelConfig(_Section):
             if not isinstance(item, expected) or (key == "words" and not all(isinstance(w, str) for w in item)):
                 wanted = "a string" if expected is str else "a list of strings"
                 raise ValueError(f"{key}: expected {wanted}, got {type(item).__name__}")
+        return value
+
+    @field_validator("lora_alpha", "lora_dropout", "lora_targets")
+    @classmethod
+    def _lora_settings_need_a_scope(cls, value, info):
+        if value and info.data.get("lora_scope") == "none":
+            raise ValueError("set, but lora_scope is none, so there is no adapter to apply it to")
+        if info.field_name == "lora_targets" and any(not name or "." in name for name in value):
+            raise ValueError(f"give leaf module names such as q_proj, got {value}")
         return value
 
     @model_validator(mode="after")
@@ -181,12 +198,32 @@ class OptimConfig(_Section):
     )
 
 
+class EvalConfig(_Section):
+    # A response is correct when its reward is at least this; every accuracy (reward/,
+    # validation/, eval/ and pass@k) counts by it, and mean rewards are logged beside.
+    correct_threshold: float = 1.0
+    # Responses sampled per prompt at `temperature` on top of the greedy one: above 1,
+    # pass@k (unbiased estimator) for k = 1, 2, 4, ... up to `samples`, and mean@samples.
+    samples: int = Field(1, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    # Draws the sampled responses from their own generator, so an evaluation changes
+    # nothing in training and repeats exactly.
+    seed: int = 0
+    # The final evaluation of an image task scores the questions again with the images
+    # shuffled among them (chance if the policy reads the image): twice the work.
+    shuffled_images: bool = True
+    # Prompts per generate call.
+    batch_size: int = Field(128, gt=0)
+
+
 class TrainerConfig(_Section):
     steps: int = Field(100, gt=0)
     seed: int = 0
     output_dir: str = "runs/default"
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0)
+    # Validate once before the first step too (logged at step 0): where the policy starts.
+    val_before_train: bool = False
     save_every: int = Field(0, ge=0)
     # Stop early once the greedy eval accuracy reaches this (checked every eval_every).
     target_accuracy: float | None = None
@@ -230,6 +267,7 @@ class Recipe(_Section):
     optim: OptimConfig = OptimConfig()
     trainer: TrainerConfig = TrainerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    eval: EvalConfig = EvalConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
 
@@ -250,6 +288,15 @@ class Recipe(_Section):
         rollout = info.data.get("rollout")
         if value.credit_assignment == "turn" and rollout is not None and rollout.env is None:
             raise ValueError("credit_assignment 'turn' needs a multi-turn rollout (set rollout.env)")
+        return value
+
+    @field_validator("trainer")
+    @classmethod
+    def _validation_needs_a_set(cls, value: TrainerConfig, info) -> TrainerConfig:
+        data = info.data.get("data")
+        if value.val_before_train and data is not None and data.validation is None and data.eval is None:
+            raise ValueError("val_before_train is true, but there is nothing to validate on (set data.validation "
+                             "or data.eval)")
         return value
 
     @field_validator("trainer")
@@ -337,6 +384,7 @@ def check_before_build(recipe: Recipe) -> None:
     config_overrides of the wrong type, a reward that cannot be found, a dataset that
     cannot be loaded."""
     _check_model(recipe.model)
+    _check_lora_targets(recipe.model)
     check_reward_and_data(recipe)
 
 
@@ -369,11 +417,34 @@ def _check_model(m: ModelConfig) -> None:
             raise RecipeError(problem)
 
 
-def check_reward_and_data(recipe: Recipe) -> None:
+def _check_lora_targets(m: ModelConfig) -> None:
+    """model.lora_targets against the model's module names, on an empty (meta-device)
+    model of its config: no weights are drawn or read, so a 7B costs what a tiny one does."""
+    if m.lora_scope == "none" or not m.lora_targets:
+        return
+    import torch
+
+    from mmrl.build import _customized
+    from mmrl.lora import lora_target_modules
+    from mmrl.registry import adapter_for_config
+
+    config = _base_config(m)
+    adapter = adapter_for_config(config)
+    if m.random_init and m.config_overrides:
+        config = _customized(config, adapter, m.config_overrides)
+    with torch.device("meta"):
+        model = adapter.model_class()._from_config(config)
+    try:
+        lora_target_modules(model, m.lora_scope, adapter, m.lora_targets)
+    except ValueError as exc:
+        raise RecipeError(f"model.lora_targets: {exc}") from None
+
+
+def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval")) -> None:
     """Raise RecipeError, one line naming the field and the file or row, when the reward
-    cannot be found or a dataset cannot be loaded (every row validated, every image
-    opened). The datasets stay cached by `load_prompts`, so the trainer does not load
-    them twice."""
+    cannot be found or a dataset of `splits` cannot be loaded (every row validated, every
+    image opened). The datasets stay cached by `load_prompts`, so the trainer does not
+    load them twice."""
     from mmrl.data import load_prompts
     from mmrl.rewards import get_reward
 
@@ -386,7 +457,7 @@ def check_reward_and_data(recipe: Recipe) -> None:
     data = recipe.data
     for field, source, split in (("train", data.train, "train"), ("validation", data.validation, "validation"),
                                  ("eval", data.eval, "test")):
-        if source is None:
+        if source is None or field not in splits:
             continue
         try:
             dataset = load_prompts(source, split=split)
@@ -490,11 +561,12 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
-                "save_every", "export", "target_accuracy", "output_dir"},
+                "save_every", "export", "target_accuracy", "output_dir", "val_before_train"},
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},
     "parallel": {"sequence_parallel"},
+    "eval": set(EvalConfig.model_fields),
 }
 
 

@@ -22,7 +22,6 @@ checkpoint and exit 130 / 143.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import signal
@@ -33,15 +32,18 @@ from typing import Any
 
 import torch
 
+from mmrl.build import build_recipe_model
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
+from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
+from mmrl.scoring import score_rollout
 from mmrl.update import PolicyUpdate
 
 
@@ -78,7 +80,7 @@ class Trainer:
         self._score_rows: list[int] | None = None
         self._score_dataset = None
         check_before_build(recipe)  # cheap checks, before the (slow) model build
-        self._environment = _environment(recipe)
+        self._environment = environment_factory(recipe)
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
@@ -108,22 +110,15 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------
     def _build(self) -> None:
-        from mmrl import build_model
         from mmrl.algos import get_advantage_estimator
         from mmrl.data import Position, load_prompts
         from mmrl.rewards import get_reward
 
         r = self.recipe
         m = r.model
-        options = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
 
         def build(seed: int):
-            return build_model(
-                m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                seed=seed, processing_options=options, trust_remote_code=m.trust_remote_code,
-                config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None,
-                device=self.dist.device,
-            )
+            return build_recipe_model(m, seed=seed, device=self.dist.device)
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
         built = build(r.trainer.seed)
@@ -135,7 +130,11 @@ class Trainer:
         if m.lora_scope != "none":
             from mmrl.lora import apply_lora
 
-            built.model = apply_lora(built.model, scope=m.lora_scope, rank=m.lora_rank, adapter=built.adapter)
+            try:
+                built.model = apply_lora(built.model, scope=m.lora_scope, rank=m.lora_rank, alpha=m.lora_alpha,
+                                         dropout=m.lora_dropout, targets=m.lora_targets, adapter=built.adapter)
+            except ValueError as exc:
+                raise RecipeError(f"model.lora_{'targets' if m.lora_targets else 'scope'}: {exc}") from None
         self.built = built
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
@@ -143,7 +142,15 @@ class Trainer:
                   "pack_tokens": m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0)}
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
                             gradient_checkpointing=m.gradient_checkpointing, **passes)
-        self.ref = Engine(build(r.trainer.seed), self.dist, **passes) if r.algo.kl_coef > 0 else None
+        if m.lora_scope != "none":
+            from mmrl.lora import AdapterFreeReference, keep_lora_dropout
+
+            keep_lora_dropout(self.actor.model, m.lora_dropout)
+        self.ref = None
+        if r.algo.kl_coef > 0:
+            # A LoRA actor with its adapters off is the starting model: no second copy.
+            self.ref = AdapterFreeReference(self.actor) if m.lora_scope != "none" else \
+                Engine(build(r.trainer.seed), self.dist, **passes)
         self.critic = None
         if self.estimator.needs_critic:
             self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
@@ -160,6 +167,8 @@ class Trainer:
             self.agent = AgentRollout(self.rollout, self.processing, self._environment,
                                       max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
         self.reward_fn = get_reward(r.reward.name, **r.reward.options)
+        self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
+                                   generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
         self.train_set = load_prompts(r.data.train)
         self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
         self.validation_set = (load_prompts(r.data.validation, split="validation") if r.data.validation
@@ -183,26 +192,8 @@ class Trainer:
     def _score(self, samples: list[dict], result) -> torch.Tensor:
         """Rewards of the responses; a failing reward or a NaN/inf score stops the run
         here, before any update, naming the reward, the step and the dataset row."""
-        from mmrl.rewards import RewardError, score
-
-        # Multi-turn rollouts: the final policy turn is the answer.
-        texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
-        rows = result.prompt_index.tolist()
-        answers = [samples[i]["answer"] for i in rows]
-        extra_keys = [k for k in samples[0] if k not in ("prompt", "answer", "images", "videos")]
-        fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
-        try:
-            scores = score(self.reward_fn, texts, answers, **fields)
-        except RewardError as exc:
-            where = self._step_context
-            if exc.index is not None:
-                prompt = rows[exc.index]
-                source_rows, dataset = self._score_rows, self._score_dataset
-                row = source_rows[prompt] if source_rows is not None else prompt
-                name = getattr(dataset, "name", "") if dataset is not None else ""
-                where += f", row {row}" + (f" of {name}" if name else "") + f" (response {texts[exc.index]!r})"
-            raise RewardError(f"{exc} at {where}", reward=exc.reward, index=exc.index) from None
-        scores = torch.tensor(scores, dtype=torch.float32)
+        scores = score_rollout(self.reward_fn, self.processing, samples, result, rows=self._score_rows,
+                               dataset=self._score_dataset, where=self._step_context)
         self._outcomes = scores  # the reward function's alone: per-turn credit counts the environment's apart
         if result.env_rewards is not None:
             scores = scores + result.env_rewards.float()
@@ -244,7 +235,7 @@ class Trainer:
         self._step_context = f"step {self.step + 1}"
         samples = self._next_prompts()
         # An environment opens each sample's conversation itself (from the row).
-        conversations = None if self.agent else _conversations(samples, self._batch_rows, self.train_set,
+        conversations = None if self.agent else conversations_of(samples, self._batch_rows, self.train_set,
                                                                 self._step_context, max_pixels=r.model.max_pixels)
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
@@ -257,7 +248,7 @@ class Trainer:
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "reward/accuracy": (rewards >= 1.0).float().mean().item(),
+            "reward/accuracy": (rewards >= r.eval.correct_threshold).float().mean().item(),
             "response/length": result.lengths.mean().item(),
             "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
             "groups/kept": keep.float().mean().item(),
@@ -293,39 +284,28 @@ class Trainer:
         return self.recipe.optim.lr * group["lr"] / group.get("initial_lr", group["lr"])
 
     # -- evaluation -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, samples: list[dict], batch_size: int = 128, dataset=None) -> float:
-        """Greedy accuracy (share of responses with reward >= 1) on `samples`, which the
-        data-parallel ranks split between them."""
-        params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
-        mine = samples[self.dist.dp_rank::self.dist.dp_size]
-        # Every rank takes part in every generate call (sharded weights make each forward
-        # collective), so all run as many batches as the largest share needs.
-        batches = math.ceil(math.ceil(len(samples) / self.dist.dp_size) / batch_size)
-        rows = list(dataset.source_rows) if dataset is not None else list(range(len(samples)))
-        my_rows = rows[self.dist.dp_rank::self.dist.dp_size]
-        context = f"evaluation after step {self.step}"
-        correct = 0.0
-        for index in range(batches):
-            chunk = mine[index * batch_size:(index + 1) * batch_size]
-            chunk_rows = my_rows[index * batch_size:(index + 1) * batch_size]
-            stand_in = not chunk and bool(samples)
-            if self.agent:
-                result = self.agent.generate(chunk or samples[:1], params)
-            else:
-                conversations = _conversations(chunk or samples[:1], chunk_rows or rows[:1], dataset, context,
-                                               max_pixels=self.recipe.model.max_pixels)
-                result = self.rollout.generate(conversations, params)
-            if not stand_in:
-                saved, self._step_context = self._step_context, context
-                self._score_rows, self._score_dataset = chunk_rows, dataset
-                try:
-                    correct += float((self._score(chunk, result) >= 1.0).sum())
-                finally:
-                    self._step_context = saved
-        # Ranks of one sequence-parallel group scored the same share.
-        correct = self.dist.all_reduce_sum(correct) / self.dist.sequence_parallel
-        return correct / max(len(samples), 1)
+    def evaluate(self, samples: list[dict], batch_size: int | None = None, dataset=None, *,
+                 controls: bool = False) -> dict[str, float]:
+        """`mmrl.evaluation`'s metrics of the policy on `samples` (rows of `dataset`),
+        which the data-parallel ranks split between them: `accuracy`, `mean_reward`,
+        pass@k with `eval.samples`, the controls with `controls`."""
+        return self.evaluator.run(samples, dataset, context=f"evaluation after step {self.step}", controls=controls,
+                                  batch_size=batch_size)
+
+    def _score_in(self, samples: list[dict], result, rows: list[int], dataset, context: str) -> torch.Tensor:
+        """`_score` with errors naming `context` and the rows of `dataset`."""
+        saved = self._step_context, self._score_rows, self._score_dataset
+        self._step_context, self._score_rows, self._score_dataset = context, rows, dataset
+        try:
+            return self._score(samples, result)
+        finally:
+            self._step_context, self._score_rows, self._score_dataset = saved
+
+    def _validate(self) -> dict[str, float]:
+        """The validation metrics, named `validation/...` (`validation/accuracy` decides
+        `trainer.target_accuracy`)."""
+        metrics = self.evaluate(list(self.validation_set), dataset=self.validation_set)
+        return {f"validation/{name}": value for name, value in metrics.items()}
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
@@ -401,6 +381,10 @@ class Trainer:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        if cfg.val_before_train and self.step == 0 and self.validation_set is not None:
+            record = {"step": 0, **self._validate()}
+            history.append(record)
+            self._log(record)
         start = time.perf_counter()
         stop_reason = None
         signalled = False
@@ -418,8 +402,8 @@ class Trainer:
                 record = {"step": self.step, **metrics}
                 reached = False
                 if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
-                    accuracy = self.evaluate(list(self.validation_set), dataset=self.validation_set)
-                    record["validation/accuracy"] = accuracy
+                    record.update(self._validate())
+                    accuracy = record["validation/accuracy"]
                     reached = cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy
                     if reached:
                         stop_reason = (f"validation accuracy {accuracy:.3f} reached trainer.target_accuracy "
@@ -477,17 +461,12 @@ class Trainer:
         self.log.close()
 
     def finish(self, history: list[dict[str, Any]], train_seconds: float) -> dict[str, Any]:
-        """Final evaluation (with the majority and shuffled-image controls), plot, export."""
+        """Final evaluation (with the majority baseline and, unless `eval.shuffled_images`
+        is off, the shuffled-images control), plot, export."""
         summary: dict[str, Any] = {"steps": self.step, "train_seconds": round(train_seconds, 1)}
         if self.eval_set is not None:
-            from mmrl.data.synthetic import majority_baseline, shuffle_images
-
-            samples = list(self.eval_set)
-            summary["eval/accuracy"] = self.evaluate(samples, dataset=self.eval_set)
-            summary["eval/majority_baseline"] = majority_baseline(samples)
-            if any(s.get("images") for s in samples):
-                summary["eval/shuffled_images_accuracy"] = self.evaluate(shuffle_images(samples, seed=0),
-                                                                         dataset=self.eval_set)
+            metrics = self.evaluate(list(self.eval_set), dataset=self.eval_set, controls=True)
+            summary.update({f"eval/{name}": value for name, value in metrics.items()})
         self._log({"step": self.step, "final": True, **summary})
         if self.dist.is_main:
             plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
@@ -499,24 +478,7 @@ class Trainer:
         return summary
 
 
-def _conversations(samples: list[dict], rows: list[int], dataset, context: str, *,
-                   max_pixels: int | None = None) -> list:
-    """The samples as conversations with their media decoded; an image that cannot be
-    read is one line naming the row, the dataset and the file."""
-    from mmrl.data import to_conversation
-
-    out = []
-    for sample, row in zip(samples, rows):
-        try:
-            out.append(to_conversation(sample, max_pixels=max_pixels))
-        except (OSError, ValueError) as exc:
-            name = getattr(dataset, "name", "") if dataset is not None else ""
-            where = f"row {row}" + (f" of {name}" if name else "")
-            raise ValueError(f"{where} ({context}): {exc}") from None
-    return out
-
-
-def _environment(recipe: Recipe):
+def environment_factory(recipe: Recipe):
     """The factory of `rollout.env`'s environments (None: single-turn rollouts); a name,
     path or option that does not resolve is a RecipeError naming the field."""
     rollout = recipe.rollout

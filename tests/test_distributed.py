@@ -82,12 +82,12 @@ params = SamplingParams(n=1, max_new_tokens=2 + 4 * dist.rank, temperature=0.0)
 result = trainer.rollout.generate([to_conversation(s) for s in samples[:2]], params)
 record[f"length_rank{dist.rank}"] = result.response_ids.shape[1]
 shapes = dist.all_gather_objects(result.response_ids.shape[1])
-sharded = trainer.evaluate(samples, batch_size=3)  # 7 samples: shares of 4 and 3
+sharded = trainer.evaluate(samples, batch_size=3)["accuracy"]  # 7 samples: shares of 4 and 3
 if dist.rank == 0:
     alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
     single = Trainer(recipe, dist=alone)
     single._score = parity
-    record.update(lengths=shapes, sharded=sharded, single=single.evaluate(samples, batch_size=3))
+    record.update(lengths=shapes, sharded=sharded, single=single.evaluate(samples, batch_size=3)["accuracy"])
     json.dump(record, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()

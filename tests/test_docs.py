@@ -73,11 +73,20 @@ def test_training_docs_list_every_synthetic_task():
 
 
 def test_training_docs_name_the_metrics_the_trainer_logs():
+    """The validation/ and eval/ names are the trainer's prefixes on mmrl/evaluation.py's names."""
     trainer = (REPO / "mmrl" / "trainer.py").read_text()
+    evaluation = (REPO / "mmrl" / "evaluation.py").read_text()
     written = TRAINING.split("## What a run writes", 1)[1]
-    for name in re.findall(r"`((?:validation|eval)/\w+)`", written):
-        assert f'"{name}"' in trainer, f"docs/training.md names {name}, which mmrl/trainer.py does not log"
+    names = re.findall(r"`((?:validation|eval)/\w+)`", written)
+    assert names
+    for name in names:
+        prefix, metric = name.split("/", 1)
+        assert f'f"{prefix}/{{name}}"' in trainer and f'"{metric}"' in evaluation, \
+            f"docs/training.md names {name}, which mmrl/trainer.py does not log"
     assert '"validation/accuracy"' in trainer and "`validation/accuracy`" in written
+    table = TRAINING.split("## Evaluation", 1)[1].split("\n## ", 1)[0]
+    for metric in re.findall(r"^\| `(\w+)` \|", table, flags=re.M):
+        assert f'"{metric}"' in evaluation, f"docs/training.md's Evaluation table names {metric}, which is not logged"
 
 
 def test_readme_names_every_command_ci_runs():

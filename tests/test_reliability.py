@@ -21,6 +21,7 @@ from PIL import Image
 import mmrl.trainer as trainer_module
 from mmrl.config import RecipeError, check_before_build, load_recipe
 from mmrl.data import load_prompts, schema, to_conversation
+from mmrl.evaluation import conversations_of
 from mmrl.rewards import RewardError, combine
 from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint,
                        newest_checkpoint, verify_checkpoint)
@@ -369,7 +370,7 @@ def test_an_image_broken_after_load_names_row_and_file_at_its_step(tmp_path):
     dataset = load_prompts(_rows_with_image(tmp_path))
     (tmp_path / "a.png").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=rf"^row 1 of .*rows\.jsonl \(step 3\): {tmp_path / 'a.png'}: not a readable"):
-        trainer_module._conversations([dataset[1]], [dataset.source_rows[1]], dataset, "step 3")
+        conversations_of([dataset[1]], [dataset.source_rows[1]], dataset, "step 3")
 
 
 @pytest.mark.parametrize("content, words", [

@@ -192,6 +192,10 @@ class Engine:
         # batch as rows of one sequence each, starting at the row's first column.
         self.right_padded = not self.adapter.left_padding
         self.model = built.model.to(dist.device)
+        if optim is not None:
+            # `from_pretrained` leaves a model in eval mode, where HF skips activation
+            # checkpointing and LoRA's dropout: a training engine trains in training mode.
+            self.model.train()
         # Dropout off unless asked for (`disable_dropout` says why); an engine that does
         # not train runs in eval mode anyway.
         self.dropout_disabled = [] if dropout else disable_dropout(self.model)
