@@ -569,7 +569,8 @@ FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr
 def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
     """Run `worker` in a fresh process; its result (None if it left none) and an error line."""
     result = tmp / f"{worker}.json"
-    log = tmp / f"{worker}.log"
+    log = (args.log_dir or tmp) / f"{worker}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
            *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
@@ -624,6 +625,7 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=200.0, help="seconds per child process")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trl_grpo_step_gpu.json")
     parser.add_argument("--note", default="")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's output here (default: a temporary folder)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
