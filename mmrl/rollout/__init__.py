@@ -7,15 +7,16 @@ from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     """`backend`, with "auto" resolved: the compiled HF rollout for one GPU process
-    (14x plain `generate` in bf16 on an H200, bench/results/rollout_speed_gpu.json), plain `generate`
-    on the CPU (compiling there costs more than it saves), under FSDP2 (every rank steps
-    together), for multi-turn rollouts (each turn's new prompt length is another graph) and
-    for a family that cannot take left padding (its prompts generate one length at a time)."""
+    (bench/results/rollout_speed_gpu.json), single-turn or multi-turn (each turn re-prefills
+    its conversation; the decode step's batch width and cache length are dynamic sizes, so a
+    new prompt length is not a new graph), and plain `generate` on the CPU (compiling there
+    costs more than it saves), under FSDP2 (every rank steps together) and for a family that
+    cannot take left padding (its prompts generate one length at a time). `multi_turn` is
+    kept for callers; it no longer changes the choice."""
     if backend != "auto":
         return backend
     one_gpu = engine.dist.device.type == "cuda" and not engine.sharded
-    left_padding = engine.adapter.left_padding
-    return "hf_compiled" if one_gpu and not multi_turn and left_padding else "hf"
+    return "hf_compiled" if one_gpu and engine.adapter.left_padding else "hf"
 
 
 def make_rollout(backend: str, engine, processing, **options):
