@@ -9,14 +9,16 @@ Each step takes `prompts_per_step` prompts (split across the data-parallel ranks
 and sequences), samples
 `samples_per_prompt` responses each, scores them with the reward function, computes
 advantages with the configured estimator, and updates the actor (and the critic for
-GAE) in micro-batches. Metrics go to `metrics.jsonl` and TensorBoard; checkpoints hold
-everything needed to resume exactly (weights, optimizer, data position, RNG).
+GAE) in micro-batches. Metrics go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard
+by default, `mmrl.loggers`), a few sampled completions every `trainer.samples_every` steps
+and at each validation to `samples.jsonl` (`mmrl.samples`); checkpoints hold everything
+needed to resume exactly (weights, optimizer, data position, RNG).
 
 The output folder belongs to one run (`mmrl.runs`): a second process is locked out, a
 folder holding another run's results is refused unless `trainer.resume` (the same run)
 or `trainer.overwrite` (remove them first). Checkpoints are written aside and renamed
 into place with a manifest; resume takes the newest that verifies, cuts `metrics.jsonl`
-back to its step and plots the whole run. SIGINT / SIGTERM finish the step, save a
+back to its step (`samples.jsonl` too) and plots the whole run. SIGINT / SIGTERM finish the step, save a
 checkpoint and exit 130 / 143.
 """
 
@@ -41,6 +43,7 @@ from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
+from mmrl.samples import sample_rows
 from mmrl.update import PolicyUpdate
 
 
@@ -69,7 +72,7 @@ class Trainer:
         self.folder = RunFolder(self.output_dir)
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
-        self.log = RunLog(self.output_dir, main=self.dist.is_main)
+        self.log = RunLog(self.output_dir, main=self.dist.is_main, loggers=cfg.loggers)
         self._stop_signal: int | None = None
         # Where scores are taken (for error messages): the step, and the dataset rows
         # of the samples being scored.
@@ -261,6 +264,7 @@ class Trainer:
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
         if self.dist.all_reduce_sum(float(len(rows))) == 0:
+            self._write_samples(samples, result, rewards, None)
             return metrics  # every rank filtered every group: nothing to learn from
         if len(rows) == 0:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
@@ -270,7 +274,8 @@ class Trainer:
         batches, minis = self.update.batches(conversations, result, rows)
         with self._timed("logprob"):
             self.update.estimate(batches, minis, temperature)
-        self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
+        advantages = self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
+        self._write_samples(samples, result, rewards, advantages)
         with self._timed("update"):
             metrics.update(self.update.run(batches, minis, temperature))
         with self._timed("sync"):
@@ -287,11 +292,38 @@ class Trainer:
         group = optimizer.param_groups[0]
         return self.recipe.optim.lr * group["lr"] / group.get("initial_lr", group["lr"])
 
+    # -- readable rollouts -------------------------------------------------------------------------
+    def _samples_to_keep(self) -> int:
+        """Rows of samples.jsonl a logging point writes (0: none, or not the main rank)."""
+        cfg = self.recipe.trainer
+        return cfg.samples_per_log if cfg.samples_every and self.dist.is_main else 0
+
+    def _write_samples(self, samples: list[dict], result, rewards: torch.Tensor,
+                       advantages: dict[int, float] | None) -> None:
+        """This step's first responses into samples.jsonl and the loggers, every
+        `trainer.samples_every` steps (`mmrl.samples`)."""
+        if self._samples_to_keep() and self.step % self.recipe.trainer.samples_every == 0:
+            self.log.write_samples(self.step, self._sample_rows("train", samples, self._batch_rows, self.train_set,
+                                                                result, rewards, advantages, self._samples_to_keep()))
+
+    def _sample_rows(self, split: str, samples: list[dict], source_rows: list[int], dataset, result,
+                     rewards: torch.Tensor, advantages: dict[int, float] | None, limit: int) -> list[dict]:
+        texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
+        return sample_rows(step=self.step, split=split, samples=samples, source_rows=source_rows, result=result,
+                           texts=texts, rewards=rewards.tolist(), advantages=advantages,
+                           dataset=getattr(dataset, "name", "") or "", limit=limit)
+
     # -- evaluation -------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, samples: list[dict], batch_size: int = 128, dataset=None) -> float:
         """Greedy accuracy (share of responses with reward >= 1) on `samples`, which the
         data-parallel ranks split between them."""
+        return self.evaluate_with_samples(samples, batch_size, dataset)[0]
+
+    @torch.no_grad()
+    def evaluate_with_samples(self, samples: list[dict], batch_size: int = 128, dataset=None, *,
+                              split: str = "validation", keep: int = 0) -> tuple[float, list[dict]]:
+        """`evaluate`'s accuracy, and rows of samples.jsonl for this rank's first `keep`
+        responses (`mmrl.samples`, labelled `split`)."""
         params = SamplingParams(n=1, max_new_tokens=self.recipe.rollout.max_new_tokens, temperature=0.0)
         mine = samples[self.dist.dp_rank::self.dist.dp_size]
         # Every rank takes part in every generate call (sharded weights make each forward
@@ -301,6 +333,7 @@ class Trainer:
         my_rows = rows[self.dist.dp_rank::self.dist.dp_size]
         context = f"evaluation after step {self.step}"
         correct = 0.0
+        kept: list[dict] = []
         for index in range(batches):
             chunk = mine[index * batch_size:(index + 1) * batch_size]
             chunk_rows = my_rows[index * batch_size:(index + 1) * batch_size]
@@ -315,12 +348,16 @@ class Trainer:
                 saved, self._step_context = self._step_context, context
                 self._score_rows, self._score_dataset = chunk_rows, dataset
                 try:
-                    correct += float((self._score(chunk, result) >= 1.0).sum())
+                    scores = self._score(chunk, result)
                 finally:
                     self._step_context = saved
+                correct += float((scores >= 1.0).sum())
+                if len(kept) < keep:
+                    kept += self._sample_rows(split, chunk, chunk_rows, dataset, result, scores, None,
+                                              keep - len(kept))
         # Ranks of one sequence-parallel group scored the same share.
         correct = self.dist.all_reduce_sum(correct) / self.dist.sequence_parallel
-        return correct / max(len(samples), 1)
+        return correct / max(len(samples), 1), kept
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
@@ -391,6 +428,7 @@ class Trainer:
                 if resumed:
                     print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
+        self.log.start(r.model_dump(mode="json"))
         progress = None
         if cfg.progress and self.dist.is_main:
             from tqdm.auto import tqdm
@@ -412,7 +450,9 @@ class Trainer:
                 record = {"step": self.step, **metrics}
                 reached = False
                 if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
-                    accuracy = self.evaluate(list(self.validation_set), dataset=self.validation_set)
+                    accuracy, rows = self.evaluate_with_samples(list(self.validation_set), dataset=self.validation_set,
+                                                                keep=self._samples_to_keep())
+                    self.log.write_samples(self.step, rows)
                     record["validation/accuracy"] = accuracy
                     reached = cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy
                     if reached:
@@ -477,7 +517,9 @@ class Trainer:
             from mmrl.data.synthetic import majority_baseline, shuffle_images
 
             samples = list(self.eval_set)
-            summary["eval/accuracy"] = self.evaluate(samples, dataset=self.eval_set)
+            summary["eval/accuracy"], rows = self.evaluate_with_samples(samples, dataset=self.eval_set, split="eval",
+                                                                        keep=self._samples_to_keep())
+            self.log.write_samples(self.step, rows)
             summary["eval/majority_baseline"] = majority_baseline(samples)
             if any(s.get("images") for s in samples):
                 summary["eval/shuffled_images_accuracy"] = self.evaluate(shuffle_images(samples, seed=0),
