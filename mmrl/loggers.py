@@ -51,13 +51,19 @@ class Logger(Protocol):
 class TensorBoardLogger:
     """Scalars, the recipe and samples as text (a Markdown table) in `<run>/tensorboard`.
     `purge_step` (a resumed run's first step) drops the events written from it on, so a
-    step logged before the interruption appears once."""
+    step logged before the interruption appears once (as TensorBoard reads them)."""
 
     def __init__(self, output_dir: Path, run_name: str, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=purge_step)
         self.resumed = purge_step is not None
+        if not self.resumed:
+            # TensorBoard takes a run's first session START as its beginning and purges
+            # only at a later one (the START that purge_step writes): without this one, a
+            # resumed run's repeated steps would show twice.
+            self.writer._get_file_writer().add_event(Event(step=0, session_log=SessionLog(status=SessionLog.START)))
 
     def log_config(self, config: dict[str, Any]) -> None:
         if not self.resumed:  # the first run wrote it at step 0; purging keeps that

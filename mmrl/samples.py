@@ -26,7 +26,8 @@ SAMPLES_FILE = "samples.jsonl"
 SPLITS = ("train", "validation", "eval")
 # Columns of the Markdown table, and how many characters of a text cell it shows
 # (samples.jsonl keeps the whole text).
-TABLE_COLUMNS = ("row", "prompt", "completion", "reward", "advantage", "length", "finish_reason")
+TABLE_COLUMNS = ("row", "prompt", "media", "answer", "completion", "reward", "reward_parts", "advantage", "length",
+                 "finish_reason")
 TABLE_CELL_CHARS = 400
 _MEDIA = (("image", "images"), ("video", "videos"))
 
@@ -128,10 +129,21 @@ def _encoded_size(data: bytes) -> dict[str, Any]:
 
 def samples_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as one Markdown table (text cells cut at TABLE_CELL_CHARS)."""
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    columns = [c for c in TABLE_COLUMNS if c != "reward_parts" or any(row.get(c) for row in rows)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(column)) for column in TABLE_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(_shown(row, column)) for column in columns) + " |")
     return "\n".join(lines)
+
+
+def _shown(row: Mapping[str, Any], column: str):
+    value = row.get(column)
+    if column == "media":
+        return ", ".join(m.get("path") or "x".join(map(str, m.get("size", []))) or m.get("type", "")
+                         for m in value or [])
+    if column == "reward_parts" and value:
+        return ", ".join(f"{name} {score:.4g}" for name, score in value.items())
+    return value
 
 
 def _cell(value) -> str:
