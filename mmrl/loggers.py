@@ -12,9 +12,9 @@
 (metrics.jsonl and samples.jsonl are written whatever the list). Each backend imports its
 package when it opens, so none is needed unless named, and each is configured the way
 its own documentation says, through its environment variables (WANDB_MODE, WANDB_DIR,
-WANDB_PROJECT; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME; TRACKIO_DIR; SWANLAB_MODE, ...);
-the project or experiment is "mmrl" unless one of those names another. The run is named
-after the run folder.
+WANDB_PROJECT; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME; TRACKIO_DIR, TRACKIO_SPACE_ID;
+SWANLAB_MODE, SWANLAB_PROJ_NAME, ...); the project or experiment is "mmrl" unless one of
+those names another. The run is named after the run folder.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class TrackioLogger:
         import trackio
 
         self.trackio = trackio
-        self.project = os.environ.get("TRACKIO_PROJECT", PROJECT)
+        self.project = PROJECT
         self.run_name = run_name
         self.started = False
 
@@ -185,7 +185,7 @@ class SwanlabLogger:
         import swanlab
 
         self.swanlab = swanlab
-        self.project = os.environ.get("SWANLAB_PROJECT", PROJECT)
+        self.project = os.environ.get("SWANLAB_PROJ_NAME", PROJECT)
         self.run_name = run_name
         self.started = False
 
