@@ -299,18 +299,21 @@ class Trainer:
         return cfg.samples_per_log if cfg.samples_every and self.dist.is_main else 0
 
     def _write_samples(self, samples: list[dict], result, rewards: torch.Tensor,
-                       advantages: dict[int, float] | None) -> None:
+                       advantages: dict[int, float] | None, reward_parts: dict[str, list[float]] | None = None) -> None:
         """This step's first responses into samples.jsonl and the loggers, every
-        `trainer.samples_every` steps (`mmrl.samples`)."""
+        `trainer.samples_every` steps (`mmrl.samples`); `reward_parts`: a weighted
+        reward's scores by part, one per response."""
         if self._samples_to_keep() and self.step % self.recipe.trainer.samples_every == 0:
             self.log.write_samples(self.step, self._sample_rows("train", samples, self._batch_rows, self.train_set,
-                                                                result, rewards, advantages, self._samples_to_keep()))
+                                                                result, rewards, advantages, self._samples_to_keep(),
+                                                                reward_parts))
 
     def _sample_rows(self, split: str, samples: list[dict], source_rows: list[int], dataset, result,
-                     rewards: torch.Tensor, advantages: dict[int, float] | None, limit: int) -> list[dict]:
+                     rewards: torch.Tensor, advantages: dict[int, float] | None, limit: int,
+                     reward_parts: dict[str, list[float]] | None = None) -> list[dict]:
         texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
         return sample_rows(step=self.step, split=split, samples=samples, source_rows=source_rows, result=result,
-                           texts=texts, rewards=rewards.tolist(), advantages=advantages,
+                           texts=texts, rewards=rewards.tolist(), advantages=advantages, reward_parts=reward_parts,
                            dataset=getattr(dataset, "name", "") or "", limit=limit)
 
     # -- evaluation -------------------------------------------------------------------------------
