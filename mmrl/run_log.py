@@ -4,7 +4,7 @@
     log = RunLog(output_dir, main=dist.is_main, loggers=["tensorboard", "wandb"])
     history = log.history_until(step)             # after a resume: later lines cut off
     log.purge_step = step + 1                     # ... and TensorBoard purges its events past it
-    log.start(recipe_dict)                        # opens the backends; the recipe is their config
+    log.start(recipe_dict)                        # the backends' run config (they open at the first write)
     log.write({"step": 1, "reward/mean": 0.5})    # a line of metrics.jsonl, and each backend's scalars
     log.write_samples(1, rows)                    # lines of samples.jsonl (mmrl.samples), and each backend's
     plot_rewards(history, output_dir / "reward_curve.png", "title")
@@ -37,19 +37,22 @@ class RunLog:
         self.logger_names = tuple(loggers)
         self.purge_step: int | None = None  # TensorBoard drops its events from this step on
         self._files: dict[str, Any] = {}
-        self._loggers: list[Logger] | None = None  # opened by `start` or the first write
+        self._loggers: list[Logger] | None = None  # opened at the first write
+        self._config: dict[str, Any] | None = None
 
     def start(self, config: dict[str, Any]) -> None:
-        """Open the logger backends and give them the recipe (as dumped) as the run's config."""
-        if not self.main:
-            return
-        for logger in self._backends():
-            logger.log_config(config)
+        """The recipe (as dumped), which the logger backends get as the run's config when
+        they open, at the first write: a run that stops before its first step leaves no
+        logger run behind (and its folder holds only its recipe, `mmrl.runs`)."""
+        self._config = config
 
     def _backends(self) -> list[Logger]:
         if self._loggers is None:
             self._loggers = open_loggers(self.logger_names, self.output_dir, run_name=self.output_dir.name,
                                          purge_step=self.purge_step)
+            if self._config is not None:
+                for logger in self._loggers:
+                    logger.log_config(self._config)
         return self._loggers
 
     def _append(self, name: str, records: list[dict[str, Any]]) -> None:

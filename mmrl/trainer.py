@@ -18,8 +18,8 @@ The output folder belongs to one run (`mmrl.runs`): a second process is locked o
 folder holding another run's results is refused unless `trainer.resume` (the same run)
 or `trainer.overwrite` (remove them first). Checkpoints are written aside and renamed
 into place with a manifest; resume takes the newest that verifies, cuts `metrics.jsonl`
-back to its step (`samples.jsonl` too) and plots the whole run. SIGINT / SIGTERM finish the step, save a
-checkpoint and exit 130 / 143.
+and `samples.jsonl` back to its step and plots the whole run. SIGINT / SIGTERM finish the
+step, save a checkpoint and exit 130 / 143.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     update = PolicyUpdate(recipe, dist, actor, ref, critic, estimator, processing, adapter)
     batches, minis = update.batches(conversations, rollout_result, kept_rows)
     update.estimate(batches, minis, temperature)       # old, reference and value estimates
-    update.advantages(batches, rewards, group_size, metrics, outcomes)
+    advantages = update.advantages(batches, rewards, group_size, metrics, outcomes)   # {row: mean}
     metrics.update(update.run(batches, minis, temperature))   # the optimizer steps
 
 The kept rows become training sequences in micro-batches (by rows, or by tokens with

@@ -116,6 +116,28 @@ def test_resume_cuts_samples_back_like_metrics(tmp_path):
     assert [step for step, _ in texts["samples/eval"]] == [4]
 
 
+def test_sample_rows_take_whole_groups_first_with_reward_parts_and_advantages():
+    import torch
+
+    from mmrl.samples import sample_rows
+
+    # Two prompts x two responses, the rollout's rows not in prompt order.
+    result = types.SimpleNamespace(prompt_index=torch.tensor([1, 0, 1, 0]),
+                                   lengths=torch.tensor([3.0, 1.0, 2.0, 4.0]),
+                                   finish_reasons=["stop", "length", "stop", "stop"])
+    samples = [{"prompt": "first?", "answer": "1"}, {"prompt": [{"role": "user", "content": "second?"}], "answer": "2"}]
+    rows = sample_rows(step=7, split="train", samples=samples, source_rows=[40, 41], result=result,
+                       texts=["a", "b", "c", "d"], rewards=[1.0, 0.0, 0.5, 0.25],
+                       advantages={0: 0.5, 1: -0.5, 2: -0.5}, reward_parts={"format": [1, 0, 1, 0]},
+                       dataset="set", limit=3)
+    assert [(r["row"], r["completion"]) for r in rows] == [(40, "b"), (40, "d"), (41, "a")]
+    assert rows[0] == {"step": 7, "split": "train", "row": 40, "dataset": "set", "prompt": "first?", "media": [],
+                       "answer": "1", "completion": "b", "reward": 0.0, "reward_parts": {"format": 0.0},
+                       "advantage": -0.5, "length": 1, "finish_reason": "length"}
+    assert rows[1]["advantage"] is None  # row 3 was not in the update (no advantage given)
+    assert rows[2]["prompt"] == "user: second?" and rows[2]["reward_parts"] == {"format": 1.0}
+
+
 def test_media_references_name_files_and_sizes_never_pixels():
     import io
 
