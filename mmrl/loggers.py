@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from mmrl.errors import one_line
 from mmrl.samples import samples_markdown, table
 
 PROJECT = "mmrl"
@@ -220,19 +221,47 @@ LOGGERS: dict[str, tuple[type, str, str]] = {
 }
 
 
+class LoggerError(ValueError):
+    """A logger backend could not start its run; the message, one line, names it."""
+
+
 def check_installed(names: Sequence[str]) -> None:
     """Raise ValueError, one line naming the package to install, for the first named
-    logger whose package is missing (found without importing it)."""
+    logger whose package is missing (found without importing it), or for mlflow without
+    a store it can write to."""
     for name in names:
         _, module, package = LOGGERS[name]
-        if sys.modules.get(module) is None and importlib.util.find_spec(module) is None:
+        if not _importable(module):
             raise ValueError(f"the {name} logger needs the {package} package: pip install {package} "
                              f"(or remove {name} from the list)")
+    if "mlflow" in names and not os.environ.get("MLFLOW_TRACKING_URI") and not _importable("sqlalchemy"):
+        # mlflow's default store is a sqlite database, which mlflow-skinny cannot open.
+        raise ValueError("the mlflow logger needs MLFLOW_TRACKING_URI (a tracking server's http(s):// address, "
+                         "or file:///path with MLFLOW_ALLOW_FILE_STORE=true), or the full mlflow package for its "
+                         "default sqlite store: pip install mlflow")
 
 
-def open_loggers(names: Sequence[str], output_dir: Path, run_name: str,
-                 purge_step: int | None = None) -> list[Logger]:
-    return [LOGGERS[name][0](output_dir, run_name, purge_step) for name in names]
+def _importable(module: str) -> bool:
+    return sys.modules.get(module) is not None or importlib.util.find_spec(module) is not None
+
+
+def open_loggers(names: Sequence[str], output_dir: Path, run_name: str, purge_step: int | None = None,
+                 config: dict[str, Any] | None = None) -> list[Logger]:
+    """The named backends, each with its run started and given `config`; one that fails
+    is a LoggerError (the ones opened before it are closed)."""
+    opened: list[Logger] = []
+    for name in names:
+        try:
+            logger = LOGGERS[name][0](output_dir, run_name, purge_step)
+            if config is not None:
+                logger.log_config(config)
+            opened.append(logger)
+        except Exception as exc:
+            for logger in opened:
+                logger.close()
+            raise LoggerError(f"trainer.loggers: {name} could not start its run "
+                              f"({one_line(exc, 300, typed=True)})") from exc
+    return opened
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

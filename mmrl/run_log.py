@@ -49,10 +49,7 @@ class RunLog:
     def _backends(self) -> list[Logger]:
         if self._loggers is None:
             self._loggers = open_loggers(self.logger_names, self.output_dir, run_name=self.output_dir.name,
-                                         purge_step=self.purge_step)
-            if self._config is not None:
-                for logger in self._loggers:
-                    logger.log_config(self._config)
+                                         purge_step=self.purge_step, config=self._config)
         return self._loggers
 
     def _append(self, name: str, records: list[dict[str, Any]]) -> None:
@@ -65,18 +62,20 @@ class RunLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
+        backends = self._backends()  # first: a backend that cannot start leaves no line behind
         self._append(METRICS_FILE, [record])
         scalars = {key: value for key, value in record.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
-        for logger in self._backends():
+        for logger in backends:
             logger.log_metrics(record.get("step", 0), scalars)
 
     def write_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Rows of `mmrl.samples.sample_rows` (one split) as lines of samples.jsonl, and to each backend."""
         if not self.main or not rows:
             return
+        backends = self._backends()
         self._append(SAMPLES_FILE, rows)
-        for logger in self._backends():
+        for logger in backends:
             logger.log_samples(step, rows[0]["split"], rows)
 
     def history_until(self, step: int) -> list[dict[str, Any]]:

@@ -304,6 +304,33 @@ def test_a_logger_without_its_package_is_one_line_before_the_build(tmp_path, mon
     assert not run.exists()
 
 
+def test_mlflow_without_a_store_it_can_open_is_one_line_before_the_build(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny: no sqlite store
+    with pytest.raises(RecipeError, match=r"^trainer.loggers: the mlflow logger needs MLFLOW_TRACKING_URI \(a "):
+        Trainer(load_recipe(None, [*TEXT, f"trainer.output_dir={tmp_path / 'run'}", "trainer.loggers=[mlflow]"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_backend_that_cannot_start_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    from mmrl.loggers import LoggerError
+
+    fake = _Recorder("trackio", "Table")
+
+    def refuse(**kwargs):
+        raise RuntimeError("no write access to the Space\nsecond line")
+
+    fake.module.init = refuse
+    monkeypatch.setitem(sys.modules, "trackio", fake.module)
+    log = RunLog(tmp_path, main=True, loggers=["tensorboard", "trackio"])
+    log.start({"trainer": {}})
+    with pytest.raises(LoggerError) as err:
+        log.write({"step": 1, "reward/mean": 0.5})
+    assert str(err.value) == ("trainer.loggers: trackio could not start its run "
+                              "(RuntimeError: no write access to the Space)")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_loggers_are_checked_by_the_schema():
     with pytest.raises(RecipeError, match="trainer.loggers.0: Input should be 'tensorboard', 'wandb'"):
         load_recipe(None, [*TEXT, "trainer.loggers=[neptune]"])
