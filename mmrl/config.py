@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mmrl.data.layouts import DataSpec
+from mmrl.loggers import check_installed
 from mmrl.smoke import SmokeConfig
 
 # The keys of `mmrl.tiny.vocabulary`, and what each holds.
@@ -236,6 +237,21 @@ class TrainerConfig(_Section):
     export: bool = True
     threads: int | None = None
     progress: bool = True
+    # Sampled completions (prompt, media references, completion, reward, advantage) into
+    # <output_dir>/samples.jsonl and every logger, every this many steps and at each
+    # validation (0: none); at most samples_per_log rows each time, whole prompt groups first.
+    samples_every: int = Field(10, ge=0)
+    samples_per_log: int = Field(8, gt=0)
+    # Logger backends (mmrl/loggers.py), each optional; metrics.jsonl is written whatever the list.
+    loggers: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "swanlab"]] = ["tensorboard"]
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_once(cls, value: list[str]) -> list[str]:
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named more than once")
+        return value
 
 
 class ParallelConfig(_Section):
@@ -385,6 +401,10 @@ def check_before_build(recipe: Recipe) -> None:
     cannot be loaded."""
     _check_model(recipe.model)
     _check_lora_targets(recipe.model)
+    try:
+        check_installed(recipe.trainer.loggers)
+    except ValueError as exc:
+        raise RecipeError(f"trainer.loggers: {exc}") from None
     check_reward_and_data(recipe)
 
 
@@ -561,7 +581,8 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
-                "save_every", "export", "target_accuracy", "output_dir", "val_before_train"},
+                "save_every", "export", "target_accuracy", "output_dir", "val_before_train", "samples_every",
+                "samples_per_log", "loggers"},
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},

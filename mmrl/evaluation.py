@@ -110,13 +110,15 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, samples: list[dict], dataset=None, *, context: str = "evaluation", controls: bool = False,
-            batch_size: int | None = None) -> dict[str, float]:
+            batch_size: int | None = None, record: Callable | None = None) -> dict[str, float]:
         """The metrics of the module docstring on `samples` (rows of `dataset`, named in
-        errors); `controls` adds the majority baseline and the shuffled-images accuracy."""
+        errors); `controls` adds the majority baseline and the shuffled-images accuracy.
+        `record(chunk, rows, dataset, result, scores)` is called with each scored chunk of
+        this rank's greedy responses (the trainer keeps some for samples.jsonl)."""
         settings = self.settings
         threshold = settings.correct_threshold
         greedy = SamplingParams(n=1, max_new_tokens=self.max_new_tokens, temperature=0.0)
-        rewards = self._rewards(samples, dataset, greedy, context, batch_size)[:, 0]
+        rewards = self._rewards(samples, dataset, greedy, context, batch_size, record)[:, 0]
         count = self._sum(len(rewards))
         metrics = {"accuracy": self._sum((rewards >= threshold).sum()) / max(count, 1),
                    "mean_reward": self._sum(rewards.sum()) / max(count, 1)}
@@ -147,7 +149,7 @@ class Evaluator:
         return self.dist.all_reduce_sum(float(value)) / self.dist.sequence_parallel
 
     def _rewards(self, samples: list[dict], dataset, params: SamplingParams, context: str,
-                 batch_size: int | None) -> torch.Tensor:
+                 batch_size: int | None, record: Callable | None = None) -> torch.Tensor:
         """This rank's share of `samples` scored: (its prompts, params.n) rewards."""
         dist = self.dist
         size = batch_size or self.settings.batch_size
@@ -165,6 +167,8 @@ class Evaluator:
             result = self.generate(chunk or samples[:1], chunk_rows or rows[:1], dataset, params, context)
             if chunk:
                 scores = self.score(chunk, result, chunk_rows, dataset, context).float().cpu()
+                if record is not None:
+                    record(chunk, chunk_rows, dataset, result, scores)
                 order = torch.argsort(result.prompt_index.cpu(), stable=True)
                 out.append(scores[order].view(len(chunk), params.n))
         return torch.cat(out)

@@ -39,7 +39,8 @@ LOCK_FILE = ".mmrl.lock"
 MANIFEST_FILE = "manifest.json"
 RECIPE_FILE = "recipe.yaml"
 # What a run writes into its folder; `overwrite` removes these and nothing else.
-RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "checkpoints", "final", "reward_curve.png", "tensorboard")
+RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "final", "reward_curve.png",
+               "tensorboard")
 _TEMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 _HELD: dict[str, int] = {}  # lock files this process holds -> how many holders

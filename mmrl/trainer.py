@@ -9,15 +9,17 @@ Each step takes `prompts_per_step` prompts (split across the data-parallel ranks
 and sequences), samples
 `samples_per_prompt` responses each, scores them with the reward function, computes
 advantages with the configured estimator, and updates the actor (and the critic for
-GAE) in micro-batches. Metrics go to `metrics.jsonl` and TensorBoard; checkpoints hold
-everything needed to resume exactly (weights, optimizer, data position, RNG).
+GAE) in micro-batches. Metrics go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard
+by default, `mmrl.loggers`), a few sampled completions every `trainer.samples_every` steps
+and at each validation to `samples.jsonl` (`mmrl.samples`); checkpoints hold everything
+needed to resume exactly (weights, optimizer, data position, RNG).
 
 The output folder belongs to one run (`mmrl.runs`): a second process is locked out, a
 folder holding another run's results is refused unless `trainer.resume` (the same run)
 or `trainer.overwrite` (remove them first). Checkpoints are written aside and renamed
 into place with a manifest; resume takes the newest that verifies, cuts `metrics.jsonl`
-back to its step and plots the whole run. SIGINT / SIGTERM finish the step, save a
-checkpoint and exit 130 / 143.
+and `samples.jsonl` back to its step and plots the whole run. SIGINT / SIGTERM finish the
+step, save a checkpoint and exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
 from mmrl.scoring import score_rollout
+from mmrl.samples import sample_rows
 from mmrl.update import PolicyUpdate
 
 
@@ -72,7 +75,7 @@ class Trainer:
         self.folder = RunFolder(self.output_dir)
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
-        self.log = RunLog(self.output_dir, main=self.dist.is_main)
+        self.log = RunLog(self.output_dir, main=self.dist.is_main, loggers=cfg.loggers)
         self._stop_signal: int | None = None
         # Where scores are taken (for error messages): the step, and the dataset rows
         # of the samples being scored.
@@ -257,6 +260,7 @@ class Trainer:
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
         if self.dist.all_reduce_sum(float(len(rows))) == 0:
+            self._write_samples(samples, result, rewards, None)
             return metrics  # every rank filtered every group: nothing to learn from
         if len(rows) == 0:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
@@ -266,7 +270,8 @@ class Trainer:
         batches, minis = self.update.batches(conversations, result, rows)
         with self._timed("logprob"):
             self.update.estimate(batches, minis, temperature)
-        self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
+        advantages = self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
+        self._write_samples(samples, result, rewards, advantages)
         with self._timed("update"):
             metrics.update(self.update.run(batches, minis, temperature))
         with self._timed("sync"):
@@ -283,14 +288,55 @@ class Trainer:
         group = optimizer.param_groups[0]
         return self.recipe.optim.lr * group["lr"] / group.get("initial_lr", group["lr"])
 
+    # -- readable rollouts -------------------------------------------------------------------------
+    def _samples_to_keep(self) -> int:
+        """Rows of samples.jsonl a logging point writes (0: none, or not the main rank)."""
+        cfg = self.recipe.trainer
+        return cfg.samples_per_log if cfg.samples_every and self.dist.is_main else 0
+
+    def _write_samples(self, samples: list[dict], result, rewards: torch.Tensor,
+                       advantages: dict[int, float] | None, reward_parts: dict[str, list[float]] | None = None) -> None:
+        """This step's first responses into samples.jsonl and the loggers, every
+        `trainer.samples_every` steps (`mmrl.samples`); `reward_parts`: a weighted
+        reward's scores by part, one per response."""
+        if self._samples_to_keep() and self.step % self.recipe.trainer.samples_every == 0:
+            self.log.write_samples(self.step, self._sample_rows("train", samples, self._batch_rows, self.train_set,
+                                                                result, rewards, advantages, self._samples_to_keep(),
+                                                                reward_parts))
+
+    def _sample_rows(self, split: str, samples: list[dict], source_rows: list[int], dataset, result,
+                     rewards: torch.Tensor, advantages: dict[int, float] | None, limit: int,
+                     reward_parts: dict[str, list[float]] | None = None) -> list[dict]:
+        texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
+        return sample_rows(step=self.step, split=split, samples=samples, source_rows=source_rows, result=result,
+                           texts=texts, rewards=rewards.tolist(), advantages=advantages, reward_parts=reward_parts,
+                           dataset=getattr(dataset, "name", "") or "", limit=limit)
+
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, samples: list[dict], batch_size: int | None = None, dataset=None, *,
-                 controls: bool = False) -> dict[str, float]:
+                 controls: bool = False, record=None) -> dict[str, float]:
         """`mmrl.evaluation`'s metrics of the policy on `samples` (rows of `dataset`),
         which the data-parallel ranks split between them: `accuracy`, `mean_reward`,
-        pass@k with `eval.samples`, the controls with `controls`."""
+        pass@k with `eval.samples`, the controls with `controls`; `record` sees each scored
+        chunk of greedy responses (`_sample_recorder`)."""
         return self.evaluator.run(samples, dataset, context=f"evaluation after step {self.step}", controls=controls,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, record=record)
+
+    def _sample_recorder(self, split: str):
+        """Rows of samples.jsonl for an evaluation's first greedy responses (labelled
+        `split`), and the `record` callback of `evaluate` that fills them (None when
+        nothing is kept)."""
+        rows: list[dict] = []
+        keep = self._samples_to_keep()
+        if not keep:
+            return rows, None
+
+        def record(chunk, chunk_rows, dataset, result, scores) -> None:
+            if len(rows) < keep:
+                rows.extend(self._sample_rows(split, chunk, chunk_rows, dataset, result, scores, None,
+                                              keep - len(rows)))
+
+        return rows, record
 
     def _score_in(self, samples: list[dict], result, rows: list[int], dataset, context: str) -> torch.Tensor:
         """`_score` with errors naming `context` and the rows of `dataset`."""
@@ -304,7 +350,9 @@ class Trainer:
     def _validate(self) -> dict[str, float]:
         """The validation metrics, named `validation/...` (`validation/accuracy` decides
         `trainer.target_accuracy`)."""
-        metrics = self.evaluate(list(self.validation_set), dataset=self.validation_set)
+        rows, record = self._sample_recorder("validation")
+        metrics = self.evaluate(list(self.validation_set), dataset=self.validation_set, record=record)
+        self.log.write_samples(self.step, rows)
         return {f"validation/{name}": value for name, value in metrics.items()}
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -376,6 +424,7 @@ class Trainer:
                 if resumed:
                     print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
+        self.log.start(r.model_dump(mode="json"))
         progress = None
         if cfg.progress and self.dist.is_main:
             from tqdm.auto import tqdm
@@ -465,7 +514,9 @@ class Trainer:
         is off, the shuffled-images control), plot, export."""
         summary: dict[str, Any] = {"steps": self.step, "train_seconds": round(train_seconds, 1)}
         if self.eval_set is not None:
-            metrics = self.evaluate(list(self.eval_set), dataset=self.eval_set, controls=True)
+            rows, record = self._sample_recorder("eval")
+            metrics = self.evaluate(list(self.eval_set), dataset=self.eval_set, controls=True, record=record)
+            self.log.write_samples(self.step, rows)
             summary.update({f"eval/{name}": value for name, value in metrics.items()})
         self._log({"step": self.step, "final": True, **summary})
         if self.dist.is_main:

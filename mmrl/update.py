@@ -3,7 +3,7 @@
     update = PolicyUpdate(recipe, dist, actor, ref, critic, estimator, processing, adapter)
     batches, minis = update.batches(conversations, rollout_result, kept_rows)
     update.estimate(batches, minis, temperature)       # old, reference and value estimates
-    update.advantages(batches, rewards, group_size, metrics, outcomes)
+    advantages = update.advantages(batches, rewards, group_size, metrics, outcomes)   # {row: mean}
     metrics.update(update.run(batches, minis, temperature))   # the optimizer steps
 
 The kept rows become training sequences in micro-batches (by rows, or by tokens with
@@ -83,10 +83,11 @@ class PolicyUpdate:
 
             pad = self.processing.tokenizer.pad_token_id
             # Samples of one prompt encode its opening media once (`shared_pieces`).
-            return [trajectory_sequences([result.trajectories[i] for i in chosen.tolist()], self.processing,
-                                         self.adapter, self.actor.model, pad,
-                                         share=self.actor.shares_media).to(self.dist.device)
-                    for chosen in chosen_rows], minis
+            batches = [trajectory_sequences([result.trajectories[i] for i in chosen.tolist()], self.processing,
+                                            self.adapter, self.actor.model, pad,
+                                            share=self.actor.shares_media).to(self.dist.device)
+                       for chosen in chosen_rows]
+            return _with_rows(batches, chosen_rows), minis
         owners = result.prompt_index.tolist()
         expanded = [conversations[i] for i in owners]
         # One micro-batch of every row: the rollout's own prompt batch is that batch.
@@ -96,7 +97,7 @@ class PolicyUpdate:
             batches.append(self.sequences([expanded[i] for i in chosen], result.response_ids[chosen],
                                            result.response_mask[chosen], reuse, [owners[i] for i in chosen],
                                            result.shared_media))
-        return batches, minis
+        return _with_rows(batches, chosen_rows), minis
 
     def _row_lengths(self, conversations: list, result, rows: torch.Tensor) -> list[int]:
         """Tokens (prompt + response) of each kept row, for micro-batches by token budget."""
@@ -129,8 +130,9 @@ class PolicyUpdate:
                 seqs.extras["values"] = self.critic.values(seqs)
 
     def advantages(self, batches: list, rewards: torch.Tensor, group_size: int, metrics: dict,
-                    outcomes: torch.Tensor | None = None) -> None:
-        """Advantages (and value targets) over the whole kept batch, stored per micro-batch.
+                    outcomes: torch.Tensor | None = None) -> dict[int, float]:
+        """Advantages (and value targets) over the whole kept batch, stored per micro-batch;
+        returns each kept rollout row's advantage, the mean over its response tokens.
         Groups stay whole: the uniform-group filter drops groups, never single rows. With
         `algo.credit_assignment: turn`, `outcomes` are the reward function's scores alone
         and each environment reward is credited to the policy turns up to the one it
@@ -167,6 +169,9 @@ class PolicyUpdate:
             if returns is not None:
                 seqs.extras["returns"] = returns[offset:offset + size, :length].to(self.dist.device)
             offset += size
+        means = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        rows = torch.cat([seqs.extras["rows"].cpu() for seqs in batches]).tolist()
+        return dict(zip(rows, means.tolist()))
 
     def run(self, batches: list, minis: list, temperature: float) -> dict[str, float]:
         """Policy (and critic) updates: `epochs_per_rollout` passes over the mini-batches
@@ -279,3 +284,11 @@ class PolicyUpdate:
                 self.critic.backward(vloss * weight)
                 sums["loss/value"] += weight * float(vloss.detach())
         return sums
+
+
+def _with_rows(batches: list, chosen_rows: list[torch.Tensor]) -> list:
+    """Each micro-batch tagged with the rollout rows it holds (`extras["rows"]`), so values
+    computed over the batch can be told back by row."""
+    for seqs, chosen in zip(batches, chosen_rows):
+        seqs.extras["rows"] = chosen
+    return batches
