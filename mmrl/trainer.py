@@ -26,6 +26,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
-from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
+from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
+                         unset_toy_defaults)
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.parallel import Dist, LaunchError, init_distributed
@@ -45,8 +47,12 @@ from mmrl.update import PolicyUpdate
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, dist: Dist | None = None):
+    def __init__(self, recipe: Recipe, dist: Dist | None = None, *, reward=None, datasets: dict | None = None):
+        """`reward` (a function) and `datasets` (`PromptDataset`s by data field: "train",
+        "validation", "eval") replace what the recipe names; `mmrl.api.train` passes them."""
         self.recipe = recipe
+        self._given_reward = reward
+        self._given_datasets = datasets or {}
         sequence_parallel = recipe.parallel.sequence_parallel
         if dist is None:
             try:
@@ -76,7 +82,11 @@ class Trainer:
         self._step_context = "before training"
         self._score_rows: list[int] | None = None
         self._score_dataset = None
-        check_before_build(recipe)  # cheap checks, before the (slow) model build
+        # cheap checks, before the (slow) model build
+        check_before_build(recipe, reward_given=reward is not None, loaded=self._given_datasets)
+        notice = unset_toy_defaults(recipe)
+        if notice and self.dist.is_main:
+            print(notice, file=sys.stderr, flush=True)
         self._environment = _environment(recipe)
         self._claim_folder()
         try:
@@ -154,11 +164,13 @@ class Trainer:
 
             self.agent = AgentRollout(self.rollout, self.processing, self._environment,
                                       max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
-        self.reward_fn = get_reward(r.reward.name, **r.reward.options)
-        self.train_set = load_prompts(r.data.train)
-        self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
-        self.validation_set = (load_prompts(r.data.validation, split="validation") if r.data.validation
-                               else self.eval_set)
+        self.reward_fn = (get_reward(self._given_reward, **r.reward.options) if self._given_reward is not None
+                          else recipe_reward(r))
+        given = self._given_datasets
+        self.train_set = given.get("train") or load_prompts(r.data.train)
+        self.eval_set = given.get("eval") or (load_prompts(r.data.eval, split="test") if r.data.eval else None)
+        self.validation_set = given.get("validation") or (
+            load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
 
@@ -175,10 +187,13 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result) -> torch.Tensor:
-        """Rewards of the responses; a failing reward or a NaN/inf score stops the run
-        here, before any update, naming the reward, the step and the dataset row."""
-        from mmrl.rewards import RewardError, score
+    def _score(self, samples: list[dict], result, conversations: list | None = None
+               ) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Rewards of the responses, and a combined reward's parts by name (`score_parts`);
+        a failing reward or a NaN/inf score stops the run here, before any update, naming
+        the reward, the step and the dataset row."""
+        from mmrl.rewards import RewardError, score_parts
+        from mmrl.rewards.fields import trainer_fields
 
         # Multi-turn rollouts: the final policy turn is the answer.
         texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
@@ -186,8 +201,11 @@ class Trainer:
         answers = [samples[i]["answer"] for i in rows]
         extra_keys = [k for k in samples[0] if k not in ("prompt", "answer", "images", "videos")]
         fields = {k: [samples[i].get(k) for i in rows] for k in extra_keys}
+        fields.update(trainer_fields(self.reward_fn, samples, rows, conversations=conversations,
+                                     response_ids=result.response_ids, response_mask=result.response_mask,
+                                     max_pixels=self.recipe.model.max_pixels))
         try:
-            scores = score(self.reward_fn, texts, answers, **fields)
+            scores, parts = score_parts(self.reward_fn, texts, answers, **fields)
         except RewardError as exc:
             where = self._step_context
             if exc.index is not None:
@@ -201,7 +219,7 @@ class Trainer:
         self._outcomes = scores  # the reward function's alone: per-turn credit counts the environment's apart
         if result.env_rewards is not None:
             scores = scores + result.env_rewards.float()
-        return scores
+        return scores, parts
 
     def _next_prompts(self) -> list[dict]:
         """This data-parallel rank's share of the next batch of prompts."""
@@ -248,7 +266,7 @@ class Trainer:
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
         self._score_rows, self._score_dataset = self._batch_rows, self.train_set
-        rewards = self._score(samples, result)
+        rewards, reward_parts = self._score(samples, result, conversations)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -256,6 +274,7 @@ class Trainer:
             "response/length": result.lengths.mean().item(),
             "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
             "groups/kept": keep.float().mean().item(),
+            **{f"reward/{name}": sum(scores) / len(scores) for name, scores in reward_parts.items()},
             **(result.stats or {}),
         }
         self.step += 1
@@ -305,6 +324,7 @@ class Trainer:
             chunk = mine[index * batch_size:(index + 1) * batch_size]
             chunk_rows = my_rows[index * batch_size:(index + 1) * batch_size]
             stand_in = not chunk and bool(samples)
+            conversations = None
             if self.agent:
                 result = self.agent.generate(chunk or samples[:1], params)
             else:
@@ -315,7 +335,7 @@ class Trainer:
                 saved, self._step_context = self._step_context, context
                 self._score_rows, self._score_dataset = chunk_rows, dataset
                 try:
-                    correct += float((self._score(chunk, result) >= 1.0).sum())
+                    correct += float((self._score(chunk, result, conversations)[0] >= 1.0).sum())
                 finally:
                     self._step_context = saved
         # Ranks of one sequence-parallel group scored the same share.
@@ -465,7 +485,9 @@ class Trainer:
 
     def _plot_title(self) -> str:
         r = self.recipe
-        return f"{self.output_dir.name}: {r.algo.advantage}, {r.reward.name} reward, {self.step} steps"
+        from mmrl.rewards import reward_name
+
+        return f"{self.output_dir.name}: {r.algo.advantage}, {reward_name(self.reward_fn)} reward, {self.step} steps"
 
     def _close(self) -> None:
         self.log.close()
@@ -519,7 +541,7 @@ def _environment(recipe: Recipe):
     from mmrl.envs import get_environment
 
     try:
-        factory = get_environment(rollout.env, **rollout.env_options)
+        factory = get_environment(rollout.env, recipe.folder, **rollout.env_options)
         factory()  # options the constructor rejects (a bad value) fail here, not at step 1
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"rollout.env: {exc}") from None
@@ -529,10 +551,11 @@ def _environment(recipe: Recipe):
     return factory
 
 
-def train(recipe: Recipe) -> dict[str, Any]:
-    """Run a recipe to the end; returns the final summary (rank 0's view)."""
+def train(recipe: Recipe, *, reward=None, datasets: dict | None = None) -> dict[str, Any]:
+    """Run a recipe to the end; returns the final summary (rank 0's view). `reward` and
+    `datasets` as for `Trainer`; `mmrl.train` (mmrl/api.py) is the documented entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trainer = Trainer(recipe)
+    trainer = Trainer(recipe, reward=reward, datasets=datasets)
     summary = trainer.fit()
     if trainer.dist.distributed and torch.distributed.is_initialized():
         # No rank may leave while another still talks to it (gloo aborts the process

@@ -352,20 +352,11 @@ def weighted(completions: list[str], answers: list[str], *, components: list[dic
 
     Each component is a reward name (built-in or dotted path), a weight and its options.
     With weights summing to 1, a fully right completion scores exactly 1.0.
+    Each part's mean is logged as `reward/<name>` (`mmrl.rewards.score_parts`).
     """
-    from mmrl.rewards import combine, get_reward  # the package imports this module
+    from mmrl.rewards import weighted_reward  # the package imports this module
 
-    if not isinstance(components, (list, tuple)) or not components:
-        raise ValueError("weighted: components must be a non-empty list of {name, weight, options}")
-    parts = []
-    for i, component in enumerate(components):
-        if not isinstance(component, dict) or "name" not in component or "weight" not in component:
-            raise ValueError(f"weighted: components[{i}] must be a mapping with name and weight, got {component!r}")
-        unknown = set(component) - {"name", "weight", "options"}
-        if unknown:
-            raise ValueError(f"weighted: components[{i}] has unknown key(s) {', '.join(sorted(unknown))}")
-        parts.append((get_reward(component["name"], **(component.get("options") or {})), component["weight"]))
-    return combine(parts)(completions, answers, **fields)
+    return weighted_reward(components)(completions, answers, **fields)
 
 
 BUILTIN_REWARDS = {
