@@ -11,7 +11,7 @@ in-memory datasets, without writing files first.
     summary = mmrl.train("recipes/tiny_vlm_count.yaml", reward=short, train_dataset=rows,
                          overrides=["trainer.steps=2"])
 
-`reward` replaces `reward:` (the recipe's `reward.options` are bound to it);
+`reward` replaces the recipe's `reward:` section (bind options with `functools.partial`);
 `train_dataset` and `eval_dataset` replace `data.train` and `data.eval`: a
 `datasets.Dataset` or a list of rows in the row schema (`mmrl.data.schema`), or in
 their own layout when the recipe's `data.train` / `data.eval` is a mapping (its
@@ -20,6 +20,7 @@ their own layout when the recipe's `data.train` / `data.eval` is a mapping (its
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from mmrl.config import Recipe, RecipeError, apply_overrides, read_recipe, validate_recipe
 from mmrl.data import PromptDataset
 from mmrl.data.layouts import DataSource, MappedRows
+from mmrl.rewards import reward_name
 
 # What a recipe's data field reads when `train()` was given the dataset in memory; a
 # recipe file saying so cannot be run from the command line.
@@ -36,15 +38,15 @@ IN_MEMORY = "memory:"
 def train(recipe: str | Path | Mapping[str, Any] | Recipe, *, reward=None, train_dataset=None, eval_dataset=None,
           overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Train as `mmrl train` does and return the final summary (`mmrl.trainer.train`)."""
+    if reward is not None and not callable(reward):
+        raise RecipeError(f"reward: expected a function, got {type(reward).__name__} (a name goes in reward.name)")
     given = {"train": train_dataset, "eval": eval_dataset}
     config = _recipe(recipe, list(overrides), {field for field, rows in given.items() if rows is not None})
     datasets = {field: in_memory_dataset(rows, getattr(config.data, field), f"{field}_dataset")
                 for field, rows in given.items() if rows is not None}
     if reward is not None and config.reward.name is not None:
-        raise RecipeError(f"reward: the recipe names reward.name {config.reward.name!r} and train() was given "
-                          f"reward={getattr(reward, '__name__', reward)!r}; give one")
-    if reward is not None and not callable(reward):
-        raise RecipeError(f"reward: expected a function, got {type(reward).__name__} (a name goes in reward.name)")
+        print(f"note: training with reward={reward_name(reward)} given to train(); the recipe's reward.name "
+              f"{config.reward.name!r} and its options are not used", file=sys.stderr, flush=True)
     from mmrl.trainer import train as run
 
     return run(config, reward=reward, datasets=datasets)
@@ -90,8 +92,9 @@ def in_memory_dataset(rows, spec, name: str) -> PromptDataset:
                 rows = datasets.Dataset.from_list(list(rows))
             return PromptDataset(MappedRows(rows, spec, name), name=name, limit=spec.limit)
         return PromptDataset(rows if hasattr(rows, "column_names") else list(rows), name=name)
-    except ValueError as exc:
-        raise RecipeError(f"{name}: {exc}") from None
+    except ValueError as exc:  # PromptDataset's and MappedRows' messages start with the name
+        message = str(exc)
+        raise RecipeError(message if message.startswith(f"{name}:") else f"{name}: {message}") from None
 
 
 __all__ = ["IN_MEMORY", "in_memory_dataset", "train"]

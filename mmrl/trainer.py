@@ -164,12 +164,12 @@ class Trainer:
 
             self.agent = AgentRollout(self.rollout, self.processing, self._environment,
                                       max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
-        self.reward_fn = (get_reward(self._given_reward, **r.reward.options) if self._given_reward is not None
-                          else recipe_reward(r))
+        self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         given = self._given_datasets
-        self.train_set = given.get("train") or load_prompts(r.data.train)
-        self.eval_set = given.get("eval") or (load_prompts(r.data.eval, split="test") if r.data.eval else None)
-        self.validation_set = given.get("validation") or (
+        self.train_set = given["train"] if "train" in given else load_prompts(r.data.train)
+        self.eval_set = given["eval"] if "eval" in given else (
+            load_prompts(r.data.eval, split="test") if r.data.eval else None)
+        self.validation_set = given["validation"] if "validation" in given else (
             load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
