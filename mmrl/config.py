@@ -357,14 +357,14 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
-def check_before_build(recipe: Recipe, *, reward_given: bool = False, loaded: dict | None = None) -> None:
+def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError for what the schema cannot see but a model build or the first
     step would trip on late: a model.path that is not there or holds unreadable weights,
     config_overrides of the wrong type, a reward that is not set or cannot be found, a
-    dataset that cannot be loaded. `reward_given` and `loaded` (datasets by field, e.g.
-    {"train": ...}) say what the Python caller gave instead (`mmrl.api.train`)."""
+    dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
+    e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
     _check_model(recipe.model)
-    check_reward_and_data(recipe, reward_given=reward_given, loaded=loaded)
+    check_reward_and_data(recipe, reward=reward, loaded=loaded)
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -398,15 +398,15 @@ def _check_model(m: ModelConfig) -> None:
             raise RecipeError(f"model.path: {exc}") from None
 
 
-def check_reward_and_data(recipe: Recipe, *, reward_given: bool = False, loaded: dict | None = None) -> None:
+def check_reward_and_data(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError, one line naming the field and the file or row, when the reward
-    is not set (and no function is given: `reward_given`) or cannot be found, or a
-    dataset cannot be loaded (every row validated, every image opened). The datasets
-    stay cached by `load_prompts`, so the trainer does not load them twice."""
+    is not set (and no function is given: `reward`) or cannot be found, or needs an
+    argument no column of data.train fills, or a dataset cannot be loaded (every row
+    validated, every image opened). The datasets stay cached by `load_prompts`, so the
+    trainer does not load them twice."""
     from mmrl.data import load_prompts
 
-    if not reward_given:
-        recipe_reward(recipe)
+    reward_fn = reward if reward is not None else recipe_reward(recipe)
     data = recipe.data
     for field, source, split in (("train", data.train, "train"), ("validation", data.validation, "validation"),
                                  ("eval", data.eval, "test")):
@@ -420,6 +420,21 @@ def check_reward_and_data(recipe: Recipe, *, reward_given: bool = False, loaded:
         if field == "train" and len(dataset) < data.prompts_per_step:
             raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
                               f"{dataset.name or 'data.train'} has {len(dataset)} rows")
+        if field == "train":
+            _check_reward_arguments(reward_fn, dataset, "reward" if reward is not None else "reward.name")
+
+
+def _check_reward_arguments(reward_fn, dataset, field: str) -> None:
+    """A RecipeError when the reward requires an argument that neither a column of the
+    training rows nor the trainer gives (it would fail at step 1)."""
+    from mmrl.rewards import TRAINER_FIELDS, missing_fields, reward_name
+
+    columns = set(dataset[0]) - {"prompt", "answer", "images", "videos"}
+    missing = missing_fields(reward_fn, columns | set(TRAINER_FIELDS))
+    if missing:
+        listed = ", ".join(sorted(columns)) or "none"
+        raise RecipeError(f"{field}: {reward_name(reward_fn)} needs {', '.join(map(repr, missing))}, which is no "
+                          f"column of data.train (its other columns: {listed}) nor one of {', '.join(TRAINER_FIELDS)}")
 
 
 def recipe_reward(recipe: Recipe):

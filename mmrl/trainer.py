@@ -83,7 +83,7 @@ class Trainer:
         self._score_rows: list[int] | None = None
         self._score_dataset = None
         # cheap checks, before the (slow) model build
-        check_before_build(recipe, reward_given=reward is not None, loaded=self._given_datasets)
+        check_before_build(recipe, reward=reward, loaded=self._given_datasets)
         notice = unset_toy_defaults(recipe)
         if notice and self.dist.is_main:
             print(notice, file=sys.stderr, flush=True)

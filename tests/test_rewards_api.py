@@ -299,3 +299,21 @@ def test_train_refuses_what_it_cannot_use(tmp_path):
         mmrl.train(TINY, train_dataset=[{"prompt": "not a conversation", "answer": "1"}])
     with pytest.raises(RecipeError, match=r"^recipe: expected a path, a mapping or a Recipe, got int"):
         mmrl.train(3)
+
+
+def test_a_reward_needing_a_column_the_data_lacks_stops_before_the_build(tmp_path, monkeypatch):
+    from mmrl.config import check_reward_and_data
+
+    module = _unique("needs")
+    recipe_path = _experiment(tmp_path, f"./{module}.py:graded", {f"{module}.py": """
+        def graded(completions, answers, solution, prompts):
+            return [0.0 for _ in completions]
+    """})
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    with pytest.raises(RecipeError, match=r"^reward\.name: graded needs 'solution', which is no column of "
+                                          r"data\.train \(its other columns: task\) nor one of prompts, images"):
+        check_reward_and_data(load_recipe(recipe_path))
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "answer": "1", "solution": "1"}] * 2
+    from mmrl.api import in_memory_dataset
+
+    check_reward_and_data(load_recipe(recipe_path), loaded={"train": in_memory_dataset(rows, None, "rows")})

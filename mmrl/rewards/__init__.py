@@ -45,7 +45,7 @@ RewardFn = Callable[..., list[float]]
 TRAINER_FIELDS = ("prompts", "images", "videos", "completion_ids")
 
 __all__ = ["BUILTIN_REWARDS", "TRAINER_FIELDS", "CombinedReward", "RewardError", "RewardFn", "RewardPart",
-           "accepts", "call_reward", "combine", "get_reward", "reward_name", "score", "score_parts"]
+           "accepts", "call_reward", "combine", "get_reward", "missing_fields", "reward_name", "score", "score_parts"]
 
 
 class RewardError(ValueError):
@@ -83,6 +83,23 @@ def accepts(fn: RewardFn, name: str) -> bool:
                for p in parameters)
 
 
+def _plan(parameters: list[inspect.Parameter], offered: set[str]) -> tuple[bool, bool, set[str] | None]:
+    """How to call a function with these parameters when `offered` names the fields
+    besides completions (answers included): (completions positionally, answers
+    positionally, the keywords it takes; None: any, it has **kwargs)."""
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = None if any(p.kind is p.VAR_KEYWORD for p in parameters) else {
+        p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if positional and positional[0] in offered:  # TRL's order: prompts first, all by keyword
+        return False, False, keywords
+    second = positional[1] if len(positional) > 1 else None
+    answers_second = (second == "answers" or second not in offered) if second is not None else \
+        any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    if keywords is not None:
+        keywords = keywords - set(positional[:2 if answers_second else 1])
+    return True, answers_second, keywords
+
+
 def call_reward(fn: RewardFn, completions: list, answers: list, **fields):
     """`fn` called with the arguments its signature takes.
 
@@ -96,21 +113,34 @@ def call_reward(fn: RewardFn, completions: list, answers: list, **fields):
     if parameters is None:
         return fn(completions, answers, **fields)
     offered = {"answers": answers, **{k: v for k, v in fields.items() if k not in ("completions", "answers")}}
-    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
-    any_positional = any(p.kind is p.VAR_POSITIONAL for p in parameters)
-    if positional and positional[0] in offered:  # TRL's order: prompts first
-        args, rest = [], {"completions": completions, **offered}
+    completions_first, answers_second, keywords = _plan(parameters, set(offered))
+    args = []
+    if completions_first:
+        args.append(completions)
     else:
-        args, taken = [completions], set(positional[:1])
-        second = positional[1] if len(positional) > 1 else None
-        if (second is not None and (second == "answers" or second not in offered)) or (second is None and any_positional):
-            args.append(answers)
-            taken.add(second)
-            offered.pop("answers")
-        rest = {k: v for k, v in offered.items() if k not in taken}
-    return fn(*args, **{k: v for k, v in rest.items() if any_keyword or k in named})
+        offered["completions"] = completions
+    if answers_second:
+        args.append(answers)
+        offered.pop("answers")
+    return fn(*args, **{k: v for k, v in offered.items() if keywords is None or k in keywords})
+
+
+def missing_fields(fn: RewardFn, available: set[str]) -> list[str]:
+    """The required parameters of `fn` (or of a combined reward's parts) that no field
+    in `available` (dataset columns and `TRAINER_FIELDS`) fills: a call would fail."""
+    if isinstance(fn, CombinedReward):
+        return sorted({name for part in fn.components for name in missing_fields(part.fn, available)})
+    parameters = _parameters(fn)
+    if parameters is None:
+        return []
+    offered = {"answers", *available}
+    completions_first, answers_second, _ = _plan(parameters, offered)
+    filled = offered | ({"completions"} if not completions_first else set())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_position = {p.name for p in positional[:int(completions_first) + int(answers_second)]}
+    return [p.name for p in parameters
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and p.name not in by_position and p.name not in filled]
 
 
 def score(fn: RewardFn, completions: list[str], answers: list[str], **fields) -> list[float]:

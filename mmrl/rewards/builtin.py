@@ -4,8 +4,9 @@ Every reward function has the same signature:
 
     fn(completions: list[str], answers: list[str], **fields) -> list[float]
 
-`fields` are the dataset's other columns, one list per column, passed through; a
-function uses the ones it knows and ignores the rest. Options (a regex, a tolerance)
+`fields` are the dataset's other columns and the trainer's fields (prompts, images,
+completion_ids: `mmrl.rewards`), one list per column, passed through; a function uses
+the ones it knows and ignores the rest. Options (a regex, a tolerance)
 are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
 
     exact_match  1.0 when equal after normalizing whitespace and case
