@@ -40,6 +40,8 @@ from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, r
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.parallel import Dist, LaunchError, init_distributed
+from mmrl.rewards import RewardError, get_reward, reward_name, score_parts
+from mmrl.rewards.fields import trainer_fields
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
@@ -116,7 +118,6 @@ class Trainer:
         from mmrl import build_model
         from mmrl.algos import get_advantage_estimator
         from mmrl.data import Position, load_prompts
-        from mmrl.rewards import get_reward
 
         r = self.recipe
         m = r.model
@@ -192,9 +193,6 @@ class Trainer:
         """Rewards of the responses, and a combined reward's parts by name (`score_parts`);
         a failing reward or a NaN/inf score stops the run here, before any update, naming
         the reward, the step and the dataset row."""
-        from mmrl.rewards import RewardError, score_parts
-        from mmrl.rewards.fields import trainer_fields
-
         # Multi-turn rollouts: the final policy turn is the answer.
         texts = result.texts if result.texts is not None else self.processing.decode(result.response_ids)
         rows = result.prompt_index.tolist()
@@ -485,8 +483,6 @@ class Trainer:
 
     def _plot_title(self) -> str:
         r = self.recipe
-        from mmrl.rewards import reward_name
-
         return f"{self.output_dir.name}: {r.algo.advantage}, {reward_name(self.reward_fn)} reward, {self.step} steps"
 
     def _close(self) -> None:

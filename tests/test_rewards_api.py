@@ -317,3 +317,50 @@ def test_a_reward_needing_a_column_the_data_lacks_stops_before_the_build(tmp_pat
     from mmrl.api import in_memory_dataset
 
     check_reward_and_data(load_recipe(recipe_path), loaded={"train": in_memory_dataset(rows, None, "rows")})
+
+
+# -- 6. a judge: a second model through the rollout backends ------------------------------------
+
+def test_parse_score_reads_the_last_number_or_falls_back():
+    from mmrl.rewards.judge import DEFAULT_PATTERN, parse_score
+
+    assert parse_score("reasoning 3 ... Score: 8", DEFAULT_PATTERN, 0.1, 0.0) == pytest.approx(0.8)
+    assert parse_score("no number", DEFAULT_PATTERN, 0.1, -1.0) == -1.0
+    assert parse_score("[[7.5]]", r"\[\[(\d+(?:\.\d+)?)\]\]", 1.0, 0.0) == 7.5
+
+
+def test_a_tiny_judge_model_scores_through_the_rollout_and_sees_the_images(monkeypatch):
+    from mmrl.rewards import judge as judge_module
+
+    monkeypatch.setattr(judge_module, "_JUDGES", {})
+    reward = get_reward("judge", model="qwen2_vl", random_init=True, max_new_tokens=3, default=0.25,
+                        tiny_vocabulary={"characters": "0123456789 \n", "words": ["Score", "user", "assistant"]})
+    assert accepts(reward, "prompts")
+    image = Image.new("RGB", (56, 56), "red")
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "How many?"}]}]] * 3
+    seen = {}
+    scores = None
+    original = judge_module.Judge.replies
+
+    def spy(self, conversations, max_new_tokens):
+        generate = self.rollout.generate
+
+        def recording(batch, params):
+            result = generate(batch, params)
+            seen["inputs"], seen["greedy"] = set(result.prompt_inputs), params.greedy
+            return result
+
+        self.rollout.generate = recording
+        seen["conversation"] = conversations[0]
+        return original(self, conversations, max_new_tokens)
+
+    monkeypatch.setattr(judge_module.Judge, "replies", spy)
+    scores = score(reward, ["1", "2", "3"], ["1", "1", "1"], prompts=prompts)
+    assert len(scores) == 3 and all(s == 0.25 or 0 <= s <= 100 for s in scores)
+    assert "pixel_values" in seen["inputs"] and seen["greedy"]
+    content = seen["conversation"][0]["content"]
+    assert content[0]["image"] is image and "Response: 1" in content[-1]["text"]
+    assert len(judge_module._JUDGES) == 1  # built once, reused by the next call
+    score(reward, ["4"], ["1"], prompts=prompts[:1])
+    assert len(judge_module._JUDGES) == 1

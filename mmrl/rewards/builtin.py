@@ -17,6 +17,7 @@ are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
     boxed_math   the last \\boxed{...} of the completion is equivalent to the answer
     think_format `<think>reasoning</think>` then an answer (boxed, tagged or any text)
     weighted     a weighted sum of other rewards, e.g. 0.9 boxed_math + 0.1 think_format
+    judge        a second model's score, read from its reply (`mmrl.rewards.judge`)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 import re
 import threading
+
+from mmrl.rewards.judge import judge
 
 DEFAULT_FORMAT = r"<answer>.*?</answer>"
 
@@ -369,4 +372,5 @@ BUILTIN_REWARDS = {
     "boxed_math": boxed_math,
     "think_format": think_format,
     "weighted": weighted,
+    "judge": judge,
 }
