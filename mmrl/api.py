@@ -25,15 +25,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmrl.config import Recipe, RecipeError, apply_overrides, read_recipe, validate_recipe
+from mmrl.config import IN_MEMORY, Recipe, RecipeError, apply_overrides, read_recipe, validate_recipe
 from mmrl.data import PromptDataset
 from mmrl.data.layouts import DataSource, MappedRows
 from mmrl.rewards import reward_name
-
-# What a recipe's data field reads when `train()` was given the dataset in memory; a
-# recipe file saying so cannot be run from the command line.
-IN_MEMORY = "memory:"
-
 
 def train(recipe: str | Path | Mapping[str, Any] | Recipe, *, reward=None, train_dataset=None, eval_dataset=None,
           overrides: Sequence[str] = ()) -> dict[str, Any]:

@@ -18,8 +18,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mmrl.data.layouts import DataSpec
+from mmrl.data.layouts import DataSource, DataSpec
 from mmrl.smoke import SmokeConfig
+
+# What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
+IN_MEMORY = "memory:"
 
 # The keys of `mmrl.tiny.vocabulary`, and what each holds.
 TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
@@ -413,6 +416,10 @@ def check_reward_and_data(recipe: Recipe, *, reward=None, loaded: dict | None = 
         given = (loaded or {}).get(field)
         if given is None and source is None:
             continue
+        path = source.path if isinstance(source, DataSource) else source
+        if given is None and isinstance(path, str) and path.startswith(IN_MEMORY):
+            raise RecipeError(f"data.{field}: {path} was a dataset given to mmrl.train() in Python; "
+                              "pass it again there, or name a file, folder or synthetic task here")
         try:
             dataset = given if given is not None else load_prompts(source, split=split)
         except (ValueError, TypeError, FileNotFoundError) as exc:

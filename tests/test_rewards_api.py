@@ -364,3 +364,48 @@ def test_a_tiny_judge_model_scores_through_the_rollout_and_sees_the_images(monke
     assert len(judge_module._JUDGES) == 1  # built once, reused by the next call
     score(reward, ["4"], ["1"], prompts=prompts[:1])
     assert len(judge_module._JUDGES) == 1
+
+
+# -- the command line: the user's folder, as issue 32 tells it -----------------------------------
+
+def test_cli_trains_with_a_reward_module_beside_the_recipe_without_pythonpath(tmp_path):
+    """`reward.name: my_rewards:graded` with my_rewards.py beside the recipe, run from
+    another folder without PYTHONPATH: trains; a recipe without a reward is one line."""
+    import os
+    import subprocess
+    import sys
+
+    experiment, elsewhere = tmp_path / "experiment", tmp_path / "elsewhere"
+    experiment.mkdir()
+    elsewhere.mkdir()
+    (experiment / "my_rewards.py").write_text(textwrap.dedent("""
+        def graded(completions, answers, images):
+            assert images[0][0].size == (56, 56)
+            return [float(c.strip() == a) for c, a in zip(completions, answers)]
+    """))
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["reward"] = {"name": "my_rewards:graded"}
+    (experiment / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cheap = ["trainer.steps=1", "trainer.progress=false", "trainer.export=false", "data.validation=null",
+             "data.eval=null", "data.prompts_per_step=2", "rollout.samples_per_prompt=2",
+             f"trainer.output_dir={tmp_path / 'run'}"]
+    result = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", "../experiment/recipe.yaml", *cheap],
+                            capture_output=True, text=True, cwd=elsewhere, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "reward/mean" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    unset = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", "../experiment/recipe.yaml", *cheap,
+                            "reward.name=null", "trainer.overwrite=true"],
+                           capture_output=True, text=True, cwd=elsewhere, env=env, timeout=600)
+    assert unset.returncode == 2
+    assert [line for line in unset.stderr.splitlines() if line.strip()] == [
+        line for line in unset.stderr.splitlines() if line.startswith("error: reward.name: not set; ")]
+    assert unset.stderr.startswith("error: reward.name: not set; ")
+
+
+def test_a_saved_recipe_of_an_in_memory_run_says_what_is_missing(tmp_path):
+    from mmrl.config import check_reward_and_data
+
+    recipe = load_recipe(TINY, ["data.train=memory:train_dataset"])
+    with pytest.raises(RecipeError, match=r"^data\.train: memory:train_dataset was a dataset given to mmrl\.train"):
+        check_reward_and_data(recipe)
