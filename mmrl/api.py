@@ -30,6 +30,7 @@ from mmrl.data import PromptDataset
 from mmrl.data.layouts import DataSource, MappedRows
 from mmrl.rewards import reward_name
 
+
 def train(recipe: str | Path | Mapping[str, Any] | Recipe, *, reward=None, train_dataset=None, eval_dataset=None,
           overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Train as `mmrl train` does and return the final summary (`mmrl.trainer.train`)."""
@@ -42,7 +43,7 @@ def train(recipe: str | Path | Mapping[str, Any] | Recipe, *, reward=None, train
     if reward is not None and config.reward.name is not None:
         print(f"note: training with reward={reward_name(reward)} given to train(); the recipe's reward.name "
               f"{config.reward.name!r} and its options are not used", file=sys.stderr, flush=True)
-    from mmrl.trainer import train as run
+    from mmrl.trainer import train as run  # torch and the engine load when training starts
 
     return run(config, reward=reward, datasets=datasets)
 

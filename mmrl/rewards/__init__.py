@@ -86,7 +86,9 @@ def accepts(fn: RewardFn, name: str) -> bool:
 def _plan(parameters: list[inspect.Parameter], offered: set[str]) -> tuple[bool, bool, set[str] | None]:
     """How to call a function with these parameters when `offered` names the fields
     besides completions (answers included): (completions positionally, answers
-    positionally, the keywords it takes; None: any, it has **kwargs)."""
+    positionally, the keywords it takes; None: any, it has **kwargs). The trainer's field
+    names count as offered even where a direct caller leaves them out."""
+    offered = offered | set(TRAINER_FIELDS)
     positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     keywords = None if any(p.kind is p.VAR_KEYWORD for p in parameters) else {
         p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
