@@ -6,6 +6,7 @@ is cheap: heavy modules load when first used.
 
     import mmrl
     built = mmrl.build_model("qwen2_vl", random_init=True)
+    summary = mmrl.train("recipes/tiny_vlm_count.yaml", reward=my_reward, train_dataset=rows)
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ _LAZY = {
     "apply_lora": "mmrl.lora",
     "merge_lora": "mmrl.lora",
     "Processing": "mmrl.processing",
+    "train": "mmrl.api",
+    "load_recipe": "mmrl.config",
+    "Recipe": "mmrl.config",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from mmrl.adapter import Capabilities, LoraTargets, ModelAdapter, Parts, VisionLanguageAdapter
+    from mmrl.api import train
     from mmrl.build import build_model, load_model
+    from mmrl.config import Recipe, load_recipe
     from mmrl.lora import apply_lora, merge_lora
     from mmrl.parts import freeze
     from mmrl.processing import Processing

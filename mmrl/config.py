@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mmrl.data.layouts import DataSpec
+from mmrl.data.layouts import DataSource, DataSpec
 from mmrl.loggers import check_installed
 from mmrl.smoke import SmokeConfig
+
+# What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
+IN_MEMORY = "memory:"
 
 # The keys of `mmrl.tiny.vocabulary`, and what each holds.
 TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
@@ -179,8 +182,11 @@ class AlgoConfig(_Section):
 
 
 class RewardConfig(_Section):
-    # A built-in reward name or a dotted path "package.module:function".
-    name: str = "counting"
+    # A built-in reward name, "path/to/file.py:function" (relative to the recipe's folder)
+    # or "package.module:function" (a module beside the recipe imports too). No default:
+    # a run without one stops before the build (`check_reward_and_data`), unless
+    # `mmrl.train(recipe, reward=fn)` passes a function.
+    name: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -286,6 +292,19 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
+    # The recipe file's folder: `reward.name` and `rollout.env` paths resolve there.
+    _folder: Path | None = PrivateAttr(None)
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder of the recipe file (None for a recipe built in memory)."""
+        return self._folder
+
+    def with_folder(self, folder: str | Path | None) -> Recipe:
+        """This recipe, its `reward.name` and `rollout.env` paths resolved against `folder`."""
+        located = self.model_copy()
+        located._folder = Path(folder).expanduser().resolve() if folder is not None else None
+        return located
 
     @field_validator("algo")
     @classmethod
@@ -360,29 +379,40 @@ def _deep_copy(values: dict) -> dict:
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """Read a YAML recipe (or start from defaults), apply overrides, validate."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise RecipeError(f"recipe file not found: {path}")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except UnicodeDecodeError as exc:
-            raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
-        if not isinstance(values, dict):
-            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(values).__name__}")
+    values = read_recipe(path) if path is not None else {}
     values = apply_overrides(values, overrides or [])
+    return validate_recipe(values, where=path, folder=Path(path).parent if path is not None else None)
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The sections of a YAML recipe file, unvalidated; a RecipeError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
     try:
-        return Recipe.model_validate(values)
+        values = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(values).__name__}")
+    return values
+
+
+def validate_recipe(values: dict[str, Any], *, where: str | Path | None = None,
+                    folder: str | Path | None = None) -> Recipe:
+    """`values` as a Recipe whose paths resolve against `folder`; a RecipeError naming
+    `where` (the file) and the field."""
+    try:
+        return Recipe.model_validate(values).with_folder(folder)
     except ValidationError as exc:
         first = exc.errors()[0]
         # A dict key's error ends its path with "[key]" (and rich would read that as markup).
         field = ".".join(str(p) for p in first["loc"] if p != "[key]")
-        where = f"{path}: " if path is not None else ""
+        prefix = f"{where}: " if where is not None else ""
         message = first["msg"].removeprefix("Value error, ")
-        raise RecipeError(f"{where}{field}: {message}") from None
+        raise RecipeError(f"{prefix}{field}: {message}") from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -394,18 +424,19 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
-def check_before_build(recipe: Recipe) -> None:
+def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError for what the schema cannot see but a model build or the first
     step would trip on late: a model.path that is not there or holds unreadable weights,
-    config_overrides of the wrong type, a reward that cannot be found, a dataset that
-    cannot be loaded."""
+    config_overrides of the wrong type, a reward that is not set or cannot be found, a
+    dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
+    e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
     _check_model(recipe.model)
     _check_lora_targets(recipe.model)
     try:
         check_installed(recipe.trainer.loggers)
     except ValueError as exc:
         raise RecipeError(f"trainer.loggers: {exc}") from None
-    check_reward_and_data(recipe)
+    check_reward_and_data(recipe, reward=reward, loaded=loaded)
 
 
 def _check_model(m: ModelConfig) -> None:
@@ -460,32 +491,84 @@ def _check_lora_targets(m: ModelConfig) -> None:
         raise RecipeError(f"model.lora_targets: {exc}") from None
 
 
-def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval")) -> None:
+def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval"), *,
+                          reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError, one line naming the field and the file or row, when the reward
-    cannot be found or a dataset of `splits` cannot be loaded (every row validated, every
-    image opened). The datasets stay cached by `load_prompts`, so the trainer does not
-    load them twice."""
+    is not set (and no function is given: `reward`) or cannot be found, or needs an
+    argument no column of data.train fills, or a dataset of `splits` cannot be loaded
+    (every row validated, every image opened; `loaded`: datasets given in memory). The
+    datasets stay cached by `load_prompts`, so the trainer does not load them twice."""
     from mmrl.data import load_prompts
-    from mmrl.rewards import get_reward
 
-    reward = recipe.reward
-    try:
-        get_reward(reward.name, **reward.options)
-    except (ValueError, TypeError) as exc:
-        field = "reward.options" if "has no option" in str(exc) else "reward.name"
-        raise RecipeError(f"{field}: {exc}") from None
+    reward_fn = reward if reward is not None else recipe_reward(recipe)
     data = recipe.data
     for field, source, split in (("train", data.train, "train"), ("validation", data.validation, "validation"),
                                  ("eval", data.eval, "test")):
-        if source is None or field not in splits:
+        given = (loaded or {}).get(field)
+        if field not in splits or (given is None and source is None):
             continue
+        path = source.path if isinstance(source, DataSource) else source
+        if given is None and isinstance(path, str) and path.startswith(IN_MEMORY):
+            raise RecipeError(f"data.{field}: {path} was a dataset given to mmrl.train() in Python; "
+                              "pass it again there, or name a file, folder or synthetic task here")
         try:
-            dataset = load_prompts(source, split=split)
+            dataset = given if given is not None else load_prompts(source, split=split)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             raise RecipeError(f"data.{field}: {exc}") from None
         if field == "train" and len(dataset) < data.prompts_per_step:
             raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
                               f"{dataset.name or 'data.train'} has {len(dataset)} rows")
+        if field == "train":
+            _check_reward_arguments(reward_fn, dataset, "reward" if reward is not None else "reward.name")
+
+
+def _check_reward_arguments(reward_fn, dataset, field: str) -> None:
+    """A RecipeError when the reward requires an argument that neither a column of the
+    training rows nor the trainer gives (it would fail at step 1)."""
+    from mmrl.rewards import TRAINER_FIELDS, missing_fields, reward_name
+
+    columns = set(dataset[0]) - {"prompt", "answer", "images", "videos"}
+    missing = missing_fields(reward_fn, columns | set(TRAINER_FIELDS))
+    if missing:
+        listed = ", ".join(sorted(columns)) or "none"
+        raise RecipeError(f"{field}: {reward_name(reward_fn)} needs {', '.join(map(repr, missing))}, which is no "
+                          f"column of data.train (its other columns: {listed}) nor one of {', '.join(TRAINER_FIELDS)}")
+
+
+def recipe_reward(recipe: Recipe):
+    """The reward function `reward:` names, resolved against the recipe's folder; a
+    RecipeError naming the field when it is not set or does not resolve."""
+    from mmrl.rewards import BUILTIN_REWARDS, get_reward
+
+    reward = recipe.reward
+    if reward.name is None:
+        raise RecipeError(f"reward.name: not set; name what scores the completions: a built-in "
+                          f"({', '.join(BUILTIN_REWARDS)}), path/to/file.py:function or package.module:function "
+                          "(docs/training.md#rewards)")
+    try:
+        return get_reward(reward.name, recipe.folder, **reward.options)
+    except (ValueError, TypeError) as exc:
+        options = "has no option" in str(exc) or reward.name == "weighted"
+        field = "reward.options" if options else "reward.name"
+        raise RecipeError(f"{field}: {exc}") from None
+
+
+# Defaults fit for the tiny CPU recipes, not for a real model: a run that leaves them
+# unset is told which ones it uses.
+TOY_DEFAULTS = {("optim", "lr"): "a real model usually wants 1e-6 to 1e-5",
+                ("model", "dtype"): "bfloat16 halves the memory of a real model on a GPU"}
+
+
+def unset_toy_defaults(recipe: Recipe) -> str | None:
+    """A one-line notice naming the `TOY_DEFAULTS` that `recipe` leaves unset, or None."""
+    unset = []
+    for (section, field), advice in TOY_DEFAULTS.items():
+        config = getattr(recipe, section)
+        if field not in config.model_fields_set:
+            unset.append(f"{section}.{field}={getattr(config, field)} ({advice})")
+    if not unset:
+        return None
+    return "note: the recipe leaves these at their defaults: " + "; ".join(unset)
 
 
 def _weights_problem(folder: Path) -> str | None:

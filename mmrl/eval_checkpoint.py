@@ -22,14 +22,13 @@ import torch
 import torch.distributed
 
 from mmrl.build import build_model, build_recipe_model
-from mmrl.config import Recipe, RecipeError, _weights_problem, check_reward_and_data
+from mmrl.config import Recipe, RecipeError, _weights_problem, check_reward_and_data, recipe_reward
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
-from mmrl.rewards import get_reward
 from mmrl.rollout import choose_backend, make_rollout
 from mmrl.runs import verify_checkpoint
 from mmrl.trainer import environment_factory
@@ -112,7 +111,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
                              max_tokens=r.rollout.max_tokens)
     evaluator = Evaluator(r.eval, dist, max_new_tokens=r.rollout.max_new_tokens,
                           generate=rollout_generator(rollout, agent, max_pixels=m.max_pixels),
-                          score=reward_scorer(get_reward(r.reward.name, **r.reward.options), built.processing))
+                          score=reward_scorer(recipe_reward(r), built.processing))
     dataset = load_prompts(source, split="test" if split == "eval" else "validation")
     metrics = evaluator.run(list(dataset), dataset, context=f"evaluation of {path}", controls=True)
     if dist.distributed:

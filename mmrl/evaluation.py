@@ -94,7 +94,7 @@ def reward_scorer(reward_fn, processing) -> Score:
     """`score` by the reward function, plus a multi-turn rollout's environment rewards."""
 
     def score(samples, result, rows, dataset, context):
-        scores = score_rollout(reward_fn, processing, samples, result, rows=rows, dataset=dataset, where=context)
+        scores, _ = score_rollout(reward_fn, processing, samples, result, rows=rows, dataset=dataset, where=context)
         return scores + result.env_rewards.float() if result.env_rewards is not None else scores
 
     return score

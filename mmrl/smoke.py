@@ -104,7 +104,7 @@ def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
     recipe = load_recipe(path)
     values = apply_overrides(smoke_values(recipe, path), overrides or [])
     try:
-        return Recipe.model_validate(values)
+        return Recipe.model_validate(values).with_folder(recipe.folder)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise RecipeError(f"{path} (smoke): {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -37,22 +38,28 @@ import torch
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
-from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
+from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
+                         unset_toy_defaults)
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.parallel import Dist, LaunchError, init_distributed
+from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
-from mmrl.scoring import score_rollout
 from mmrl.samples import sample_rows
+from mmrl.scoring import score_rollout
 from mmrl.update import PolicyUpdate
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, dist: Dist | None = None):
+    def __init__(self, recipe: Recipe, dist: Dist | None = None, *, reward=None, datasets: dict | None = None):
+        """`reward` (a function) and `datasets` (`PromptDataset`s by data field: "train",
+        "validation", "eval") replace what the recipe names; `mmrl.api.train` passes them."""
         self.recipe = recipe
+        self._given_reward = reward
+        self._given_datasets = datasets or {}
         sequence_parallel = recipe.parallel.sequence_parallel
         if dist is None:
             try:
@@ -82,7 +89,11 @@ class Trainer:
         self._step_context = "before training"
         self._score_rows: list[int] | None = None
         self._score_dataset = None
-        check_before_build(recipe)  # cheap checks, before the (slow) model build
+        # cheap checks, before the (slow) model build
+        check_before_build(recipe, reward=reward, loaded=self._given_datasets)
+        notice = unset_toy_defaults(recipe)
+        if notice and self.dist.is_main:
+            print(notice, file=sys.stderr, flush=True)
         self._environment = environment_factory(recipe)
         self._claim_folder()
         if self.dist.device.type == "cuda":
@@ -115,7 +126,6 @@ class Trainer:
     def _build(self) -> None:
         from mmrl.algos import get_advantage_estimator
         from mmrl.data import Position, load_prompts
-        from mmrl.rewards import get_reward
 
         r = self.recipe
         m = r.model
@@ -169,13 +179,15 @@ class Trainer:
 
             self.agent = AgentRollout(self.rollout, self.processing, self._environment,
                                       max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
-        self.reward_fn = get_reward(r.reward.name, **r.reward.options)
+        self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
-        self.train_set = load_prompts(r.data.train)
-        self.eval_set = load_prompts(r.data.eval, split="test") if r.data.eval else None
-        self.validation_set = (load_prompts(r.data.validation, split="validation") if r.data.validation
-                               else self.eval_set)
+        given = self._given_datasets
+        self.train_set = given["train"] if "train" in given else load_prompts(r.data.train)
+        self.eval_set = given["eval"] if "eval" in given else (
+            load_prompts(r.data.eval, split="test") if r.data.eval else None)
+        self.validation_set = given["validation"] if "validation" in given else (
+            load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
 
@@ -192,15 +204,18 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result) -> torch.Tensor:
-        """Rewards of the responses; a failing reward or a NaN/inf score stops the run
-        here, before any update, naming the reward, the step and the dataset row."""
-        scores = score_rollout(self.reward_fn, self.processing, samples, result, rows=self._score_rows,
-                               dataset=self._score_dataset, where=self._step_context)
+    def _score(self, samples: list[dict], result, conversations: list | None = None
+               ) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Rewards of the responses, and a combined reward's parts by name (`score_parts`);
+        a failing reward or a NaN/inf score stops the run here, before any update, naming
+        the reward, the step and the dataset row."""
+        scores, parts = score_rollout(self.reward_fn, self.processing, samples, result, rows=self._score_rows,
+                                      dataset=self._score_dataset, where=self._step_context,
+                                      conversations=conversations, max_pixels=self.recipe.model.max_pixels)
         self._outcomes = scores  # the reward function's alone: per-turn credit counts the environment's apart
         if result.env_rewards is not None:
             scores = scores + result.env_rewards.float()
-        return scores
+        return scores, parts
 
     def _next_prompts(self) -> list[dict]:
         """This data-parallel rank's share of the next batch of prompts."""
@@ -247,7 +262,7 @@ class Trainer:
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
         self._score_rows, self._score_dataset = self._batch_rows, self.train_set
-        rewards = self._score(samples, result)
+        rewards, reward_parts = self._score(samples, result, conversations)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -255,12 +270,13 @@ class Trainer:
             "response/length": result.lengths.mean().item(),
             "response/stopped": sum(f == "stop" for f in result.finish_reasons) / len(result.finish_reasons),
             "groups/kept": keep.float().mean().item(),
+            **{f"reward/{name}": sum(scores) / len(scores) for name, scores in reward_parts.items()},
             **(result.stats or {}),
         }
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
         if self.dist.all_reduce_sum(float(len(rows))) == 0:
-            self._write_samples(samples, result, rewards, None)
+            self._write_samples(samples, result, rewards, None, reward_parts)
             return metrics  # every rank filtered every group: nothing to learn from
         if len(rows) == 0:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
@@ -271,7 +287,7 @@ class Trainer:
         with self._timed("logprob"):
             self.update.estimate(batches, minis, temperature)
         advantages = self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
-        self._write_samples(samples, result, rewards, advantages)
+        self._write_samples(samples, result, rewards, advantages, reward_parts)
         with self._timed("update"):
             metrics.update(self.update.run(batches, minis, temperature))
         with self._timed("sync"):
@@ -343,7 +359,7 @@ class Trainer:
         saved = self._step_context, self._score_rows, self._score_dataset
         self._step_context, self._score_rows, self._score_dataset = context, rows, dataset
         try:
-            return self._score(samples, result)
+            return self._score(samples, result)[0]
         finally:
             self._step_context, self._score_rows, self._score_dataset = saved
 
@@ -504,7 +520,7 @@ class Trainer:
 
     def _plot_title(self) -> str:
         r = self.recipe
-        return f"{self.output_dir.name}: {r.algo.advantage}, {r.reward.name} reward, {self.step} steps"
+        return f"{self.output_dir.name}: {r.algo.advantage}, {reward_name(self.reward_fn)} reward, {self.step} steps"
 
     def _close(self) -> None:
         self.log.close()
@@ -538,7 +554,7 @@ def environment_factory(recipe: Recipe):
     from mmrl.envs import get_environment
 
     try:
-        factory = get_environment(rollout.env, **rollout.env_options)
+        factory = get_environment(rollout.env, recipe.folder, **rollout.env_options)
         factory()  # options the constructor rejects (a bad value) fail here, not at step 1
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"rollout.env: {exc}") from None
@@ -548,10 +564,11 @@ def environment_factory(recipe: Recipe):
     return factory
 
 
-def train(recipe: Recipe) -> dict[str, Any]:
-    """Run a recipe to the end; returns the final summary (rank 0's view)."""
+def train(recipe: Recipe, *, reward=None, datasets: dict | None = None) -> dict[str, Any]:
+    """Run a recipe to the end; returns the final summary (rank 0's view). `reward` and
+    `datasets` as for `Trainer`; `mmrl.train` (mmrl/api.py) is the documented entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    trainer = Trainer(recipe)
+    trainer = Trainer(recipe, reward=reward, datasets=datasets)
     summary = trainer.fit()
     if trainer.dist.distributed and torch.distributed.is_initialized():
         # No rank may leave while another still talks to it (gloo aborts the process

@@ -89,6 +89,7 @@ def _recipe(tmp_path: Path, model_path: str, train=None) -> Path:
         "model": {"path": model_path},
         "data": {"train": train if train is not None else str(rows), "prompts_per_step": 2},
         "rollout": {"backend": "hf", "samples_per_prompt": 2, "max_new_tokens": 2},
+        "reward": {"name": "exact_match"},
         "trainer": {"steps": 1, "progress": False, "export": False, "output_dir": str(tmp_path / "run")},
     }))
     return recipe

@@ -17,7 +17,7 @@ def my_reward(completions, answers, *, bonus=0.0, **fields):
 
 def test_builtin_names():
     assert set(BUILTIN_REWARDS) == {"exact_match", "numeric", "math", "format", "counting", "boxed_math",
-                                    "think_format", "weighted"}
+                                    "think_format", "weighted", "judge"}
 
 
 def test_exact_match_normalizes_whitespace_and_case():

@@ -245,7 +245,7 @@ def test_bad_sequence_parallel_is_a_one_line_error(tmp_path):
     heads = build_model("qwen2", random_init=True).model.config.num_attention_heads
     size = heads + 1  # never divides the query heads
     recipe = load_recipe(overrides=["model.path=qwen2", "model.random_init=true",
-                                    "data.train=synthetic:count_shapes?n=16",
+                                    "data.train=synthetic:count_shapes?n=16", "reward.name=counting",
                                     f"trainer.output_dir={tmp_path}", f"parallel.sequence_parallel={size}"])
     # A stand-in for `size` processes: the check runs before anything is sharded.
     dist = Dist(rank=0, world_size=size, local_rank=0, device=torch.device("cpu"), mesh=None,

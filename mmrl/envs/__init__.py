@@ -16,6 +16,7 @@ followed: docs/agents.md). Optional integer attributes
 
     factory = get_environment("tools", tools=["zoom"], max_calls=1)   # a built-in, options bound
     factory = get_environment("my_pkg.envs:Maze")                       # or any class / function
+    factory = get_environment("./maze.py:Maze", recipe.folder)           # or a file (mmrl/imports.py)
     env = factory()
 
 Built in (`BUILTIN_ENVIRONMENTS`): `single_turn` (one policy turn: today's rollout) and
@@ -25,10 +26,12 @@ Built in (`BUILTIN_ENVIRONMENTS`): `single_turn` (one policy turn: today's rollo
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
+
+from mmrl.imports import import_object
 
 Messages = list[dict[str, Any]]
 
@@ -39,30 +42,16 @@ class Environment(Protocol):
     def step(self, messages: Messages) -> tuple[Messages, bool, float | None]: ...
 
 
-def import_path(spec: str, *, what: str, builtins: Mapping[str, Any]) -> Any:
-    """The object at "package.module:name" or "package.module.name"; a clear one-line
-    error naming `what` and the built-ins otherwise."""
-    module_name, _, attribute = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(f"unknown {what} {spec!r}: not a built-in ({', '.join(sorted(builtins))}) "
-                         "and not a 'package.module:name' path")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({error})") from error
-    value = getattr(module, attribute, None)
-    if value is None:
-        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no {attribute!r}")
-    return value
-
-
-def get_environment(spec: str | Callable, **options) -> Callable[[], Environment]:
+def get_environment(spec: str | Callable, folder: str | Path | None = None, /,
+                    **options) -> Callable[[], Environment]:
     """A factory of fresh environments (one per sample) named by `spec`, `options` bound.
-    Options must be parameters of the environment, so a misspelt one fails here."""
+    `spec` may be a "path/to/file.py:Class" relative to `folder` (the recipe's folder;
+    `mmrl.imports`). Options must be parameters of the environment, so a misspelt one
+    fails here."""
     from mmrl.envs.builtin import BUILTIN_ENVIRONMENTS
 
-    factory = spec if callable(spec) else BUILTIN_ENVIRONMENTS.get(spec) or import_path(
-        spec, what="environment", builtins=BUILTIN_ENVIRONMENTS)
+    factory = spec if callable(spec) else BUILTIN_ENVIRONMENTS.get(spec) or import_object(
+        spec, what="environment", folder=folder, builtins=BUILTIN_ENVIRONMENTS)
     if not callable(factory):
         raise ValueError(f"environment {spec!r} is not a class or function")
     try:
@@ -72,4 +61,4 @@ def get_environment(spec: str | Callable, **options) -> Callable[[], Environment
     return functools.partial(factory, **options)
 
 
-__all__ = ["Environment", "Messages", "get_environment", "import_path"]
+__all__ = ["Environment", "Messages", "get_environment"]

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmrl.imports import import_object
+
 
 class ToolError(ValueError):
     """A tool call that cannot be carried out (unknown tool, bad arguments)."""
@@ -204,9 +206,7 @@ def get_tool(spec: str | Tool | Callable) -> Tool:
         return Tool(spec.__name__, spec, (spec.__doc__ or "").strip().splitlines()[0] if spec.__doc__ else "")
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]
-    from mmrl.envs import import_path
-
-    return get_tool(import_path(spec, what="tool", builtins=BUILTIN_TOOLS))
+    return get_tool(import_object(spec, what="tool", builtins=BUILTIN_TOOLS))
 
 
 __all__ = ["BUILTIN_TOOLS", "Tool", "ToolCall", "ToolError", "calculator", "get_tool", "parse_tool_calls", "zoom"]

@@ -4,8 +4,9 @@ Every reward function has the same signature:
 
     fn(completions: list[str], answers: list[str], **fields) -> list[float]
 
-`fields` are the dataset's other columns, one list per column, passed through; a
-function uses the ones it knows and ignores the rest. Options (a regex, a tolerance)
+`fields` are the dataset's other columns and the trainer's fields (prompts, images,
+completion_ids: `mmrl.rewards`), one list per column, passed through; a function uses
+the ones it knows and ignores the rest. Options (a regex, a tolerance)
 are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
 
     exact_match  1.0 when equal after normalizing whitespace and case
@@ -16,6 +17,7 @@ are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
     boxed_math   the last \\boxed{...} of the completion is equivalent to the answer
     think_format `<think>reasoning</think>` then an answer (boxed, tagged or any text)
     weighted     a weighted sum of other rewards, e.g. 0.9 boxed_math + 0.1 think_format
+    judge        a second model's score, read from its reply (`mmrl.rewards.judge`)
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import math
 import re
 import threading
+
+from mmrl.rewards.judge import judge
 
 DEFAULT_FORMAT = r"<answer>.*?</answer>"
 
@@ -352,20 +356,11 @@ def weighted(completions: list[str], answers: list[str], *, components: list[dic
 
     Each component is a reward name (built-in or dotted path), a weight and its options.
     With weights summing to 1, a fully right completion scores exactly 1.0.
+    Each part's mean is logged as `reward/<name>` (`mmrl.rewards.score_parts`).
     """
-    from mmrl.rewards import combine, get_reward  # the package imports this module
+    from mmrl.rewards import weighted_reward  # the package imports this module
 
-    if not isinstance(components, (list, tuple)) or not components:
-        raise ValueError("weighted: components must be a non-empty list of {name, weight, options}")
-    parts = []
-    for i, component in enumerate(components):
-        if not isinstance(component, dict) or "name" not in component or "weight" not in component:
-            raise ValueError(f"weighted: components[{i}] must be a mapping with name and weight, got {component!r}")
-        unknown = set(component) - {"name", "weight", "options"}
-        if unknown:
-            raise ValueError(f"weighted: components[{i}] has unknown key(s) {', '.join(sorted(unknown))}")
-        parts.append((get_reward(component["name"], **(component.get("options") or {})), component["weight"]))
-    return combine(parts)(completions, answers, **fields)
+    return weighted_reward(components)(completions, answers, **fields)
 
 
 BUILTIN_REWARDS = {
@@ -377,4 +372,5 @@ BUILTIN_REWARDS = {
     "boxed_math": boxed_math,
     "think_format": think_format,
     "weighted": weighted,
+    "judge": judge,
 }
