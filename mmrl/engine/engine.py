@@ -23,7 +23,8 @@ tokens (`mmrl.engine.packing`), and on a GPU the flash varlen kernel wherever th
 document-causal (`mmrl.engine.varlen`). On a GPU in one process the text decoder's
 layers run compiled in the log-prob and value forwards, packed or padded
 (`compile_layers`, `mmrl.engine.compiled_layers`). Training engines switch dropout off
-(`disable_dropout`; `dropout=True` keeps it).
+(`disable_dropout`; `dropout=True` keeps it). Every change the engine makes to the model
+is one step of `mmrl.engine.surgery`, in the order listed there.
 
 With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
 group run the same batch, each over its slice of the sequence; log-probs, entropy and
@@ -55,7 +56,6 @@ then takes the gradients as they are. fp32 and bf16 engines scale nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,63 +63,20 @@ from pathlib import Path
 import torch
 
 from mmrl.config import OptimConfig
-from mmrl.engine import vision_attention
-from mmrl.engine.packing import PACK_TOKENS
+import mmrl.engine.surgery as surgery
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
-from mmrl.engine.master_weights import LossScaler, MasterWeights
+from mmrl.engine.master_weights import LossScaler, MasterWeights, needs_master
+from mmrl.engine.packing import PACK_TOKENS
+from mmrl.engine.surgery import disable_dropout  # noqa: F401 (re-exported)
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Real positions the model's own logits are computed for on an engine's first log-prob call,
 # to check the chunked head's logit post-processing against (`mmrl.engine.logprobs`).
 PROBE_TOKENS = 4
 # The share of a GPU's memory (1 / this) whose worth of head outputs the chunked log-probs
 # keep for the backward when memory is not short (`Engine.head_keep_bytes`).
 HEAD_KEEP_SHARE = 16
-
-
-# Names of the probabilities with which models drop activations, attention weights,
-# whole layers (LayerDrop) or residual branches (stochastic depth) in training mode.
-DROPOUT_NAMES = ("dropout", "pdrop", "drop_prob", "layerdrop", "drop_path")
-
-
-def _is_drop_probability(name: str, value) -> bool:
-    return isinstance(value, float) and value > 0 and any(part in name.lower() for part in DROPOUT_NAMES)
-
-
-def disable_dropout(model: torch.nn.Module) -> list[str]:
-    """Set every dropout probability that `model` applies in training mode to 0, and
-    return what was changed: `nn.Dropout` modules (LoRA's too), float probabilities that
-    modules hold for functional dropout, LayerDrop and stochastic depth, and the configs'
-    fields (some forwards read them there). The model stays in training mode, which
-    gradient checkpointing is gated on.
-
-    Policy-gradient updates weight the log-probs of sampled tokens against the rollout's
-    and the old and reference policies' (all computed without dropout): dropout in the
-    update alone makes the ratios noise, so RL trainers switch it off."""
-    changed = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            changed.append(f"{name or 'model'}.p={module.p}")
-            module.p = 0.0
-            continue
-        for attribute, value in list(vars(module).items()):
-            if _is_drop_probability(attribute, value):
-                changed.append(f"{name or 'model'}.{attribute}={value}")
-                setattr(module, attribute, 0.0)
-    configs, seen = [getattr(model, "config", None)], set()
-    while configs:
-        config = configs.pop()
-        if config is None or id(config) in seen or not hasattr(config, "to_dict"):
-            continue
-        seen.add(id(config))
-        for attribute, value in list(vars(config).items()):
-            if _is_drop_probability(attribute, value):
-                setattr(config, attribute, 0.0)
-            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                configs.append(value)  # a sub-config (text, vision, ...)
-    return changed
 
 
 def _lr_lambda(optim: OptimConfig, total_steps: int):
@@ -191,66 +148,30 @@ class Engine:
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.
         self.right_padded = not self.adapter.left_padding
-        self.model = built.model.to(dist.device)
-        # Dropout off unless asked for (`disable_dropout` says why); an engine that does
-        # not train runs in eval mode anyway.
-        self.dropout_disabled = [] if dropout else disable_dropout(self.model)
+        self.model = built.model
         self.value_head = None
         if value_head:
             hidden = self.model.config.get_text_config().hidden_size
             self.value_head = torch.nn.Linear(hidden, 1, device=dist.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
-        # Ulysses sequence parallelism over the ranks of dist's SP group (1: off).
         self.sequence_parallel = dist.sequence_parallel
-        self._checkpoint_kwargs = {"use_reentrant": False}
-        if self.sequence_parallel > 1:
-            from mmrl.parallel import ulysses
-
-            ulysses.install(self.model, self.adapter)
-            self._checkpoint_kwargs["context_fn"] = ulysses.checkpoint_context
-        # "auto": checkpointing only where memory needs it. One GPU process starts
-        # without it and turns it on when an update runs out of memory (the trainer
-        # redoes that optimizer step: `checkpoint_after_oom`); sharded ranks cannot
-        # recover from one rank's OOM, so they keep it on; the CPU never needs it.
-        if gradient_checkpointing not in (True, False, "auto"):
-            raise ValueError(f"gradient_checkpointing must be true, false or auto, got {gradient_checkpointing!r}")
-        self.checkpointing_auto = gradient_checkpointing == "auto"
-        # Read once here and kept by `enable_checkpointing`: transformers' own flag walks
-        # every module (0.7 ms for a 24-layer model), and the engine reads it each pass.
-        self._checkpointing = bool(getattr(self.model, "is_gradient_checkpointing", False))
-        if gradient_checkpointing is True or (self.checkpointing_auto and dist.distributed
-                                               and dist.device.type == "cuda"):
-            self.enable_checkpointing()
-        # Packed rows on a GPU: flash varlen attention where the mask is document-causal.
-        self.varlen = False
-        if self.pack and dist.device.type == "cuda" and self.sequence_parallel == 1:
-            from mmrl.engine import varlen
-
-            self.varlen = varlen.available() and varlen.install(self.model, self._decoder_layers)
-        # The text decoder's layers compiled in the log-prob and value forwards
-        # (`mmrl.engine.compiled_layers`). "auto": on a GPU in one process, packed or padded
-        # (measured both ways; sharded layers are not compiled unless asked).
-        if compile_layers not in (True, False, "auto"):
-            raise ValueError(f"compile_layers must be true, false or auto, got {compile_layers!r}")
-        self.compiled_layers = None
-        if compile_layers is True or (compile_layers == "auto" and dist.device.type == "cuda"
-                                      and not dist.distributed):
-            from mmrl.engine.compiled_layers import CompiledLayers
-
-            if not self._decoder_layers and compile_layers is True:
-                raise ValueError("compile_layers: cannot find the text decoder's layers to compile")
-            self.compiled_layers = CompiledLayers(self._decoder_layers) if self._decoder_layers else None
-        # The vision tower's per-image/per-window attention in one call per layer, where
-        # the model code offers a sequence-boundaries path (`mmrl.engine.vision_attention`).
-        self.vision_one_call = vision_attention.install(self.model)
-        # Trainable half-precision parameters get fp32 masters (the module docstring).
-        half = {p.dtype for p in self.parameters() if p.requires_grad and p.dtype in HALF_DTYPES}
-        if len(half) > 1:
-            raise ValueError(f"trainable parameters mix half-precision dtypes {sorted(map(str, half))}")
-        # The dtype whose trainable weights step through fp32 masters (None: no masters).
-        self.half_dtype = next(iter(half)) if optim is not None and master_weights and half else None
         self.sharded = dist.distributed
+        # Every "auto" settled, then every change to the model in one ordered list
+        # (`mmrl.engine.surgery`), its results kept where the engine reads them.
+        self.settings = surgery.resolve(
+            self.model, self.adapter, dist, trains=optim is not None, pack=self.pack, dropout=dropout,
+            gradient_checkpointing=gradient_checkpointing, compile_layers=compile_layers,
+            master_weights=master_weights, mixed_precision=mixed_precision)
+        changes = surgery.apply_all(self.model, self.settings, self.value_head)
+        self.dropout_disabled = changes.dropout_off
+        self.checkpointing_auto = self.settings.checkpointing_auto
+        self._checkpointing = changes.checkpointing
+        self.varlen = changes.varlen
+        self.compiled_layers = changes.compiled_layers
+        self.vision_one_call = changes.vision_attention
+        # The dtype whose trainable weights step through fp32 masters (None: no masters).
+        self.half_dtype = self.settings.half_dtype
         # float16's narrow range needs a scaled loss; bf16 and fp32 never scale. Without
         # masters the unscaled gradients would be fp16 again, so no scaling there either.
         self.loss_scaler = (LossScaler(growth_interval=loss_scale_growth_interval)
@@ -258,11 +179,10 @@ class Engine:
         self._scaled_backward = False  # whether the gradients held now are scaled
         self.step_skipped = False  # whether the last `step` skipped the optimizer (inf/nan)
         # fp32 masters in one process; none when sharded, where the upcast FSDP2 shards
-        # are the masters.
+        # are the masters (named here as in the engine's state dict).
         self._masters = MasterWeights()
-        self._upcast_names: set[str] = set()
-        if self.sharded:
-            self._shard()
+        prefix = "" if self.value_head is None else "model."
+        self._upcast_names: set[str] = {prefix + name for name in changes.upcast}
         self.optimizer = None
         self.scheduler = None
         if optim is not None:
@@ -280,59 +200,8 @@ class Engine:
                                                **fused)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
             self.grad_clip = optim.grad_clip
-        else:
-            for p in self.parameters():
-                p.requires_grad_(False)
-            self.model.eval()
 
     # -- setup -----------------------------------------------------------------------------
-    def _shard(self) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = None
-        if self.half_dtype is not None:
-            # FSDP2 over fp32 parameters with a half param_dtype is a master-weight scheme:
-            # the fp32 shards are what AdamW steps, the all-gathered copies are half.
-            mp = MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
-        elif self.dist.device.type == "cuda" and self.mixed_precision:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs = {"mesh": self.dist.mesh, **({"mp_policy": mp} if mp else {})}
-        layer_names = set(self.adapter.shard_layers)
-        sharded = [module for module in self.model.modules() if type(module).__name__ in layer_names]
-        sharded += [self.model] + ([self.value_head] if self.value_head is not None else [])
-        if self.half_dtype is not None:
-            self._upcast_names = {name for name, p in self._named_parameters() if self._needs_master(p)}
-        upcast: set[int] = set()
-        for module in sharded:
-            if self.half_dtype is not None:
-                # Module by module, just before its shard: one layer at a time exists in
-                # fp32 unsharded, not the whole model.
-                for param in module.parameters():
-                    if id(param) not in upcast and self._needs_master(param):
-                        param.data = param.data.float()
-                        upcast.add(id(param))
-            fully_shard(module, **kwargs)
-        if self.sequence_parallel > 1:
-            # Each rank of an SP group holds a partial gradient of the same batch: sum
-            # them, and average over the data-parallel groups only.
-            for module in sharded:
-                module.set_gradient_divide_factor(float(self.dist.dp_size))
-                if self.dist.device.type != "cuda":  # gloo has no pre-multiplied sum
-                    module.set_force_sum_reduction_for_comms(True)
-        # FSDP2 picks its root at the first forward it sees. HF generate may call a
-        # submodule first (the vision encoder, before prefill), so settle the root now.
-        self.model._get_fsdp_state()._lazy_init()
-
-    @functools.cached_property
-    def _decoder_layers(self) -> list[torch.nn.Module]:
-        """The text decoder's layers (`mmrl.parts.decoder_layers`), found once; empty where not found."""
-        from mmrl.parts import decoder_layers
-
-        try:
-            return decoder_layers(self.model, self.adapter)
-        except ValueError:
-            return []
-
     def _compiled(self):
         """The block in which the decoder layers run compiled: where the engine compiles
         them, and not under activation checkpointing, whose recomputation in backward has
@@ -344,10 +213,7 @@ class Engine:
 
     def enable_checkpointing(self) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self._checkpoint_kwargs)
-        if hasattr(self.model, "enable_input_require_grads"):
-            self.model.enable_input_require_grads()
-        self._checkpointing = bool(getattr(self.model, "is_gradient_checkpointing", False))
+        self._checkpointing = surgery.enable_checkpointing(self.model, self.settings)
 
     @property
     def checkpointing(self) -> bool:
@@ -389,7 +255,7 @@ class Engine:
         self._scaled_backward = False
 
     def _needs_master(self, param: torch.Tensor) -> bool:
-        return self.half_dtype is not None and param.requires_grad and param.dtype == self.half_dtype
+        return needs_master(param, self.half_dtype)
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters under their state-dict names, tied ones under each of their names."""
