@@ -65,7 +65,7 @@ import torch
 from mmrl.config import OptimConfig
 import mmrl.engine.surgery as surgery
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
-from mmrl.engine.master_weights import LossScaler, MasterWeights, needs_master
+from mmrl.engine.optimizer import Optimizer
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.engine.surgery import disable_dropout  # noqa: F401 (re-exported)
 from mmrl.engine.sequences import Sequences
@@ -77,21 +77,6 @@ PROBE_TOKENS = 4
 # The share of a GPU's memory (1 / this) whose worth of head outputs the chunked log-probs
 # keep for the backward when memory is not short (`Engine.head_keep_bytes`).
 HEAD_KEEP_SHARE = 16
-
-
-def _lr_lambda(optim: OptimConfig, total_steps: int):
-    def factor(step: int) -> float:
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
-        progress = min(max(progress, 0.0), 1.0)
-        if optim.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if optim.schedule == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return factor
 
 
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
@@ -172,34 +157,22 @@ class Engine:
         self.vision_one_call = changes.vision_attention
         # The dtype whose trainable weights step through fp32 masters (None: no masters).
         self.half_dtype = self.settings.half_dtype
-        # float16's narrow range needs a scaled loss; bf16 and fp32 never scale. Without
-        # masters the unscaled gradients would be fp16 again, so no scaling there either.
-        self.loss_scaler = (LossScaler(growth_interval=loss_scale_growth_interval)
-                            if self.half_dtype == torch.float16 else None)
-        self._scaled_backward = False  # whether the gradients held now are scaled
-        self.step_skipped = False  # whether the last `step` skipped the optimizer (inf/nan)
-        # fp32 masters in one process; none when sharded, where the upcast FSDP2 shards
-        # are the masters (named here as in the engine's state dict).
-        self._masters = MasterWeights()
-        prefix = "" if self.value_head is None else "model."
-        self._upcast_names: set[str] = {prefix + name for name in changes.upcast}
-        self.optimizer = None
-        self.scheduler = None
+        # AdamW, its schedule, fp32 masters and loss scaling (`mmrl.engine.optimizer`);
+        # None for an engine that does not train.
+        self.stepper = None
         if optim is not None:
-            base_lr = lr if lr is not None else optim.lr
-            groups = self._param_groups(base_lr, optim.lr_multipliers)
-            if not groups:
-                raise ValueError("nothing to train: every parameter is frozen")
-            if self.half_dtype is not None and not self.sharded:
-                groups = self._masters.replace(groups, self._needs_master)
-            # One process on a GPU: the fused AdamW kernel (one launch over all parameters
-            # instead of a dozen foreach passes): the 0.5B bf16 update of bench/packing.py
-            # went from 0.460 s to 0.431 s a step on an H200. Sharded, the default.
-            fused = {"fused": True} if self.dist.device.type == "cuda" and not self.sharded else {}
-            self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay,
-                                               **fused)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(optim, total_steps))
-            self.grad_clip = optim.grad_clip
+            prefix = "" if self.value_head is None else "model."  # as in the engine's state dict
+            self.stepper = Optimizer(
+                self.parameters(), {id(p): n for n, p in self.model.named_parameters()}, self.adapter, optim,
+                dist=dist, lr=lr, total_steps=total_steps, half_dtype=self.half_dtype,
+                upcast_names={prefix + name for name in changes.upcast},
+                loss_scale_growth_interval=loss_scale_growth_interval)
+        # The optimizer's parts, read by the trainer, benches and tests.
+        self.optimizer = self.stepper.optimizer if self.stepper else None
+        self.scheduler = self.stepper.scheduler if self.stepper else None
+        self.loss_scaler = self.stepper.loss_scaler if self.stepper else None
+        if self.stepper:
+            self.grad_clip = self.stepper.grad_clip
 
     # -- setup -----------------------------------------------------------------------------
     def _compiled(self):
@@ -251,11 +224,8 @@ class Engine:
     def drop_gradients(self) -> None:
         for parameter in self.parameters():
             parameter.grad = None
-        self._masters.drop_gradients()
-        self._scaled_backward = False
-
-    def _needs_master(self, param: torch.Tensor) -> bool:
-        return needs_master(param, self.half_dtype)
+        if self.stepper:
+            self.stepper.drop_gradients()
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Parameters under their state-dict names, tied ones under each of their names."""
@@ -263,28 +233,13 @@ class Engine:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 masters by state-dict name (local shards when sharded); empty without."""
-        if self.sharded:
-            return {name: p for name, p in self._named_parameters() if name in self._upcast_names}
-        return self._masters.by_name(self._named_parameters())
+        return self.stepper.masters_by_name(self._named_parameters()) if self.stepper else {}
 
     def gather_root(self) -> None:
         """All-gather the root group's parameters (embeddings, patch embedding, norms)
         for code that calls submodules directly instead of the model's forward."""
         if self.sharded:
             self.model.unshard()
-
-    def _param_groups(self, base_lr: float, multipliers: dict[str, float]) -> list[dict]:
-        """Trainable parameters grouped by learning rate (one group without multipliers)."""
-        from mmrl.parts import part_of
-
-        by_lr: dict[float, list[torch.nn.Parameter]] = {}
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for param in self.parameters():
-            if not param.requires_grad:
-                continue
-            part = part_of(names[id(param)], self.adapter) if id(param) in names else None
-            by_lr.setdefault(base_lr * multipliers.get(part, 1.0), []).append(param)
-        return [{"params": params, "lr": rate} for rate, params in by_lr.items()]
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self.model.parameters()
@@ -293,7 +248,7 @@ class Engine:
 
     @property
     def trains(self) -> bool:
-        return self.optimizer is not None
+        return self.stepper is not None
 
     # -- compute ---------------------------------------------------------------------------
     def log_probs(self, seqs: Sequences, temperature: float = 1.0, with_entropy: bool = True):
@@ -535,60 +490,33 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         """The factor `backward` multiplies the loss by now (1.0 without loss scaling)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return self.stepper.loss_scale if self.stepper else 1.0
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for inf/nan gradients since the run began."""
-        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
+        return self.stepper.skipped_steps if self.stepper else 0
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last `step` skipped the optimizer (inf/nan gradients)."""
+        return self.stepper.step_skipped if self.stepper else False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss`, scaled by `loss_scale` on float16 engines (the module docstring)."""
-        if self.loss_scaler is None:
+        if self.stepper is None:
             loss.backward()
             return
-        (loss * self.loss_scaler.scale).backward()
-        self._scaled_backward = True
+        self.stepper.backward(loss)
 
     def step(self) -> float:
-        """Clip gradients, take an optimizer and schedule step; returns the grad norm.
-        With loss scaling the gradients are unscaled first, and a step with inf or nan
-        gradients only drops them, backs the scale off and advances the schedule
-        (`step_skipped`; it returns nan)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.step_skipped = False
-        if self.loss_scaler is not None:
-            grads = [p.grad for p in params if p.grad is not None]
-            finite = self.loss_scaler.unscale(grads, self._scaled_backward, self.dist.device,
-                                               across_ranks=self.sharded)
-            self._scaled_backward = False
-            self.loss_scaler.update(finite)
-            if not finite:
-                return self._skip_step()
-        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._masters.to_model()
-        self.scheduler.step()
-        return float(norm)
-
-    def _skip_step(self) -> float:
-        import warnings
-
-        self.step_skipped = True
-        self.drop_gradients()
-        with warnings.catch_warnings():
-            # The schedule advances as in torch's AMP loop; a skipped first step makes
-            # torch warn that the scheduler stepped before the optimizer did.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
-        return math.nan
+        """Clip gradients, take an optimizer and schedule step; returns the grad norm
+        (nan for a step skipped for inf/nan gradients: `Optimizer.step`)."""
+        return self.stepper.step()
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+        return self.stepper.lr if self.stepper else 0.0
 
     # -- weights -----------------------------------------------------------------------------
     def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
@@ -602,9 +530,10 @@ class Engine:
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank, broadcast_from_rank0=False)
             state = get_model_state_dict(self.model, options=options)
-            if self._upcast_names:  # the fp32 masters leave as the half weights they train
+            upcast = self.stepper.upcast_names if self.stepper else set()
+            if upcast:  # the fp32 masters leave as the half weights they train
                 prefix = "" if self.value_head is None else "model."
-                state = {k: v.to(self.half_dtype) if prefix + k in self._upcast_names else v
+                state = {k: v.to(self.half_dtype) if prefix + k in upcast else v
                          for k, v in state.items()}
             if every_rank:
                 state = {k: v.detach().cpu() for k, v in state.items()}
@@ -648,8 +577,8 @@ class Engine:
             with torch.no_grad():
                 for name, master in self.master_state_dict().items():
                     master.copy_(model_state[name])
-            self._masters.to_model()
-            if self.optimizer is not None:
+            if self.stepper is not None:
+                self.stepper.masters.to_model()
                 self.optimizer.load_state_dict(rest["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(rest["scheduler"])
