@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 
 from mmrl.config import OptimConfig
+import mmrl.engine.state as state
 import mmrl.engine.surgery as surgery
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.optimizer import Optimizer
@@ -227,13 +228,9 @@ class Engine:
         if self.stepper:
             self.stepper.drop_gradients()
 
-    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """Parameters under their state-dict names, tied ones under each of their names."""
-        return self._modules_for_state().named_parameters(remove_duplicate=False)
-
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 masters by state-dict name (local shards when sharded); empty without."""
-        return self.stepper.masters_by_name(self._named_parameters()) if self.stepper else {}
+        return state.masters(self._modules_for_state(), self.stepper)
 
     def gather_root(self) -> None:
         """All-gather the root group's parameters (embeddings, patch embedding, norms)
@@ -518,90 +515,23 @@ class Engine:
     def lr(self) -> float:
         return self.stepper.lr if self.stepper else 0.0
 
-    # -- weights -----------------------------------------------------------------------------
+    # -- weights (`mmrl.engine.state`) -------------------------------------------------------
     def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
         """HF-named full weights on CPU, LoRA merged in when present. When sharded, only
         rank 0 gets them (the others an empty dict) unless `every_rank`, which gathers
         them on every rank's device first (a colocated rollout engine per rank)."""
-        from mmrl.lora import merged_state_dict
-
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank, broadcast_from_rank0=False)
-            state = get_model_state_dict(self.model, options=options)
-            upcast = self.stepper.upcast_names if self.stepper else set()
-            if upcast:  # the fp32 masters leave as the half weights they train
-                prefix = "" if self.value_head is None else "model."
-                state = {k: v.to(self.half_dtype) if prefix + k in upcast else v
-                         for k, v in state.items()}
-            if every_rank:
-                state = {k: v.detach().cpu() for k, v in state.items()}
-        else:
-            state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        return merged_state_dict(self.model, state)
+        return state.full_weights(self.model, self.dist, self.stepper, value_head=self.value_head,
+                                  every_rank=every_rank)
 
     def save_checkpoint(self, path: Path) -> None:
         """Model (safetensors), optimizer, schedule and loss scale, so a run resumes exactly."""
-        from safetensors.torch import save_file
-
-        state = self._train_state()
-        if self.dist.is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
-            tensors = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
-            save_file(tensors, str(path / "model.safetensors"))
-            rest = {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}
-            if self.loss_scaler is not None:
-                rest["loss_scaler"] = self.loss_scaler.state_dict()
-            torch.save(rest, path / "optimizer.pt")
-        self.dist.barrier()
+        state.save(path, self._modules_for_state(), self.stepper, self.dist)
 
     def load_checkpoint(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        model_state = load_file(str(path / "model.safetensors"))
-        rest = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            set_state_dict(
-                self._modules_for_state(), self.optimizer,
-                model_state_dict=model_state, optim_state_dict=rest["optimizer"],
-                options=StateDictOptions(full_state_dict=True),
-            )
-        else:
-            self._modules_for_state().load_state_dict(model_state)
-            # The file holds the fp32 masters (half weights from a run without them
-            # are upcast, as at the start of a run).
-            with torch.no_grad():
-                for name, master in self.master_state_dict().items():
-                    master.copy_(model_state[name])
-            if self.stepper is not None:
-                self.stepper.masters.to_model()
-                self.optimizer.load_state_dict(rest["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(rest["scheduler"])
-        # Checkpoints from before loss scaling (or of bf16/fp32 runs) start from the default.
-        if self.loss_scaler is not None and "loss_scaler" in rest:
-            self.loss_scaler.load_state_dict(rest["loss_scaler"])
+        state.load(path, self._modules_for_state(), self.stepper, self.dist)
 
     def _modules_for_state(self) -> torch.nn.Module:
-        if self.value_head is None:
-            return self.model
-        return torch.nn.ModuleDict({"model": self.model, "value_head": self.value_head})
+        return state.state_module(self.model, self.value_head)
 
     def _train_state(self) -> dict:
-        module = self._modules_for_state()
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            model_state, optim_state = get_state_dict(
-                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            masters = self.master_state_dict()
-            model_state = {k: masters.get(k, v).detach().cpu() for k, v in module.state_dict().items()}
-            optim_state = self.optimizer.state_dict() if self.optimizer else {}
-        return {"model": model_state, "optimizer": optim_state,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else {}}
+        return state.train_state(self._modules_for_state(), self.stepper, self.dist)
