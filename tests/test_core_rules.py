@@ -89,8 +89,8 @@ def test_docs_list_every_family_in_this_repository():
 
 
 # The engine's line budget: `mmrl/engine/engine.py` is a thin `Engine` over its parts
-# (`mmrl/engine/`: surgery, optimizer, state); lower it as the file shrinks, never raise it.
-ENGINE_LINE_BUDGET = 700
+# (`mmrl/engine/`: surgery, optimizer, layouts, state); lower it as the file shrinks, never raise it.
+ENGINE_LINE_BUDGET = 420
 
 
 def test_the_engine_stays_under_its_line_budget():

@@ -1,21 +1,33 @@
 """The training engine: one class for actor, reference and critic.
 
-An `Engine` wraps a built model: it shards it with FSDP2 (`fully_shard` on the family's
-`shard_layers`, then the root) when several processes run, optionally turns on activation
-checkpointing, owns the AdamW optimizer and LR schedule when it trains, and computes
-per-token log-probs and entropy of given response tokens. Roles differ only in options:
+An `Engine` wraps a built model and computes per-token log-probs and entropy of given
+response tokens (and a critic's values); one that trains also takes optimizer steps.
+Roles differ only in options:
 
     actor = Engine(built, dist, optim=recipe.optim, total_steps=100)       # trains
     ref = Engine(built_ref, dist)                                           # frozen
     critic = Engine(built_critic, dist, optim=..., value_head=True)         # values
+
+`Engine` is thin: each of its jobs is a part of `mmrl/engine/` that owns its state.
+
+- `mmrl.engine.surgery`: the options settled once (`resolve`), then every change made to
+  the HF model as an ordered list of `apply_*` steps: device, dropout off, Ulysses,
+  activation checkpointing, varlen attention, compiled layers, vision attention, FSDP2
+  (`fully_shard` on the family's `shard_layers`, then the root) and freezing.
+- `mmrl.engine.optimizer`: AdamW, its LR schedule, fp32 master weights and float16 loss
+  scaling, as one object (`Engine.stepper`; `backward` and `step` go through it).
+- `mmrl.engine.layouts`: the batch padded, packed (`pack`) or sequence-parallel, behind
+  one interface that `log_probs` and `values` use.
+- `mmrl.engine.state`: weights and training state out and back in (checkpoints, the
+  HF-named full weights).
 
 Log-probs never need the batch's full-vocabulary logits: the model runs to the input of
 its output embedding, and the positions that predict response tokens go through the
 embedding, the model's logit post-processing (checked against the model's own logits on
 the first call), the temperature and an fp32 log-softmax in chunks of tokens, recomputed
 in backward (`mmrl.engine.logprobs`). `chunked_head=False`, or a model whose logits the
-check cannot reproduce, takes the plain path: the model's logits for the last R + 1
-positions (`logits_to_keep`), an fp32 log-softmax over checkpointed row chunks.
+check cannot reproduce, takes the plain path: the model's own logits for the positions
+that predict response tokens, an fp32 log-softmax over checkpointed row chunks.
 
 With `pack=True` (families that declare `padding_free`) the batch runs without padding:
 whole sequences in rows of at most `pack_tokens` tokens, logits only for real response
@@ -23,8 +35,7 @@ tokens (`mmrl.engine.packing`), and on a GPU the flash varlen kernel wherever th
 document-causal (`mmrl.engine.varlen`). On a GPU in one process the text decoder's
 layers run compiled in the log-prob and value forwards, packed or padded
 (`compile_layers`, `mmrl.engine.compiled_layers`). Training engines switch dropout off
-(`disable_dropout`; `dropout=True` keeps it). Every change the engine makes to the model
-is one step of `mmrl.engine.surgery`, in the order listed there.
+(`disable_dropout`; `dropout=True` keeps it).
 
 With `dist.sequence_parallel` > 1 (Ulysses, `mmrl.parallel.ulysses`) the ranks of one SP
 group run the same batch, each over its slice of the sequence; log-probs, entropy and
@@ -32,31 +43,15 @@ values come back whole on every rank, and each rank's gradients are partial sums
 FSDP2 adds up (its divide factor is the data-parallel size).
 
 Half-precision weights (`model.dtype: bfloat16`) train through fp32 master weights by
-default (`master_weights=True`): at RL learning rates most AdamW steps are smaller than
-bf16's resolution and would round away in the weights themselves. In one process the
-optimizer steps fp32 copies of the trainable half-precision parameters, with fp32
-gradients and moments (`mmrl.engine.master_weights`), and after each step the model's
-parameters are the masters rounded to bf16. Sharded, the masters are the
-FSDP2 shards themselves: those parameters are upcast to fp32 before `fully_shard` and the
-policy all-gathers them in bf16 and reduces gradients in fp32. Cost per trainable
-parameter: +4 bytes (masters), AdamW's moments 8 bytes instead of 4, gradients 4 instead
-of 2 (one process: 18 bytes with the bf16 weights; sharded: 16 bytes over the ranks, as
-for fp32 weights). Checkpoints hold the masters; `full_state_dict` stays in bf16.
-
-float16 weights (with masters, in one process or sharded) also get dynamic loss scaling
-(`mmrl.engine.master_weights.LossScaler`): `engine.backward(loss)` runs the loss times
-the scale (2**16 to start), `step` divides the fp32 gradients by it before clipping, and
-skips the optimizer step where any gradient on any rank is inf or nan, halving the scale;
-2000 good steps in a row double it. A skipped step still advances the LR schedule, as in
-torch's AMP recipe (GradScaler skips only `optimizer.step`), so the schedule keeps
-counting the run's steps. `loss.backward()` called directly runs unscaled, and `step`
-then takes the gradients as they are. fp32 and bf16 engines scale nothing.
+default (`master_weights=True`), and float16 weights also through dynamic loss scaling:
+`mmrl.engine.optimizer` says how and what it costs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +60,9 @@ import torch
 from mmrl.config import OptimConfig
 import mmrl.engine.state as state
 import mmrl.engine.surgery as surgery
+from mmrl.engine.layouts import Layout, Packed, Padded, SequenceParallel
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
+from mmrl.engine.logprobs import candidates, chunked_head, mismatch
 from mmrl.engine.optimizer import Optimizer
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.engine.surgery import disable_dropout  # noqa: F401 (re-exported)
@@ -253,63 +250,31 @@ class Engine:
         the response mask is 0.
 
         Runs with autograd when the engine trains and grad mode is on."""
+        layout = self.layout(seqs)
         with self._compiled():
-            result = self._chunked_log_probs(seqs, temperature) if self.chunked_head else None
+            result = self._chunked_log_probs(layout, temperature) if self.chunked_head else None
             if result is None:
-                result = self._plain_log_probs(seqs, temperature)
+                result = layout.plain_log_probs(temperature)
         return result[0], (result[1] if with_entropy else None)
 
-    def _plain_log_probs(self, seqs: Sequences, temperature: float):
-        """`log_probs` from the model's own logits (fp32 log-softmax over row chunks)."""
+    def layout(self, seqs: Sequences) -> Layout:
+        """The layout `seqs` runs in (`mmrl.engine.layouts`): sequence-parallel, packed
+        (`packs`) or padded."""
         if self.sequence_parallel > 1:
-            logp, entropy = self._sp_log_probs(seqs, temperature)
-        elif self.packs(seqs):
-            return self._packed_log_probs(seqs, temperature)
-        else:
-            length = seqs.response_ids.shape[1]
-            out = self._forward(seqs, logits_to_keep=length + 1)
-            logp, entropy = token_log_probs(out.logits[:, :-1], seqs.response_ids, temperature)
-        padding = ~seqs.response_mask.bool()
-        return logp.masked_fill(padding, 0.0), entropy.masked_fill(padding, 0.0)
+            return SequenceParallel(self, seqs)
+        return Packed(self, seqs) if self.packs(seqs) else Padded(self, seqs)
 
-    def _chunked_log_probs(self, seqs: Sequences, temperature: float):
+    def _chunked_log_probs(self, layout: Layout, temperature: float):
         """`log_probs` with the output embedding applied chunk by chunk to the positions
-        that predict response tokens (`mmrl.engine.logprobs`), in the layout `log_probs`
-        runs (padded, packed or sequence-parallel); None when the first call's check finds
-        that this model's logits cannot be reproduced (the plain path then runs)."""
-        from mmrl.engine.logprobs import candidates, chunked_head
-
-        mask = seqs.response_mask.bool()
-        device = mask.device
-        if self.sequence_parallel > 1:
-            keep, columns, widths = self._sp_columns(seqs)
-            mask = mask[:, columns]
-            grid = torch.arange(mask.numel(), device=device).view(mask.shape)
-            index, targets = grid[mask], seqs.response_ids[:, columns][mask]
-            run = lambda: self._sp_forward(seqs, logits_to_keep=keep)  # noqa: E731
-            place = lambda v: self._sp_gather(v.new_zeros(mask.shape).masked_scatter(mask, v), widths)  # noqa: E731
-        elif self.packs(seqs):
-            packed = self._packed(seqs)
-            index, targets = packed.logit_index, seqs.response_ids[packed.response_mask]
-
-            def run():
-                # Media sharing matches the media tensors against the padded batch's.
-                with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
-                    return self.model(**packed.inputs, use_cache=False, logits_to_keep=0)
-
-            place = packed.to_padded
-        else:
-            # The last R + 1 positions reach the head; the first R of them predict the response.
-            rows, length = mask.shape
-            grid = torch.arange(rows * (length + 1), device=device).view(rows, length + 1)[:, :-1]
-            index, targets = grid[mask], seqs.response_ids[mask]
-            run = lambda: self._forward(seqs, logits_to_keep=length + 1)  # noqa: E731
-            place = lambda v: v.new_zeros(mask.shape).masked_scatter(mask, v)  # noqa: E731
+        that predict response tokens (`mmrl.engine.logprobs`), in `layout`; None when the
+        first call's check finds that this model's logits cannot be reproduced (the plain
+        path then runs)."""
+        index, targets = layout.head_positions()
         checked = self.logit_transform is not None
         transforms = [self.logit_transform] if checked else candidates(self.model.config)
         with chunked_head(self.model, index, targets, temperature, transforms,
                           probe_tokens=0 if checked else PROBE_TOKENS, keep_bytes=self.head_keep_bytes) as call:
-            out = run()
+            out = layout.head_forward()
         if checked:
             logp, entropy = call.values[0]
         else:
@@ -323,16 +288,12 @@ class Engine:
             # it (FSDP2's pre-backward of the root) run as on the plain path.
             tie = logits.reshape(-1)[:0].sum()
             logp, entropy = logp + tie, entropy + tie
-        return place(logp), place(entropy)
+        return layout.place(logp), layout.place(entropy)
 
     def _check_logit_transform(self, call, out, transforms) -> int | None:
         """Which of `transforms` maps the model's head output to its logits on the probe
         positions, the same on every rank. None (and the plain path from now on, with one
         warning) when none does or the head did not run exactly once."""
-        import warnings
-
-        from mmrl.engine.logprobs import mismatch
-
         logits = getattr(out, "logits", None)
         # Per transform, its largest difference in units of the logits' rounding (<= 1: same).
         errors = torch.zeros(len(transforms))
@@ -377,95 +338,17 @@ class Engine:
                              f"batches cannot run a sequence a row here: {why}")
         return (self.pack or self.right_padded) and self.sequence_parallel == 1 and positions
 
-    def _packed(self, seqs: Sequences):
-        """`seqs` packed into rows of at most `pack_tokens` tokens (`mmrl.engine.packing`);
-        one sequence a row where the family cannot take left padding."""
-        from mmrl.engine.packing import pack_sequences
-
-        row_tokens = 1 if self.right_padded else self.pack_tokens
-        return pack_sequences(seqs.inputs, seqs.response_mask, row_tokens, seqs.pad_token_id or 0)
-
     def _value_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """The value head on hidden states (..., H): fp32 values (...)."""
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-
-    def _packed_log_probs(self, seqs: Sequences, temperature: float):
-        """`log_probs` over the batch packed without padding; logits only for response tokens."""
-        from mmrl.engine.packing import keep_rows
-
-        packed = self._packed(seqs)
-        targets = seqs.response_ids[packed.response_mask]
-        # Media sharing matches the media tensors against the padded batch's (the same objects).
-        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared), keep_rows(self.model, packed.logit_index):
-            logits = self.model(**packed.inputs, use_cache=False, logits_to_keep=0).logits
-        logp, entropy = token_log_probs(logits[0].unsqueeze(1), targets.unsqueeze(1), temperature)
-        return packed.to_padded(logp[:, 0]), packed.to_padded(entropy[:, 0])
 
     def values(self, seqs: Sequences) -> torch.Tensor:
         """Critic values (B, R): the value head on the hidden state before each response token."""
         if self.value_head is None:
             raise RuntimeError("this engine has no value head (build it with value_head=True)")
+        layout = self.layout(seqs)
         with self._compiled():
-            if self.sequence_parallel > 1:
-                return self._sp_values(seqs)
-            if self.packs(seqs):
-                return self._packed_values(seqs)
-            length = seqs.response_ids.shape[1]
-            out = self._forward(seqs, logits_to_keep=1, output_hidden_states=True)
-            hidden = out.hidden_states[-1][:, -(length + 1):-1]
-            return self._value_of(hidden)
-
-    def _packed_values(self, seqs: Sequences) -> torch.Tensor:
-        """`values` over the batch packed without padding: the value head on the hidden
-        states of the positions before real response tokens only."""
-        packed = self._packed(seqs)
-        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
-            out = self.model(**packed.inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
-        hidden = out.hidden_states[-1].flatten(0, 1)[packed.logit_index]
-        return packed.to_padded(self._value_of(hidden))
-
-    # -- Ulysses sequence parallelism ------------------------------------------------------------
-    # Every rank of an SP group runs the same batch; each keeps the hidden states of its
-    # slice of the sequence and computes the response columns that fall in it. The
-    # per-token results are all-gathered, so every rank returns the whole (B, R) result.
-    def _sp_columns(self, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(local positions to keep, their response columns, columns per rank): the
-        positions that predict response tokens are the global ones [S - R - 1, S - 1)."""
-        from mmrl.parallel.ulysses import local_columns
-
-        total, length = seqs.inputs["input_ids"].shape[1], seqs.response_ids.shape[1]
-        first = total - length - 1
-        keep, widths = local_columns(total, first, total - 1, self.dist.sp_rank, self.sequence_parallel)
-        start = self.dist.sp_rank * (-(-total // self.sequence_parallel))
-        return keep.to(self.dist.device), (keep + start - first).to(self.dist.device), widths
-
-    def _sp_forward(self, seqs: Sequences, **kwargs):
-        from mmrl.parallel import ulysses
-
-        with ulysses.active(self.dist.sp_group, self.dist.sp_rank, self.sequence_parallel):
-            return self._forward(seqs, **kwargs)
-
-    def _sp_gather(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        from mmrl.parallel.ulysses import gather_columns
-
-        return gather_columns(local, widths, self.dist.sp_rank, self.dist.sp_group)
-
-    def _sp_log_probs(self, seqs: Sequences, temperature: float):
-        keep, columns, widths = self._sp_columns(seqs)
-        out = self._sp_forward(seqs, logits_to_keep=keep)
-        logp, entropy = token_log_probs(out.logits, seqs.response_ids[:, columns], temperature)
-        return self._sp_gather(logp, widths), self._sp_gather(entropy, widths)
-
-    def _sp_values(self, seqs: Sequences) -> torch.Tensor:
-        keep, _, widths = self._sp_columns(seqs)
-        out = self._sp_forward(seqs, logits_to_keep=keep[:0], output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, keep]
-        values = self._value_of(hidden)
-        return self._sp_gather(values, widths)
-
-    def _forward(self, seqs: Sequences, **kwargs):
-        with self.autocast(), self.media_sharing(seqs.inputs, seqs.shared):
-            return self.model(**seqs.inputs, use_cache=False, **kwargs)
+            return layout.values(self._value_of)
 
     def media_sharing(self, batch: dict, shared):
         """Context in which `batch`'s repeated prompts encode their media once (a no-op
@@ -477,8 +360,6 @@ class Engine:
     def autocast(self):
         """bf16 autocast for fp32 weights on a GPU when FSDP's mixed precision is not in
         charge (one process); a no-op elsewhere."""
-        import contextlib
-
         weights_fp32 = next(self.model.parameters()).dtype == torch.float32
         if self.dist.device.type == "cuda" and not self.sharded and weights_fp32 and self.mixed_precision:
             return torch.autocast("cuda", dtype=torch.bfloat16)

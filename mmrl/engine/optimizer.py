@@ -6,14 +6,27 @@ scaling, as one object.
     optimizer.backward(loss)     # scaled by the loss scale on float16 engines
     norm = optimizer.step()      # unscale, clip, AdamW, masters -> model, schedule
 
-Half-precision weights train through fp32 masters (`mmrl.engine.master_weights`; the
-module docstring of `mmrl.engine.engine` says why and what they cost): in one process
-AdamW steps fp32 copies of the trainable half parameters and the model's weights become
-the masters rounded after each step; sharded, the masters are the fp32 FSDP2 shards that
-`mmrl.engine.surgery.apply_fsdp` upcast, and this object only names them. float16 weights
-also get dynamic loss scaling (`LossScaler`): `backward` scales the loss, `step` unscales
-the fp32 gradients before clipping and skips the AdamW step where any gradient on any
-rank is inf or nan; a skipped step still advances the schedule, as in torch's AMP recipe.
+Half-precision weights (`model.dtype: bfloat16`) train through fp32 master weights by
+default (the engine's `master_weights=True`): at RL learning rates most AdamW steps are
+smaller than bf16's resolution and would round away in the weights themselves. In one
+process AdamW steps fp32 copies of the trainable half-precision parameters, with fp32
+gradients and moments (`mmrl.engine.master_weights`), and after each step the model's
+parameters are the masters rounded to bf16. Sharded, the masters are the FSDP2 shards
+themselves: `mmrl.engine.surgery.apply_fsdp` upcasts those parameters to fp32 before
+`fully_shard`, the policy all-gathers them in bf16 and reduces gradients in fp32, and this
+object only names them (`upcast_names`). Cost per trainable parameter: +4 bytes
+(masters), AdamW's moments 8 bytes instead of 4, gradients 4 instead of 2 (one process:
+18 bytes with the bf16 weights; sharded: 16 bytes over the ranks, as for fp32 weights).
+Checkpoints hold the masters (`mmrl.engine.state`); the full weights stay in bf16.
+
+float16 weights (with masters, in one process or sharded) also get dynamic loss scaling
+(`mmrl.engine.master_weights.LossScaler`): `backward(loss)` runs the loss times the
+scale (2**16 to start), `step` divides the fp32 gradients by it before clipping, and
+skips the AdamW step where any gradient on any rank is inf or nan, halving the scale;
+2000 good steps in a row double it. A skipped step still advances the LR schedule, as in
+torch's AMP recipe (GradScaler skips only `optimizer.step`), so the schedule keeps
+counting the run's steps. `loss.backward()` called directly runs unscaled, and `step`
+then takes the gradients as they are. fp32 and bf16 engines scale nothing.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ installed; `Changes` records it):
    layer, where the model code allows it (`mmrl.engine.vision_attention`).
 8. `apply_fsdp`: with several processes, FSDP2's `fully_shard` on the family's
    `shard_layers`, then the root and the value head; trainable half-precision parameters
-   are upcast to fp32 first (the shards are then the master weights, `mmrl.engine.engine`).
+   are upcast to fp32 first (the shards are then the master weights, `mmrl.engine.optimizer`).
 9. `apply_frozen`: an engine that does not train freezes every parameter and runs in eval
    mode.
 
