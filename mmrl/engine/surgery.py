@@ -35,16 +35,15 @@ rollout switches the text decoder's attention for the span of a decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+import mmrl.engine.varlen as varlen
 import mmrl.engine.vision_attention as vision_attention
+from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.master_weights import HALF_DTYPES, needs_master
-from mmrl.parallel import Dist
-
-if TYPE_CHECKING:
-    from mmrl.engine.compiled_layers import CompiledLayers
+from mmrl.parallel import Dist, ulysses
+from mmrl.parts import decoder_layers as find_decoder_layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,8 +189,6 @@ def apply_ulysses(model: torch.nn.Module, settings: Settings) -> bool:
     """Ulysses sequence parallelism over the ranks of dist's SP group (1: off)."""
     if settings.sequence_parallel == 1:
         return False
-    from mmrl.parallel import ulysses
-
     ulysses.install(model, settings.adapter)
     return True
 
@@ -201,8 +198,6 @@ def enable_checkpointing(model: torch.nn.Module, settings: Settings) -> bool:
     returns whether the model now does."""
     kwargs = {"use_reentrant": False}
     if settings.sequence_parallel > 1:
-        from mmrl.parallel import ulysses
-
         kwargs["context_fn"] = ulysses.checkpoint_context
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if hasattr(model, "enable_input_require_grads"):
@@ -224,10 +219,8 @@ def apply_checkpointing(model: torch.nn.Module, settings: Settings) -> bool:
 
 def decoder_layers(model: torch.nn.Module, adapter) -> list[torch.nn.Module]:
     """The text decoder's layers (`mmrl.parts.decoder_layers`); empty where not found."""
-    from mmrl.parts import decoder_layers as find
-
     try:
-        return find(model, adapter)
+        return find_decoder_layers(model, adapter)
     except ValueError:
         return []
 
@@ -236,8 +229,6 @@ def apply_varlen(model: torch.nn.Module, settings: Settings) -> bool:
     """Packed rows on a GPU: flash varlen attention where the mask is document-causal."""
     if not settings.varlen:
         return False
-    import mmrl.engine.varlen as varlen
-
     return varlen.available() and varlen.install(model, decoder_layers(model, settings.adapter))
 
 
@@ -246,8 +237,6 @@ def apply_compiled_layers(model: torch.nn.Module, settings: Settings) -> Compile
     they are not (or cannot be found)."""
     if not settings.compile_layers:
         return None
-    from mmrl.engine.compiled_layers import CompiledLayers
-
     layers = decoder_layers(model, settings.adapter)
     if not layers and settings.compile_layers_asked:
         raise ValueError("compile_layers: cannot find the text decoder's layers to compile")
