@@ -24,6 +24,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def needs_master(param: torch.Tensor, half_dtype: torch.dtype | None) -> bool:
+    """Whether `param` trains through an fp32 master: trainable, and in the engine's half
+    dtype (None: the engine keeps no masters)."""
+    return half_dtype is not None and param.requires_grad and param.dtype == half_dtype
+
 
 class MasterWeights:
     def __init__(self) -> None:
