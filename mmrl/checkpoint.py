@@ -1,8 +1,7 @@
-"""A trainer's checkpoints and its exported policy.
+"""A trainer's checkpoints (the exported policy: `mmrl.export`).
 
     save_checkpoint(path, dist, engines, {"step": 3, "data_position": [0, 12]})
     found = load_checkpoint(output_dir / "checkpoints", dist, engines)  # (path, state) or None
-    export_policy(actor, processor, output_dir / "final", dist)
 
 A checkpoint holds each engine's state under its name (`actor`, `critic`: weights,
 optimizer, schedule), the trainer's state (`STATE_FILE`: step, data position) and every
@@ -67,25 +66,6 @@ def load_checkpoint(root: Path, dist, engines: dict[str, Any]) -> tuple[Path, di
     if rng_file.is_file():
         _set_rng_tensors(torch.load(rng_file, weights_only=True))
     return path, state
-
-
-def export_policy(actor, processor, path: Path, dist) -> Path:
-    """The trained policy as a HF checkpoint (LoRA merged) with its processor; every rank
-    calls it (sharded weights are gathered), the main rank writes."""
-    from mmrl.lora import merged_state_dict
-
-    state = actor.full_state_dict()
-    if dist.is_main:
-        model = actor.model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
-        if actor.half_dtype is not None:
-            record_dtype(path / "config.json", actor.half_dtype)
-        processor.save_pretrained(path)
-    dist.barrier()
-    return path
 
 
 def record_dtype(config_file: Path, dtype: torch.dtype) -> None:

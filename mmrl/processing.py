@@ -185,6 +185,27 @@ class Processing:
         """Image-processor arguments that apply the pixel budget for this family."""
         return {}
 
+    def processor_with_budget(self):
+        """The processor with this pixel budget as its own defaults (`image_kwargs` set
+        on a copy of its image processor), so the processor saved from it, loaded by
+        plain transformers, makes the image tokens training made. A family that applies
+        the budget outside the processor overrides this (the export checks the result:
+        `mmrl.export.budget_problem`)."""
+        kwargs = self.image_kwargs()
+        image_processor = getattr(self.processor, "image_processor", None)
+        if not kwargs or image_processor is None:
+            return self.processor
+        import copy
+
+        processor = copy.deepcopy(self.processor)
+        image_processor = processor.image_processor
+        for key, value in kwargs.items():
+            current = getattr(image_processor, key, None)
+            if isinstance(value, dict) and current is not None and not isinstance(current, dict):
+                value = type(current)(**value)  # transformers' SizeDict where the processor keeps one
+            setattr(image_processor, key, value)
+        return processor
+
     def video_kwargs(self) -> dict[str, Any]:
         """Video-processor arguments (the clips' metadata is added to these)."""
         return {}

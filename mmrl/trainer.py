@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
+from mmrl.export import export_policy
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
@@ -351,8 +352,10 @@ class Trainer:
         return True
 
     def export(self, path: Path) -> Path:
-        """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
-        return export_policy(self.actor, self.processing.processor, path, self.dist)
+        """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
+        (`mmrl.export`: blocked and stop tokens, pixel budget)."""
+        return export_policy(self.actor, self.processing, path, self.dist,
+                             max_new_tokens=self.recipe.rollout.max_new_tokens)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
