@@ -4,8 +4,9 @@
     found = load_checkpoint(output_dir / "checkpoints", dist, engines)  # (path, state) or None
 
 A checkpoint holds each engine's state under its name (`actor`, `critic`: weights,
-optimizer, schedule), the trainer's state (`STATE_FILE`: step, data position) and every
-rank's RNG state. It is written aside and renamed into place whole (`mmrl.runs`), so an
+optimizer, schedule; a LoRA run on a base checkpoint saves its trainable weights only),
+the trainer's state (`STATE_FILE`: step, data position) and every rank's RNG state;
+`mmrl export` turns one into a HF folder (`mmrl.export`). It is written aside and renamed into place whole (`mmrl.runs`), so an
 interrupted save never leaves a checkpoint that loading would take; loading takes the
 newest one whose manifest verifies and names the newer ones it skipped.
 """
@@ -19,14 +20,16 @@ from typing import Any
 
 import torch
 
-from mmrl.runs import begin_checkpoint, commit_checkpoint, newest_checkpoint, temporary_for
+from mmrl.runs import begin_checkpoint, commit_checkpoint, newest_checkpoint, prune_checkpoints, temporary_for
 
 STATE_FILE = "trainer_state.json"
 
 
-def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, Any]) -> Path:
+def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, Any],
+                    keep: int | None = None) -> Path:
     """Every rank calls it: the engines' states (name -> engine, None skipped), `state`
-    (written by the main rank) and this rank's RNG state, renamed into `path` whole."""
+    (written by the main rank) and this rank's RNG state, renamed into `path` whole; then,
+    with `keep`, older checkpoints beyond the newest `keep` are removed."""
     temp = temporary_for(path)
     if dist.is_main:
         begin_checkpoint(path)
@@ -40,6 +43,8 @@ def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, 
     dist.barrier()
     if dist.is_main:
         commit_checkpoint(temp, path)
+        if keep is not None:
+            prune_checkpoints(path.parent, path, keep)
     dist.barrier()
     return path
 

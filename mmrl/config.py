@@ -187,6 +187,8 @@ class TrainerConfig(_Section):
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0)
     save_every: int = Field(0, ge=0)
+    # Step checkpoints kept: after a save, older ones beyond the newest N go (None: all).
+    keep_checkpoints: int | None = Field(None, gt=0)
     # Stop early once the greedy eval accuracy reaches this (checked every eval_every).
     target_accuracy: float | None = None
     # Wall-clock budget in seconds for the training loop (None: no limit).
@@ -481,7 +483,7 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
-                "save_every", "export", "target_accuracy", "output_dir"},
+                "save_every", "keep_checkpoints", "export", "target_accuracy", "output_dir"},
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},

@@ -137,8 +137,11 @@ class Trainer:
         self.estimator = get_advantage_estimator(r.algo.advantage)
         passes = {"share_media": m.share_media, "pack": m.pack, "compile_layers": m.compile_layers,
                   "pack_tokens": m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0)}
+        # A LoRA run on a base checkpoint saves its adapter only; a random-init base is
+        # drawn differently on another device, so those checkpoints keep it.
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing, **passes)
+                            gradient_checkpointing=m.gradient_checkpointing,
+                            trainable_only_checkpoints=m.lora_scope != "none" and not m.random_init, **passes)
         self.ref = Engine(build(r.trainer.seed), self.dist, **passes) if r.algo.kl_coef > 0 else None
         self.critic = None
         if self.estimator.needs_critic:
@@ -334,9 +337,11 @@ class Trainer:
         return {"actor": self.actor, "critic": self.critic}
 
     def save(self) -> Path:
-        """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole."""
+        """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole; older
+        ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
-                               {"step": self.step, "data_position": list(self.position)})
+                               {"step": self.step, "data_position": list(self.position)},
+                               keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
         """Load the newest checkpoint under output_dir that verifies; False when none does."""
@@ -354,8 +359,7 @@ class Trainer:
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
         (`mmrl.export`: blocked and stop tokens, pixel budget)."""
-        return export_policy(self.actor, self.processing, path, self.dist,
-                             max_new_tokens=self.recipe.rollout.max_new_tokens)
+        return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

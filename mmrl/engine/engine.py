@@ -168,8 +168,12 @@ class Engine:
         master_weights: bool = True,
         chunked_head: bool = True,
         loss_scale_growth_interval: int = 2000,
+        trainable_only_checkpoints: bool = False,
     ):
         self.built = built
+        # Checkpoints hold the trainable weights only (a LoRA run on a base checkpoint:
+        # the frozen base is rebuilt from it on resume and by `mmrl export`).
+        self.saves_trainable_only = trainable_only_checkpoints
         # Log-probs through the output embedding chunk by chunk (`mmrl.engine.logprobs`);
         # False: the model's own logits (the plain path). The logit post-processing it
         # reproduces is checked on the first call (None until then).
@@ -767,21 +771,23 @@ class Engine:
 
         model_state = load_file(str(path / "model.safetensors"))
         rest = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        partial = self._check_partial_state(model_state, path)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
             set_state_dict(
                 self._modules_for_state(), self.optimizer,
                 model_state_dict=model_state, optim_state_dict=rest["optimizer"],
-                options=StateDictOptions(full_state_dict=True),
+                options=StateDictOptions(full_state_dict=True, strict=not partial),
             )
         else:
-            self._modules_for_state().load_state_dict(model_state)
+            self._modules_for_state().load_state_dict(model_state, strict=not partial)
             # The file holds the fp32 masters (half weights from a run without them
             # are upcast, as at the start of a run).
             with torch.no_grad():
                 for name, master in self.master_state_dict().items():
-                    master.copy_(model_state[name])
+                    if name in model_state:
+                        master.copy_(model_state[name])
             self._masters.to_model()
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(rest["optimizer"])
@@ -790,6 +796,20 @@ class Engine:
         # Checkpoints from before loss scaling (or of bf16/fp32 runs) start from the default.
         if self.loss_scaler is not None and "loss_scaler" in rest:
             self.loss_scaler.load_state_dict(rest["loss_scaler"])
+
+    def _check_partial_state(self, model_state: dict, path: Path) -> bool:
+        """Whether `model_state` lacks weights (a trainable-only checkpoint); a missing
+        weight that trains here is an error naming the checkpoint."""
+        names = dict(self._named_parameters())
+        unknown = sorted(set(model_state) - set(self._modules_for_state().state_dict()))
+        if unknown:
+            raise ValueError(f"{path}: the checkpoint holds {len(unknown)} weights this model lacks, e.g. {unknown[0]}")
+        missing = [name for name in names if name not in model_state]
+        lacking = [name for name in missing if names[name].requires_grad]
+        if lacking:
+            raise ValueError(f"{path}: the checkpoint lacks {len(lacking)} trained weights, e.g. {lacking[0]} "
+                             "(it was saved by a run with other trainable parts)")
+        return bool(missing)
 
     def _modules_for_state(self) -> torch.nn.Module:
         if self.value_head is None:
@@ -802,11 +822,15 @@ class Engine:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
             model_state, optim_state = get_state_dict(
-                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=self.saves_trainable_only)
             )
         else:
             masters = self.master_state_dict()
             model_state = {k: masters.get(k, v).detach().cpu() for k, v in module.state_dict().items()}
             optim_state = self.optimizer.state_dict() if self.optimizer else {}
+            if self.saves_trainable_only:
+                trained = {name for name, p in self._named_parameters() if p.requires_grad}
+                model_state = {k: v for k, v in model_state.items() if k in trained}
         return {"model": model_state, "optimizer": optim_state,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else {}}
