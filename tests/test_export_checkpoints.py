@@ -157,3 +157,28 @@ def test_prune_keeps_the_newest_up_to_the_saved_one(tmp_path):
     assert [p.name for p in removed] == ["step_000001", "step_000002"]
     # step 9 is from before a resume to an earlier step: left alone.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004", "step_000009"]
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_lora_run_saves_its_adapter_and_resumes_exactly(tmp_path, base):
+    """Two FSDP2 processes: the checkpoint holds the adapter only (gathered without the
+    frozen base), resuming from it gives the weights of an uninterrupted run."""
+    from cpu_processes import run, torchrun
+
+    common = [*TEXT, f"model.path={base}", "model.random_init=false", "model.tiny_vocabulary={}",
+              "model.lora_scope=language", "trainer.threads=1", "trainer.export=false"]
+
+    recipe = tmp_path / "text.yaml"
+    recipe.write_text("{}\n")  # everything comes from the overrides
+
+    def train(out, *extra):
+        run(torchrun(2, "-m", "mmrl.cli", "train", recipe, *common, f"trainer.output_dir={out}", *extra),
+            timeout=600)
+
+    train(tmp_path / "straight", "trainer.steps=2", "trainer.save_every=2")
+    train(tmp_path / "cut", "trainer.steps=1", "trainer.save_every=1")
+    train(tmp_path / "cut", "trainer.steps=2", "trainer.save_every=2", "trainer.resume=true")
+    straight = load_file(tmp_path / "straight" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    resumed = load_file(tmp_path / "cut" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
+    assert straight and all("lora_" in name for name in straight)
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -822,15 +822,14 @@ class Engine:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
             model_state, optim_state = get_state_dict(
-                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                 ignore_frozen_params=self.saves_trainable_only)
+                module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
         else:
             masters = self.master_state_dict()
             model_state = {k: masters.get(k, v).detach().cpu() for k, v in module.state_dict().items()}
             optim_state = self.optimizer.state_dict() if self.optimizer else {}
-            if self.saves_trainable_only:
-                trained = {name for name, p in self._named_parameters() if p.requires_grad}
-                model_state = {k: v for k, v in model_state.items() if k in trained}
+        if self.saves_trainable_only:
+            trained = {name for name, p in self._named_parameters() if p.requires_grad}
+            model_state = {k: v for k, v in model_state.items() if k in trained}
         return {"model": model_state, "optimizer": optim_state,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else {}}
