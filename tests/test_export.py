@@ -6,10 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VLM_FAMILIES
 
+from mmrl import build_model
+from mmrl.build import _load_processor
 from mmrl.checks import sample_images
 from mmrl.config import load_recipe
 from mmrl.data import to_conversation
+from mmrl.export import budget_problem
 from mmrl.rollout import SamplingParams
 from mmrl.rollout.base import trim_responses
 from mmrl.trainer import Trainer
@@ -147,3 +151,17 @@ def test_doctors_generate_probe_runs_plain_generate_on_the_checkpoint(trained, t
     config.save_pretrained(bare)
     result = probe("generation").run(Subject(adapter=adapter, source=str(bare), random_init=False))
     assert result.status is Status.FAILED and "<|video_pad|>" in result.reason, result.reason
+
+
+# Families whose pixel budget lives outside the processor (images rescaled before it):
+# a saved processor cannot hold it, and the export says so.
+BUDGET_OUTSIDE_THE_PROCESSOR = {"llava_onevision"}
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_every_vlm_familys_pixel_budget_survives_save_and_reload(family, tmp_path):
+    built = build_model(family, random_init=True, processing_options={"min_pixels": 3136, "max_pixels": 200704})
+    built.processing.processor_with_budget().save_pretrained(tmp_path)
+    built.model.config.save_pretrained(tmp_path)
+    problem = budget_problem(built.processing, _load_processor(tmp_path, built.adapter, trust_remote_code=False))
+    assert (problem is not None) == (family in BUDGET_OUTSIDE_THE_PROCESSOR), problem
