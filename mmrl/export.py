@@ -39,8 +39,14 @@ import shutil
 import warnings
 from pathlib import Path
 
+import yaml
+
+from mmrl.build import build_model
 from mmrl.checkpoint import STATE_FILE, record_dtype
+from mmrl.checks import sample_images
 from mmrl.config import Recipe, dump_recipe, load_recipe
+from mmrl.lora import apply_lora, merge_lora, merged_state_dict
+from mmrl.parts import freeze
 from mmrl.processing import batch_differences
 from mmrl.runs import RECIPE_FILE, newest_checkpoint, verify_checkpoint
 
@@ -69,8 +75,6 @@ def budget_problem(processing, processor) -> str | None:
     `processing` (with its pixel budget) for images of several sizes; else what differs."""
     if not processing.is_multimodal or (processing.min_pixels is None and processing.max_pixels is None):
         return None
-    from mmrl.checks import sample_images
-
     plain = copy.copy(processing)
     plain.processor, plain.min_pixels, plain.max_pixels = processor, None, None
     plain.tokenizer = getattr(processor, "tokenizer", processor)
@@ -92,8 +96,6 @@ class ExportError(ValueError):
 def export_policy(actor, processing, path: Path, dist, *, recipe: Recipe | None = None) -> Path:
     """The trained policy as a HF folder (LoRA merged) that decodes as trained; every
     rank calls it (sharded weights are gathered), the main rank writes."""
-    from mmrl.lora import merged_state_dict
-
     state = actor.full_state_dict()
     if dist.is_main:
         model = actor.model
@@ -132,8 +134,6 @@ def export_checkpoint(source: Path, out: Path, *, adapter_only: bool = False) ->
             built.model.save_pretrained(temp, safe_serialization=True)
             base = built.model.get_base_model()
         else:
-            from mmrl.lora import merge_lora
-
             base = merge_lora(built.model) if lora else built.model
             base.save_pretrained(temp, safe_serialization=True)
         save_decoding(temp, base, built.processing, recipe.rollout.max_new_tokens)
@@ -178,20 +178,14 @@ def find_checkpoint(source: Path) -> Path:
 def policy_from_recipe(recipe: Recipe):
     """The policy as the trainer builds it (`Trainer._build`), on the CPU: the base
     model (its checkpoint, or the random init the seed draws), frozen parts, LoRA."""
-    from mmrl.build import build_model
-
     m = recipe.model
     options = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
     built = build_model(m.path, random_init=m.random_init, dtype=m.dtype, attn_implementation=m.attn_implementation,
                         seed=recipe.trainer.seed, processing_options=options, trust_remote_code=m.trust_remote_code,
                         config_overrides=m.config_overrides or None, tiny_vocabulary=m.tiny_vocabulary or None)
     if m.freeze:
-        from mmrl.parts import freeze
-
         freeze(built.model, parts=m.freeze, adapter=built.adapter)
     if m.lora_scope != "none":
-        from mmrl.lora import apply_lora
-
         built.model = apply_lora(built.model, scope=m.lora_scope, rank=m.lora_rank, adapter=built.adapter)
     return built
 
@@ -218,8 +212,6 @@ def load_actor_weights(model, weights: Path) -> None:
 
 def write_card(path: Path, recipe: Recipe, processing, *, adapter_only: bool, step: str | None = None) -> None:
     """A hub model card (`README.md`, with its metadata block) and the run's recipe."""
-    import yaml
-
     m = recipe.model
     # The hub takes a hub id as base_model; a local folder or a random init names none.
     base = None if m.random_init or Path(m.path).exists() else m.path

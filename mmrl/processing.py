@@ -13,6 +13,7 @@ arguments, video files, extra model inputs.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,8 +196,6 @@ class Processing:
         image_processor = getattr(self.processor, "image_processor", None)
         if not kwargs or image_processor is None:
             return self.processor
-        import copy
-
         processor = copy.deepcopy(self.processor)
         image_processor = processor.image_processor
         for key, value in kwargs.items():

@@ -26,6 +26,7 @@ from mmrl.checks import (
     video_conversations,
 )
 from mmrl.probes.base import TOLERANCE, CheckFailed, Subject, Verified, require
+from mmrl.rollout.base import trim_responses
 
 RELOAD_TOLERANCE = 1e-5  # save_pretrained -> from_pretrained, fp32 logits
 LORA_EFFECT = 1e-3  # random LoRA weights must move the logits at least this much
@@ -183,8 +184,6 @@ def _checkpoint_generation(built, conversations) -> Verified:
     greedy, that must give the answers the rollout's decoding gives (blocked tokens
     suppressed, stopping at the stop ids), so an export missing those constraints fails
     here where its policy would reach a blocked token."""
-    from mmrl.rollout.base import trim_responses
-
     model, processing = built.model.eval(), built.processing
     batch = dict(processing(conversations))
     stops, pad = processing.stop_token_ids, built.tokenizer.pad_token_id
