@@ -123,10 +123,10 @@ def export_checkpoint(source: Path, out: Path, *, adapter_only: bool = False) ->
     recipe = load_recipe(recipe_file)
     lora = recipe.model.lora_scope != "none"
     if adapter_only and not lora:
-        raise ExportError(f"{source}: --adapter-only needs a LoRA run, and this one trained every weight "
+        raise ExportError(f"{source}: --adapter-only needs a LoRA run, and this one trained no adapter "
                           "(model.lora_scope: none); export it merged")
     out = Path(out)
-    check_output(out, step)
+    check_output(out, step, recipe)
     built = policy_from_recipe(recipe)
     load_actor_weights(built.model, step / "actor" / "model.safetensors")
     with replacing_folder(out) as temp:
@@ -141,19 +141,21 @@ def export_checkpoint(source: Path, out: Path, *, adapter_only: bool = False) ->
     return out
 
 
-def check_output(out: Path, step: Path) -> None:
+def check_output(out: Path, step: Path, recipe: Recipe) -> None:
     """Refuse an output folder whose replacement would lose anything but an earlier
-    export: one holding other files, or the run itself."""
+    mmrl export (weights beside a `recipe.yaml`): the run, its base model, other files."""
     resolved, run = out.resolve(), step.resolve().parent.parent
     checkpoints = run / "checkpoints"
     if resolved in (run, checkpoints) or resolved in run.parents or checkpoints in resolved.parents:
         raise ExportError(f"{out}: the output would replace the run or its checkpoints; choose another folder")
+    if not recipe.model.random_init and resolved == Path(recipe.model.path).expanduser().resolve():
+        raise ExportError(f"{out}: is the run's base model (model.path); choose another folder")
     if out.exists():
         if not out.is_dir():
             raise ExportError(f"{out}: is a file; give a folder")
-        is_export = (out / "config.json").is_file() or (out / "adapter_config.json").is_file()
-        if any(out.iterdir()) and not is_export:
-            raise ExportError(f"{out}: holds other files than an export; choose another folder")
+        weights = (out / "config.json").is_file() or (out / "adapter_config.json").is_file()
+        if any(out.iterdir()) and not (weights and (out / RECIPE_FILE).is_file()):
+            raise ExportError(f"{out}: holds other files than an mmrl export; choose another folder")
 
 
 def find_checkpoint(source: Path) -> Path:
@@ -246,7 +248,7 @@ def save_decoding(path: Path, model, processing, max_new_tokens: int | None = No
     processor = processing.processor_with_budget()
     problem = budget_problem(processing, processor)
     if problem:
-        warnings.warn(f"{path.name}: the exported processor does not reproduce the trained pixel budget "
+        warnings.warn(f"export: the saved processor does not reproduce the trained pixel budget "
                       f"(min_pixels={processing.min_pixels}, max_pixels={processing.max_pixels}); served with "
                       f"its defaults it makes other inputs ({problem})", stacklevel=2)
     processor.save_pretrained(path)

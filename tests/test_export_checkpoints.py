@@ -125,7 +125,8 @@ def test_a_lora_checkpoint_exports_as_an_adapter_and_merged(lora_run, base, tmp_
     assert torch.allclose(_logits(merged, trainer), expected, atol=1e-5)
 
 
-def test_export_refuses_what_it_cannot_convert_and_leaves_nothing_half_written(lora_run, tmp_path, monkeypatch):
+def test_export_refuses_what_it_cannot_convert_and_leaves_nothing_half_written(lora_run, base, tmp_path,
+                                                                              monkeypatch):
     from mmrl import export
 
     _, run = lora_run
@@ -140,6 +141,8 @@ def test_export_refuses_what_it_cannot_convert_and_leaves_nothing_half_written(l
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(ExportError, match="holds other files"):
         export_checkpoint(run, tmp_path / "notes")
+    with pytest.raises(ExportError, match="the run's base model"):
+        export_checkpoint(run, base)
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
