@@ -189,9 +189,9 @@ class Processing:
     def processor_with_budget(self):
         """The processor with this pixel budget as its own defaults (`image_kwargs` set
         on a copy of its image processor), so the processor saved from it, loaded by
-        plain transformers, makes the image tokens training made. A family that applies
-        the budget outside the processor overrides this (the export checks the result:
-        `mmrl.export.budget_problem`)."""
+        plain transformers, makes the image tokens training made. A budget applied
+        outside the processor (llava_onevision rescales images first) is not held by
+        this; the export checks the result (`mmrl.export.budget_problem`) and warns."""
         kwargs = self.image_kwargs()
         image_processor = getattr(self.processor, "image_processor", None)
         if not kwargs or image_processor is None:

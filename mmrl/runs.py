@@ -290,7 +290,11 @@ def prune_checkpoints(root: Path, saved: Path, keep: int) -> list[Path]:
     """After `saved` was written: remove the checkpoints under `root` older than it beyond
     the newest `keep` (counting `saved`); newer ones (a run resumed from an earlier step)
     are left alone. Returns what was removed."""
-    older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name <= saved.name)
+    def step(path: Path) -> int:
+        number = path.name.removeprefix("step_")
+        return int(number) if number.isdigit() else -1  # not a step checkpoint: never removed
+
+    older = sorted((p for p in root.glob("step_*") if p.is_dir() and 0 <= step(p) <= step(saved)), key=step)
     removed = older[:max(len(older) - keep, 0)]
     for path in removed:
         shutil.rmtree(path)

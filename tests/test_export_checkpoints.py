@@ -154,12 +154,16 @@ def test_export_refuses_what_it_cannot_convert_and_leaves_nothing_half_written(l
 
 
 def test_prune_keeps_the_newest_up_to_the_saved_one(tmp_path):
-    for step in (1, 2, 3, 4, 9):
+    for step in (1, 2, 3, 4, 9, 999999, 1000000):
         (tmp_path / f"step_{step:06d}").mkdir()
+    (tmp_path / "step_notes").mkdir()
     removed = prune_checkpoints(tmp_path, tmp_path / "step_000004", keep=2)
     assert [p.name for p in removed] == ["step_000001", "step_000002"]
-    # step 9 is from before a resume to an earlier step: left alone.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004", "step_000009"]
+    # Steps 9 and on are from before a resume to an earlier step: left alone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004", "step_000009",
+                                                          "step_1000000", "step_999999", "step_notes"]
+    removed = prune_checkpoints(tmp_path, tmp_path / "step_1000000", keep=1)
+    assert [p.name for p in removed] == ["step_000003", "step_000004", "step_000009", "step_999999"]
 
 
 @pytest.mark.multiprocess
