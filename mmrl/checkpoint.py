@@ -1,12 +1,12 @@
-"""A trainer's checkpoints and its exported policy.
+"""A trainer's checkpoints (the exported policy: `mmrl.export`).
 
     save_checkpoint(path, dist, engines, {"step": 3, "data_position": [0, 12]})
     found = load_checkpoint(output_dir / "checkpoints", dist, engines)  # (path, state) or None
-    export_policy(actor, processor, output_dir / "final", dist)
 
 A checkpoint holds each engine's state under its name (`actor`, `critic`: weights,
-optimizer, schedule), the trainer's state (`STATE_FILE`: step, data position) and every
-rank's RNG state. It is written aside and renamed into place whole (`mmrl.runs`), so an
+optimizer, schedule; a LoRA run on a base checkpoint saves its trainable weights only),
+the trainer's state (`STATE_FILE`: step, data position) and every rank's RNG state;
+`mmrl export` turns one into a HF folder (`mmrl.export`). It is written aside and renamed into place whole (`mmrl.runs`), so an
 interrupted save never leaves a checkpoint that loading would take; loading takes the
 newest one whose manifest verifies and names the newer ones it skipped.
 """
@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
-from mmrl.runs import begin_checkpoint, commit_checkpoint, newest_checkpoint, temporary_for
+from mmrl.runs import begin_checkpoint, commit_checkpoint, newest_checkpoint, prune_checkpoints, temporary_for
 
 STATE_FILE = "trainer_state.json"
 
 
-def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, Any]) -> Path:
+def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, Any],
+                    keep: int | None = None) -> Path:
     """Every rank calls it: the engines' states (name -> engine, None skipped), `state`
-    (written by the main rank) and this rank's RNG state, renamed into `path` whole."""
+    (written by the main rank) and this rank's RNG state, renamed into `path` whole; then,
+    with `keep`, older checkpoints beyond the newest `keep` are removed."""
     temp = temporary_for(path)
     if dist.is_main:
         begin_checkpoint(path)
@@ -41,6 +43,8 @@ def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, 
     dist.barrier()
     if dist.is_main:
         commit_checkpoint(temp, path)
+        if keep is not None:
+            prune_checkpoints(path.parent, path, keep)
     dist.barrier()
     return path
 
@@ -67,25 +71,6 @@ def load_checkpoint(root: Path, dist, engines: dict[str, Any]) -> tuple[Path, di
     if rng_file.is_file():
         _set_rng_tensors(torch.load(rng_file, weights_only=True))
     return path, state
-
-
-def export_policy(actor, processor, path: Path, dist) -> Path:
-    """The trained policy as a HF checkpoint (LoRA merged) with its processor; every rank
-    calls it (sharded weights are gathered), the main rank writes."""
-    from mmrl.lora import merged_state_dict
-
-    state = actor.full_state_dict()
-    if dist.is_main:
-        model = actor.model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
-        if actor.half_dtype is not None:
-            record_dtype(path / "config.json", actor.half_dtype)
-        processor.save_pretrained(path)
-    dist.barrier()
-    return path
 
 
 def record_dtype(config_file: Path, dtype: torch.dtype) -> None:

@@ -12,6 +12,7 @@
     mmrl eval RECIPE --checkpoint runs/X/final [--split validation] [--out FILE] [key=value ...]
     mmrl support-matrix [--check] [--gpu-results FILE]   # probe every family, write support_matrix/
     mmrl doctor PATH_OR_FAMILY [--json]                  # the same probes on a checkpoint or a family
+    mmrl export CHECKPOINT OUT [--adapter-only]          # a step checkpoint as a HF (or PEFT) folder
     mmrl add-model MODEL_TYPE [--family NAME] [--out DIR] [--dry-run] [--force]   # scaffold a family
 """
 
@@ -432,6 +433,27 @@ def _doctor_table(subject, adapter, rows, gating: list[str], log: Path | None) -
     console.print(verdict, highlight=False)
     tail = f"; third-party logs of the probe workers: {log}" if log else ""
     console.print(f"[dim]full reasons and evidence: --json{tail}[/]", highlight=False)
+
+
+@app.command("export")
+def export(
+    checkpoint: str = typer.Argument(..., help="A step checkpoint (RUN/checkpoints/step_N) or a run folder (its "
+                                               "newest checkpoint that verifies).", metavar="CHECKPOINT"),
+    out: str = typer.Argument(..., help="The HF folder to write (replaced whole at the end).", metavar="OUT"),
+    adapter_only: bool = typer.Option(False, "--adapter-only",
+                                      help="A LoRA run's adapter alone, for PEFT (default: merged weights)."),
+) -> None:
+    """Convert a step checkpoint to a HF folder that loads in transformers (or PEFT) and decodes as trained."""
+    from pathlib import Path
+
+    from mmrl.config import RecipeError
+    from mmrl.export import ExportError, export_checkpoint
+
+    try:
+        written = export_checkpoint(Path(checkpoint), Path(out), adapter_only=adapter_only)
+    except (ExportError, RecipeError, FileNotFoundError) as exc:
+        fail(str(exc))
+    console.print(f"wrote {written}" + (" (LoRA adapter)" if adapter_only else ""), highlight=False, soft_wrap=True)
 
 
 @app.command("add-model")

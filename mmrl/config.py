@@ -232,6 +232,8 @@ class TrainerConfig(_Section):
     # Validate once before the first step too (logged at step 0): where the policy starts.
     val_before_train: bool = False
     save_every: int = Field(0, ge=0)
+    # Step checkpoints kept: after a save, older ones beyond the newest N go (None: all).
+    keep_checkpoints: int | None = Field(None, gt=0)
     # Stop early once the greedy eval accuracy reaches this (checked every eval_every).
     target_accuracy: float | None = None
     # Wall-clock budget in seconds for the training loop (None: no limit).
@@ -664,8 +666,8 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
-                "save_every", "export", "target_accuracy", "output_dir", "val_before_train", "samples_every",
-                "samples_per_log", "loggers"},
+                "save_every", "keep_checkpoints", "export", "target_accuracy", "output_dir", "val_before_train",
+                "samples_every", "samples_per_log", "loggers"},
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},

@@ -13,6 +13,7 @@ arguments, video files, extra model inputs.
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,25 @@ class Processing:
     def image_kwargs(self) -> dict[str, Any]:
         """Image-processor arguments that apply the pixel budget for this family."""
         return {}
+
+    def processor_with_budget(self):
+        """The processor with this pixel budget as its own defaults (`image_kwargs` set
+        on a copy of its image processor), so the processor saved from it, loaded by
+        plain transformers, makes the image tokens training made. A budget applied
+        outside the processor (llava_onevision rescales images first) is not held by
+        this; the export checks the result (`mmrl.export.budget_problem`) and warns."""
+        kwargs = self.image_kwargs()
+        image_processor = getattr(self.processor, "image_processor", None)
+        if not kwargs or image_processor is None:
+            return self.processor
+        processor = copy.deepcopy(self.processor)
+        image_processor = processor.image_processor
+        for key, value in kwargs.items():
+            current = getattr(image_processor, key, None)
+            if isinstance(value, dict) and current is not None and not isinstance(current, dict):
+                value = type(current)(**value)  # transformers' SizeDict where the processor keeps one
+            setattr(image_processor, key, value)
+        return processor
 
     def video_kwargs(self) -> dict[str, Any]:
         """Video-processor arguments (the clips' metadata is added to these)."""

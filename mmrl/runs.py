@@ -4,6 +4,7 @@
     folder.claim(resume=False, overwrite=False)   # lock it; refuse another run's results
     write_checkpoint(folder.checkpoints / "step_000010", lambda tmp: save_everything(tmp))
     good, skipped = newest_checkpoint(folder.checkpoints)   # manifest-verified, newest first
+    prune_checkpoints(folder.checkpoints, saved=good, keep=3)  # trainer.keep_checkpoints
     folder.release()
 
 A folder holds one run. `claim` takes `LOCK_FILE` (created exclusively, holding the pid,
@@ -284,6 +285,21 @@ def verify_checkpoint(path: Path) -> str | None:
         if _sha256(file) != entry["sha256"]:
             return f"{name} does not match its checksum"
     return None
+
+
+def prune_checkpoints(root: Path, saved: Path, keep: int) -> list[Path]:
+    """After `saved` was written: remove the checkpoints under `root` older than it beyond
+    the newest `keep` (counting `saved`); newer ones (a run resumed from an earlier step)
+    are left alone. Returns what was removed."""
+    def step(path: Path) -> int:
+        number = path.name.removeprefix("step_")
+        return int(number) if number.isdigit() else -1  # not a step checkpoint: never removed
+
+    older = sorted((p for p in root.glob("step_*") if p.is_dir() and 0 <= step(p) <= step(saved)), key=step)
+    removed = older[:max(len(older) - keep, 0)]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
 
 
 def newest_checkpoint(root: Path, pattern: str = "step_*") -> tuple[Path | None, list[tuple[Path, str]]]:

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from mmrl.build import build_recipe_model
-from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
+from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
                          unset_toy_defaults)
 from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
+from mmrl.export import export_policy
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
@@ -153,8 +154,11 @@ class Trainer:
         self.estimator = get_advantage_estimator(r.algo.advantage)
         passes = {"share_media": m.share_media, "pack": m.pack, "compile_layers": m.compile_layers,
                   "pack_tokens": m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0)}
+        # A LoRA run on a base checkpoint saves its adapter only; a random-init base is
+        # drawn differently on another device, so those checkpoints keep it.
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing, **passes)
+                            gradient_checkpointing=m.gradient_checkpointing,
+                            trainable_only_checkpoints=m.lora_scope != "none" and not m.random_init, **passes)
         if m.lora_scope != "none":
             from mmrl.lora import AdapterFreeReference, keep_lora_dropout
 
@@ -382,9 +386,11 @@ class Trainer:
         return {"actor": self.actor, "critic": self.critic}
 
     def save(self) -> Path:
-        """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole."""
+        """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole; older
+        ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
-                               {"step": self.step, "data_position": list(self.position)})
+                               {"step": self.step, "data_position": list(self.position)},
+                               keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
         """Load the newest checkpoint under output_dir that verifies; False when none does."""
@@ -400,8 +406,9 @@ class Trainer:
         return True
 
     def export(self, path: Path) -> Path:
-        """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
-        return export_policy(self.actor, self.processing.processor, path, self.dist)
+        """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
+        (`mmrl.export`: blocked and stop tokens, pixel budget)."""
+        return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

@@ -279,6 +279,24 @@ def test_a_generation_config_it_cannot_follow_falls_back_with_one_warning():
     _assert_same(plain, fast)
 
 
+def test_an_exports_suppressed_tokens_keep_the_compiled_loop():
+    """An mmrl export's generation config suppresses the blocked tokens (mmrl/export.py):
+    the loop blocks those anyway, so a run from an export keeps the fast path; a token
+    the rollout would not block still falls back."""
+    built, engine = _setup("qwen2")
+    conversations = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
+    engine.model.generation_config.suppress_tokens = built.processing.blocked_token_ids
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same(plain, rollout.generate(conversations, params))
+    engine.model.generation_config.suppress_tokens = [*built.processing.blocked_token_ids, 10]
+    with pytest.warns(UserWarning, match="suppress_tokens"):
+        make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
+
+
 def test_auto_takes_the_compiled_rollout_in_one_gpu_process_only():
     from types import SimpleNamespace
 

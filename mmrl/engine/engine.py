@@ -108,8 +108,10 @@ class Engine:
         master_weights: bool = True,
         chunked_head: bool = True,
         loss_scale_growth_interval: int = 2000,
+        trainable_only_checkpoints: bool = False,
     ):
         self.built = built
+        self.trainable_only = trainable_only_checkpoints  # `mmrl.engine.state.train_state`
         # Log-probs through the output embedding chunk by chunk (`mmrl.engine.logprobs`);
         # False: the model's own logits (the plain path). The logit post-processing it
         # reproduces is checked on the first call (None until then).
@@ -406,7 +408,7 @@ class Engine:
 
     def save_checkpoint(self, path: Path) -> None:
         """Model (safetensors), optimizer, schedule and loss scale, so a run resumes exactly."""
-        state.save(path, self._modules_for_state(), self.stepper, self.dist)
+        state.save(path, self._modules_for_state(), self.stepper, self.dist, trainable_only=self.trainable_only)
 
     def load_checkpoint(self, path: Path) -> None:
         state.load(path, self._modules_for_state(), self.stepper, self.dist)
@@ -415,4 +417,4 @@ class Engine:
         return state.state_module(self.model, self.value_head)
 
     def _train_state(self) -> dict:
-        return state.train_state(self._modules_for_state(), self.stepper, self.dist)
+        return state.train_state(self._modules_for_state(), self.stepper, self.dist, trainable_only=self.trainable_only)

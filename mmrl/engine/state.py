@@ -66,9 +66,12 @@ def full_weights(model: torch.nn.Module, dist: Dist, stepper: Optimizer | None, 
     return merged_state_dict(model, state)
 
 
-def train_state(module: torch.nn.Module, stepper: Optimizer | None, dist: Dist) -> dict:
+def train_state(module: torch.nn.Module, stepper: Optimizer | None, dist: Dist, *,
+                trainable_only: bool = False) -> dict:
     """{"model": full weights (the masters where there are), "optimizer": AdamW's state}
-    on CPU (on rank 0 when sharded)."""
+    on CPU (on rank 0 when sharded). `trainable_only`: the weights that train and no
+    others (a LoRA run on a base checkpoint: the frozen base is rebuilt from it on resume
+    and by `mmrl export`)."""
     optimizer = stepper.optimizer if stepper else None
     if dist.distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -80,15 +83,36 @@ def train_state(module: torch.nn.Module, stepper: Optimizer | None, dist: Dist) 
         held = masters(module, stepper)
         model_state = {k: held.get(k, v).detach().cpu() for k, v in module.state_dict().items()}
         optim_state = optimizer.state_dict() if optimizer else {}
+    if trainable_only:
+        # By name on every path: under FSDP2, torch's ignore_frozen_params still kept the base.
+        trained = {name for name, p in named_parameters(module) if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trained}
     return {"model": model_state, "optimizer": optim_state}
 
 
-def save(path: Path, module: torch.nn.Module, stepper: Optimizer | None, dist: Dist) -> None:
+def partial_state(module: torch.nn.Module, model_state: dict, path: Path) -> bool:
+    """Whether `model_state` lacks weights of `module` (a trainable-only checkpoint); a
+    weight it holds that `module` lacks, or a missing weight that trains here, is an error
+    naming the checkpoint."""
+    names = dict(named_parameters(module))
+    unknown = sorted(set(model_state) - set(module.state_dict()))
+    if unknown:
+        raise ValueError(f"{path}: the checkpoint holds {len(unknown)} weights this model lacks, e.g. {unknown[0]}")
+    missing = [name for name in names if name not in model_state]
+    lacking = [name for name in missing if names[name].requires_grad]
+    if lacking:
+        raise ValueError(f"{path}: the checkpoint lacks {len(lacking)} trained weights, e.g. {lacking[0]} "
+                         "(it was saved by a run with other trainable parts)")
+    return bool(missing)
+
+
+def save(path: Path, module: torch.nn.Module, stepper: Optimizer | None, dist: Dist, *,
+         trainable_only: bool = False) -> None:
     """Model (safetensors), optimizer, schedule and loss scale, so a run resumes exactly.
     Every rank calls it; the main rank writes."""
     from safetensors.torch import save_file
 
-    state = train_state(module, stepper, dist)
+    state = train_state(module, stepper, dist, trainable_only=trainable_only)
     if dist.is_main:
         path.mkdir(parents=True, exist_ok=True)
         # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
@@ -105,21 +129,23 @@ def load(path: Path, module: torch.nn.Module, stepper: Optimizer | None, dist: D
 
     model_state = load_file(str(path / MODEL_FILE))
     rest = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
+    partial = partial_state(module, model_state, path)
     if dist.distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(
             module, stepper.optimizer if stepper else None,
             model_state_dict=model_state, optim_state_dict=rest["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
+            options=StateDictOptions(full_state_dict=True, strict=not partial),
         )
     else:
-        module.load_state_dict(model_state)
+        module.load_state_dict(model_state, strict=not partial)
         # The file holds the fp32 masters (half weights from a run without them
         # are upcast, as at the start of a run).
         with torch.no_grad():
             for name, master in masters(module, stepper).items():
-                master.copy_(model_state[name])
+                if name in model_state:
+                    master.copy_(model_state[name])
         if stepper is not None:
             stepper.masters.to_model()
             stepper.optimizer.load_state_dict(rest["optimizer"])

@@ -26,6 +26,7 @@ from mmrl.checks import (
     video_conversations,
 )
 from mmrl.probes.base import TOLERANCE, CheckFailed, Subject, Verified, require
+from mmrl.rollout.base import trim_responses
 
 RELOAD_TOLERANCE = 1e-5  # save_pretrained -> from_pretrained, fp32 logits
 LORA_EFFECT = 1e-3  # random LoRA weights must move the logits at least this much
@@ -164,6 +165,8 @@ def check_forward_backward(subject: Subject) -> Verified:
 def check_generation(subject: Subject) -> Verified:
     built = subject.build()
     conversations = sample_conversations(built.adapter)
+    if not subject.random_init:
+        return _checkpoint_generation(built, conversations)
     new_tokens = generate(built, conversations, max_new_tokens=8)
     require(tuple(new_tokens.shape) == (len(conversations), 8),
             f"generated shape {tuple(new_tokens.shape)}, expected ({len(conversations)}, 8)")
@@ -174,6 +177,42 @@ def check_generation(subject: Subject) -> Verified:
             "decode did not return one string per prompt")
     return Verified("HF generate: 8 greedy tokens per prompt, no blocked special tokens, decoded",
                     {"new_tokens": new_tokens.tolist()})
+
+
+def _checkpoint_generation(built, conversations) -> Verified:
+    """A checkpoint is served by plain `generate` with its own `generation_config.json`:
+    greedy, that must give the answers the rollout's decoding gives (blocked tokens
+    suppressed, stopping at the stop ids), so an export missing those constraints fails
+    here where its policy would reach a blocked token."""
+    model, processing = built.model.eval(), built.processing
+    batch = dict(processing(conversations))
+    stops, pad = processing.stop_token_ids, built.tokenizer.pad_token_id
+    blocked = processing.blocked_token_ids
+    prompt = batch["input_ids"].shape[1]
+    with torch.no_grad():
+        plain = model.generate(**batch, do_sample=False, max_new_tokens=8)[:, prompt:]
+        trained = model.generate(**batch, do_sample=False, max_new_tokens=8, eos_token_id=stops, pad_token_id=pad,
+                                 suppress_tokens=blocked or None)[:, prompt:]
+    plain, plain_mask, _ = trim_responses(plain, stops, pad)
+    trained, trained_mask, _ = trim_responses(trained, stops, pad)
+    answers = [row[mask.bool()].tolist() for row, mask in zip(plain, plain_mask)]
+    expected = [row[mask.bool()].tolist() for row, mask in zip(trained, trained_mask)]
+    config = model.generation_config
+    suppressed = set(config.suppress_tokens or ())
+    lacking = [i for i in blocked if i not in suppressed]
+    reached = sorted({t for row in answers for t in row} & set(blocked))
+    if reached:
+        names = ", ".join(built.tokenizer.convert_ids_to_tokens(reached))
+        raise CheckFailed(f"plain generate with the checkpoint's generation_config.json produces blocked special "
+                          f"tokens ({names}): its suppress_tokens lack {len(lacking)} of the {len(blocked)} tokens "
+                          f"the rollout blocks; export it with `mmrl export` (mmrl/export.py writes them)")
+    require(answers == expected, f"plain generate with the checkpoint's generation_config.json answers {answers}, "
+                                 f"the rollout's decoding {expected}")
+    note = "" if not lacking else f" (its generation config suppresses {len(blocked) - len(lacking)} of the " \
+                                  f"{len(blocked)} blocked tokens; greedy reached none of the others)"
+    return Verified("plain generate with the checkpoint's own generation config gives the rollout's greedy "
+                    "answers, no blocked special tokens" + note,
+                    {"new_tokens": answers, "suppressed_missing": len(lacking)})
 
 
 def check_padded_batch(subject: Subject) -> Verified:

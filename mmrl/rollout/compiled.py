@@ -150,6 +150,8 @@ class CompiledHFRollout(HFRollout):
         fields = dict(_UNSUPPORTED, **({} if params.greedy else _UNSUPPORTED_SAMPLING))
         for name, neutral in fields.items():
             value = getattr(config, name, None)
+            if name == "suppress_tokens" and value and set(value) <= set(self.processing.blocked_token_ids):
+                continue  # an mmrl export's (`mmrl.export`): the loop blocks these anyway
             if value not in neutral and value != []:
                 raise Unsupported(f"generation_config.{name}={value!r} has no equivalent here")
 
