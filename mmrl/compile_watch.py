@@ -39,15 +39,15 @@ class CompileWatch:
         self.installed = False
 
     def install(self) -> bool:
-        """Register with dynamo once; False where this torch has no compile callbacks."""
-        if self.installed:
-            return True
+        """Register with dynamo (again after `torch._dynamo.reset()`, which clears every
+        callback); False where this torch has no compile callbacks."""
         try:
             from torch._dynamo.callback import callback_handler
         except ImportError:
             return False
-        callback_handler.register_start_callback(self._start)
-        callback_handler.register_end_callback(self._end)
+        if self._end not in getattr(callback_handler, "end_callbacks", ()):
+            callback_handler.register_start_callback(self._start)
+            callback_handler.register_end_callback(self._end)
         self.installed = True
         return True
 

@@ -9,6 +9,7 @@ from mmrl.compile_watch import cache_root, persistent_cache, watch
 
 
 def test_each_new_graph_is_counted_once_and_announced(capsys):
+    torch._dynamo.reset()  # clears dynamo's callbacks: `watch()` registers again
     w = watch()
     w.take()
 

@@ -123,7 +123,12 @@ class CompiledHFRollout(HFRollout):
         self._half_store: dict[str, torch.nn.Parameter] = {}
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
-        self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
+        # dynamic: the first trace already treats every size as symbolic, the cache length
+        # included (a python int inside transformers' StaticCache, which `maybe_mark_dynamic`
+        # cannot reach): one compile serves every cache length and batch width, where a
+        # static first trace compiled again at the first new length (about a minute on an
+        # H200 for the 0.5B shape, bench/first_steps.sh).
+        self.compile_options = {"dynamic": True, **(compile_options or {"mode": "reduce-overhead", "fullgraph": True})}
         self.fallback_reason: str | None = None  # set once the compiled path is given up
         self._step = None
         self._caches: dict[tuple[int, int], object] = {}
