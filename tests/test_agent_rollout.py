@@ -218,8 +218,9 @@ def test_one_turn_agent_equals_the_single_turn_rollout():
 def test_multi_turn_on_the_compiled_rollout_equals_plain_generate(family):
     """Issue 28: the agent loop over the compiled rollout (decode step traced by dynamo, full
     graph) gives plain `generate`'s greedy tokens and log-probs turn by turn, images in the
-    replies and mrope positions included, fp32; every turn's new prompt length reuses the
-    one traced step (its sizes are dynamic)."""
+    replies and mrope positions included, fp32; the turns' growing prompts trace the step
+    at most twice (the width is dynamic from the first trace, the cache length after its
+    first change)."""
     from mmrl.compile_watch import watch
 
     built, engine = _setup(family)
@@ -246,4 +247,4 @@ def test_multi_turn_on_the_compiled_rollout_equals_plain_generate(family):
     for ours, theirs in zip(fast.trajectories, plain.trajectories):
         assert ours.ids == theirs.ids and ours.spans == theirs.spans and ours.finish == theirs.finish
         torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=0)
-    assert w.take()[1] == 1
+    assert w.take()[1] <= 2

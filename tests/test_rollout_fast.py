@@ -326,11 +326,12 @@ def test_the_recipe_names_the_backend():
         make_rollout("hf_fast", None, None)
 
 
-def test_a_spread_of_prompt_lengths_and_widths_compiles_one_graph(monkeypatch):
-    """Issue 28: rollouts over prompts of many lengths (several cache lengths) whose rows
-    finish at different steps (the loop moves them into narrower batches) trace the decode
-    step once: every size is dynamic from the first trace (the compile options' default).
-    Before, the first new cache length and the first new width were one more graph each."""
+def test_a_spread_of_prompt_lengths_and_widths_compiles_at_most_two_graphs(monkeypatch):
+    """Issue 28: rollouts over prompts of many lengths whose rows finish at different steps
+    (the loop moves them into narrower batches) trace the decode step at most twice: the
+    batch width is dynamic from the first trace, a shorter batch reuses the longest cache
+    so far, and a longer one compiles the step once more, after which dynamo treats the
+    length as dynamic. Before, each new width and the first new length were one more graph."""
     import random
 
     from mmrl.compile_watch import watch
@@ -349,11 +350,37 @@ def test_a_spread_of_prompt_lengths_and_widths_compiles_one_graph(monkeypatch):
     w.take()
     pick = random.Random(0)
     words = "alpha beta gamma delta sea sky tree stone river cloud".split()
-    for _ in range(5):
-        conversations = [[{"role": "user", "content": " ".join(pick.choices(words, k=pick.randint(5, 300)))}]
-                         for _ in range(4)]
+    for longest in (60, 120, 200, 300, 100):  # growing prompts (each a longer cache), then a short batch
+        conversations = [[{"role": "user", "content": " ".join(pick.choices(words, k=pick.randint(5, longest)))}]
+                         for _ in range(3)] + [[{"role": "user", "content": " ".join(pick.choices(words, k=longest))}]]
         rollout.generate(conversations, SamplingParams(n=4, max_new_tokens=24, temperature=1.0))
     assert rollout.fallback_reason is None
     _, graphs = w.take()
     assert len({rows for rows, _ in shapes}) >= 3 and len({length for _, length in shapes}) >= 3, shapes
-    assert graphs == 1
+    assert graphs <= 2
+
+
+def test_a_shorter_batch_reuses_the_longest_compiled_cache():
+    """A batch of short prompts after a long one decodes on the long batch's cache (the
+    extra positions masked) with the same tokens as on a cache of its own length, and the
+    traced step is not traced again."""
+    from mmrl.compile_watch import watch
+
+    built, engine = _setup("qwen2")
+    long = [[{"role": "user", "content": "sea sky " * 200}], [{"role": "user", "content": "tree"}]]
+    short = _conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
+    eager = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(short, params)
+    rollout = make_rollout("hf_compiled", engine, built.processing,
+                           compile_options={"backend": "eager", "fullgraph": True})
+    lengths = []
+    cache = rollout._cache
+    rollout._cache = lambda rows, length, dtype=None: lengths.append(length) or cache(rows, length, dtype)
+    torch._dynamo.reset()
+    w = watch()
+    w.take()
+    rollout.generate(long, params)
+    fast = rollout.generate(short, params)
+    assert lengths[0] == lengths[-1] > compiled.CACHE_LENGTH_STEP  # the short batch took the long cache
+    assert w.take()[1] == 1
+    _assert_same(eager, fast)

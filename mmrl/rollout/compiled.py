@@ -123,12 +123,10 @@ class CompiledHFRollout(HFRollout):
         self._half_store: dict[str, torch.nn.Parameter] = {}
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
-        # dynamic: the first trace already treats every size as symbolic, the cache length
-        # included (a python int inside transformers' StaticCache, which `maybe_mark_dynamic`
-        # cannot reach): one compile serves every cache length and batch width, where a
-        # static first trace compiled again at the first new length (about a minute on an
-        # H200 for the 0.5B shape, bench/first_steps.sh).
-        self.compile_options = {"dynamic": True, **(compile_options or {"mode": "reduce-overhead", "fullgraph": True})}
+        self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
+        # The longest cache a compiled step has run on: shorter prompts reuse it (see
+        # `_cache_length`).
+        self._longest_cache = 0
         self.fallback_reason: str | None = None  # set once the compiled path is given up
         self._step = None
         self._caches: dict[tuple[int, int], object] = {}
@@ -170,7 +168,7 @@ class CompiledHFRollout(HFRollout):
             raise Unsupported("the family computes its own position ids")
         rows, prompt_length = batch["input_ids"].shape
         new_tokens = params.max_new_tokens
-        length = -(-(prompt_length + new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+        length = self._cache_length(prompt_length + new_tokens)
         pad_id = self.processing.tokenizer.pad_token_id
         stops = torch.tensor(self.processing.stop_token_ids, device=device)
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
@@ -244,6 +242,19 @@ class CompiledHFRollout(HFRollout):
         return tokens[:, :width].cpu(), None if logprobs is None else logprobs[:, :width].cpu()
 
     # -- pieces ------------------------------------------------------------------------------
+    def _cache_length(self, needed: int) -> int:
+        """The cache length for `needed` positions: rounded up to CACHE_LENGTH_STEP and, when
+        compiling, never shorter than the longest cache so far. The cache length is a python
+        int inside transformers' StaticCache, so dynamo compiles the step again for the first
+        new length (then treats the length as dynamic); on an H200 that second compile took
+        about a minute for the 0.5B shape (bench/first_steps.sh), so a shorter batch reuses
+        the longer cache (its extra positions are masked) rather than pay it. Eager decoding
+        (compile=False) takes the rounded length itself."""
+        length = -(-needed // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+        if self.compile:
+            length = self._longest_cache = max(length, self._longest_cache)
+        return length
+
     def _compiled_step(self):
         if self._step is None:
             self._step = torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
