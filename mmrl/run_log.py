@@ -6,7 +6,8 @@
     plot_rewards(history, output_dir / "reward_curve.png", "title")
     log.close()
 
-Only the main rank writes. After a resume the metrics file keeps the steps up to the
+Only the main rank writes; files are replaced whole (mmrl/atomic.py) and never written
+through a symbolic link. After a resume the metrics file keeps the steps up to the
 checkpoint (a line cut short by the interruption and a finished run's final line are
 dropped), and TensorBoard purges its events past it, so every step appears once.
 """
@@ -14,10 +15,11 @@ dropped), and TensorBoard purges its events past it, so every step appears once.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from mmrl.runs import replacing
+from mmrl.atomic import replacing
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -34,7 +36,9 @@ class RunLog:
         if not self.main:
             return
         if self._file is None:
-            self._file = open(self.output_dir / METRICS_FILE, "a")
+            # Never through a link planted in the run folder (O_NOFOLLOW): it could point out of it.
+            fd = os.open(self.output_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self._file = os.fdopen(fd, "a")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tensorboard is None:
@@ -81,7 +85,8 @@ def plot_rewards(history: list[dict[str, Any]], path: Path, title: str = "reward
     import matplotlib.pyplot as plt
 
     fig = reward_figure(history, title)
-    fig.savefig(path, dpi=120)
+    with replacing(path) as temp:  # renamed over the name: a link planted there is replaced, not followed
+        fig.savefig(temp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
 
 

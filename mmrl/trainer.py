@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mmrl.atomic import atomic_write_text
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
@@ -385,16 +386,19 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         r = self.recipe
         cfg = r.trainer
+        if cfg.resume and not self.resume():
+            # `claim` saw a finished checkpoint write; none verified (named above): nothing
+            # is rewritten, metrics.jsonl included.
+            raise RunFolderError(f"trainer.resume: no checkpoint in {self.output_dir / 'checkpoints'} verifies; "
+                                 "drop trainer.resume to start a new run")
         if self.dist.is_main:
-            (self.output_dir / "recipe.yaml").write_text(dump_recipe(r))
+            atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(r))
         self.dist.barrier()
         history: list[dict[str, Any]] = []
         if cfg.resume:
-            resumed = self.resume()
             if self.dist.is_main:
                 history = self.log.history_until(self.step)
-                if resumed:
-                    print(f"resumed from step {self.step}", flush=True)
+                print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
         progress = None
         if cfg.progress and self.dist.is_main:

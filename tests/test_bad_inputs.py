@@ -304,7 +304,7 @@ def test_a_failing_reward_is_one_line_and_leaves_no_checkpoint(tmp_path, reward,
     assert not result.stdout.strip()
     # The run began (its recipe is saved) but no step completed: no checkpoint, no model,
     # no metrics row, and the lock is gone.
-    assert sorted(p.name for p in run.iterdir()) == ["recipe.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == [".mmrl-run", "recipe.yaml"]  # and the folder's owner mark
     # So the same command may run again there (after the reward is fixed): not refused as
     # a folder holding a run.
     again = subprocess.run(

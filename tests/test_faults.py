@@ -72,3 +72,120 @@ def test_security_the_docs_say_what_a_recipe_can_run():
     section = text.split("## What a recipe can run", 1)[1].split("\n## ", 1)[0]
     for words in ("sandbox", "reward.name", "rollout.env", "Import paths run code", "trust_remote_code"):
         assert words in section, words
+
+
+# -- group "run folder": the folder is mmrl's; it writes through no link and removes only its own ----
+def _state(folder: Path) -> dict[str, object]:
+    """Every entry under `folder` (links not followed): a file's bytes, a link's target."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        out[name] = f"-> {path.readlink()}" if path.is_symlink() else path.read_bytes() if path.is_file() else "<dir>"
+    return out
+
+
+def _train(folder: Path, *overrides: str):
+    return CliRunner().invoke(app, ["train", RECIPE, *CHEAP, *overrides])
+
+
+def _project(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "recipe.yaml").write_text("# my own recipe\nmodel: {path: qwen2_vl}\n")
+    (project / "notes.md").write_text("mine\n")
+    return project
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.overwrite=true"]], ids=["plain", "overwrite"])
+def test_run_folder_a_project_folder_is_refused_and_left_as_it_was(tmp_path, monkeypatch, extra):
+    project = _project(tmp_path)
+    monkeypatch.chdir(project)
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = _train(project, "trainer.output_dir=.", *extra)
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "holds files mmrl did not write (notes.md, recipe.yaml)" in line, line
+    assert _state(tmp_path) == before  # the user's recipe.yaml neither removed nor replaced
+
+
+def test_run_folder_a_users_lone_recipe_is_not_taken_for_a_stopped_run(tmp_path, monkeypatch):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "recipe.yaml").write_text("# my own recipe\n")
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = _train(folder, f"trainer.output_dir={folder}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "holds files mmrl did not write (recipe.yaml)" in _one_clean_line(result.output)
+    assert _state(tmp_path) == before
+
+
+def test_run_folder_overwrite_refuses_a_run_folder_holding_a_users_file(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in (("recipe.yaml", "model: {path: qwen2_vl}\n"), ("metrics.jsonl", '{"step": 1}\n'),
+                       (".mmrl-run", ""), ("my_analysis.ipynb", "{}")):
+        (run / name).write_text(text)
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = _train(run, f"trainer.output_dir={run}", "trainer.overwrite=true")
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "holds files mmrl did not write (my_analysis.ipynb)" in _one_clean_line(result.output)
+    assert _state(tmp_path) == before  # nothing removed, the run's results included
+
+
+def test_run_folder_a_planted_link_is_refused_and_its_target_untouched(tmp_path, monkeypatch):
+    outside = tmp_path / "precious.png"
+    outside.write_bytes(b"not mmrl's")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reward_curve.png").symlink_to(outside)
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = _train(run, f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"{run / 'reward_curve.png'} is a symbolic link" in line, line
+    assert _state(tmp_path) == before
+
+
+def test_run_folder_links_planted_during_a_run_are_replaced_not_followed(tmp_path):
+    """What the checks at the start cannot see: a link planted while the run goes. The plot
+    is renamed over the link; metrics.jsonl is never opened through one (O_NOFOLLOW)."""
+    import errno
+
+    from mmrl.run_log import RunLog, plot_rewards
+
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"not mmrl's")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reward_curve.png").symlink_to(outside)
+    plot_rewards([{"step": 1, "reward/mean": 0.5}], run / "reward_curve.png")
+    assert outside.read_bytes() == b"not mmrl's"
+    assert not (run / "reward_curve.png").is_symlink() and (run / "reward_curve.png").stat().st_size > 0
+    (run / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(OSError) as err:
+        RunLog(run, main=True).write({"step": 1})
+    assert err.value.errno == errno.ELOOP
+    assert outside.read_bytes() == b"not mmrl's"
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "reward_curve.png"]  # no temporary left
+
+
+@pytest.mark.parametrize("holds", ["nothing", "metrics"])
+def test_run_folder_resume_with_nothing_to_resume_is_one_line(tmp_path, monkeypatch, holds):
+    run = tmp_path / "run"
+    if holds == "metrics":
+        run.mkdir()
+        (run / "recipe.yaml").write_text("model: {path: qwen2_vl}\n")
+        (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+        (run / ".mmrl-run").write_text("")
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = _train(run, f"trainer.output_dir={run}", "trainer.resume=true")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"trainer.resume: no checkpoint to resume from in {run / 'checkpoints'}" in line, line
+    assert _state(tmp_path) == before  # metrics.jsonl untouched; a folder that was not there is not made
+    assert run.exists() == (holds == "metrics")

@@ -22,8 +22,8 @@ import mmrl.trainer as trainer_module
 from mmrl.config import RecipeError, check_before_build, load_recipe
 from mmrl.data import load_prompts, schema, to_conversation
 from mmrl.rewards import RewardError, combine
-from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint,
-                       newest_checkpoint, verify_checkpoint)
+from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, OWNER_FILE, RunFolder, RunFolderError, begin_checkpoint,
+                       commit_checkpoint, newest_checkpoint, verify_checkpoint)
 from mmrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +120,7 @@ def test_a_folder_left_with_only_a_recipe_is_taken_and_an_unused_new_folder_goes
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text("model: {path: qwen2}\n")
+    (run / OWNER_FILE).write_text("")  # the run that stopped had claimed the folder
     folder = RunFolder(run)
     folder.claim(resume=False, overwrite=False)
     assert not (run / "recipe.yaml").exists()
