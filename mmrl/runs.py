@@ -92,6 +92,7 @@ class RunFolder:
         self._take_lock()
         try:
             self._check_contents(resume=resume, overwrite=overwrite, same_run=same_run)
+            self._mark_owned()  # only once accepted: a refused folder is left as it was
         except BaseException:
             self.release()
             raise
@@ -126,7 +127,6 @@ class RunFolder:
                                  "them with trainer.save_every > 0, or on SIGINT/SIGTERM); drop trainer.resume to "
                                  "start a new run" + (" (with trainer.overwrite=true to replace this one)" if found
                                                       else ""))
-        self._mark_owned()
         if found == [RECIPE_FILE] and not resume:
             # A run that stopped before its first step (a bad reward, a failed build)
             # left only its recipe: nothing to lose, so the next run may start here.

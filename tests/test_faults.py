@@ -189,3 +189,64 @@ def test_run_folder_resume_with_nothing_to_resume_is_one_line(tmp_path, monkeypa
     assert f"trainer.resume: no checkpoint to resume from in {run / 'checkpoints'}" in line, line
     assert _state(tmp_path) == before  # metrics.jsonl untouched; a folder that was not there is not made
     assert run.exists() == (holds == "metrics")
+
+
+# -- groups "silent values" and "late checks": refused from the recipe alone, before the build ----
+# (group, case id, overrides, words the one line holds)
+RECIPE_VALUES = [
+    ("silent values", "steps-true", ["trainer.steps=true"], "trainer.steps: expected a number, got a boolean (true)"),
+    ("silent values", "lr-true", ["optim.lr=true"], "optim.lr: expected a number, got a boolean (true)"),
+    ("silent values", "steps-string", ["trainer.steps='5'"], "trainer.steps: expected an integer, got a string ('5')"),
+    ("silent values", "steps-float", ["trainer.steps=2.0"], "trainer.steps: expected an integer, got 2.0"),
+    ("silent values", "switch-one", ["trainer.export=1"], "trainer.export: expected true or false, got 1"),
+    ("silent values", "switch-word", ["model.share_media=on_gpu"], "model.share_media: expected true or false"),
+    ("silent values", "lr-infinite", ["optim.lr=.inf"], "optim.lr: expected a finite number, got inf"),
+    ("silent values", "lr-nan-string", ["optim.lr=nan"], "optim.lr: expected a finite number, got nan"),
+    ("silent values", "lr-multiplier-negative", ["optim.lr_multipliers={vision: -1}"],
+     "optim.lr_multipliers.vision: Input should be greater than or equal to 0"),
+    ("silent values", "override-duplicate-key", ["optim.lr_multipliers={vision: 1, vision: 2}"],
+     "key 'vision' appears twice"),
+    ("silent values", "temperature-zero-grpo", ["rollout.temperature=0"],
+     "algo: advantage 'grpo' compares the samples of a prompt, but rollout.temperature 0 (greedy)"),
+    ("late checks", "one-sample-grpo", ["rollout.samples_per_prompt=1", "algo.advantage=rloo"],
+     "algo: advantage 'rloo' compares the samples of a prompt, but rollout.samples_per_prompt is 1"),
+    ("late checks", "beta-one", ["optim.betas=[0.9, 1.0]"], "optim.betas.1: Input should be less than 1"),
+    ("late checks", "beta-negative", ["optim.betas=[-0.1, 0.99]"],
+     "optim.betas.0: Input should be greater than or equal to 0"),
+    ("late checks", "seed-negative", ["trainer.seed=-1"], "trainer.seed: Input should be greater than or equal to 0"),
+    ("late checks", "seed-huge", ["trainer.seed=99999999999"], "trainer.seed: Input should be less than or equal to"),
+    ("late checks", "shuffle-seed-negative", ["data.shuffle_seed=-3"], "data.shuffle_seed: Input should be greater"),
+]
+
+
+@pytest.mark.parametrize("group, case, overrides, words", RECIPE_VALUES, ids=[f"{c[0]}:{c[1]}" for c in RECIPE_VALUES])
+def test_recipe_values_are_refused_before_the_build(tmp_path, monkeypatch, group, case, overrides, words):
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    run = tmp_path / "run"
+    before = _state(tmp_path)
+    result = _train(run, *overrides, f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words in _one_clean_line(result.output)
+    assert _state(tmp_path) == before and not run.exists()
+
+
+def test_silent_values_a_key_given_twice_in_a_recipe_file_names_both_lines(tmp_path, monkeypatch):
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text(Path(RECIPE).read_text() + "\noptim:\n  lr: 1.0e-3\n  lr: 1.0e-5\n")
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    before = _state(tmp_path)
+    result = CliRunner().invoke(app, ["train", str(recipe), *CHEAP, f"trainer.output_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "twice.yaml: line " in line and "appears twice (first at line " in line, line
+    assert _state(tmp_path) == before
+
+
+def test_silent_values_numbers_written_as_yaml_reads_them_still_load():
+    """YAML 1.1 reads `1e-6` as a string: a numeric string stays a number for a float field."""
+    from mmrl.config import load_recipe
+
+    recipe = load_recipe(RECIPE, ["optim.lr=1e-6", "optim.betas=[0.5, 0.9]", "trainer.seed=7",
+                                  "model.gradient_checkpointing=auto", "algo.advantage=reinforce_pp",
+                                  "rollout.temperature=0"])
+    assert recipe.optim.lr == 1e-6 and recipe.trainer.seed == 7 and recipe.rollout.temperature == 0
