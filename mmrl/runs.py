@@ -89,7 +89,12 @@ class RunFolder:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunFolderError(f"trainer.output_dir: cannot create {self.path} ({exc.strerror})") from None
-        self._take_lock()
+        try:
+            self._take_lock()
+        except BaseException:
+            if self._created:  # a folder this claim made, with nothing in it: leave none behind
+                self.path.rmdir()
+            raise
         try:
             self._check_contents(resume=resume, overwrite=overwrite, same_run=same_run)
             self._mark_owned()  # only once accepted: a refused folder is left as it was

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mmrl.atomic import atomic_write_text
+from mmrl.atomic import atomic_folder, atomic_write_text
 from mmrl.checkpoint import export_policy, load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import Recipe, RecipeError, check_before_build, dump_recipe, same_run
@@ -357,8 +357,31 @@ class Trainer:
         return True
 
     def export(self, path: Path) -> Path:
-        """The trained policy as a HF checkpoint (LoRA merged) with its processor."""
-        return export_policy(self.actor, self.processing.processor, path, self.dist)
+        """The trained policy as a HF checkpoint (LoRA merged) with its processor, written
+        aside and renamed into `path` whole (mmrl/atomic.py): a failed export leaves no
+        `final/` with a config and no weights."""
+        if not self.dist.is_main:
+            return export_policy(self.actor, self.processing.processor, path, self.dist)
+        with atomic_folder(path) as temp:
+            export_policy(self.actor, self.processing.processor, temp, self.dist)
+        return path
+
+    def _export_or_keep(self, path: Path) -> Path:
+        """Export; if that fails in one process and no checkpoint holds this step (the
+        default save_every 0), save one first so the trained weights are not lost, and say
+        so in the error."""
+        try:
+            return self.export(path)
+        except Exception as exc:
+            if self.dist.distributed or (self.checkpoint_dir(self.step) / "manifest.json").is_file():
+                raise
+            try:
+                kept = self.save()
+            except Exception:
+                raise exc from None  # the disk that refused the export refused the checkpoint too
+            exc.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
+                         f"trainer.resume=true to evaluate and export them")
+            raise
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -496,9 +519,9 @@ class Trainer:
         if self.dist.is_main:
             plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
-                summary["export"] = str(self.export(self.output_dir / "final"))
+                summary["export"] = str(self._export_or_keep(self.output_dir / "final"))
         elif self.recipe.trainer.export:
-            self.export(self.output_dir / "final")
+            self._export_or_keep(self.output_dir / "final")
         self._close()
         return summary
 

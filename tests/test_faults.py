@@ -250,3 +250,109 @@ def test_silent_values_numbers_written_as_yaml_reads_them_still_load():
                                   "model.gradient_checkpointing=auto", "algo.advantage=reinforce_pp",
                                   "rollout.temperature=0"])
     assert recipe.optim.lr == 1e-6 and recipe.trainer.seed == 7 and recipe.rollout.temperature == 0
+
+
+# -- group "error boundary": every failure a user can act on is one line, exit 2 ------------------
+def _raises(exc: BaseException):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+def _unreachable():
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    return LocalEntryNotFoundError("Cannot find the requested files in the local cache")
+
+
+def _bad_safetensors():
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while deserializing header: MetadataIncompleteBuffer")
+
+
+# (case id, what replaces what, the exception, words the one line holds). Each fails before
+# the build or in place of it: cheap.
+BOUNDARY = [
+    ("read-only-folder", "mmrl.runs.RunFolder._take_lock", lambda run: OSError(30, "Read-only file system",
+                                                                                str(run / ".mmrl.lock")),
+     "{run}/.mmrl.lock: read-only file system; choose a writable folder"),
+    ("permission-denied", "mmrl.runs.RunFolder._take_lock", lambda run: PermissionError(13, "Permission denied",
+                                                                                        str(run / ".mmrl.lock")),
+     "{run}/.mmrl.lock: permission denied; choose a folder you may write to"),
+    ("unreachable-hub", "mmrl.build_model", lambda run: _unreachable(),
+     "a source cannot be reached (LocalEntryNotFoundError: Cannot find the requested files"),
+    ("bad-safetensors", "mmrl.build_model", lambda run: _bad_safetensors(),
+     "a safetensors file cannot be read (Error while deserializing header"),
+    ("checkpoint-does-not-fit", "mmrl.build_model",
+     lambda run: RuntimeError("Error(s) in loading state_dict for Qwen2VL:\n\tsize mismatch for lm_head.weight"),
+     "Error(s) in loading state_dict for Qwen2VL:: the checkpoint does not fit the model"),
+    ("host-memory", "mmrl.build_model", lambda run: MemoryError(), "out of host memory"),
+    ("gpu-memory", "mmrl.build_model",
+     lambda run: __import__("torch").cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"),
+     "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower algo.micro_batch_size"),
+]
+
+
+@pytest.mark.parametrize("case, target, make, words", BOUNDARY, ids=[c[0] for c in BOUNDARY])
+def test_error_boundary_a_failure_is_one_line_exit_2(tmp_path, monkeypatch, case, target, make, words):
+    run = tmp_path / "run"
+    monkeypatch.setattr(target, _raises(make(run)))
+    before = _state(tmp_path)
+    result = _train(run, f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words.format(run=run) in _one_clean_line(result.output)
+    assert _state(tmp_path) == before and not run.exists()  # the lock and a folder it made are gone
+
+
+def test_error_boundary_debug_shows_the_traceback_and_a_bug_keeps_it(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setattr("mmrl.build_model", _raises(OSError(28, "No space left on device", str(run / "x"))))
+    result = CliRunner().invoke(app, ["--debug", "train", RECIPE, *CHEAP, f"trainer.output_dir={run}"])
+    assert isinstance(result.exception, OSError) and result.exception.errno == 28
+    monkeypatch.setattr("mmrl.build_model", _raises(TypeError("a bug in mmrl")))
+    result = CliRunner().invoke(app, ["train", RECIPE, *CHEAP, f"trainer.output_dir={run}"])
+    assert isinstance(result.exception, TypeError)  # not hidden behind one line
+
+
+def test_error_boundary_doctor_on_a_cut_short_config(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2_vl", "hidden_si')
+    before = _state(tmp_path)
+    result = CliRunner().invoke(app, ["doctor", str(folder), "--workers", "0", "--no-progress"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"{folder / 'config.json'}: not a readable config (" in line, line
+    assert _state(tmp_path) == before
+
+
+def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, monkeypatch):
+    """With the default save_every 0, the export is where a finished run was lost: now it is
+    one line naming the file, no half-written final/, and a checkpoint to resume from."""
+    import errno
+
+    import mmrl.trainer
+
+    run = tmp_path / "run"
+    real_export = mmrl.trainer.export_policy
+
+    def disk_fills(actor, processor, path, dist):
+        (path / "config.json").write_text("{}")  # the export got this far
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+
+    monkeypatch.setattr("mmrl.trainer.export_policy", disk_fills)
+    result = _train(run, f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"{run}/.tmp-final/model.safetensors: no space left on the device" in line, line
+    assert f"the trained weights are kept in checkpoint {run / 'checkpoints' / 'step_000001'}" in line, line
+    names = sorted(p.name for p in run.iterdir())
+    assert names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png"] or \
+        names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png", "tensorboard"], names
+    assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
+    # Once fixed, resume evaluates and exports the kept weights.
+    monkeypatch.setattr("mmrl.trainer.export_policy", real_export)
+    result = _train(run, f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "config.json").is_file()
