@@ -498,6 +498,12 @@ def check_reward_and_data(recipe: Recipe) -> None:
             dataset = load_prompts(source, split=split)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             raise RecipeError(f"data.{field}: {exc}") from None
+        if field == "eval":
+            from mmrl.data.synthetic import shuffle_control_problem
+
+            problem = shuffle_control_problem(list(dataset))
+            if problem:
+                raise RecipeError(f"data.eval: {dataset.name or 'data.eval'}: {problem}")
         if field == "train" and len(dataset) < data.prompts_per_step:
             raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
                               f"{dataset.name or 'data.train'} has {len(dataset)} rows")

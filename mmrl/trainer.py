@@ -26,6 +26,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -387,11 +388,21 @@ class Trainer:
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is not None:  # a second signal: stop now
             signal.signal(signum, signal.SIG_DFL)
+            if self.dist.is_main:
+                print(self._stopped_at_once(signum), file=sys.stderr, flush=True)
             raise KeyboardInterrupt
         self._stop_signal = signum
         if self.dist.is_main:
             print(f"\n{signal.Signals(signum).name}: saving a checkpoint once this step is done "
                   "(send it again to stop at once)", flush=True)
+
+    def _stopped_at_once(self, signum: int) -> str:
+        """What a second SIGINT/SIGTERM leaves: no checkpoint of this step; the newest saved."""
+        saved = sorted(self.output_dir.glob("checkpoints/step_*/manifest.json"))
+        newest = (f"the newest saved is {saved[-1].parent}: continue from it with trainer.resume=true" if saved
+                  else "none was saved before, so this run's steps are lost")
+        return (f"{signal.Signals(signum).name} again: stopped at once in step {self.step + 1}, without saving a "
+                f"checkpoint; {newest}")
 
     def _install_signal_handlers(self) -> dict:
         import threading

@@ -356,3 +356,89 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
     result = _train(run, f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
     assert result.exit_code == 0, (result.output, result.exception)
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "config.json").is_file()
+
+
+def test_late_checks_an_eval_split_too_small_for_the_shuffled_images_control(tmp_path, monkeypatch):
+    """Found at the final evaluation before, after every training step; now before the build."""
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    run = tmp_path / "run"
+    result = _train(run, "data.eval=synthetic:count_shapes?n=1&seed=1&image_size=56", f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "data.eval: " in line and "the shuffled-images control needs at least two rows holding as many " \
+        "images, but the rows with images are 1 with 1" in line, line
+    assert not run.exists()
+
+
+# -- "late checks": unbounded inputs are refused by a stated limit (docs/training.md#limits) -------
+def test_late_checks_a_huge_row_and_a_huge_synthetic_task_are_refused_before_the_build(tmp_path, monkeypatch):
+    from mmrl.data.schema import MAX_ROW_CHARS
+    from mmrl.data.synthetic import MAX_SYNTHETIC_ROWS
+
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    rows = _text_rows(tmp_path)
+    with open(rows, "a") as handle:
+        handle.write(json.dumps({"q": "x" * (MAX_ROW_CHARS + 1), "answer": "1"}) + "\n")
+    run = tmp_path / "run"
+    source = json.dumps({"path": str(rows), "columns": {"prompt": "q"}})
+    for given, words in ((f"data.train={source}", f"questions.jsonl:5: a row of more than {MAX_ROW_CHARS} bytes"),
+                         ("data.train=synthetic:count_shapes?n=100000000",
+                          f"n must be a whole number from 1 to {MAX_SYNTHETIC_ROWS}")):
+        result = _train(run, given, f"trainer.output_dir={run}")
+        assert result.exit_code == 2, (result.output, result.exception)
+        assert words in _one_clean_line(result.output)
+        assert not run.exists()
+
+
+def test_late_checks_a_tool_cannot_take_the_machine():
+    from mmrl.envs.builtin import TOOL_REPLY_MAX_CHARS, ToolEnvironment
+    from mmrl.envs.tools import Tool, ToolError, calculator
+
+    for expression in ("(9**64)**64", "((2**64)**64)**64", "10**64*" * 80 + "1", "(" * 5000 + "1" + ")" * 5000):
+        with pytest.raises(ToolError, match="too large|longer than"):
+            calculator({"expression": expression}, {})
+    assert calculator({"expression": "2**64"}, {}) == str(2**64)
+
+    env = ToolEnvironment(tools=[Tool("shout", lambda arguments, context: "a" * 10**7)])
+    replies, done, _ = env.step([{"role": "assistant", "content": '<tool_call>{"name": "shout", "arguments": {}}'
+                                                                  '</tool_call>'}])
+    text = replies[0]["content"] if isinstance(replies[0]["content"], str) else replies[0]["content"][0]["text"]
+    assert len(text) < TOOL_REPLY_MAX_CHARS + 100 and "cut: " in text
+
+
+def test_late_checks_a_second_signal_says_that_no_checkpoint_was_saved(tmp_path, capsys):
+    import signal
+
+    from mmrl.trainer import Trainer
+
+    trainer = object.__new__(Trainer)  # only what the handler reads: no model needed
+    trainer.output_dir, trainer.step, trainer._stop_signal = tmp_path, 3, signal.SIGTERM
+    trainer.dist = type("Dist", (), {"is_main": True})()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer._on_signal(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    line = _one_clean_line("error: " + capsys.readouterr().err.strip())
+    assert "SIGTERM again: stopped at once in step 4, without saving a checkpoint; none was saved before" in line
+    saved = tmp_path / "checkpoints" / "step_000002"
+    saved.mkdir(parents=True)
+    (saved / "manifest.json").write_text("{}")
+    assert f"the newest saved is {saved}: continue from it with trainer.resume=true" in \
+        trainer._stopped_at_once(signal.SIGTERM)
+
+
+def test_silent_values_a_16_bit_greyscale_png_keeps_its_shades(tmp_path):
+    """Pillow's own conversion clips 16-bit grey at 255: a gradient read as nearly all white."""
+    import numpy as np
+    from PIL import Image
+
+    from mmrl.data.schema import decode_image
+
+    gradient = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(gradient).save(tmp_path / "grey16.png")
+    assert Image.open(tmp_path / "grey16.png").mode == "I;16"
+    for source in (tmp_path / "grey16.png", Image.open(tmp_path / "grey16.png")):
+        decoded = np.asarray(decode_image(source))
+        assert decoded.min() == 0 and decoded.max() == 255 and 120 < decoded.mean() < 135

@@ -153,7 +153,7 @@ class ToolEnvironment:
                 replies.append({"role": self.reply_role, "content": f"error: {exc}"})
                 continue
             self.answered_tools += 1
-            replies.append({"role": self.reply_role, "content": self._restated(content)})
+            replies.append({"role": self.reply_role, "content": self._restated(_cut(content))})
         return replies, False, None
 
     def _restated(self, content):
@@ -168,6 +168,23 @@ class ToolEnvironment:
             return [], True, None
         self.tool_calls += 1
         return [{"role": self.reply_role, "content": f"error: {text}"}], False, None
+
+
+# The most characters of text a tool's reply passes on to the policy; the rest is cut (and
+# the cut said), so a tool that prints megabytes does not fill memory and the context.
+TOOL_REPLY_MAX_CHARS = 8192
+
+
+def _cut(content):
+    def cut(text: str) -> str:
+        if len(text) <= TOOL_REPLY_MAX_CHARS:
+            return text
+        return text[:TOOL_REPLY_MAX_CHARS] + f" ... (cut: {len(text) - TOOL_REPLY_MAX_CHARS} more characters)"
+
+    if isinstance(content, str):
+        return cut(content)
+    return [{**part, "text": cut(part["text"])} if isinstance(part, dict) and isinstance(part.get("text"), str)
+            else part for part in content]
 
 
 BUILTIN_ENVIRONMENTS = {"single_turn": SingleTurn, "tools": ToolEnvironment}
