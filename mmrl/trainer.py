@@ -342,7 +342,8 @@ class Trainer:
     def save(self) -> Path:
         """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
-                               {"step": self.step, "data_position": list(self.position)})
+                               {"step": self.step, "data_position": list(self.position),
+                                "data_rows": len(self.train_set)})
 
     def resume(self) -> bool:
         """Load the newest checkpoint under output_dir that verifies; False when none does."""
@@ -351,7 +352,13 @@ class Trainer:
             return False
         from mmrl.data import Position
 
-        _, state = found
+        path, state = found
+        rows = state.get("data_rows")  # absent in checkpoints written before it was recorded
+        if rows is not None and rows != len(self.train_set):
+            name = getattr(self.train_set, "name", "") or "data.train"
+            raise RecipeError(f"trainer.resume: data.train ({name}) has {len(self.train_set)} rows now, {rows} when "
+                              f"{path} was saved: the dataset changed, so its position cannot be continued; restore "
+                              "the data, or start a new run")
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None

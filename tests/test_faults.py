@@ -442,3 +442,50 @@ def test_silent_values_a_16_bit_greyscale_png_keeps_its_shades(tmp_path):
     for source in (tmp_path / "grey16.png", Image.open(tmp_path / "grey16.png")):
         decoded = np.asarray(decode_image(source))
         assert decoded.min() == 0 and decoded.max() == 255 and 120 < decoded.mean() < 135
+
+
+def test_late_checks_an_extreme_aspect_ratio_names_the_row_before_the_build(tmp_path, monkeypatch):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), "white").save(tmp_path / "fine.png")
+    Image.new("RGB", (4000, 10), "white").save(tmp_path / "strip.png")
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+           "answer": "1"}
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({**row, "images": [name]}) + "\n"
+                                                 for name in ("fine.png", "fine.png", "strip.png")))
+    monkeypatch.setattr("mmrl.build_model", _no_build)
+    run = tmp_path / "run"
+    before = _state(tmp_path)
+    result = _train(run, f"data.train={tmp_path / 'rows.jsonl'}", f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "row 2: images[0]: " in line and "strip.png: image of 4000x10 pixels, an aspect ratio of 400:1" in line, line
+    assert _state(tmp_path) == before
+
+
+TEXT = ["model.path=qwen2", "model.random_init=true",
+        "model.tiny_vocabulary={characters: '0123456789+ ?', words: [What, is, user, assistant]}",
+        "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=2", "reward.name=numeric",
+        "trainer.progress=false", "trainer.export=false", "trainer.threads=2"]
+
+
+def test_late_checks_a_dataset_edited_since_the_checkpoint_is_named(tmp_path):
+    from mmrl.data.synthetic import from_spec
+
+    rows = tmp_path / "sums.jsonl"
+    samples = from_spec("synthetic:arithmetic?n=8&seed=0&max_operand=4")
+    rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"]}) + "\n" for s in samples))
+    run = tmp_path / "run"
+    recipe = tmp_path / "text.yaml"
+    recipe.write_text(f"model: {{path: qwen2}}\ndata: {{train: {rows}}}\n")
+    given = ["train", str(recipe), *TEXT, f"trainer.output_dir={run}", "trainer.save_every=1"]
+    first = CliRunner().invoke(app, [*given, "trainer.steps=1"])
+    assert first.exit_code == 0, (first.output, first.exception)
+    rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:5]))  # edited: 3 rows gone
+    before = _state(run)
+    result = CliRunner().invoke(app, [*given, "trainer.steps=2", "trainer.resume=true"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"trainer.resume: data.train ({rows}) has 5 rows now, 8 when {run / 'checkpoints' / 'step_000001'} was " \
+           "saved: the dataset changed" in line, line
+    assert _state(run) == before  # metrics.jsonl and the checkpoint untouched

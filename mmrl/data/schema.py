@@ -131,10 +131,19 @@ def _unreadable(source: Path | bytes, name: str) -> str | None:
     return None
 
 
+# Images at least this many times wider than tall (or taller than wide) are refused when the
+# data is checked: vision processors refuse them at the first step (Qwen's at 200).
+MAX_ASPECT_RATIO = 200
+
+
 def _size_problem(image, name: str) -> str | None:
     width, height = image.size
     if width < 1 or height < 1:
         return f"{name}: image of {width}x{height} pixels"
+    ratio = max(width, height) / min(width, height)
+    if ratio >= MAX_ASPECT_RATIO:
+        return (f"{name}: image of {width}x{height} pixels, an aspect ratio of {ratio:.0f}:1; vision processors "
+                f"take below {MAX_ASPECT_RATIO}:1 (crop or pad it)")
     if width * height > MAX_DECODE_PIXELS and image.format not in _DRAFTABLE:
         return (f"{name}: {width}x{height} pixels ({image.format}) is above the {MAX_DECODE_PIXELS:,} pixels "
                 "decoded at full size; shrink it (JPEG images of any size are decoded reduced)")
