@@ -168,6 +168,29 @@ class Trainer:
                                else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
+        self._check_prompt_lengths()
+
+    def _check_prompt_lengths(self) -> None:
+        """Refuse, before step 1, a row whose prompt text alone (images add more) leaves no
+        room in the model's context for rollout.max_new_tokens: it would be cut or overflow
+        the position table at some later step."""
+        context = getattr(self.built.model.config.get_text_config(), "max_position_embeddings", None)
+        if not isinstance(context, int):
+            return
+        new_tokens = self.recipe.rollout.max_new_tokens
+        for field, dataset in (("train", self.train_set), ("validation", self.validation_set),
+                               ("eval", self.eval_set)):
+            if dataset is None:
+                continue
+            texts = [_prompt_text(sample) for sample in dataset]
+            lengths = [len(ids) for ids in self.processing.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+            if longest is not None and lengths[longest] + new_tokens > context:
+                name = getattr(dataset, "name", "") or f"data.{field}"
+                raise RecipeError(f"data.{field}: row {dataset.source_rows[longest]} of {name}: its prompt's text "
+                                  f"alone is {lengths[longest]} tokens, which with rollout.max_new_tokens "
+                                  f"{new_tokens} is above the model's context of {context} tokens; shorten or drop "
+                                  "the row, or lower rollout.max_new_tokens")
 
     # -- one step -------------------------------------------------------------------------------
     def _timed(self, name: str):
@@ -542,6 +565,18 @@ class Trainer:
             self._export_or_keep(self.output_dir / "final")
         self._close()
         return summary
+
+
+def _prompt_text(sample: dict) -> str:
+    """The text of a sample's prompt messages (media left out)."""
+    parts = []
+    for message in sample.get("prompt") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "\n".join(parts)
 
 
 def _conversations(samples: list[dict], rows: list[int], dataset, context: str, *,

@@ -489,3 +489,22 @@ def test_late_checks_a_dataset_edited_since_the_checkpoint_is_named(tmp_path):
     assert f"trainer.resume: data.train ({rows}) has 5 rows now, 8 when {run / 'checkpoints' / 'step_000001'} was " \
            "saved: the dataset changed" in line, line
     assert _state(run) == before  # metrics.jsonl and the checkpoint untouched
+
+
+def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1(tmp_path):
+    from mmrl.data.synthetic import from_spec
+
+    rows = tmp_path / "sums.jsonl"
+    samples = from_spec("synthetic:arithmetic?n=4&seed=0&max_operand=4")
+    samples[2] = {**samples[2], "prompt": [{"role": "user", "content": "What is " + "1+" * 100 + "1?"}]}
+    rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"]}) + "\n" for s in samples))
+    recipe = tmp_path / "text.yaml"
+    recipe.write_text(f"model: {{path: qwen2}}\ndata: {{train: {rows}}}\n")
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", str(recipe), *TEXT, "model.config_overrides={max_position_embeddings: 128}",
+                                      f"trainer.output_dir={run}", "trainer.steps=1"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"data.train: row 2 of {rows}: its prompt's text alone is " in line, line
+    assert "above the model's context of 128 tokens" in line, line
+    assert not run.exists()  # refused before the run wrote anything
