@@ -406,6 +406,26 @@ def test_late_checks_a_tool_cannot_take_the_machine():
     assert len(text) < TOOL_REPLY_MAX_CHARS + 100 and "cut: " in text
 
 
+def test_late_checks_a_tool_that_hangs_is_stopped(monkeypatch):
+    import time
+
+    from mmrl.envs.builtin import ToolEnvironment
+    from mmrl.envs.tools import Tool
+
+    monkeypatch.setattr("mmrl.envs.builtin.TOOL_TIME_LIMIT_S", 0.2)
+    calls = []
+
+    def spins(arguments, context):
+        calls.append(1)
+        while True:
+            time.sleep(0.01)
+
+    env = ToolEnvironment(tools=[Tool("spin", spins)])
+    replies, done, _ = env.step([{"role": "assistant", "content": '<tool_call>{"name": "spin", "arguments": {}}'
+                                                                  '</tool_call>'}])
+    assert calls and not done and replies[0]["content"] == "error: took longer than 0.2 s"
+
+
 def test_late_checks_a_second_signal_says_that_no_checkpoint_was_saved(tmp_path, capsys):
     import signal
 
