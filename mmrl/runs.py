@@ -263,7 +263,9 @@ _fsync = fsync_path
 def has_checkpoint(root: Path, pattern: str = "step_*") -> bool:
     """Whether `root` holds a checkpoint whose write finished (its manifest is there);
     cheap: the checksums are verified when it is loaded."""
-    return root.is_dir() and any((path / MANIFEST_FILE).is_file() for path in root.glob(pattern))
+    # One moved aside mid-replace (`.old-step_N`) counts: `newest_checkpoint` puts it back.
+    return root.is_dir() and any((path / MANIFEST_FILE).is_file()
+                                 for path in (*root.glob(pattern), *root.glob(_OLD_PREFIX + pattern)))
 
 
 def temporary_for(final: Path) -> Path:

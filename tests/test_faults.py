@@ -528,3 +528,18 @@ def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1
     assert f"data.train: row 2 of {rows}: its prompt's text alone is " in line, line
     assert "above the model's context of 128 tokens" in line, line
     assert not run.exists()  # refused before the run wrote anything
+
+
+def test_run_folder_resume_counts_a_checkpoint_moved_aside_mid_replace(tmp_path):
+    from mmrl.runs import RunFolder
+
+    run = tmp_path / "run"
+    aside = run / "checkpoints" / ".old-step_000002"  # a save cut between its two renames
+    aside.mkdir(parents=True)
+    (aside / "manifest.json").write_text('{"files": {}}')
+    for name, text in (("recipe.yaml", "model: {path: qwen2_vl}\n"), ("metrics.jsonl", '{"step": 2}\n'),
+                       (".mmrl-run", "")):
+        (run / name).write_text(text)
+    folder = RunFolder(run)
+    folder.claim(resume=True, overwrite=False)  # not refused as "no checkpoint"
+    folder.release()
