@@ -6,6 +6,13 @@ that nothing outside what mmrl owns changed, and what the run folder holds befor
 
 Group "security": a recipe is shared as data, so nothing in it that is not an import path
 (`reward.name`, `rollout.env`) may run code; docs/datasets.md#what-a-recipe-can-run says so.
+Group "run folder": the folder is mmrl's (files it did not write are refused, links are never
+written through, overwrite removes only its own results, resume with nothing to resume is
+one line). Groups "silent values" and "late checks": values refused as written (no
+coercion, duplicate keys, ranges), before the build where the recipe or data shows them,
+and the limits of docs/training.md#limits. Group "error boundary": every failure a user can
+act on (disk full, read-only, permission, memory, bad weights, unreachable source, known
+torch errors) is one line and exit 2; a full disk at the export keeps the weights.
 """
 
 import json
@@ -84,7 +91,7 @@ def _state(folder: Path) -> dict[str, object]:
     return out
 
 
-def _train(folder: Path, *overrides: str):
+def _train(*overrides: str):
     return CliRunner().invoke(app, ["train", RECIPE, *CHEAP, *overrides])
 
 
@@ -102,7 +109,7 @@ def test_run_folder_a_project_folder_is_refused_and_left_as_it_was(tmp_path, mon
     monkeypatch.chdir(project)
     monkeypatch.setattr("mmrl.build_model", _no_build)
     before = _state(tmp_path)
-    result = _train(project, "trainer.output_dir=.", *extra)
+    result = _train("trainer.output_dir=.", *extra)
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert "holds files mmrl did not write (notes.md, recipe.yaml)" in line, line
@@ -115,7 +122,7 @@ def test_run_folder_a_users_lone_recipe_is_not_taken_for_a_stopped_run(tmp_path,
     (folder / "recipe.yaml").write_text("# my own recipe\n")
     monkeypatch.setattr("mmrl.build_model", _no_build)
     before = _state(tmp_path)
-    result = _train(folder, f"trainer.output_dir={folder}")
+    result = _train(f"trainer.output_dir={folder}")
     assert result.exit_code == 2, (result.output, result.exception)
     assert "holds files mmrl did not write (recipe.yaml)" in _one_clean_line(result.output)
     assert _state(tmp_path) == before
@@ -129,7 +136,7 @@ def test_run_folder_overwrite_refuses_a_run_folder_holding_a_users_file(tmp_path
         (run / name).write_text(text)
     monkeypatch.setattr("mmrl.build_model", _no_build)
     before = _state(tmp_path)
-    result = _train(run, f"trainer.output_dir={run}", "trainer.overwrite=true")
+    result = _train(f"trainer.output_dir={run}", "trainer.overwrite=true")
     assert result.exit_code == 2, (result.output, result.exception)
     assert "holds files mmrl did not write (my_analysis.ipynb)" in _one_clean_line(result.output)
     assert _state(tmp_path) == before  # nothing removed, the run's results included
@@ -143,7 +150,7 @@ def test_run_folder_a_planted_link_is_refused_and_its_target_untouched(tmp_path,
     (run / "reward_curve.png").symlink_to(outside)
     monkeypatch.setattr("mmrl.build_model", _no_build)
     before = _state(tmp_path)
-    result = _train(run, f"trainer.output_dir={run}")
+    result = _train(f"trainer.output_dir={run}")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"{run / 'reward_curve.png'} is a symbolic link" in line, line
@@ -183,7 +190,7 @@ def test_run_folder_resume_with_nothing_to_resume_is_one_line(tmp_path, monkeypa
         (run / ".mmrl-run").write_text("")
     monkeypatch.setattr("mmrl.build_model", _no_build)
     before = _state(tmp_path)
-    result = _train(run, f"trainer.output_dir={run}", "trainer.resume=true")
+    result = _train(f"trainer.output_dir={run}", "trainer.resume=true")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"trainer.resume: no checkpoint to resume from in {run / 'checkpoints'}" in line, line
@@ -224,7 +231,7 @@ def test_recipe_values_are_refused_before_the_build(tmp_path, monkeypatch, group
     monkeypatch.setattr("mmrl.build_model", _no_build)
     run = tmp_path / "run"
     before = _state(tmp_path)
-    result = _train(run, *overrides, f"trainer.output_dir={run}")
+    result = _train(*overrides, f"trainer.output_dir={run}")
     assert result.exit_code == 2, (result.output, result.exception)
     assert words in _one_clean_line(result.output)
     assert _state(tmp_path) == before and not run.exists()
@@ -299,7 +306,7 @@ def test_error_boundary_a_failure_is_one_line_exit_2(tmp_path, monkeypatch, case
     run = tmp_path / "run"
     monkeypatch.setattr(target, _raises(make(run)))
     before = _state(tmp_path)
-    result = _train(run, f"trainer.output_dir={run}")
+    result = _train(f"trainer.output_dir={run}")
     assert result.exit_code == 2, (result.output, result.exception)
     assert words.format(run=run) in _one_clean_line(result.output)
     assert _state(tmp_path) == before and not run.exists()  # the lock and a folder it made are gone
@@ -342,7 +349,7 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
         raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
 
     monkeypatch.setattr("mmrl.trainer.export_policy", disk_fills)
-    result = _train(run, f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null")
+    result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"{run}/.tmp-final/model.safetensors: no space left on the device" in line, line
@@ -353,7 +360,7 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
     assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
     # Once fixed, resume evaluates and exports the kept weights.
     monkeypatch.setattr("mmrl.trainer.export_policy", real_export)
-    result = _train(run, f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
+    result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
     assert result.exit_code == 0, (result.output, result.exception)
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "config.json").is_file()
 
@@ -362,7 +369,7 @@ def test_late_checks_an_eval_split_too_small_for_the_shuffled_images_control(tmp
     """Found at the final evaluation before, after every training step; now before the build."""
     monkeypatch.setattr("mmrl.build_model", _no_build)
     run = tmp_path / "run"
-    result = _train(run, "data.eval=synthetic:count_shapes?n=1&seed=1&image_size=56", f"trainer.output_dir={run}")
+    result = _train("data.eval=synthetic:count_shapes?n=1&seed=1&image_size=56", f"trainer.output_dir={run}")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert "data.eval: " in line and "the shuffled-images control needs at least two rows holding as many " \
@@ -384,7 +391,7 @@ def test_late_checks_a_huge_row_and_a_huge_synthetic_task_are_refused_before_the
     for given, words in ((f"data.train={source}", f"questions.jsonl:5: a row of more than {MAX_ROW_CHARS} bytes"),
                          ("data.train=synthetic:count_shapes?n=100000000",
                           f"n must be a whole number from 1 to {MAX_SYNTHETIC_ROWS}")):
-        result = _train(run, given, f"trainer.output_dir={run}")
+        result = _train(given, f"trainer.output_dir={run}")
         assert result.exit_code == 2, (result.output, result.exception)
         assert words in _one_clean_line(result.output)
         assert not run.exists()
@@ -476,7 +483,7 @@ def test_late_checks_an_extreme_aspect_ratio_names_the_row_before_the_build(tmp_
     monkeypatch.setattr("mmrl.build_model", _no_build)
     run = tmp_path / "run"
     before = _state(tmp_path)
-    result = _train(run, f"data.train={tmp_path / 'rows.jsonl'}", f"trainer.output_dir={run}")
+    result = _train(f"data.train={tmp_path / 'rows.jsonl'}", f"trainer.output_dir={run}")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert "row 2: images[0]: " in line and "strip.png: image of 4000x10 pixels, an aspect ratio of 400:1" in line, line
