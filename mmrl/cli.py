@@ -18,15 +18,47 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(
+class _Bounded(typer.Typer):
+    """A Typer app whose every command runs inside the one error boundary, `_boundary`."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+        return lambda function: register(_boundary(function))
+
+
+def _boundary(command):
+    """A failure the user can act on (mmrl/failures.py: bad input, a full or read-only disk,
+    memory, unreadable weights, an unreachable source, known torch errors) becomes one line
+    and exit 2; anything else is a bug and keeps its traceback. `--debug` shows them all."""
+
+    @functools.wraps(command)
+    def bounded(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            from mmrl.failures import explain
+
+            message = explain(exc)
+            if message is None:
+                raise
+            fail(message)
+
+    return bounded
+
+
+app = _Bounded(
     add_completion=False,
     no_args_is_help=True,
     help="RL training for HuggingFace text and vision-language models.",
@@ -181,10 +213,7 @@ def train(
     hf_progress_bars(config.trainer.progress)  # "Writing model shards" and the like
     from mmrl.trainer import train as run
 
-    try:
-        summary = run(config)
-    except (ValueError, FileNotFoundError) as exc:
-        fail(str(exc))
+    summary = run(config)  # its failures become one line in `_boundary`
     if summary is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
         console.print_json(json.dumps(summary))
 
@@ -340,6 +369,7 @@ def doctor(
     from pathlib import Path
 
     from mmrl.config import _weights_problem
+    from mmrl.errors import one_line
     from mmrl.hub import HubError, checkpoint_folder
     from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import PROBES, Subject
@@ -355,7 +385,12 @@ def doctor(
             config_file = path / "config.json" if path.is_dir() else path
             if not config_file.is_file():
                 fail(f"{target}: no config.json found")
-            config = json.loads(config_file.read_text())
+            try:
+                config = json.loads(config_file.read_text())
+            except ValueError as exc:  # cut short by an interrupted copy, or not JSON at all
+                fail(f"{config_file}: not a readable config ({one_line(exc)}); copy the checkpoint again")
+            if not isinstance(config, dict):
+                fail(f"{config_file}: a config is a JSON object, got {type(config).__name__}")
             try:
                 adapter = adapter_for_config(config, source=str(path))
             except RegistryError:
@@ -520,7 +555,7 @@ def add_model(
 
 
 # -- `mmrl data check`: how a recipe's rows render (mmrl/smoke.py) ------------------------------
-data_app = typer.Typer(no_args_is_help=True, help="Look at a recipe's data as the model will see it.")
+data_app = _Bounded(no_args_is_help=True, help="Look at a recipe's data as the model will see it.")
 app.add_typer(data_app, name="data")
 
 

@@ -4,7 +4,10 @@
 
 Every field has a default, so a recipe states only what differs. Unknown keys and bad
 values are errors that name the dotted field (`optim.lr: Input should be a valid number`);
-a YAML error names the line and column. `check_before_build` checks what needs the
+a YAML error, or a key given twice, names the line and column. Values are not coerced
+(`true` is no number, `1` no switch, `"5"` no integer; non-finite floats are refused), and
+what can be told from the recipe alone (group-relative advantages need samples that can
+differ) is refused here, before anything is built. `check_before_build` checks what needs the
 filesystem or the model's config (model.path, config_overrides' types, the reward, every
 dataset's rows and images) before the slow model build; `same_run` tells whether a saved
 recipe is the run being resumed.
@@ -12,11 +15,14 @@ recipe is the run being resumed.
 
 from __future__ import annotations
 
+import math
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from mmrl.data.layouts import DataSource, DataSpec
 from mmrl.loggers import check_installed
@@ -29,8 +35,56 @@ IN_MEMORY = "memory:"
 TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
 
 
+# A seed goes to torch, Python's and NumPy's generators: a non-negative 32-bit integer fits all.
+SEED = Field(0, ge=0, le=2**32 - 1)
+# Advantages normalized within each prompt's group of samples: a group of one sample, or of
+# samples that are all alike (greedy decoding), gives every sample a zero advantage.
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
+
+
+def _scalar_kinds(annotation) -> tuple[set[type], tuple]:
+    """The plain scalar types (int, float, bool, str) and the literal values a field admits."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    kinds, literals = set(), ()
+    for arg in args:
+        if get_origin(arg) is Literal:
+            literals += get_args(arg)
+        elif arg in (int, float, bool, str):
+            kinds.add(arg)
+    return kinds, literals
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse values pydantic would quietly convert: `true` for a number (read as 1),
+        `1` or "yes" for a switch, a string for an integer, and a float that is not finite.
+        A numeric string stays a number for float fields: YAML reads `1e-6` as a string."""
+        kinds, literals = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if not kinds or value is None:
+            return value
+        numbers = kinds & {int, float}
+        if isinstance(value, bool):
+            if bool not in kinds and numbers:
+                raise ValueError(f"expected a number, got a boolean ({str(value).lower()})")
+            return value
+        if bool in kinds and not numbers and str not in kinds and not (isinstance(value, str) and value in literals):
+            raise ValueError(f"expected true or false, got {value!r}")
+        if numbers == {int} and str not in kinds and isinstance(value, str) and value not in literals:
+            raise ValueError(f"expected an integer, got a string ({value!r})")
+        if numbers == {int} and isinstance(value, float) and value.is_integer():
+            raise ValueError(f"expected an integer, got {value}")  # a fraction: pydantic says so
+        if float in kinds and isinstance(value, (float, str)) and str not in kinds:
+            try:
+                number = float(value)
+            except ValueError:
+                return value  # not a number at all: pydantic says so
+            if not math.isfinite(number):
+                raise ValueError(f"expected a finite number, got {value}")
+        return value
 
 
 class ModelConfig(_Section):
@@ -126,7 +180,7 @@ class DataConfig(_Section):
     # it apart from `eval` so the final figure is not measured on the stopping set.
     validation: DataSpec | None = None
     prompts_per_step: int = Field(16, gt=0)
-    shuffle_seed: int = 0
+    shuffle_seed: int = SEED
 
 
 class RolloutConfig(_Section):
@@ -193,16 +247,17 @@ class RewardConfig(_Section):
 class OptimConfig(_Section):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    # Each in [0, 1): Adam's running averages diverge at 1 and above.
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     critic_lr: float = Field(1e-3, gt=0)
     # Learning-rate multipliers by model part, e.g. {vision: 10, projector: 10}: a
     # random-init vision tower learns much slower than the language model at one rate.
-    lr_multipliers: dict[Literal["vision", "projector", "language", "embed", "lm_head"], float] = Field(
-        default_factory=dict
-    )
+    # A negative one would climb the loss (gradient ascent); 0 leaves a part as it is.
+    lr_multipliers: dict[Literal["vision", "projector", "language", "embed", "lm_head"],
+                         Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(default_factory=dict)
 
 
 class EvalConfig(_Section):
@@ -225,7 +280,7 @@ class EvalConfig(_Section):
 
 class TrainerConfig(_Section):
     steps: int = Field(100, gt=0)
-    seed: int = 0
+    seed: int = SEED
     output_dir: str = "runs/default"
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0)
@@ -327,6 +382,24 @@ class Recipe(_Section):
             raise ValueError("credit_assignment 'turn' needs a multi-turn rollout (set rollout.env)")
         return value
 
+    @field_validator("algo")
+    @classmethod
+    def _groups_can_differ(cls, value: AlgoConfig, info) -> AlgoConfig:
+        """A group-relative advantage is zero for every sample of a group of one, or of a
+        group decoded greedily (single-turn: all its samples alike): no gradient, ever."""
+        rollout = info.data.get("rollout")
+        if value.advantage not in GROUP_RELATIVE or rollout is None:
+            return value
+        if rollout.samples_per_prompt < 2:
+            raise ValueError(f"advantage {value.advantage!r} compares the samples of a prompt, but "
+                             f"rollout.samples_per_prompt is {rollout.samples_per_prompt}: every advantage would be "
+                             "0; set rollout.samples_per_prompt >= 2 or use reinforce_pp or gae")
+        if rollout.temperature == 0 and rollout.env is None:
+            raise ValueError(f"advantage {value.advantage!r} compares the samples of a prompt, but "
+                             "rollout.temperature 0 (greedy) makes them all alike: every advantage would be 0; "
+                             "set rollout.temperature > 0 or use reinforce_pp or gae")
+        return value
+
     @field_validator("trainer")
     @classmethod
     def _validation_needs_a_set(cls, value: TrainerConfig, info) -> TrainerConfig:
@@ -350,9 +423,41 @@ class RecipeError(ValueError):
     """A recipe file or override is malformed; the message names the file or field."""
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    pass
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (the
+    plain loader keeps the last one, so an edit lower in the file silently wins)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *defaults`: keys given beside it override the merged ones, as meant
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: the constructor reports it
+                if first is not None:
+                    raise _DuplicateKey(None, None, f"key {key!r} appears twice (first at line {first.line + 1})",
+                                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_value(text: str, override: str) -> Any:
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return _load_yaml(text) if text != "" else ""
+    except _DuplicateKey as exc:
+        raise RecipeError(f"override {override!r}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
                           "quote it to pass a string") from None
@@ -392,9 +497,11 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = _load_yaml(path.read_text()) or {}
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except _DuplicateKey as exc:
+        raise RecipeError(f"{path}: {_yaml_problem(exc)}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(values, dict):
@@ -517,6 +624,12 @@ def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "v
             dataset = given if given is not None else load_prompts(source, split=split)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             raise RecipeError(f"data.{field}: {exc}") from None
+        if field == "eval":
+            from mmrl.data.synthetic import shuffle_control_problem
+
+            problem = shuffle_control_problem(list(dataset))
+            if problem:
+                raise RecipeError(f"data.eval: {dataset.name or 'data.eval'}: {problem}")
         if field == "train" and len(dataset) < data.prompts_per_step:
             raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
                               f"{dataset.name or 'data.train'} has {len(dataset)} rows")

@@ -10,21 +10,23 @@
     plot_rewards(history, output_dir / "reward_curve.png", "title")
     log.close()
 
-Only the main rank writes. After a resume the metrics and samples files keep the steps
-up to the checkpoint (a line cut short by the interruption and a finished run's final
-line and final-evaluation samples are dropped), and TensorBoard purges its events past
-it, so every step appears once.
+Only the main rank writes; files are replaced whole (mmrl/atomic.py) and never written
+through a symbolic link. After a resume the metrics and samples files keep the steps up
+to the checkpoint (a line cut short by the interruption and a finished run's final line
+and final-evaluation samples are dropped), and TensorBoard purges its events past it, so
+every step appears once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmrl.atomic import replacing
 from mmrl.loggers import Logger, open_loggers
-from mmrl.runs import replacing
 from mmrl.samples import SAMPLES_FILE
 
 METRICS_FILE = "metrics.jsonl"
@@ -54,7 +56,9 @@ class RunLog:
 
     def _append(self, name: str, records: list[dict[str, Any]]) -> None:
         if name not in self._files:
-            self._files[name] = open(self.output_dir / name, "a")
+            # Never through a link planted in the run folder (O_NOFOLLOW): it could point out of it.
+            fd = os.open(self.output_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self._files[name] = os.fdopen(fd, "a")
         handle = self._files[name]
         handle.write("".join(json.dumps(record) + "\n" for record in records))
         handle.flush()
@@ -119,7 +123,8 @@ def plot_rewards(history: list[dict[str, Any]], path: Path, title: str = "reward
     import matplotlib.pyplot as plt
 
     fig = reward_figure(history, title)
-    fig.savefig(path, dpi=120)
+    with replacing(path) as temp:  # renamed over the name: a link planted there is replaced, not followed
+        fig.savefig(temp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
 
 

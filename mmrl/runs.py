@@ -7,7 +7,15 @@
     prune_checkpoints(folder.checkpoints, saved=good, keep=3)  # trainer.keep_checkpoints
     folder.release()
 
-A folder holds one run. `claim` takes `LOCK_FILE` (created exclusively, holding the pid,
+A folder holds one run, and the folder is mmrl's: `claim` refuses a folder holding files
+mmrl did not write (anything but `RUN_RESULTS`, the lock, `OWNER_FILE` and mmrl's own
+temporary names), and one where a result's name is a symbolic link (nothing is written
+through a link out of the folder); `overwrite` removes only `RUN_RESULTS`. `OWNER_FILE`
+marks a folder mmrl claimed, so a lone `recipe.yaml` there (a run that stopped before its
+first step) is known to be mmrl's and may be replaced, while a user's own recipe is not.
+`claim(resume=True)` on a folder with no checkpoint to resume from is refused.
+
+`claim` takes `LOCK_FILE` (created exclusively, holding the pid,
 host and start time) so a second process is kept out with one line naming the holder; a
 lock whose process is gone is stale and taken over. Within one process the lock is shared
 (a script may build a second Trainer on the folder, as the distributed tests do) and goes
@@ -32,18 +40,21 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+
+from mmrl.atomic import OLD_PREFIX, TEMP_PREFIX, fsync_path, replace_folder, replacing  # noqa: F401 - re-exported
 
 LOCK_FILE = ".mmrl.lock"
 MANIFEST_FILE = "manifest.json"
 RECIPE_FILE = "recipe.yaml"
+# Written by `claim`: this folder is a run folder mmrl made its own (see the docstring).
+OWNER_FILE = ".mmrl-run"
 # What a run writes into its folder; `overwrite` removes these and nothing else.
 RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "final", "reward_curve.png",
                "tensorboard")
-_TEMP_PREFIX = ".tmp-"
-_OLD_PREFIX = ".old-"
+_TEMP_PREFIX = TEMP_PREFIX
+_OLD_PREFIX = OLD_PREFIX
 _HELD: dict[str, int] = {}  # lock files this process holds -> how many holders
 
 
@@ -58,6 +69,7 @@ class RunFolder:
         self.lock = self.path / LOCK_FILE
         self._locked = False
         self._created = False  # by `claim`: an empty folder it made goes with the lock
+        self._marked = False  # `claim` wrote OWNER_FILE: it goes with the lock if no result was written
 
     # -- ownership --------------------------------------------------------------------------
     def check_path(self) -> None:
@@ -79,9 +91,15 @@ class RunFolder:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunFolderError(f"trainer.output_dir: cannot create {self.path} ({exc.strerror})") from None
-        self._take_lock()
+        try:
+            self._take_lock()
+        except BaseException:
+            if self._created:  # a folder this claim made, with nothing in it: leave none behind
+                self.path.rmdir()
+            raise
         try:
             self._check_contents(resume=resume, overwrite=overwrite, same_run=same_run)
+            self._mark_owned()  # only once accepted: a refused folder is left as it was
         except BaseException:
             self.release()
             raise
@@ -89,8 +107,33 @@ class RunFolder:
     def results(self) -> list[str]:
         return [name for name in RUN_RESULTS if (self.path / name).exists()]
 
+    def foreign(self) -> list[str]:
+        """What the folder holds that mmrl did not write (its results, lock, owner mark and
+        temporaries are mmrl's); a lone recipe.yaml counts as foreign without the owner mark."""
+        names = sorted(p.name for p in self.path.iterdir())
+        own = {*RUN_RESULTS, LOCK_FILE, OWNER_FILE}
+        out = [n for n in names if n not in own and not n.startswith((_TEMP_PREFIX, _OLD_PREFIX))]
+        if self.results() == [RECIPE_FILE] and not (self.path / OWNER_FILE).is_file():
+            out.append(RECIPE_FILE)  # a user's own recipe in a project folder, not a run's
+        return out
+
     def _check_contents(self, *, resume: bool, overwrite: bool, same_run) -> None:
+        foreign = self.foreign()
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+            raise RunFolderError(f"trainer.output_dir: {self.path} holds files mmrl did not write ({shown}); "
+                                 "mmrl writes only into a new or empty folder or one of its own runs and removes "
+                                 "nothing it did not write: choose another folder (e.g. a subfolder)")
+        for name in (*RUN_RESULTS, OWNER_FILE):
+            if (self.path / name).is_symlink():
+                raise RunFolderError(f"trainer.output_dir: {self.path / name} is a symbolic link; mmrl does not "
+                                     "write through links out of its run folder: remove it or choose another folder")
         found = self.results()
+        if resume and not has_checkpoint(self.checkpoints):
+            raise RunFolderError(f"trainer.resume: no checkpoint to resume from in {self.checkpoints} (a run saves "
+                                 "them with trainer.save_every > 0, or on SIGINT/SIGTERM); drop trainer.resume to "
+                                 "start a new run" + (" (with trainer.overwrite=true to replace this one)" if found
+                                                      else ""))
         if found == [RECIPE_FILE] and not resume:
             # A run that stopped before its first step (a bad reward, a failed build)
             # left only its recipe: nothing to lose, so the next run may start here.
@@ -115,6 +158,14 @@ class RunFolder:
         raise RunFolderError(f"trainer.output_dir: {self.path} already holds a run ({', '.join(found)}); "
                              "pass trainer.resume=true to continue it, trainer.overwrite=true to replace it, "
                              "or choose another folder")
+
+    def _mark_owned(self) -> None:
+        owner = self.path / OWNER_FILE
+        if not owner.is_file():
+            fd = os.open(owner, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as handle:
+                handle.write("a run folder of mmrl: it removes only the results it wrote here\n")
+            self._marked = True
 
     def _take_lock(self) -> None:
         key = str(self.lock.resolve())
@@ -169,6 +220,8 @@ class RunFolder:
         if _HELD[key] <= 0:
             del _HELD[key]
             self.lock.unlink(missing_ok=True)
+            if self._marked and not self.results():
+                (self.path / OWNER_FILE).unlink(missing_ok=True)
             if self._created:
                 try:
                     self.path.rmdir()  # only when empty: a run that stopped before writing anything
@@ -206,26 +259,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync = fsync_path
 
 
-@contextmanager
-def replacing(final: Path) -> Iterator[Path]:
-    """A temporary file beside `final` to write into: it replaces `final` when the block
-    ends, and is removed if the block raises, so `final` is never half-written."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    try:
-        yield temp
-        os.replace(temp, final)
-    finally:
-        temp.unlink(missing_ok=True)
+def has_checkpoint(root: Path, pattern: str = "step_*") -> bool:
+    """Whether `root` holds a checkpoint whose write finished (its manifest is there);
+    cheap: the checksums are verified when it is loaded."""
+    # One moved aside mid-replace (`.old-step_N`) counts: `newest_checkpoint` puts it back.
+    return root.is_dir() and any((path / MANIFEST_FILE).is_file()
+                                 for path in (*root.glob(pattern), *root.glob(_OLD_PREFIX + pattern)))
 
 
 def temporary_for(final: Path) -> Path:
@@ -255,15 +297,7 @@ def commit_checkpoint(temp: Path, final: Path) -> Path:
         os.fsync(handle.fileno())
     for folder in sorted({p.parent for p in temp.rglob("*")} | {temp}, key=lambda p: len(p.parts), reverse=True):
         _fsync(folder)
-    old = final.parent / f"{_OLD_PREFIX}{final.name}"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.rename(final, old)  # a directory cannot be renamed over a non-empty one
-    os.rename(temp, final)
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    replace_folder(temp, final)
     return final
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mmrl.atomic import atomic_folder, atomic_write_text
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -194,6 +195,29 @@ class Trainer:
             load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
         self.position = Position(0, 0)
         self._batches = None
+        self._check_prompt_lengths()
+
+    def _check_prompt_lengths(self) -> None:
+        """Refuse, before step 1, a row whose prompt text alone (images add more) leaves no
+        room in the model's context for rollout.max_new_tokens: it would be cut or overflow
+        the position table at some later step."""
+        context = getattr(self.built.model.config.get_text_config(), "max_position_embeddings", None)
+        if not isinstance(context, int):
+            return
+        new_tokens = self.recipe.rollout.max_new_tokens
+        for field, dataset in (("train", self.train_set), ("validation", self.validation_set),
+                               ("eval", self.eval_set)):
+            if dataset is None:
+                continue
+            texts = [_prompt_text(sample) for sample in dataset]
+            lengths = [len(ids) for ids in self.processing.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+            if longest is not None and lengths[longest] + new_tokens > context:
+                name = getattr(dataset, "name", "") or f"data.{field}"
+                raise RecipeError(f"data.{field}: row {dataset.source_rows[longest]} of {name}: its prompt's text "
+                                  f"alone is {lengths[longest]} tokens, which with rollout.max_new_tokens "
+                                  f"{new_tokens} is above the model's context of {context} tokens; shorten or drop "
+                                  "the row, or lower rollout.max_new_tokens")
 
     # -- one step -------------------------------------------------------------------------------
     def _timed(self, name: str):
@@ -389,7 +413,8 @@ class Trainer:
         """This step's checkpoint (`mmrl.checkpoint`), renamed into place whole; older
         ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
-                               {"step": self.step, "data_position": list(self.position)},
+                               {"step": self.step, "data_position": list(self.position),
+                                "data_rows": len(self.train_set)},
                                keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
@@ -399,7 +424,13 @@ class Trainer:
             return False
         from mmrl.data import Position
 
-        _, state = found
+        path, state = found
+        rows = state.get("data_rows")  # absent in checkpoints written before it was recorded
+        if rows is not None and rows != len(self.train_set):
+            name = getattr(self.train_set, "name", "") or "data.train"
+            raise RecipeError(f"trainer.resume: data.train ({name}) has {len(self.train_set)} rows now, {rows} when "
+                              f"{path} was saved: the dataset changed, so its position cannot be continued; restore "
+                              "the data, or start a new run")
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None
@@ -407,18 +438,51 @@ class Trainer:
 
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
-        (`mmrl.export`: blocked and stop tokens, pixel budget)."""
-        return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
+        (`mmrl.export`: blocked and stop tokens, pixel budget), written aside and renamed
+        into `path` whole (mmrl/atomic.py): a failed export leaves no `final/` with a
+        config and no weights."""
+        if not self.dist.is_main:
+            return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
+        with atomic_folder(path) as temp:
+            export_policy(self.actor, self.processing, temp, self.dist, recipe=self.recipe)
+        return path
+
+    def _export_or_keep(self, path: Path) -> Path:
+        """Export; if that fails in one process and no checkpoint holds this step (the
+        default save_every 0), save one first so the trained weights are not lost, and say
+        so in the error."""
+        try:
+            return self.export(path)
+        except Exception as exc:
+            if self.dist.distributed or (self.checkpoint_dir(self.step) / "manifest.json").is_file():
+                raise
+            try:
+                kept = self.save()
+            except Exception:
+                raise exc from None  # the disk that refused the export refused the checkpoint too
+            exc.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
+                         f"trainer.resume=true to evaluate and export them")
+            raise
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is not None:  # a second signal: stop now
             signal.signal(signum, signal.SIG_DFL)
+            if self.dist.is_main:
+                print(self._stopped_at_once(signum), file=sys.stderr, flush=True)
             raise KeyboardInterrupt
         self._stop_signal = signum
         if self.dist.is_main:
             print(f"\n{signal.Signals(signum).name}: saving a checkpoint once this step is done "
                   "(send it again to stop at once)", flush=True)
+
+    def _stopped_at_once(self, signum: int) -> str:
+        """What a second SIGINT/SIGTERM leaves: no checkpoint of this step; the newest saved."""
+        saved = sorted(self.output_dir.glob("checkpoints/step_*/manifest.json"))
+        newest = (f"the newest saved is {saved[-1].parent}: continue from it with trainer.resume=true" if saved
+                  else "none was saved before, so this run's steps are lost")
+        return (f"{signal.Signals(signum).name} again: stopped at once in step {self.step + 1}, without saving a "
+                f"checkpoint; {newest}")
 
     def _install_signal_handlers(self) -> dict:
         import threading
@@ -436,16 +500,19 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         r = self.recipe
         cfg = r.trainer
+        if cfg.resume and not self.resume():
+            # `claim` saw a finished checkpoint write; none verified (named above): nothing
+            # is rewritten, metrics.jsonl included.
+            raise RunFolderError(f"trainer.resume: no checkpoint in {self.output_dir / 'checkpoints'} verifies; "
+                                 "drop trainer.resume to start a new run")
         if self.dist.is_main:
-            (self.output_dir / "recipe.yaml").write_text(dump_recipe(r))
+            atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(r))
         self.dist.barrier()
         history: list[dict[str, Any]] = []
         if cfg.resume:
-            resumed = self.resume()
             if self.dist.is_main:
                 history = self.log.history_until(self.step)
-                if resumed:
-                    print(f"resumed from step {self.step}", flush=True)
+                print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
         self.log.start(r.model_dump(mode="json"))
         progress = None
@@ -545,11 +612,23 @@ class Trainer:
         if self.dist.is_main:
             plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
-                summary["export"] = str(self.export(self.output_dir / "final"))
+                summary["export"] = str(self._export_or_keep(self.output_dir / "final"))
         elif self.recipe.trainer.export:
-            self.export(self.output_dir / "final")
+            self._export_or_keep(self.output_dir / "final")
         self._close()
         return summary
+
+
+def _prompt_text(sample: dict) -> str:
+    """The text of a sample's prompt messages (media left out)."""
+    parts = []
+    for message in sample.get("prompt") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "\n".join(parts)
 
 
 def environment_factory(recipe: Recipe):

@@ -245,7 +245,7 @@ def _no_build(*args, **kwargs):
 def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, monkeypatch, case, recipe, overrides, words):
     _write_inputs(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # rewards_bad.py
-    monkeypatch.setattr("mmrl.build_model", _no_build)
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
     output_dir = tmp_path / "run"
     given = [fill(o) for o in overrides]
@@ -270,7 +270,7 @@ def test_bad_input_through_the_python_api_is_one_line(tmp_path, monkeypatch, cas
 
     _write_inputs(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr("mmrl.build_model", _no_build)
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
     given = [fill(o) for o in overrides]
     if not any(o.startswith("trainer.output_dir=") for o in given):
@@ -304,7 +304,7 @@ def test_a_failing_reward_is_one_line_and_leaves_no_checkpoint(tmp_path, reward,
     assert not result.stdout.strip()
     # The run began (its recipe is saved) but no step completed: no checkpoint, no model,
     # no metrics row, and the lock is gone.
-    assert sorted(p.name for p in run.iterdir()) == ["recipe.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == [".mmrl-run", "recipe.yaml"]  # and the folder's owner mark
     # So the same command may run again there (after the reward is fixed): not refused as
     # a folder holding a run.
     again = subprocess.run(

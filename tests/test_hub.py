@@ -176,7 +176,7 @@ def test_doctor_probes_the_cached_snapshot(hub_cache, monkeypatch, network):
 @pytest.mark.parametrize("command", [["models", "--for"], ["doctor"], ["data", "check"], ["train"]])
 def test_a_hub_id_not_in_the_cache_is_one_line_saying_what_to_download(hub_cache, tmp_path, monkeypatch,
                                                                        network, command):
-    monkeypatch.setattr("mmrl.build_model", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr("mmrl.build.build_model", lambda *a, **k: pytest.fail("built a model"))
     missing = "tiny-org/not-downloaded"
     args = [*command, str(_recipe(tmp_path, missing))] if command[0] in ("data", "train") else [*command, missing]
     result = CliRunner().invoke(app, args)

@@ -23,8 +23,8 @@ from mmrl.config import RecipeError, check_before_build, load_recipe
 from mmrl.data import load_prompts, schema, to_conversation
 from mmrl.evaluation import conversations_of
 from mmrl.rewards import RewardError, combine
-from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, RunFolder, RunFolderError, begin_checkpoint, commit_checkpoint,
-                       newest_checkpoint, verify_checkpoint)
+from mmrl.runs import (LOCK_FILE, MANIFEST_FILE, OWNER_FILE, RunFolder, RunFolderError, begin_checkpoint,
+                       commit_checkpoint, newest_checkpoint, verify_checkpoint)
 from mmrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +121,7 @@ def test_a_folder_left_with_only_a_recipe_is_taken_and_an_unused_new_folder_goes
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text("model: {path: qwen2}\n")
+    (run / OWNER_FILE).write_text("")  # the run that stopped had claimed the folder
     folder = RunFolder(run)
     folder.claim(resume=False, overwrite=False)
     assert not (run / "recipe.yaml").exists()
@@ -159,7 +160,7 @@ def test_two_processes_into_one_folder_the_second_refuses(tmp_path):
 def test_output_dir_that_is_a_file_is_one_line_before_the_build(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setattr("mmrl.build_model", _no_build)
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     for target, words in ((blocker, "is a file"), (blocker / "run", f"is inside {blocker}, which is a file")):
         with pytest.raises(RunFolderError, match=f"trainer.output_dir: {target} {words}"):
             Trainer(_recipe(target))
@@ -525,7 +526,7 @@ def test_yaml_errors_give_line_and_column(tmp_path):
     (["model.config_overrides={rms_norm_eps: true}"], "model.config_overrides.rms_norm_eps: expected a number"),
 ])
 def test_config_override_types_fail_before_the_build(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr("mmrl.build_model", _no_build)
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     recipe = _recipe(tmp_path / "run", *overrides)
     with pytest.raises(RecipeError) as err:
         Trainer(recipe)

@@ -47,7 +47,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from mmrl.data.schema import ANSWER, IMAGES, PROMPT, VIDEOS, Sample
+from mmrl.data.schema import ANSWER, IMAGES, PROMPT, VIDEOS, Sample, check_row_lengths
 from mmrl.hub import download_command, unreachable_reason
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -311,6 +311,7 @@ def read_source(source: DataSource, split: str = "train") -> tuple[Any, Path | N
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise LayoutError(f"{path}: unsupported file type; use {', '.join(FILE_BUILDERS)} or a folder")
+        check_row_lengths(path)
         return datasets.load_dataset(builder, data_files=str(path), split="train"), path.parent, str(path)
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = datasets.load_from_disk(str(path))

@@ -42,7 +42,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmrl.data.schema import ANSWER, MEDIA_COLUMNS, Sample, resolve_paths, to_conversation, validate_sample
+from mmrl.data.schema import (ANSWER, MEDIA_COLUMNS, Sample, check_row_lengths, resolve_paths, to_conversation,
+                               validate_sample)
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SYNTHETIC_PREFIX = "synthetic:"
@@ -236,6 +237,7 @@ def _datasets_logs_off():
 def _check_json_file(path: Path) -> None:
     """One line naming `path` (and the line) when it is not UTF-8 JSON rows: a JSON
     Lines file of objects, or one JSON document (which `datasets` also reads)."""
+    check_row_lengths(path)
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")

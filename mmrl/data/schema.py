@@ -131,10 +131,19 @@ def _unreadable(source: Path | bytes, name: str) -> str | None:
     return None
 
 
+# Images at least this many times wider than tall (or taller than wide) are refused when the
+# data is checked: vision processors refuse them at the first step (Qwen's at 200).
+MAX_ASPECT_RATIO = 200
+
+
 def _size_problem(image, name: str) -> str | None:
     width, height = image.size
     if width < 1 or height < 1:
         return f"{name}: image of {width}x{height} pixels"
+    ratio = max(width, height) / min(width, height)
+    if ratio >= MAX_ASPECT_RATIO:
+        return (f"{name}: image of {width}x{height} pixels, an aspect ratio of {ratio:.0f}:1; vision processors "
+                f"take below {MAX_ASPECT_RATIO}:1 (crop or pad it)")
     if width * height > MAX_DECODE_PIXELS and image.format not in _DRAFTABLE:
         return (f"{name}: {width}x{height} pixels ({image.format}) is above the {MAX_DECODE_PIXELS:,} pixels "
                 "decoded at full size; shrink it (JPEG images of any size are decoded reduced)")
@@ -159,7 +168,7 @@ def decode_image(source: Any, max_pixels: int | None = None) -> Any:
     if isinstance(source, Mapping) and (source.get("bytes") or source.get("path")):
         source = source.get("bytes") or source["path"]
     if isinstance(source, Image.Image):
-        return _reduced(source, max_pixels).convert("RGB")
+        return _rgb(_reduced(source, max_pixels))
     if isinstance(source, (bytes, bytearray, memoryview)):
         raw, name = bytes(source), "image bytes"
     elif isinstance(source, (str, Path)):
@@ -179,9 +188,22 @@ def decode_image(source: Any, max_pixels: int | None = None) -> Any:
                 width, height = image.size
                 image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
             image.load()
-            return _reduced(image, max_pixels).convert("RGB")
+            return _rgb(_reduced(image, max_pixels))
     except (OSError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{name}: not a readable image ({_why_unreadable(exc)})") from None
+
+
+def _rgb(image):
+    """RGB with 8 bits a channel. 16-bit greyscale (PNG's `I;16`, or `I` holding 0..65535) is
+    scaled down first: Pillow's own conversion clips it, so most of it turns pure white."""
+    from PIL import Image
+
+    if image.mode.startswith("I;16") or image.mode == "I":
+        import numpy as np
+
+        values = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8), mode="L")
+    return image.convert("RGB")
 
 
 def _decode_target(max_pixels: int | None) -> int:
@@ -382,3 +404,26 @@ def to_conversation(sample: Mapping[str, Any], *, root: str | Path | None = None
             message["content"] = [_resolved_part(p, pending, root, max_pixels) for p in message["content"]]
         conversation.append(message)
     return conversation
+
+
+# The longest row of a JSON Lines file, in characters: a 10 MB line would be tokenized and
+# padded into every batch before its length is found out (docs/training.md#limits).
+MAX_ROW_CHARS = 1_000_000
+
+
+def check_row_lengths(path: Path) -> None:
+    """Raise ValueError naming the file and line when a line of a .jsonl/.json file is
+    longer than MAX_ROW_CHARS (read in blocks: the long line itself is never held whole)."""
+    if Path(path).suffix.lower() not in (".jsonl", ".json"):
+        return
+    number, length = 1, 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            parts = block.split(b"\n")
+            for index, part in enumerate(parts):
+                length += len(part)
+                if length > MAX_ROW_CHARS:
+                    raise ValueError(f"{path}:{number}: a row of more than {MAX_ROW_CHARS} bytes, the limit "
+                                     "(far beyond any model's context; mmrl.data.schema.MAX_ROW_CHARS)")
+                if index < len(parts) - 1:  # a newline ends this line
+                    number, length = number + 1, 0

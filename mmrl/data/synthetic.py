@@ -266,6 +266,10 @@ def _number_or_text(value: str) -> int | float | str:
     return value
 
 
+# The most rows a synthetic task builds: they are made at once and held in memory.
+MAX_SYNTHETIC_ROWS = 1_000_000
+
+
 def from_spec(spec: str, split: str = "train") -> list[Sample]:
     """Samples for `synthetic:TASK?key=value&...`, e.g. `synthetic:count_shapes?n=256&seed=0`.
 
@@ -280,6 +284,9 @@ def from_spec(spec: str, split: str = "train") -> list[Sample]:
     except ValueError as error:
         raise ValueError(f"{spec}: cannot parse {query!r} as key=value&... ({error})") from None
     params = {"n": 256, "seed": 0, **given}
+    if not isinstance(params["n"], int) or not 0 < params["n"] <= MAX_SYNTHETIC_ROWS:
+        raise ValueError(f"{spec}: n must be a whole number from 1 to {MAX_SYNTHETIC_ROWS} (the rows are built in "
+                         f"memory), got {params['n']!r}")
     if split != "train":
         params["seed"] = zlib.crc32(f"{split}:{params['seed']}".encode())
     return generate(name, **params)
@@ -292,10 +299,7 @@ def shuffle_images(samples: Sequence[Sample], seed: int) -> list[Sample]:
     such a group every sample gets another sample's images (a cyclic shift of a random
     order), so none keeps its own."""
     out = [dict(s) for s in samples]
-    groups: dict[int, list[int]] = {}
-    for i, sample in enumerate(samples):
-        if sample.get(IMAGES):
-            groups.setdefault(len(sample[IMAGES]), []).append(i)
+    groups = _image_groups(samples)
     if max(map(len, groups.values()), default=0) < 2:
         raise ValueError("shuffle_images needs at least two samples with as many images")
     rng = random.Random(seed)
@@ -305,6 +309,26 @@ def shuffle_images(samples: Sequence[Sample], seed: int) -> list[Sample]:
         for receiver, giver in zip(order, order[1:] + order[:1]):
             out[receiver][IMAGES] = list(samples[giver][IMAGES])
     return out
+
+
+def _image_groups(samples: Sequence[Sample]) -> dict[int, list[int]]:
+    """Sample indices by how many images they hold (samples without images left out)."""
+    groups: dict[int, list[int]] = {}
+    for i, sample in enumerate(samples):
+        if sample.get(IMAGES):
+            groups.setdefault(len(sample[IMAGES]), []).append(i)
+    return groups
+
+
+def shuffle_control_problem(samples: Sequence[Sample]) -> str | None:
+    """Why the shuffled-images control cannot run on `samples` (which hold images), or None:
+    checked before training, so a run does not fail at its final evaluation."""
+    groups = _image_groups(samples)
+    if groups and max(map(len, groups.values())) < 2:
+        counts = ", ".join(f"{len(m)} with {n}" for n, m in sorted(groups.items()))
+        return (f"the shuffled-images control needs at least two rows holding as many images, but the rows with "
+                f"images are {counts}; give more eval rows")
+    return None
 
 
 def majority_baseline(samples: Sequence[Sample]) -> float:

@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from mmrl.envs.tools import Tool, ToolError, get_tool, parse_tool_calls
@@ -147,13 +150,14 @@ class ToolEnvironment:
             if tool is None:
                 return self._error(f"unknown tool {call.name!r} (tools: {', '.join(self.tools)})")
             try:
-                content = tool(call.arguments, self.context)
+                with _time_limit(TOOL_TIME_LIMIT_S):
+                    content = tool(call.arguments, self.context)
             except Exception as exc:  # a tool's failure is the policy's to see, not the run's
                 self.tool_errors += 1
                 replies.append({"role": self.reply_role, "content": f"error: {exc}"})
                 continue
             self.answered_tools += 1
-            replies.append({"role": self.reply_role, "content": self._restated(content)})
+            replies.append({"role": self.reply_role, "content": self._restated(_cut(content))})
         return replies, False, None
 
     def _restated(self, content):
@@ -168,6 +172,47 @@ class ToolEnvironment:
             return [], True, None
         self.tool_calls += 1
         return [{"role": self.reply_role, "content": f"error: {text}"}], False, None
+
+
+# The seconds a tool call may run (in the main thread, where a timer can interrupt it; Python
+# code stops at once, a long call into C code when it returns); past it, the call is an error
+# the policy sees.
+TOOL_TIME_LIMIT_S = 10.0
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise ToolError(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# The most characters of text a tool's reply passes on to the policy; the rest is cut (and
+# the cut said), so a tool that prints megabytes does not fill memory and the context.
+TOOL_REPLY_MAX_CHARS = 8192
+
+
+def _cut(content):
+    def cut(text: str) -> str:
+        if len(text) <= TOOL_REPLY_MAX_CHARS:
+            return text
+        return text[:TOOL_REPLY_MAX_CHARS] + f" ... (cut: {len(text) - TOOL_REPLY_MAX_CHARS} more characters)"
+
+    if isinstance(content, str):
+        return cut(content)
+    return [{**part, "text": cut(part["text"])} if isinstance(part, dict) and isinstance(part.get("text"), str)
+            else part for part in content]
 
 
 BUILTIN_ENVIRONMENTS = {"single_turn": SingleTurn, "tools": ToolEnvironment}

@@ -134,17 +134,37 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
+# The largest integer the calculator computes (about 1200 digits): a policy's `(9**64)**64**...`
+# or a long product would otherwise take the machine's memory and time.
+CALCULATOR_MAX_BITS = 4096
+CALCULATOR_MAX_CHARS = 1000
+
+
 def _evaluate(node: ast.AST) -> float | int:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 64:
             raise ToolError("exponent too large")
-        return _OPERATORS[type(node.op)](left, right)
+        if isinstance(left, int) and isinstance(right, int):
+            # Bounded before computing: the size of the result, from the operands' sizes.
+            bits = {ast.Pow: abs(left).bit_length() * max(right, 0), ast.Mult: left.bit_length() + right.bit_length()}
+            if bits.get(type(node.op), 0) > CALCULATOR_MAX_BITS:
+                raise ToolError(f"result too large (above {CALCULATOR_MAX_BITS} bits)")
+        try:
+            return _bounded(_OPERATORS[type(node.op)](left, right))
+        except OverflowError:
+            raise ToolError("result too large") from None
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
         return _OPERATORS[type(node.op)](_evaluate(node.operand))
     raise ToolError(f"not arithmetic: {ast.unparse(node)!r}")
+
+
+def _bounded(value: float | int) -> float | int:
+    if isinstance(value, int) and value.bit_length() > CALCULATOR_MAX_BITS:
+        raise ToolError(f"result too large (above {CALCULATOR_MAX_BITS} bits)")
+    return value
 
 
 def calculator(arguments: dict, context: dict) -> str:
@@ -152,6 +172,8 @@ def calculator(arguments: dict, context: dict) -> str:
     expression = arguments.get("expression", arguments.get("input"))
     if not isinstance(expression, (str, int, float)):
         raise ToolError("calculator needs an 'expression'")
+    if len(str(expression)) > CALCULATOR_MAX_CHARS:  # parsing a huge nesting takes the stack and memory
+        raise ToolError(f"expression longer than {CALCULATOR_MAX_CHARS} characters")
     try:
         tree = ast.parse(str(expression), mode="eval")
     except SyntaxError:
