@@ -74,7 +74,7 @@ samples = list(trainer.eval_set)
 # A greedy "accuracy" that depends on the sample and on what the model generates.
 def parity(chunk, result):
     answers = torch.tensor([int(s["answer"]) for s in chunk])
-    return ((result.response_ids[:, 0] + answers) % 2 == 0).float()
+    return ((result.response_ids[:, 0] + answers) % 2 == 0).float(), {}  # scores, reward parts
 trainer._score = parity
 record = {}
 # Ranks whose generations stop at different lengths: rank 1 runs 4 more forwards.

@@ -76,6 +76,7 @@ def test_broken_packing_fails(trajectory_batch, monkeypatch, broken, message):
         return packed
 
     monkeypatch.setattr(packing, "pack_sequences", broken_pack)
+    monkeypatch.setattr("mmrl.engine.layouts.pack_sequences", broken_pack)  # the engine's packed layout
     run, seqs, logp = trajectory_batch
     with pytest.raises(CheckFailed, match=message):
         _engine_variants(run, seqs, logp, {})
