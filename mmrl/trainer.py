@@ -101,6 +101,7 @@ class Trainer:
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
         self.compile_watch = watch()
+        self.compile_watch.take()  # this run's compiles only, not earlier ones of the process
         self.compile_watch.announce = self.dist.is_main
         try:
             self._build()

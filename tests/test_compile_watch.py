@@ -1,7 +1,9 @@
 """mmrl/compile_watch.py: every compile of the process is counted and timed, the trainer
 reports it per step, and inductor's cache folder is mmrl's unless the user chose one."""
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -41,3 +43,18 @@ def test_the_cache_folder_is_mmrls_unless_the_user_set_one(tmp_path, monkeypatch
     monkeypatch.delenv("MMRL_COMPILE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "mmrl" / "compile"
+
+
+def test_a_trainer_counts_only_its_own_compiles(tmp_path):
+    """Compiles earlier in the process (another run, a test) are not the new run's step 1."""
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))  # a compile before the run
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        "trainer.steps=1", "trainer.progress=false", "trainer.export=false", "trainer.summary=false",
+        "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "data.eval=null",
+        f"trainer.output_dir={tmp_path / 'run'}"])
+    Trainer(recipe).fit()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["compile/graphs"] == 0 and first["time/compile"] == 0.0
