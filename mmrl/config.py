@@ -16,6 +16,8 @@ recipe is the run being resumed.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -476,8 +478,24 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override {override!r}: {part!r} is not a section")
-        node[parts[-1]] = _parse_value(raw, override)
+        value = _parse_value(raw, override)
+        replaced = node.get(parts[-1])
+        if isinstance(replaced, dict) and "path" in replaced and not isinstance(value, dict):
+            _note_mapping_replaced(key, replaced, raw)
+        node[parts[-1]] = value
     return values
+
+
+def _note_mapping_replaced(key: str, mapping: dict, raw: str) -> None:
+    """Tell (once, rank 0) that `KEY=PATH` dropped a dataset mapping's columns and template:
+    the new source may have its own layout, so it is not an error, but the usual intent is
+    `KEY.path=PATH`."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    dropped = ", ".join(name for name, given in mapping.items() if name != "path" and given not in (None, {}, []))
+    print(f"note: {key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain "
+          f"source, read with the default columns; {key}.path={raw} keeps the mapping and changes only its path",
+          file=sys.stderr, flush=True)
 
 
 def _deep_copy(values: dict) -> dict:

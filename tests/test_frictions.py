@@ -51,3 +51,20 @@ def test_a_smoke_run_replaces_only_its_own_folder(project):
     with pytest.raises(RunFolderError, match="holds files mmrl did not write"):
         train(load_smoke_recipe(GSM8K, ["trainer.progress=false"]))
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_a_plain_path_over_a_mapped_source_says_what_it_dropped(capsys, monkeypatch):
+    from mmrl.config import load_recipe
+
+    recipe = load_recipe(GSM8K, ["data.train=rows.jsonl"])
+    assert recipe.data.train == "rows.jsonl"  # what was asked: the file may have its own layout
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("note: data.train=rows.jsonl replaces")
+    assert "columns" in err and "template" in err and "data.train.path=rows.jsonl keeps the mapping" in err
+    # `data.train.path=` keeps the mapping, silently.
+    kept = load_recipe(GSM8K, ["data.train.path=rows.jsonl"])
+    assert kept.data.train.path == "rows.jsonl" and kept.data.train.columns == load_recipe(GSM8K).data.train.columns
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "1")  # one note per run, from rank 0
+    load_recipe(GSM8K, ["data.train=rows.jsonl"])
+    assert capsys.readouterr().err == ""
