@@ -302,6 +302,9 @@ class TrainerConfig(_Section):
     export: bool = True
     threads: int | None = None
     progress: bool = True
+    # A few lines before the first step: model, parameters (trainable share), rows, batch,
+    # the settled "auto" values, the output folder (`mmrl.summary`).
+    summary: bool = True
     # Sampled completions (prompt, media references, completion, reward, advantage) into
     # <output_dir>/samples.jsonl and every logger, every this many steps and at each
     # validation (0: none); at most samples_per_log rows each time, whole prompt groups first.
@@ -796,7 +799,7 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
-    "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
+    "trainer": {"steps", "resume", "overwrite", "progress", "summary", "threads", "time_budget_s", "log_every", "eval_every",
                 "save_every", "keep_checkpoints", "export", "target_accuracy", "output_dir", "val_before_train",
                 "samples_every", "samples_per_log", "loggers"},
     "rollout": {"backend", "gpu_memory_utilization"},

@@ -68,3 +68,48 @@ def test_a_plain_path_over_a_mapped_source_says_what_it_dropped(capsys, monkeypa
     monkeypatch.setenv("RANK", "1")  # one note per run, from rank 0
     load_recipe(GSM8K, ["data.train=rows.jsonl"])
     assert capsys.readouterr().err == ""
+
+
+def _tiny_vlm(tmp_path, *overrides):
+    from mmrl.config import load_recipe
+
+    return load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
+        "trainer.steps=1", "trainer.progress=false", "trainer.export=false", "data.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "data.validation=synthetic:count_shapes?n=4&seed=2&image_size=56",
+        "data.eval=synthetic:count_shapes?n=4&seed=1&image_size=56", f"trainer.output_dir={tmp_path / 'run'}",
+        *overrides])
+
+
+def test_a_run_prints_what_it_trains_before_its_first_step(tmp_path, capsys):
+    from mmrl.trainer import Trainer
+
+    trainer = Trainer(_tiny_vlm(tmp_path, "model.freeze=[vision]", "model.lora_scope=language",
+                                "model.lora_rank=4", "algo.mini_batches=2", "algo.micro_batch_size=2"))
+    assert capsys.readouterr().err == ""  # not before the build: a bad input stays one line
+    trainer.fit()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert [line.split()[0] for line in lines[:6]] == ["model", "weights", "rows", "step", "settled", "output"]
+    total = sum(p.numel() for p in trainer.actor.model.parameters())
+    trainable = sum(p.numel() for p in trainer.actor.model.parameters() if p.requires_grad)
+    assert 0 < trainable < total
+    assert f"trainable ({100 * trainable / total:.1f}%); frozen: vision; LoRA: language, rank 4" in lines[1]
+    assert lines[0].startswith(f"model     {trainer.actor.adapter.family} (")
+    assert lines[2] == "rows      train 8192, validation 4, eval 4"
+    assert lines[3] == "step      2 prompts x 2 samples = 4 sequences; 2 mini-batches, micro-batch 2"
+    assert lines[4] == "settled   rollout hf; pack off; compile_layers off; gradient_checkpointing off (auto)"
+    assert lines[5] == f"output    {tmp_path / 'run'}"
+    assert err.count("model     ") == 1  # once
+
+
+def test_the_summary_can_be_turned_off(tmp_path, capsys):
+    from mmrl.trainer import train
+
+    train(_tiny_vlm(tmp_path, "trainer.summary=false"))
+    assert "weights   " not in capsys.readouterr().err
+
+
+def test_parameter_counts_read_at_a_glance():
+    from mmrl.summary import _count
+
+    assert [_count(n) for n in (7, 12_345, 494_032_768, 3_085_938_688)] == ["7", "12.3K", "494.0M", "3.09B"]
