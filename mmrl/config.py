@@ -495,7 +495,10 @@ def _note_mapping_replaced(key: str, mapping: dict, raw: str) -> None:
     `KEY.path=PATH`."""
     if os.environ.get("RANK", "0") != "0":
         return
-    dropped = ", ".join(name for name, given in mapping.items() if name != "path" and given not in (None, {}, []))
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in DataSource.model_fields.items()
+                if not field.is_required()}
+    dropped = ", ".join(name for name, given in mapping.items()
+                        if name != "path" and given not in (None, {}, []) and given != defaults.get(name))
     print(f"note: {key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain "
           f"source, read with the default columns; {key}.path={raw} keeps the mapping and changes only its path",
           file=sys.stderr, flush=True)
