@@ -16,6 +16,8 @@ recipe is the run being resumed.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -300,6 +302,9 @@ class TrainerConfig(_Section):
     export: bool = True
     threads: int | None = None
     progress: bool = True
+    # A few lines before the first step: model, parameters (trainable share), rows, batch,
+    # the settled "auto" values, the output folder (`mmrl.summary`).
+    summary: bool = True
     # Sampled completions (prompt, media references, completion, reward, advantage) into
     # <output_dir>/samples.jsonl and every logger, every this many steps and at each
     # validation (0: none); at most samples_per_log rows each time, whole prompt groups first.
@@ -476,8 +481,27 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override {override!r}: {part!r} is not a section")
-        node[parts[-1]] = _parse_value(raw, override)
+        value = _parse_value(raw, override)
+        replaced = node.get(parts[-1])
+        if isinstance(replaced, dict) and "path" in replaced and not isinstance(value, dict):
+            _note_mapping_replaced(key, replaced, raw)
+        node[parts[-1]] = value
     return values
+
+
+def _note_mapping_replaced(key: str, mapping: dict, raw: str) -> None:
+    """Tell (once, rank 0) that `KEY=PATH` dropped a dataset mapping's columns and template:
+    the new source may have its own layout, so it is not an error, but the usual intent is
+    `KEY.path=PATH`."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in DataSource.model_fields.items()
+                if not field.is_required()}
+    dropped = ", ".join(name for name, given in mapping.items()
+                        if name != "path" and given not in (None, {}, []) and given != defaults.get(name))
+    print(f"note: {key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain "
+          f"source, read with the default columns; {key}.path={raw} keeps the mapping and changes only its path",
+          file=sys.stderr, flush=True)
 
 
 def _deep_copy(values: dict) -> dict:
@@ -778,7 +802,7 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
 
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
-    "trainer": {"steps", "resume", "overwrite", "progress", "threads", "time_budget_s", "log_every", "eval_every",
+    "trainer": {"steps", "resume", "overwrite", "progress", "summary", "threads", "time_budget_s", "log_every", "eval_every",
                 "save_every", "keep_checkpoints", "export", "target_accuracy", "output_dir", "val_before_train",
                 "samples_every", "samples_per_log", "loggers"},
     "rollout": {"backend", "gpu_memory_utilization"},

@@ -14,7 +14,9 @@ A recipe says what stands in for its checkpoint and its dataset:
 Everything that shapes the run stays the recipe's: data column mapping and template,
 reward, algorithm, optimizer, freezing and LoRA. What only makes it big is replaced:
 the model (its config_overrides too), the pixel budget, sampling and batch sizes, the
-number of steps, vLLM (the HF backend samples), checkpoints and export.
+number of steps, vLLM (the HF backend samples), checkpoints and export. The run goes to
+runs/smoke/RECIPE_NAME, a scratch folder whose previous smoke results each run replaces
+(unless trainer.output_dir, resume or overwrite is given as an override).
 """
 
 from __future__ import annotations
@@ -75,10 +77,16 @@ def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     sequences = data["prompts_per_step"] * rollout["samples_per_prompt"]
     values["algo"]["mini_batches"] = min(values["algo"].get("mini_batches", 1), sequences)
     values["trainer"].update(steps=SMOKE_STEPS, eval_every=0, save_every=0, target_accuracy=None,
-                             time_budget_s=None, resume=False, export=False,
-                             output_dir=f"runs/smoke/{Path(str(source)).stem}")
+                             time_budget_s=None, resume=False, export=False, output_dir=smoke_folder(source),
+                             overwrite=True)
     values["parallel"]["sequence_parallel"] = 1
     return values
+
+
+def smoke_folder(source: str | Path) -> str:
+    """The scratch folder of a recipe's smoke runs: each run replaces the previous one's
+    results there (`trainer.overwrite`), so `--smoke` may run again and again."""
+    return f"runs/smoke/{Path(str(source)).stem}"
 
 
 def _smoke_source(value: Any, data: str | None) -> Any:
@@ -103,6 +111,11 @@ def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
 
     recipe = load_recipe(path)
     values = apply_overrides(smoke_values(recipe, path), overrides or [])
+    given = {o.partition("=")[0] for o in overrides or []}
+    if given & {"trainer.output_dir", "trainer.resume", "trainer.overwrite"}:
+        # A folder the user chose (or a resumed smoke run) is not the scratch folder:
+        # its results are replaced only when the user says so.
+        values["trainer"]["overwrite"] = "trainer.overwrite" in given and values["trainer"]["overwrite"]
     try:
         return Recipe.model_validate(values).with_folder(recipe.folder)
     except ValidationError as exc:

@@ -52,6 +52,7 @@ from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
 from mmrl.samples import sample_rows
 from mmrl.scoring import score_rollout
+from mmrl.summary import run_summary
 from mmrl.update import PolicyUpdate
 
 
@@ -516,6 +517,8 @@ class Trainer:
                 print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
         self.log.start(r.model_dump(mode="json"))
+        if cfg.summary and self.dist.is_main:
+            print("\n".join(run_summary(self)), file=sys.stderr, flush=True)
         progress = None
         if cfg.progress and self.dist.is_main:
             from tqdm.auto import tqdm

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 # made a 1-step run take minutes).
 HANG_GUARD_S = 1800
 RECIPE = str(REPO / "recipes" / "tiny_vlm_count.yaml")
-# The tiny recipe, made cheap: one step, small held-out sets, no bars, no export.
-CHEAP = ["trainer.steps=1", "trainer.progress=false", "trainer.export=false",
+# The tiny recipe, made cheap: one step, small held-out sets, no bars or summary, no export.
+CHEAP = ["trainer.steps=1", "trainer.progress=false", "trainer.summary=false", "trainer.export=false",
          "data.validation=synthetic:count_shapes?n=4&seed=2&image_size=56",
          "data.eval=synthetic:count_shapes?n=4&seed=1&image_size=56", "data.prompts_per_step=2",
          "rollout.samples_per_prompt=2"]

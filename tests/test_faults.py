@@ -25,8 +25,8 @@ from mmrl.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "tiny_vlm_count.yaml")
-CHEAP = ["trainer.steps=1", "trainer.progress=false", "trainer.export=false", "data.prompts_per_step=2",
-         "rollout.samples_per_prompt=2"]
+CHEAP = ["trainer.steps=1", "trainer.progress=false", "trainer.summary=false", "trainer.export=false",
+         "data.prompts_per_step=2", "rollout.samples_per_prompt=2"]
 
 
 def _one_clean_line(output: str) -> str:
