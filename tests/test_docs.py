@@ -72,6 +72,15 @@ def test_training_docs_list_every_synthetic_task():
     assert listed == list(TASKS)
 
 
+def test_training_docs_list_every_builtin_reward():
+    """The rewards section's "a built-in: ..." list is mmrl.rewards.BUILTIN_REWARDS, in order."""
+    from mmrl.rewards import BUILTIN_REWARDS
+
+    section = TRAINING.split("\n## Rewards", 1)[1].split("\n## ", 1)[0]
+    line = re.search(r"^- a built-in: (.*?)\(", section, flags=re.M | re.S).group(1)
+    assert re.findall(r"`(\w+)`", line) == list(BUILTIN_REWARDS)
+
+
 def test_training_docs_name_the_metrics_the_trainer_logs():
     """The validation/ and eval/ names are the trainer's prefixes on mmrl/evaluation.py's names."""
     trainer = (REPO / "mmrl" / "trainer.py").read_text()
