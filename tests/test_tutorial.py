@@ -12,6 +12,8 @@ The small PNG files the page's JSONL rows name are drawn by the test (the user h
     .venv/bin/python -m pytest -q tests/test_tutorial.py
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -97,7 +99,7 @@ def test_the_tutorial_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setattr(mmrl, "train", lambda *args, overrides=(), **kwargs:
                         train(*args, overrides=[*overrides, *CHEAP], **kwargs))
 
-    outputs = {}
+    outputs, python_blocks = {}, []
     for kind, path, text in marked_blocks():
         if kind == "file":
             (work / path).parent.mkdir(parents=True, exist_ok=True)
@@ -107,15 +109,29 @@ def test_the_tutorial_runs_as_written(tmp_path, monkeypatch):
         elif kind == "run":
             outputs[text.strip()] = _run(text.strip(), env, work)
         else:
-            exec(compile(text, "docs/tutorial.md python block", "exec"), {"__name__": "tutorial"})  # noqa: S102
+            printed, namespace = io.StringIO(), {"__name__": "tutorial"}
+            with contextlib.redirect_stdout(printed):
+                exec(compile(text, "docs/tutorial.md python block", "exec"), namespace)  # noqa: S102
+            python_blocks.append((namespace, printed.getvalue()))
 
     # What the page says each step leaves behind.
     assert "qwen2_vl" in outputs[f"mmrl models --for {HUB_ID}"]
+    assert "apples" in outputs["mmrl data check recipe.yaml --rows 2"]
+    assert (work / "runs/smoke/recipe/metrics.jsonl").is_file()
     samples = [json.loads(line) for line in (work / "runs/fruit/samples.jsonl").read_text().splitlines()]
     assert {"step", "prompt", "answer", "completion", "reward", "advantage"} <= set(samples[0])
     assert sorted(p.name for p in (work / "runs/fruit/checkpoints").iterdir()) == ["step_000001", "step_000002"]
     metrics = json.loads((work / "eval.json").read_text())
-    assert {"eval/accuracy", "eval/pass@1", "eval/pass@8", "eval/mean@8"} <= set(metrics), metrics
+    assert {"eval/accuracy", "eval/mean_reward", "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/pass@8",
+            "eval/mean@8"} <= set(metrics), metrics
     assert {p.name for p in (work / "exports/fruit-lora").iterdir()} >= {"adapter_config.json",
                                                                         "adapter_model.safetensors"}
+    # PEFT put the exported adapter on the base and generated (a random model's answer is noise).
+    (peft, _), (_, printed) = python_blocks
+    assert peft["model"].peft_config["default"].r == 16
+    trained = [w for name, w in peft["model"].named_parameters() if "lora_B" in name]
+    assert trained and all(w.abs().sum() > 0 for w in trained), "PEFT left adapters at their zero init"
+    assert peft["output"].shape[1] > peft["inputs"]["input_ids"].shape[1]
+    steps, accuracy = printed.split()
+    assert steps == "2" and 0 <= float(accuracy) <= 1
     assert (work / "runs/fruit-python/metrics.jsonl").is_file()
