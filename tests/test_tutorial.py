@@ -44,6 +44,9 @@ def test_page_marks_every_step():
     commands = [text.split()[1] for kind, _, text in marked_blocks() if kind == "run" and text.startswith("mmrl")]
     assert commands == ["models", "data", "train", "train", "eval", "export"]
     assert HUB_ID in PAGE
+    for path in (path for kind, path, _ in marked_blocks() if kind == "file"):
+        before = PAGE.split(f"<!-- tutorial: file {path} -->", 1)[0].rsplit("```", 1)[-1]
+        assert f"`{path}`" in before, f"the page does not say in its text that the block after it is {path}"
 
 
 def _stand_in_checkpoint(cache: Path) -> None:
