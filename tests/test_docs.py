@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 TRAINING = (REPO / "docs" / "training.md").read_text()
+PERFORMANCE = (REPO / "docs" / "performance.md").read_text()
 
 
 def _without_parentheses(text: str) -> str:
@@ -72,6 +73,15 @@ def test_training_docs_list_every_synthetic_task():
     assert listed == list(TASKS)
 
 
+def test_training_docs_list_every_builtin_reward():
+    """The rewards section's "a built-in: ..." list is mmrl.rewards.BUILTIN_REWARDS, in order."""
+    from mmrl.rewards import BUILTIN_REWARDS
+
+    section = TRAINING.split("\n## Rewards", 1)[1].split("\n## ", 1)[0]
+    line = re.search(r"^- a built-in: (.*?)\(", section, flags=re.M | re.S).group(1)
+    assert re.findall(r"`(\w+)`", line) == list(BUILTIN_REWARDS)
+
+
 def test_training_docs_name_the_metrics_the_trainer_logs():
     """The validation/ and eval/ names are the trainer's prefixes on mmrl/evaluation.py's names."""
     trainer = (REPO / "mmrl" / "trainer.py").read_text()
@@ -87,6 +97,26 @@ def test_training_docs_name_the_metrics_the_trainer_logs():
     table = TRAINING.split("## Evaluation", 1)[1].split("\n## ", 1)[0]
     for metric in re.findall(r"^\| `(\w+)` \|", table, flags=re.M):
         assert f'"{metric}"' in evaluation, f"docs/training.md's Evaluation table names {metric}, which is not logged"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_reach_a_file_and_heading():
+    """Every `[..](file.md#anchor)` link in README.md and docs/*.md names a file that exists
+    and one of its headings (the performance notes moved out of training.md, issue 32)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            assert linked.is_file(), f"{page.name} links to {target}, which does not exist"
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page.name} links to {target}#{anchor}: no such heading"
+            checked += 1
+    assert checked >= 10
 
 
 def test_readme_names_every_command_ci_runs():
@@ -116,11 +146,11 @@ def test_readme_parameter_count_is_the_recipes_model():
 
 
 def test_shared_media_figures_are_their_results_files():
-    """Each row of docs/training.md's shared-media table quotes the results file it names
+    """Each row of docs/performance.md's shared-media table quotes the results file it names
     (written by bench/media_sharing.py), to the digits it shows."""
     import json
 
-    rows = [line for line in TRAINING.splitlines() if "bench/results/media_sharing" in line and line.startswith("|")]
+    rows = [line for line in PERFORMANCE.splitlines() if "bench/results/media_sharing" in line and line.startswith("|")]
     assert len(rows) >= 3
     for row in rows:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
