@@ -48,6 +48,20 @@ class SmokeConfig(BaseModel):
     max_pixels: int = Field(12544, gt=0)
 
 
+def _checkpoint_family(path: str, source: str | Path) -> str:
+    """The family of the checkpoint a recipe trains (a folder or a hub id whose config is
+    in reach), whose tiny model stands in for it; a RecipeError naming smoke.family when
+    its config cannot be read or its model_type has no family."""
+    from mmrl.config import RecipeError
+    from mmrl.registry import RegistryError, get_adapter
+
+    try:
+        return get_adapter(path).family
+    except (RegistryError, OSError, ValueError) as exc:
+        raise RecipeError(f"{source}: smoke.family: the family of {path} cannot be told ({exc}); name the family "
+                          "whose tiny model stands in for it (smoke: {family: NAME}; `mmrl models` lists them)") from None
+
+
 def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     """The recipe's values with the smoke replacements made (a dict for `Recipe`)."""
     from mmrl.config import RecipeError
@@ -56,10 +70,7 @@ def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     values = recipe.model_dump(mode="json")
     family = smoke.family
     if family is None:
-        if not recipe.model.random_init:
-            raise RecipeError(f"{source}: smoke.family: the recipe trains a checkpoint ({recipe.model.path}); "
-                              "name the family whose tiny model stands in for it (smoke: {family: NAME}; `mmrl models` lists them)")
-        family = recipe.model.path
+        family = recipe.model.path if recipe.model.random_init else _checkpoint_family(recipe.model.path, source)
     model = values["model"]
     model.update(path=family, random_init=True, config_overrides=dict(smoke.config_overrides), dtype="float32",
                  attn_implementation=None, min_pixels=smoke.min_pixels, max_pixels=smoke.max_pixels)

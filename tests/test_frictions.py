@@ -113,3 +113,17 @@ def test_parameter_counts_read_at_a_glance():
     from mmrl.summary import _count
 
     assert [_count(n) for n in (7, 12_345, 494_032_768, 3_085_938_688)] == ["7", "12.3K", "494.0M", "3.09B"]
+
+
+def test_smoke_takes_the_family_of_the_checkpoint_the_recipe_trains(tmp_path):
+    """A recipe that trains a checkpoint needs no smoke.family: the checkpoint's config
+    names it (here a local folder; a hub id in the HF cache the same way)."""
+    from mmrl import build_model
+    from mmrl.config import load_recipe
+    from mmrl.smoke import smoke_values
+
+    build_model("qwen2", random_init=True).save(tmp_path / "ckpt")
+    recipe = load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml",
+                         [f"model.path={tmp_path / 'ckpt'}", "model.random_init=false", "model.tiny_vocabulary={}",
+                          "model.config_overrides={}", "smoke.family=null"])
+    assert smoke_values(recipe)["model"]["path"] == "qwen2"

@@ -105,7 +105,7 @@ def test_cli_smoke_and_data_check(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", str(bad), "--smoke"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
-    assert "smoke.family: the recipe trains a checkpoint" in done.stderr
+    assert "smoke.family: the family of Qwen/Qwen2.5-VL-3B-Instruct cannot be told" in done.stderr
 
 
 def test_smoke_caps_the_mini_batches_at_its_sequences(tmp_path):
