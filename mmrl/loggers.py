@@ -143,72 +143,67 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id)
 
 
-class TrackioLogger:
+class _InitLogFinish:
+    """A backend whose module runs one run at a time through `init(project, name, config)`,
+    `log(values, step=)` and `finish()` (trackio, SwanLab). The run starts at the first
+    call, since the config is taken at `init` only; subclasses name the module, the project
+    and how samples are logged (`_samples`)."""
+
+    def __init__(self, module, project: str, run_name: str):
+        self.module = module
+        self.project = project
+        self.run_name = run_name
+        self.started = False
+
+    def _start(self, config: dict[str, Any] | None = None) -> None:
+        if not self.started:
+            self.module.init(project=self.project, name=self.run_name, config=config)
+            self.started = True
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        self._start(config)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._start()
+        self.module.log(metrics, step=step)
+
+    def log_samples(self, step: int, split: str, rows: list[dict[str, Any]]) -> None:
+        self._start()
+        self.module.log({f"samples/{split}": self._samples(rows)}, step=step)
+
+    def _samples(self, rows: list[dict[str, Any]]):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.started:
+            self.module.finish()
+
+
+class TrackioLogger(_InitLogFinish):
     """A trackio run (local unless TRACKIO_SPACE_ID or a server URL is set): the recipe as
     its config, metrics by step, samples as a trackio.Table per split."""
 
     def __init__(self, output_dir: Path, run_name: str, purge_step: int | None = None):
         import trackio
 
-        self.trackio = trackio
-        self.project = PROJECT
-        self.run_name = run_name
-        self.started = False
+        super().__init__(trackio, PROJECT, run_name)
 
-    def log_config(self, config: dict[str, Any]) -> None:
-        # trackio takes the config when the run starts only.
-        self._start(config)
-
-    def _start(self, config: dict[str, Any] | None = None) -> None:
-        if not self.started:
-            self.trackio.init(project=self.project, name=self.run_name, config=config)
-            self.started = True
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._start()
-        self.trackio.log(metrics, step=step)
-
-    def log_samples(self, step: int, split: str, rows: list[dict[str, Any]]) -> None:
-        self._start()
+    def _samples(self, rows: list[dict[str, Any]]):
         columns, data = table(rows)
-        self.trackio.log({f"samples/{split}": self.trackio.Table(columns=columns, data=data)}, step=step)
-
-    def close(self) -> None:
-        if self.started:
-            self.trackio.finish()
+        return self.module.Table(columns=columns, data=data)
 
 
-class SwanlabLogger:
+class SwanlabLogger(_InitLogFinish):
     """A SwanLab run (mode from SWANLAB_MODE, e.g. local or offline; online needs a
     login): the recipe as its config, metrics by step, samples as Markdown text."""
 
     def __init__(self, output_dir: Path, run_name: str, purge_step: int | None = None):
         import swanlab
 
-        self.swanlab = swanlab
-        self.project = os.environ.get("SWANLAB_PROJ_NAME", PROJECT)
-        self.run_name = run_name
-        self.started = False
+        super().__init__(swanlab, os.environ.get("SWANLAB_PROJ_NAME", PROJECT), run_name)
 
-    def log_config(self, config: dict[str, Any]) -> None:
-        self._start(config)
-
-    def _start(self, config: dict[str, Any] | None = None) -> None:
-        if not self.started:
-            self.swanlab.init(project=self.project, name=self.run_name, config=config)
-            self.started = True
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._start()
-        self.swanlab.log(metrics, step=step)
-
-    def log_samples(self, step: int, split: str, rows: list[dict[str, Any]]) -> None:
-        self._start()
-        self.swanlab.log({f"samples/{split}": self.swanlab.Text(samples_markdown(rows))}, step=step)
-
-    def close(self) -> None:
-        if self.started:
-            self.swanlab.finish()
+    def _samples(self, rows: list[dict[str, Any]]):
+        return self.module.Text(samples_markdown(rows))
 
 
 # name -> (class, the module it imports, what to pip install)
