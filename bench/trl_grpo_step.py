@@ -519,7 +519,18 @@ def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
         "slow_steps": [(i + 1, round(r["step_s"], 2)) for i, r in enumerate(records)
                        if r["step_s"] > 3 * median["step"]],
         "per_step": records,
+        **whole_run(records, median["step"], args.whole_run or args.steps),
     }
+
+
+def whole_run(records: list[dict], median_step: float, steps: int) -> dict[str, Any]:
+    """The wall clock of a `steps`-step run, warm-up and compiles included: measured when the
+    run did that many steps, else its measured steps plus the rest at its median step (a
+    baseline without compile stalls, run shorter to fit a device call; `projected` says so)."""
+    measured = sum(r["step_s"] for r in records[:steps])
+    missing = max(0, steps - len(records))
+    return {"whole_run_steps": steps, "whole_run_s": round(measured + missing * median_step, 2),
+            "whole_run_projected": missing > 0}
 
 
 def compare(runs: dict[str, dict], specs: dict[str, dict]) -> dict[str, Any]:
@@ -533,8 +544,11 @@ def compare(runs: dict[str, dict], specs: dict[str, dict]) -> dict[str, Any]:
     if not trl:
         return {"baseline": None, "best_learning_mmrl": best, "ratio_vs_baseline": {}, "ratio_vs_trl": {}}
     baseline = min(trl, key=trl.get)
+    whole = {n: r["whole_run_s"] for n, r in runs.items() if r.get("steps_done", 0) >= 2 and "whole_run_s" in r}
     return {"baseline": baseline, "best_learning_mmrl": best,
             "ratio_vs_baseline": {n: trl[baseline] / s for n, s in timed.items()},
+            # What a user lives through: whole runs of the same length, warm-up and compiles included.
+            "whole_run_ratio_vs_baseline": {n: whole[baseline] / s for n, s in whole.items()} if baseline in whole else {},
             "ratio_vs_trl": {n: timed["trl"] / s for n, s in timed.items()} if "trl" in timed else {}}
 
 
@@ -561,6 +575,14 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
               f"{r.get('peak_allocated_gib') or 0:>8.1f} {changed(r):>7} "
               f"{'-' if ratio is None else f'{ratio:.2f}x':>12}"
               + (f"  ({r['error'][:60]})" if r.get("error") else ""))
+    whole = comparison.get("whole_run_ratio_vs_baseline", {})
+    for name, r in runs.items():
+        if "whole_run_s" in r:
+            ratio = whole.get(name)
+            print(f"{name:<20} {r['whole_run_steps']} steps, warm-up and compiles included: {r['whole_run_s']:.1f} s"
+                  + (" (projected at the median step)" if r["whole_run_projected"] else "")
+                  + (f", compiling {r['compile_total_s']:.1f} s" if r.get("compile_total_s") else "")
+                  + ("" if ratio is None else f", {ratio:.2f}x"))
 
 
 FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr", "seed", "vocabulary")
@@ -574,6 +596,8 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
            *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
+    if spec is not None and "steps" in spec:  # --steps-for: this run's own step count (the last --steps wins)
+        cmd += ["--steps", str(spec["steps"])]
     if spec is not None:
         cmd += ["--spec", json.dumps(spec)]
     error = None
@@ -616,6 +640,11 @@ def main() -> None:
     parser.add_argument("--vocabulary", default="auto", choices=("auto", "qwen", "tiny"),
                         help="auto: the real Qwen vocabulary for 0.5b, a tiny word-level one for tiny")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps-for", nargs="+", default=[], metavar="RUN=STEPS",
+                        help="a run's own step count (e.g. trl=12: a baseline without compile stalls run shorter)")
+    parser.add_argument("--whole-run", type=int, default=0, metavar="STEPS",
+                        help="the run length whose wall clock is compared (default --steps); shorter runs are "
+                             "projected at their median step")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
@@ -655,6 +684,11 @@ def main() -> None:
         specs[name] = RUNS[name]
     for name, *overrides in args.variant:
         specs[name] = {"trainer": "mmrl", "overrides": overrides}
+    for item in args.steps_for:
+        name, _, count = item.partition("=")
+        if name not in specs or not count.isdigit() or int(count) < 2:
+            parser.error(f"--steps-for: {item!r} is not RUN=STEPS with a run of --runs/--variant and STEPS >= 2")
+        specs[name] = {**specs[name], "steps": int(count)}
     report: dict[str, Any] = {
         "command": "python bench/trl_grpo_step.py " + " ".join(sys.argv[1:]), "note": args.note,
         "date": time.strftime("%Y-%m-%d"), "versions": versions(), "settings": settings(args),
