@@ -328,6 +328,24 @@ def trainer_weights(trainer) -> dict:
     return trainer.actor.master_state_dict() or dict(trainer.actor.model.named_parameters())
 
 
+def compile_phases() -> dict[str, float]:
+    """Seconds torch.compile spent per phase over the process (dynamo's own accounting,
+    summed over graphs): where a compile stall goes, tracing or code generation."""
+    import torch
+
+    try:
+        names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    except Exception as error:  # a private helper: record its absence, not a failed run
+        return {"error": str(error)[:200]}
+    out = {}
+    for name, value in zip(names, values):
+        try:
+            out[name] = round(float(value), 2)
+        except (TypeError, ValueError):
+            continue
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
+
+
 def device_of(name: str):
     import torch
 
@@ -496,6 +514,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                     "micro_batches": metrics.get("update/micro_batches"),
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
+    steps.extra.update(compile_phases=compile_phases())
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())
