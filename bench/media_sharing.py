@@ -47,6 +47,7 @@ def main() -> None:
     from mmrl.data import to_conversation
     from mmrl.probes.base import device_name, versions
     from mmrl.rollout.base import SamplingParams
+    from mmrl.rollout_batch import training_batches
     from mmrl.trainer import Trainer
 
     recipe = load_recipe(args.recipe, [*args.overrides, "trainer.progress=false", "model.share_media=true"])
@@ -57,7 +58,7 @@ def main() -> None:
     r = recipe.rollout
     params = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p)
-    conversations = [to_conversation(s) for s in trainer._next_prompts()]
+    conversations = [to_conversation(s) for s in trainer._next_prompts()[0]]
     result = trainer.rollout.generate(conversations, params)
     rows = torch.arange(len(result.response_ids))
     generator = torch.Generator().manual_seed(0)
@@ -67,7 +68,8 @@ def main() -> None:
         actor.shares_media = share
         times = {}
         start = time.perf_counter()
-        batches = trainer.update.batches(conversations, result, rows)
+        batches, _ = training_batches(conversations, result, rows, algo=recipe.algo, dist=trainer.dist,
+                                      processing=trainer.processing, adapter=trainer.built.adapter, actor=actor)
         times["batches"] = time.perf_counter() - start
         _sync(device)
         start = time.perf_counter()

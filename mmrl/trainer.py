@@ -87,11 +87,6 @@ class Trainer:
         self.timings: dict[str, float] = defaultdict(float)
         self.log = RunLog(self.output_dir, main=self.dist.is_main, loggers=cfg.loggers)
         self._stop_signal: int | None = None
-        # Where scores are taken (for error messages): the step, and the dataset rows
-        # of the samples being scored.
-        self._step_context = "before training"
-        self._score_rows: list[int] | None = None
-        self._score_dataset = None
         # cheap checks, before the (slow) model build
         check_before_build(recipe, reward=reward, loaded=self._given_datasets)
         notice = unset_toy_defaults(recipe)
@@ -234,21 +229,21 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result, conversations: list | None = None
-               ) -> tuple[torch.Tensor, dict[str, list[float]]]:
-        """Rewards of the responses, and a combined reward's parts by name (`score_parts`);
-        a failing reward or a NaN/inf score stops the run here, before any update, naming
-        the reward, the step and the dataset row."""
-        scores, parts = score_rollout(self.reward_fn, self.processing, samples, result, rows=self._score_rows,
-                                      dataset=self._score_dataset, where=self._step_context,
-                                      conversations=conversations, max_pixels=self.recipe.model.max_pixels)
-        self._outcomes = scores  # the reward function's alone: per-turn credit counts the environment's apart
-        if result.env_rewards is not None:
-            scores = scores + result.env_rewards.float()
-        return scores, parts
+    def _score(self, samples: list[dict], result, rows: list[int], dataset, where: str,
+               conversations: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+        """Rewards of the responses, the reward function's part of them alone (per-turn
+        credit counts the environment's apart), and a combined reward's parts by name
+        (`score_parts`); a failing reward or a NaN/inf score stops the run here, before any
+        update, naming the reward, `where`, and the row of `dataset` (`rows`: the samples')."""
+        outcomes, parts = score_rollout(self.reward_fn, self.processing, samples, result, rows=rows, dataset=dataset,
+                                        where=where, conversations=conversations,
+                                        max_pixels=self.recipe.model.max_pixels)
+        rewards = outcomes + result.env_rewards.float() if result.env_rewards is not None else outcomes
+        return rewards, outcomes, parts
 
-    def _next_prompts(self) -> list[dict]:
-        """This data-parallel rank's share of the next batch of prompts."""
+    def _next_prompts(self) -> tuple[list[dict], list[int]]:
+        """This data-parallel rank's share of the next batch of prompts, and their source
+        rows (as the dataset file counts them, for errors)."""
         r = self.recipe
         shards = self.dist.dp_size
         per_rank = max(1, r.data.prompts_per_step // shards)
@@ -256,9 +251,8 @@ class Trainer:
             self._batches = self.train_set.batches(per_rank * shards, seed=r.data.shuffle_seed, start=self.position)
         batch = next(self._batches)
         self.position = batch.end
-        # Source rows (as the dataset file counts them) of this rank's share, for errors.
-        self._batch_rows = [self.train_set.source_rows[i] for i in batch.indices][self.dist.dp_rank::shards]
-        return batch.samples[self.dist.dp_rank::shards]
+        rows = [self.train_set.source_rows[i] for i in batch.indices][self.dist.dp_rank::shards]
+        return batch.samples[self.dist.dp_rank::shards], rows
 
     def _same_in_sp_group(self, result):
         """The rollout of the group's first rank on every rank of a sequence-parallel
@@ -280,19 +274,19 @@ class Trainer:
         from mmrl.algos import uniform_groups
 
         r = self.recipe
-        self._step_context = f"step {self.step + 1}"
-        samples = self._next_prompts()
+        where = f"step {self.step + 1}"
+        samples, source_rows = self._next_prompts()
         # An environment opens each sample's conversation itself (from the row).
-        conversations = None if self.agent else conversations_of(samples, self._batch_rows, self.train_set,
-                                                                self._step_context, max_pixels=r.model.max_pixels)
+        conversations = None if self.agent else conversations_of(samples, source_rows, self.train_set, where,
+                                                                max_pixels=r.model.max_pixels)
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p)
         with self._timed("rollout"):
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
-        self._score_rows, self._score_dataset = self._batch_rows, self.train_set
-        rewards, reward_parts = self._score(samples, result, conversations)
+        rewards, outcomes, reward_parts = self._score(samples, result, source_rows, self.train_set, where,
+                                                      conversations)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -306,20 +300,19 @@ class Trainer:
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
         if self.dist.all_reduce_sum(float(len(rows))) == 0:
-            self._write_samples(samples, result, rewards, None, reward_parts)
+            self._write_samples(samples, source_rows, result, rewards, None, reward_parts)
             return metrics  # every rank filtered every group: nothing to learn from
         if len(rows) == 0:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
-        temperature = r.rollout.temperature or 1.0
-        batches, minis = self.update.batches(conversations, result, rows)
-        with self._timed("logprob"):
-            self.update.estimate(batches, minis, temperature)
-        advantages = self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
-        self._write_samples(samples, result, rewards, advantages, reward_parts)
+        plan = self.update.plan(conversations, result, rows, rewards, params.n, r.rollout.temperature or 1.0,
+                                outcomes)
+        self.timings["logprob"] += plan.estimate_seconds
+        metrics.update(plan.metrics)
+        self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
         with self._timed("update"):
-            metrics.update(self.update.run(batches, minis, temperature))
+            metrics.update(self.update.run(plan))
         with self._timed("sync"):
             self.rollout.sync(self.actor)
         metrics["lr"] = self._recipe_lr()
@@ -340,13 +333,13 @@ class Trainer:
         cfg = self.recipe.trainer
         return cfg.samples_per_log if cfg.samples_every and self.dist.is_main else 0
 
-    def _write_samples(self, samples: list[dict], result, rewards: torch.Tensor,
+    def _write_samples(self, samples: list[dict], source_rows: list[int], result, rewards: torch.Tensor,
                        advantages: dict[int, float] | None, reward_parts: dict[str, list[float]] | None = None) -> None:
         """This step's first responses into samples.jsonl and the loggers, every
         `trainer.samples_every` steps (`mmrl.samples`); `reward_parts`: a weighted
         reward's scores by part, one per response."""
         if self._samples_to_keep() and self.step % self.recipe.trainer.samples_every == 0:
-            self.log.write_samples(self.step, self._sample_rows("train", samples, self._batch_rows, self.train_set,
+            self.log.write_samples(self.step, self._sample_rows("train", samples, source_rows, self.train_set,
                                                                 result, rewards, advantages, self._samples_to_keep(),
                                                                 reward_parts))
 
@@ -385,13 +378,8 @@ class Trainer:
         return rows, record
 
     def _score_in(self, samples: list[dict], result, rows: list[int], dataset, context: str) -> torch.Tensor:
-        """`_score` with errors naming `context` and the rows of `dataset`."""
-        saved = self._step_context, self._score_rows, self._score_dataset
-        self._step_context, self._score_rows, self._score_dataset = context, rows, dataset
-        try:
-            return self._score(samples, result)[0]
-        finally:
-            self._step_context, self._score_rows, self._score_dataset = saved
+        """The evaluator's `score`: the rewards, errors naming `context` and the rows of `dataset`."""
+        return self._score(samples, result, rows, dataset, context)[0]
 
     def _validate(self) -> dict[str, float]:
         """The validation metrics, named `validation/...` (`validation/accuracy` decides

@@ -1,26 +1,32 @@
 """One RL step's update from a scored rollout, as the trainer runs it.
 
     update = PolicyUpdate(recipe, dist, actor, ref, critic, estimator, processing, adapter)
-    batches, minis = update.batches(conversations, rollout_result, kept_rows)
-    update.estimate(batches, minis, temperature)       # old, reference and value estimates
-    advantages = update.advantages(batches, rewards, group_size, metrics, outcomes)   # {row: mean}
-    metrics.update(update.run(batches, minis, temperature))   # the optimizer steps
+    plan = update.plan(conversations, rollout_result, kept_rows, rewards, group_size, temperature, outcomes)
+    plan.advantages                # {rollout row: mean advantage}, for the samples log
+    metrics.update(plan.metrics)   # what planning measured (the KL in the reward)
+    metrics.update(update.run(plan))   # the optimizer steps
 
-The kept rows become training sequences in micro-batches (by rows, or by tokens with
-`algo.micro_batch_tokens`), planned into mini-batches (`mmrl.engine.batching`); every
-rank runs as many micro-batches and optimizer steps as the others (FSDP2's collectives).
-Loss weights make the summed micro-batch gradients those of the whole mini-batch.
+`plan` turns the kept rows into training sequences in micro-batches planned into
+mini-batches (`mmrl.rollout_batch`), takes the old-policy, reference and value estimates
+and computes the advantages; `run` takes the plan's optimizer steps. Every rank runs as
+many micro-batches and optimizer steps as the others (FSDP2's collectives). Loss weights
+make the summed micro-batch gradients those of the whole mini-batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from mmrl.engine import Engine, join
+from mmrl.algos import kl_estimate, kl_in_reward, kl_loss, policy_loss, scalar_to_token_rewards
+from mmrl.algos.losses import aggregate, value_loss
+from mmrl.engine import Engine, Sequences
+from mmrl.rollout.base import RolloutResult
+from mmrl.rollout_batch import Mini, training_batches
 
 if TYPE_CHECKING:
     from mmrl.adapter import ModelAdapter
@@ -28,6 +34,19 @@ if TYPE_CHECKING:
     from mmrl.config import Recipe
     from mmrl.parallel import Dist
     from mmrl.processing import Processing
+
+
+@dataclass
+class UpdatePlan:
+    """One step's update as planned: the micro-batches (each with its rollout rows, old,
+    reference and value estimates and advantages in `extras`), the mini-batches over them,
+    and what planning found."""
+    batches: list[Sequences]
+    minis: list[Mini]  # one optimizer step each: (micro-batch index, loss scale) per pass
+    temperature: float
+    advantages: dict[int, float]  # each kept rollout row's advantage, the mean over its response tokens
+    metrics: dict[str, float] = field(default_factory=dict)
+    estimate_seconds: float = 0.0  # spent on the old-policy, reference and value passes
 
 
 @dataclass
@@ -41,79 +60,22 @@ class PolicyUpdate:
     processing: Processing
     adapter: ModelAdapter
 
-    def sequences(self, conversations: list, ids: torch.Tensor, mask: torch.Tensor, prompts: dict | None = None,
-                   owners: list[int] | None = None, media=None):
-        """Training sequences of rows answering `conversations`; `owners` (the rows'
-        prompt indices) lets repeated prompts share their media encoding, with their
-        processed media taken from `media` (the rollout's) where it has them."""
-        from mmrl.engine.media import SharedMedia
-
-        length = max(1, int(mask.sum(-1).max()))
-        shared = None
-        if owners and self.actor.shares_media:
-            shared = media.select(owners) if media is not None else SharedMedia.of(self.processing, conversations, owners)
-        if prompts is None:
-            prompts = shared.rows(self.processing, conversations) if shared is not None else dict(self.processing(conversations))
-        seqs = join(prompts, ids[:, :length], mask[:, :length], self.adapter, self.actor.model,
-                    self.processing.tokenizer.pad_token_id, shared=shared)
-        return seqs.to(self.dist.device)
-
-
-    def batches(self, conversations: list, result, rows: torch.Tensor) -> tuple[list, list]:
-        """Training sequences of the kept `rows` in micro-batches, and the update's plan:
-        its mini-batches as lists of (micro-batch index, loss scale) (`mmrl.engine.batching`)."""
-        from mmrl.engine.batching import even_out, update_plan
-
-        algo = self.recipe.algo
-        lengths = self._row_lengths(conversations, result, rows) if algo.micro_batch_tokens else [0] * len(rows)
-        # Every rank takes as many optimizer steps, and as many passes per step (FSDP2's
-        # collectives), as the others: the fewest kept rows bound the mini-batches.
-        mini_batches = min(algo.mini_batches, *(int(n) for n in self.dist.all_gather_objects(len(rows))))
-        plan = update_plan(lengths, mini_batches=mini_batches, micro_batch_size=algo.micro_batch_size,
-                           micro_batch_tokens=algo.micro_batch_tokens)
-        if self.dist.distributed:
-            counts = self.dist.all_gather_objects([len(mini) for mini in plan])
-            plan = even_out(plan, [max(c) for c in zip(*counts)])
-        parts = list(dict.fromkeys(micro.rows for mini in plan for micro in mini if micro.scale))
-        index = {part: i for i, part in enumerate(parts)}
-        minis = [[(index[micro.rows], micro.scale) for micro in mini] for mini in plan]
-        chosen_rows = [rows[list(part)] for part in parts]
-        if result.trajectories is not None:
-            from mmrl.rollout.agent import trajectory_sequences
-
-            pad = self.processing.tokenizer.pad_token_id
-            # Samples of one prompt encode its opening media once (`shared_pieces`).
-            batches = [trajectory_sequences([result.trajectories[i] for i in chosen.tolist()], self.processing,
-                                            self.adapter, self.actor.model, pad,
-                                            share=self.actor.shares_media).to(self.dist.device)
-                       for chosen in chosen_rows]
-            return _with_rows(batches, chosen_rows), minis
-        owners = result.prompt_index.tolist()
-        expanded = [conversations[i] for i in owners]
-        # One micro-batch of every row: the rollout's own prompt batch is that batch.
-        reuse = result.prompt_inputs if len(parts) == 1 and len(rows) == len(expanded) else None
-        batches = []
-        for chosen in chosen_rows:
-            batches.append(self.sequences([expanded[i] for i in chosen], result.response_ids[chosen],
-                                           result.response_mask[chosen], reuse, [owners[i] for i in chosen],
-                                           result.shared_media))
-        return _with_rows(batches, chosen_rows), minis
-
-    def _row_lengths(self, conversations: list, result, rows: torch.Tensor) -> list[int]:
-        """Tokens (prompt + response) of each kept row, for micro-batches by token budget."""
-        if result.trajectories is not None:
-            return [len(result.trajectories[i].prompt_ids) + len(result.trajectories[i].last_ids)
-                    for i in rows.tolist()]
-        responses = result.response_mask.sum(-1).long()
-        if result.prompt_inputs is not None:
-            prompts = result.prompt_inputs["attention_mask"].sum(-1).long().cpu()
-        else:  # a backend that kept no processed batch: each prompt processed once
-            per_prompt = self.processing(conversations)["attention_mask"].sum(-1).long()
-            prompts = per_prompt[result.prompt_index]
-        return (prompts[rows] + responses[rows]).tolist()
+    def plan(self, conversations: list | None, result: RolloutResult, rows: torch.Tensor, rewards: torch.Tensor,
+             group_size: int, temperature: float, outcomes: torch.Tensor | None = None) -> UpdatePlan:
+        """The update of the kept `rows` of `result` (answering `conversations`; None for a
+        multi-turn rollout), scored `rewards` (one per rollout row; `outcomes`: the reward
+        function's part alone, for per-turn credit)."""
+        batches, minis = training_batches(conversations, result, rows, algo=self.recipe.algo, dist=self.dist,
+                                          processing=self.processing, adapter=self.adapter, actor=self.actor)
+        start = time.perf_counter()
+        self._estimate(batches, minis, temperature)
+        seconds = time.perf_counter() - start
+        advantages, metrics = self._advantages(batches, rewards[rows], group_size,
+                                               outcomes[rows] if outcomes is not None else None)
+        return UpdatePlan(batches, minis, temperature, advantages, metrics, seconds)
 
     @torch.no_grad()
-    def estimate(self, batches: list, minis: list, temperature: float) -> None:
+    def _estimate(self, batches: list[Sequences], minis: list[Mini], temperature: float) -> None:
         """Old-policy, reference and value estimates of the sampled tokens. The passes follow
         the update's plan (`minis`), zero-weighted repeats included, so every rank runs as
         many forwards as the others (FSDP2's collectives); a repeat stores the same values."""
@@ -129,17 +91,17 @@ class PolicyUpdate:
             if self.critic is not None:
                 seqs.extras["values"] = self.critic.values(seqs)
 
-    def advantages(self, batches: list, rewards: torch.Tensor, group_size: int, metrics: dict,
-                    outcomes: torch.Tensor | None = None) -> dict[int, float]:
+    def _advantages(self, batches: list[Sequences], rewards: torch.Tensor, group_size: int,
+                    outcomes: torch.Tensor | None = None) -> tuple[dict[int, float], dict[str, float]]:
         """Advantages (and value targets) over the whole kept batch, stored per micro-batch;
-        returns each kept rollout row's advantage, the mean over its response tokens.
+        returns each kept rollout row's advantage, the mean over its response tokens, and
+        the KL in the reward (`kl/reward`) where there is one.
         Groups stay whole: the uniform-group filter drops groups, never single rows. With
         `algo.credit_assignment: turn`, `outcomes` are the reward function's scores alone
         and each environment reward is credited to the policy turns up to the one it
         followed (`AdvantageEstimator.compute_by_turn`)."""
-        from mmrl.algos import kl_estimate, kl_in_reward, scalar_to_token_rewards
-
         algo = self.recipe.algo
+        metrics: dict[str, float] = {}
         width = max(s.response_ids.shape[1] for s in batches)
 
         def gather(key_or_fn) -> torch.Tensor:
@@ -171,12 +133,13 @@ class PolicyUpdate:
             offset += size
         means = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         rows = torch.cat([seqs.extras["rows"].cpu() for seqs in batches]).tolist()
-        return dict(zip(rows, means.tolist()))
+        return dict(zip(rows, means.tolist())), metrics
 
-    def run(self, batches: list, minis: list, temperature: float) -> dict[str, float]:
-        """Policy (and critic) updates: `epochs_per_rollout` passes over the mini-batches
-        (`minis`: lists of (micro-batch index, loss scale)), one optimizer step each."""
+    def run(self, plan: UpdatePlan) -> dict[str, float]:
+        """Policy (and critic) updates: `epochs_per_rollout` passes over the plan's
+        mini-batches, one optimizer step each."""
         algo = self.recipe.algo
+        batches, minis, temperature = plan.batches, plan.minis, plan.temperature
         # Loss weights make the summed micro-batch gradients equal the gradient of the
         # whole mini-batch across ranks: FSDP averages over ranks, hence the world-size
         # factor. With sequence parallelism every group counts its tokens P times over P
@@ -239,9 +202,6 @@ class PolicyUpdate:
 
     def _micro_batches(self, batches: list, tokens: list[float], mini: list, global_tokens: float,
                        global_rows: float, temperature: float) -> dict[str, float]:
-        from mmrl.algos import kl_loss, policy_loss
-        from mmrl.algos.losses import aggregate, value_loss
-
         algo = self.recipe.algo
         norm_length = self.recipe.rollout.max_new_tokens
         sums: dict[str, float] = defaultdict(float)
@@ -286,9 +246,5 @@ class PolicyUpdate:
         return sums
 
 
-def _with_rows(batches: list, chosen_rows: list[torch.Tensor]) -> list:
-    """Each micro-batch tagged with the rollout rows it holds (`extras["rows"]`), so values
-    computed over the batch can be told back by row."""
-    for seqs, chosen in zip(batches, chosen_rows):
-        seqs.extras["rows"] = chosen
-    return batches
+
+__all__ = ["PolicyUpdate", "UpdatePlan"]

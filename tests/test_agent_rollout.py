@@ -13,7 +13,8 @@ from mmrl import build_model
 from mmrl.engine import Engine
 from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
-from mmrl.rollout.agent import AgentRollout, trajectory_sequences
+from mmrl.rollout.agent import AgentRollout
+from mmrl.rollout_batch import trajectory_sequences
 
 
 class ImageReplies:

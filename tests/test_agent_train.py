@@ -41,7 +41,7 @@ def test_agent_recipe_calls_the_tool_and_the_reply_image_reaches_the_batch(tmp_p
     import torch
 
     from mmrl.rollout import SamplingParams
-    from mmrl.rollout.agent import trajectory_sequences
+    from mmrl.rollout_batch import trajectory_sequences
 
     trainer = Trainer(_recipe(tmp_path))
     rows = [trainer.train_set[i] for i in range(8)]

@@ -160,7 +160,8 @@ def test_agent_trajectories_put_each_reward_on_its_turn():
     from mmrl.engine import Engine
     from mmrl.parallel import init_distributed
     from mmrl.rollout import SamplingParams, make_rollout
-    from mmrl.rollout.agent import AgentRollout, trajectory_sequences
+    from mmrl.rollout.agent import AgentRollout
+    from mmrl.rollout_batch import trajectory_sequences
 
     torch.manual_seed(0)
     built = build_model("qwen2", random_init=True, seed=0)
@@ -203,15 +204,17 @@ def _demo(tmp_path, *extra):
 
 
 def _capture_advantages(trainer):
-    """Wrap the trainer's `update.advantages` to keep each call's batches and arguments."""
+    """Wrap the trainer's `update.plan` to keep each plan's batches, and the rewards and
+    outcomes of its kept rows."""
     calls = []
-    original = trainer.update.advantages
+    original = trainer.update.plan
 
-    def capture(batches, rewards, group_size, metrics, outcomes=None):
-        original(batches, rewards, group_size, metrics, outcomes)
-        calls.append((batches, rewards, outcomes))
+    def capture(conversations, result, rows, rewards, group_size, temperature, outcomes=None):
+        plan = original(conversations, result, rows, rewards, group_size, temperature, outcomes)
+        calls.append((plan.batches, rewards[rows], outcomes[rows]))
+        return plan
 
-    trainer.update.advantages = capture
+    trainer.update.plan = capture
     return calls
 
 

@@ -19,7 +19,8 @@ from mmrl import build_model  # noqa: E402
 from mmrl.engine import Engine  # noqa: E402
 from mmrl.parallel import init_distributed  # noqa: E402
 from mmrl.rollout import SamplingParams, make_rollout  # noqa: E402
-from mmrl.rollout.agent import AgentRollout, trajectory_sequences  # noqa: E402
+from mmrl.rollout.agent import AgentRollout  # noqa: E402
+from mmrl.rollout_batch import trajectory_sequences  # noqa: E402
 
 
 def test_agent_loop_over_vllm_keeps_each_turns_log_probs():

@@ -112,3 +112,26 @@ def test_every_model_change_is_a_step_listed_in_surgerys_docstring_in_order():
     called = [name for _, _, name in calls]
     assert steps and sorted(steps) == sorted(listed), f"apply_* steps {steps}, listed in the docstring {listed}"
     assert called == listed, f"apply_all calls {called}, the docstring lists {listed}"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every `module` and `module.name` that a file imports, at the top or inside functions."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_rollout_to_training_batch_has_one_home():
+    """`mmrl.rollout_batch` alone turns a rollout into training sequences: the update
+    reaches them through it, never through the agent loop, and no rollout module joins
+    prompts and responses into sequences itself."""
+    update = _imported_names(REPO / "mmrl" / "update.py")
+    assert "mmrl.rollout_batch" in update and not any(n.startswith("mmrl.rollout.agent") for n in update)
+    joining = [str(path.relative_to(REPO)) for path in sorted((REPO / "mmrl" / "rollout").rglob("*.py"))
+               if {"mmrl.engine.join", "mmrl.engine.sequences", "mmrl.engine.sequences.join"} & _imported_names(path)]
+    assert not joining, f"rollout modules that build training sequences (mmrl/rollout_batch.py's job): {joining}"

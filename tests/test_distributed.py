@@ -72,9 +72,10 @@ dist = init_distributed("cpu")
 trainer = Trainer(recipe, dist=dist)
 samples = list(trainer.eval_set)
 # A greedy "accuracy" that depends on the sample and on what the model generates.
-def parity(chunk, result):
+def parity(chunk, result, rows, dataset, where, conversations=None):
     answers = torch.tensor([int(s["answer"]) for s in chunk])
-    return ((result.response_ids[:, 0] + answers) % 2 == 0).float(), {}  # scores, reward parts
+    scores = ((result.response_ids[:, 0] + answers) % 2 == 0).float()
+    return scores, scores, {}  # rewards, the reward function's part of them, reward parts
 trainer._score = parity
 record = {}
 # Ranks whose generations stop at different lengths: rank 1 runs 4 more forwards.

@@ -19,6 +19,7 @@ from mmrl.engine import Engine
 from mmrl.lora import AdapterFreeReference
 from mmrl.parallel import Dist
 from mmrl.rollout import SamplingParams
+from mmrl.rollout_batch import rollout_sequences
 from mmrl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +71,8 @@ def test_kl_reference_is_the_actor_without_adapters_and_no_second_model(tmp_path
     samples = [trainer.train_set[i] for i in range(2)]
     conversations = [to_conversation(s, max_pixels=recipe.model.max_pixels) for s in samples]
     result = trainer.rollout.generate(conversations, SamplingParams(n=2, max_new_tokens=1, temperature=1.0))
-    seqs = trainer.update.sequences([conversations[i] for i in result.prompt_index.tolist()], result.response_ids,
-                                    result.response_mask)
+    seqs = rollout_sequences([conversations[i] for i in result.prompt_index.tolist()], result.response_ids,
+                             result.response_mask, trainer.processing, trainer.built.adapter, trainer.actor.model)
     actor_before = trainer.actor.log_probs(seqs, 1.0, with_entropy=False)[0]
     reference = trainer.ref.log_probs(seqs, 1.0, with_entropy=False)[0]
     actor_after = trainer.actor.log_probs(seqs, 1.0, with_entropy=False)[0]
@@ -143,8 +144,8 @@ def test_lora_dropout_acts_on_a_loaded_checkpoint_and_the_reference_does_not_see
     conversations = [to_conversation(trainer.train_set[i], max_pixels=recipe.model.max_pixels) for i in range(2)]
     result = trainer.rollout.generate(conversations, SamplingParams(n=2, max_new_tokens=1, temperature=1.0))
     assert trainer.actor.model.training, "the rollout gives the training mode back"
-    seqs = trainer.update.sequences([conversations[i] for i in result.prompt_index.tolist()], result.response_ids,
-                                    result.response_mask)
+    seqs = rollout_sequences([conversations[i] for i in result.prompt_index.tolist()], result.response_ids,
+                             result.response_mask, trainer.processing, trainer.built.adapter, trainer.actor.model)
     with torch.no_grad():
         actor = [trainer.actor.log_probs(seqs, 1.0, with_entropy=False)[0] for _ in range(2)]
         reference = [trainer.ref.log_probs(seqs, 1.0, with_entropy=False)[0] for _ in range(2)]

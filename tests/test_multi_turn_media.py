@@ -13,7 +13,8 @@ from mmrl.engine import Engine
 from mmrl.engine.media import SharedMedia, placeholder_tokens
 from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
-from mmrl.rollout.agent import AgentRollout, shared_pieces, trajectory_sequences
+from mmrl.rollout.agent import AgentRollout
+from mmrl.rollout_batch import shared_pieces, trajectory_sequences
 
 
 def _trajectories(seed=0):

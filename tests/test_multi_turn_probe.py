@@ -16,7 +16,7 @@ from mmrl.registry import get_adapter
 @pytest.fixture(scope="module")
 def trajectory_batch():
     from mmrl.probes.multi_turn import rollout
-    from mmrl.rollout.agent import trajectory_sequences
+    from mmrl.rollout_batch import trajectory_sequences
 
     run = rollout(Subject(get_adapter("qwen2_vl"), source="qwen2_vl"))
     processing = run.built.processing

@@ -313,9 +313,9 @@ def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold()
 def test_multi_turn_probe_catches_a_loss_mask_on_context(monkeypatch):
     """A training batch whose mask also covers a context token (the first one after the
     first policy turn: template scaffolding) must fail the probe."""
-    import mmrl.rollout.agent as agent
+    import mmrl.rollout_batch as rollout_batch
 
-    plain = agent.trajectory_sequences
+    plain = rollout_batch.trajectory_sequences
 
     def widened(trajectories, *args, **kwargs):
         seqs = plain(trajectories, *args, **kwargs)
@@ -323,7 +323,7 @@ def test_multi_turn_probe_catches_a_loss_mask_on_context(monkeypatch):
         seqs.response_mask[0, context[0]] = 1
         return seqs
 
-    monkeypatch.setattr(agent, "trajectory_sequences", widened)
+    monkeypatch.setattr(rollout_batch, "trajectory_sequences", widened)
     result = probe("multi_turn").run(_subject("qwen2_vl"))
     assert result.status is Status.FAILED and "loss mask" in result.reason
 

@@ -248,26 +248,31 @@ def test_mini_batches_step_against_the_log_probs_before_the_first_update(tmp_pat
     """algo.mini_batches=2 takes 2 optimizer steps per rollout; both steps' ratios are taken
     against the log-probs computed before the first, so the first step's ratio is 1 and the
     second's is not, and at a large learning rate the clip acts there."""
-    import mmrl.algos
+    import mmrl.update
 
     calls = []
-    plain_loss = mmrl.algos.policy_loss
+    plain_loss = mmrl.update.policy_loss
 
     def recording_loss(logp, old_logp, *args, **kwargs):
         loss, stats = plain_loss(logp, old_logp, *args, **kwargs)
         calls.append((logp.detach().clone(), old_logp.detach().clone(), args[1].bool(), float(stats["clip_fraction"])))
         return loss, stats
 
-    monkeypatch.setattr(mmrl.algos, "policy_loss", recording_loss)
+    monkeypatch.setattr(mmrl.update, "policy_loss", recording_loss)  # as the update calls it
     trainer = Trainer(_recipe(tmp_path, "trainer.steps=1", "trainer.export=false", "algo.mini_batches=2",
                               "algo.micro_batch_size=3", "optim.lr=0.05", "reward.name=test_trainer:length_reward"))
     steps = []
     take_step = trainer.actor.step
     trainer.actor.step = lambda: (steps.append(len(calls)), take_step())[1]
     estimated = []
-    estimate = trainer.update.estimate
-    trainer.update.estimate = lambda batches, minis, t: (
-        estimate(batches, minis, t), estimated.extend(s.extras["old_logp"].clone() for s in batches))[0]
+    plan = trainer.update.plan
+
+    def planned(*args):
+        made = plan(*args)
+        estimated.extend(s.extras["old_logp"].clone() for s in made.batches)
+        return made
+
+    trainer.update.plan = planned
     metrics = trainer.train_step()
     assert metrics["update/optimizer_steps"] == 2 and len(steps) == 2
     # 16 rows in micro-batches of 3: two mini-batches of 8 rows, three micro-batches each.

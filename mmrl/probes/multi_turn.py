@@ -162,7 +162,7 @@ def check_multi_turn(subject: Subject) -> Verified:
 
 def check_one_process(subject: Subject) -> Verified:
     """Every check of the probe but Ulysses (which needs several processes)."""
-    from mmrl.rollout.agent import trajectory_sequences
+    from mmrl.rollout_batch import trajectory_sequences
 
     run = rollout(subject)
     built, engine, kept, role = run.built, run.engine, run.kept, run.role
@@ -261,7 +261,7 @@ def _engine_variants(run: Rollout, plain, plain_logp: torch.Tensor, evidence: di
     from mmrl.engine import Engine
     from mmrl.engine.packing import pack_sequences
     from mmrl.probes.training import _single_process
-    from mmrl.rollout.agent import trajectory_sequences
+    from mmrl.rollout_batch import trajectory_sequences
 
     built, kept = run.built, run.kept
     capabilities = built.adapter.capabilities

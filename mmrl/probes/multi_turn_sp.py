@@ -46,7 +46,7 @@ def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[s
     """Log-probs, gradients and updated weights (full, on CPU) of one update on the whole
     trajectory batch, in one process or split along the sequence over dist's SP group."""
     from mmrl.probes.fsdp_step import probe_engine, step_and_collect
-    from mmrl.rollout.agent import trajectory_sequences
+    from mmrl.rollout_batch import trajectory_sequences
 
     kept = trajectories(subject, dist)
     built, engine = probe_engine(subject, dist)

@@ -5,7 +5,9 @@
     result = agent.generate(rows, SamplingParams(n=8, max_new_tokens=8))   # dataset rows, not conversations
     result.texts            # each sample's final policy turn (what the reward scores)
     result.trajectories     # token ids, which of them the policy sampled, the conversation
-    seqs = trajectory_sequences(result.trajectories, processing, adapter, model, pad_id)
+
+The trainer turns the trajectories into training sequences with
+`mmrl.rollout_batch.trajectory_sequences`.
 
 Each sample is a conversation: the environment opens it (`reset(row)`), then policy
 turns (the backend samples, `max_new_tokens` per turn) alternate with environment turns
@@ -215,90 +217,4 @@ class AgentRollout:
         )
 
 
-def trajectory_sequences(trajectories: Sequence[Trajectory], processing, adapter, model, pad_token_id: int,
-                         share: bool = False):
-    """Training sequences of whole trajectories: each row is its last context processed in
-    one go (every image so far, the family's positions) with the last policy turn
-    joined after it; the response columns cover everything after the opening prompt,
-    and `response_mask` is 1 exactly on the tokens the policy sampled.
-
-    Per-turn credit (`algo.credit_assignment: turn`) reads two extras: `turn` (N, R), the
-    1-based policy turn of each sampled token (0 elsewhere), and `turn_rewards` (N, R),
-    the environment's reward after each policy turn on that turn's last token.
-
-    With `share` (pass the engine's `shares_media`), samples of one prompt encode its
-    opening media once per batch and each its mid-conversation media alone
-    (`shared_pieces`); where the pieces do not lay out the batch's media exactly, the
-    batch carries no sharing and the engine runs the plain path."""
-    from mmrl.engine import join
-
-    prompts = dict(processing([t.context for t in trajectories]))
-    shared = shared_pieces(trajectories, processing, prompts, model) if share else None
-    width = prompts["input_ids"].shape[1]
-    for row, t in enumerate(trajectories):
-        got = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
-        if got != t.prompt_ids:
-            raise ValueError(f"trajectory {row}: processing its conversation again gave other tokens than the "
-                             "rollout's (processing must be deterministic)")
-    last_width = max(1, max(len(t.last_ids) for t in trajectories))
-    last = torch.full((len(trajectories), last_width), pad_token_id, dtype=torch.long)
-    last_mask = torch.zeros(len(trajectories), last_width)
-    for row, t in enumerate(trajectories):
-        last[row, :len(t.last_ids)] = torch.tensor(t.last_ids, dtype=torch.long)
-        last_mask[row, :len(t.last_ids)] = 1
-    seqs = join(prompts, last, last_mask, adapter, model, pad_token_id, shared=shared)
-    total = seqs.inputs["input_ids"].shape[1]
-    span = last_width + max(len(t.prompt_ids) - t.first for t in trajectories)
-    start = total - span
-    mask = torch.zeros(len(trajectories), span)
-    turn = torch.zeros(len(trajectories), span, dtype=torch.long)
-    turn_rewards = torch.zeros(len(trajectories), span)
-    for row, t in enumerate(trajectories):
-        offset = width - len(t.prompt_ids) - start  # column of the row's token 0, in the response columns
-        for index, (a, b) in enumerate(t.spans):
-            mask[row, offset + a:offset + b] = 1
-            turn[row, offset + a:offset + b] = index + 1
-            if b > a and index < len(t.turn_rewards):
-                turn_rewards[row, offset + b - 1] = t.turn_rewards[index]
-    device = seqs.inputs["input_ids"].device
-    seqs.response_ids = seqs.inputs["input_ids"][:, start:].clone()
-    seqs.response_mask = mask.to(device)
-    seqs.extras["turn"] = turn.to(device)
-    seqs.extras["turn_rewards"] = turn_rewards.to(device)
-    seqs.prompt_length = start
-    return seqs
-
-
-def _media_parts(message: dict) -> list[dict]:
-    content = message.get("content")
-    return [p for p in content if isinstance(p, dict) and p.get("type") in ("image", "video")] \
-        if isinstance(content, list) else []
-
-
-def shared_pieces(trajectories: Sequence[Trajectory], processing, batch: dict, model):
-    """The media sharing of a trajectory batch (`SharedMedia.of_pieces`): each row's media
-    are its opening conversation's, shared by the samples of one prompt whose openings
-    are equal, then those that arrived after it, its own; None where nothing repeats or
-    the pieces do not lay out `batch` (each trajectory's context processed) exactly."""
-    from mmrl.engine.media import SharedMedia, placeholder_tokens
-
-    pieces, openings = [], []
-    for row, t in enumerate(trajectories):
-        opening = t.context[:t.opening]
-        # Samples of one prompt share its opening unless their environment changed it.
-        key = next((("opening", other) for other, (prompt, seen) in enumerate(openings)
-                    if prompt == t.prompt and seen == opening), ("opening", row))
-        openings.append((t.prompt, opening))
-        later = [part for message in t.context[t.opening:] for part in _media_parts(message)]
-        row_pieces = [(key, opening)]
-        if later:
-            row_pieces.append((("later", row), [{"role": "user", "content": later}]))
-        pieces.append(row_pieces)
-    # Only openings that hold media and repeat save anything: else process nothing more.
-    shared_openings = [row[0][0] for row in pieces if any(_media_parts(m) for m in row[0][1])]
-    if len(set(shared_openings)) == len(shared_openings):
-        return None
-    return SharedMedia.of_pieces(processing, pieces, batch, placeholder_tokens(model))
-
-
-__all__ = ["AgentRollout", "Trajectory", "shared_pieces", "trajectory_sequences"]
+__all__ = ["AgentRollout", "Trajectory"]
