@@ -46,8 +46,9 @@ VARIANTS = ("blank", "shuffled")
 _MEDIA_KEY_WORDS = ("pixel", "image", "video", "grid", "patch")
 
 
-class MediaCheckError(RuntimeError):
-    """The step-0 media check failed under `trainer.strict_media` (the one-line reason)."""
+class MediaCheckError(ValueError):
+    """The step-0 media check failed under `trainer.strict_media` (the one-line reason; the
+    CLI prints it as one line, as it does every ValueError: mmrl/failures.py)."""
 
 
 @dataclass
