@@ -268,24 +268,32 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
             _greedy(rollout, batch, 1)
         return seen[0] if seen else torch.zeros(len(batch), 0)
 
+    def tower_problem(path: str, pixels: list) -> str | None:
+        reading.tower_calls[path] = len(pixels)
+        if not with_media:
+            return None
+        if not tower:
+            return f"the adapter's vision part ({engine.adapter.parts.vision}) names no module of the model"
+        return None if pixels else _never_called(tower, path, processing, conversations, with_media)
+
+    # A problem found on one path is reported before the next runs (a batch the tower never
+    # saw may not run further), except where other ranks wait for this one's forwards.
     with recording_tower_inputs(engine.model, engine.adapter) as rollout_pixels:
         real_next = rollout_path(conversations)
+    reading.problem = tower_problem("rollout", rollout_pixels)
+    if reading.problem and not collective:
+        return reading
     with recording_tower_inputs(engine.model, engine.adapter) as training_pixels:
         real_logp = _training_logprobs(engine, processing, conversations, ids, mask)
+    reading.problem = reading.problem or tower_problem("training", training_pixels)
+    if reading.problem and not collective:
+        return reading
     outcomes = {}
     for variant in VARIANTS:  # every rank runs both, whatever its batch holds
         outcomes[variant] = (rollout_path(variants[variant]),
                              _training_logprobs(engine, processing, variants[variant], ids, mask))
-    reading.tower_calls = {"rollout": len(rollout_pixels), "training": len(training_pixels)}
-    if not with_media:
+    if reading.problem or not with_media:
         return reading
-    if not tower:
-        reading.problem = f"the adapter's vision part ({engine.adapter.parts.vision}) names no module of the model"
-        return reading
-    for path, pixels in (("rollout", rollout_pixels), ("training", training_pixels)):
-        if not pixels:
-            reading.problem = _never_called(tower, path, processing, conversations, with_media)
-            return reading
     reading.pixel_gap, unlike = _pixels_differ(rollout_pixels, training_pixels)
     if unlike is not None or reading.pixel_gap > 0:
         reading.problem = (f"the vision tower ({tower}) receives other pixels on the rollout path than on the training "
@@ -323,7 +331,8 @@ def step_zero_media_check(engine, rollout, processing, conversations: list[list[
         first.setdefault(owner, row)
     rows = torch.tensor([first[i] for i in range(len(conversations))])
     reading = read_media(engine, rollout, processing, conversations,
-                         responses=(result.response_ids[rows], result.response_mask[rows]), collective=True)
+                         responses=(result.response_ids[rows], result.response_mask[rows]),
+                         collective=engine.dist.distributed)
     if reading.problem is not None:
         message = f"step 0 media check: {reading.problem}"
         if strict:
