@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from mmrl.engine import join
-from mmrl.parts import _unwrap_name
+from mmrl.parts import part_of
 from mmrl.rollout.base import SamplingParams
 
 # The smallest log-prob difference that counts as reading the media: the same inputs give
@@ -160,8 +160,7 @@ def changed_rows(conversations: list[list[dict]], variant: list[list[dict]]) -> 
 # -- the vision tower's inputs --------------------------------------------------------------------
 def tower_modules(model: torch.nn.Module, adapter) -> list[tuple[str, torch.nn.Module]]:
     """The outermost modules the adapter's `vision` part names (PEFT prefixes ignored)."""
-    paths = dict(adapter.parts.items()).get("vision", ())
-    found = [(name, module) for name, module in model.named_modules() if _unwrap_name(name) in paths]
+    found = [(name, module) for name, module in model.named_modules() if name and part_of(name, adapter) == "vision"]
     return [(name, module) for name, module in found
             if not any(name.startswith(other + ".") for other, _ in found if other != name)]
 
