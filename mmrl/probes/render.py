@@ -274,7 +274,7 @@ td.cell:focus, td.cell.selected { outline: 2px solid #0969da; outline-offset: -2
 .gpu { display: block; width: max-content; margin: 1px auto 0; font-size: 10px; line-height: 1.2; min-width: 18px; }
 .legend .gpu { display: inline-block; }
 /* A probe's figure beside its bound (rollout agreement), small enough for the column. */
-.figure { display: block; font-size: 9px; line-height: 1.1; color: #57606a; }
+.figure { display: block; font-size: 8px; line-height: 1.1; letter-spacing: -0.2px; margin: 0 -2px; color: #57606a; }
 aside#evidence { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; margin: 8px 0;
                  position: sticky; top: 8px; max-height: calc(100vh - 16px); overflow: auto; background: #fff;
                  z-index: 2; }
