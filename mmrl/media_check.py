@@ -17,7 +17,10 @@ real images' must exceed `READS_MEDIA_BOUND` on both paths. The vision tower's f
 is hooked on both paths: it must be
 called, and with the same pixels on both, so a processor that drops `pixel_values`,
 placeholders that are not expanded or a model that loses its pixels fail in one line.
-Every rank of a sharded run makes the same calls (FSDP2's collectives).
+The rollout path is checked where it runs the engine's own model (the `hf` and
+`hf_compiled` backends); under vLLM, which runs a copy of its own, only the training path
+is (the vllm probe compares vLLM's log-probs with the trainer's). Every rank of a sharded
+run makes the same calls (FSDP2's collectives).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from mmrl.engine import join
 from mmrl.parts import part_of
 from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.hf import HFRollout
 
 # The smallest log-prob difference that counts as reading the media: the same inputs give
 # the same log-probs on one path (0.0 on CPU), and the zoo's tiny random-init models move
@@ -63,6 +67,8 @@ class MediaReading:
     figures: dict[str, float] = field(default_factory=dict)
     tower_calls: dict[str, int] = field(default_factory=dict)
     pixel_gap: float | None = None
+    # Why the rollout path was not checked (a backend that runs its own copy of the model).
+    rollout_unchecked: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -71,10 +77,15 @@ class MediaReading:
     def evidence(self) -> dict[str, Any]:
         return {"min_logprob_diff": dict(self.figures),
                 "vision_tower_calls": self.tower_calls, "pixel_max_diff_rollout_vs_training": self.pixel_gap,
-                "prompts_with_media": self.prompts_with_media, "bound": READS_MEDIA_BOUND}
+                "prompts_with_media": self.prompts_with_media, "bound": READS_MEDIA_BOUND,
+                **({"rollout_unchecked": self.rollout_unchecked} if self.rollout_unchecked else {})}
 
     def summary(self) -> str:
         shown = ", ".join(f"{k} {v:.1e}" for k, v in self.figures.items())
+        if self.rollout_unchecked:
+            return (f"log-probs move when the images do on the training path (per prompt, smallest largest "
+                    f"difference: {shown}; bound {READS_MEDIA_BOUND:.0e}); rollout path not checked: "
+                    f"{self.rollout_unchecked}")
         return (f"log-probs move when the images do, on both paths (per prompt, smallest largest difference: "
                 f"{shown}; bound {READS_MEDIA_BOUND:.0e}); the vision tower gets the same pixels on both paths")
 
@@ -261,7 +272,15 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
         responses = sampled.response_ids, sampled.response_mask
     ids, mask = responses
 
-    def rollout_path(batch) -> torch.Tensor:
+    # The rollout path is hooked where it runs the engine's own model (the HF backends);
+    # vLLM runs a copy of its own, which the vllm probe compares with the trainer instead.
+    hooked = isinstance(rollout, HFRollout)
+    if not hooked:
+        reading.rollout_unchecked = f"{type(rollout).__name__} runs its own copy of the model (no hooks there)"
+
+    def rollout_path(batch) -> torch.Tensor | None:
+        if not hooked:
+            return None
         # One token: the prompt's forward alone, so the hook sees nothing compiled.
         with recording_next_token_logprobs(engine.model) as seen:
             _greedy(rollout, batch, 1)
@@ -279,7 +298,7 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     # saw may not run further), except where other ranks wait for this one's forwards.
     with recording_tower_inputs(engine.model, engine.adapter) as rollout_pixels:
         real_next = rollout_path(conversations)
-    reading.problem = tower_problem("rollout", rollout_pixels)
+    reading.problem = tower_problem("rollout", rollout_pixels) if hooked else None
     if reading.problem and not collective:
         return reading
     with recording_tower_inputs(engine.model, engine.adapter) as training_pixels:
@@ -293,19 +312,21 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
                              _training_logprobs(engine, processing, variants[variant], ids, mask))
     if reading.problem or not with_media:
         return reading
-    reading.pixel_gap, unlike = _pixels_differ(rollout_pixels, training_pixels)
-    if unlike is not None or reading.pixel_gap > 0:
-        reading.problem = (f"the vision tower ({tower}) receives other pixels on the rollout path than on the training "
-                           f"path: {unlike or f'values differ by up to {reading.pixel_gap:.2e}'}")
-        return reading
-    if real_next.numel() == 0:
-        reading.problem = "the rollout path ran no forward of the model whose output holds logits"
-        return reading
+    if hooked:
+        reading.pixel_gap, unlike = _pixels_differ(rollout_pixels, training_pixels)
+        if unlike is not None or reading.pixel_gap > 0:
+            reading.problem = (f"the vision tower ({tower}) receives other pixels on the rollout path than on the "
+                               f"training path: {unlike or f'values differ by up to {reading.pixel_gap:.2e}'}")
+            return reading
+        if real_next.numel() == 0:
+            reading.problem = "the rollout path ran no forward of the model whose output holds logits"
+            return reading
     for variant, (next_logp, logp) in outcomes.items():
         rows = changed_rows(conversations, variants[variant])
         if not rows:
             continue  # e.g. one image in the batch: shuffling moves nothing
-        reading.figures[f"rollout/{variant}"] = (next_logp - real_next).abs().amax(-1)[rows].min().item()
+        if hooked:
+            reading.figures[f"rollout/{variant}"] = (next_logp - real_next).abs().amax(-1)[rows].min().item()
         reading.figures[f"training/{variant}"] = (logp - real_logp).abs().amax(-1)[rows].min().item()
     for key, value in reading.figures.items():
         if value <= READS_MEDIA_BOUND:

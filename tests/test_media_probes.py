@@ -95,6 +95,30 @@ def test_reads_media_fails_when_the_paths_feed_the_tower_other_pixels(monkeypatc
                                     "on the training path: values differ by up to")
 
 
+def test_a_rollout_that_runs_its_own_model_leaves_the_training_path_to_check():
+    """Under vLLM (its own copy of the model) no hook sees the rollout: the training path is
+    still checked, and the reading says why the rollout path is not."""
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine
+    from mmrl.probes.training import _single_process
+    from mmrl.rollout import make_rollout
+
+    class OwnModelRollout:  # a backend that is not the engine's HF model
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, conversations, params):
+            return self.inner.generate(conversations, params)
+
+    built = _subject("qwen2_vl").build()
+    engine = Engine(built, _single_process("cpu"), optim=OptimConfig(lr=1e-2), total_steps=1)
+    rollout = OwnModelRollout(make_rollout("hf", engine, built.processing))
+    reading = media_check.read_media(engine, rollout, built.processing, media_conversations())
+    assert reading.problem is None and set(reading.figures) == {"training/blank", "training/shuffled"}
+    assert reading.rollout_unchecked == "OwnModelRollout runs its own copy of the model (no hooks there)"
+    assert "rollout path not checked" in reading.summary()
+
+
 # -- rollout_agreement ----------------------------------------------------------------------
 def _without_vllm(monkeypatch):
     find_spec = importlib.util.find_spec
