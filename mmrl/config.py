@@ -312,6 +312,10 @@ class TrainerConfig(_Section):
     samples_per_log: int = Field(8, gt=0)
     # Logger backends (mmrl/loggers.py), each optional; metrics.jsonl is written whatever the list.
     loggers: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "swanlab"]] = ["tensorboard"]
+    # At step 0 the first batch's images run real, blank and shuffled through the rollout and
+    # the training path (`mmrl.media_check`): a model that does not read them gets a one-line
+    # warning, or with this set an error that stops the run.
+    strict_media: bool = False
 
     @field_validator("loggers")
     @classmethod
@@ -570,6 +574,25 @@ def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = Non
     except ValueError as exc:
         raise RecipeError(f"trainer.loggers: {exc}") from None
     check_reward_and_data(recipe, reward=reward, loaded=loaded)
+    _check_strict_media(recipe)
+
+
+def _check_strict_media(recipe: Recipe) -> None:
+    """trainer.strict_media makes the step-0 media check an error: it needs a model that
+    takes images and a single-turn run, where the first batch's conversations are known."""
+    if not recipe.trainer.strict_media:
+        return
+    if recipe.rollout.env is not None:
+        raise RecipeError("trainer.strict_media: the step-0 media check runs on single-turn rollouts, and "
+                          "rollout.env makes them multi-turn (the multi_turn probe of `mmrl doctor` checks those)")
+    from mmrl.registry import get_adapter
+
+    m = recipe.model
+    path = _checkpoint_folder(m) or Path(m.path).expanduser()
+    adapter = get_adapter(path if path.is_dir() else m.path, source=m.path)
+    if not adapter.is_multimodal:
+        raise RecipeError(f"trainer.strict_media: the model ({adapter.family}) takes no images or video, so there "
+                          "is no media to check; leave it false")
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -45,6 +45,7 @@ from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
+from mmrl.media_check import step_zero_media_check
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
@@ -285,6 +286,10 @@ class Trainer:
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
+        if self.step == 0 and self.agent is None and self.built.adapter.is_multimodal:
+            # Does the model read the first batch's images? (one line, or an error: trainer.strict_media)
+            step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,
+                                  strict=r.trainer.strict_media)
         rewards, outcomes, reward_parts = self._score(samples, result, source_rows, self.train_set, where,
                                                       conversations)
         keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()

@@ -153,7 +153,7 @@ def test_doctor_fails_a_family_that_breaks_its_contract(tmp_path):
     assert "failed" in lines["Padded batch"] and "left-padded batch differs" in lines["Padded batch"]
     assert "verified" in lines["Critic head"] and "yes" in lines["Critic head"]  # declared, works
     assert "verified" in lines["RoPE"] and "required" in lines["RoPE"]
-    assert "feature(s) fail: save_reload, padded_batch, padding_free" in result.stdout
+    assert "feature(s) fail: save_reload, padded_batch, padding_free, rollout_agreement" in result.stdout
 
 
 @pytest.mark.multiprocess

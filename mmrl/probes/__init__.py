@@ -43,6 +43,8 @@ from mmrl.probes.model import (
     needs_vision_lora,
 )
 from mmrl.probes.multi_turn import check_multi_turn, check_multi_turn_many
+from mmrl.probes.reads_media import check_reads_media, reads_media_inapplicable
+from mmrl.probes.rollout_agreement import check_rollout_agreement
 from mmrl.probes.sequence_parallel import (
     check_sequence_parallel,
     check_sequence_parallel_many,
@@ -113,6 +115,14 @@ PROBES: tuple[Probe, ...] = (
           "turn's log-probs equal the rollout's (2e-4); shared media, packed rows (2e-4) and Ulysses over 2 "
           "processes give the plain batch's log-probs.", check_multi_turn, capability="multi_turn",
           inapplicable=needs_images, check_many=check_multi_turn_many, cost=4.0),
+    Probe("reads_media", "Reads media", "Log-probs with the real images differ from those with blank and with "
+          "shuffled images (1e-4) on the rollout path (greedy token) and the training path (the engine's log-probs), "
+          "and the vision tower is called with the same pixels on both.", check_reads_media,
+          inapplicable=reads_media_inapplicable, cost=2.0),
+    Probe("rollout_agreement", "Rollout agreement", "Per rollout backend (hf, hf_compiled; vllm where installed): "
+          "KL and largest log-prob difference between what it sampled with and the trainer's log-probs of the same "
+          "tokens; fp32 on CPU (1e-4, KL 1e-8), bf16 on a GPU (recorded, 1e-1, KL 1e-3).", check_rollout_agreement,
+          cost=3.0),
 )
 
 FEATURES: tuple[str, ...] = tuple(p.feature for p in PROBES)

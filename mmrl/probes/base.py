@@ -63,7 +63,12 @@ class NotRunHere(Exception):
 
 
 class CheckFailed(AssertionError):
-    """A check ran and its result is wrong; the message is the one-line reason."""
+    """A check ran and its result is wrong; the message is the one-line reason, and
+    `evidence` the measurements behind it (kept in the failed cell)."""
+
+    def __init__(self, reason: str = "", evidence: dict[str, Any] | None = None):
+        super().__init__(reason)
+        self.evidence = evidence or {}
 
 
 def require(condition: bool, reason: str) -> None:
@@ -320,7 +325,7 @@ class Probe:
             if outcome.unimplemented and declared:
                 return self.decide(subject, Status.FAILED, f"declared, but {outcome}", seconds)
             return self.decide(subject, Status.NOT_RUN, str(outcome), seconds)
-        evidence = {"traceback": _short_traceback(outcome)}
+        evidence = {**getattr(outcome, "evidence", {}), "traceback": _short_traceback(outcome)}
         if declared is False:
             evidence["note"] = "fails, not declared: not a CI failure"
         return self.decide(subject, Status.FAILED, one_line(outcome), seconds, evidence)

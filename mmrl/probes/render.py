@@ -34,6 +34,22 @@ def symbol(cell: dict[str, Any]) -> str:
     return SYMBOLS[(status, cell["declared"] is not False)][0]
 
 
+def _short(value: float) -> str:
+    """1.234e-05 -> '1e-5': a figure that fits a matrix cell."""
+    mantissa, _, exponent = f"{value:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
+
+
+def figure(cell: dict[str, Any]) -> str:
+    """A probe's headline figure beside its bound ('3e-7 ≤ 1e-4'), when its evidence
+    holds one (`{"figure": {"value", "bound", "what"}}`), else ''."""
+    shown = (cell.get("evidence") or {}).get("figure")
+    if not isinstance(shown, dict) or not isinstance(shown.get("value"), (int, float)):
+        return ""
+    relation = "≤" if shown["value"] <= shown["bound"] else ">"
+    return f"{_short(shown['value'])} {relation} {_short(shown['bound'])}"
+
+
 def _gate(cell: dict[str, Any]) -> str:
     if cell["declared"] is False:
         return "not declared"
@@ -118,7 +134,7 @@ def _table(document: dict[str, Any], platform: str, footnotes: dict[tuple[str, s
             if c is None:
                 row.append(" ")
                 continue
-            mark = symbol(c)
+            mark = " ".join(filter(None, (symbol(c), figure(c))))
             note = footnotes.get((c["family"], c["feature"]))
             row.append(f"{mark} ({note})" if note else mark)
         lines.append("| " + " | ".join(row) + " |")
@@ -201,6 +217,7 @@ def render_markdown(document: dict[str, Any]) -> str:
             status = f"{symbol(c)} {c['status']}" + (", not declared" if c["declared"] is False and
                                                      c["status"] in ("verified", "failed") else "")
             where = c["platform"] if c["platform"] == "cpu" else f"gpu: {c['device']}"
+            status += f" ({figure(c)})" if figure(c) else ""
             out.append(f"| {titles[c['feature']]} | {_md(where)} | {status} | {_md(c['reason'])} "
                        f"| {c['seconds']:.2f} |")
         out += ["", "</details>", ""]
@@ -256,6 +273,8 @@ td.cell:focus, td.cell.selected { outline: 2px solid #0969da; outline-offset: -2
 .notrun { color: var(--skip); background: var(--skip-bg); }
 .gpu { display: block; width: max-content; margin: 1px auto 0; font-size: 10px; line-height: 1.2; min-width: 18px; }
 .legend .gpu { display: inline-block; }
+/* A probe's figure beside its bound (rollout agreement), small enough for the column. */
+.figure { display: block; font-size: 8px; line-height: 1.1; letter-spacing: -0.2px; margin: 0 -2px; color: #57606a; }
 aside#evidence { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; margin: 8px 0;
                  position: sticky; top: 8px; max-height: calc(100vh - 16px); overflow: auto; background: #fff;
                  z-index: 2; }
@@ -402,6 +421,15 @@ def _badge(cell: dict[str, Any], extra: str = "") -> str:
             f'{HTML_SYMBOLS[symbol(cell)]}</span>')
 
 
+def _figure_html(cell: dict[str, Any]) -> str:
+    """The cell's figure and bound on two short lines under its badge ('' without one)."""
+    text = figure(cell)
+    if not text:
+        return ""
+    value, relation, bound = text.split(" ")
+    return f'<span class="figure">{html.escape(value)}<br>{html.escape(relation + bound)}</span>'
+
+
 def _tooltip(cell: dict[str, Any]) -> str:
     note = " (not declared)" if cell["declared"] is False and cell["status"] in ("verified", "failed") else ""
     if cell["declared"] is True and cell["status"] == "n/a":
@@ -435,7 +463,7 @@ def render_html(document: dict[str, Any]) -> str:
                 continue
             main = c or g
             tip = "\n".join(_tooltip(x) for x in (c, g) if x)
-            inner = _badge(main) + (_badge(g, " gpu") if c and g else "")
+            inner = _badge(main) + _figure_html(main) + (_badge(g, " gpu") + _figure_html(g) if c and g else "")
             tds.append(f'<td class="cell" tabindex="0" data-feature="{e(f["feature"])}" '
                        f'data-status="{e(main["status"])}" data-rank="{STATUS_ORDER[main["status"]]}" '
                        f'title="{e(tip)}">{inner}</td>')

@@ -1,0 +1,361 @@
+"""Does the model read its images? The check behind the `reads_media` probe and the
+trainer's step-0 media check (`trainer.strict_media`).
+
+    reading = read_media(engine, rollout, processing, conversations)
+    reading.problem          # None, or one line on what is wrong
+    reading.figures          # {"rollout/blank": 0.21, "training/shuffled": 0.08, ...}
+
+The same prompts run three times: with their real images, with blank images of the same
+sizes (flat grey) and with the batch's images shuffled among the prompts (each image in
+the place of another of its size), on both paths a run takes:
+- the rollout path: the rollout backend samples one greedy token per prompt; the model's
+  output at that step (the next-token log-probs over the vocabulary that it samples
+  from) is taken by a forward hook;
+- the training path: the engine's log-probs of the same response tokens (teacher forced).
+For every prompt whose media a variant changed, the largest log-prob difference from the
+real images' must exceed `READS_MEDIA_BOUND` on both paths. The vision tower's forward
+is hooked on both paths: it must be
+called, and with the same pixels on both, so a processor that drops `pixel_values`,
+placeholders that are not expanded or a model that loses its pixels fail in one line.
+The rollout path is checked where it runs the engine's own model (the `hf` and
+`hf_compiled` backends); under vLLM, which runs a copy of its own, only the training path
+is (the vllm probe compares vLLM's log-probs with the trainer's). Every rank of a sharded
+run makes the same calls (FSDP2's collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmrl.engine import join
+from mmrl.parts import part_of
+from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.hf import HFRollout
+
+# The smallest log-prob difference that counts as reading the media: the same inputs give
+# the same log-probs on one path (0.0 on CPU), and the zoo's tiny random-init models move
+# by far more when their images change (the reads_media column of support_matrix/).
+READS_MEDIA_BOUND = 1e-4
+# Response tokens the probe samples for the training path when it is given none.
+RESPONSE_TOKENS = 4
+BLANK_GREY = 128
+VARIANTS = ("blank", "shuffled")
+# Words in the names of a processed batch's media tensors (a hint in the one-line failures).
+_MEDIA_KEY_WORDS = ("pixel", "image", "video", "grid", "patch")
+
+
+class MediaCheckError(ValueError):
+    """The step-0 media check failed under `trainer.strict_media` (the one-line reason; the
+    CLI prints it as one line, as it does every ValueError: mmrl/failures.py)."""
+
+
+@dataclass
+class MediaReading:
+    """What `read_media` measured. `figures[f"{path}/{variant}"]` is, over the prompts
+    whose media the variant changed, the smallest of each prompt's largest log-prob
+    difference from the real images; `problem` is None when the model reads its media,
+    else one line."""
+
+    problem: str | None
+    prompts_with_media: int = 0
+    figures: dict[str, float] = field(default_factory=dict)
+    tower_calls: dict[str, int] = field(default_factory=dict)
+    pixel_gap: float | None = None
+    # Why the rollout path was not checked (a backend that runs its own copy of the model).
+    rollout_unchecked: str | None = None
+
+    @property
+    def checked(self) -> bool:
+        return self.prompts_with_media > 0
+
+    def evidence(self) -> dict[str, Any]:
+        return {"min_logprob_diff": dict(self.figures),
+                "vision_tower_calls": self.tower_calls, "pixel_max_diff_rollout_vs_training": self.pixel_gap,
+                "prompts_with_media": self.prompts_with_media, "bound": READS_MEDIA_BOUND,
+                **({"rollout_unchecked": self.rollout_unchecked} if self.rollout_unchecked else {})}
+
+    def summary(self) -> str:
+        shown = ", ".join(f"{k} {v:.1e}" for k, v in self.figures.items())
+        if self.rollout_unchecked:
+            return (f"log-probs move when the images do on the training path (per prompt, smallest largest "
+                    f"difference: {shown}; bound {READS_MEDIA_BOUND:.0e}); rollout path not checked: "
+                    f"{self.rollout_unchecked}")
+        return (f"log-probs move when the images do, on both paths (per prompt, smallest largest difference: "
+                f"{shown}; bound {READS_MEDIA_BOUND:.0e}); the vision tower gets the same pixels on both paths")
+
+
+# -- the media and their variants ---------------------------------------------------------------
+def _is_media(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "video") and part.get(part["type"]) is not None
+
+
+def media_of(conversation: list[dict]) -> list[Any]:
+    """The payloads of a conversation's image and video parts, in order."""
+    return [part[part["type"]] for message in conversation if isinstance(message.get("content"), list)
+            for part in message["content"] if _is_media(part)]
+
+
+def with_media(conversation: list[dict], values: list[Any]) -> list[dict]:
+    """A copy of `conversation` whose image and video parts hold `values`, in order."""
+    values = iter(values)
+    copy = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [dict(part, **{part["type"]: next(values)}) if _is_media(part) else part for part in content]
+        copy.append({**message, "content": content})
+    return copy
+
+
+def _blank(value: Any) -> Any:
+    """A flat grey image (a clip of them) of the same size; a video given as a path stays."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        mode = value.mode if value.mode in ("RGB", "L") else "RGB"
+        return Image.new(mode, value.size, BLANK_GREY if mode == "L" else (BLANK_GREY,) * 3)
+    if isinstance(value, (list, tuple)):
+        return [_blank(frame) for frame in value]
+    return value
+
+
+def _content(value: Any) -> Any:
+    """What identifies a payload's pixels (equal images give equal values)."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.mode, value.size, value.tobytes()
+    if isinstance(value, (list, tuple)):
+        return tuple(_content(v) for v in value)
+    return repr(value)
+
+
+def _shape(value: Any) -> Any:
+    """Payloads with the same shape take the same placeholder tokens: images of one size,
+    clips of as many frames of one size."""
+    if isinstance(value, (list, tuple)):
+        return ("clip", len(value), *(_shape(v) for v in value[:1]))
+    return ("image", getattr(value, "size", None)) if hasattr(value, "size") else ("other", repr(value))
+
+
+def media_variants(conversations: list[list[dict]]) -> dict[str, list[list[dict]]]:
+    """{"real", "blank", "shuffled"} versions of a batch. Shuffling puts each image in the
+    place of the next one of its shape in the batch (the last in the first's), so the
+    token ids stay and only the pixels move; an image with no partner stays put."""
+    media = [media_of(c) for c in conversations]
+    groups: dict[Any, list[tuple[int, int]]] = {}
+    for i, values in enumerate(media):
+        for j, value in enumerate(values):
+            groups.setdefault(_shape(value), []).append((i, j))
+    moved = [list(values) for values in media]
+    for members in groups.values():
+        for (i, j), (k, m) in zip(members, members[1:] + members[:1]):
+            moved[i][j] = media[k][m]
+    return {"real": conversations,
+            "blank": [with_media(c, [_blank(v) for v in values]) for c, values in zip(conversations, media)],
+            "shuffled": [with_media(c, values) for c, values in zip(conversations, moved)]}
+
+
+def changed_rows(conversations: list[list[dict]], variant: list[list[dict]]) -> list[int]:
+    """Indices of the prompts whose media differ between two versions of a batch."""
+    return [i for i, (a, b) in enumerate(zip(conversations, variant))
+            if [_content(v) for v in media_of(a)] != [_content(v) for v in media_of(b)]]
+
+
+# -- the vision tower's inputs --------------------------------------------------------------------
+def tower_modules(model: torch.nn.Module, adapter) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost modules the adapter's `vision` part names (PEFT prefixes ignored)."""
+    found = [(name, module) for name, module in model.named_modules() if name and part_of(name, adapter) == "vision"]
+    return [(name, module) for name, module in found
+            if not any(name.startswith(other + ".") for other, _ in found if other != name)]
+
+
+@contextlib.contextmanager
+def recording_tower_inputs(model: torch.nn.Module, adapter) -> Iterator[list[torch.Tensor]]:
+    """Copies (fp32, CPU) of the first tensor each call of the vision tower receives."""
+    seen: list[torch.Tensor] = []
+
+    def record(_module, args, kwargs):
+        first = next((v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)), None)
+        if first is not None:
+            seen.append(first.detach().float().cpu().clone())
+
+    handles = [module.register_forward_pre_hook(record, with_kwargs=True) for _, module in tower_modules(model, adapter)]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _pixels_differ(rollout: list[torch.Tensor], training: list[torch.Tensor]) -> tuple[float | None, str | None]:
+    """(largest difference, None) between the pixels the tower got on the two paths, or
+    (None, why they cannot be compared)."""
+    a = torch.cat([t.flatten() for t in rollout])
+    b = torch.cat([t.flatten() for t in training])
+    if a.shape != b.shape:
+        shapes = lambda ts: " + ".join(str(tuple(t.shape)) for t in ts)  # noqa: E731
+        return None, f"{shapes(rollout)} on the rollout path, {shapes(training)} on the training path"
+    return (a - b).abs().max().item() if a.numel() else 0.0, None
+
+
+@contextlib.contextmanager
+def recording_next_token_logprobs(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The log-probs (B, V; fp32, CPU) of the model's first forward in the block at its
+    last position: what a rollout samples its first token from (a left-padded prompt
+    batch ends at the last prompt token of every row)."""
+    seen: list[torch.Tensor] = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+
+    def record(_module, _args, output):
+        logits = getattr(output, "logits", None)
+        if not seen and isinstance(logits, torch.Tensor):
+            seen.append(torch.log_softmax(logits[:, -1].detach().float(), -1).cpu())
+
+    handle = base.register_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+# -- the two paths --------------------------------------------------------------------------------
+def _greedy(rollout, conversations, max_new_tokens: int):
+    result = rollout.generate(conversations, SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                            logprobs=True))
+    if result.logprobs is None:
+        raise ValueError(f"the rollout backend ({type(rollout).__name__}) returns no sampler log-probs")
+    return result
+
+
+def _training_logprobs(engine, processing, conversations, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs (B, R) of `ids` answering `conversations`, one row each, as
+    the update computes them for rows that repeat no prompt (`PolicyUpdate.sequences`)."""
+    length = max(1, int(mask.sum(-1).max()))
+    seqs = join(dict(processing(conversations)), ids[:, :length], mask[:, :length], engine.adapter, engine.model,
+                processing.tokenizer.pad_token_id).to(engine.dist.device)
+    with torch.no_grad():
+        logp, _ = engine.log_probs(seqs, with_entropy=False)
+    return logp.float().cpu() * mask[:, :length].float()
+
+
+def _never_called(tower: str, path: str, processing, conversations, with_media: list[int]) -> str:
+    batch = dict(processing([conversations[with_media[0]]]))
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and any(w in k for w in _MEDIA_KEY_WORDS)]
+    cause = (f"the processed batch holds {', '.join(keys)}, which never reach it (image placeholders not expanded, "
+             "or the model drops them)" if keys else "the processed batch holds no media tensor (the processor "
+             "drops the pixels)")
+    return (f"the vision tower ({tower}) is never called on the {path} path, though {len(with_media)} of "
+            f"{len(conversations)} prompts carry images or video: {cause}")
+
+
+def read_media(engine, rollout, processing, conversations: list[list[dict]],
+               responses: tuple[torch.Tensor, torch.Tensor] | None = None, *, collective: bool = False) -> MediaReading:
+    """The check of the module docstring on `conversations`. `responses` (ids, mask; a row
+    per conversation) are the tokens the training path scores, by default a few greedy
+    tokens sampled with the real images. `collective`: this rank runs every forward even
+    when its own batch holds no media (other ranks of a sharded run do)."""
+    with_media = [i for i, c in enumerate(conversations) if media_of(c)]
+    reading = MediaReading(problem=None, prompts_with_media=len(with_media))
+    if not with_media and not collective:
+        return reading
+    tower = ", ".join(name for name, _ in tower_modules(engine.model, engine.adapter))
+    variants = media_variants(conversations)
+    if responses is None:  # sampled before any hook is in place (a compiled decode step sees none)
+        sampled = _greedy(rollout, conversations, RESPONSE_TOKENS)
+        responses = sampled.response_ids, sampled.response_mask
+    ids, mask = responses
+
+    # The rollout path is hooked where it runs the engine's own model (the HF backends);
+    # vLLM runs a copy of its own, which the vllm probe compares with the trainer instead.
+    hooked = isinstance(rollout, HFRollout)
+    if not hooked:
+        reading.rollout_unchecked = f"{type(rollout).__name__} runs its own copy of the model (no hooks there)"
+
+    def rollout_path(batch) -> torch.Tensor | None:
+        if not hooked:
+            return None
+        # One token: the prompt's forward alone, so the hook sees nothing compiled.
+        with recording_next_token_logprobs(engine.model) as seen:
+            _greedy(rollout, batch, 1)
+        return seen[0] if seen else torch.zeros(len(batch), 0)
+
+    def tower_problem(path: str, pixels: list) -> str | None:
+        reading.tower_calls[path] = len(pixels)
+        if not with_media:
+            return None
+        if not tower:
+            return f"the adapter's vision part ({engine.adapter.parts.vision}) names no module of the model"
+        return None if pixels else _never_called(tower, path, processing, conversations, with_media)
+
+    # A problem found on one path is reported before the next runs (a batch the tower never
+    # saw may not run further), except where other ranks wait for this one's forwards.
+    with recording_tower_inputs(engine.model, engine.adapter) as rollout_pixels:
+        real_next = rollout_path(conversations)
+    reading.problem = tower_problem("rollout", rollout_pixels) if hooked else None
+    if reading.problem and not collective:
+        return reading
+    with recording_tower_inputs(engine.model, engine.adapter) as training_pixels:
+        real_logp = _training_logprobs(engine, processing, conversations, ids, mask)
+    reading.problem = reading.problem or tower_problem("training", training_pixels)
+    if reading.problem and not collective:
+        return reading
+    outcomes = {}
+    for variant in VARIANTS:  # every rank runs both, whatever its batch holds
+        outcomes[variant] = (rollout_path(variants[variant]),
+                             _training_logprobs(engine, processing, variants[variant], ids, mask))
+    if reading.problem or not with_media:
+        return reading
+    if hooked:
+        reading.pixel_gap, unlike = _pixels_differ(rollout_pixels, training_pixels)
+        if unlike is not None or reading.pixel_gap > 0:
+            reading.problem = (f"the vision tower ({tower}) receives other pixels on the rollout path than on the "
+                               f"training path: {unlike or f'values differ by up to {reading.pixel_gap:.2e}'}")
+            return reading
+        if real_next.numel() == 0:
+            reading.problem = "the rollout path ran no forward of the model whose output holds logits"
+            return reading
+    for variant, (next_logp, logp) in outcomes.items():
+        rows = changed_rows(conversations, variants[variant])
+        if not rows:
+            continue  # e.g. one image in the batch: shuffling moves nothing
+        if hooked:
+            reading.figures[f"rollout/{variant}"] = (next_logp - real_next).abs().amax(-1)[rows].min().item()
+        reading.figures[f"training/{variant}"] = (logp - real_logp).abs().amax(-1)[rows].min().item()
+    for key, value in reading.figures.items():
+        if value <= READS_MEDIA_BOUND:
+            path, variant = key.split("/")
+            reading.problem = (f"on the {path} path, log-probs with {variant} images differ from those with the real "
+                               f"images by at most {value:.1e} for a prompt (bound {READS_MEDIA_BOUND:.0e}): the model "
+                               "does not read its media there")
+            break
+    return reading
+
+
+def step_zero_media_check(engine, rollout, processing, conversations: list[list[dict]], result,
+                          strict: bool) -> MediaReading | None:
+    """The trainer's check on its first batch: each prompt's first sampled response, scored
+    with the real, blank and shuffled media. None when no rank's batch holds media; on a
+    problem, raises `MediaCheckError` when `strict`, else warns in one line on stderr."""
+    has_media = any(media_of(c) for c in conversations)
+    if not any(engine.dist.all_gather_objects(has_media)):
+        return None
+    first: dict[int, int] = {}
+    for row, owner in enumerate(result.prompt_index.tolist()):
+        first.setdefault(owner, row)
+    rows = torch.tensor([first[i] for i in range(len(conversations))])
+    reading = read_media(engine, rollout, processing, conversations,
+                         responses=(result.response_ids[rows], result.response_mask[rows]),
+                         collective=engine.dist.distributed)
+    if reading.problem is not None:
+        message = f"step 0 media check: {reading.problem}"
+        if strict:
+            raise MediaCheckError(f"{message} (trainer.strict_media=true)")
+        print(f"warning: {message} (trainer.strict_media=true makes it an error)", file=sys.stderr, flush=True)
+    return reading
