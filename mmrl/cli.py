@@ -53,7 +53,13 @@ def _boundary(command):
             message = explain(exc)
             if message is None:
                 raise
-            fail(message)
+            try:
+                fail(message)
+            finally:
+                if getattr(exc, "on_every_rank", False):  # under torchrun: no rank leaves before all said it
+                    from mmrl.parallel.mesh import leave_together
+
+                    leave_together(exc)
 
     return bounded
 

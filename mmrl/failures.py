@@ -8,7 +8,7 @@ and RunFolderError among them: their message is the line); the filesystem (a ful
 read-only folder, a permission, a link, any other OSError with its file); memory (host or
 GPU); unreadable weights (safetensors); sources out of reach (the hub, a connection); and
 torch runtime errors whose cause is known (a checkpoint that does not fit the model, a
-device-side assert). `mmrl --debug` shows the traceback instead (mmrl/cli.py).
+device-side assert); and under torchrun, another rank's failure (every rank says the line). `mmrl --debug` shows the traceback instead (mmrl/cli.py).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def explain(exc: BaseException) -> str | None:
 
 def _explain(exc: BaseException) -> str | None:
     names = _names(exc)
+    if "PeerFailed" in names:  # another rank's line, said on this one too (mmrl.parallel's Dist.together)
+        return one_line(exc, whole=True)
     if names & {"OutOfMemoryError"} or isinstance(exc, MemoryError):
         where = "GPU" if "OutOfMemoryError" in names else "host"
         return f"out of {where} memory ({one_line(exc, 200)}): {_TORCH_CAUSES[3][1]}"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmrl.atomic import atomic_folder, atomic_write_text
+from mmrl.atomic import atomic_write_text
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -440,31 +440,25 @@ class Trainer:
 
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
-        (`mmrl.export`: blocked and stop tokens, pixel budget), written aside and renamed
-        into `path` whole (mmrl/atomic.py): a failed export leaves no `final/` with a
-        config and no weights."""
-        if not self.dist.is_main:
-            return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
-        with atomic_folder(path) as temp:
-            export_policy(self.actor, self.processing, temp, self.dist, recipe=self.recipe)
-        return path
+        (`mmrl.export`: blocked and stop tokens, pixel budget), written aside, fsynced and
+        renamed into `path` whole: a failed export leaves no `final/` with a config and no
+        weights, and raises on every rank."""
+        return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
 
-    def _export_or_keep(self, path: Path) -> Path:
-        """Export; if that fails in one process and no checkpoint holds this step (the
-        default save_every 0), save one first so the trained weights are not lost, and say
-        so in the error."""
+    def _keep_weights(self, failure: Exception) -> None:
+        """After `failure` at the end of a run that exports: if no checkpoint holds this
+        step (the default save_every 0), save one so the trained weights are not lost, and
+        say so in the error. Every rank gets here together (a failed write raises on all of
+        them, `Dist.together`), so all save together."""
+        saved = (self.checkpoint_dir(self.step) / "manifest.json").is_file()
+        if self.dist.all_gather_objects(saved)[0]:  # rank 0's disk decides for all
+            return
         try:
-            return self.export(path)
-        except Exception as exc:
-            if self.dist.distributed or (self.checkpoint_dir(self.step) / "manifest.json").is_file():
-                raise
-            try:
-                kept = self.save()
-            except Exception:
-                raise exc from None  # the disk that refused the export refused the checkpoint too
-            exc.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
+            kept = self.save()
+        except Exception:
+            raise failure from None  # the disk that refused the export refused the checkpoint too
+        failure.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
                          f"trainer.resume=true to evaluate and export them")
-            raise
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -612,13 +606,18 @@ class Trainer:
             metrics = self.evaluate(list(self.eval_set), dataset=self.eval_set, controls=True, record=record)
             self.log.write_samples(self.step, rows)
             summary.update({f"eval/{name}": value for name, value in metrics.items()})
-        self._log({"step": self.step, "final": True, **summary})
-        if self.dist.is_main:
-            plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
+        record = {"step": self.step, "final": True, **summary}
+        try:
+            with self.dist.together():  # rank 0 writes; a full disk there reaches every rank
+                self._log(record)
+                if self.dist.is_main:
+                    plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
-                summary["export"] = str(self._export_or_keep(self.output_dir / "final"))
-        elif self.recipe.trainer.export:
-            self._export_or_keep(self.output_dir / "final")
+                summary["export"] = str(self.export(self.output_dir / "final"))
+        except Exception as exc:
+            if self.recipe.trainer.export:
+                self._keep_weights(exc)
+            raise
         self._close()
         return summary
 

@@ -340,30 +340,82 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
     one line naming the file, no half-written final/, and a checkpoint to resume from."""
     import errno
 
-    import mmrl.trainer
+    import mmrl.export
 
     run = tmp_path / "run"
-    real_export = mmrl.trainer.export_policy
+    real_card = mmrl.export.write_card
 
-    def disk_fills(actor, processing, path, dist, **options):
-        (path / "config.json").write_text("{}")  # the export got this far
-        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+    def disk_fills(folder, *args, **options):  # the weights and config are written, the card is not
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "README.md"))
 
-    monkeypatch.setattr("mmrl.trainer.export_policy", disk_fills)
+    monkeypatch.setattr("mmrl.export.write_card", disk_fills)
     result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
-    assert f"{run}/.tmp-final/model.safetensors: no space left on the device" in line, line
+    assert f"{run}/.tmp-final/README.md: no space left on the device" in line, line
     assert f"the trained weights are kept in checkpoint {run / 'checkpoints' / 'step_000001'}" in line, line
     names = sorted(p.name for p in run.iterdir())
     assert names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png"] or \
         names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png", "tensorboard"], names
     assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
     # Once fixed, resume evaluates and exports the kept weights.
-    monkeypatch.setattr("mmrl.trainer.export_policy", real_export)
+    monkeypatch.setattr("mmrl.export.write_card", real_card)
     result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
     assert result.exit_code == 0, (result.output, result.exception)
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "config.json").is_file()
+
+
+# Under torchrun: the disk fills while rank 0 writes the export and rank 1 waits for it. Each
+# rank's stdout and stderr go to files of its own; its exit code too.
+DISK_FILLS_AT_EXPORT = """
+import errno, os, sys
+
+out, rank = sys.argv[1], os.environ["RANK"]
+for fd, stream in ((1, "out"), (2, "err")):
+    os.dup2(os.open(f"{out}/rank{rank}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+import mmrl.export
+
+
+def disk_fills(folder, *args, **options):
+    raise OSError(errno.ENOSPC, "No space left on device", str(folder / "README.md"))
+
+
+mmrl.export.write_card = disk_fills
+from mmrl.cli import app
+
+try:
+    app(sys.argv[2:], prog_name="mmrl")
+except SystemExit as exc:
+    open(f"{out}/rank{rank}.code", "w").write(str(exc.code))
+    raise
+"""
+
+
+def test_error_boundary_a_full_disk_at_a_two_process_export_stops_every_rank_and_keeps_the_weights(tmp_path):
+    """Rank 1 waited at a barrier for rank 0, which had given up: now every rank learns the
+    failure, both save the checkpoint together, and each says one line and exits 2."""
+    import subprocess
+
+    from cpu_processes import environment, torchrun
+
+    script, logs, run = tmp_path / "worker.py", tmp_path / "logs", tmp_path / "run"
+    script.write_text(DISK_FILLS_AT_EXPORT)
+    logs.mkdir()
+    command = torchrun(2, script, logs, "train", RECIPE, *CHEAP, "trainer.export=true", "data.eval=null",
+                       "data.prompts_per_step=4", "trainer.threads=1", f"trainer.output_dir={run}")
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=environment())
+    assert finished.returncode != 0, finished.stderr[-3000:]
+    kept = run / "checkpoints" / "step_000001"
+    said = f"{run}/.tmp-final/README.md: no space left on the device"
+    for rank, before in ((0, ""), (1, "rank 0 failed: ")):
+        assert (logs / f"rank{rank}.code").read_text() == "2", (logs / f"rank{rank}.err").read_text()
+        line = _one_clean_line((logs / f"rank{rank}.err").read_text())
+        assert line.startswith(f"error: {before}{said}"), line
+        assert f"the trained weights are kept in checkpoint {kept}: once fixed, run again with trainer.resume=true" \
+            in line, line
+    assert (kept / "manifest.json").is_file() and (kept / "actor" / "model.safetensors").is_file()
+    assert not (run / "final").exists() and not list(run.glob(".tmp-*"))
 
 
 def test_late_checks_an_eval_split_too_small_for_the_shuffled_images_control(tmp_path, monkeypatch):
