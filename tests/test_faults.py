@@ -466,24 +466,46 @@ def test_late_checks_a_tool_cannot_take_the_machine():
     assert len(text) < TOOL_REPLY_MAX_CHARS + 100 and "cut: " in text
 
 
-def test_late_checks_a_tool_that_hangs_is_stopped(monkeypatch):
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
+def test_late_checks_a_tool_that_hangs_is_stopped(monkeypatch, where):
+    """A timer signal reaches the main thread only: off it (a rollout in a thread of its
+    own) the tool ran unbounded; now a worker thread runs it and is stopped."""
+    import threading
     import time
 
     from mmrl.envs.builtin import ToolEnvironment
     from mmrl.envs.tools import Tool
 
     monkeypatch.setattr("mmrl.envs.builtin.TOOL_TIME_LIMIT_S", 0.2)
-    calls = []
+    calls, spun = [], []
 
     def spins(arguments, context):
-        calls.append(1)
-        while True:
-            time.sleep(0.01)
+        calls.append(threading.current_thread())
+        try:
+            while True:
+                spun.append(1)
+                time.sleep(0.01)
+        except Exception:  # a tool's own handler does not swallow the stop
+            return "swallowed"
 
     env = ToolEnvironment(tools=[Tool("spin", spins)])
-    replies, done, _ = env.step([{"role": "assistant", "content": '<tool_call>{"name": "spin", "arguments": {}}'
-                                                                  '</tool_call>'}])
+    step = [{"role": "assistant", "content": '<tool_call>{"name": "spin", "arguments": {}}</tool_call>'}]
+    out = {}
+    if where == "main thread":
+        out["step"] = env.step(step)
+    else:
+        caller = threading.Thread(target=lambda: out.update(step=env.step(step)), daemon=True)
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive(), "the tool call was not stopped"
+    replies, done, _ = out["step"]
     assert calls and not done and replies[0]["content"] == "error: took longer than 0.2 s"
+    if calls[0] is not threading.current_thread():
+        calls[0].join(60)  # the thread that ran the tool ends: it does not spin on
+        assert not calls[0].is_alive()
+    count = len(spun)
+    time.sleep(0.05)
+    assert len(spun) == count
 
 
 def test_late_checks_a_second_signal_says_that_no_checkpoint_was_saved(tmp_path, capsys):
