@@ -416,7 +416,8 @@ class Trainer:
         ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
                                {"step": self.step, "data_position": list(self.position),
-                                "data_rows": len(self.train_set)},
+                                "data_rows": len(self.train_set),
+                                "data_fingerprint": getattr(self.train_set, "fingerprint", None)},
                                keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
@@ -433,6 +434,12 @@ class Trainer:
             raise RecipeError(f"trainer.resume: data.train ({name}) has {len(self.train_set)} rows now, {rows} when "
                               f"{path} was saved: the dataset changed, so its position cannot be continued; restore "
                               "the data, or start a new run")
+        fingerprint = state.get("data_fingerprint")  # the rows' content (mmrl.data.loaders.PromptDataset)
+        if fingerprint and fingerprint != getattr(self.train_set, "fingerprint", fingerprint):
+            name = getattr(self.train_set, "name", "") or "data.train"
+            raise RecipeError(f"trainer.resume: data.train ({name}) was edited since {path} was saved (as many rows, "
+                              f"{len(self.train_set)}, but their content differs), so its position cannot be "
+                              "continued; restore the data, or start a new run")
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None

@@ -584,14 +584,52 @@ def test_late_checks_a_dataset_edited_since_the_checkpoint_is_named(tmp_path):
     given = ["train", str(recipe), *TEXT, f"trainer.output_dir={run}", "trainer.save_every=1"]
     first = CliRunner().invoke(app, [*given, "trainer.steps=1"])
     assert first.exit_code == 0, (first.output, first.exception)
-    rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:5]))  # edited: 3 rows gone
+    lines = rows.read_text().splitlines(keepends=True)
     before = _state(run)
+    # Edited in content, as many rows: the position would now point at other rows.
+    rows.write_text("".join([*lines[:3], lines[3].replace('"answer": "', '"answer": "1'), *lines[4:]]))
+    result = CliRunner().invoke(app, [*given, "trainer.steps=2", "trainer.resume=true"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"trainer.resume: data.train ({rows}) was edited since {run / 'checkpoints' / 'step_000001'} was saved " \
+           "(as many rows, 8, but their content differs)" in line, line
+    assert _state(run) == before  # metrics.jsonl and the checkpoint untouched
+    rows.write_text("".join(lines[:5]))  # edited: 3 rows gone
     result = CliRunner().invoke(app, [*given, "trainer.steps=2", "trainer.resume=true"])
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"trainer.resume: data.train ({rows}) has 5 rows now, 8 when {run / 'checkpoints' / 'step_000001'} was " \
            "saved: the dataset changed" in line, line
-    assert _state(run) == before  # metrics.jsonl and the checkpoint untouched
+    assert _state(run) == before
+
+
+def test_late_checks_a_datasets_fingerprint_is_its_rows_content_in_order(tmp_path):
+    """What a checkpoint records of data.train: the same for the same rows loaded again
+    (images, in files or in memory, included), another for an edited row or another order."""
+    from mmrl.data import load_prompts
+    from mmrl.data.loaders import PromptDataset
+    from mmrl.data.synthetic import from_spec
+
+    def fresh(source, **options):
+        from mmrl.data import loaders
+
+        loaders._RECENT.clear()  # the load cache would hand back the same object
+        return load_prompts(source, **options)
+
+    spec = "synthetic:count_shapes?n=6&seed=0&image_size=56"
+    assert fresh(spec).fingerprint == fresh(spec).fingerprint
+    assert fresh(spec).fingerprint != fresh(spec, shuffle_seed=1).fingerprint
+    assert fresh(spec).fingerprint != fresh("synthetic:count_shapes?n=6&seed=1&image_size=56").fingerprint
+    samples = from_spec(spec)
+    for index, sample in enumerate(samples):
+        sample["images"][0].save(tmp_path / f"{index}.png")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"], "images": [f"{i}.png"]}) + "\n"
+                            for i, s in enumerate(samples)))
+    assert fresh(rows).fingerprint == fresh(rows).fingerprint
+    assert PromptDataset(samples).fingerprint == PromptDataset(from_spec(spec)).fingerprint
+    samples[2] = {**samples[2], "answer": "99"}
+    assert PromptDataset(samples).fingerprint != PromptDataset(from_spec(spec)).fingerprint
 
 
 def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1(tmp_path):
