@@ -46,6 +46,7 @@ from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.parallel import Dist, LaunchError, init_distributed
+from mmrl.prompt_lengths import check_prompt_lengths
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
@@ -98,6 +99,7 @@ class Trainer:
         if notice and self.dist.is_main:
             print(notice, file=sys.stderr, flush=True)
         self._environment = environment_factory(recipe)
+        self._load_datasets()
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
@@ -129,7 +131,7 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------
     def _build(self) -> None:
         from mmrl.algos import get_advantage_estimator
-        from mmrl.data import Position, load_prompts
+        from mmrl.data import Position
 
         r = self.recipe
         m = r.model
@@ -189,37 +191,21 @@ class Trainer:
         self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
-        given = self._given_datasets
+        self.position = Position(0, 0)
+        self._batches = None
+
+    def _load_datasets(self) -> None:
+        """The splits (loaded once: `check_before_build` already did, `load_prompts` keeps
+        them), and their prompts against the model's context, before the build."""
+        from mmrl.data import load_prompts
+
+        r, given = self.recipe, self._given_datasets
         self.train_set = given["train"] if "train" in given else load_prompts(r.data.train)
         self.eval_set = given["eval"] if "eval" in given else (
             load_prompts(r.data.eval, split="test") if r.data.eval else None)
         self.validation_set = given["validation"] if "validation" in given else (
             load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
-        self.position = Position(0, 0)
-        self._batches = None
-        self._check_prompt_lengths()
-
-    def _check_prompt_lengths(self) -> None:
-        """Refuse, before step 1, a row whose prompt text alone (images add more) leaves no
-        room in the model's context for rollout.max_new_tokens: it would be cut or overflow
-        the position table at some later step."""
-        context = getattr(self.built.model.config.get_text_config(), "max_position_embeddings", None)
-        if not isinstance(context, int):
-            return
-        new_tokens = self.recipe.rollout.max_new_tokens
-        for field, dataset in (("train", self.train_set), ("validation", self.validation_set),
-                               ("eval", self.eval_set)):
-            if dataset is None:
-                continue
-            texts = [_prompt_text(sample) for sample in dataset]
-            lengths = [len(ids) for ids in self.processing.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-            if longest is not None and lengths[longest] + new_tokens > context:
-                name = getattr(dataset, "name", "") or f"data.{field}"
-                raise RecipeError(f"data.{field}: row {dataset.source_rows[longest]} of {name}: its prompt's text "
-                                  f"alone is {lengths[longest]} tokens, which with rollout.max_new_tokens "
-                                  f"{new_tokens} is above the model's context of {context} tokens; shorten or drop "
-                                  "the row, or lower rollout.max_new_tokens")
+        check_prompt_lengths(r, {"train": self.train_set, "validation": self.validation_set, "eval": self.eval_set})
 
     # -- one step -------------------------------------------------------------------------------
     def _timed(self, name: str):
@@ -627,18 +613,6 @@ class Trainer:
             raise
         self._close()
         return summary
-
-
-def _prompt_text(sample: dict) -> str:
-    """The text of a sample's prompt messages (media left out)."""
-    parts = []
-    for message in sample.get("prompt") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return "\n".join(parts)
 
 
 def environment_factory(recipe: Recipe):

@@ -632,7 +632,11 @@ def test_late_checks_a_datasets_fingerprint_is_its_rows_content_in_order(tmp_pat
     assert PromptDataset(samples).fingerprint != PromptDataset(from_spec(spec)).fingerprint
 
 
-def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1(tmp_path):
+@pytest.mark.parametrize("model", ["random init", "checkpoint folder"])
+def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_the_build(tmp_path, monkeypatch, model):
+    """Found after the build before (it read the built model's tokenizer); the tokenizer and
+    config load without the model, so now before any weights are drawn or read."""
+    from mmrl.build import build_model
     from mmrl.data.synthetic import from_spec
 
     rows = tmp_path / "sums.jsonl"
@@ -641,9 +645,16 @@ def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1
     rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"]}) + "\n" for s in samples))
     recipe = tmp_path / "text.yaml"
     recipe.write_text(f"model: {{path: qwen2}}\ndata: {{train: {rows}}}\n")
+    if model == "random init":
+        given = [*TEXT, "model.config_overrides={max_position_embeddings: 128}"]
+    else:
+        folder = tmp_path / "tiny-qwen2"
+        build_model("qwen2", random_init=True, config_overrides={"max_position_embeddings": 128}).save(folder)
+        given = [*(o for o in TEXT if not o.startswith(("model.path", "model.random_init", "model.tiny_vocabulary"))),
+                 f"model.path={folder}"]
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     run = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", str(recipe), *TEXT, "model.config_overrides={max_position_embeddings: 128}",
-                                      f"trainer.output_dir={run}", "trainer.steps=1"])
+    result = CliRunner().invoke(app, ["train", str(recipe), *given, f"trainer.output_dir={run}", "trainer.steps=1"])
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"data.train: row 2 of {rows}: its prompt's text alone is " in line, line
