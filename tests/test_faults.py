@@ -675,3 +675,143 @@ def test_run_folder_resume_counts_a_checkpoint_moved_aside_mid_replace(tmp_path)
     folder = RunFolder(run)
     folder.claim(resume=True, overwrite=False)  # not refused as "no checkpoint"
     folder.release()
+
+
+# -- a third round of hostile inputs through each command (train, data check, eval, export, doctor) --
+BOMB = "".join(f"{name}: &{name} [{', '.join([f'*{previous}'] * 9 if previous else ['x'] * 9)}]\n"
+               for previous, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh"))
+
+
+def test_silent_values_a_yaml_alias_bomb_is_refused_as_read(tmp_path, monkeypatch):
+    """Nine aliases of nine aliases ...: 9^8 values once expanded, which dumping or comparing
+    the recipe would try to build; a value holding itself loops. Refused when read."""
+    from mmrl.config import MAX_RECIPE_VALUES
+
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    recipe = tmp_path / "bomb.yaml"
+    indented = "".join(f"    {line}\n" for line in BOMB.splitlines())
+    recipe.write_text(f"model: {{path: qwen2_vl, random_init: true}}\nreward:\n  name: count_match\n  options:\n"
+                      f"{indented}")
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", str(recipe), *CHEAP, f"trainer.output_dir={run}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"{recipe}: more than {MAX_RECIPE_VALUES:,} values once YAML aliases (*name) are expanded" in \
+        _one_clean_line(result.output)
+    flat = "{" + ", ".join(BOMB.splitlines()) + "}"
+    result = CliRunner().invoke(app, ["data", "check", RECIPE, f"reward.options={flat}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "override 'reward.options={a: &a" in line and f"more than {MAX_RECIPE_VALUES:,} values" in line, line
+    recipe.write_text("model: {path: qwen2_vl}\nreward: {options: {loop: &loop [1, *loop]}}\n")
+    result = CliRunner().invoke(app, ["data", "check", str(recipe)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "a value refers to itself" in _one_clean_line(result.output)
+    assert not run.exists()
+
+
+def test_late_checks_data_check_validates_every_row_not_only_those_shown(tmp_path):
+    """`mmrl data check` showed the first rows and said nothing of a broken image in row 3."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), "white").save(tmp_path / "fine.png")
+    (tmp_path / "text.png").write_text("not an image")
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+           "answer": "1"}
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({**row, "images": [name]}) + "\n"
+                                                 for name in ("fine.png", "fine.png", "fine.png", "text.png")))
+    result = CliRunner().invoke(app, ["data", "check", RECIPE, f"data.train={tmp_path / 'rows.jsonl'}", "--rows", "1"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"rows.jsonl: row 3: images[0]: {tmp_path / 'text.png'}: not a readable image" in line, line
+
+
+def test_late_checks_eval_refuses_an_out_file_it_cannot_write_before_evaluating(tmp_path, monkeypatch):
+    def evaluates(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr("mmrl.eval_checkpoint.evaluate_checkpoint", evaluates)
+    (tmp_path / "a_file").write_text("mine\n")
+    result = CliRunner().invoke(app, ["eval", RECIPE, "--checkpoint", str(tmp_path), "--out",
+                                      str(tmp_path / "a_file" / "metrics.json")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"--out: {tmp_path / 'a_file' / 'metrics.json'} is inside {tmp_path / 'a_file'}, which is a file" in \
+        _one_clean_line(result.output)
+    assert (tmp_path / "a_file").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("case, manifest, words", [
+    ("files-not-a-mapping", {"files": 5}, "unreadable manifest (its files are not a mapping of name to bytes"),
+    ("entry-not-a-mapping", {"files": {"trainer_state.json": 3}}, "unreadable manifest (its files are not a mapping"),
+    ("names-outside", {"files": {"../../recipe.yaml": {"bytes": 1, "sha256": "0"}}},
+     "the manifest names '../../recipe.yaml', outside the checkpoint"),
+])
+def test_error_boundary_a_checkpoint_manifest_of_another_shape_is_skipped_with_why(tmp_path, case, manifest, words):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("model: {path: qwen2_vl, random_init: true}\n")
+    (step / "trainer_state.json").write_text('{"step": 1}')
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    before = _state(tmp_path)
+    result = CliRunner().invoke(app, ["export", str(run), str(tmp_path / "out")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "holds no step checkpoint that verifies" in line and f"step_000001 ({words}" in line, line
+    assert _state(tmp_path) == before
+
+
+def test_error_boundary_a_config_json_transformers_refuses_is_one_line(tmp_path, monkeypatch):
+    """A config.json whose values transformers' config class refuses (a strict-dataclass
+    error, not a ValueError) was a traceback; now one line naming the file, before the build."""
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": -3}')
+    run = tmp_path / "run"
+    result = _train(f"model.path={folder}", "model.random_init=true", f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"model.path: {folder / 'config.json'} is not a valid config (`num_hidden_layers` (-3)" in line, line
+    assert not run.exists()
+    from mmrl.failures import explain  # wherever else a config is read: one line too
+
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - the error class transformers raises
+        assert explain(exc).startswith("a model config is not valid (`num_hidden_layers` (-3)"), explain(exc)
+    else:
+        raise AssertionError("transformers took the config")
+
+
+@pytest.mark.parametrize("case, make, words", [
+    ("doctor-config-without-model-type", lambda d: (d / "config.json").write_text('{"hidden_size": 4}'),
+     "config.json: no model_type"),
+])
+def test_error_boundary_doctor_names_what_the_config_lacks(tmp_path, case, make, words):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    make(folder)
+    result = CliRunner().invoke(app, ["doctor", str(folder), "--workers", "0", "--no-progress"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words in _one_clean_line(result.output)
+
+
+@pytest.mark.parametrize("case, given, words", [
+    ("model-path-empty", ["model.path="], "model.path: String should have at least 1 character"),
+    ("recipe-is-a-folder", None, "is a folder; give the recipe's YAML file"),
+    ("image-is-a-folder", ["data.train={tmp}/rows.jsonl"], "images[0]: image file not found: {tmp}/pictures is a folder"),
+])
+def test_silent_values_unclear_paths_say_what_they_are(tmp_path, monkeypatch, case, given, words):
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    (tmp_path / "pictures").mkdir()
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+           "answer": "1", "images": ["pictures"]}
+    (tmp_path / "rows.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    recipe = str(tmp_path) if given is None else RECIPE
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in given or []]
+    result = CliRunner().invoke(app, ["train", recipe, *CHEAP, *overrides, f"trainer.output_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words.replace("{tmp}", str(tmp_path)) in _one_clean_line(result.output)
+    assert not (tmp_path / "run").exists()
