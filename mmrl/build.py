@@ -94,11 +94,7 @@ def build_model(
     GPU, seconds for billions of parameters that take minutes on the CPU; a seed draws
     other numbers there than on the CPU) and checkpoints are loaded to; None: the CPU.
     """
-    # A hub id becomes its snapshot folder here (weights fetched only for a load).
-    folder = checkpoint_folder(name_or_path, weights=not random_init, trust_remote_code=trust_remote_code)
-    path = folder if folder is not None else Path(str(name_or_path))
-    is_checkpoint = path.is_dir()
-    adapter = get_adapter(path if is_checkpoint else name_or_path, source=str(name_or_path))
+    path, is_checkpoint, adapter = _locate(name_or_path, weights=not random_init, trust_remote_code=trust_remote_code)
     if attn_implementation is None:
         attn_implementation = default_attention(adapter.model_class())
     dtype = _dtype(dtype)
@@ -106,19 +102,8 @@ def build_model(
     if is_checkpoint:
         processor = _load_processor(path, adapter, trust_remote_code)
     if random_init:
-        if config is None and is_checkpoint:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if config is None or processor is None:
-            from mmrl.tiny import vocabulary
-
-            with vocabulary(**(tiny_vocabulary or {})) if tiny_vocabulary else _nothing():
-                tiny = adapter.tiny()
-            config = config if config is not None else tiny.config
-            processor = processor if processor is not None else tiny.processor
-        adapter = adapter_for_config(config)
-        config = _customized(config, adapter, config_overrides or {})
+        adapter, config, processor = _random_init_config(path if is_checkpoint else None, adapter, config, processor,
+                                                         trust_remote_code, config_overrides, tiny_vocabulary)
         config._attn_implementation = attn_implementation
         # Without `device`, the caller's default device (`with torch.device(...)`) holds.
         place = torch.device(device) if device is not None else torch.get_default_device()
@@ -144,6 +129,51 @@ def build_model(
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
     processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def _locate(name_or_path: str | Path, *, weights: bool, trust_remote_code: bool) -> tuple[Path, bool, ModelAdapter]:
+    """The folder a build reads (a hub id becomes its snapshot folder, weights fetched only
+    with `weights`), whether it is a checkpoint (not a family name), and the adapter."""
+    folder = checkpoint_folder(name_or_path, weights=weights, trust_remote_code=trust_remote_code)
+    path = folder if folder is not None else Path(str(name_or_path))
+    is_checkpoint = path.is_dir()
+    return path, is_checkpoint, get_adapter(path if is_checkpoint else name_or_path, source=str(name_or_path))
+
+
+def _random_init_config(checkpoint: Path | None, adapter: ModelAdapter, config, processor, trust_remote_code: bool,
+                        config_overrides: dict[str, Any] | None, tiny_vocabulary: dict[str, Any] | None):
+    """The adapter, customized config and processor of a random init: the given config, a
+    checkpoint's, or the family's tiny one (its processor too where none was loaded)."""
+    if config is None and checkpoint is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    if config is None or processor is None:
+        from mmrl.tiny import vocabulary
+
+        with vocabulary(**(tiny_vocabulary or {})) if tiny_vocabulary else _nothing():
+            tiny = adapter.tiny()
+        config = config if config is not None else tiny.config
+        processor = processor if processor is not None else tiny.processor
+    adapter = adapter_for_config(config)
+    return adapter, _customized(config, adapter, config_overrides or {}), processor
+
+
+def recipe_tokenizer(model) -> tuple[Any, Any]:
+    """The tokenizer and the text config that a recipe's `model` section builds with, read
+    without building the model (nor fetching a hub checkpoint's weights): for the checks
+    before the build, such as a prompt's length against the context."""
+    path, is_checkpoint, adapter = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
+    processor = _load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
+    if model.random_init:
+        _, config, processor = _random_init_config(path if is_checkpoint else None, adapter, None, processor,
+                                                   model.trust_remote_code, model.config_overrides or None,
+                                                   model.tiny_vocabulary or None)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    return getattr(processor, "tokenizer", processor), config.get_text_config()
 
 
 def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | None = None) -> BuiltModel:

@@ -31,21 +31,22 @@ def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, 
     (written by the main rank) and this rank's RNG state, renamed into `path` whole; then,
     with `keep`, older checkpoints beyond the newest `keep` are removed."""
     temp = temporary_for(path)
-    if dist.is_main:
-        begin_checkpoint(path)
-    dist.barrier()
+    # Each write's failure (a full disk) reaches every rank: none waits for a rank that gave up.
+    with dist.together():
+        if dist.is_main:
+            begin_checkpoint(path)
     for name, engine in engines.items():
         if engine is not None:
             engine.save_checkpoint(temp / name)
-    torch.save(_rng_state_tensors(), temp / f"rng_rank{dist.rank}.pt")
-    if dist.is_main:
-        (temp / STATE_FILE).write_text(json.dumps(state))
-    dist.barrier()
-    if dist.is_main:
-        commit_checkpoint(temp, path)
-        if keep is not None:
-            prune_checkpoints(path.parent, path, keep)
-    dist.barrier()
+    with dist.together():
+        torch.save(_rng_state_tensors(), temp / f"rng_rank{dist.rank}.pt")
+        if dist.is_main:
+            (temp / STATE_FILE).write_text(json.dumps(state))
+    with dist.together():
+        if dist.is_main:
+            commit_checkpoint(temp, path)
+            if keep is not None:
+                prune_checkpoints(path.parent, path, keep)
     return path
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,7 +54,13 @@ def _boundary(command):
             message = explain(exc)
             if message is None:
                 raise
-            fail(message)
+            try:
+                fail(message)
+            finally:
+                if getattr(exc, "on_every_rank", False):  # under torchrun: no rank leaves before all said it
+                    from mmrl.parallel.mesh import leave_together
+
+                    leave_together(exc)
 
     return bounded
 
@@ -234,8 +241,8 @@ def evaluate(
         config = load_recipe(recipe, overrides or [])
     except RecipeError as exc:
         fail(str(exc))
-    if out is not None and Path(out).is_dir():
-        fail(f"--out: {out} is a folder; give a file name")
+    if out is not None:
+        _check_out_file(out)
     from mmrl.logs import hf_progress_bars
 
     hf_progress_bars(config.trainer.progress)
@@ -248,9 +255,22 @@ def evaluate(
     if int(__import__("os").environ.get("RANK", "0")) != 0:
         return
     if out is not None:
-        Path(out).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(out).expanduser().write_text(json.dumps(metrics, indent=2) + "\n")
+        from mmrl.atomic import atomic_write_text
+
+        atomic_write_text(Path(out).expanduser(), json.dumps(metrics, indent=2) + "\n")
     console.print_json(json.dumps(metrics))
+
+
+def _check_out_file(out: str) -> None:
+    """Refuse, before the evaluation runs, an --out file that cannot be written there."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        fail(f"--out: {out} is a folder; give a file name")
+    above = next((folder for folder in path.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        fail(f"--out: {out} is inside {above}, which is a file; give a file in a folder")
+    if above is not None and not os.access(above, os.W_OK):
+        fail(f"--out: {above} is not writable; give a file in a folder you may write to")
 
 
 def _workers(workers: int | None) -> int:
@@ -394,7 +414,10 @@ def doctor(
             try:
                 adapter = adapter_for_config(config, source=str(path))
             except RegistryError:
-                model_type = config.get("model_type") or "<model_type>"
+                model_type = config.get("model_type")
+                if not model_type:
+                    fail(f"{config_file}: no model_type (every transformers config names its model type); "
+                         "copy the checkpoint again or add the field")
                 fail(f"{target}: model type {model_type!r} is not registered with mmrl; "
                      f"add it with `mmrl add-model {model_type}` (docs/adding_a_model.md)")
             folder = path.resolve() if path.is_dir() else path.parent.resolve()

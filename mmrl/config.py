@@ -27,6 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from mmrl.data.layouts import DataSource, DataSpec
+from mmrl.errors import one_line
 from mmrl.loggers import check_installed
 from mmrl.smoke import SmokeConfig
 
@@ -92,7 +93,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     # A local checkpoint directory, a hub id `org/name[@revision]` (read through the HF
     # cache, mmrl/hub.py), or a family name with `random_init: true`.
-    path: str
+    path: str = Field(min_length=1)
     random_init: bool = False
     # Overrides applied to the (tiny or loaded) config before a random init; nested
     # sections by name: {"text_config": {"hidden_size": 64}}.
@@ -458,8 +459,48 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# The most values (mappings, lists and scalars) a recipe or an override's value may hold
+# once YAML aliases are expanded: `&a [x, x]`, `&b [*a, *a]`, ... doubles at each level, a
+# few lines that would take the machine's memory where the recipe is dumped or compared.
+MAX_RECIPE_VALUES = 100_000
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
 def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    values = yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    _check_expanded_size(values)
+    return values
+
+
+def _check_expanded_size(values: Any) -> None:
+    """Raise _TooLarge for values that refer to themselves, or that hold more than
+    MAX_RECIPE_VALUES once aliases are expanded (counted per distinct node, so the count
+    itself stays cheap)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(value: Any) -> int:
+        if not isinstance(value, (dict, list)):
+            return 1
+        key = id(value)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _TooLarge("a value refers to itself (a YAML alias inside its own anchor)")
+        open_nodes.add(key)
+        children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        total = 1 + sum(size(child) for child in children)
+        open_nodes.discard(key)
+        if total > MAX_RECIPE_VALUES:
+            raise _TooLarge(f"more than {MAX_RECIPE_VALUES:,} values once YAML aliases (*name) are expanded; write "
+                            "the repeated parts out, or shorten them")
+        sizes[key] = total
+        return total
+
+    size(values)
 
 
 def _parse_value(text: str, override: str) -> Any:
@@ -467,6 +508,8 @@ def _parse_value(text: str, override: str) -> Any:
         return _load_yaml(text) if text != "" else ""
     except _DuplicateKey as exc:
         raise RecipeError(f"override {override!r}: {exc.problem}") from None
+    except _TooLarge as exc:
+        raise RecipeError(f"override {override!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
                           "quote it to pass a string") from None
@@ -522,6 +565,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The sections of a YAML recipe file, unvalidated; a RecipeError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe file not found: {path} is a folder; give the recipe's YAML file")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
@@ -530,6 +575,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except _DuplicateKey as exc:
         raise RecipeError(f"{path}: {_yaml_problem(exc)}") from None
+    except _TooLarge as exc:
+        raise RecipeError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(values, dict):
@@ -781,7 +828,13 @@ def _base_config(m: ModelConfig):
     if path.is_dir():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+        except Exception as exc:
+            if "StrictDataclassError" not in {cls.__name__ for cls in type(exc).__mro__}:
+                raise
+            raise RecipeError(f"model.path: {path / 'config.json'} is not a valid config "
+                              f"({one_line(exc.__cause__ or exc, 300)})") from None
     try:
         adapter = get_adapter(m.path)
     except RegistryError as exc:

@@ -34,13 +34,12 @@ folder (`adapter_config.json`, `adapter_model.safetensors`) that loads onto its 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import warnings
 from pathlib import Path
 
 import yaml
 
+from mmrl.atomic import atomic_folder
 from mmrl.build import build_model
 from mmrl.checkpoint import STATE_FILE, record_dtype
 from mmrl.checks import sample_images
@@ -97,18 +96,18 @@ def export_policy(actor, processing, path: Path, dist, *, recipe: Recipe | None 
     """The trained policy as a HF folder (LoRA merged) that decodes as trained; every
     rank calls it (sharded weights are gathered), the main rank writes."""
     state = actor.full_state_dict()
-    if dist.is_main:
-        model = actor.model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        with replacing_folder(Path(path)) as temp:
-            model.save_pretrained(temp, state_dict=merged_state_dict(model, state), safe_serialization=True)
-            if actor.half_dtype is not None:
-                record_dtype(temp / "config.json", actor.half_dtype)
-            save_decoding(temp, model, processing, recipe.rollout.max_new_tokens if recipe else None)
-            if recipe is not None:
-                write_card(temp, recipe, processing, adapter_only=False)
-    dist.barrier()
+    with dist.together():  # a failed write (a full disk) reaches every rank: none waits for rank 0
+        if dist.is_main:
+            model = actor.model
+            if hasattr(model, "get_base_model"):
+                model = model.get_base_model()
+            with atomic_folder(Path(path)) as temp:
+                model.save_pretrained(temp, state_dict=merged_state_dict(model, state), safe_serialization=True)
+                if actor.half_dtype is not None:
+                    record_dtype(temp / "config.json", actor.half_dtype)
+                save_decoding(temp, model, processing, recipe.rollout.max_new_tokens if recipe else None)
+                if recipe is not None:
+                    write_card(temp, recipe, processing, adapter_only=False)
     return path
 
 
@@ -129,7 +128,7 @@ def export_checkpoint(source: Path, out: Path, *, adapter_only: bool = False) ->
     check_output(out, step, recipe)
     built = policy_from_recipe(recipe)
     load_actor_weights(built.model, step / "actor" / "model.safetensors")
-    with replacing_folder(out) as temp:
+    with atomic_folder(out) as temp:
         if adapter_only:
             built.model.save_pretrained(temp, safe_serialization=True)
             base = built.model.get_base_model()
@@ -254,30 +253,3 @@ def save_decoding(path: Path, model, processing, max_new_tokens: int | None = No
     processor.save_pretrained(path)
     if getattr(model, "can_generate", lambda: False)():
         decoding_config(model.generation_config, processing, max_new_tokens).save_pretrained(path)
-
-
-class replacing_folder:
-    """A temporary folder beside `final` to write into; renamed to `final` when the block
-    ends (an existing `final` is moved aside, then removed), removed if the block raises."""
-
-    def __init__(self, final: Path):
-        self.final = Path(final)
-        self.temp = self.final.parent / f".tmp-{self.final.name}.{os.getpid()}"
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        if self.temp.exists():
-            shutil.rmtree(self.temp)
-        self.temp.mkdir()
-        return self.temp
-
-    def __exit__(self, kind, error, trace) -> None:
-        if kind is not None:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            return
-        old = self.final.parent / f".old-{self.final.name}.{os.getpid()}"
-        if self.final.exists():
-            os.rename(self.final, old)
-        os.rename(self.temp, self.final)
-        if old.exists():
-            shutil.rmtree(old)

@@ -6,9 +6,11 @@ what to do, for every failure class a user can meet and fix (not for bugs).
 The classes: the input errors mmrl raises itself (ValueError and its subclasses, RecipeError
 and RunFolderError among them: their message is the line); the filesystem (a full disk, a
 read-only folder, a permission, a link, any other OSError with its file); memory (host or
-GPU); unreadable weights (safetensors); sources out of reach (the hub, a connection); and
-torch runtime errors whose cause is known (a checkpoint that does not fit the model, a
-device-side assert). `mmrl --debug` shows the traceback instead (mmrl/cli.py).
+GPU); unreadable weights (safetensors); a config.json whose values transformers refuses;
+sources out of reach (the hub, a connection); torch runtime errors whose cause is known (a
+checkpoint that does not fit the model, a device-side assert); and under torchrun, another
+rank's failure (every rank says the line). `mmrl --debug` shows the traceback instead
+(mmrl/cli.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def explain(exc: BaseException) -> str | None:
 
 def _explain(exc: BaseException) -> str | None:
     names = _names(exc)
+    if "PeerFailed" in names:  # another rank's line, said on this one too (mmrl.parallel's Dist.together)
+        return one_line(exc, whole=True)
     if names & {"OutOfMemoryError"} or isinstance(exc, MemoryError):
         where = "GPU" if "OutOfMemoryError" in names else "host"
         return f"out of {where} memory ({one_line(exc, 200)}): {_TORCH_CAUSES[3][1]}"
@@ -71,6 +75,10 @@ def _explain(exc: BaseException) -> str | None:
     if names & _UNREACHABLE:
         return (f"a source cannot be reached ({one_line(exc, 300, typed=True)}): check the network or the hub id, or "
                 "download it first and set HF_HUB_OFFLINE=1")
+    if "StrictDataclassError" in names:  # transformers' config classes validate their values
+        cause = exc.__cause__ or exc
+        return (f"a model config is not valid ({one_line(cause, 300)}): fix the checkpoint's config.json "
+                "(model.path) or model.config_overrides")
     if names & _DATASETS:
         return f"the dataset cannot be loaded ({one_line(exc, 300, typed=True)}): check data.* in the recipe"
     if isinstance(exc, OSError) and exc.errno in _OS_ERRORS:

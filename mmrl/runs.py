@@ -310,8 +310,14 @@ def verify_checkpoint(path: Path) -> str | None:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "unreadable manifest"
+    if not isinstance(files, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+            for entry in files.values()):
+        return "unreadable manifest (its files are not a mapping of name to bytes and sha256)"
     for name, entry in files.items():
         file = path / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"the manifest names {name!r}, outside the checkpoint"
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != entry["bytes"]:

@@ -166,7 +166,8 @@ def processing_for(recipe):
 
 def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str, Any]]:
     """How the first `rows` rows of the recipe's `split` source render: the chat-template
-    text, the answer, the other columns, the images' sizes and the token counts."""
+    text, the answer, the other columns, the images' sizes and the token counts. Every
+    row is validated first (a ValueError naming the first bad one), not only those shown."""
     from mmrl.config import RecipeError
     from mmrl.data import load_prompts, to_conversation
 
@@ -175,7 +176,9 @@ def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str,
     if source is None:
         raise ValueError(f"{field}: not set in the recipe")
     try:
-        dataset = load_prompts(source, split, limit=rows)
+        # Every row validated (each image opened), not only those shown: a bad row anywhere
+        # stops the check, as it would stop training.
+        dataset = load_prompts(source, split)
     except (ValueError, TypeError, FileNotFoundError) as exc:  # as check_before_build names the field
         raise RecipeError(f"{field}: {exc}") from None
     processing = processing_for(recipe)
@@ -183,7 +186,7 @@ def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str,
     media_ids = {getattr(processor, name, None) or getattr(tokenizer, name, None)
                  for name in ("image_token_id", "video_token_id")} - {None}
     described = []
-    for index in range(len(dataset)):
+    for index in range(min(rows, len(dataset))):
         sample = dataset[index]
         conversation = to_conversation(sample)
         batch = processing([conversation])

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmrl.atomic import atomic_folder, atomic_write_text
+from mmrl.atomic import atomic_write_text
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -47,6 +47,7 @@ from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.media_check import step_zero_media_check
 from mmrl.parallel import Dist, LaunchError, init_distributed
+from mmrl.prompt_lengths import check_prompt_lengths
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
@@ -94,6 +95,7 @@ class Trainer:
         if notice and self.dist.is_main:
             print(notice, file=sys.stderr, flush=True)
         self._environment = environment_factory(recipe)
+        self._load_datasets()
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
@@ -125,7 +127,7 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------
     def _build(self) -> None:
         from mmrl.algos import get_advantage_estimator
-        from mmrl.data import Position, load_prompts
+        from mmrl.data import Position
 
         r = self.recipe
         m = r.model
@@ -185,37 +187,21 @@ class Trainer:
         self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
-        given = self._given_datasets
+        self.position = Position(0, 0)
+        self._batches = None
+
+    def _load_datasets(self) -> None:
+        """The splits (loaded once: `check_before_build` already did, `load_prompts` keeps
+        them), and their prompts against the model's context, before the build."""
+        from mmrl.data import load_prompts
+
+        r, given = self.recipe, self._given_datasets
         self.train_set = given["train"] if "train" in given else load_prompts(r.data.train)
         self.eval_set = given["eval"] if "eval" in given else (
             load_prompts(r.data.eval, split="test") if r.data.eval else None)
         self.validation_set = given["validation"] if "validation" in given else (
             load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
-        self.position = Position(0, 0)
-        self._batches = None
-        self._check_prompt_lengths()
-
-    def _check_prompt_lengths(self) -> None:
-        """Refuse, before step 1, a row whose prompt text alone (images add more) leaves no
-        room in the model's context for rollout.max_new_tokens: it would be cut or overflow
-        the position table at some later step."""
-        context = getattr(self.built.model.config.get_text_config(), "max_position_embeddings", None)
-        if not isinstance(context, int):
-            return
-        new_tokens = self.recipe.rollout.max_new_tokens
-        for field, dataset in (("train", self.train_set), ("validation", self.validation_set),
-                               ("eval", self.eval_set)):
-            if dataset is None:
-                continue
-            texts = [_prompt_text(sample) for sample in dataset]
-            lengths = [len(ids) for ids in self.processing.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-            longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-            if longest is not None and lengths[longest] + new_tokens > context:
-                name = getattr(dataset, "name", "") or f"data.{field}"
-                raise RecipeError(f"data.{field}: row {dataset.source_rows[longest]} of {name}: its prompt's text "
-                                  f"alone is {lengths[longest]} tokens, which with rollout.max_new_tokens "
-                                  f"{new_tokens} is above the model's context of {context} tokens; shorten or drop "
-                                  "the row, or lower rollout.max_new_tokens")
+        check_prompt_lengths(r, {"train": self.train_set, "validation": self.validation_set, "eval": self.eval_set})
 
     # -- one step -------------------------------------------------------------------------------
     def _timed(self, name: str):
@@ -409,7 +395,8 @@ class Trainer:
         ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
                                {"step": self.step, "data_position": list(self.position),
-                                "data_rows": len(self.train_set)},
+                                "data_rows": len(self.train_set),
+                                "data_fingerprint": getattr(self.train_set, "fingerprint", None)},
                                keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
@@ -426,6 +413,12 @@ class Trainer:
             raise RecipeError(f"trainer.resume: data.train ({name}) has {len(self.train_set)} rows now, {rows} when "
                               f"{path} was saved: the dataset changed, so its position cannot be continued; restore "
                               "the data, or start a new run")
+        fingerprint = state.get("data_fingerprint")  # the rows' content (mmrl.data.loaders.PromptDataset)
+        if fingerprint and fingerprint != getattr(self.train_set, "fingerprint", fingerprint):
+            name = getattr(self.train_set, "name", "") or "data.train"
+            raise RecipeError(f"trainer.resume: data.train ({name}) was edited since {path} was saved (as many rows, "
+                              f"{len(self.train_set)}, but their content differs), so its position cannot be "
+                              "continued; restore the data, or start a new run")
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None
@@ -433,31 +426,25 @@ class Trainer:
 
     def export(self, path: Path) -> Path:
         """The trained policy as a HF checkpoint (LoRA merged) that decodes as trained
-        (`mmrl.export`: blocked and stop tokens, pixel budget), written aside and renamed
-        into `path` whole (mmrl/atomic.py): a failed export leaves no `final/` with a
-        config and no weights."""
-        if not self.dist.is_main:
-            return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
-        with atomic_folder(path) as temp:
-            export_policy(self.actor, self.processing, temp, self.dist, recipe=self.recipe)
-        return path
+        (`mmrl.export`: blocked and stop tokens, pixel budget), written aside, fsynced and
+        renamed into `path` whole: a failed export leaves no `final/` with a config and no
+        weights, and raises on every rank."""
+        return export_policy(self.actor, self.processing, path, self.dist, recipe=self.recipe)
 
-    def _export_or_keep(self, path: Path) -> Path:
-        """Export; if that fails in one process and no checkpoint holds this step (the
-        default save_every 0), save one first so the trained weights are not lost, and say
-        so in the error."""
+    def _keep_weights(self, failure: Exception) -> None:
+        """After `failure` at the end of a run that exports: if no checkpoint holds this
+        step (the default save_every 0), save one so the trained weights are not lost, and
+        say so in the error. Every rank gets here together (a failed write raises on all of
+        them, `Dist.together`), so all save together."""
+        saved = (self.checkpoint_dir(self.step) / "manifest.json").is_file()
+        if self.dist.all_gather_objects(saved)[0]:  # rank 0's disk decides for all
+            return
         try:
-            return self.export(path)
-        except Exception as exc:
-            if self.dist.distributed or (self.checkpoint_dir(self.step) / "manifest.json").is_file():
-                raise
-            try:
-                kept = self.save()
-            except Exception:
-                raise exc from None  # the disk that refused the export refused the checkpoint too
-            exc.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
+            kept = self.save()
+        except Exception:
+            raise failure from None  # the disk that refused the export refused the checkpoint too
+        failure.add_note(f"the trained weights are kept in checkpoint {kept}: once fixed, run again with "
                          f"trainer.resume=true to evaluate and export them")
-            raise
 
     # -- the loop ----------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -605,27 +592,20 @@ class Trainer:
             metrics = self.evaluate(list(self.eval_set), dataset=self.eval_set, controls=True, record=record)
             self.log.write_samples(self.step, rows)
             summary.update({f"eval/{name}": value for name, value in metrics.items()})
-        self._log({"step": self.step, "final": True, **summary})
-        if self.dist.is_main:
-            plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
+        record = {"step": self.step, "final": True, **summary}
+        try:
+            with self.dist.together():  # rank 0 writes; a full disk there reaches every rank
+                self._log(record)
+                if self.dist.is_main:
+                    plot_rewards(history, self.output_dir / "reward_curve.png", self._plot_title())
             if self.recipe.trainer.export:
-                summary["export"] = str(self._export_or_keep(self.output_dir / "final"))
-        elif self.recipe.trainer.export:
-            self._export_or_keep(self.output_dir / "final")
+                summary["export"] = str(self.export(self.output_dir / "final"))
+        except Exception as exc:
+            if self.recipe.trainer.export:
+                self._keep_weights(exc)
+            raise
         self._close()
         return summary
-
-
-def _prompt_text(sample: dict) -> str:
-    """The text of a sample's prompt messages (media left out)."""
-    parts = []
-    for message in sample.get("prompt") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return "\n".join(parts)
 
 
 def environment_factory(recipe: Recipe):

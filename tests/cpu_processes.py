@@ -21,9 +21,13 @@ def torchrun(nproc: int, *args) -> list[str]:
             *map(str, args)]
 
 
+def environment() -> dict[str, str]:
+    """The environment of the tests' CPU subprocesses."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
+
+
 def run(command: list[str], timeout: int = 300) -> None:
     """Run `command` from the repository root; fail the test with its stderr tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(REPO), *(p for p in sys.path if p)])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment())
     assert result.returncode == 0, result.stderr[-3000:]

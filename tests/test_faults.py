@@ -340,30 +340,82 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
     one line naming the file, no half-written final/, and a checkpoint to resume from."""
     import errno
 
-    import mmrl.trainer
+    import mmrl.export
 
     run = tmp_path / "run"
-    real_export = mmrl.trainer.export_policy
+    real_card = mmrl.export.write_card
 
-    def disk_fills(actor, processing, path, dist, **options):
-        (path / "config.json").write_text("{}")  # the export got this far
-        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+    def disk_fills(folder, *args, **options):  # the weights and config are written, the card is not
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "README.md"))
 
-    monkeypatch.setattr("mmrl.trainer.export_policy", disk_fills)
+    monkeypatch.setattr("mmrl.export.write_card", disk_fills)
     result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null")
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
-    assert f"{run}/.tmp-final/model.safetensors: no space left on the device" in line, line
+    assert f"{run}/.tmp-final/README.md: no space left on the device" in line, line
     assert f"the trained weights are kept in checkpoint {run / 'checkpoints' / 'step_000001'}" in line, line
     names = sorted(p.name for p in run.iterdir())
     assert names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png"] or \
         names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png", "tensorboard"], names
     assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
     # Once fixed, resume evaluates and exports the kept weights.
-    monkeypatch.setattr("mmrl.trainer.export_policy", real_export)
+    monkeypatch.setattr("mmrl.export.write_card", real_card)
     result = _train(f"trainer.output_dir={run}", "trainer.export=true", "data.eval=null", "trainer.resume=true")
     assert result.exit_code == 0, (result.output, result.exception)
     assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "config.json").is_file()
+
+
+# Under torchrun: the disk fills while rank 0 writes the export and rank 1 waits for it. Each
+# rank's stdout and stderr go to files of its own; its exit code too.
+DISK_FILLS_AT_EXPORT = """
+import errno, os, sys
+
+out, rank = sys.argv[1], os.environ["RANK"]
+for fd, stream in ((1, "out"), (2, "err")):
+    os.dup2(os.open(f"{out}/rank{rank}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+import mmrl.export
+
+
+def disk_fills(folder, *args, **options):
+    raise OSError(errno.ENOSPC, "No space left on device", str(folder / "README.md"))
+
+
+mmrl.export.write_card = disk_fills
+from mmrl.cli import app
+
+try:
+    app(sys.argv[2:], prog_name="mmrl")
+except SystemExit as exc:
+    open(f"{out}/rank{rank}.code", "w").write(str(exc.code))
+    raise
+"""
+
+
+def test_error_boundary_a_full_disk_at_a_two_process_export_stops_every_rank_and_keeps_the_weights(tmp_path):
+    """Rank 1 waited at a barrier for rank 0, which had given up: now every rank learns the
+    failure, both save the checkpoint together, and each says one line and exits 2."""
+    import subprocess
+
+    from cpu_processes import environment, torchrun
+
+    script, logs, run = tmp_path / "worker.py", tmp_path / "logs", tmp_path / "run"
+    script.write_text(DISK_FILLS_AT_EXPORT)
+    logs.mkdir()
+    command = torchrun(2, script, logs, "train", RECIPE, *CHEAP, "trainer.export=true", "data.eval=null",
+                       "data.prompts_per_step=4", "trainer.threads=1", f"trainer.output_dir={run}")
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=environment())
+    assert finished.returncode != 0, finished.stderr[-3000:]
+    kept = run / "checkpoints" / "step_000001"
+    said = f"{run}/.tmp-final/README.md: no space left on the device"
+    for rank, before in ((0, ""), (1, "rank 0 failed: ")):
+        assert (logs / f"rank{rank}.code").read_text() == "2", (logs / f"rank{rank}.err").read_text()
+        line = _one_clean_line((logs / f"rank{rank}.err").read_text())
+        assert line.startswith(f"error: {before}{said}"), line
+        assert f"the trained weights are kept in checkpoint {kept}: once fixed, run again with trainer.resume=true" \
+            in line, line
+    assert (kept / "manifest.json").is_file() and (kept / "actor" / "model.safetensors").is_file()
+    assert not (run / "final").exists() and not list(run.glob(".tmp-*"))
 
 
 def test_late_checks_an_eval_split_too_small_for_the_shuffled_images_control(tmp_path, monkeypatch):
@@ -414,24 +466,46 @@ def test_late_checks_a_tool_cannot_take_the_machine():
     assert len(text) < TOOL_REPLY_MAX_CHARS + 100 and "cut: " in text
 
 
-def test_late_checks_a_tool_that_hangs_is_stopped(monkeypatch):
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
+def test_late_checks_a_tool_that_hangs_is_stopped(monkeypatch, where):
+    """A timer signal reaches the main thread only: off it (a rollout in a thread of its
+    own) the tool ran unbounded; now a worker thread runs it and is stopped."""
+    import threading
     import time
 
     from mmrl.envs.builtin import ToolEnvironment
     from mmrl.envs.tools import Tool
 
     monkeypatch.setattr("mmrl.envs.builtin.TOOL_TIME_LIMIT_S", 0.2)
-    calls = []
+    calls, spun = [], []
 
     def spins(arguments, context):
-        calls.append(1)
-        while True:
-            time.sleep(0.01)
+        calls.append(threading.current_thread())
+        try:
+            while True:
+                spun.append(1)
+                time.sleep(0.01)
+        except Exception:  # a tool's own handler does not swallow the stop
+            return "swallowed"
 
     env = ToolEnvironment(tools=[Tool("spin", spins)])
-    replies, done, _ = env.step([{"role": "assistant", "content": '<tool_call>{"name": "spin", "arguments": {}}'
-                                                                  '</tool_call>'}])
+    step = [{"role": "assistant", "content": '<tool_call>{"name": "spin", "arguments": {}}</tool_call>'}]
+    out = {}
+    if where == "main thread":
+        out["step"] = env.step(step)
+    else:
+        caller = threading.Thread(target=lambda: out.update(step=env.step(step)), daemon=True)
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive(), "the tool call was not stopped"
+    replies, done, _ = out["step"]
     assert calls and not done and replies[0]["content"] == "error: took longer than 0.2 s"
+    if calls[0] is not threading.current_thread():
+        calls[0].join(60)  # the thread that ran the tool ends: it does not spin on
+        assert not calls[0].is_alive()
+    count = len(spun)
+    time.sleep(0.05)
+    assert len(spun) == count
 
 
 def test_late_checks_a_second_signal_says_that_no_checkpoint_was_saved(tmp_path, capsys):
@@ -510,17 +584,59 @@ def test_late_checks_a_dataset_edited_since_the_checkpoint_is_named(tmp_path):
     given = ["train", str(recipe), *TEXT, f"trainer.output_dir={run}", "trainer.save_every=1"]
     first = CliRunner().invoke(app, [*given, "trainer.steps=1"])
     assert first.exit_code == 0, (first.output, first.exception)
-    rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:5]))  # edited: 3 rows gone
+    lines = rows.read_text().splitlines(keepends=True)
     before = _state(run)
+    # Edited in content, as many rows: the position would now point at other rows.
+    rows.write_text("".join([*lines[:3], lines[3].replace('"answer": "', '"answer": "1'), *lines[4:]]))
+    result = CliRunner().invoke(app, [*given, "trainer.steps=2", "trainer.resume=true"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"trainer.resume: data.train ({rows}) was edited since {run / 'checkpoints' / 'step_000001'} was saved " \
+           "(as many rows, 8, but their content differs)" in line, line
+    assert _state(run) == before  # metrics.jsonl and the checkpoint untouched
+    rows.write_text("".join(lines[:5]))  # edited: 3 rows gone
     result = CliRunner().invoke(app, [*given, "trainer.steps=2", "trainer.resume=true"])
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"trainer.resume: data.train ({rows}) has 5 rows now, 8 when {run / 'checkpoints' / 'step_000001'} was " \
            "saved: the dataset changed" in line, line
-    assert _state(run) == before  # metrics.jsonl and the checkpoint untouched
+    assert _state(run) == before
 
 
-def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1(tmp_path):
+def test_late_checks_a_datasets_fingerprint_is_its_rows_content_in_order(tmp_path):
+    """What a checkpoint records of data.train: the same for the same rows loaded again
+    (images, in files or in memory, included), another for an edited row or another order."""
+    from mmrl.data import load_prompts
+    from mmrl.data.loaders import PromptDataset
+    from mmrl.data.synthetic import from_spec
+
+    def fresh(source, **options):
+        from mmrl.data import loaders
+
+        loaders._RECENT.clear()  # the load cache would hand back the same object
+        return load_prompts(source, **options)
+
+    spec = "synthetic:count_shapes?n=6&seed=0&image_size=56"
+    assert fresh(spec).fingerprint == fresh(spec).fingerprint
+    assert fresh(spec).fingerprint != fresh(spec, shuffle_seed=1).fingerprint
+    assert fresh(spec).fingerprint != fresh("synthetic:count_shapes?n=6&seed=1&image_size=56").fingerprint
+    samples = from_spec(spec)
+    for index, sample in enumerate(samples):
+        sample["images"][0].save(tmp_path / f"{index}.png")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"], "images": [f"{i}.png"]}) + "\n"
+                            for i, s in enumerate(samples)))
+    assert fresh(rows).fingerprint == fresh(rows).fingerprint
+    assert PromptDataset(samples).fingerprint == PromptDataset(from_spec(spec)).fingerprint
+    samples[2] = {**samples[2], "answer": "99"}
+    assert PromptDataset(samples).fingerprint != PromptDataset(from_spec(spec)).fingerprint
+
+
+@pytest.mark.parametrize("model", ["random init", "checkpoint folder"])
+def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_the_build(tmp_path, monkeypatch, model):
+    """Found after the build before (it read the built model's tokenizer); the tokenizer and
+    config load without the model, so now before any weights are drawn or read."""
+    from mmrl.build import build_model
     from mmrl.data.synthetic import from_spec
 
     rows = tmp_path / "sums.jsonl"
@@ -529,9 +645,16 @@ def test_silent_values_a_prompt_longer_than_the_context_is_refused_before_step_1
     rows.write_text("".join(json.dumps({"prompt": s["prompt"], "answer": s["answer"]}) + "\n" for s in samples))
     recipe = tmp_path / "text.yaml"
     recipe.write_text(f"model: {{path: qwen2}}\ndata: {{train: {rows}}}\n")
+    if model == "random init":
+        given = [*TEXT, "model.config_overrides={max_position_embeddings: 128}"]
+    else:
+        folder = tmp_path / "tiny-qwen2"
+        build_model("qwen2", random_init=True, config_overrides={"max_position_embeddings": 128}).save(folder)
+        given = [*(o for o in TEXT if not o.startswith(("model.path", "model.random_init", "model.tiny_vocabulary"))),
+                 f"model.path={folder}"]
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
     run = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", str(recipe), *TEXT, "model.config_overrides={max_position_embeddings: 128}",
-                                      f"trainer.output_dir={run}", "trainer.steps=1"])
+    result = CliRunner().invoke(app, ["train", str(recipe), *given, f"trainer.output_dir={run}", "trainer.steps=1"])
     assert result.exit_code == 2, (result.output, result.exception)
     line = _one_clean_line(result.output)
     assert f"data.train: row 2 of {rows}: its prompt's text alone is " in line, line
@@ -552,3 +675,143 @@ def test_run_folder_resume_counts_a_checkpoint_moved_aside_mid_replace(tmp_path)
     folder = RunFolder(run)
     folder.claim(resume=True, overwrite=False)  # not refused as "no checkpoint"
     folder.release()
+
+
+# -- a third round of hostile inputs through each command (train, data check, eval, export, doctor) --
+BOMB = "".join(f"{name}: &{name} [{', '.join([f'*{previous}'] * 9 if previous else ['x'] * 9)}]\n"
+               for previous, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh"))
+
+
+def test_silent_values_a_yaml_alias_bomb_is_refused_as_read(tmp_path, monkeypatch):
+    """Nine aliases of nine aliases ...: 9^8 values once expanded, which dumping or comparing
+    the recipe would try to build; a value holding itself loops. Refused when read."""
+    from mmrl.config import MAX_RECIPE_VALUES
+
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    recipe = tmp_path / "bomb.yaml"
+    indented = "".join(f"    {line}\n" for line in BOMB.splitlines())
+    recipe.write_text(f"model: {{path: qwen2_vl, random_init: true}}\nreward:\n  name: count_match\n  options:\n"
+                      f"{indented}")
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", str(recipe), *CHEAP, f"trainer.output_dir={run}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"{recipe}: more than {MAX_RECIPE_VALUES:,} values once YAML aliases (*name) are expanded" in \
+        _one_clean_line(result.output)
+    flat = "{" + ", ".join(BOMB.splitlines()) + "}"
+    result = CliRunner().invoke(app, ["data", "check", RECIPE, f"reward.options={flat}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "override 'reward.options={a: &a" in line and f"more than {MAX_RECIPE_VALUES:,} values" in line, line
+    recipe.write_text("model: {path: qwen2_vl}\nreward: {options: {loop: &loop [1, *loop]}}\n")
+    result = CliRunner().invoke(app, ["data", "check", str(recipe)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "a value refers to itself" in _one_clean_line(result.output)
+    assert not run.exists()
+
+
+def test_late_checks_data_check_validates_every_row_not_only_those_shown(tmp_path):
+    """`mmrl data check` showed the first rows and said nothing of a broken image in row 3."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), "white").save(tmp_path / "fine.png")
+    (tmp_path / "text.png").write_text("not an image")
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+           "answer": "1"}
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({**row, "images": [name]}) + "\n"
+                                                 for name in ("fine.png", "fine.png", "fine.png", "text.png")))
+    result = CliRunner().invoke(app, ["data", "check", RECIPE, f"data.train={tmp_path / 'rows.jsonl'}", "--rows", "1"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"rows.jsonl: row 3: images[0]: {tmp_path / 'text.png'}: not a readable image" in line, line
+
+
+def test_late_checks_eval_refuses_an_out_file_it_cannot_write_before_evaluating(tmp_path, monkeypatch):
+    def evaluates(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr("mmrl.eval_checkpoint.evaluate_checkpoint", evaluates)
+    (tmp_path / "a_file").write_text("mine\n")
+    result = CliRunner().invoke(app, ["eval", RECIPE, "--checkpoint", str(tmp_path), "--out",
+                                      str(tmp_path / "a_file" / "metrics.json")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"--out: {tmp_path / 'a_file' / 'metrics.json'} is inside {tmp_path / 'a_file'}, which is a file" in \
+        _one_clean_line(result.output)
+    assert (tmp_path / "a_file").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("case, manifest, words", [
+    ("files-not-a-mapping", {"files": 5}, "unreadable manifest (its files are not a mapping of name to bytes"),
+    ("entry-not-a-mapping", {"files": {"trainer_state.json": 3}}, "unreadable manifest (its files are not a mapping"),
+    ("names-outside", {"files": {"../../recipe.yaml": {"bytes": 1, "sha256": "0"}}},
+     "the manifest names '../../recipe.yaml', outside the checkpoint"),
+])
+def test_error_boundary_a_checkpoint_manifest_of_another_shape_is_skipped_with_why(tmp_path, case, manifest, words):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("model: {path: qwen2_vl, random_init: true}\n")
+    (step / "trainer_state.json").write_text('{"step": 1}')
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    before = _state(tmp_path)
+    result = CliRunner().invoke(app, ["export", str(run), str(tmp_path / "out")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert "holds no step checkpoint that verifies" in line and f"step_000001 ({words}" in line, line
+    assert _state(tmp_path) == before
+
+
+def test_error_boundary_a_config_json_transformers_refuses_is_one_line(tmp_path, monkeypatch):
+    """A config.json whose values transformers' config class refuses (a strict-dataclass
+    error, not a ValueError) was a traceback; now one line naming the file, before the build."""
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": -3}')
+    run = tmp_path / "run"
+    result = _train(f"model.path={folder}", "model.random_init=true", f"trainer.output_dir={run}")
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = _one_clean_line(result.output)
+    assert f"model.path: {folder / 'config.json'} is not a valid config (`num_hidden_layers` (-3)" in line, line
+    assert not run.exists()
+    from mmrl.failures import explain  # wherever else a config is read: one line too
+
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - the error class transformers raises
+        assert explain(exc).startswith("a model config is not valid (`num_hidden_layers` (-3)"), explain(exc)
+    else:
+        raise AssertionError("transformers took the config")
+
+
+@pytest.mark.parametrize("case, make, words", [
+    ("doctor-config-without-model-type", lambda d: (d / "config.json").write_text('{"hidden_size": 4}'),
+     "config.json: no model_type"),
+])
+def test_error_boundary_doctor_names_what_the_config_lacks(tmp_path, case, make, words):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    make(folder)
+    result = CliRunner().invoke(app, ["doctor", str(folder), "--workers", "0", "--no-progress"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words in _one_clean_line(result.output)
+
+
+@pytest.mark.parametrize("case, given, words", [
+    ("model-path-empty", ["model.path="], "model.path: String should have at least 1 character"),
+    ("recipe-is-a-folder", None, "is a folder; give the recipe's YAML file"),
+    ("image-is-a-folder", ["data.train={tmp}/rows.jsonl"], "images[0]: image file not found: {tmp}/pictures is a folder"),
+])
+def test_silent_values_unclear_paths_say_what_they_are(tmp_path, monkeypatch, case, given, words):
+    monkeypatch.setattr("mmrl.build.build_model", _no_build)
+    (tmp_path / "pictures").mkdir()
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}],
+           "answer": "1", "images": ["pictures"]}
+    (tmp_path / "rows.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    recipe = str(tmp_path) if given is None else RECIPE
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in given or []]
+    result = CliRunner().invoke(app, ["train", recipe, *CHEAP, *overrides, f"trainer.output_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert words.replace("{tmp}", str(tmp_path)) in _one_clean_line(result.output)
+    assert not (tmp_path / "run").exists()

@@ -33,6 +33,7 @@ pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -68,6 +69,26 @@ class Batch:
     end: Position
 
 
+def _row_bytes(sample: Any) -> bytes:
+    """A row as bytes for `PromptDataset.fingerprint`: its JSON, keys sorted, media bytes and
+    arrays by their hash; a value of another type by its type name only (a repr can hold a
+    memory address, which would differ at every load)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return hashlib.blake2b(bytes(value), digest_size=16).hexdigest()
+        if isinstance(value, np.ndarray):
+            return [value.dtype.str, list(value.shape), hashlib.blake2b(value.tobytes(), digest_size=16).hexdigest()]
+        if hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):  # a PIL image
+            return [value.mode, list(value.size), hashlib.blake2b(value.tobytes(), digest_size=16).hexdigest()]
+        return f"<{type(value).__name__}>"
+
+    try:
+        return json.dumps(sample, sort_keys=True, default=plain).encode() + b"\n"
+    except (TypeError, ValueError):  # keys that are not text: the row counts by its place only
+        return b"?\n"
+
+
 class PromptDataset:
     """Validated prompt samples: `len()`, indexing (paths resolved), `batches()`.
 
@@ -90,11 +111,17 @@ class PromptDataset:
         if not order:
             raise ValueError(f"{name or 'dataset'}: no rows to load")
         self.source_rows = order  # dataset index -> row number in the source
+        content = hashlib.blake2b(digest_size=16)
         for source, sample in self._rows_for_validation():
             try:
                 validate_sample(sample, source, root=self.root)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}" if name else str(exc)) from None
+            content.update(_row_bytes(sample))
+        # The selected rows' content in order, as stored (media paths or bytes): a checkpoint
+        # records it, so resuming on data edited since is refused, not continued at a
+        # position that now means other rows.
+        self.fingerprint = content.hexdigest()
 
     def _rows_for_validation(self) -> Iterator[tuple[int, Any]]:
         media = _decoded_media_columns(self.rows)

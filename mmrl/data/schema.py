@@ -99,7 +99,7 @@ def _image_problem(value: Any, root: Path | None) -> str | None:
         if root is not None:
             path = _resolve(value, root)
             if not path.is_file():
-                return f"image file not found: {path}"
+                return f"image file not found: {path}" + (" is a folder" if path.is_dir() else "")
             return _unreadable(path, str(path))
         return None
     return f"cannot read an image from {_type_name(value)}"

@@ -113,14 +113,14 @@ def save(path: Path, module: torch.nn.Module, stepper: Optimizer | None, dist: D
     from safetensors.torch import save_file
 
     state = train_state(module, stepper, dist, trainable_only=trainable_only)
-    if dist.is_main:
-        path.mkdir(parents=True, exist_ok=True)
-        # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
-        tensors = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
-        save_file(tensors, str(path / MODEL_FILE))
-        rest = {"optimizer": state["optimizer"], **(stepper.schedule_state() if stepper else {"scheduler": {}})}
-        torch.save(rest, path / OPTIMIZER_FILE)
-    dist.barrier()
+    with dist.together():  # a failed write (a full disk) reaches every rank
+        if dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            # Tied weights (embeddings = lm_head) share storage; safetensors wants copies.
+            tensors = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
+            save_file(tensors, str(path / MODEL_FILE))
+            rest = {"optimizer": state["optimizer"], **(stepper.schedule_state() if stepper else {"scheduler": {}})}
+            torch.save(rest, path / OPTIMIZER_FILE)
 
 
 def load(path: Path, module: torch.nn.Module, stepper: Optimizer | None, dist: Dist) -> None:

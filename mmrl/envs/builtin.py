@@ -150,8 +150,7 @@ class ToolEnvironment:
             if tool is None:
                 return self._error(f"unknown tool {call.name!r} (tools: {', '.join(self.tools)})")
             try:
-                with _time_limit(TOOL_TIME_LIMIT_S):
-                    content = tool(call.arguments, self.context)
+                content = _call_with_limit(tool, call.arguments, self.context, TOOL_TIME_LIMIT_S)
             except Exception as exc:  # a tool's failure is the policy's to see, not the run's
                 self.tool_errors += 1
                 replies.append({"role": self.reply_role, "content": f"error: {exc}"})
@@ -174,25 +173,60 @@ class ToolEnvironment:
         return [{"role": self.reply_role, "content": f"error: {text}"}], False, None
 
 
-# The seconds a tool call may run (in the main thread, where a timer can interrupt it; Python
-# code stops at once, a long call into C code when it returns); past it, the call is an error
-# the policy sees.
+# The seconds a tool call may run; past it, the call is an error the policy sees. Python code
+# stops at once; a long call into C code (a huge power) when it returns.
 TOOL_TIME_LIMIT_S = 10.0
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
+def _call_with_limit(tool: Tool, arguments: dict, context: dict, seconds: float):
+    """`tool(arguments, context)`, stopped after `seconds`: in the main thread by a timer
+    signal (it also interrupts a sleep or a blocking read); elsewhere (signals reach the
+    main thread only) in a worker thread that is waited for `seconds`, then stopped by an
+    exception raised in it at its next Python instruction."""
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        with _alarm(seconds):
+            return tool(arguments, context)
+    outcome: dict[str, Any] = {}
 
-    def expired(signum, frame):
+    def work():
+        try:
+            outcome["value"] = tool(arguments, context)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name=f"mmrl-tool-{tool.name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        _raise_in(worker, _ToolTimeout)
         raise ToolError(f"took longer than {seconds:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class _ToolTimeout(BaseException):
+    """Raised inside a tool's worker thread past its time (BaseException: a tool's own
+    `except Exception` does not swallow it)."""
+
+
+def _raise_in(thread: threading.Thread, kind: type[BaseException]) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
+
+
+@contextmanager
+def _alarm(seconds: float):
+    def expired(signum, frame):
+        raise _ToolTimeout
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+    except _ToolTimeout:
+        raise ToolError(f"took longer than {seconds:g} s") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

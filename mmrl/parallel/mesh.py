@@ -9,11 +9,20 @@ ulysses) and receive the same batch; FSDP2 still shards over all ranks (`mesh`).
 
 On CPU the backend is gloo, on CUDA nccl. A single process gets no process group and no
 mesh, so nothing pays for distribution it does not use.
+
+Where one rank writes and the others wait (a checkpoint, an export), the wait carries the
+writer's failure, so no rank waits forever for a rank that gave up:
+
+    with dist.together():            # a barrier at the end of the block
+        if dist.is_main:
+            write(files)             # raises on rank 0: every rank raises (PeerFailed elsewhere)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +36,11 @@ def backend(device: str) -> str:
 
 class LaunchError(ValueError):
     """The processes torchrun started do not fit this machine (more than its GPUs)."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed in a block every rank runs together (`Dist.together`); the
+    message is its rank and its one-line error."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,41 @@ class Dist:
         out = [None] * self.world_size
         torch_dist.all_gather_object(out, value)
         return out
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Run the block on every rank, then wait for all of them (a barrier); if the block
+        raised on any rank, every rank raises: that rank its own exception, the others
+        `PeerFailed` with its one-line error. A plain barrier would leave the others
+        waiting for a rank that gave up (a full disk while rank 0 writes). Collectives do
+        not belong in the block: a rank that failed before one would not join it."""
+        failure = None
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised again
+            failure = exc
+        if self.distributed:
+            from mmrl.errors import one_line
+            from mmrl.failures import explain
+
+            said = None if failure is None else (explain(failure) or one_line(failure, 300, typed=True))
+            failed = [(rank, text) for rank, text in enumerate(self.all_gather_objects(said)) if text is not None]
+            if failure is None and failed:
+                rank, text = failed[0]
+                failure = PeerFailed(f"rank {rank} failed: {text}")
+            if failure is not None:
+                failure.on_every_rank = True  # see `leave_together`
+        if failure is not None:
+            raise failure
+
+
+def leave_together(failure: BaseException) -> None:
+    """After a rank has said a failure that every rank raised together (`Dist.together`):
+    wait for the others to say theirs, then close the process group. torchrun stops the
+    other processes as soon as one exits, which could cut a rank off before its line."""
+    if getattr(failure, "on_every_rank", False) and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
 
 
 def init_distributed(device: str | None = None, sequence_parallel: int = 1) -> Dist:
