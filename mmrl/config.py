@@ -199,6 +199,10 @@ class RolloutConfig(_Section):
     # once per rollout and kept between rollouts (half the weights' memory); false casts
     # them at every decode step instead.
     half_weights: bool = True
+    # hf_compiled under FSDP2: each rank decodes on an inference copy of the full weights,
+    # gathered after each update; "keep" holds it between rollouts, "free" releases it after
+    # each, "auto" keeps it when it takes at most half the free GPU memory (docs/training.md).
+    inference_copy: Literal["auto", "keep", "free"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

@@ -13,6 +13,8 @@ from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 
 class HFRollout:
+    backend = "hf"  # the recipe's name for it (`rollout.backend`)
+
     def __init__(self, engine, processing):
         self.engine = engine
         self.processing = processing
