@@ -160,15 +160,17 @@ def test_two_process_compiled_rollout_equals_one_process(tmp_path, family, keep,
 
 @pytest.mark.multiprocess
 def test_two_process_training_run_decodes_on_the_copy_of_the_updated_weights(tmp_path):
-    """A 2-process run of the trainer with `rollout.backend: hf_compiled`: every rollout and
-    evaluation takes the compiled path, and after the last update the kept copy holds
-    exactly the trained weights (gathered by the sync)."""
+    """A 2-process LoRA run of the trainer with `rollout.backend: hf_compiled`: every
+    rollout and evaluation takes the compiled path, and after the last update the kept copy
+    holds exactly the trained weights with the adapters merged in (what the run's full
+    state dict gives), gathered by the sync."""
     from cpu_processes import REPO
 
     script, out = tmp_path / "train.py", tmp_path / "train.json"
     script.write_text(SHARDED_TRAINING)
     run(torchrun(2, script, out, REPO / "recipes" / "tiny_vlm_count.yaml", "rollout.backend=hf_compiled",
-                 "rollout.inference_copy=keep", "rollout.max_new_tokens=3", "trainer.steps=2", "trainer.eval_every=0",
+                 "rollout.inference_copy=keep", "rollout.max_new_tokens=3", "model.lora_scope=language",
+                 "model.lora_rank=4", "trainer.steps=2", "trainer.eval_every=0",
                  "trainer.progress=false", "trainer.export=false", "trainer.threads=1", "data.prompts_per_step=4",
                  "rollout.samples_per_prompt=2", "data.eval=synthetic:count_shapes?n=4&seed=1&image_size=56",
                  "data.validation=synthetic:count_shapes?n=4&seed=2&image_size=56",
@@ -254,3 +256,112 @@ def test_the_recipe_field_reaches_the_compiled_rollout():
     assert recipe.rollout.inference_copy == "free"
     with pytest.raises(ValueError, match="inference_copy"):
         load_recipe("recipes/tiny_vlm_count.yaml", ["rollout.inference_copy=sometimes"])
+
+
+class _OneRankFSDP2:
+    """A `Dist` of one CUDA process that the engine shards anyway (FSDP2 over a mesh of
+    one rank, NCCL): the sharded engine's code paths on a one-GPU machine."""
+
+    def __init__(self, folder):
+        import torch.distributed as torch_dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mmrl.parallel import Dist
+
+        class Sharded(Dist):
+            @property
+            def distributed(self) -> bool:
+                return True
+
+        torch.cuda.set_device(0)
+        torch_dist.init_process_group("nccl", init_method=f"file://{folder}/group", rank=0, world_size=1)
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+        self.dist = Sharded(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), mesh=mesh)
+
+    def close(self):
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("keep", ["keep", "free"])
+def test_sharded_engine_on_cuda_takes_the_compiled_rollout_and_matches_plain_generate(tmp_path, keep):
+    """One CUDA process, FSDP2 over one rank, fp32 (no mixed precision): `auto` builds the
+    compiled rollout on an inference copy (inductor + CUDA graphs), whose greedy tokens,
+    finish reasons and log-probs equal the sharded engine's plain `generate`; again after
+    the shards change and the rollout syncs (a kept copy is refreshed in place, so the
+    captured graphs replay on new weights; a freed one is allocated again)."""
+    from mmrl import build_model
+    from mmrl.engine import Engine
+    from mmrl.rollout import SamplingParams, choose_backend, make_rollout
+    from mmrl.rollout.compiled import CompiledHFRollout
+
+    group = _OneRankFSDP2(tmp_path)
+    try:
+        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=8, num_attention_heads=14,
+                     num_key_value_heads=2, head_dim=64, vocab_size=151936)
+        with torch.device("cuda"):
+            built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape)
+        engine = Engine(built, group.dist, mixed_precision=False)
+        assert engine.sharded and choose_backend("auto", engine) == "hf_compiled"
+        rollout = make_rollout("auto", engine, built.processing, inference_copy=keep)
+        assert isinstance(rollout, CompiledHFRollout) and rollout.copy is not None
+        assert rollout.copy.dtype == torch.float32 and rollout.copy.keep == (keep == "keep")
+        conversations = [[{"role": "user", "content": text}] for text in
+                         ("What is it?", "And this one here, a longer one?", "no", "Say something about the sea")]
+        params = SamplingParams(n=2, max_new_tokens=32, temperature=0, logprobs=True)
+        answers = []
+        for phase in ("before", "after"):
+            if phase == "after":
+                engine.model.reshard()
+                generator = torch.Generator(device="cuda").manual_seed(3)
+                with torch.no_grad():
+                    for parameter in engine.model.parameters():
+                        local = parameter.to_local()
+                        if local.dim() == 2:
+                            local.add_(torch.randn(local.shape, generator=generator, device="cuda") * 0.02)
+                rollout.sync(engine)
+            plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+            fast = rollout.generate(conversations, params)
+            assert rollout.fallback_reason is None
+            assert torch.equal(fast.response_ids, plain.response_ids), phase
+            assert fast.finish_reasons == plain.finish_reasons
+            torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-3, rtol=0)
+            assert (rollout.copy.resident_bytes() > 0) == (keep == "keep")
+            answers.append(plain.response_ids)
+        assert not torch.equal(*answers)  # the new weights changed the answers
+    finally:
+        group.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sharded_engine_on_cuda_decodes_a_bf16_copy_under_mixed_precision(tmp_path):
+    """FSDP2's bf16 mixed precision: the copy is bf16 (what the sharded forward computes
+    in) and half the fp32 weights' bytes; its greedy tokens follow the sharded engine's
+    plain `generate` (bf16 kernels may part after a few tokens, as for one process)."""
+    from mmrl import build_model
+    from mmrl.engine import Engine
+    from mmrl.rollout import SamplingParams, make_rollout
+
+    group = _OneRankFSDP2(tmp_path)
+    try:
+        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=8, num_attention_heads=14,
+                     num_key_value_heads=2, head_dim=64, vocab_size=151936)
+        with torch.device("cuda"):
+            built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape)
+        full_bytes = sum(p.numel() * 4 for p in {id(p): p for p in built.model.parameters()}.values())
+        engine = Engine(built, group.dist)
+        rollout = make_rollout("auto", engine, built.processing)
+        assert rollout.copy.dtype == torch.bfloat16 and rollout.copy.bytes == full_bytes // 2
+        conversations = [[{"role": "user", "content": text}] for text in
+                         ("What is it?", "And this one here, a longer one?", "no", "Say something about the sea")]
+        params = SamplingParams(n=2, max_new_tokens=32, temperature=0, logprobs=True)
+        plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+        fast = rollout.generate(conversations, params)
+        assert rollout.fallback_reason is None
+        same = (fast.response_ids == plain.response_ids).int().cumprod(-1).bool()
+        assert int(same.sum(-1).min()) >= 4, same.sum(-1)
+        torch.testing.assert_close(fast.logprobs[same], plain.logprobs[same], atol=0.1, rtol=0)
+    finally:
+        group.close()

@@ -96,9 +96,9 @@ class InferenceCopy:
         self.free_bytes = min(frees) if frees else None  # the fullest rank's
         if self.free_bytes is not None and self.bytes + gather_bytes > self.free_bytes:
             raise CopyDoesNotFit(
-                f"the compiled rollout's inference copy of the full weights ({self.bytes / _GIB:.1f} GiB in "
-                f"{str(self.dtype).removeprefix('torch.')}, plus {gather_bytes / _GIB:.1f} GiB to gather) does not "
-                f"fit in the free GPU memory of every rank ({self.free_bytes / _GIB:.1f} GiB on the fullest)")
+                f"the compiled rollout's inference copy of the full weights ({_size(self.bytes)} in "
+                f"{str(self.dtype).removeprefix('torch.')}, plus {_size(gather_bytes)} to gather) does not "
+                f"fit in the free GPU memory of every rank ({_size(self.free_bytes)} on the fullest)")
         if keep == "auto":
             keep = "keep" if self.free_bytes is None or self.bytes * KEEP_SHARE <= self.free_bytes else "free"
         self.keep = keep == "keep"
@@ -268,10 +268,14 @@ def _merged_lora(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def describe(copy: InferenceCopy) -> str:
-    """One line on the copy for logs: its size, dtype and whether it is kept."""
-    free = "" if copy.free_bytes is None else f" of {copy.free_bytes / _GIB:.1f} GiB free"
-    return (f"inference copy {copy.bytes / _GIB:.2f} GiB in {str(copy.dtype).removeprefix('torch.')}{free}, "
+    """A few words on the copy for the run's summary: its size, dtype and whether it is kept."""
+    free = "" if copy.free_bytes is None else f" of {_size(copy.free_bytes)} free"
+    return (f"inference copy {_size(copy.bytes)} in {str(copy.dtype).removeprefix('torch.')}{free}, "
             f"{'kept between rollouts' if copy.keep else 'freed after each rollout'}")
+
+
+def _size(count: int) -> str:
+    return f"{count / _GIB:.1f} GiB" if count >= _GIB // 10 else f"{count / 1024 ** 2:.1f} MiB"
 
 
 __all__ = ["CopyDoesNotFit", "InferenceCopy", "KEEP_CHOICES", "copy_bytes", "copy_dtype", "describe", "free_memory"]
