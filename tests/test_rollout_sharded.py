@@ -83,6 +83,14 @@ for phase in ("before", "after"):
     assert rollout.fallback_reason is None, rollout.fallback_reason
     record[f"resident_{phase}"] = rollout.copy.resident_bytes()
     results.append(dist.all_gather_objects(rows(result)))
+# The decode loop fails on rank 1 only: both ranks take plain generate (collective) together.
+if dist.rank == 1:
+    def broken(*args):
+        raise RuntimeError("out of luck")
+    rollout._fast_sample = broken
+failing = rows(rollout.generate(mine, params))
+record["fallbacks"] = dist.all_gather_objects(rollout.fallback_reason)
+record["fallback_rows"] = dist.all_gather_objects(failing)
 if dist.rank == 0:
     alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
     single = built_model()
@@ -149,6 +157,13 @@ def test_two_process_compiled_rollout_equals_one_process(tmp_path, family, keep,
         assert len({len(tokens) for tokens, _ in plain}) >= 1 and len(set(map(str, plain))) > 2
         _close(plain, fast)
         _close(plain, sharded)
+    # One rank's failure: every rank fell back (none waits in a collective alone), with the same rows.
+    assert record["fallbacks"] == ["on another rank: RuntimeError: out of luck", "RuntimeError: out of luck"]
+    fallback_rows = [None] * 8
+    for rank, rank_rows in enumerate(record["fallback_rows"]):
+        for j, row in enumerate(rank_rows):
+            fallback_rows[2 * (rank + 2 * (j // 2)) + j % 2] = row
+    _close(record["after"]["plain"], fallback_rows)
     # The update changed what the model says: the copy was gathered again.
     assert [t for t, _ in record["before"]["plain"]] != [t for t, _ in record["after"]["plain"]]
     assert record["kept"] == (keep == "keep")

@@ -150,6 +150,9 @@ class CompiledHFRollout(HFRollout):
         if self.fallback_reason is None:
             result = failure = None
             try:
+                if self.copy is not None:
+                    # Collective: every rank gathers before anything that may fail on one rank alone.
+                    self.copy.refresh(self.engine)
                 result = self._fast_sample(batch, shared, params)
             except Exception as error:  # noqa: BLE001 - any failure falls back, once, loudly
                 failure = one_line(error, typed=True)[:300]
