@@ -157,8 +157,10 @@ class CompiledHFRollout(HFRollout):
             except Exception as error:  # noqa: BLE001 - any failure falls back, once, loudly
                 failure = one_line(error, typed=True)[:300]
             finally:
-                if self.copy is not None:
+                if self.copy is not None and not self.copy.keep:
+                    # Memory is short: the update gets the copy's and the caches' memory.
                     self.copy.release()
+                    self._caches.clear()
             if self.copy is not None:
                 # The ranks decode apart but fall back together: plain generate is collective.
                 others = [f for f in self.engine.dist.all_gather_objects(failure) if f]

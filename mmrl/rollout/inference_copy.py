@@ -34,7 +34,7 @@ import copy as copying
 import torch
 
 from mmrl.engine import varlen, vision_attention
-from mmrl.parallel import Dist
+from mmrl.parallel import Dist, ulysses
 
 # "auto" keeps the copy between rollouts when it takes at most 1 / KEEP_SHARE of the free
 # device memory measured before the first step: the rest is left to the update.
@@ -209,10 +209,11 @@ def _empty_copy(source: torch.nn.Module, dtype: torch.dtype, device: torch.devic
 
 def _plain_attention(config) -> None:
     """Give back the attention implementations that the engine's surgery replaced with
-    its own (`mmrl.engine.varlen`, `mmrl.engine.vision_attention`) the one they stand in
-    for, config by config: transformers builds no model on an unknown name, and the
-    copy's modules carry none of the surgery's hooks."""
-    replaced = {varlen.NAME: varlen.BASE, vision_attention.NAME: vision_attention.BASE}
+    its own (`mmrl.engine.varlen`, `mmrl.engine.vision_attention`, Ulysses') the one they
+    stand in for, config by config: transformers builds no model on an unknown name, and
+    the copy's modules carry none of the surgery's hooks (each rank decodes whole
+    sequences of its own)."""
+    replaced = {varlen.NAME: varlen.BASE, vision_attention.NAME: vision_attention.BASE, ulysses.NAME: ulysses.BASE}
     pending = [config]
     while pending:
         current = pending.pop()
