@@ -187,7 +187,8 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     # hf_compiled: HF with a static KV cache and a compiled decode step (docs/training.md);
-    # auto: hf_compiled in one GPU process for single-turn rollouts, hf elsewhere.
+    # auto: hf_compiled on a GPU (under FSDP2 on each rank's inference copy, where it fits),
+    # hf on the CPU and for families that cannot take left padding.
     backend: Literal["auto", "hf", "hf_compiled", "vllm"] = "auto"
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(16, gt=0)

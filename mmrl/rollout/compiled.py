@@ -122,6 +122,7 @@ class CompiledHFRollout(HFRollout):
     building one that does not fit raises `CopyDoesNotFit`."""
 
     backend = "hf_compiled"
+    copy: InferenceCopy | None = None  # the sharded engine's inference copy (None: one process)
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
