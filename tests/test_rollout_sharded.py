@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import FAMILIES
 from cpu_processes import run, torchrun
 
 SHARDED_ROLLOUT = '''
@@ -261,6 +262,33 @@ def test_a_copy_that_does_not_fit_says_so_in_one_line_or_fails_when_asked_for(mo
     assert make_rollout("auto", engine, built.processing, compile=False).copy.keep
     with pytest.raises(ValueError, match="rollout.inference_copy must be one of auto, keep, free"):
         inference_copy.InferenceCopy(engine, keep="sometimes")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_copy_computes_the_engines_logits(family):
+    """The copy of each zoo family's tiny model (built from its class and config on the
+    meta device, buffers copied, the surgery's attention names given back, the family's
+    on_load fix-ups, tied weights kept tied) gives the engine's model's logits to the bit
+    in fp32, on the family's sample prompts (images of two sizes for VLMs)."""
+    from mmrl import build_model
+    from mmrl.checks import sample_conversations
+    from mmrl.engine import Engine
+    from mmrl.parallel import init_distributed
+    from mmrl.rollout.inference_copy import InferenceCopy
+
+    built = build_model(family, random_init=True, seed=0)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False)
+    copy = InferenceCopy(engine, keep="free")
+    model = copy.refresh(engine)
+    assert model is not engine.model and not any(p.is_meta for p in model.parameters())
+    inputs = dict(built.processing(sample_conversations(built.adapter)))
+    with torch.no_grad():
+        expected = engine.model.eval()(**inputs).logits
+        torch.testing.assert_close(model(**inputs).logits, expected, atol=0, rtol=0)
+    tied = engine.model.get_output_embeddings().weight is engine.model.get_input_embeddings().weight
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    copy.release()
+    assert copy.resident_bytes() == 0 and not copy.fresh
 
 
 def test_the_recipe_field_reaches_the_compiled_rollout():

@@ -102,7 +102,8 @@ class InferenceCopy:
         if keep == "auto":
             keep = "keep" if self.free_bytes is None or self.bytes * KEEP_SHARE <= self.free_bytes else "free"
         self.keep = keep == "keep"
-        self.model = _empty_copy(engine.model, self.dtype, self.dist.device)
+        # The fix-ups every built or loaded model of the family gets (`mmrl.build`).
+        self.model = engine.adapter.on_load(_empty_copy(engine.model, self.dtype, self.dist.device))
         if engine.vision_one_call:  # the prefill's vision tower as fast as the engine's
             vision_attention.install(self.model)
         self.fresh = False  # whether the copy holds the engine's current weights
