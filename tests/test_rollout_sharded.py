@@ -296,6 +296,34 @@ def test_every_familys_copy_computes_the_engines_logits(family):
     assert copy.resident_bytes() == 0 and not copy.fresh
 
 
+def test_the_memory_the_first_update_will_take_counts_against_the_copy(monkeypatch):
+    """Measured before the first step, free memory does not yet hold AdamW's moments (kept
+    from the first update on) nor the gradients (during each update): the copy must fit
+    beside the moments, and "auto" keeps it only with room beside the gradients too."""
+    from mmrl import build_model
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine
+    from mmrl.parallel import init_distributed
+    from mmrl.rollout import inference_copy
+    from mmrl.rollout.inference_copy import CopyDoesNotFit, InferenceCopy, pending_training_bytes
+
+    built = build_model("qwen2", random_init=True, seed=0)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, optim=OptimConfig())
+    trainable = sum(p.numel() for p in {id(p): p for p in built.model.parameters() if p.requires_grad}.values())
+    moments, gradients = pending_training_bytes(engine)
+    assert (moments, gradients) == (8 * trainable, 4 * trainable)
+    total, largest = inference_copy.copy_bytes(engine, torch.float32)
+    monkeypatch.setattr(inference_copy, "free_memory", lambda device: total + largest + moments - 1)
+    with pytest.raises(CopyDoesNotFit):
+        InferenceCopy(engine)
+    monkeypatch.setattr(inference_copy, "free_memory", lambda device: 2 * total + moments + gradients - 1)
+    assert not InferenceCopy(engine).keep
+    monkeypatch.setattr(inference_copy, "free_memory", lambda device: 2 * total + moments + gradients)
+    assert InferenceCopy(engine).keep
+    frozen = Engine(build_model("qwen2", random_init=True, seed=0), init_distributed("cpu"))
+    assert pending_training_bytes(frozen) == (0, 0)
+
+
 def test_the_recipe_field_reaches_the_compiled_rollout():
     from mmrl.config import load_recipe
 

@@ -22,9 +22,11 @@ second model. LoRA adapters are merged into their layers' weights as
 `keep`: "keep" holds the copy between rollouts and refreshes it in place (a compiled CUDA
 graph replays on the same addresses); "free" releases its storage after each rollout
 (the next refresh allocates it again, so CUDA graphs record anew); "auto" keeps it when
-it takes at most 1 / KEEP_SHARE of the free memory measured at the start, and always on
-the CPU. Where the copy and the largest gathered tensor do not fit in the free GPU memory
-of every rank, building one raises `CopyDoesNotFit` (its message is one line).
+it takes at most 1 / KEEP_SHARE of the free memory measured at the start, less what the
+first update will add (AdamW's moments and the gradients of the trainable shards), and
+always on the CPU. Where the copy and the largest gathered tensor do not fit in the free
+GPU memory of every rank (less AdamW's moments), building one raises `CopyDoesNotFit`
+(its message is one line).
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def copy_bytes(engine, dtype: torch.dtype) -> tuple[int, int]:
     return total, largest
 
 
+def pending_training_bytes(engine) -> tuple[int, int]:
+    """Bytes this rank's training state will take once the first update runs, beside the
+    free memory measured before it: AdamW's two fp32 moments of each trainable shard (kept
+    from then on, so they are there at every later rollout), and its fp32 gradients (during
+    each update only). (0, 0) for an engine that does not train or has stepped already."""
+    stepper = getattr(engine, "stepper", None)
+    if stepper is None or len(stepper.optimizer.state):
+        return 0, 0
+    shard = sum(_local(p).numel() for p in engine.parameters() if p.requires_grad) * 4
+    return 2 * shard, shard
+
+
 def free_memory(device: torch.device) -> int | None:
     """Bytes a new allocation on `device` can take: the driver's free memory and the
     blocks torch's allocator holds unused; None off CUDA (not measured)."""
@@ -92,6 +106,9 @@ class InferenceCopy:
         self.dtype = copy_dtype(engine)
         self.bytes, gather_bytes = copy_bytes(engine, self.dtype)
         free = free_memory(self.dist.device)
+        moments, gradients = pending_training_bytes(engine)
+        if free is not None:
+            free -= moments  # AdamW's state, there from the first update on
         frees = [f for f in self.dist.all_gather_objects(free) if f is not None]
         self.free_bytes = min(frees) if frees else None  # the fullest rank's
         if self.free_bytes is not None and self.bytes + gather_bytes > self.free_bytes:
@@ -100,7 +117,9 @@ class InferenceCopy:
                 f"{str(self.dtype).removeprefix('torch.')}, plus {_size(gather_bytes)} to gather) does not "
                 f"fit in the free GPU memory of every rank ({_size(self.free_bytes)} on the fullest)")
         if keep == "auto":
-            keep = "keep" if self.free_bytes is None or self.bytes * KEEP_SHARE <= self.free_bytes else "free"
+            # Kept, the copy is there during the update too, beside the gradients.
+            room = None if self.free_bytes is None else self.free_bytes - gradients
+            keep = "keep" if room is None or self.bytes * KEEP_SHARE <= room else "free"
         self.keep = keep == "keep"
         # The fix-ups every built or loaded model of the family gets (`mmrl.build`).
         self.model = engine.adapter.on_load(_empty_copy(engine.model, self.dtype, self.dist.device))
@@ -238,6 +257,13 @@ def _unique_parameters(model: torch.nn.Module, names: bool = True):
             yield (name, parameter) if names else parameter
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly sharded) parameter."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of a (possibly sharded) parameter: an all-gather for a DTensor."""
     from torch.distributed.tensor import DTensor
@@ -280,4 +306,5 @@ def _size(count: int) -> str:
     return f"{count / _GIB:.1f} GiB" if count >= _GIB // 10 else f"{count / 1024 ** 2:.1f} MiB"
 
 
-__all__ = ["CopyDoesNotFit", "InferenceCopy", "KEEP_CHOICES", "copy_bytes", "copy_dtype", "describe", "free_memory"]
+__all__ = ["CopyDoesNotFit", "InferenceCopy", "KEEP_CHOICES", "copy_bytes", "copy_dtype", "describe", "free_memory",
+           "pending_training_bytes"]
