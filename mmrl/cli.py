@@ -530,7 +530,7 @@ def add_model(
         return
     if model_type is None:
         fail("give a MODEL_TYPE to scaffold, or --sweep")
-    from mmrl.scaffold import CHECKED, ScaffoldError, scaffold
+    from mmrl.scaffold import COLUMNS, ScaffoldError, scaffold
 
     try:
         result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify)
@@ -547,7 +547,7 @@ def add_model(
         for path in result.written:
             console.print(f"  {path}", highlight=False)
     if result.capabilities is not None:
-        passed = [name for name in CHECKED if getattr(result.capabilities, name)]
+        passed = [name for name in COLUMNS if getattr(result.capabilities, name)]
         console.print("verified on the tiny model: " + ", ".join(passed), highlight=False)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
