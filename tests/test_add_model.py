@@ -194,8 +194,10 @@ def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt)
     assert (package / "processing.py").is_file()
     source = (package / f"{VLM_TYPE}.py").read_text()
     assert "Fill in by hand" not in source
-    # Its quick checks ran the media-sharing probe on a family the zoo never saw.
+    # Its quick checks ran the media-sharing probe on a family the zoo never saw, and its
+    # depth probes Ulysses over 2 processes and an image arriving in turn 3.
     assert "media_sharing=True" in source
+    assert "sequence_parallel=True" in source and "multi_turn=True" in source, source
 
     load_plugin(f"mmrl_{VLM_TYPE}.{VLM_TYPE}")
     adapter = get_adapter(VLM_TYPE)
