@@ -501,6 +501,8 @@ def add_model(
     force: bool = typer.Option(False, "--force", help="Overwrite files that exist."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the quick checks on the tiny model and "
                                 "declare only the capabilities that pass (default)."),
+    depth: bool = typer.Option(True, "--depth/--no-depth", help="With --verify: also run the video, Ulysses "
+                               "(2 processes) and multi-turn probes and declare what passes (minutes)."),
     sweep: bool = typer.Option(False, "--sweep", help="Instead of one type, run the coverage sweep over every "
                                "causal-LM and image-text-to-text type (resumable) and write COVERAGE."),
     types: str = typer.Option(None, "--types", help="With --sweep: only these comma-separated types.", metavar="LIST"),
@@ -533,7 +535,8 @@ def add_model(
     from mmrl.scaffold import COLUMNS, ScaffoldError, scaffold
 
     try:
-        result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify)
+        result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify,
+                          depth=depth)
     except ScaffoldError as exc:
         fail(str(exc))
     if dry_run:

@@ -37,7 +37,7 @@ def zoo_checks(family: str):
 
 
 def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
-    result = add_model(TEXT_TYPE, "--out", str(plugin_path))
+    result = add_model(TEXT_TYPE, "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     package = plugin_path / f"mmrl_{TEXT_TYPE}"
     adapter_file = package / f"{TEXT_TYPE}.py"
@@ -70,7 +70,7 @@ def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_pa
     positions. The scaffold declares left_padding = False (a right-padded batch matches),
     the zoo's padded-batch test passes on the adapter unedited, and the engine's log-probs
     of a batch equal each sequence's alone."""
-    result = add_model("rwkv", "--out", str(plugin_path))
+    result = add_model("rwkv", "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     load_plugin("mmrl_rwkv.rwkv")
@@ -117,7 +117,7 @@ def test_a_type_without_a_processor_class_takes_the_one_of_the_model_it_derives_
     assert _derived_from(CONFIG_MAPPING["fast_vlm"]) == ["llava"]
     assert _processor_class("glm_ocr", CONFIG_MAPPING["glm_ocr"]).__name__ == "Glm4vProcessor"
     assert _processor_class("qwen2_vl", CONFIG_MAPPING["qwen2_vl"]).__name__ == "Qwen2VLProcessor"  # the table first
-    result = add_model("glm_ocr", "--out", str(plugin_path))
+    result = add_model("glm_ocr", "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     load_plugin("mmrl_glm_ocr.glm_ocr")
@@ -354,7 +354,7 @@ def test_image_processor_sizes_follow_a_height_width_tower_size():
 ])
 def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, own_positions, plugin_path,
                                                  tmp_ckpt):
-    result = add_model(model_type, "--out", str(plugin_path))
+    result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     family = model_type.replace("-", "_")
@@ -382,7 +382,7 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
 ])
 def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need(model_type, rule, plugin_path,
                                                                                tmp_ckpt):
-    result = add_model(model_type, "--out", str(plugin_path))
+    result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     package = plugin_path / f"mmrl_{model_type}"

@@ -79,10 +79,12 @@ def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Ite
 
 def scaffold(model_type: str, *, family: str | None = None, out: str | Path | None = None,
              dry_run: bool = False, force: bool = False, check: bool = True,
-             on_stage: Callable[[str], None] | None = None, replace_registered: bool = False) -> Result:
+             on_stage: Callable[[str], None] | None = None, replace_registered: bool = False,
+             depth: bool = True) -> Result:
     """Resolve, shrink, inspect, verify, render and write a family; see the module
     docstring. `replace_registered` scaffolds a type the registry already holds (its
-    family is unregistered in this process first; the coverage sweep uses it)."""
+    family is unregistered in this process first; the coverage sweep uses it);
+    `depth=False` stops after the quick checks (the depth probes take minutes)."""
     from mmrl.scaffold.discover import inspect_family
     from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
     from mmrl.scaffold.render import render_adapter, render_processing, render_test
@@ -91,7 +93,8 @@ def scaffold(model_type: str, *, family: str | None = None, out: str | Path | No
     from mmrl.scaffold.verify import verify
 
     with quiet_transformers():
-        return _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered)
+        return _scaffold(model_type, family, out, dry_run, force, check and depth, check, on_stage,
+                         replace_registered)
 
 
 @contextlib.contextmanager
@@ -108,7 +111,7 @@ def quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered) -> Result:
+def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stage, replace_registered) -> Result:
     from mmrl.scaffold.depth import Depth, verify_depth
     from mmrl.scaffold.discover import inspect_family
     from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
@@ -137,7 +140,7 @@ def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_
     if check:
         with stage_limit("verify", on_stage):
             verified = verify(discovery, layout, notes, gaps)
-    if verified is not None:
+    if verified is not None and run_depth:
         depth = Depth(verified)
         try:
             with stage_limit("depth", on_stage):

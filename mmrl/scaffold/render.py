@@ -104,9 +104,9 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
               if (getattr(verified, name) or getattr(defaults, name))
               and (d.resolved.is_vision_language or name not in VISION_ONLY)]
     lines = [
-        "    # What `mmrl add-model` verified on the tiny model (its quick checks, then the video,",
-        "    # sequence_parallel and multi_turn probes). fsdp2 and critic are claimed by default;",
-        f"    # claim vllm once `mmrl support-matrix --family {d.family}` verifies it.",
+        "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by default;",
+        f"    # claim vllm once `mmrl support-matrix --family {d.family}` verifies it (and video,",
+        "    # sequence_parallel and multi_turn, where the scaffold ran with --no-depth).",
     ]
     for gap in gaps:
         lines += textwrap.wrap(f"Not declared: {gap.column} ({gap.cause}); to claim it, {gap.write}.", 92,

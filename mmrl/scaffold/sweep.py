@@ -17,8 +17,9 @@ capability columns they lack existed, are run again.
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
 then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply. A type takes about 1-3 minutes on 2 CPU cores (the two
-torchrun launches of the depth probes are most of it).
+where it does not apply. A green type takes about 2 (causal LM) to 4.5 (image-text-to-
+text) minutes on a shared 2-core host, most of it the depth probes' torchrun launches:
+the whole sweep runs about 4.5 hours with `--workers 2` (docs/adding_a_model.md).
 """
 
 from __future__ import annotations
