@@ -524,6 +524,8 @@ def add_model(
     force: bool = typer.Option(False, "--force", help="Overwrite files that exist."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the quick checks on the tiny model and "
                                 "declare only the capabilities that pass (default)."),
+    depth: bool = typer.Option(True, "--depth/--no-depth", help="With --verify: also run the video, Ulysses "
+                               "(2 processes) and multi-turn probes and declare what passes (minutes)."),
     sweep: bool = typer.Option(False, "--sweep", help="Instead of one type, run the coverage sweep over every "
                                "causal-LM and image-text-to-text type (resumable) and write COVERAGE."),
     types: str = typer.Option(None, "--types", help="With --sweep: only these comma-separated types.", metavar="LIST"),
@@ -553,10 +555,11 @@ def add_model(
         return
     if model_type is None:
         fail("give a MODEL_TYPE to scaffold, or --sweep")
-    from mmrl.scaffold import CHECKED, ScaffoldError, scaffold
+    from mmrl.scaffold import COLUMNS, ScaffoldError, scaffold
 
     try:
-        result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify)
+        result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify,
+                          depth=depth)
     except ScaffoldError as exc:
         fail(str(exc))
     if dry_run:
@@ -570,7 +573,7 @@ def add_model(
         for path in result.written:
             console.print(f"  {path}", highlight=False)
     if result.capabilities is not None:
-        passed = [name for name in CHECKED if getattr(result.capabilities, name)]
+        passed = [name for name in COLUMNS if getattr(result.capabilities, name)]
         console.print("verified on the tiny model: " + ", ".join(passed), highlight=False)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)

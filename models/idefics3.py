@@ -34,7 +34,7 @@ class Idefics3(VisionLanguageAdapter):
     # vLLM's module tree matches the HF checkpoint names (model.text_model, ...).
     rollout = Rollout(vllm_architecture="Idefics3ForConditionalGeneration")
     capabilities = Capabilities(
-        single_image=True, multi_image=True, lora_vision=True, vllm=True, sequence_parallel=True,
+        single_image=True, multi_image=True, lora_vision=True, vllm=True, sequence_parallel=True, multi_turn=True,
     )
     processing = "mmrl.processors.idefics3:Idefics3Processing"
     flavour = IDEFICS3

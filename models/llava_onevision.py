@@ -40,6 +40,7 @@ class LlavaOnevision(VisionLanguageAdapter):
     )
     capabilities = Capabilities(
         single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+        multi_turn=True,
     )
     processing = "mmrl.processors.llava_onevision:LlavaOnevisionProcessing"
 

@@ -17,6 +17,7 @@ class SmolVLM(Idefics3):
     modalities = ("text", "image", "video")
     capabilities = Capabilities(
         single_image=True, multi_image=True, video=True, lora_vision=True, vllm=True, sequence_parallel=True,
+        multi_turn=True,
     )
     processing = "mmrl.processors.idefics3:SmolVLMProcessing"
     flavour = SMOLVLM

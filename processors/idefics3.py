@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mmrl.processing import Processing, media_kinds
+from mmrl.processing import Processing, media_kinds, stack_media
 from mmrl.tiny import as_loaded, char_tokenizer, tiny_text_config
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -130,6 +130,14 @@ class Idefics3Processing(Processing):
     Idefics3 rescales every image (small ones too) to that one longest edge, so the
     token count depends on `max_pixels` and the aspect ratio only; `min_pixels` has no
     separate setting and is ignored. A budget below one tile gives one unsplit tile.
+
+    An assistant's text is written right after `Assistant:`, as the model wrote it. The
+    checkpoints' template writes `Assistant: ` + text, while generation is prompted with
+    `Assistant:` and the model samples the space itself (most often inside its first
+    token); a sampled turn rendered back through that template gained a space it never
+    sampled whenever it did not open with one, and the agent loop had to end the sample
+    (the prefix rule, `mmrl.rollout.agent`). A hand-written assistant turn therefore
+    opens with the space the model would write (" Yes.").
     """
 
     def image_kwargs(self) -> dict[str, Any]:
@@ -139,15 +147,49 @@ class Idefics3Processing(Processing):
         edge = max(1, math.isqrt(self.max_pixels) // tile) * tile
         return {"size": {"longest_edge": edge}}
 
+    def render(self, conversation, add_generation_prompt: bool = True) -> str:
+        texts: dict[str, str] = {}
+        marked = []
+        for message in conversation:
+            text = _text_only(message) if message.get("role") == "assistant" else None
+            if text is None:
+                marked.append(message)
+                continue
+            marker = f"{_MARKER}{len(texts)}{_MARKER}"
+            texts[marker] = text
+            marked.append({**message, "content": marker})
+        rendered = super().render(marked, add_generation_prompt)
+        for marker, text in texts.items():
+            # The template's own separator before the text goes; the text keeps its own.
+            rendered = rendered.replace(f" {marker}", marker, 1).replace(marker, text, 1)
+        return rendered
+
+
+# Stands in for an assistant's text while the template renders (no template writes it).
+_MARKER = "\u2063MMRL-ASSISTANT\u2063"
+
+
+def _text_only(message: dict) -> str | None:
+    """A message's text when it holds text alone (a string or text parts), else None."""
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return content
+    if all(part.get("type") == "text" for part in content):
+        return "".join(part.get("text", "") for part in content)
+    return None
+
 
 class SmolVLMProcessing(Idefics3Processing):
     """SmolVLM also reads videos, nested one list per sample.
 
     Its processor writes image tiles and video frames to the same `pixel_values`, so in
-    one call the videos' overwrite the images'. A batch that mixes image prompts and
-    video prompts is therefore processed a prompt at a time and joined: ids padded on
-    the padding side, tiles and frames padded with all-zero ones, which the model drops
-    as it drops the processor's own padding."""
+    one call the videos' overwrite the images' (the text it expands is right). A batch
+    that holds both kinds is therefore processed a prompt at a time and joined: ids
+    padded on the padding side, tiles and frames padded with all-zero ones, which the
+    model drops as it drops the processor's own padding. A prompt holding both gets its
+    `pixel_values` from each image and video processed alone, in the order the prompt
+    places them: the order in which the model fills the `<image>` placeholders of
+    tiles and frames."""
 
     def arrange_videos(self, videos: list[list[Any]]) -> list[Any]:
         return videos
@@ -163,9 +205,7 @@ class SmolVLMProcessing(Idefics3Processing):
         kinds = [media_kinds(c) for c in conversations]
         if not (any("image" in k for k in kinds) and any("video" in k for k in kinds)):
             return super().__call__(conversations, add_generation_prompt)
-        if any(len(k) == 2 for k in kinds):
-            raise ValueError("SmolVLM's processor cannot take images and a video in one prompt")
-        rows = [dict(super(SmolVLMProcessing, self).__call__([c], add_generation_prompt)) for c in conversations]
+        rows = [self._one_prompt(c, add_generation_prompt) for c in conversations]
         # A text-only prompt gets one all-zero tile, the processor's own padding.
         for key in {k for r in rows for k in r}:
             template = next(r[key] for r in rows if key in r)
@@ -174,3 +214,15 @@ class SmolVLMProcessing(Idefics3Processing):
         from transformers import BatchFeature
 
         return BatchFeature(data=self.collate(rows))
+
+    def _one_prompt(self, conversation, add_generation_prompt: bool) -> dict:
+        batch = dict(super().__call__([conversation], add_generation_prompt))
+        if len(media_kinds(conversation)) < 2:
+            return batch
+        pieces = [dict(super(SmolVLMProcessing, self).__call__([[{"role": "user", "content": [part]}]]))
+                  for message in conversation if not isinstance(message.get("content", ""), str)
+                  for part in message["content"] if part.get("type") in ("image", "video")]
+        for key in ("pixel_values", "pixel_attention_mask"):
+            if key in batch:
+                batch[key] = stack_media([p[key][0] for p in pieces]).unsqueeze(0)
+        return batch

@@ -1,8 +1,8 @@
 """LLaVA-OneVision input processing, chat template and tiny offline processor.
 
-A single image per prompt is cut into "anyres" tiles on the best of `image_grid_pinpoints`
-plus a base tile; prompts with several images get one padded-square tile each; videos
-are frames pooled 2x2. The model recomputes the tiling from `image_sizes` and its own
+Each image is cut into "anyres" tiles on the best of `image_grid_pinpoints` plus a base
+tile (also in prompts of several images: `LlavaOnevisionProcessing`); videos are frames
+pooled 2x2. The model recomputes the tiling from `image_sizes` and its own
 config's pinpoints, so processor and config must carry the same pinpoints.
 """
 
@@ -107,9 +107,18 @@ class LlavaOnevisionProcessing(Processing):
     """Pixel budget by rescaling each image into [min_pixels, max_pixels] before the
     processor tiles it: the anyres grid (and so the token count) follows the image
     size, and the model re-derives that grid from `image_sizes` and the pinpoints of
-    its config, which a per-call pinpoint list would contradict."""
+    its config, which a per-call pinpoint list would contradict.
+
+    Every image is laid out in anyres tiles, however many the prompt holds. transformers
+    gives a prompt of several images one base tile each (`batch_num_images`), so an
+    image arriving mid-conversation re-laid out the images before it: the opening turn
+    became other tokens and no multi-turn sample could keep the context it was sampled
+    in (the prefix rule, `mmrl.rollout.agent`). Handed over as one image per entry, each
+    image's tokens depend on that image alone, as vLLM counts them too; the processor
+    then records one image per entry in `batch_num_images`, which tells the model to
+    tile each one the same way."""
 
     def arrange_images(self, images: list[list[Any]]) -> list[Any]:
-        if self.min_pixels is None and self.max_pixels is None:
-            return images
-        return [[fit_pixel_budget(i, self.min_pixels, self.max_pixels) for i in sample] for sample in images]
+        if self.min_pixels is not None or self.max_pixels is not None:
+            images = [[fit_pixel_budget(i, self.min_pixels, self.max_pixels) for i in sample] for sample in images]
+        return [image for sample in images for image in sample]

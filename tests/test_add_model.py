@@ -37,7 +37,7 @@ def zoo_checks(family: str):
 
 
 def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
-    result = add_model(TEXT_TYPE, "--out", str(plugin_path))
+    result = add_model(TEXT_TYPE, "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     package = plugin_path / f"mmrl_{TEXT_TYPE}"
     adapter_file = package / f"{TEXT_TYPE}.py"
@@ -70,7 +70,7 @@ def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_pa
     positions. The scaffold declares left_padding = False (a right-padded batch matches),
     the zoo's padded-batch test passes on the adapter unedited, and the engine's log-probs
     of a batch equal each sequence's alone."""
-    result = add_model("rwkv", "--out", str(plugin_path))
+    result = add_model("rwkv", "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     load_plugin("mmrl_rwkv.rwkv")
@@ -117,7 +117,7 @@ def test_a_type_without_a_processor_class_takes_the_one_of_the_model_it_derives_
     assert _derived_from(CONFIG_MAPPING["fast_vlm"]) == ["llava"]
     assert _processor_class("glm_ocr", CONFIG_MAPPING["glm_ocr"]).__name__ == "Glm4vProcessor"
     assert _processor_class("qwen2_vl", CONFIG_MAPPING["qwen2_vl"]).__name__ == "Qwen2VLProcessor"  # the table first
-    result = add_model("glm_ocr", "--out", str(plugin_path))
+    result = add_model("glm_ocr", "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     load_plugin("mmrl_glm_ocr.glm_ocr")
@@ -194,8 +194,10 @@ def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt)
     assert (package / "processing.py").is_file()
     source = (package / f"{VLM_TYPE}.py").read_text()
     assert "Fill in by hand" not in source
-    # Its quick checks ran the media-sharing probe on a family the zoo never saw.
+    # Its quick checks ran the media-sharing probe on a family the zoo never saw, and its
+    # depth probes Ulysses over 2 processes and an image arriving in turn 3.
     assert "media_sharing=True" in source
+    assert "sequence_parallel=True" in source and "multi_turn=True" in source, source
 
     load_plugin(f"mmrl_{VLM_TYPE}.{VLM_TYPE}")
     adapter = get_adapter(VLM_TYPE)
@@ -255,7 +257,10 @@ def test_coverage_sweep_slice_writes_rows_and_resumes(tmp_path):
     rows = {r["model_type"]: r for r in first["types"]}
     assert set(rows) == {TEXT_TYPE, "bert"} and first["transformers"]
     assert rows[TEXT_TYPE]["status"] == "green" and rows[TEXT_TYPE]["in_scope"]
-    assert {"generation", "padding_free"} <= set(rows[TEXT_TYPE]["capabilities"])
+    assert {"generation", "padding_free", "sequence_parallel"} <= set(rows[TEXT_TYPE]["capabilities"])
+    # A column per capability: Ulysses over 2 gloo processes verified; no media columns for text.
+    assert rows[TEXT_TYPE]["columns"]["sequence_parallel"] == "yes"
+    assert rows[TEXT_TYPE]["columns"]["multi_turn"] == rows[TEXT_TYPE]["columns"]["single_image"] == "n/a"
     assert rows["bert"] == {**rows["bert"], "in_scope": False, "status": "out-of-scope", "scope_rule": "encoder"}
     assert first["summary"]["causal_lm"]["in_scope"] == 1 and first["summary"]["causal_lm"]["green"] == 1
 
@@ -349,7 +354,7 @@ def test_image_processor_sizes_follow_a_height_width_tower_size():
 ])
 def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, own_positions, plugin_path,
                                                  tmp_ckpt):
-    result = add_model(model_type, "--out", str(plugin_path))
+    result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     family = model_type.replace("-", "_")
@@ -377,7 +382,7 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
 ])
 def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need(model_type, rule, plugin_path,
                                                                                tmp_ckpt):
-    result = add_model(model_type, "--out", str(plugin_path))
+    result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
     assert result.exit_code == 0, result.output
     assert "fill in" not in result.output, result.output
     package = plugin_path / f"mmrl_{model_type}"
@@ -403,7 +408,7 @@ def test_a_framed_placeholder_must_expand_not_just_pass_through():
     # and must not be taken for the placeholder.
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     with quiet_transformers():
         plan = tiny_model_inputs(resolve("qianfan_ocr")).media
@@ -415,7 +420,7 @@ def test_composite_config_width_follows_the_tiny_text_model():
     # Ovis2Config's defaults: a 1536-wide top level over a 4096-wide text default.
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     with quiet_transformers():
         config = tiny_model_inputs(resolve("ovis2")).config
@@ -569,7 +574,8 @@ def test_a_stack_left_all_linear_attention_gets_one_attention_layer_as_a_last_tr
     """Hybrids whose default config holds no attention layer: the per-layer kinds (or an
     unset list of attention-layer indexes) name the last tiny layer attention, only when
     asked (the scaffold's last candidate); a pure state-space config is left as it is."""
-    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+    from mmrl.scaffold.shrink import tiny_text_values
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
     from mmrl.scaffold.resolve import resolve
 
     assert "layer_types" not in tiny_text_values("GraniteMoeHybridConfig") or set(
@@ -616,7 +622,8 @@ def test_expert_counts_left_unset_by_default_get_tiny_values_as_a_later_try():
     tiny ones, only when asked (after the default's own None failed: None can also mean
     a dense model)."""
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+    from mmrl.scaffold.shrink import tiny_text_values
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     # Dots1Config leaves n_routed_experts and n_shared_experts None; its experts are sized by them.
     assert "n_routed_experts" not in tiny_text_values("Dots1Config")
@@ -666,7 +673,8 @@ def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
     derived them) are left out, only when asked: each shrunk on its own by name, they can
     break the sum the class keeps (query/key width = plain + rotary part)."""
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs, tiny_text_values
+    from mmrl.scaffold.shrink import tiny_text_values
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     assert tiny_text_values("LongcatFlashConfig")["qk_head_dim"] == 32  # 32 + 32 by its parts
     assert "qk_head_dim" not in tiny_text_values("LongcatFlashConfig", derived=True)
@@ -683,7 +691,8 @@ def test_a_composite_that_is_its_own_text_config_holds_its_tower_inside_the_text
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.discover import _vision_parts
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import build_tiny, tiny_model_inputs
+    from mmrl.scaffold.shrink import build_tiny
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     expected = {"git": ("git", ("git.image_encoder",), ("git.visual_projection",)),
                 "idefics": ("model", ("model.vision_model",), ())}  # Idefics needs an image in every pass
@@ -768,7 +777,7 @@ def test_layers_reused_over_cycles_are_found_by_the_configs_per_stack_count():
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.discover import _other_layer_counts, inspect_family
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     config = transformers.HrmTextConfig(num_hidden_layers=2)
     assert config.num_hidden_layers == 16 and _other_layer_counts(config) == [2]
@@ -798,3 +807,96 @@ def test_a_composite_whose_validator_ties_a_tower_field_to_its_own_gets_them_equ
     assert kept["vision_config"]["video_temporal_patch_size"] == 2
     assert config_cls(**kept).vision_config.video_temporal_patch_size == 2
     assert _shared_values_kept(config_cls, "vision_config", kept) is None  # nothing left to set
+
+
+def test_a_depth_probe_that_fails_leaves_its_capability_undeclared_with_why(tmp_path, monkeypatch):
+    """The depth stage runs the probes beyond the quick checks through the probe table
+    and declares what verified; a failing one (here sequence_parallel, made to fail) is
+    left out, and the adapter, the notes and the result name the column, the cause and
+    what to write by hand."""
+    import mmrl.probes
+    from mmrl.probes import ProbeResult, Status
+    from mmrl.scaffold import scaffold
+
+    real = mmrl.probes.probe
+    ran = []
+
+    def probe(feature):
+        ran.append(feature)
+        if feature != "sequence_parallel":
+            return real(feature)
+
+        class Failing:
+            def run(self, subject):
+                assert type(subject.adapter).__module__.startswith("_mmrl_depth_adapter_")
+                assert subject.adapter.capabilities.sequence_parallel  # the candidate is claimed while probed
+                return ProbeResult(Status.FAILED, "log-probs differ by 3e-02 (made to fail)")
+        return Failing()
+
+    monkeypatch.setattr(mmrl.probes, "probe", probe)
+    result = scaffold(TEXT_TYPE, out=tmp_path)
+    assert ran == ["sequence_parallel"]  # a text type: no video, no multi_turn
+    assert not result.capabilities.sequence_parallel and result.capabilities.padding_free
+    assert "sequence_parallel" in result.decided and "multi_turn" not in result.decided
+    [gap] = [g for g in result.gaps if g.column == "sequence_parallel"]
+    assert "made to fail" in gap.cause and "SequenceParallel" in gap.write
+    assert any(n.startswith("sequence_parallel not declared: log-probs differ") for n in result.notes)
+    source = (tmp_path / f"mmrl_{TEXT_TYPE}" / f"{TEXT_TYPE}.py").read_text()
+    assert "# Not declared: sequence_parallel (log-probs differ" in source
+    assert "sequence_parallel=True" not in source
+
+
+def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path):
+    """coverage.json's rows carry a column per capability; the page counts each column's
+    green types per table, marks every type's cells and lists the gaps; a row recorded
+    before the columns existed is not current (the sweep runs it again)."""
+    from mmrl.scaffold import COLUMNS
+    from mmrl.scaffold.sweep import Row, is_current, write_document
+
+    columns = {c: "yes" for c in COLUMNS} | {"multi_turn": "no", "video": "n/a"}
+    gap = {"column": "multi_turn", "cause": "the opening turn is processed into other tokens", "write": "fix it"}
+    rows = {
+        "new": Row("new", "image_text_to_text", True, "green", "tests", "",
+                   capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap]),
+        "old": Row("old", "image_text_to_text", True, "green", "tests", "", capabilities=["generation", "single_image"]),
+        "lm": Row("lm", "causal_lm", True, "green", "tests", "", capabilities=["generation", "sequence_parallel"],
+                  columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"}),
+        "broken": Row("broken", "causal_lm", True, "model-init", "model", "it broke"),
+    }
+    assert [is_current(r) for r in rows.values()] == [True, False, True, True]
+    document = write_document(tmp_path / "coverage.json", rows, "5.19.0")
+    vlm = document["summary"]["image_text_to_text"]
+    assert vlm["declared"]["single_image"] == 2 and vlm["declared"]["multi_turn"] == 0
+    assert vlm["green_with_columns"] == 1
+    assert document["summary"]["causal_lm"]["declared"]["sequence_parallel"] == 1
+    page = (tmp_path / "coverage.md").read_text()
+    assert "| `sequence_parallel` | 1 of 1 (100%) | 1 of 2 (50%) |" in page
+    assert "| `multi_turn` | 0 of 1 (0%) | 0 of 2 (0%) |" in page
+    new = next(line for line in page.splitlines() if line.startswith("| `new` |"))
+    assert new.count("✓") == len(COLUMNS) - 2 and "✗" in new and "–" in new
+    assert "- `new` **multi_turn**: the opening turn is processed into other tokens; to claim it, fix it." in page
+    assert "it broke" in next(line for line in page.splitlines() if line.startswith("| `broken` |"))
+
+
+def test_the_scaffold_has_no_import_cycle():
+    """No module of mmrl/scaffold imports (at the top or inside a function) one that
+    imports it back, directly or through others (issue 29: the stage modules once
+    formed a cycle of five)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "mmrl" / "scaffold"
+    names = {p.stem: f"mmrl.scaffold.{p.stem}" if p.stem != "__init__" else "mmrl.scaffold" for p in folder.glob("*.py")}
+    modules = set(names.values())
+    graph = {}
+    for stem, name in names.items():
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{stem}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {t for t in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if t in modules}
+        graph[name] = found - {name}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
+
+    assert [m for m in sorted(modules) if reaches(m, m)] == []

@@ -48,11 +48,10 @@ def _setup(family):
     return built, engine
 
 
-# LLaVA-OneVision's processor lays the first image out in fewer tokens once a second
-# image is in the conversation (multi-image mode), and the Idefics3 / SmolVLM templates
-# write a space before the assistant's text that a random policy's turn lacks: in both,
-# the conversation so far does not stay a prefix, and samples end there (tests below).
-PREFIX_STAYS = [f for f in VLM_FAMILIES if f not in ("llava_onevision", "idefics3", "smolvlm")]
+# Every zoo VLM keeps the prefix rule: LLaVA-OneVision lays each image out alone (not in
+# transformers' multi-image mode) and Idefics3 / SmolVLM write an assistant's text as
+# sampled, with no space of the template's before it (processors/*.py).
+PREFIX_STAYS = VLM_FAMILIES
 
 
 @pytest.mark.parametrize("family", PREFIX_STAYS)
@@ -145,9 +144,15 @@ def test_token_budget_drops_whole_turns():
         agent.generate(_rows()[:1], SamplingParams(n=1, max_new_tokens=64))
 
 
-def test_a_second_image_that_changes_the_first_ends_the_sample():
-    """LLaVA-OneVision: the reply image would change the opening image's placeholders
-    (the context the first turn was sampled in), so the sample ends after that turn."""
+def test_a_second_image_that_changes_the_first_ends_the_sample(monkeypatch):
+    """A processor that lays the first image out anew once a second one is in the
+    conversation (transformers' multi-image mode for LLaVA-OneVision, which the family's
+    processing no longer uses) changes the context the first turn was sampled in, so the
+    sample ends after that turn."""
+    from mmrl.processing import Processing
+    from mmrl.processors.llava_onevision import LlavaOnevisionProcessing
+
+    monkeypatch.setattr(LlavaOnevisionProcessing, "arrange_images", Processing.arrange_images)
     built, engine = _setup("llava_onevision")
     torch.manual_seed(0)
     agent = AgentRollout(make_rollout("hf", engine, built.processing), built.processing,
@@ -165,22 +170,42 @@ def test_a_second_image_that_changes_the_first_ends_the_sample():
     torch.testing.assert_close(logp[seqs.response_mask.bool()], sampler, atol=2e-4, rtol=0)
 
 
+def test_an_image_in_a_later_turn_leaves_the_opening_tokens_alone():
+    """LLaVA-OneVision: the opening turn processes to the same tokens once a reply image
+    is in the conversation (each image in anyres tiles, whatever the count)."""
+    built, _ = _setup("llava_onevision")
+    processing = built.processing
+    opening = ImageReplies().reset(_rows()[0])
+    reply, _, _ = ImageReplies("user").step(opening)
+    alone = processing([opening])["input_ids"][0].tolist()
+    after = processing([[*opening, {"role": "assistant", "content": "ab"}, *reply]])
+    real = after["attention_mask"][0].bool()
+    assert after["input_ids"][0][real][:len(alone)].tolist() == alone
+    assert after["batch_num_images"].tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
-def test_text_the_template_writes_before_the_answer_is_given_back(family):
-    """Idefics3 renders "Assistant:" + " " + content: a turn sampled as " ab" becomes the
-    content "ab", and the next conversation begins with the sampled tokens exactly."""
+@pytest.mark.parametrize("text", [" ab", "ab"], ids=["opens-with-space", "no-space"])
+def test_a_sampled_turn_renders_back_to_its_tokens(family, text):
+    """Idefics3's checkpoints render "Assistant: " + content; the family writes the
+    content right after "Assistant:" as sampled, so a turn with or without the space the
+    model usually samples first renders back to exactly its tokens (before, "ab" gained
+    a space and ended the sample)."""
     built, engine = _setup(family)
     processing = built.processing
     agent = AgentRollout(make_rollout("hf", engine, processing), processing, ImageReplies, max_turns=2)
     messages = ImageReplies().reset(_rows()[0])
+    assert agent._inserted_before_content(messages) == ""
     prompt = processing([messages])["input_ids"][0].tolist()
-    sampled = processing.tokenizer(" ab", add_special_tokens=False)["input_ids"] + processing.stop_token_ids[:1]
+    sampled = processing.tokenizer(text, add_special_tokens=False)["input_ids"] + processing.stop_token_ids[:1]
     content = agent._content(messages, sampled)
-    assert content == "ab"
+    assert content == text
     reply, _, _ = ImageReplies("user").step(messages)
     following = processing([[*messages, {"role": "assistant", "content": content}, *reply]])
     real = following["attention_mask"][0].bool()
     assert following["input_ids"][0][real][:len(prompt) + len(sampled)].tolist() == prompt + sampled
+    assert processing.render([{"role": "assistant", "content": [{"type": "text", "text": text}]}],
+                             add_generation_prompt=False).endswith(f"Assistant:{text}<end_of_utterance>\n")
 
 
 def test_one_turn_agent_equals_the_single_turn_rollout():

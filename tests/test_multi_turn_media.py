@@ -17,13 +17,13 @@ from mmrl.rollout.agent import AgentRollout
 from mmrl.rollout_batch import shared_pieces, trajectory_sequences
 
 
-def _trajectories(seed=0):
-    built = build_model("qwen2_vl", random_init=True, seed=0,
+def _trajectories(seed=0, family="qwen2_vl", role="tool"):
+    built = build_model(family, random_init=True, seed=0,
                         processing_options={"min_pixels": 784, "max_pixels": 56 * 56})
     plain = Engine(built, init_distributed(), mixed_precision=False, share_media=False)
     torch.manual_seed(seed)
     agent = AgentRollout(make_rollout("hf", plain, built.processing), built.processing,
-                         lambda: ImageReplies("tool"), max_turns=3, max_tokens=4096)
+                         lambda: ImageReplies(role), max_turns=3, max_tokens=4096)
     result = agent.generate(_rows(), SamplingParams(n=3, max_new_tokens=3))
     return built, plain, result.trajectories
 
@@ -62,6 +62,29 @@ def test_trajectory_batch_shares_the_opening_image_exactly():
     ours.shared.parts[0] = ours.shared.parts[0][::-1]
     mutated, _ = _vision_rows(shared_engine, ours)
     assert (mutated[mask] - plain_logp[mask]).abs().max() > 1e-4
+
+
+def test_media_batched_per_row_share_the_opening_exactly(monkeypatch):
+    """Idefics3 batches media per row ((rows, tiles, ...)): a row's pieces join along its
+    tiles. The sharing is made and gives the plain path's log-probs; without the per-row
+    layout the pieces do not lay out the batch and nothing is shared."""
+    from mmrl.engine import media
+
+    built, plain, trajectories = _trajectories(family="idefics3", role="user")
+    assert built.processing([t.context for t in trajectories])["pixel_values"].dim() == 5
+    pad = built.processing.tokenizer.pad_token_id
+    ours = trajectory_sequences(trajectories, built.processing, built.adapter, plain.model, pad, share=True)
+    theirs = trajectory_sequences(trajectories, built.processing, built.adapter, plain.model, pad)
+    assert ours.shared is not None
+    shared_engine = Engine(built, init_distributed(), mixed_precision=False, share_media=True)
+    with torch.no_grad():
+        shared_logp, _ = shared_engine.log_probs(ours, with_entropy=False)
+        plain_logp, _ = plain.log_probs(theirs, with_entropy=False)
+    mask = theirs.response_mask.bool()
+    torch.testing.assert_close(shared_logp[mask], plain_logp[mask], atol=1e-5, rtol=0)
+    monkeypatch.setattr(media, "_stack_per_row", lambda per_row, rows: None)
+    assert trajectory_sequences(trajectories, built.processing, built.adapter, plain.model, pad,
+                                share=True).shared is None
 
 
 def test_pieces_that_do_not_lay_out_the_batch_give_no_sharing():

@@ -298,14 +298,22 @@ def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
 
 
 # -- multi_turn: an image from the environment in turn 3 ------------------------------------
-def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold():
+def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold(monkeypatch):
+    from mmrl.processing import Processing
+    from mmrl.processors.idefics3 import Idefics3Processing
+    from mmrl.processors.llava_onevision import LlavaOnevisionProcessing
+
     result = probe("multi_turn").run(_subject("qwen2_vl"))
     assert result.status is Status.VERIFIED, result.reason
     assert "positions" in result.reason and result.evidence["kept"] >= 1
     assert result.evidence["max_logprob_diff"] <= 2e-4
     assert probe("multi_turn").run(_subject("qwen2")).status is Status.NOT_APPLICABLE
+    # Without what the families' processing does to keep the rule (every image in anyres
+    # tiles; an assistant's text written as sampled), the probe names why it cannot hold.
+    monkeypatch.setattr(LlavaOnevisionProcessing, "arrange_images", Processing.arrange_images)
     llava = probe("multi_turn").run(_subject("llava_onevision"))
     assert llava.status is Status.FAILED and "opening turn is processed into other tokens" in llava.reason
+    monkeypatch.setattr(Idefics3Processing, "render", Processing.render)
     idefics = probe("multi_turn").run(_subject("idefics3"))
     assert idefics.status is Status.FAILED and "writes ' ' before the assistant's text" in idefics.reason
 

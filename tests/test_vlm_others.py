@@ -121,6 +121,24 @@ def test_smolvlm_batch_mixing_image_and_video_prompts_equals_each_alone():
     batch = dict(built.processing(mixed))
     assert batch["pixel_values"].shape[0] == 3
     assert padded_vs_single(built, mixed) < 2e-4
-    both = [{"role": "user", "content": [*images[0][0]["content"][:1], *video_conversations()[0][0]["content"]]}]
-    with pytest.raises(ValueError, match="images and a video in one prompt"):
-        built.processing([both])
+
+
+def test_smolvlm_prompt_with_an_image_and_a_video_gets_both_in_order():
+    """SmolVLM's processor expands the text of a prompt holding an image and a video
+    right but keeps only the frames in `pixel_values`; the family's processing gives the
+    image's tiles then the video's frames (each processed alone), the order of their
+    `<image>` placeholders, and such a prompt batches with an image-only one."""
+    built = build_model("smolvlm", random_init=True)
+    images = sample_conversations(built.adapter)
+    image_part = images[0][0]["content"][:1]
+    video_content = video_conversations()[0][0]["content"]
+    both = [{"role": "user", "content": [*image_part, *video_content]}]
+    batch = dict(built.processing([both]))
+    tiles = built.processing([[{"role": "user", "content": image_part}]])["pixel_values"][0]
+    frames = built.processing([[{"role": "user", "content": video_content[:1]}]])["pixel_values"][0]
+    assert torch.equal(batch["pixel_values"][0], torch.cat([tiles, frames]))
+    placeholders = int((batch["input_ids"] == built.model.config.image_token_id).sum())
+    tokens_per_tile = placeholders // batch["pixel_values"].shape[1]
+    assert placeholders == tokens_per_tile * (len(tiles) + len(frames))
+    mixed = [both, images[1]]
+    assert padded_vs_single(built, mixed) < 2e-4

@@ -32,8 +32,9 @@ A row may also hold media of several pieces, some shared and some its own: a mul
 trajectory repeats its prompt's opening image and adds the images its tool replies
 returned (`SharedMedia.of_pieces`). The joint call then encodes each distinct piece
 once, and each row gets its pieces' features in order. Whether the pieces, processed
-alone, lay out exactly the batch's media tensors is checked when the sharing is made;
-where they do not, there is no sharing and the plain path runs.
+alone, lay out exactly the batch's media tensors (stacked, or joined within each row
+where the processor batches media per row) is checked when the sharing is made; where
+they do not, there is no sharing and the plain path runs.
 """
 
 from __future__ import annotations
@@ -166,14 +167,29 @@ def _lays_out(shared: SharedMedia, batch: dict, placeholders: Sequence[int]) -> 
     if shared.keys != batch_media:
         return False
     for key in batch_media:
-        tensors = [media[i][key] for part in parts for i in part if key in media[i]]
-        stacked = stack_media(tensors).to(batch[key].device)
-        if stacked.shape != batch[key].shape or not torch.equal(stacked.to(batch[key].dtype), batch[key]):
+        per_row = [[media[i][key] for i in part if key in media[i]] for part in parts]
+        if not (_equal(stack_media([t for row in per_row for t in row]), batch[key])
+                or _equal(_stack_per_row(per_row, len(parts)), batch[key])):
             return False
     ids = [single_ids.cpu() for single_ids in shared.ids]
     rows = batch["input_ids"].cpu()
     return all(int((rows[row] == token).sum()) == sum(int((ids[i] == token).sum()) for i in part)
                for token in placeholders for row, part in enumerate(parts))
+
+
+def _equal(tensor: torch.Tensor | None, reference: torch.Tensor) -> bool:
+    return (tensor is not None and tensor.shape == reference.shape
+            and torch.equal(tensor.to(device=reference.device, dtype=reference.dtype), reference))
+
+
+def _stack_per_row(per_row: list[list[torch.Tensor]], rows: int) -> torch.Tensor | None:
+    """The pieces' tensors as processors that batch media per row lay them out
+    ((rows, items, ...), each row's items padded to the longest row's): each a single
+    prompt's (1, items, ...), a row's pieces joined along the items. None where the
+    pieces are not laid out that way."""
+    if any(not row or any(t.shape[0] != 1 for t in row) for row in per_row) or len(per_row) != rows:
+        return None
+    return stack_media([stack_media([t[0] for t in row]).unsqueeze(0) for row in per_row])
 
 
 def placeholder_tokens(model: torch.nn.Module) -> list[int]:

@@ -6,8 +6,10 @@ assembles a tiny tokenizer and processor from the type's processor classes, buil
 tiny random-init model on CPU, reads the layout off the instantiated modules (decoder
 stack, embeddings, lm_head, vision tower, projector, block classes, linear leaves for
 LoRA, rope) and writes an adapter that declares exactly that. It then imports the
-written adapter, runs the zoo's quick numerical checks on it and declares only the
-capabilities that passed.
+written adapter, runs the zoo's quick numerical checks on it, then the probes a zoo family
+passes beyond them (video, Ulysses sequence parallelism over 2 processes, an image
+arriving in turn 3 of the agent loop), and declares only the capabilities that passed;
+each one left out is named with why and what to write by hand.
 
     mmrl add-model olmo2                       # models/olmo2.py, tests/test_family_olmo2.py, docs
     mmrl add-model olmo2 --out ../my_families  # an out-of-tree plugin package instead
@@ -16,7 +18,8 @@ capabilities that passed.
 
 One module per stage: `resolve` (the type's classes), `shrink` (the tiny config), `media`
 (the tiny tokenizer and processor, with `media_plan`, `placeholders` and `image_size`),
-`discover` (parts, blocks, LoRA leaves), `verify` (the quick checks), `render` (the
+`discover` (parts, blocks, LoRA leaves), `verify` (the quick checks), `depth` (the
+probes beyond them), `render` (the
 files' text), `layout` (where they go, and the atomic write). Nothing here knows a family
 by name: everything comes from transformers' tables, classes and configs and from the
 modules of the tiny model.
@@ -30,14 +33,17 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mmrl.scaffold.base import CHECKED, TOLERANCE, VISION_ONLY, Discovery, Layout, Resolved, Result, ScaffoldError
+from mmrl.scaffold.base import (
+    CHECKED, COLUMNS, DEPTH, TOLERANCE, VISION_ONLY, Discovery, Gap, Layout, Resolved, Result, ScaffoldError,
+)
 
-__all__ = ["CHECKED", "TOLERANCE", "VISION_ONLY", "Discovery", "Layout", "Resolved", "Result", "ScaffoldError",
-           "STAGE_SECONDS", "scaffold"]
+__all__ = ["CHECKED", "COLUMNS", "DEPTH", "TOLERANCE", "VISION_ONLY", "Discovery", "Gap", "Layout", "Resolved",
+           "Result", "ScaffoldError", "STAGE_SECONDS", "scaffold"]
 
 # Each stage's own time limit in seconds: a stage that runs past it ends the scaffold
 # with a one-line error naming the stage (never a silent hang).
-STAGE_SECONDS = {"resolve": 60, "config": 60, "processor": 60, "model": 120, "verify": 300, "write": 60}
+STAGE_SECONDS = {"resolve": 60, "config": 60, "processor": 60, "model": 120, "verify": 300, "depth": 540,
+                 "write": 60}
 
 
 @contextlib.contextmanager
@@ -73,19 +79,22 @@ def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Ite
 
 def scaffold(model_type: str, *, family: str | None = None, out: str | Path | None = None,
              dry_run: bool = False, force: bool = False, check: bool = True,
-             on_stage: Callable[[str], None] | None = None, replace_registered: bool = False) -> Result:
+             on_stage: Callable[[str], None] | None = None, replace_registered: bool = False,
+             depth: bool = True) -> Result:
     """Resolve, shrink, inspect, verify, render and write a family; see the module
     docstring. `replace_registered` scaffolds a type the registry already holds (its
-    family is unregistered in this process first; the coverage sweep uses it)."""
+    family is unregistered in this process first; the coverage sweep uses it);
+    `depth=False` stops after the quick checks (the depth probes take minutes)."""
     from mmrl.scaffold.discover import inspect_family
     from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
     from mmrl.scaffold.render import render_adapter, render_processing, render_test
     from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
     from mmrl.scaffold.verify import verify
 
     with quiet_transformers():
-        return _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered)
+        return _scaffold(model_type, family, out, dry_run, force, check and depth, check, on_stage,
+                         replace_registered)
 
 
 @contextlib.contextmanager
@@ -102,18 +111,19 @@ def quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_registered) -> Result:
+def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stage, replace_registered) -> Result:
+    from mmrl.scaffold.depth import Depth, verify_depth
     from mmrl.scaffold.discover import inspect_family
     from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
     from mmrl.scaffold.render import render_adapter, render_processing, render_test
     from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
-    from mmrl.scaffold.shrink import tiny_model_inputs
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
     from mmrl.scaffold.verify import verify
 
     with stage_limit("resolve", on_stage):
         resolved = resolve(model_type)
         name = family_name(model_type, family)
-        check_unregistered(resolved, name, replace=replace_registered)
+        replaced = check_unregistered(resolved, name, replace=replace_registered)
     with stage_limit("config", on_stage):
         tiny = tiny_model_inputs(resolved)
     with stage_limit("model", on_stage):
@@ -125,16 +135,30 @@ def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_
     if existing and not force:
         raise ScaffoldError(f"{existing[0]} exists; pass --force to overwrite (nothing was written)")
     notes: list[str] = []
-    verified = None
+    gaps: list[Gap] = []
+    verified, depth = None, None
     if check:
         with stage_limit("verify", on_stage):
-            verified = verify(discovery, layout, notes)
+            verified = verify(discovery, layout, notes, gaps)
+    if verified is not None and run_depth:
+        depth = Depth(verified)
+        try:
+            with stage_limit("depth", on_stage):
+                verify_depth(discovery, layout, depth, hidden=replaced)
+        except ScaffoldError as exc:  # the quick checks' claims stand; the probe running is not declared
+            if depth.running is None:
+                raise
+            depth.decide(depth.running, False, str(exc))
+        verified = depth.capabilities
+        gaps += depth.gaps
+        notes += [f"{gap.column} not declared: {gap.cause}" for gap in depth.gaps]
     with stage_limit("write", on_stage):
         processing_ref = None
         if layout.processing is not None:
             contents[layout.processing] = render_processing(discovery)
             processing_ref = f"{layout.processing_module}:{discovery.class_name}Processing"
-        contents[layout.adapter] = render_adapter(discovery, layout, verified, processing_ref, checked=check)
+        contents[layout.adapter] = render_adapter(discovery, layout, verified, processing_ref, checked=check,
+                                                  gaps=gaps)
         contents[layout.test] = render_test(discovery, layout)
         contents.update(layout.extra)
         for path, line in layout.appends.items():
@@ -146,6 +170,9 @@ def _scaffold(model_type, family, out, dry_run, force, check, on_stage, replace_
         else:
             command = f"cd {layout.root} && python -m pytest -q {layout.test.relative_to(layout.root)}"
         written = list(contents) if dry_run else write_all(contents)
+    vlm = discovery.resolved.is_vision_language
+    decided = [c for c in COLUMNS if (c in CHECKED and (vlm or c not in VISION_ONLY))
+               or (depth is not None and c in depth.decided)]
     return Result(family=name, written=written, next_command=command,
                   capabilities=verified, notes=notes + [f"fill in: {item}" for item in discovery.fill_in],
-                  dry_run=dry_run, contents=contents)
+                  dry_run=dry_run, contents=contents, gaps=gaps, decided=decided if verified is not None else [])

@@ -19,6 +19,20 @@ CHECKED = ("generation", "padding_free", "gradient_checkpointing", "lora_languag
            "single_image", "multi_image", "media_sharing")
 # Checked and written for vision-language families only (text families have no media).
 VISION_ONLY = ("lora_vision", "single_image", "multi_image", "media_sharing")
+# Capabilities the depth stage decides by running their probes (depth.py), in this order.
+DEPTH = ("video", "sequence_parallel", "multi_turn")
+# The coverage sweep's capability columns: what the scaffold decides for a type.
+COLUMNS = CHECKED + DEPTH
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A capability the scaffold did not declare: its column, why (one line) and what
+    to write by hand to claim it."""
+
+    column: str
+    cause: str
+    write: str
 
 
 class ScaffoldError(ValueError):
@@ -92,5 +106,9 @@ class Result:
     notes: list[str]
     dry_run: bool
     contents: dict[Path, str]
+    # Capabilities left undeclared, with why and what to write (quick checks and depth).
+    gaps: list[Gap] = field(default_factory=list)
+    # Columns decided (verified or not); the others did not apply or did not run.
+    decided: list[str] = field(default_factory=list)
 
 

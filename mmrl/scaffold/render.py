@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from mmrl.adapter import ATTN_AND_MLP, DECODER_PARTS, VISION_TOWER_PARTS, Capabilities, Parts
-from mmrl.scaffold.base import CHECKED, VISION_ONLY, Discovery, Layout
+from mmrl.scaffold.base import COLUMNS, VISION_ONLY, Discovery, Gap, Layout
 
 
 def _str(value: str) -> str:
@@ -89,7 +89,7 @@ def _rope_line(rope) -> str:
 
 
 def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: set[str],
-                         checked: bool = False) -> list[str]:
+                         checked: bool = False, gaps: list[Gap] = ()) -> list[str]:
     if verified is None and checked:
         imports.add("Capabilities")
         return ["    # The tiny model did not run while scaffolding (see above), so nothing is declared;",
@@ -100,15 +100,18 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
                 f"    # the zoo tests and `mmrl support-matrix --family {d.family}` verify them."]
     imports.add("Capabilities")
     defaults = Capabilities()
-    claims = [f"{name}={getattr(verified, name)}" for name in CHECKED
+    claims = [f"{name}={getattr(verified, name)}" for name in COLUMNS
               if (getattr(verified, name) or getattr(defaults, name))
               and (d.resolved.is_vision_language or name not in VISION_ONLY)]
-    return [
-        "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by",
-        "    # default; claim vllm and sequence_parallel once `mmrl support-matrix --family",
-        f"    # {d.family}` verifies them.",
-        "    capabilities = " + _call("Capabilities", claims),
+    lines = [
+        "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by default;",
+        f"    # claim vllm once `mmrl support-matrix --family {d.family}` verifies it (and video,",
+        "    # sequence_parallel and multi_turn, where the scaffold ran with --no-depth).",
     ]
+    for gap in gaps:
+        lines += textwrap.wrap(f"Not declared: {gap.column} ({gap.cause}); to claim it, {gap.write}.", 92,
+                               initial_indent="    # ", subsequent_indent="    #   ")
+    return lines + ["    capabilities = " + _call("Capabilities", claims)]
 
 
 def base_capabilities(d: Discovery) -> Capabilities:
@@ -118,7 +121,7 @@ def base_capabilities(d: Discovery) -> Capabilities:
 
 
 def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
-                   processing_ref: str | None = None, checked: bool = False) -> str:
+                   processing_ref: str | None = None, checked: bool = False, gaps: list[Gap] = ()) -> str:
     """The adapter module's source: declarations first, then the tiny model."""
     vlm = d.resolved.is_vision_language
     base = "VisionLanguageAdapter" if vlm else "ModelAdapter"
@@ -127,6 +130,8 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
              f"    family = {_str(d.family)}",
              f"    model_types = {_tuple(_model_types(d))}",
              f"    hf_class = \"transformers:{d.resolved.model_class}\""]
+    if vlm and verified is not None and verified.video:
+        lines.append('    modalities = ("text", "image", "video")')
     lines.append(f"    parts = {_parts_source(d.parts, adapter_imports)}")
     shard = d.decoder_layers + ((d.vision_block,) if d.vision_block else ())
     lines.append(f"    shard_layers = {_tuple(shard)}")
@@ -137,7 +142,7 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     elif sorted(d.language_leaves) != sorted(ATTN_AND_MLP):
         adapter_imports.add("LoraTargets")
         lines.append(f"    lora = LoraTargets(language={_tuple(d.language_leaves)})")
-    lines += _capabilities_source(d, verified, adapter_imports, checked)
+    lines += _capabilities_source(d, verified, adapter_imports, checked, gaps)
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
     if not d.left_padding:

@@ -70,16 +70,19 @@ def vision_config_key(config_cls) -> str | None:
     return named[0] if len(named) == 1 else None
 
 
-def check_unregistered(resolved: Resolved, family: str, replace: bool = False) -> None:
+def check_unregistered(resolved: Resolved, family: str, replace: bool = False) -> list[str]:
     """Refuse a type, architecture or family name the registry already holds; with
-    `replace`, unregister the holder in this process instead."""
+    `replace`, unregister the holder in this process instead. Returns the families
+    unregistered (processes started later must hide them too)."""
     from mmrl.registry import families, unregister
 
     registered = families()
+    replaced = []
     for adapter in registered:
         holds = resolved.model_type in adapter.model_types or resolved.model_class in adapter.hf_architectures
         if holds and replace:
             unregister(adapter.family)
+            replaced.append(adapter.family)
         elif resolved.model_type in adapter.model_types:
             raise ScaffoldError(f"model type {resolved.model_type!r} is already registered by family "
                                 f"{adapter.family!r} ({type(adapter).__module__})")
@@ -90,6 +93,7 @@ def check_unregistered(resolved: Resolved, family: str, replace: bool = False) -
         if adapter.family == family:
             raise ScaffoldError(f"family {family!r} is already registered ({type(adapter).__module__}); "
                                 "pick another name with --family")
+    return replaced
 
 
 def family_name(model_type: str, family: str | None) -> str:

@@ -460,36 +460,6 @@ def build_text_config(config_class: str, tokenizer, values: dict[str, Any]):
                             "write tiny() by hand with values it accepts", category="config") from exc
 
 
-def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
-    """The tiny config (and tokenizer/processor) of a resolved type."""
-    if resolved.is_vision_language:
-        from mmrl.scaffold.media import tiny_vision_language
-
-        return tiny_vision_language(resolved)
-    from mmrl.scaffold.media_plan import tiny_text_tokenizer
-
-    tokenizer = tiny_text_tokenizer()
-    first: ScaffoldError | None = None
-    tried: list[dict[str, Any]] = []
-    # Last, a stack left all linear-attention by default with one attention layer,
-    # expert counts left unset by default given one, and fields the class derives left to it.
-    candidates = [*({"shapes": shapes} for shapes in TEXT_SHAPE_CANDIDATES),
-                  {"attend_last": True}, {"unset_experts": True}, {"derived": True}]
-    for candidate in candidates:
-        try:
-            overrides = tiny_text_values(resolved.config_class, **candidate)
-            if overrides in tried:  # a candidate that changes nothing the class has: already run
-                continue
-            tried.append(overrides)
-            config = build_text_config(resolved.config_class, tokenizer, overrides)
-            runs(resolved.model_class, config)
-        except ScaffoldError as exc:
-            first = first or exc
-            continue
-        return TinyInputs(config=config, text_overrides=overrides)
-    raise first
-
-
 def build_tiny(model_class: str, config):
     """`model_class` built from the shrunk `config` (random init, the caller's RNG state
     untouched), with SDPA where the class supports it; a ScaffoldError if it cannot be."""

@@ -11,7 +11,15 @@ result is `support_matrix/coverage.json` and `support_matrix/coverage.md`.
     mmrl add-model --sweep --fresh                # forget earlier rows and start over
 
 Rows are written after each type (atomically), so an interrupted sweep resumes from the
-rows already there; rows recorded by another transformers version are run again.
+rows already there; rows recorded by another transformers version, or before the
+capability columns they lack existed, are run again.
+
+Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
+then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
+declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
+where it does not apply. A green type takes about 2 (causal LM) to 4.5 (image-text-to-
+text) minutes on a shared 2-core host, most of it the depth probes' torchrun launches:
+the whole sweep runs about 4.5 hours with `--workers 2` (docs/adding_a_model.md).
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mmrl import errors
+from mmrl.scaffold.base import COLUMNS, DEPTH
 
-# Each stage's own time limit (seconds); a stage that runs past it ends the type with
-# status "timeout" and the stage's name.
-SCAFFOLD_SECONDS = 420
+# Each process's own time limit (seconds); one that runs past it ends the type with
+# status "timeout" and the stage's name. The scaffold's covers its stages' limits
+# (mmrl.scaffold.STAGE_SECONDS, the depth probes' 540 s included).
+SCAFFOLD_SECONDS = 1260
 TESTS_SECONDS = 420
 
 # Why a type is out of scope; the coverage page states these rules and their counts.
@@ -51,6 +61,10 @@ class Row:
     stage: str
     reason: str
     capabilities: list[str] = field(default_factory=list)
+    # Per capability column (COLUMNS): "yes", "no" (a gap says why) or "n/a"; empty for a
+    # row recorded before the columns existed, or one that stopped before verifying.
+    columns: dict[str, str] = field(default_factory=dict)
+    gaps: list[dict[str, str]] = field(default_factory=list)  # {"column", "cause", "write"}
     seconds: float = 0.0
     scope_rule: str | None = None
     runner: str = ""  # torch version and host the row was measured with (rows of several runs merge)
@@ -121,8 +135,18 @@ def scaffold_worker(model_type: str, out: str, report: str) -> None:
             record["stage"] = "verify"
         record.update(status="written" if caps is not None else "tiny-model-fails",
                       reason=one_line("; ".join(result.notes)) if caps is None else "",
-                      capabilities=[] if caps is None else caps.declared())
+                      capabilities=[] if caps is None else caps.declared(),
+                      columns=columns_of(result), gaps=[asdict(gap) for gap in result.gaps])
     Path(report).write_text(json.dumps(record))
+
+
+def columns_of(result) -> dict[str, str]:
+    """Each capability column of a scaffold result: "yes" (declared), "no" (decided and
+    not declared) or "n/a" (not decided: it does not apply to the type)."""
+    if result.capabilities is None:
+        return {}
+    return {column: ("yes" if getattr(result.capabilities, column) else "no") if column in result.decided else "n/a"
+            for column in COLUMNS}
 
 
 def holders(model_type: str) -> list[str]:
@@ -172,6 +196,7 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
             row.status, row.reason = record["status"], record.get("reason", "")
         else:
             row.capabilities = record.get("capabilities", [])
+            row.columns, row.gaps = record.get("columns", {}), record.get("gaps", [])
             row.stage = "tests"
             tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
             code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
@@ -291,7 +316,26 @@ def summarize(rows) -> dict:
             # tower cannot be found apart from its decoder is scaffolded as a text family.
             summary[mapping]["green_with_images"] = sum(r.status == "green" and "single_image" in r.capabilities
                                                         for r in scope)
+        # Depth: how many green types declare each capability column, and how many green
+        # rows were recorded with the columns (the rest predate them: re-run to fill in).
+        greens = [r for r in scope if r.status == "green"]
+        summary[mapping]["declared"] = {column: sum(column in r.capabilities for r in greens) for column in COLUMNS}
+        summary[mapping]["green_with_columns"] = sum(is_current(r) for r in greens)
     return summary
+
+
+def is_current(row: Row) -> bool:
+    """Whether a row holds what this sweep records: a type the scaffold wrote has every
+    capability column (rows from before the columns existed are run again)."""
+    written = row.in_scope and row.status in ("green", "tests-fail")
+    return not written or set(row.columns) == set(COLUMNS)
+
+
+# Short headers of the capability columns on the page, and the marks of their cells.
+COLUMN_HEADERS = {"generation": "gen", "padding_free": "packed", "gradient_checkpointing": "ckpt",
+                  "lora_language": "LoRA", "lora_vision": "LoRA-v", "single_image": "image", "multi_image": "images",
+                  "media_sharing": "shared", "video": "video", "sequence_parallel": "SP", "multi_turn": "turns"}
+MARKS = {"yes": "✓", "no": "✗", "n/a": "–"}
 
 
 def render_page(document: dict, path: Path) -> None:
@@ -320,14 +364,52 @@ def render_page(document: dict, path: Path) -> None:
     for s in document["summary"].values():
         failures.update(s["failures"])
     lines += [f"- `{status}`: {count}" for status, count in failures.most_common()] or ["- none"]
-    lines += ["", "| model type | table | status | stage | capabilities / reason | s |", "|---|---|---|---|---|---|"]
+    lines += _depth_lines(document)
+    headers = [COLUMN_HEADERS[c] for c in COLUMNS]
+    lines += ["", "## Every type", "",
+              f"{MARKS['yes']} declared (verified on the tiny model), {MARKS['no']} not declared (the gap below says "
+              f"why), {MARKS['n/a']} does not apply; blank: not recorded (a row from before the column existed, or "
+              "a type that stopped before verifying).", "",
+              f"| model type | table | status | stage | {' | '.join(headers)} | reason | s |",
+              "|---|---|---|---|" + "---|" * len(headers) + "---|---|"]
     for row in document["types"]:
         status = row["status"] if row["in_scope"] else f"out of scope ({row['scope_rule']})"
-        detail = ", ".join(row["capabilities"]) if row["status"] == "green" else row["reason"]
-        detail = detail.replace("|", "\\|")
-        lines.append(f"| `{row['model_type']}` | {row['mapping']} | {status} | {row['stage']} | {detail} | "
-                     f"{row['seconds']:g} |")
+        columns = row.get("columns") or {}
+        if row["status"] == "green" and not columns:  # recorded before the columns: what it declared
+            columns = {c: "yes" for c in row["capabilities"] if c in COLUMNS}
+        cells = [MARKS.get(columns.get(c, ""), "") for c in COLUMNS]
+        reason = "" if row["status"] == "green" else row["reason"].replace("|", "\\|")
+        lines.append(f"| `{row['model_type']}` | {row['mapping']} | {status} | {row['stage']} | {' | '.join(cells)} | "
+                     f"{reason} | {row['seconds']:g} |")
+    gaps = [(row["model_type"], gap) for row in document["types"] if row["status"] == "green"
+            for gap in row.get("gaps", [])]
+    lines += ["", "## Gaps of green types", "",
+              "What a green type's adapter leaves undeclared: the column, the cause, and what to write by hand.", ""]
+    lines += [f"- `{model_type}` **{gap['column']}**: {gap['cause']}; to claim it, {gap['write']}."
+              for model_type, gap in gaps] or ["- none recorded"]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _depth_lines(document: dict) -> list[str]:
+    """The depth table: per capability column, the green types declaring it, per table."""
+    mappings = list(document["summary"])
+    lines = ["", "## Depth", "",
+             "Green types whose adapter declares each capability (the scaffold declares only what verified on the "
+             "tiny model; " + ", ".join(f"`{c}`" for c in DEPTH) + " are decided by their probes: a 4-frame clip, "
+             "Ulysses over 2 gloo processes, an image arriving in turn 3).", "",
+             "| capability | " + " | ".join(mappings) + " |", "|---|" + "---|" * len(mappings)]
+    for column in COLUMNS:
+        cells = []
+        for mapping in mappings:
+            s = document["summary"][mapping]
+            count = s.get("declared", {}).get(column, 0)
+            share = f" ({100 * count / s['green']:.0f}%)" if s["green"] else ""
+            cells.append(f"{count} of {s['green']}{share}")
+        lines.append(f"| `{column}` | " + " | ".join(cells) + " |")
+    recorded = ", ".join(f"{m} {document['summary'][m].get('green_with_columns', 0)} of {document['summary'][m]['green']}"
+                         for m in mappings)
+    lines += ["", f"Green rows recorded with every column: {recorded}."]
+    return lines
 
 
 def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
@@ -350,7 +432,7 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
             raise ValueError(f"not in transformers' causal-LM or image-text-to-text tables: {', '.join(unknown)}")
         todo = list(types)
     else:
-        todo = [t for t in table if t not in rows]
+        todo = [t for t in table if t not in rows or not is_current(rows[t])]
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 

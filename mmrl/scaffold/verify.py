@@ -9,8 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mmrl import errors
 from mmrl.adapter import Capabilities
-from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Layout
+from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Gap, Layout
+from mmrl.scaffold.depth import TO_WRITE
 from mmrl.scaffold.render import base_capabilities, render_adapter, render_processing
 
 
@@ -29,15 +31,17 @@ def _load_file(module_name: str, path: Path):
 _POSITIONS = "position_ids: "
 
 
-def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
+def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | None = None) -> Capabilities | None:
     """Import the rendered adapter (under a scratch module name), run the zoo's quick
     checks on its tiny model and return the capabilities that passed (None when the
     tiny model does not run at all; `d.fill_in` then says why). When a padded batch
     differs from each prompt alone with counted positions, the checks run again with the
     model placing its own, then (text families) with right-padded batches
     (`left_padding = False`: a forward that ignores the mask for pads in front); the
-    adapter keeps the first that matched."""
-    verified = _verify_once(d, layout, notes)
+    adapter keeps the first that matched. Each capability left undeclared is added to
+    `gaps` (its column, why, what to write by hand)."""
+    gaps = [] if gaps is None else gaps
+    verified = _verify_once(d, layout, notes, gaps)
     if d.own_positions or not _position_gap(d):
         return verified
     attempts = [{"own_positions": True}]
@@ -49,9 +53,11 @@ def verify(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | Non
             setattr(d, name, value)
         d.fill_in[:] = [item for item in kept if not item.startswith(_POSITIONS)]
         again_notes: list[str] = []
-        again = _verify_once(d, layout, again_notes)
+        again_gaps: list[Gap] = []
+        again = _verify_once(d, layout, again_notes, again_gaps)
         if not _position_gap(d):
             notes[:] = again_notes
+            gaps[:] = again_gaps
             return again
         for name in attempt:
             setattr(d, name, type(d).__dataclass_fields__[name].default)
@@ -63,7 +69,7 @@ def _position_gap(d: Discovery) -> bool:
     return any(item.startswith(_POSITIONS) for item in d.fill_in)
 
 
-def _verify_once(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities | None:
+def _verify_once(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap]) -> Capabilities | None:
     import torch
 
     from mmrl import build_model
@@ -88,7 +94,7 @@ def _verify_once(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities
         _load_file(name, scratch / "adapter.py")
         names.append(name)
         try:
-            return _run_checks(d, notes, torch, build_model, generate, lora_merge_difference,
+            return _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference,
                                loss_and_backward, packed_vs_padded, padded_vs_single, sample_conversations)
         finally:
             unregister(d.family)
@@ -98,7 +104,7 @@ def _verify_once(d: Discovery, layout: Layout, notes: list[str]) -> Capabilities
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, loss_and_backward,
+def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference, loss_and_backward,
                 packed_vs_padded, padded_vs_single, sample_conversations) -> Capabilities | None:
     verified: dict[str, bool] = {}
 
@@ -110,6 +116,7 @@ def _run_checks(d, notes, torch, build_model, generate, lora_merge_difference, l
         verified[capability] = ok
         if not ok:
             notes.append(f"{capability} not declared: {detail}")
+            gaps.append(Gap(capability, errors.one_line(detail, 240, whole=True), TO_WRITE[capability]))
 
     def fresh():
         return build_model(d.family, random_init=True)
