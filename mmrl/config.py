@@ -39,6 +39,18 @@ TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
 
 # A seed goes to torch, Python's and NumPy's generators: a non-negative 32-bit integer fits all.
 SEED = Field(0, ge=0, le=2**32 - 1)
+# The settings a recipe may leave to mmrl ("auto", or None for pack_tokens and
+# attn_implementation), settled once per run (`mmrl.settle.resolve`), and what each settles
+# to: the values a recipe's `settled:` section may hold (a type, or the values allowed).
+SETTLED_VALUES: dict[str, type | tuple] = {
+    "model.pack": (True, False),
+    "model.pack_tokens": int,
+    "model.compile_layers": (True, False),
+    # "after_oom": off until an update runs out of memory, then on (`mmrl.settle.AFTER_OOM`).
+    "model.gradient_checkpointing": (True, False, "after_oom"),
+    "model.attn_implementation": str,
+    "rollout.backend": ("hf", "hf_compiled", "vllm"),
+}
 # Advantages normalized within each prompt's group of samples: a group of one sample, or of
 # samples that are all alike (greedy decoding), gives every sample a zero advantage.
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
@@ -207,6 +219,14 @@ class RolloutConfig(_Section):
     max_turns: int = Field(4, gt=0)
     max_tokens: int = Field(1024, gt=0)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _one_turn_fits(cls, value: int, info: ValidationInfo) -> int:
+        new_tokens = info.data.get("max_new_tokens")
+        if info.data.get("env") is not None and new_tokens is not None and new_tokens > value:
+            raise ValueError(f"{value} is smaller than one turn's rollout.max_new_tokens ({new_tokens})")
+        return value
+
 
 class AlgoConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
@@ -354,6 +374,10 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
+    # What a run settled for the settings left to auto, by dotted field (`SETTLED_VALUES`),
+    # as the run folder's recipe.yaml records it: a run of a recipe that carries it keeps
+    # these choices for every setting its sections still leave to auto (`mmrl.settle`).
+    settled: dict[str, Any] = Field(default_factory=dict)
     # The recipe file's folder: `reward.name` and `rollout.env` paths resolve there.
     _folder: Path | None = PrivateAttr(None)
 
@@ -367,6 +391,26 @@ class Recipe(_Section):
         located = self.model_copy()
         located._folder = Path(folder).expanduser().resolve() if folder is not None else None
         return located
+
+    @field_validator("settled")
+    @classmethod
+    def _settled_values_fit(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for field, settled in value.items():
+            allowed = SETTLED_VALUES.get(field)
+            if allowed is None:
+                raise ValueError(f"{field!r} is not a setting mmrl settles (those are {', '.join(SETTLED_VALUES)})")
+            if isinstance(allowed, tuple):
+                fits = any(settled is option if isinstance(option, bool) else settled == option for option in allowed)
+                words = " or ".join(str(option).lower() if isinstance(option, bool) else option for option in allowed)
+            elif allowed is int:
+                fits = isinstance(settled, int) and not isinstance(settled, bool) and settled > 0
+                words = "a positive integer"
+            else:
+                fits = isinstance(settled, str) and settled != ""
+                words = "a non-empty string"
+            if not fits:
+                raise ValueError(f"{field}: expected {words}, got {settled!r}")
+        return value
 
     @field_validator("algo")
     @classmethod
@@ -560,11 +604,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError for what the schema cannot see but a model build or the first
     step would trip on late: a model.path that is not there or holds unreadable weights,
-    config_overrides of the wrong type, a reward that is not set or cannot be found, a
+    config_overrides of the wrong type, LoRA targets the model lacks, a sequence_parallel
+    size the family or its attention heads cannot take, a reward that is not set or cannot be found, a
     dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
     e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
     _check_model(recipe.model)
     _check_lora_targets(recipe.model)
+    _check_sequence_parallel(recipe)
     try:
         check_installed(recipe.trainer.loggers)
     except ValueError as exc:
@@ -608,20 +654,36 @@ def _check_lora_targets(m: ModelConfig) -> None:
         return
     import torch
 
-    from mmrl.build import _customized
     from mmrl.lora import lora_target_modules
-    from mmrl.registry import adapter_for_config
 
-    config = _base_config(m)
-    adapter = adapter_for_config(config)
-    if m.random_init and m.config_overrides:
-        config = _customized(config, adapter, m.config_overrides)
+    config, adapter = _built_config(m)
     with torch.device("meta"):
         model = adapter.model_class()._from_config(config)
     try:
         lora_target_modules(model, m.lora_scope, adapter, m.lora_targets)
     except ValueError as exc:
         raise RecipeError(f"model.lora_targets: {exc}") from None
+
+
+def _check_sequence_parallel(recipe: Recipe) -> None:
+    """parallel.sequence_parallel against the family and its config's attention heads, from
+    the config alone (the model is not built)."""
+    if recipe.parallel.sequence_parallel == 1:
+        return
+    config, adapter = _built_config(recipe.model)
+    recipe.parallel.check_model(adapter, config.get_text_config())
+
+
+def _built_config(m: ModelConfig):
+    """The config the model of `m` is built with (config_overrides applied), and its adapter."""
+    from mmrl.build import _customized
+    from mmrl.registry import adapter_for_config
+
+    config = _base_config(m)
+    adapter = adapter_for_config(config)
+    if m.random_init and m.config_overrides:
+        config = _customized(config, adapter, m.config_overrides)
+    return config, adapter
 
 
 def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval"), *,
@@ -823,7 +885,7 @@ def same_run(recipe: Recipe, saved_text: str) -> str | None:
         saved = Recipe.model_validate(saved).model_dump(mode="json")
     except (yaml.YAMLError, ValueError):
         return "its recipe.yaml cannot be read as a recipe"
-    current = recipe.model_dump(mode="json")
+    current = recipe.model_dump(mode="json", exclude={"settled"})  # how it ran, not what it trains
     for section, fields in current.items():
         for key, value in fields.items():
             if key in _HOW_TO_RUN.get(section, ()):
@@ -834,5 +896,17 @@ def same_run(recipe: Recipe, saved_text: str) -> str | None:
     return None
 
 
-def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+def dump_recipe(recipe: Recipe, reasons: dict[str, str] | None = None) -> str:
+    """The recipe as YAML; its `settled:` section (when it has one) last, under a comment
+    that says what it does, each value followed by its reason from `reasons` (by field)."""
+    text = yaml.safe_dump(recipe.model_dump(mode="json", exclude={"settled"}), sort_keys=False)
+    if not recipe.settled:
+        return text
+    lines = ["# What this run settled for each setting a recipe may leave to mmrl (mmrl/settle.py), and why.",
+             "# A run of this file keeps these choices for every setting still auto above; delete a line",
+             "# (or the section) to settle it afresh.", "settled:"]
+    for field, value in recipe.settled.items():
+        entry = yaml.safe_dump({field: value}, default_flow_style=False).strip()
+        reason = (reasons or {}).get(field)
+        lines.append(f"  {entry}" + (f"  # {reason}" if reason else ""))
+    return text + "\n".join(lines) + "\n"

@@ -1,22 +1,16 @@
 """Rollout backends behind one API (`mmrl.rollout.base`): `hf`, `hf_compiled` (the same
 with a static cache and a compiled decode step, `mmrl.rollout.compiled`) and `vllm`;
-`auto` picks one of the HF two for the engine (`choose_backend`)."""
+`auto` picks one of the HF two for the engine (`choose_backend`, by `mmrl.settle`'s rule)."""
 
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.settle import backend_choice
 
 
 def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
-    """`backend`, with "auto" resolved: the compiled HF rollout for one GPU process
-    (bench/results/rollout_speed_gpu.json), single-turn or multi-turn (each turn re-prefills
-    its conversation; the decode step's batch width and cache length are dynamic sizes, so a
-    new prompt length is not a new graph), and plain `generate` on the CPU (compiling there
-    costs more than it saves), under FSDP2 (every rank steps together) and for a family that
-    cannot take left padding (its prompts generate one length at a time). `multi_turn` is
-    kept for callers; it no longer changes the choice."""
-    if backend != "auto":
-        return backend
-    one_gpu = engine.dist.device.type == "cuda" and not engine.sharded
-    return "hf_compiled" if one_gpu and engine.adapter.left_padding else "hf"
+    """`backend`, with "auto" resolved for `engine`'s family, device and processes by
+    `mmrl.settle.backend_choice` (a trainer settles it before the build: `mmrl.settle.resolve`).
+    `multi_turn` is kept for callers; it no longer changes the choice."""
+    return backend_choice(backend, engine.adapter, engine.dist).value
 
 
 def make_rollout(backend: str, engine, processing, **options):
