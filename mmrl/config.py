@@ -10,7 +10,9 @@ what can be told from the recipe alone (group-relative advantages need samples t
 differ) is refused here, before anything is built. `check_before_build` checks what needs the
 filesystem or the model's config (model.path, config_overrides' types, the reward, every
 dataset's rows and images) before the slow model build; `same_run` tells whether a saved
-recipe is the run being resumed.
+recipe is the run being resumed. A recipe's `settled:` section (`SettledConfig`) holds what a
+run settled for the settings left to mmrl (`mmrl.settle`); `dump_recipe` writes it last,
+with the reason for each value.
 """
 
 from __future__ import annotations
@@ -39,18 +41,6 @@ TINY_VOCABULARY_KEYS = {"characters": str, "words": list}
 
 # A seed goes to torch, Python's and NumPy's generators: a non-negative 32-bit integer fits all.
 SEED = Field(0, ge=0, le=2**32 - 1)
-# The settings a recipe may leave to mmrl ("auto", or None for pack_tokens and
-# attn_implementation), settled once per run (`mmrl.settle.resolve`), and what each settles
-# to: the values a recipe's `settled:` section may hold (a type, or the values allowed).
-SETTLED_VALUES: dict[str, type | tuple] = {
-    "model.pack": (True, False),
-    "model.pack_tokens": int,
-    "model.compile_layers": (True, False),
-    # "after_oom": off until an update runs out of memory, then on (`mmrl.settle.AFTER_OOM`).
-    "model.gradient_checkpointing": (True, False, "after_oom"),
-    "model.attn_implementation": str,
-    "rollout.backend": ("hf", "hf_compiled", "vllm"),
-}
 # Advantages normalized within each prompt's group of samples: a group of one sample, or of
 # samples that are all alike (greedy decoding), gives every sample a zero advantage.
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
@@ -362,6 +352,48 @@ class ParallelConfig(_Section):
             raise RecipeError(f"parallel.sequence_parallel: {problem}")
 
 
+class SettledModel(_Section):
+    # The `model` settings a run settled (`mmrl.settle`); None: not settled, auto decides.
+    pack: bool | None = None
+    pack_tokens: int | None = Field(None, gt=0)
+    compile_layers: bool | None = None
+    # "after_oom": off until an update runs out of memory, then on (`mmrl.settle.AFTER_OOM`).
+    gradient_checkpointing: bool | Literal["after_oom"] | None = None
+    attn_implementation: str | None = None
+
+
+class SettledRollout(_Section):
+    backend: Literal["hf", "hf_compiled", "vllm"] | None = None
+
+
+class SettledConfig(_Section):
+    """What a run settled for each setting a recipe may leave to mmrl ("auto", or None for
+    pack_tokens and attn_implementation), by section and field as in the recipe: the run
+    folder's recipe.yaml records it, and a run of a recipe that carries it keeps these
+    choices for every setting its own sections still leave to auto (`mmrl.settle`)."""
+
+    model: SettledModel = SettledModel()
+    rollout: SettledRollout = SettledRollout()
+
+    def fields(self) -> dict[str, Any]:
+        """{"model.pack": value, ...} for every settled field, None where not settled."""
+        return {f"{name}.{field}": value for name in type(self).model_fields
+                for field, value in getattr(self, name).model_dump(mode="json").items()}
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> SettledConfig:
+        """The section holding {"model.pack": value, ...}."""
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            section, _, field = key.partition(".")
+            nested.setdefault(section, {})[field] = value
+        return cls.model_validate(nested)
+
+
+# Every setting a recipe may leave to mmrl, as "section.field" (`mmrl.settle.resolve` settles them).
+SETTLED_FIELDS = tuple(SettledConfig().fields())
+
+
 class Recipe(_Section):
     model: ModelConfig
     data: DataConfig
@@ -377,7 +409,7 @@ class Recipe(_Section):
     # What a run settled for the settings left to auto, by dotted field (`SETTLED_VALUES`),
     # as the run folder's recipe.yaml records it: a run of a recipe that carries it keeps
     # these choices for every setting its sections still leave to auto (`mmrl.settle`).
-    settled: dict[str, Any] = Field(default_factory=dict)
+    settled: SettledConfig = SettledConfig()
     # The recipe file's folder: `reward.name` and `rollout.env` paths resolve there.
     _folder: Path | None = PrivateAttr(None)
 
@@ -391,26 +423,6 @@ class Recipe(_Section):
         located = self.model_copy()
         located._folder = Path(folder).expanduser().resolve() if folder is not None else None
         return located
-
-    @field_validator("settled")
-    @classmethod
-    def _settled_values_fit(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for field, settled in value.items():
-            allowed = SETTLED_VALUES.get(field)
-            if allowed is None:
-                raise ValueError(f"{field!r} is not a setting mmrl settles (those are {', '.join(SETTLED_VALUES)})")
-            if isinstance(allowed, tuple):
-                fits = any(settled is option if isinstance(option, bool) else settled == option for option in allowed)
-                words = " or ".join(str(option).lower() if isinstance(option, bool) else option for option in allowed)
-            elif allowed is int:
-                fits = isinstance(settled, int) and not isinstance(settled, bool) and settled > 0
-                words = "a positive integer"
-            else:
-                fits = isinstance(settled, str) and settled != ""
-                words = "a non-empty string"
-            if not fits:
-                raise ValueError(f"{field}: expected {words}, got {settled!r}")
-        return value
 
     @field_validator("algo")
     @classmethod
@@ -900,13 +912,20 @@ def dump_recipe(recipe: Recipe, reasons: dict[str, str] | None = None) -> str:
     """The recipe as YAML; its `settled:` section (when it has one) last, under a comment
     that says what it does, each value followed by its reason from `reasons` (by field)."""
     text = yaml.safe_dump(recipe.model_dump(mode="json", exclude={"settled"}), sort_keys=False)
-    if not recipe.settled:
+    if recipe.settled == SettledConfig():
         return text
     lines = ["# What this run settled for each setting a recipe may leave to mmrl (mmrl/settle.py), and why.",
              "# A run of this file keeps these choices for every setting still auto above; delete a line",
              "# (or the section) to settle it afresh.", "settled:"]
-    for field, value in recipe.settled.items():
+    section = None
+    for key, value in recipe.settled.fields().items():
+        if value is None:
+            continue
+        name, _, field = key.partition(".")
+        if name != section:
+            lines.append(f"  {name}:")
+            section = name
         entry = yaml.safe_dump({field: value}, default_flow_style=False).strip()
-        reason = (reasons or {}).get(field)
-        lines.append(f"  {entry}" + (f"  # {reason}" if reason else ""))
+        reason = (reasons or {}).get(key)
+        lines.append(f"    {entry}" + (f"  # {reason}" if reason else ""))
     return text + "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mmrl.build import default_attention
-from mmrl.config import SETTLED_VALUES, Recipe
+from mmrl.config import SETTLED_FIELDS, Recipe, SettledConfig
 from mmrl.hub import checkpoint_folder
 from mmrl.registry import get_adapter
 
@@ -157,7 +157,7 @@ def backend_choice(backend: str, adapter, dist: Dist) -> Choice:
 @dataclass(frozen=True)
 class Settled:
     """A recipe's settings as settled for one run (`resolve`), by dotted field in the order
-    of `mmrl.config.SETTLED_VALUES`."""
+    of `mmrl.config.SETTLED_FIELDS`."""
 
     choices: dict[str, Choice]
     # `model.compile_layers: true` in the recipe: a model whose decoder layers cannot be
@@ -189,8 +189,12 @@ class Settled:
         return self.choices["rollout.backend"].value
 
     def values(self) -> dict[str, Any]:
-        """{dotted field: value}: a recipe's `settled:` section."""
+        """{dotted field: value}."""
         return {field: choice.value for field, choice in self.choices.items()}
+
+    def section(self) -> SettledConfig:
+        """The values as a recipe's `settled:` section."""
+        return SettledConfig.of(self.values())
 
     def reasons(self) -> dict[str, str]:
         return {field: choice.reason for field, choice in self.choices.items()}
@@ -218,15 +222,15 @@ def model_adapter(recipe: Recipe):
 
 
 def resolve(recipe: Recipe, dist: Dist, adapter=None) -> Settled:
-    """Every setting of `mmrl.config.SETTLED_VALUES` settled for `recipe` on this process and
+    """Every setting of `mmrl.config.SETTLED_FIELDS` settled for `recipe` on this process and
     device. `adapter`: the family's (default: `model_adapter(recipe)`). A setting the recipe
     leaves to auto takes the value of its `settled:` section where that names it."""
     adapter = adapter if adapter is not None else model_adapter(recipe)
-    m, pinned = recipe.model, recipe.settled
+    m, pinned = recipe.model, recipe.settled.fields()
 
     def settle(field: str, asked, choose) -> Choice:
         fresh = choose(asked)
-        if asked not in ("auto", None) or field not in pinned:
+        if asked not in ("auto", None) or pinned[field] is None:
             return fresh
         kept = choose(pinned[field])
         differs = "" if kept.value == fresh.value else f"; auto here: {_word(fresh.value)}"
@@ -240,7 +244,7 @@ def resolve(recipe: Recipe, dist: Dist, adapter=None) -> Settled:
         "model.attn_implementation": (m.attn_implementation, lambda value: attention_choice(value, adapter)),
         "rollout.backend": (recipe.rollout.backend, lambda value: backend_choice(value, adapter, dist)),
     }
-    choices = {field: settle(field, *rules[field]) for field in SETTLED_VALUES}
+    choices = {field: settle(field, *rules[field]) for field in SETTLED_FIELDS}
     return Settled(choices, compile_layers_required=m.compile_layers is True)
 
 

@@ -101,7 +101,7 @@ class Trainer:
         # Every "auto" settled once, before the build; what it built with is recorded in the
         # run folder's recipe.yaml and the summary (`mmrl.settle`).
         self.settled = resolve(recipe, self.dist)
-        self.recipe = recipe = recipe.model_copy(update={"settled": self.settled.values()})
+        self.recipe = recipe = recipe.model_copy(update={"settled": self.settled.section()})
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from mmrl.config import SETTLED_VALUES, RecipeError, dump_recipe, load_recipe, same_run
+from mmrl.config import SETTLED_FIELDS, RecipeError, dump_recipe, load_recipe, same_run
 from mmrl.parallel import Dist
 from mmrl.registry import get_adapter
 from mmrl.settle import backend_choice, pack_choice, resolve
@@ -31,7 +31,7 @@ def _recipe(*overrides):
 def test_a_recipe_of_autos_settles_by_device_processes_and_family():
     recipe = _recipe()
     cpu = resolve(recipe, _dist("cpu"), TEXT)
-    assert list(cpu.values()) == list(SETTLED_VALUES)  # every setting, in the schema's order
+    assert tuple(cpu.values()) == SETTLED_FIELDS  # every setting, in the schema's order
     assert cpu.values() == {"model.pack": False, "model.pack_tokens": 16384, "model.compile_layers": False,
                             "model.gradient_checkpointing": "after_oom", "model.attn_implementation": "sdpa",
                             "rollout.backend": "hf"}
@@ -76,43 +76,44 @@ def test_values_the_recipe_sets_are_kept_and_the_rest_follow_them():
 
 def test_a_settled_section_keeps_its_choices_for_what_the_recipe_leaves_to_auto():
     """A recipe saved by a run on one GPU, run again on the CPU: the same choices."""
-    pinned = "settled={model.pack: true, model.compile_layers: true, rollout.backend: hf_compiled}"
-    settled = resolve(_recipe(pinned), _dist("cpu"), TEXT)
+    pinned = ["settled.model.pack=true", "settled.model.compile_layers=true", "settled.rollout.backend=hf_compiled"]
+    settled = resolve(_recipe(*pinned), _dist("cpu"), TEXT)
     assert (settled.pack, settled.compile_layers, settled.rollout_backend) == (True, True, "hf_compiled")
     assert settled.reasons()["model.pack"] == "kept from the recipe's settled: section; auto here: false"
     assert not settled.compile_layers_required  # settled from auto: compiled where the layers are found
     assert settled.reasons()["model.pack_tokens"] == "auto: the default"  # not in the section: settled afresh
     # A value set in the recipe's own section wins over the settled one.
-    assert resolve(_recipe(pinned, "model.pack=false"), _dist("cpu"), TEXT).reasons()["model.pack"] == \
+    assert resolve(_recipe(*pinned, "model.pack=false"), _dist("cpu"), TEXT).reasons()["model.pack"] == \
         "set in the recipe"
     # Where the kept value is what auto chooses here, the reason says only where it comes from.
-    again = resolve(_recipe("settled={model.pack: false}"), _dist("cpu"), TEXT)
+    again = resolve(_recipe("settled.model.pack=false"), _dist("cpu"), TEXT)
     assert again.reasons()["model.pack"] == "kept from the recipe's settled: section"
 
 
-@pytest.mark.parametrize("section, message", [
-    ("{model.dtype: float32}", "settled: 'model.dtype' is not a setting mmrl settles (those are model.pack, "),
-    ("{model.pack: 1}", "settled: model.pack: expected true or false, got 1"),
-    ("{model.gradient_checkpointing: sometimes}",
-     "settled: model.gradient_checkpointing: expected true or false or after_oom, got 'sometimes'"),
-    ("{model.pack_tokens: 0}", "settled: model.pack_tokens: expected a positive integer, got 0"),
-    ("{rollout.backend: auto}", "settled: rollout.backend: expected hf or hf_compiled or vllm, got 'auto'"),
+@pytest.mark.parametrize("override, message", [
+    ("settled.model.dtype=float32", "settled.model.dtype: Extra inputs are not permitted"),
+    ("settled.model.pack=1", "settled.model.pack: expected true or false, got 1"),
+    ("settled.model.gradient_checkpointing=auto", "settled.model.gradient_checkpointing: expected true or false"),
+    ("settled.model.pack_tokens=0", "settled.model.pack_tokens: Input should be greater than 0"),
+    ("settled.rollout.backend=auto", "settled.rollout.backend: Input should be 'hf', 'hf_compiled' or 'vllm'"),
 ])
-def test_a_bad_settled_section_is_a_one_line_error(section, message):
+def test_a_bad_settled_section_is_a_one_line_error(override, message):
     with pytest.raises(RecipeError) as info:
-        _recipe(f"settled={section}")
+        _recipe(override)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
 def test_the_saved_recipe_writes_its_settled_section_and_reads_it_back(tmp_path):
     recipe = _recipe()
     settled = resolve(recipe, _dist("cuda"), TEXT)
-    text = dump_recipe(recipe.model_copy(update={"settled": settled.values()}), settled.reasons())
-    assert "settled:\n  model.pack: true  # auto: cuda, 1 process, a text family\n" in text
-    assert "  model.gradient_checkpointing: after_oom  # auto: cuda, 1 process; off until" in text
+    text = dump_recipe(recipe.model_copy(update={"settled": settled.section()}), settled.reasons())
+    assert "\nsettled:\n  model:\n    pack: true  # auto: cuda, 1 process, a text family\n" in text
+    assert "    gradient_checkpointing: after_oom  # auto: cuda, 1 process; off until" in text
+    assert "  rollout:\n    backend: hf_compiled  # auto: cuda, 1 process\n" in text
     (tmp_path / "recipe.yaml").write_text(text)
     saved = load_recipe(tmp_path / "recipe.yaml")
-    assert saved.settled == settled.values() == yaml.safe_load(text)["settled"]
+    assert saved.settled.fields() == settled.values()
+    assert yaml.safe_load(text)["settled"] == saved.settled.model_dump(mode="json")
     assert resolve(saved, _dist("cpu"), TEXT).values() == settled.values()  # on the CPU, as on the GPU
     assert same_run(recipe, text) is None  # how a run settled is not what it trains: it may resume
     assert "settled" not in dump_recipe(recipe)
@@ -131,15 +132,15 @@ def test_a_run_records_what_it_settled_and_a_run_of_its_recipe_keeps_it(tmp_path
     recipe.yaml settles the same and packs too."""
     from mmrl.trainer import Trainer
 
-    first = Trainer(_tiny_vlm(tmp_path / "first", "settled={model.pack: true}"))
+    first = Trainer(_tiny_vlm(tmp_path / "first", "settled.model.pack=true"))
     first.fit()
     assert first.actor.pack  # the engine packs as settled, though auto on the CPU would not
     summary = [line for line in capsys.readouterr().err.splitlines() if line.startswith("settled   ")]
     assert summary == [f"settled   {line}" for line in first.settled.lines()]
     assert summary[0] == "settled   model.pack true (kept from the recipe's settled: section; auto here: false)"
     saved = (tmp_path / "first" / "recipe.yaml").read_text()
-    assert yaml.safe_load(saved)["settled"] == first.settled.values()
-    assert "  rollout.backend: hf  # set in the recipe\n" in saved
+    assert load_recipe(tmp_path / "first" / "recipe.yaml").settled.fields() == first.settled.values()
+    assert "\n  rollout:\n    backend: hf  # set in the recipe\n" in saved
     again = Trainer(load_recipe(tmp_path / "first" / "recipe.yaml", [f"trainer.output_dir={tmp_path / 'again'}"]))
     try:
         assert again.settled.values() == first.settled.values() and again.actor.pack
