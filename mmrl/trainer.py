@@ -137,7 +137,6 @@ class Trainer:
 
         r = self.recipe
         m = r.model
-
         settled = self.settled
         attention = m.model_copy(update={"attn_implementation": settled.attn_implementation})
 

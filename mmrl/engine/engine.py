@@ -92,7 +92,7 @@ class Engine:
         optim: OptimConfig | None = None,
         lr: float | None = None,
         total_steps: int = 1,
-        gradient_checkpointing: bool | str = False,
+        gradient_checkpointing: bool | str = False,  # or "auto", or "after_oom" (`mmrl.settle`)
         value_head: bool = False,
         mixed_precision: bool = True,
         share_media: bool = True,
@@ -100,6 +100,8 @@ class Engine:
         pack: bool | str = False,
         pack_tokens: int = PACK_TOKENS,
         compile_layers: bool | str = "auto",
+        # A model whose decoder layers cannot be found to compile is an error (None: when
+        # compile_layers is True); a trainer passes its recipe's wish, the value settled.
         require_compiled_layers: bool | None = None,
         master_weights: bool = True,
         chunked_head: bool = True,
@@ -143,7 +145,8 @@ class Engine:
         self.settings = surgery.resolve(
             self.model, self.adapter, dist, trains=optim is not None, pack=self.pack, dropout=dropout,
             gradient_checkpointing=gradient_checkpointing, compile_layers=compile_layers,
-            require_compiled_layers=require_compiled_layers, master_weights=master_weights, mixed_precision=mixed_precision)
+            require_compiled_layers=require_compiled_layers, master_weights=master_weights,
+            mixed_precision=mixed_precision)
         changes = surgery.apply_all(self.model, self.settings, self.value_head)
         self.dropout_disabled = changes.dropout_off
         self.checkpointing_auto = self.settings.checkpointing_auto

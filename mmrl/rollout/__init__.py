@@ -10,6 +10,8 @@ def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     """`backend`, with "auto" resolved for `engine`'s family, device and processes by
     `mmrl.settle.backend_choice` (a trainer settles it before the build: `mmrl.settle.resolve`).
     `multi_turn` is kept for callers; it no longer changes the choice."""
+    if backend != "auto":
+        return backend  # a name `make_rollout` does not know is its error, with or without an engine
     return backend_choice(backend, engine.adapter, engine.dist).value
 
 
