@@ -233,6 +233,8 @@ def resolve(recipe: Recipe, dist: Dist, adapter=None) -> Settled:
         if asked not in ("auto", None) or pinned[field] is None:
             return fresh
         kept = choose(pinned[field])
+        if kept.value != pinned[field]:
+            return kept  # the family cannot take it (pack without padding_free): the reason says so
         differs = "" if kept.value == fresh.value else f"; auto here: {_word(fresh.value)}"
         return Choice(kept.value, f"kept from the recipe's settled: section{differs}")
 

@@ -85,6 +85,11 @@ def test_a_settled_section_keeps_its_choices_for_what_the_recipe_leaves_to_auto(
     # A value set in the recipe's own section wins over the settled one.
     assert resolve(_recipe(*pinned, "model.pack=false"), _dist("cpu"), TEXT).reasons()["model.pack"] == \
         "set in the recipe"
+    # A kept value the family cannot take is not kept: the reason says why.
+    unpacked = SimpleNamespace(family="fake", is_multimodal=False, left_padding=True, model_class=TEXT.model_class,
+                               capabilities=SimpleNamespace(padding_free=False))
+    assert resolve(_recipe(*pinned), _dist("cpu"), unpacked).choices["model.pack"].reason == \
+        "the fake adapter does not declare padding_free"
     # Where the kept value is what auto chooses here, the reason says only where it comes from.
     again = resolve(_recipe("settled.model.pack=false"), _dist("cpu"), TEXT)
     assert again.reasons()["model.pack"] == "kept from the recipe's settled: section"
