@@ -8,8 +8,9 @@ a YAML error, or a key given twice, names the line and column. Values are not co
 (`true` is no number, `1` no switch, `"5"` no integer; non-finite floats are refused), and
 what can be told from the recipe alone (group-relative advantages need samples that can
 differ) is refused here, before anything is built. `check_before_build` checks what needs the
-filesystem or the model's config (model.path, config_overrides' types, the reward, every
-dataset's rows and images) before the slow model build; `same_run` tells whether a saved
+filesystem or the model's config (model.path, config_overrides' types, LoRA targets,
+sequence_parallel against the attention heads, the reward, every dataset's rows and images)
+before the slow model build; `same_run` tells whether a saved
 recipe is the run being resumed. A recipe's `settled:` section (`SettledConfig`) holds what a
 run settled for the settings left to mmrl (`mmrl.settle`); `dump_recipe` writes it last,
 with the reason for each value.
@@ -406,9 +407,8 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
-    # What a run settled for the settings left to auto, by dotted field (`SETTLED_VALUES`),
-    # as the run folder's recipe.yaml records it: a run of a recipe that carries it keeps
-    # these choices for every setting its sections still leave to auto (`mmrl.settle`).
+    # What a run settled for the settings left to auto (`SettledConfig`), as the run
+    # folder's recipe.yaml records it.
     settled: SettledConfig = SettledConfig()
     # The recipe file's folder: `reward.name` and `rollout.env` paths resolve there.
     _folder: Path | None = PrivateAttr(None)
@@ -617,8 +617,8 @@ def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = Non
     """Raise RecipeError for what the schema cannot see but a model build or the first
     step would trip on late: a model.path that is not there or holds unreadable weights,
     config_overrides of the wrong type, LoRA targets the model lacks, a sequence_parallel
-    size the family or its attention heads cannot take, a reward that is not set or cannot be found, a
-    dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
+    size the family or its attention heads cannot take, a reward that is not set or cannot
+    be found, a dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
     e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
     _check_model(recipe.model)
     _check_lora_targets(recipe.model)
