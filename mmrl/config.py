@@ -8,9 +8,12 @@ a YAML error, or a key given twice, names the line and column. Values are not co
 (`true` is no number, `1` no switch, `"5"` no integer; non-finite floats are refused), and
 what can be told from the recipe alone (group-relative advantages need samples that can
 differ) is refused here, before anything is built. `check_before_build` checks what needs the
-filesystem or the model's config (model.path, config_overrides' types, the reward, every
-dataset's rows and images) before the slow model build; `same_run` tells whether a saved
-recipe is the run being resumed.
+filesystem or the model's config (model.path, config_overrides' types, LoRA targets,
+sequence_parallel against the attention heads, the reward, every dataset's rows and images)
+before the slow model build; `same_run` tells whether a saved
+recipe is the run being resumed. A recipe's `settled:` section (`SettledConfig`) holds what a
+run settled for the settings left to mmrl (`mmrl.settle`); `dump_recipe` writes it last,
+with the reason for each value.
 """
 
 from __future__ import annotations
@@ -213,6 +216,14 @@ class RolloutConfig(_Section):
     max_turns: int = Field(4, gt=0)
     max_tokens: int = Field(1024, gt=0)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _one_turn_fits(cls, value: int, info: ValidationInfo) -> int:
+        new_tokens = info.data.get("max_new_tokens")
+        if info.data.get("env") is not None and new_tokens is not None and new_tokens > value:
+            raise ValueError(f"{value} is smaller than one turn's rollout.max_new_tokens ({new_tokens})")
+        return value
+
 
 class AlgoConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
@@ -352,6 +363,48 @@ class ParallelConfig(_Section):
             raise RecipeError(f"parallel.sequence_parallel: {problem}")
 
 
+class SettledModel(_Section):
+    # The `model` settings a run settled (`mmrl.settle`); None: not settled, auto decides.
+    pack: bool | None = None
+    pack_tokens: int | None = Field(None, gt=0)
+    compile_layers: bool | None = None
+    # "after_oom": off until an update runs out of memory, then on (`mmrl.settle.AFTER_OOM`).
+    gradient_checkpointing: bool | Literal["after_oom"] | None = None
+    attn_implementation: str | None = None
+
+
+class SettledRollout(_Section):
+    backend: Literal["hf", "hf_compiled", "vllm"] | None = None
+
+
+class SettledConfig(_Section):
+    """What a run settled for each setting a recipe may leave to mmrl ("auto", or None for
+    pack_tokens and attn_implementation), by section and field as in the recipe: the run
+    folder's recipe.yaml records it, and a run of a recipe that carries it keeps these
+    choices for every setting its own sections still leave to auto (`mmrl.settle`)."""
+
+    model: SettledModel = SettledModel()
+    rollout: SettledRollout = SettledRollout()
+
+    def fields(self) -> dict[str, Any]:
+        """{"model.pack": value, ...} for every settled field, None where not settled."""
+        return {f"{name}.{field}": value for name in type(self).model_fields
+                for field, value in getattr(self, name).model_dump(mode="json").items()}
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> SettledConfig:
+        """The section holding {"model.pack": value, ...}."""
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            section, _, field = key.partition(".")
+            nested.setdefault(section, {})[field] = value
+        return cls.model_validate(nested)
+
+
+# Every setting a recipe may leave to mmrl, as "section.field" (`mmrl.settle.resolve` settles them).
+SETTLED_FIELDS = tuple(SettledConfig().fields())
+
+
 class Recipe(_Section):
     model: ModelConfig
     data: DataConfig
@@ -364,6 +417,9 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     # What `mmrl train RECIPE --smoke` swaps in for the checkpoint and dataset (mmrl/smoke.py).
     smoke: SmokeConfig = SmokeConfig()
+    # What a run settled for the settings left to auto (`SettledConfig`), as the run
+    # folder's recipe.yaml records it.
+    settled: SettledConfig = SettledConfig()
     # The recipe file's folder: `reward.name` and `rollout.env` paths resolve there.
     _folder: Path | None = PrivateAttr(None)
 
@@ -616,11 +672,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
     """Raise RecipeError for what the schema cannot see but a model build or the first
     step would trip on late: a model.path that is not there or holds unreadable weights,
-    config_overrides of the wrong type, a reward that is not set or cannot be found, a
-    dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
+    config_overrides of the wrong type, LoRA targets the model lacks, a sequence_parallel
+    size the family or its attention heads cannot take, a reward that is not set or cannot
+    be found, a dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
     e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
     _check_model(recipe.model)
     _check_lora_targets(recipe.model)
+    _check_sequence_parallel(recipe)
     try:
         check_installed(recipe.trainer.loggers)
     except ValueError as exc:
@@ -683,20 +741,36 @@ def _check_lora_targets(m: ModelConfig) -> None:
         return
     import torch
 
-    from mmrl.build import _customized
     from mmrl.lora import lora_target_modules
-    from mmrl.registry import adapter_for_config
 
-    config = _base_config(m)
-    adapter = adapter_for_config(config)
-    if m.random_init and m.config_overrides:
-        config = _customized(config, adapter, m.config_overrides)
+    config, adapter = _built_config(m)
     with torch.device("meta"):
         model = adapter.model_class()._from_config(config)
     try:
         lora_target_modules(model, m.lora_scope, adapter, m.lora_targets)
     except ValueError as exc:
         raise RecipeError(f"model.lora_targets: {exc}") from None
+
+
+def _check_sequence_parallel(recipe: Recipe) -> None:
+    """parallel.sequence_parallel against the family and its config's attention heads, from
+    the config alone (the model is not built)."""
+    if recipe.parallel.sequence_parallel == 1:
+        return
+    config, adapter = _built_config(recipe.model)
+    recipe.parallel.check_model(adapter, config.get_text_config())
+
+
+def _built_config(m: ModelConfig):
+    """The config the model of `m` is built with (config_overrides applied), and its adapter."""
+    from mmrl.build import _customized
+    from mmrl.registry import adapter_for_config
+
+    config = _base_config(m)
+    adapter = adapter_for_config(config)
+    if m.random_init and m.config_overrides:
+        config = _customized(config, adapter, m.config_overrides)
+    return config, adapter
 
 
 def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval"), *,
@@ -904,7 +978,7 @@ def same_run(recipe: Recipe, saved_text: str) -> str | None:
         saved = Recipe.model_validate(saved).model_dump(mode="json")
     except (yaml.YAMLError, ValueError):
         return "its recipe.yaml cannot be read as a recipe"
-    current = recipe.model_dump(mode="json")
+    current = recipe.model_dump(mode="json", exclude={"settled"})  # how it ran, not what it trains
     for section, fields in current.items():
         for key, value in fields.items():
             if key in _HOW_TO_RUN.get(section, ()):
@@ -915,5 +989,24 @@ def same_run(recipe: Recipe, saved_text: str) -> str | None:
     return None
 
 
-def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+def dump_recipe(recipe: Recipe, reasons: dict[str, str] | None = None) -> str:
+    """The recipe as YAML; its `settled:` section (when it has one) last, under a comment
+    that says what it does, each value followed by its reason from `reasons` (by field)."""
+    text = yaml.safe_dump(recipe.model_dump(mode="json", exclude={"settled"}), sort_keys=False)
+    if recipe.settled == SettledConfig():
+        return text
+    lines = ["# What this run settled for each setting a recipe may leave to mmrl (mmrl/settle.py), and why.",
+             "# A run of this file keeps these choices for every setting still auto above; delete a line",
+             "# (or the section) to settle it afresh.", "settled:"]
+    section = None
+    for key, value in recipe.settled.fields().items():
+        if value is None:
+            continue
+        name, _, field = key.partition(".")
+        if name != section:
+            lines.append(f"  {name}:")
+            section = name
+        entry = yaml.safe_dump({field: value}, default_flow_style=False).strip()
+        reason = (reasons or {}).get(key)
+        lines.append(f"    {entry}" + (f"  # {reason}" if reason else ""))
+    return text + "\n".join(lines) + "\n"

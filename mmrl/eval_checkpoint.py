@@ -25,12 +25,12 @@ from mmrl.build import build_model, build_recipe_model
 from mmrl.config import Recipe, RecipeError, _weights_problem, check_reward_and_data, recipe_reward
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
-from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
-from mmrl.rollout import choose_backend, make_rollout
+from mmrl.rollout import make_rollout
 from mmrl.runs import verify_checkpoint
+from mmrl.settle import resolve
 from mmrl.trainer import environment_factory
 
 SPLITS = ("eval", "validation")
@@ -98,12 +98,13 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     dist = init_distributed(sequence_parallel=recipe.parallel.sequence_parallel)
     r, m = recipe, recipe.model
     built = _policy(recipe, path, kind, dist.device)
-    engine = Engine(built, dist, share_media=m.share_media, pack=m.pack, compile_layers=m.compile_layers,
-                    pack_tokens=m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0))
-    backend = choose_backend(r.rollout.backend, engine, multi_turn=environment is not None)
+    settled = resolve(recipe, dist, adapter=built.adapter)  # as the trainer settles them (`mmrl.settle`)
+    engine = Engine(built, dist, share_media=m.share_media, **settled.engine_options())
+    backend = settled.rollout_backend
     options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
                                                               "inference_copy": r.rollout.inference_copy}}
-    rollout = make_rollout(r.rollout.backend, engine, built.processing, **options.get(backend, {}))
+    rollout = make_rollout(backend, engine, built.processing, requested=r.rollout.backend,
+                           **options.get(backend, {}))
     agent = None
     if environment is not None:
         from mmrl.rollout.agent import AgentRollout

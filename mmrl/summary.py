@@ -6,18 +6,23 @@ a frozen model, an empty split or an unexpected batch shows before any time is s
     weights   3.09B parameters, 3.09B trainable (100.0%); frozen: none; LoRA: none
     rows      train 7473, validation 1319, eval 1319
     step      8 prompts x 8 samples = 64 sequences; 4 mini-batches, micro-batch 4
-    settled   rollout hf_compiled; pack on; compile_layers on; gradient_checkpointing off (auto)
+    settled   model.pack true (auto: cuda, 1 process, a text family)
+    settled   model.pack_tokens 16384 (auto: the default)
+    settled   model.compile_layers true (auto: cuda, 1 process)
+    settled   model.gradient_checkpointing after_oom (auto: cuda, 1 process; off until an update runs out of memory)
+    settled   model.attn_implementation sdpa (auto: Qwen2ForCausalLM supports SDPA)
+    settled   rollout.backend hf_compiled (auto: cuda, 1 process)
     output    runs/gsm8k
 
-It reads only what the trainer built: the settled "auto" values are the engine's
-(`mmrl.engine.surgery.resolve`) and the rollout's (`mmrl.rollout.choose_backend`).
+It reads only what the trainer built and settled: one `settled` line per setting a recipe
+may leave to auto, as `mmrl.settle.resolve` settled it before the build (the same values
+the run folder's recipe.yaml records in its `settled:` section).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mmrl.rollout import choose_backend
 from mmrl.rollout.inference_copy import describe
 
 
@@ -41,13 +46,13 @@ def run_summary(trainer) -> list[str]:
     sequences = r.data.prompts_per_step * r.rollout.samples_per_prompt
     micro = (f"micro-batch {r.algo.micro_batch_tokens} tokens" if r.algo.micro_batch_tokens
              else f"micro-batch {r.algo.micro_batch_size}")
-    settings = actor.settings
-    checkpointing = _on(settings.checkpointing) + (" (auto)" if settings.checkpointing_auto else "")
-    # The rollout built (an "auto" compiled rollout may have taken plain generate).
-    backend = getattr(trainer.rollout, "backend", None) or choose_backend(r.rollout.backend, actor)
+    # The rollout as built, where it says more than its settled line: an inference copy of
+    # sharded weights, or an "auto" compiled rollout that took plain generate.
+    built = getattr(trainer.rollout, "backend", None)
     copy = getattr(trainer.rollout, "copy", None)
-    if copy is not None:
-        backend += f" ({describe(copy)})"
+    rollout = []
+    if copy is not None or (built and built != trainer.settled.rollout_backend):
+        rollout = [f"rollout   {built}" + (f" ({describe(copy)})" if copy is not None else "")]
     return [
         f"model     {actor.adapter.family} ({m.path}{', random init' if m.random_init else ''})",
         f"weights   {_count(total)} parameters, {_count(trainable)} trainable ({share:.1f}%); "
@@ -55,14 +60,10 @@ def run_summary(trainer) -> list[str]:
         f"rows      {', '.join(rows)}",
         f"step      {r.data.prompts_per_step} prompts x {r.rollout.samples_per_prompt} samples = {sequences} "
         f"sequences; {r.algo.mini_batches} mini-batch{'es' if r.algo.mini_batches != 1 else ''}, {micro}",
-        f"settled   rollout {backend}; pack {_on(actor.pack)}; compile_layers {_on(settings.compile_layers)}; "
-        f"gradient_checkpointing {checkpointing}",
+        *(f"settled   {line}" for line in trainer.settled.lines()),
+        *rollout,
         f"output    {trainer.output_dir}",
     ]
-
-
-def _on(value: Any) -> str:
-    return "on" if value else "off"
 
 
 def _count(n: int) -> str:

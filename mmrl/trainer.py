@@ -42,18 +42,18 @@ from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
                          unset_toy_defaults)
 from mmrl.engine import Engine
-from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.media_check import step_zero_media_check
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.prompt_lengths import check_prompt_lengths
 from mmrl.rewards import get_reward, reward_name
-from mmrl.rollout import SamplingParams, choose_backend, make_rollout
+from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
 from mmrl.samples import sample_rows
 from mmrl.scoring import score_rollout
+from mmrl.settle import resolve
 from mmrl.summary import run_summary
 from mmrl.update import PolicyUpdate
 
@@ -96,6 +96,10 @@ class Trainer:
             print(notice, file=sys.stderr, flush=True)
         self._environment = environment_factory(recipe)
         self._load_datasets()
+        # Every "auto" settled once, before the build; what it built with is recorded in the
+        # run folder's recipe.yaml and the summary (`mmrl.settle`).
+        self.settled = resolve(recipe, self.dist)
+        self.recipe = recipe = recipe.model_copy(update={"settled": self.settled.section()})
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
@@ -131,13 +135,14 @@ class Trainer:
 
         r = self.recipe
         m = r.model
+        settled = self.settled
+        attention = m.model_copy(update={"attn_implementation": settled.attn_implementation})
 
         def build(seed: int):
-            return build_recipe_model(m, seed=seed, device=self.dist.device)
+            return build_recipe_model(attention, seed=seed, device=self.dist.device)
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
         built = build(r.trainer.seed)
-        r.parallel.check_model(built.adapter, built.model.config.get_text_config())
         if m.freeze:
             from mmrl.parts import freeze
 
@@ -153,12 +158,11 @@ class Trainer:
         self.built = built
         self.processing = built.processing
         self.estimator = get_advantage_estimator(r.algo.advantage)
-        passes = {"share_media": m.share_media, "pack": m.pack, "compile_layers": m.compile_layers,
-                  "pack_tokens": m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0)}
+        passes = {"share_media": m.share_media, **settled.engine_options()}
         # A LoRA run on a base checkpoint saves its adapter only; a random-init base is
         # drawn differently on another device, so those checkpoints keep it.
         self.actor = Engine(built, self.dist, optim=r.optim, total_steps=r.trainer.steps,
-                            gradient_checkpointing=m.gradient_checkpointing,
+                            gradient_checkpointing=settled.gradient_checkpointing,
                             trainable_only_checkpoints=m.lora_scope != "none" and not m.random_init, **passes)
         if m.lora_scope != "none":
             from mmrl.lora import AdapterFreeReference, keep_lora_dropout
@@ -175,11 +179,12 @@ class Trainer:
                                  total_steps=r.trainer.steps, value_head=True, **passes)
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)
-        backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
+        backend = settled.rollout_backend
         options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
                                                                   "inference_copy": r.rollout.inference_copy}}
-        # The recipe's own name: "auto" may still take plain generate (an inference copy that does not fit).
-        self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing, **options.get(backend, {}))
+        # The recipe's own name too: "auto" may still take plain generate (an inference copy that does not fit).
+        self.rollout = make_rollout(backend, self.actor, self.processing, requested=r.rollout.backend,
+                                    **options.get(backend, {}))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout
@@ -490,7 +495,7 @@ class Trainer:
             raise RunFolderError(f"trainer.resume: no checkpoint in {self.output_dir / 'checkpoints'} verifies; "
                                  "drop trainer.resume to start a new run")
         if self.dist.is_main:
-            atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(r))
+            atomic_write_text(self.output_dir / "recipe.yaml", dump_recipe(r, self.settled.reasons()))
         self.dist.barrier()
         history: list[dict[str, Any]] = []
         if cfg.resume:
@@ -623,9 +628,6 @@ def environment_factory(recipe: Recipe):
         factory()  # options the constructor rejects (a bad value) fail here, not at step 1
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"rollout.env: {exc}") from None
-    if rollout.max_new_tokens > rollout.max_tokens:
-        raise RecipeError(f"rollout.max_tokens ({rollout.max_tokens}) is smaller than one turn's "
-                          f"rollout.max_new_tokens ({rollout.max_new_tokens})")
     return factory
 
 

@@ -300,11 +300,13 @@ def test_an_exports_suppressed_tokens_keep_the_compiled_loop():
 def test_auto_takes_the_compiled_rollout_on_a_gpu_only():
     from types import SimpleNamespace
 
+    from mmrl.parallel import Dist
     from mmrl.rollout import choose_backend
 
     def engine(device, sharded=False, left_padding=True):
-        adapter = SimpleNamespace(left_padding=left_padding)
-        return SimpleNamespace(dist=SimpleNamespace(device=torch.device(device)), sharded=sharded, adapter=adapter)
+        adapter = SimpleNamespace(left_padding=left_padding, family="fake")
+        dist = Dist(rank=0, world_size=2 if sharded else 1, local_rank=0, device=torch.device(device), mesh=None)
+        return SimpleNamespace(dist=dist, sharded=sharded, adapter=adapter)
 
     assert choose_backend("auto", engine("cuda")) == "hf_compiled"
     assert choose_backend("auto", engine("cuda", left_padding=False)) == "hf"

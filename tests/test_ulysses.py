@@ -236,7 +236,7 @@ def test_checkpointed_critic_and_entropy_under_ulysses(tmp_path):
     assert record["reason"] is None, record
 
 
-def test_bad_sequence_parallel_is_a_one_line_error(tmp_path):
+def test_bad_sequence_parallel_is_a_one_line_error(tmp_path, monkeypatch):
     from mmrl import build_model
     from mmrl.config import RecipeError, load_recipe
     from mmrl.parallel import Dist
@@ -247,9 +247,15 @@ def test_bad_sequence_parallel_is_a_one_line_error(tmp_path):
     recipe = load_recipe(overrides=["model.path=qwen2", "model.random_init=true",
                                     "data.train=synthetic:count_shapes?n=16", "reward.name=counting",
                                     f"trainer.output_dir={tmp_path}", f"parallel.sequence_parallel={size}"])
-    # A stand-in for `size` processes: the check runs before anything is sharded.
+    # A stand-in for `size` processes: the check runs before anything is sharded, and
+    # before the model is built (from the config alone).
     dist = Dist(rank=0, world_size=size, local_rank=0, device=torch.device("cpu"), mesh=None,
                 sequence_parallel=size)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the bad sequence_parallel was found")
+
+    monkeypatch.setattr("mmrl.build.build_model", no_build)
     with pytest.raises(RecipeError) as info:
         Trainer(recipe, dist=dist)
     message = str(info.value)

@@ -68,6 +68,7 @@ from mmrl.engine.packing import PACK_TOKENS
 from mmrl.engine.surgery import disable_dropout  # noqa: F401 (re-exported)
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
+from mmrl.settle import pack_rule
 
 # Real positions the model's own logits are computed for on an engine's first log-prob call,
 # to check the chunked head's logit post-processing against (`mmrl.engine.logprobs`).
@@ -78,14 +79,8 @@ HEAD_KEEP_SHARE = 16
 
 
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
-    """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
-    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe's update,
-    rows of about one length, ran slower packed: docs/training.md)."""
-    if pack not in (True, False, "auto"):
-        raise ValueError(f"pack must be true, false or auto, got {pack!r}")
-    if pack == "auto":
-        return dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
-    return pack
+    """`model.pack` resolved by the device rule (`mmrl.settle.pack_rule`)."""
+    return pack_rule(pack, adapter, dist).value
 
 
 class Engine:
@@ -97,7 +92,7 @@ class Engine:
         optim: OptimConfig | None = None,
         lr: float | None = None,
         total_steps: int = 1,
-        gradient_checkpointing: bool | str = False,
+        gradient_checkpointing: bool | str = False,  # or "auto", or "after_oom" (`mmrl.settle`)
         value_head: bool = False,
         mixed_precision: bool = True,
         share_media: bool = True,
@@ -105,6 +100,9 @@ class Engine:
         pack: bool | str = False,
         pack_tokens: int = PACK_TOKENS,
         compile_layers: bool | str = "auto",
+        # A model whose decoder layers cannot be found to compile is an error (None: when
+        # compile_layers is True); a trainer passes its recipe's wish, the value settled.
+        require_compiled_layers: bool | None = None,
         master_weights: bool = True,
         chunked_head: bool = True,
         loss_scale_growth_interval: int = 2000,
@@ -147,7 +145,8 @@ class Engine:
         self.settings = surgery.resolve(
             self.model, self.adapter, dist, trains=optim is not None, pack=self.pack, dropout=dropout,
             gradient_checkpointing=gradient_checkpointing, compile_layers=compile_layers,
-            master_weights=master_weights, mixed_precision=mixed_precision)
+            require_compiled_layers=require_compiled_layers, master_weights=master_weights,
+            mixed_precision=mixed_precision)
         changes = surgery.apply_all(self.model, self.settings, self.value_head)
         self.dropout_disabled = changes.dropout_off
         self.checkpointing_auto = self.settings.checkpointing_auto

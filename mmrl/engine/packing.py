@@ -29,9 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Tokens per packed row unless set (`model.pack_tokens`; the trainer widens it to a larger
-# `algo.micro_batch_tokens`): 2.46x the padded update on an H200 against 2.23x at 8192.
-PACK_TOKENS = 16384
+from mmrl.settle import PACK_TOKENS  # noqa: F401 (re-exported) tokens per packed row unless set
 
 # Sequence-aligned inputs that the packed forward does not take: the mask (boundaries come
 # from the positions) and the varlen lengths some helpers add.

@@ -11,8 +11,8 @@ installed; `Changes` records it):
 3. `apply_ulysses`: Ulysses sequence parallelism's attention and input splitting
    (`mmrl.parallel.ulysses`), with `dist.sequence_parallel` > 1.
 4. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
-   "auto" on sharded GPU ranks); `enable_checkpointing` turns it on later too (after an
-   out-of-memory update).
+   "auto" on sharded GPU ranks: `mmrl.settle.checkpointing_choice`); `enable_checkpointing`
+   turns it on later too (after an out-of-memory update, `after_oom`).
 5. `apply_varlen`: the flash varlen attention for packed rows on a GPU
    (`mmrl.engine.varlen`).
 6. `apply_compiled_layers`: the text decoder's layers compiled in the engine's forwards
@@ -44,6 +44,7 @@ from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.master_weights import HALF_DTYPES, needs_master
 from mmrl.parallel import Dist, ulysses
 from mmrl.parts import decoder_layers as find_decoder_layers
+from mmrl.settle import AFTER_OOM, checkpointing_choice, compile_layers_choice
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,31 +88,23 @@ class Changes:
 
 def resolve(model: torch.nn.Module, adapter, dist: Dist, *, trains: bool, pack: bool, dropout: bool,
             gradient_checkpointing: bool | str, compile_layers: bool | str, master_weights: bool,
-            mixed_precision: bool) -> Settings:
-    """`Settings` from the engine's options (`pack` already resolved): each "auto" decided,
-    each option checked."""
-    # "auto": checkpointing only where memory needs it. One GPU process starts
-    # without it and turns it on when an update runs out of memory (the trainer
-    # redoes that optimizer step: `checkpoint_after_oom`); sharded ranks cannot
-    # recover from one rank's OOM, so they keep it on; the CPU never needs it.
-    if gradient_checkpointing not in (True, False, "auto"):
-        raise ValueError(f"gradient_checkpointing must be true, false or auto, got {gradient_checkpointing!r}")
-    auto = gradient_checkpointing == "auto"
-    # "auto": compiled layers on a GPU in one process, packed or padded (measured both
-    # ways; sharded layers are not compiled unless asked).
-    if compile_layers not in (True, False, "auto"):
-        raise ValueError(f"compile_layers must be true, false or auto, got {compile_layers!r}")
+            mixed_precision: bool, require_compiled_layers: bool | None = None) -> Settings:
+    """`Settings` from the engine's options (`pack` already resolved): each "auto" decided
+    by the rules of `mmrl.settle` (a trainer passes them settled already), each option
+    checked. `require_compiled_layers` (None: `compile_layers is True`): a model whose
+    decoder layers cannot be found for compiling is an error, not a model left uncompiled."""
+    checkpointing = checkpointing_choice(gradient_checkpointing, dist).value
     on_gpu = dist.device.type == "cuda"
     half = {p.dtype for p in model.parameters() if p.requires_grad and p.dtype in HALF_DTYPES}
     if len(half) > 1:
         raise ValueError(f"trainable parameters mix half-precision dtypes {sorted(map(str, half))}")
     return Settings(
         adapter=adapter, dist=dist, trains=trains, dropout=dropout,
-        checkpointing=gradient_checkpointing is True or (auto and dist.distributed and on_gpu),
-        checkpointing_auto=auto,
+        checkpointing=checkpointing is True,
+        checkpointing_auto=checkpointing == AFTER_OOM or gradient_checkpointing == "auto",
         varlen=pack and on_gpu and dist.sequence_parallel == 1,
-        compile_layers=compile_layers is True or (compile_layers == "auto" and on_gpu and not dist.distributed),
-        compile_layers_asked=compile_layers is True,
+        compile_layers=compile_layers_choice(compile_layers, dist).value,
+        compile_layers_asked=compile_layers is True if require_compiled_layers is None else require_compiled_layers,
         half_dtype=next(iter(half)) if trains and master_weights and half else None,
         mixed_precision=mixed_precision,
     )

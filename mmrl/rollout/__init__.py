@@ -1,34 +1,29 @@
 """Rollout backends behind one API (`mmrl.rollout.base`): `hf`, `hf_compiled` (the same
 with a static cache and a compiled decode step, `mmrl.rollout.compiled`) and `vllm`;
-`auto` picks one of the HF two for the engine (`choose_backend`)."""
+`auto` picks one of the HF two for the engine (`choose_backend`, by `mmrl.settle`'s rule)."""
 
 import sys
 
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.settle import backend_choice
 
 
 def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
-    """`backend`, with "auto" resolved: the compiled HF rollout on a GPU
-    (bench/results/rollout_speed_gpu.json), single-turn or multi-turn (each turn re-prefills
-    its conversation; the decode step's batch width and cache length are dynamic sizes, so a
-    new prompt length is not a new graph), under FSDP2 too (each rank decodes on an
-    inference copy of the full weights, `mmrl.rollout.inference_copy`; `make_rollout` takes
-    plain `generate` where the copy does not fit); plain `generate` on the CPU (compiling
-    there costs more than it saves) and for a family that cannot take left padding (its
-    prompts generate one length at a time). `multi_turn` is kept for callers; it no longer
-    changes the choice."""
+    """`backend`, with "auto" resolved for `engine`'s family, device and processes by
+    `mmrl.settle.backend_choice` (a trainer settles it before the build: `mmrl.settle.resolve`).
+    `multi_turn` is kept for callers; it no longer changes the choice."""
     if backend != "auto":
-        return backend
-    on_gpu = engine.dist.device.type == "cuda"
-    return "hf_compiled" if on_gpu and engine.adapter.left_padding else "hf"
+        return backend  # a name `make_rollout` does not know is its error, with or without an engine
+    return backend_choice(backend, engine.adapter, engine.dist).value
 
 
-def make_rollout(backend: str, engine, processing, **options):
+def make_rollout(backend: str, engine, processing, requested: str | None = None, **options):
     """The rollout backend named `backend` ("hf", "hf_compiled", "vllm" or "auto") for
-    `engine`'s model. "auto" that resolves to the compiled rollout of sharded weights whose
-    inference copy does not fit in GPU memory says so in one line (main rank) and takes
-    plain `generate`; "hf_compiled" named outright raises `CopyDoesNotFit` there."""
-    requested, backend = backend, choose_backend(backend, engine)
+    `engine`'s model; `requested` is the recipe's own name where `backend` was settled from
+    it. "auto" that resolves to the compiled rollout of sharded weights whose inference copy
+    does not fit in GPU memory says so in one line (main rank) and takes plain `generate`;
+    "hf_compiled" named outright raises `CopyDoesNotFit` there."""
+    requested, backend = requested or backend, choose_backend(backend, engine)
     if backend == "hf":
         from mmrl.rollout.hf import HFRollout
 
