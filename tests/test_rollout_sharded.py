@@ -203,8 +203,10 @@ def test_two_process_training_run_decodes_on_the_copy_of_the_updated_weights(tmp
 
 
 def _engine(device="cpu", sharded=True, left_padding=True):
-    adapter = SimpleNamespace(left_padding=left_padding)
-    return SimpleNamespace(dist=SimpleNamespace(device=torch.device(device), is_main=True), sharded=sharded,
+    adapter = SimpleNamespace(left_padding=left_padding, family="fake")
+    dist = SimpleNamespace(device=torch.device(device), is_main=True, world_size=2 if sharded else 1,
+                           distributed=sharded)
+    return SimpleNamespace(dist=dist, sharded=sharded,
                            adapter=adapter)
 
 

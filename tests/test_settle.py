@@ -35,14 +35,15 @@ def test_a_recipe_of_autos_settles_by_device_processes_and_family():
     assert cpu.values() == {"model.pack": False, "model.pack_tokens": 16384, "model.compile_layers": False,
                             "model.gradient_checkpointing": "after_oom", "model.attn_implementation": "sdpa",
                             "rollout.backend": "hf"}
-    assert cpu.lines()[-1] == "rollout.backend hf (auto: cpu, 1 process; compiled decoding in one GPU process only)"
+    assert cpu.lines()[-1] == "rollout.backend hf (auto: cpu, 1 process; compiled decoding on a GPU only)"
     gpu = resolve(recipe, _dist("cuda"), TEXT)
     assert gpu.values() == {**cpu.values(), "model.pack": True, "model.compile_layers": True,
                             "rollout.backend": "hf_compiled"}
     assert "rollout.backend hf_compiled (auto: cuda, 1 process)" in gpu.lines()
     assert "model.pack true (auto: cuda, 1 process, a text family)" in gpu.lines()
     sharded = resolve(recipe, _dist("cuda", world=2), TEXT)
-    assert sharded.values() == {**cpu.values(), "model.gradient_checkpointing": True}
+    # FSDP2 ranks decode compiled too, each on an inference copy (mmrl.rollout.inference_copy)
+    assert sharded.values() == {**cpu.values(), "model.gradient_checkpointing": True, "rollout.backend": "hf_compiled"}
     assert resolve(recipe, _dist("cpu", world=2), TEXT).gradient_checkpointing is False
     vlm = resolve(recipe, _dist("cuda"), VLM)  # media: padded on one GPU too, but compiled
     assert not vlm.pack and vlm.compile_layers and vlm.rollout_backend == "hf_compiled"
