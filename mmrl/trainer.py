@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mmrl.atomic import atomic_folder, atomic_write_text
+from mmrl.buffer import RolloutBatch, attach_behaviour, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -198,6 +199,8 @@ class Trainer:
         self.position = Position(0, 0)
         self._batches = None
         self._check_prompt_lengths()
+        # The batch each step trains on goes through the trajectory buffer (mmrl/buffer).
+        self.trajectories = steps_for(self)
 
     def _check_prompt_lengths(self) -> None:
         """Refuse, before step 1, a row whose prompt text alone (images add more) leaves no
@@ -275,10 +278,9 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def train_step(self) -> dict[str, float]:
-        """One RL step: rollout, reward, advantages, update, weight sync."""
-        from mmrl.algos import uniform_groups
-
+    def _roll_out(self) -> RolloutBatch:
+        """The next prompts' rollout, scored: what a step trains on, now or (one step off,
+        `algo.max_staleness`) later."""
         r = self.recipe
         self._step_context = f"step {self.step + 1}"
         samples = self._next_prompts()
@@ -293,7 +295,21 @@ class Trainer:
             result = self._same_in_sp_group(generated)
         self._score_rows, self._score_dataset = self._batch_rows, self.train_set
         rewards, reward_parts = self._score(samples, result, conversations)
-        keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
+        return RolloutBatch(samples=samples, rows=self._batch_rows, indices=[], conversations=conversations,
+                            result=result, rewards=rewards, reward_parts=reward_parts, outcomes=self._outcomes,
+                            version=self.step, data_end=tuple(self.position))
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step: rollout, reward, advantages, update, weight sync."""
+        from mmrl.algos import uniform_groups
+
+        r = self.recipe
+        batch, buffer_metrics = self.trajectories.next(done=self.step)
+        samples, conversations, result = batch.samples, batch.conversations, batch.result
+        rewards, reward_parts, self._batch_rows = batch.rewards, batch.reward_parts, batch.rows
+        group_size = r.rollout.samples_per_prompt
+        keep = ~uniform_groups(rewards, group_size) if r.algo.filter_uniform_groups else \
+            torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/accuracy": (rewards >= r.eval.correct_threshold).float().mean().item(),
@@ -302,6 +318,7 @@ class Trainer:
             "groups/kept": keep.float().mean().item(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in reward_parts.items()},
             **(result.stats or {}),
+            **buffer_metrics,
         }
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
@@ -314,9 +331,10 @@ class Trainer:
             rows = torch.arange(len(rewards))
         temperature = r.rollout.temperature or 1.0
         batches, minis = self.update.batches(conversations, result, rows)
+        attach_behaviour(batches, batch)
         with self._timed("logprob"):
             self.update.estimate(batches, minis, temperature)
-        advantages = self.update.advantages(batches, rewards[rows], params.n, metrics, self._outcomes[rows])
+        advantages = self.update.advantages(batches, rewards[rows], group_size, metrics, batch.outcomes[rows])
         self._write_samples(samples, result, rewards, advantages, reward_parts)
         with self._timed("update"):
             metrics.update(self.update.run(batches, minis, temperature))
@@ -416,7 +434,7 @@ class Trainer:
         ones beyond `trainer.keep_checkpoints` are removed after it."""
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
                                {"step": self.step, "data_position": list(self.position),
-                                "data_rows": len(self.train_set)},
+                                "data_rows": len(self.train_set), "buffer": self.trajectories.state()},
                                keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
@@ -436,6 +454,7 @@ class Trainer:
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None
+        self.trajectories.restore(state.get("buffer"))
         return True
 
     def export(self, path: Path) -> Path:
