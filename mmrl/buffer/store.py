@@ -139,7 +139,7 @@ class TrajectoryBuffer:
         self.pending.clear()
         if self.folder is not None:
             for path in self._batch_files():
-                if _batch_name(path)[0] > produced:
+                if batch_name(path)[0] > produced:
                     path.unlink()
             for batch_id in range(taken + 1, produced + 1):
                 path = self.batch_file(batch_id)
@@ -155,7 +155,7 @@ class TrajectoryBuffer:
             raise BufferError(f"trainer.resume: the checkpoint has {produced - taken} rollout batches waiting, but "
                               "this buffer keeps none on disk")
         self.produced, self.taken = produced, taken
-        self.log = [entry for entry in _read_state(self.folder).get("log", []) if entry["batch"] <= taken] \
+        self.log = [entry for entry in read_state(self.folder).get("log", []) if entry["batch"] <= taken] \
             if self.folder is not None else []
         self._write_state()
 
@@ -168,7 +168,7 @@ class TrajectoryBuffer:
         """This rank's batch files, any number."""
         mine = self.rank if self.ranks > 1 else None
         return sorted(p for p in self.folder.glob("batch_*.parquet")
-                      if (name := _batch_name(p)) is not None and name[1] == mine)
+                      if (name := batch_name(p)) is not None and name[1] == mine)
 
     def _write_state(self) -> None:
         if self.folder is None or not self.main:
@@ -180,7 +180,7 @@ class TrajectoryBuffer:
 _BATCH_NAME = re.compile(r"batch_(\d+)(?:-rank(\d+))?\.parquet")
 
 
-def _batch_name(path: Path) -> tuple[int, int | None] | None:
+def batch_name(path: Path) -> tuple[int, int | None] | None:
     """A batch file's (number, rank) (rank None: a one-rank run's); None: not a batch file."""
     match = _BATCH_NAME.fullmatch(path.name)
     if not match:
@@ -188,7 +188,7 @@ def _batch_name(path: Path) -> tuple[int, int | None] | None:
     return int(match[1]), int(match[2]) if match[2] is not None else None
 
 
-def _read_state(folder: Path) -> dict[str, Any]:
+def read_state(folder: Path) -> dict[str, Any]:
     path = folder / STATE_FILE
     if not path.is_file():
         return {}
