@@ -9,10 +9,12 @@ Each step takes `prompts_per_step` prompts (split across the data-parallel ranks
 and sequences), samples
 `samples_per_prompt` responses each, scores them with the reward function, computes
 advantages with the configured estimator, and updates the actor (and the critic for
-GAE) in micro-batches. Metrics go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard
-by default, `mmrl.loggers`), a few sampled completions every `trainer.samples_every` steps
-and at each validation to `samples.jsonl` (`mmrl.samples`); checkpoints hold everything
-needed to resume exactly (weights, optimizer, data position, RNG).
+GAE) in micro-batches; the rollout reaches the update through the trajectory buffer
+(`mmrl.buffer`: `algo.max_staleness` 0 trains on it at once, 1 one step later). Metrics
+go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard by default, `mmrl.loggers`),
+a few sampled completions every `trainer.samples_every` steps and at each validation to
+`samples.jsonl` (`mmrl.samples`); checkpoints hold everything needed to resume exactly
+(weights, optimizer, data position, RNG, the buffer's place).
 
 The output folder belongs to one run (`mmrl.runs`): a second process is locked out, a
 folder holding another run's results is refused unless `trainer.resume` (the same run)
@@ -295,7 +297,7 @@ class Trainer:
             result = self._same_in_sp_group(generated)
         self._score_rows, self._score_dataset = self._batch_rows, self.train_set
         rewards, reward_parts = self._score(samples, result, conversations)
-        return RolloutBatch(samples=samples, rows=self._batch_rows, indices=[], conversations=conversations,
+        return RolloutBatch(samples=samples, rows=self._batch_rows, conversations=conversations,
                             result=result, rewards=rewards, reward_parts=reward_parts, outcomes=self._outcomes,
                             version=self.step, data_end=tuple(self.position))
 

@@ -63,7 +63,6 @@ class RolloutBatch:
 
     samples: list[dict]
     rows: list[int]  # source rows of the samples (as the dataset file counts them)
-    indices: list[int]  # the samples' indices in the training dataset: the media reference
     conversations: list | None
     result: RolloutResult
     rewards: torch.Tensor
@@ -72,8 +71,10 @@ class RolloutBatch:
     version: int
     data_end: tuple[int, int]
     behaviour_logp: torch.Tensor | None = None
-    batch_id: int = 0
+    # The samples' indices in the training dataset and its name: the media reference.
+    indices: list[int] = field(default_factory=list)
     dataset: str = ""
+    batch_id: int = 0
 
     @property
     def size(self) -> int:
