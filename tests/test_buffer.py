@@ -94,7 +94,8 @@ def test_one_step_off_trains_each_batch_one_update_after_it_was_sampled(tmp_path
     # Two batches sampled by the first weights; none for a step past the last.
     assert [(step, batch, version) for step, batch, version, _ in _trained_data(run)] == \
         [(1, 1, 0), (2, 2, 0), (3, 3, 1), (4, 4, 2)]
-    assert sorted(p.name for p in (run / "buffer").glob("*.parquet")) == [f"batch_00000{i}.parquet" for i in range(1, 5)]
+    files = sorted(p.name for p in (run / "buffer").glob("*.parquet"))
+    assert files == [f"batch_00000{i}.parquet" for i in range(1, 5)]
     # The first step trains on the weights that sampled it: no correction; the later
     # ones weigh their tokens, and the weights moved in between.
     assert "off_policy/ratio_mean" not in rows[0]
@@ -193,7 +194,8 @@ def test_a_missing_waiting_batch_file_stops_the_resume_in_one_line(tmp_path):
 
 
 # -- kill and resume --------------------------------------------------------------------------------
-_TRAIN = "import sys; from mmrl.config import load_recipe; from mmrl.trainer import train; train(load_recipe(None, sys.argv[1:]))"
+_TRAIN = ("import sys; from mmrl.config import load_recipe; from mmrl.trainer import train; "
+          "train(load_recipe(None, sys.argv[1:]))")
 
 
 def test_sigkill_then_resume_trains_every_batch_once_on_the_uninterrupted_runs_data(tmp_path):

@@ -80,7 +80,8 @@ def render(summary: dict[str, Any]):
         table.add_column(name, justify="right")
     for row in summary["versions"]:
         staleness = "-" if row["staleness_max"] is None else f"{number(row['staleness_mean'])}/{row['staleness_max']}"
-        reward = "-" if row["reward_mean"] is None else f"{number(row['reward_mean'], 3)}/{number(row['reward_max'], 3)}"
+        reward = "-" if row["reward_mean"] is None else \
+            f"{number(row['reward_mean'], 3)}/{number(row['reward_max'], 3)}"
         table.add_row(str(row["version"]), str(row["batches"]), str(row["trajectories"]), str(row["trained"]),
                       str(row["waiting"]), str(row["dropped"]), staleness, reward)
     return head, table
