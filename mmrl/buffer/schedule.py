@@ -126,7 +126,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
     run folder, under its recipe's `algo.max_staleness`."""
     dist = trainer.dist
     buffer = TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
-                              main=dist.is_main)
+                              main=dist.is_main, writer=dist.sp_rank == 0)
     index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}
     name = getattr(trainer.train_set, "name", "") or ""
 

@@ -11,9 +11,10 @@ Batches are numbered 1, 2, ... as they are produced and taken in that order (fir
 first out). A batch whose weights version is more than `max_staleness` updates behind
 the version training on it is dropped, and its trajectories counted (`buffer/dropped`).
 
-Persistence: each rank writes each batch it produces as one Parquet file, renamed into
-place whole (`mmrl.atomic.replacing`); with several data-parallel ranks the name carries
-the rank (`batch_000001-rank1.parquet`). One row per trajectory (`COLUMNS`); the file's
+Persistence: each data-parallel rank writes its share of each batch as one Parquet file
+(the first rank of a sequence-parallel group, whose ranks share their rollouts), renamed
+into place whole (`mmrl.atomic.replacing`); with several data-parallel ranks the name
+carries the rank (`batch_000001-rank1.parquet`). One row per trajectory (`COLUMNS`); the file's
 metadata holds the batch's number, weights version and the data position after its
 prompts. The main rank also rewrites `state.json` after each put and take: what was
 taken at which step, for `mmrl buffer show`. A checkpoint stores `state()`; resuming from
@@ -90,6 +91,8 @@ class TrajectoryBuffer:
     rank: int = 0
     ranks: int = 1
     main: bool = True
+    # The ranks of one sequence-parallel group hold the same batches: one of them writes.
+    writer: bool = True
     pending: deque = field(default_factory=deque)
     produced: int = 0
     taken: int = 0
@@ -100,7 +103,7 @@ class TrajectoryBuffer:
     def put(self, batch: RolloutBatch) -> int:
         """Add a produced batch (persisted first, so a batch in memory is a batch on disk)."""
         batch.batch_id = self.produced + 1
-        if self.folder is not None:
+        if self.folder is not None and self.writer:
             write_batch(self.batch_file(batch.batch_id), batch)
         self.produced = batch.batch_id
         self.pending.append(batch)
@@ -139,9 +142,9 @@ class TrajectoryBuffer:
         produced, taken = (state["produced"], state["taken"]) if state else (0, 0)
         self.pending.clear()
         if self.folder is not None:
-            for path in self._batch_files():
+            for path in self._batch_files() if self.writer else ():
                 if batch_name(path)[0] > produced:
-                    path.unlink()
+                    path.unlink(missing_ok=True)
             for batch_id in range(taken + 1, produced + 1):
                 path = self.batch_file(batch_id)
                 if not path.is_file():
