@@ -256,3 +256,24 @@ def test_buffer_show_prints_trajectories_by_version(tmp_path):
     assert "1.00/1" in lines[0]  # batch 1, sampled by version 0, trained at step 2
     missing = CliRunner().invoke(app, ["buffer", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "has no buffer/" in missing.output
+
+
+@pytest.mark.multiprocess
+def test_two_process_one_step_off_run_writes_each_ranks_share(tmp_path):
+    from cpu_processes import run as run_processes
+    from cpu_processes import torchrun
+
+    out = tmp_path / "run"
+    run_processes(torchrun(
+        2, "-m", "mmrl.cli", "train", str(REPO / "recipes" / "tiny_vlm_count.yaml"),
+        "trainer.steps=3", f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
+        "data.eval=null", "data.prompts_per_step=4", "rollout.samples_per_prompt=2", "trainer.threads=1",
+        "trainer.export=false", "algo.max_staleness=1",
+    ), timeout=600)
+    rows = [r for r in _rows(out) if not r.get("final")]
+    assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    files = sorted(p.name for p in (out / "buffer").glob("*.parquet"))
+    assert files == [f"batch_00000{i}-rank{r}.parquet" for i in range(1, 4) for r in range(2)]
+    shares = [read_batch(out / "buffer" / f"batch_000002-rank{r}.parquet")[0].column("index").to_pylist()
+              for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) == 4 and not set(shares[0]) & set(shares[1])
