@@ -216,13 +216,25 @@ def media_references(sample: dict) -> list[str]:
     return out
 
 
-def _prompt_ids(result: RolloutResult) -> list[list[int] | None]:
+def _ragged(values: torch.Tensor, keep: torch.Tensor, value_type):
+    """Rows of `values` (N, T) cut to the positions `keep` (N, T) marks, as a pyarrow list
+    array built from one flat buffer (a Python list per row costs seconds on a large batch)."""
+    import numpy as np
+    import pyarrow as pa
+
+    offsets = np.concatenate([[0], keep.sum(-1).cumsum(0).numpy()]).astype(np.int32)
+    flat = values[keep].numpy()
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, value_type))
+
+
+def _prompt_ids(result: RolloutResult):
     """Each response's prompt tokens, where the backend kept its processed prompt batch."""
+    import pyarrow as pa
+
     inputs = result.prompt_inputs
     if inputs is None or "input_ids" not in inputs:
-        return [None] * len(result.response_ids)
-    ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
-    return [row[keep].tolist() for row, keep in zip(ids, mask)]
+        return pa.nulls(len(result.response_ids), pa.list_(pa.int32()))
+    return _ragged(inputs["input_ids"].cpu().int(), inputs["attention_mask"].cpu().bool(), pa.int32())
 
 
 def batch_table(batch: RolloutBatch):
@@ -230,11 +242,13 @@ def batch_table(batch: RolloutBatch):
     import pyarrow as pa
 
     result = batch.result
-    mask = result.response_mask.cpu()
+    mask = result.response_mask.cpu().float()
     # Each row up to its last response token: the rest is padding.
-    lengths = [int(row.nonzero().max()) + 1 if row.any() else 0 for row in mask]
-    ids = result.response_ids.cpu()
-    behaviour = batch.behaviour_logp.cpu().float() if batch.behaviour_logp is not None else None
+    positions = torch.arange(mask.shape[1])
+    last = torch.where(mask > 0, positions, -1).amax(-1) if mask.shape[1] else torch.full((len(mask),), -1)
+    keep = positions[None, :] <= last[:, None]
+    behaviour = _ragged(batch.behaviour_logp.cpu().float(), keep, pa.float32()) \
+        if batch.behaviour_logp is not None else pa.nulls(batch.size, pa.list_(pa.float32()))
     owners = result.prompt_index.tolist()
     columns: dict[str, Any] = {
         "batch": pa.array([batch.batch_id] * batch.size, pa.int64()),
@@ -243,14 +257,13 @@ def batch_table(batch: RolloutBatch):
         "index": pa.array([batch.indices[g] for g in owners], pa.int64()),
         "row": pa.array([batch.rows[g] for g in owners], pa.int64()),
         "media": pa.array([media_references(batch.samples[g]) for g in owners], pa.list_(pa.string())),
-        "prompt_ids": pa.array(_prompt_ids(result), pa.list_(pa.int32())),
-        "response_ids": pa.array([ids[i, :n].tolist() for i, n in enumerate(lengths)], pa.list_(pa.int32())),
-        "response_mask": pa.array([mask[i, :n].tolist() for i, n in enumerate(lengths)], pa.list_(pa.float32())),
-        "behaviour_logp": pa.array([behaviour[i, :n].tolist() if behaviour is not None else None
-                                    for i, n in enumerate(lengths)], pa.list_(pa.float32())),
+        "prompt_ids": _prompt_ids(result),
+        "response_ids": _ragged(result.response_ids.cpu().int(), keep, pa.int32()),
+        "response_mask": _ragged(mask, keep, pa.float32()),
+        "behaviour_logp": behaviour,
         "finish_reason": pa.array(list(result.finish_reasons), pa.string()),
-        "reward": pa.array(batch.rewards.cpu().double().tolist(), pa.float64()),
-        "outcome": pa.array(batch.outcomes.cpu().double().tolist(), pa.float64()),
+        "reward": pa.array(batch.rewards.cpu().double().numpy(), pa.float64()),
+        "outcome": pa.array(batch.outcomes.cpu().double().numpy(), pa.float64()),
     }
     for name, scores in batch.reward_parts.items():
         columns[f"reward/{name}"] = pa.array([float(s) for s in scores], pa.float64())
