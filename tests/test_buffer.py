@@ -242,6 +242,7 @@ def test_stale_multi_turn_rollouts_are_refused_in_one_line(tmp_path):
 
 
 def test_buffer_show_prints_trajectories_by_version(tmp_path):
+    from mmrl.buffer.show import summarize
     from mmrl.cli import app
 
     store = TrajectoryBuffer(tmp_path / "run" / "buffer")
@@ -254,6 +255,9 @@ def test_buffer_show_prints_trajectories_by_version(tmp_path):
     lines = [line for line in result.output.splitlines() if line.startswith("│")]
     assert [line.split("│")[1].strip() for line in lines] == ["0", "1"]
     assert "1.00/1" in lines[0]  # batch 1, sampled by version 0, trained at step 2
+    # A long run's versions are shown in ranges.
+    grouped = summarize(tmp_path / "run", rows=1)["versions"]
+    assert [(g["version"], g["trajectories"], g["trained"]) for g in grouped] == [("0-1", 12, 4)]
     missing = CliRunner().invoke(app, ["buffer", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "has no buffer/" in missing.output
 

@@ -2,9 +2,10 @@
 
     mmrl buffer show runs/tiny_vlm_count
 
-One row per weights version that sampled trajectories: batches and trajectories, how
-many were trained on, dropped for being too stale or still waiting, the staleness they
-were trained at, and their rewards. `summarize` gives the same figures as data.
+One row per weights version that sampled trajectories (per range of versions when there
+are more than 25): batches and trajectories, how many were trained on, dropped for being
+too stale or still waiting, the staleness they were trained at, and their rewards.
+`summarize` gives the same figures as data.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.buffer.schedule import BUFFER_FOLDER
-from mmrl.buffer.store import STATE_FILE, BufferError, batch_name, read_state, read_batch
+from mmrl.buffer.store import BufferError, batch_name, read_batch, read_state
 
 
-def summarize(run: Path) -> dict[str, Any]:
-    """The buffer of run folder `run` as figures: totals and one entry per weights version."""
+def summarize(run: Path, rows: int = 25) -> dict[str, Any]:
+    """The buffer of run folder `run` as figures: totals and one entry per weights version,
+    or per range of consecutive versions where there are more than `rows` of them."""
     run = Path(run)
     folder = run / BUFFER_FOLDER
     if not folder.is_dir():
@@ -28,39 +30,45 @@ def summarize(run: Path) -> dict[str, Any]:
         raise BufferError(f"{run}: {problem}")
     state = read_state(folder)
     fates = {entry["batch"]: entry for entry in state.get("log", [])}
-    versions: dict[int, dict[str, Any]] = defaultdict(lambda: {"batches": set(), "trajectories": 0, "trained": 0,
-                                                                "dropped": 0, "waiting": 0, "staleness": [],
-                                                                "rewards": []})
     files = sorted(p for p in folder.glob("batch_*.parquet") if batch_name(p) is not None)
+    batches = []
     for path in files:
         table, metadata = read_batch(path)
-        entry = versions[metadata["version"]]
-        number = metadata["batch"]
-        size = table.num_rows
+        batches.append((metadata["version"], metadata["batch"], table.column("reward").to_pylist()))
+    versions = [version for version, _, _ in batches]
+    first = min(versions, default=0)
+    width = max(1, -(-(max(versions, default=0) - first + 1) // rows))
+    groups: dict[int, dict[str, Any]] = defaultdict(lambda: {"batches": set(), "trajectories": 0, "trained": 0,
+                                                              "dropped": 0, "waiting": 0, "staleness": [],
+                                                              "rewards": []})
+    for version, number, rewards in batches:
+        entry = groups[(version - first) // width]
         entry["batches"].add(number)
-        entry["trajectories"] += size
-        entry["rewards"].extend(table.column("reward").to_pylist())
+        entry["trajectories"] += len(rewards)
+        entry["rewards"].extend(rewards)
         fate = fates.get(number)
         if fate is None:
-            entry["waiting"] += size
+            entry["waiting"] += len(rewards)
         elif fate["dropped"]:
-            entry["dropped"] += size
+            entry["dropped"] += len(rewards)
         else:
-            entry["trained"] += size
-            entry["staleness"].extend([fate["staleness"]] * size)
-    rows = []
-    for version in sorted(versions):
-        entry = versions[version]
+            entry["trained"] += len(rewards)
+            entry["staleness"].extend([fate["staleness"]] * len(rewards))
+    out = []
+    for group in sorted(groups):
+        entry = groups[group]
+        low = first + group * width
         rewards, staleness = entry["rewards"], entry["staleness"]
-        rows.append({"version": version, "batches": len(entry["batches"]), "trajectories": entry["trajectories"],
-                     "trained": entry["trained"], "dropped": entry["dropped"], "waiting": entry["waiting"],
-                     "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
-                     "staleness_max": max(staleness) if staleness else None,
-                     "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                     "reward_max": max(rewards) if rewards else None})
-    totals = {key: sum(r[key] for r in rows) for key in ("trajectories", "trained", "dropped", "waiting")}
+        out.append({"version": str(low) if width == 1 else f"{low}-{low + width - 1}",
+                    "batches": len(entry["batches"]), "trajectories": entry["trajectories"],
+                    "trained": entry["trained"], "dropped": entry["dropped"], "waiting": entry["waiting"],
+                    "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
+                    "staleness_max": max(staleness) if staleness else None,
+                    "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                    "reward_max": max(rewards) if rewards else None})
+    totals = {key: sum(r[key] for r in out) for key in ("trajectories", "trained", "dropped", "waiting")}
     return {"run": str(run), "files": len(files), "produced": state.get("produced", 0),
-            "taken": state.get("taken", 0), "has_state": (folder / STATE_FILE).is_file(), **totals, "versions": rows}
+            "taken": state.get("taken", 0), **totals, "versions": out}
 
 
 def render(summary: dict[str, Any]):
@@ -82,6 +90,6 @@ def render(summary: dict[str, Any]):
         staleness = "-" if row["staleness_max"] is None else f"{number(row['staleness_mean'])}/{row['staleness_max']}"
         reward = "-" if row["reward_mean"] is None else \
             f"{number(row['reward_mean'], 3)}/{number(row['reward_max'], 3)}"
-        table.add_row(str(row["version"]), str(row["batches"]), str(row["trajectories"]), str(row["trained"]),
+        table.add_row(row["version"], str(row["batches"]), str(row["trajectories"]), str(row["trained"]),
                       str(row["waiting"]), str(row["dropped"]), staleness, reward)
     return head, table
