@@ -226,6 +226,37 @@ def test_sigkill_then_resume_trains_every_batch_once_on_the_uninterrupted_runs_d
     assert _untimed(_rows(run)) == _untimed(_rows(tmp_path / "reference"))
 
 
+def test_a_vision_run_resumed_with_a_waiting_batch_ends_as_one_never_stopped(tmp_path):
+    """The waiting batch is read back (images by dataset row) and trains as the one in
+    memory did: the same weights, bit for bit."""
+    vlm = ["trainer.eval_every=0", "data.eval=null", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+           "trainer.progress=false", "trainer.export=false", "algo.max_staleness=1", "trainer.steps=4",
+           "trainer.save_every=2"]
+
+    def trainer(run, *extra):
+        return Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [*vlm, f"trainer.output_dir={run}",
+                                                                             *extra]))
+
+    straight = trainer(tmp_path / "straight")
+    straight.fit()
+    stopped = trainer(tmp_path / "run")
+    take_step = stopped.train_step
+
+    def stop_before_step_3():
+        if stopped.step == 2:
+            raise RuntimeError("stop")
+        return take_step()
+
+    stopped.train_step = stop_before_step_3
+    with pytest.raises(RuntimeError, match="stop"):
+        stopped.fit()
+    assert [b for _, b, _, _ in _trained_data(tmp_path / "run")] == [1, 2]  # batch 3 waits in its file
+    resumed = trainer(tmp_path / "run", "trainer.resume=true")
+    resumed.fit()
+    expected = _weights(straight)
+    assert all(torch.equal(v, expected[k]) for k, v in _weights(resumed).items())
+
+
 # -- the recipe and the command line ------------------------------------------------------------------
 @pytest.mark.parametrize("value, words", [("-1", "greater than or equal to 0"), ("1.5", "fractional part"),
                                           ("true", "got a boolean")])
