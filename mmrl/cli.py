@@ -14,6 +14,7 @@
     mmrl doctor PATH_OR_FAMILY [--json]                  # the same probes on a checkpoint or a family
     mmrl export CHECKPOINT OUT [--adapter-only]          # a step checkpoint as a HF (or PEFT) folder
     mmrl add-model MODEL_TYPE [--family NAME] [--out DIR] [--dry-run] [--force]   # scaffold a family
+    mmrl buffer show RUN                                 # a run's trajectory buffer (mmrl/buffer)
 """
 
 from __future__ import annotations
@@ -604,6 +605,25 @@ def data_check(
         typer.echo(format_rows(describe_rows(config, rows, split)))
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
+
+
+# -- `mmrl buffer show`: a run's trajectory buffer (mmrl/buffer/show.py) ------------------------
+buffer_app = _Bounded(no_args_is_help=True, help="Look at a run's trajectory buffer.")
+app.add_typer(buffer_app, name="buffer")
+
+
+@buffer_app.command("show")
+def buffer_show(run: str = typer.Argument(..., help="A run folder (trainer.output_dir).", metavar="RUN")) -> None:
+    """Print what a run's buffer holds: trajectories by weights version, trained, waiting, dropped, rewards."""
+    from mmrl.buffer.show import render, summarize
+    from mmrl.buffer.store import BufferError
+
+    try:
+        summary = summarize(Path(run))
+    except BufferError as exc:
+        fail(str(exc))
+    for part in render(summary):
+        console.print(part, highlight=False)
 
 
 if __name__ == "__main__":

@@ -252,6 +252,12 @@ class AlgoConfig(_Section):
     # sample; "turn" credits each policy turn with the rewards from that turn on, the
     # reward function's score counted at the last turn (docs/agents.md has the formula).
     credit_assignment: Literal["trajectory", "turn"] = "trajectory"
+    # Asynchrony (mmrl/buffer, docs/async.md): how many updates old a trajectory may be when
+    # it is trained on (0: the synchronous loop; 1: one-step-off), and how its tokens are
+    # weighted against the log-probs of the weights that sampled them (mmrl/algos/off_policy.py).
+    max_staleness: int = Field(0, ge=0)
+    off_policy: Literal["tis", "mask", "none"] = "tis"
+    is_cap: float = Field(2.0, gt=1)
 
 
 class RewardConfig(_Section):
@@ -451,6 +457,15 @@ class Recipe(_Section):
         rollout = info.data.get("rollout")
         if value.credit_assignment == "turn" and rollout is not None and rollout.env is None:
             raise ValueError("credit_assignment 'turn' needs a multi-turn rollout (set rollout.env)")
+        return value
+
+    @field_validator("algo")
+    @classmethod
+    def _stale_rollouts_are_single_turn(cls, value: AlgoConfig, info) -> AlgoConfig:
+        rollout = info.data.get("rollout")
+        if value.max_staleness and rollout is not None and rollout.env is not None:
+            raise ValueError(f"max_staleness {value.max_staleness} trains single-turn rollouts only for now; a "
+                             "multi-turn rollout (rollout.env) needs max_staleness 0")
         return value
 
     @field_validator("algo")

@@ -52,7 +52,7 @@ RECIPE_FILE = "recipe.yaml"
 OWNER_FILE = ".mmrl-run"
 # What a run writes into its folder; `overwrite` removes these and nothing else.
 RUN_RESULTS = ("recipe.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "final", "reward_curve.png",
-               "tensorboard")
+               "tensorboard", "buffer")
 _TEMP_PREFIX = TEMP_PREFIX
 _OLD_PREFIX = OLD_PREFIX
 _HELD: dict[str, int] = {}  # lock files this process holds -> how many holders

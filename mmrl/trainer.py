@@ -9,10 +9,12 @@ Each step takes `prompts_per_step` prompts (split across the data-parallel ranks
 and sequences), samples
 `samples_per_prompt` responses each, scores them with the reward function, computes
 advantages with the configured estimator, and updates the actor (and the critic for
-GAE) in micro-batches. Metrics go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard
-by default, `mmrl.loggers`), a few sampled completions every `trainer.samples_every` steps
-and at each validation to `samples.jsonl` (`mmrl.samples`); checkpoints hold everything
-needed to resume exactly (weights, optimizer, data position, RNG).
+GAE) in micro-batches; the rollout reaches the update through the trajectory buffer
+(`mmrl.buffer`: `algo.max_staleness` 0 trains on it at once, 1 one step later). Metrics
+go to `metrics.jsonl` and the `trainer.loggers` (TensorBoard by default, `mmrl.loggers`),
+a few sampled completions every `trainer.samples_every` steps and at each validation to
+`samples.jsonl` (`mmrl.samples`); checkpoints hold everything needed to resume exactly
+(weights, optimizer, data position, RNG, the buffer's place).
 
 The output folder belongs to one run (`mmrl.runs`): a second process is locked out, a
 folder holding another run's results is refused unless `trainer.resume` (the same run)
@@ -35,7 +37,8 @@ from typing import Any
 
 import torch
 
-from mmrl.atomic import atomic_write_text
+from mmrl.atomic import atomic_folder, atomic_write_text
+from mmrl.buffer import RolloutBatch, attach_behaviour, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -196,6 +199,8 @@ class Trainer:
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
         self.position = Position(0, 0)
         self._batches = None
+        # The batch each step trains on goes through the trajectory buffer (mmrl/buffer).
+        self.trajectories = steps_for(self)
 
     def _load_datasets(self) -> None:
         """The splits (loaded once: `check_before_build` already did, `load_prompts` keeps
@@ -263,10 +268,9 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def train_step(self) -> dict[str, float]:
-        """One RL step: rollout, reward, advantages, update, weight sync."""
-        from mmrl.algos import uniform_groups
-
+    def _roll_out(self) -> RolloutBatch:
+        """The next prompts' rollout, scored: what a step trains on, now or (one step off,
+        `algo.max_staleness`) later."""
         r = self.recipe
         where = f"step {self.step + 1}"
         samples, source_rows = self._next_prompts()
@@ -285,7 +289,21 @@ class Trainer:
                                   strict=r.trainer.strict_media)
         rewards, outcomes, reward_parts = self._score(samples, result, source_rows, self.train_set, where,
                                                       conversations)
-        keep = ~uniform_groups(rewards, params.n) if r.algo.filter_uniform_groups else torch.ones_like(rewards).bool()
+        return RolloutBatch(samples=samples, rows=source_rows, conversations=conversations,
+                            result=result, rewards=rewards, reward_parts=reward_parts, outcomes=outcomes,
+                            version=self.step, data_end=tuple(self.position))
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step: rollout, reward, advantages, update, weight sync."""
+        from mmrl.algos import uniform_groups
+
+        r = self.recipe
+        batch, buffer_metrics = self.trajectories.next(done=self.step)
+        samples, conversations, result = batch.samples, batch.conversations, batch.result
+        rewards, reward_parts, source_rows = batch.rewards, batch.reward_parts, batch.rows
+        group_size = r.rollout.samples_per_prompt
+        keep = ~uniform_groups(rewards, group_size) if r.algo.filter_uniform_groups else \
+            torch.ones_like(rewards).bool()
         metrics: dict[str, float] = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "reward/accuracy": (rewards >= r.eval.correct_threshold).float().mean().item(),
@@ -294,6 +312,7 @@ class Trainer:
             "groups/kept": keep.float().mean().item(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in reward_parts.items()},
             **(result.stats or {}),
+            **buffer_metrics,
         }
         self.step += 1
         rows = keep.nonzero().squeeze(-1)
@@ -304,8 +323,9 @@ class Trainer:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
-        plan = self.update.plan(conversations, result, rows, rewards, params.n, r.rollout.temperature or 1.0,
-                                outcomes)
+        plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
+                                batch.outcomes)
+        attach_behaviour(plan.batches, batch)  # the off-policy correction's behaviour log-probs (algo.off_policy)
         self.timings["logprob"] += plan.estimate_seconds
         metrics.update(plan.metrics)
         self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
@@ -403,7 +423,8 @@ class Trainer:
         return save_checkpoint(self.checkpoint_dir(self.step), self.dist, self._engines(),
                                {"step": self.step, "data_position": list(self.position),
                                 "data_rows": len(self.train_set),
-                                "data_fingerprint": getattr(self.train_set, "fingerprint", None)},
+                                "data_fingerprint": getattr(self.train_set, "fingerprint", None),
+                                "buffer": self.trajectories.state()},
                                keep=self.recipe.trainer.keep_checkpoints)
 
     def resume(self) -> bool:
@@ -429,6 +450,7 @@ class Trainer:
         self.step = state["step"]
         self.position = Position(*state["data_position"])
         self._batches = None
+        self.trajectories.restore(state.get("buffer"))
         return True
 
     def export(self, path: Path) -> Path:

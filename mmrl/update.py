@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mmrl.algos import kl_estimate, kl_in_reward, kl_loss, policy_loss, scalar_to_token_rewards
+from mmrl.algos import importance_weights, kl_estimate, kl_in_reward, kl_loss, policy_loss, scalar_to_token_rewards
 from mmrl.algos.losses import aggregate, value_loss
 from mmrl.engine import Engine, Sequences
 from mmrl.rollout.base import RolloutResult
@@ -162,7 +162,7 @@ class PolicyUpdate:
             for mini, (global_tokens, global_rows) in zip(minis, totals):
                 for key, value in self._accumulate(batches, tokens, mini, global_tokens, global_rows,
                                                    temperature).items():
-                    sums[key] += value
+                    _add(sums, key, value)
                 norm = self.actor.step()
                 if not self.actor.step_skipped:
                     sums["grad_norm"] += norm
@@ -170,7 +170,8 @@ class PolicyUpdate:
                 if self.critic is not None:
                     self.critic.step()
                 steps += 1
-        metrics = {key: value / steps for key, value in sums.items() if key != "grad_norm"}
+        metrics = {key: value if key in _EXTREMES else value / steps for key, value in sums.items()
+                   if key != "grad_norm"}
         if taken:
             metrics["grad_norm"] = sums["grad_norm"] / taken
         metrics["tokens"] = sum(tokens)
@@ -216,9 +217,21 @@ class PolicyUpdate:
             # Old log-probs are taken before the first step whenever there are
             # several; with one the ratio is exactly 1.
             old = seqs.extras.get("old_logp", logp.detach())
+            # Tokens sampled by older weights (mmrl.buffer) carry their behaviour log-probs.
+            behaviour = seqs.extras.get("behaviour_logp")
+            weights = None
+            token_share = scale * count / global_tokens if global_tokens else 0.0
+            if behaviour is not None:
+                weights, spread = importance_weights(old, behaviour, seqs.response_mask, mode=algo.off_policy,
+                                                     cap=algo.is_cap)
+                for key in ("ratio_mean", "capped_fraction"):
+                    _add(sums, f"off_policy/{key}", token_share * float(spread[key]))
+                for key in ("ratio_max", "ratio_min"):
+                    _add(sums, f"off_policy/{key}", float(spread[key]))
             loss, stats = policy_loss(
                 logp, old, seqs.extras["advantages"], seqs.response_mask, clip_low=algo.clip_low,
                 clip_high=algo.clip_high, aggregation=algo.loss_aggregation, norm_length=norm_length,
+                importance_weights=weights,
             )
             if self.ref is not None and algo.kl_in == "loss":
                 kl_term = kl_loss(logp, seqs.extras["ref_logp"], seqs.response_mask, coef=algo.kl_coef,
@@ -233,7 +246,6 @@ class PolicyUpdate:
                                                             algo.loss_aggregation, norm_length=norm_length)
             self.actor.backward(loss * weight)
             sums["loss/policy"] += weight * float(loss.detach())
-            token_share = scale * count / global_tokens if global_tokens else 0.0
             sums["entropy"] += token_share * float(entropy_mean.detach())
             sums["clip_fraction"] += weight * float(stats["clip_fraction"])
             sums["approx_kl"] += weight * float(stats["approx_kl"])
@@ -245,6 +257,14 @@ class PolicyUpdate:
                 sums["loss/value"] += weight * float(vloss.detach())
         return sums
 
+
+# Metrics that are a maximum or minimum over the update's tokens, not averages over its steps.
+_EXTREMES = {"off_policy/ratio_max": max, "off_policy/ratio_min": min}
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    """Count a metric's value into `sums`; a maximum or minimum (`_EXTREMES`) is kept as one."""
+    sums[key] = _EXTREMES[key](sums[key], value) if key in _EXTREMES and key in sums else sums.get(key, 0.0) + value
 
 
 __all__ = ["PolicyUpdate", "UpdatePlan"]

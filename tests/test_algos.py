@@ -241,3 +241,74 @@ def test_kl_loss_aggregates_k3():
     # k3 per token [0, e - 2]; token_mean 0.359, times coef 0.5
     loss = kl_loss(torch.tensor([[0.0, -1.0]]), torch.zeros(1, 2), torch.ones(1, 2), coef=0.5)
     close(loss, 0.5 * (math.e - 2) / 2)
+
+
+# -- off-policy correction (mmrl/algos/off_policy.py) ------------------------------------------------
+def _off_policy_batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(3, 5, generator=generator) * 3).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(3, 5, generator=generator)
+    advantages = torch.randn(3, 5, generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    return logp, old, advantages, mask
+
+
+@pytest.mark.parametrize("mode", ["tis", "mask", "none"])
+@pytest.mark.parametrize("aggregation, dual_clip", [("token_mean", None), ("seq_mean_token_mean", 3.0),
+                                                     ("seq_mean_token_sum_norm", None)])
+def test_behaviour_equal_to_old_gives_the_uncorrected_loss_bit_for_bit(mode, aggregation, dual_clip):
+    """Staleness 0: the behaviour log-probs are the old ones, every weight is exactly 1."""
+    from mmrl.algos import importance_weights
+
+    logp, old, advantages, mask = _off_policy_batch()
+    options = {"clip_high": 0.28, "aggregation": aggregation, "dual_clip": dual_clip, "norm_length": 5}
+    plain, plain_stats = policy_loss(logp, old, advantages, mask, **options)
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    weights, spread = importance_weights(old, old.clone(), mask, mode=mode, cap=2.0)
+    assert torch.equal(weights, torch.ones_like(weights))
+    corrected, stats = policy_loss(logp, old, advantages, mask, importance_weights=weights, **options)
+    (grad,) = torch.autograd.grad(corrected, logp)
+    assert torch.equal(corrected, plain) and torch.equal(grad, plain_grad)
+    assert all(torch.equal(stats[k], plain_stats[k]) for k in plain_stats)
+    assert float(spread["ratio_mean"]) == float(spread["ratio_max"]) == 1.0 and float(spread["capped_fraction"]) == 0
+
+
+def test_importance_weights_truncate_mask_or_ignore_the_ratio():
+    from mmrl.algos import importance_weights
+
+    # pi_old / b per token: e^1.5 = 4.48 (above cap 2), e^0.5 = 1.65, 1, e^-1 = 0.37 (below 1/2), padding
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0]])
+    behaviour = torch.tensor([[-1.5, -0.5, 0.0, 1.0, 50.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    tis, stats = importance_weights(old, behaviour, mask, mode="tis", cap=2.0)
+    close(tis, [[2.0, math.exp(0.5), 1.0, math.exp(-1.0), 1.0]])
+    close(stats["capped_fraction"], 0.25)
+    close(stats["ratio_max"], math.exp(1.5))
+    close(stats["ratio_min"], math.exp(-1.0))
+    close(stats["ratio_mean"], (math.exp(1.5) + math.exp(0.5) + 1 + math.exp(-1)) / 4)
+    masked, stats = importance_weights(old, behaviour, mask, mode="mask", cap=2.0)
+    close(masked, [[0.0, math.exp(0.5), 1.0, 0.0, 1.0]])
+    close(stats["capped_fraction"], 0.5)
+    none, stats = importance_weights(old, behaviour, mask, mode="none", cap=2.0)
+    assert torch.equal(none, torch.ones_like(none)) and float(stats["capped_fraction"]) == 0.0
+    huge, _ = importance_weights(old, torch.full_like(old, -1e4), mask, mode="tis", cap=2.0)
+    assert torch.isfinite(huge).all()
+    with pytest.raises(ValueError, match="unknown off-policy correction 'icepop'"):
+        importance_weights(old, behaviour, mask, mode="icepop")
+    with pytest.raises(ValueError, match="above 1"):
+        importance_weights(old, behaviour, mask, cap=1.0)
+
+
+def test_truncated_weights_scale_each_tokens_policy_gradient():
+    """One pass (ratio 1): d loss / d logp_t = -A_t * w_t / tokens, w = min(pi_old / b, cap)."""
+    from mmrl.algos import importance_weights
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = logp.detach()
+    behaviour = old + torch.tensor([[-2.0, 0.3, 0.0]])  # rho = e^2 (capped to 2), e^-0.3, 1
+    advantages = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    weights, _ = importance_weights(old, behaviour, mask, mode="tis", cap=2.0)
+    loss, _ = policy_loss(logp, old, advantages, mask, importance_weights=weights)
+    loss.backward()
+    close(logp.grad, [[-1.0 * 2.0 / 3, 1.0 * math.exp(-0.3) / 3, -2.0 * 1.0 / 3]])

@@ -356,8 +356,9 @@ def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, mo
     assert f"{run}/.tmp-final/README.md: no space left on the device" in line, line
     assert f"the trained weights are kept in checkpoint {run / 'checkpoints' / 'step_000001'}" in line, line
     names = sorted(p.name for p in run.iterdir())
-    assert names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png"] or \
-        names == [".mmrl-run", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png", "tensorboard"], names
+    assert names == [".mmrl-run", "buffer", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png"] or \
+        names == [".mmrl-run", "buffer", "checkpoints", "metrics.jsonl", "recipe.yaml", "reward_curve.png",
+                  "tensorboard"], names
     assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
     # Once fixed, resume evaluates and exports the kept weights.
     monkeypatch.setattr("mmrl.export.write_card", real_card)

@@ -2,7 +2,7 @@
 
 Pure tensor functions, no model code; see each module for shapes and conventions.
 
-    from mmrl.algos import get_advantage_estimator, policy_loss, kl_loss
+    from mmrl.algos import get_advantage_estimator, policy_loss, kl_loss, importance_weights
 """
 
 from mmrl.algos.advantages import (
@@ -19,6 +19,7 @@ from mmrl.algos.advantages import (
     uniform_groups,
 )
 from mmrl.algos.kl import KL_ESTIMATORS, kl_estimate, kl_in_reward, kl_loss
+from mmrl.algos.off_policy import OFF_POLICY_MODES, importance_weights
 from mmrl.algos.losses import (
     AGGREGATIONS,
     aggregate,
@@ -33,12 +34,14 @@ __all__ = [
     "AGGREGATIONS",
     "AdvantageEstimator",
     "KL_ESTIMATORS",
+    "OFF_POLICY_MODES",
     "aggregate",
     "entropy_bonus",
     "entropy_from_logits",
     "gae_advantages",
     "get_advantage_estimator",
     "grpo_advantages",
+    "importance_weights",
     "kl_estimate",
     "kl_in_reward",
     "kl_loss",

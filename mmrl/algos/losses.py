@@ -67,6 +67,7 @@ def policy_loss(
     aggregation: str = "token_mean",
     dual_clip: float | None = None,
     norm_length: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss with separate lower and upper clip ranges.
 
@@ -74,6 +75,8 @@ def policy_loss(
     `clip_high` (DAPO: 0.28) lets unlikely tokens with positive advantage grow, which
     keeps entropy from collapsing. `dual_clip` (c > 1) also caps the loss of negative-
     advantage tokens at -c * A, so one huge ratio cannot dominate the batch.
+    `importance_weights` (N, T), detached, multiply each token's loss: the off-policy
+    correction of tokens another policy sampled (`mmrl.algos.off_policy`); None is 1.
 
     Returns the loss and detached scalar metrics (call `float()` when logging):
     clip_fraction (share of tokens whose gradient the clip removed), approx_kl (k3
@@ -95,6 +98,8 @@ def policy_loss(
         cap = -advantages * dual_clip
         capped = (advantages < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach()
     loss = aggregate(per_token, mask, aggregation, norm_length=norm_length)
 
     with torch.no_grad():

@@ -1,0 +1,161 @@
+"""Which rollout batch each training step takes from the buffer: the trainer's hook.
+
+    steps = steps_for(trainer)                       # in Trainer._build
+    batch, metrics = steps.next(done=trainer.step)   # in Trainer.train_step
+    attach_behaviour(micro_batches, batch)           # stale batches carry behaviour log-probs
+
+Before each update the buffer is filled to `max_staleness + 1` batches, produced with the
+current weights, and the step takes the oldest. With `algo.max_staleness: 0` that is the
+batch just produced: the synchronous loop, and the run's metrics are those of a run
+without the buffer bit for bit (tests/test_buffer.py). With 1 the first step samples two
+batches and trains on the first; from then on each step samples the batch of the step
+after it before updating, so every later batch is trained on by weights one update newer
+than the ones that sampled it: the one-step-off schedule, run one after the other on one
+device (its truly concurrent form, rollout beside update, is later work: issue 33). No
+batch is produced for a step past `trainer.steps`.
+
+A batch that may be trained on stale records its behaviour log-probs when it is made: the
+trainer's own forward of the sampled tokens under the sampling weights, at the rollout
+temperature (the quantity the update's log-probs are, so the two compare exactly). A batch
+trained on by the weights that sampled it (staleness 0) needs no correction and gets none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, rebuild_batch
+from mmrl.evaluation import conversations_of
+
+if TYPE_CHECKING:
+    from mmrl.trainer import Trainer
+    from mmrl.update import PolicyUpdate
+
+BUFFER_FOLDER = "buffer"
+
+
+class BufferedSteps:
+    """The batch each step trains on (module docstring)."""
+
+    def __init__(self, buffer: TrajectoryBuffer, *, max_staleness: int, total_steps: Callable[[], int],
+                 produce: Callable[[], RolloutBatch],
+                 behaviour: Callable[[RolloutBatch], torch.Tensor] | None = None,
+                 rebuild: Callable[..., RolloutBatch] | None = None):
+        """`produce()` makes the next scored batch with the current weights; `behaviour(batch)`
+        gives its behaviour log-probs; `rebuild(table, metadata)` reads a batch back
+        (`TrajectoryBuffer.restore`)."""
+        self.buffer = buffer
+        self.max_staleness = max_staleness
+        self.total_steps = total_steps  # read at each step: a resumed run may run longer
+        self.produce = produce
+        self.behaviour = behaviour
+        self.rebuild = rebuild
+
+    def next(self, done: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The batch step `done + 1` trains on, and the buffer's metrics for it (none with
+        max_staleness 0, whose metrics would say nothing and change metrics.jsonl)."""
+        dropped = 0
+        while True:
+            self._fill(done)
+            batch, skipped = self.buffer.take(done, self.max_staleness)
+            dropped += skipped
+            if batch is not None:
+                break
+        staleness = done - batch.version
+        if staleness == 0:
+            batch.behaviour_logp = None  # sampled by the weights that train on it: nothing to correct
+        if not self.max_staleness:
+            return batch, {}
+        return batch, {"off_policy/staleness_mean": float(staleness), "off_policy/staleness_max": float(staleness),
+                       "buffer/dropped": float(dropped), "buffer/pending": float(len(self.buffer.pending))}
+
+    def _fill(self, done: int) -> None:
+        """Produce batches with the current weights until `max_staleness + 1` wait, none
+        meant for a step past the last (but always one, so a step has something)."""
+        pending = self.buffer.pending
+        while len(pending) < self.max_staleness + 1 and (done + len(pending) < self.total_steps() or not pending):
+            batch = self.produce()
+            if self.max_staleness and self.behaviour is not None:
+                batch.behaviour_logp = self.behaviour(batch)
+            self.buffer.put(batch)
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint records (`TrajectoryBuffer.state`)."""
+        return self.buffer.state()
+
+    def restore(self, state: dict[str, int] | None) -> None:
+        """Back to a checkpoint's `state()` (`TrajectoryBuffer.restore`)."""
+        self.buffer.restore(state, self.rebuild)
+
+
+@torch.no_grad()
+def behaviour_log_probs(update: PolicyUpdate, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+    """The current weights' log-probs (N * n, R) of the batch's sampled tokens, 0 off the
+    mask, computed as the update computes its own (same micro-batches, same forward)."""
+    result = batch.result
+    rows = torch.arange(len(result.response_ids))
+    micro, plan = update.batches(batch.conversations, result, rows)
+    out = torch.zeros(result.response_mask.shape, dtype=torch.float32)
+    # Every pass the plan lists, zero-weighted repeats included: ranks run as many
+    # forwards as each other (FSDP2's collectives); a repeat writes the same values.
+    for index, _ in (entry for mini in plan for entry in mini):
+        seqs = micro[index]
+        logp = update.actor.log_probs(seqs, temperature, with_entropy=False)[0]
+        chosen = seqs.extras["rows"].cpu()
+        out[chosen, :logp.shape[1]] = (logp * seqs.response_mask).float().cpu()
+    return out
+
+
+def attach_behaviour(micro_batches: list, batch: RolloutBatch) -> None:
+    """Give each micro-batch its rows' behaviour log-probs (`extras["behaviour_logp"]`),
+    which the update weighs its tokens against (`algo.off_policy`); nothing for a batch
+    without them."""
+    if batch.behaviour_logp is None:
+        return
+    for seqs in micro_batches:
+        rows = seqs.extras["rows"].cpu()
+        width = seqs.response_ids.shape[1]
+        seqs.extras["behaviour_logp"] = batch.behaviour_logp[rows, :width].to(seqs.response_ids.device)
+
+
+def steps_for(trainer: Trainer) -> BufferedSteps:
+    """The trainer's schedule: its rollouts (`Trainer._roll_out`) through a buffer in its
+    run folder, under its recipe's `algo.max_staleness`."""
+    dist = trainer.dist
+    buffer = TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
+                              main=dist.is_main, writer=dist.sp_rank == 0)
+    index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}
+    name = getattr(trainer.train_set, "name", "") or ""
+
+    def produce() -> RolloutBatch:
+        batch = trainer._roll_out()
+        batch.indices = [index_of[row] for row in batch.rows]
+        batch.dataset = name
+        return batch
+
+    def behaviour(batch: RolloutBatch) -> torch.Tensor:
+        with trainer._timed("logprob"):
+            return behaviour_log_probs(trainer.update, batch, trainer.recipe.rollout.temperature or 1.0)
+
+    return BufferedSteps(buffer, max_staleness=trainer.recipe.algo.max_staleness,
+                         total_steps=lambda: trainer.recipe.trainer.steps, produce=produce, behaviour=behaviour,
+                         rebuild=_rebuild_for(trainer))
+
+
+def _rebuild_for(trainer: Trainer) -> Callable:
+    """`TrajectoryBuffer.restore`'s `rebuild` for the trainer's dataset and processor."""
+
+    def conversations(samples: list[dict], rows: list[int]) -> list | None:
+        if trainer.agent is not None:
+            return None
+        return conversations_of(samples, rows, trainer.train_set, f"resuming at step {trainer.step + 1}",
+                                max_pixels=trainer.recipe.model.max_pixels)
+
+    def rebuild(table, metadata: dict) -> RolloutBatch:
+        return rebuild_batch(table, metadata, dataset=trainer.train_set,
+                             pad_id=trainer.processing.tokenizer.pad_token_id, conversations=conversations)
+
+    return rebuild
