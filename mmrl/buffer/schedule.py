@@ -29,6 +29,7 @@ import torch
 
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, rebuild_batch
 from mmrl.evaluation import conversations_of
+from mmrl.rollout_batch import training_batches
 
 if TYPE_CHECKING:
     from mmrl.trainer import Trainer
@@ -97,7 +98,8 @@ def behaviour_log_probs(update: PolicyUpdate, batch: RolloutBatch, temperature: 
     mask, computed as the update computes its own (same micro-batches, same forward)."""
     result = batch.result
     rows = torch.arange(len(result.response_ids))
-    micro, plan = update.batches(batch.conversations, result, rows)
+    micro, plan = training_batches(batch.conversations, result, rows, algo=update.recipe.algo, dist=update.dist,
+                                   processing=update.processing, adapter=update.adapter, actor=update.actor)
     out = torch.zeros(result.response_mask.shape, dtype=torch.float32)
     # Every pass the plan lists, zero-weighted repeats included: ranks run as many
     # forwards as each other (FSDP2's collectives); a repeat writes the same values.
