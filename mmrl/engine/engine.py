@@ -78,9 +78,9 @@ HEAD_KEEP_SHARE = 16
 
 
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
-    """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
-    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe's update,
-    rows of about one length, ran slower packed: docs/training.md)."""
+    """`model.pack` resolved: "auto" packs text families on a GPU in one process (faster
+    at RL lengths: docs/performance.md; the VL-3B recipe's update, rows of about one
+    length, ran slower packed: docs/training.md)."""
     if pack not in (True, False, "auto"):
         raise ValueError(f"pack must be true, false or auto, got {pack!r}")
     if pack == "auto":
@@ -199,8 +199,8 @@ class Engine:
         """How many bytes of output-embedding outputs (logits before the log-softmax) the
         chunked log-probs keep from the forward for the backward, instead of computing
         them again there: a sixteenth of the GPU's memory where memory is not short (one
-        process, no checkpointing), else none. The H200 profile of the packed 0.5B update
-        put the head's recomputation at about 13 ms of matrix products a step."""
+        process, no checkpointing), else none. What the recomputation costs: the profile
+        in docs/performance.md, "Log-probs without full-vocabulary logits"."""
         if self.dist.device.type != "cuda" or self.sharded or self.checkpointing:
             return 0
         return torch.cuda.get_device_properties(self.dist.device).total_memory // HEAD_KEEP_SHARE

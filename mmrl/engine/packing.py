@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 # Tokens per packed row unless set (`model.pack_tokens`; the trainer widens it to a larger
-# `algo.micro_batch_tokens`): 2.46x the padded update on an H200 against 2.23x at 8192.
+# `algo.micro_batch_tokens`): faster than rows of 8192 or 32768 (`bench/packing.py --modes
+# padded varlen_8192 varlen_16384 varlen_32768`; commit 7821848 records that run).
 PACK_TOKENS = 16384
 
 # Sequence-aligned inputs that the packed forward does not take: the mask (boundaries come
