@@ -186,7 +186,8 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     # hf_compiled: HF with a static KV cache and a compiled decode step (docs/training.md);
-    # auto: hf_compiled in one GPU process for single-turn rollouts, hf elsewhere.
+    # auto: hf_compiled on a GPU (under FSDP2 on each rank's inference copy, where it fits),
+    # hf on the CPU and for families that cannot take left padding.
     backend: Literal["auto", "hf", "hf_compiled", "vllm"] = "auto"
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(16, gt=0)
@@ -198,6 +199,10 @@ class RolloutConfig(_Section):
     # once per rollout and kept between rollouts (half the weights' memory); false casts
     # them at every decode step instead.
     half_weights: bool = True
+    # hf_compiled under FSDP2: each rank decodes on an inference copy of the full weights,
+    # gathered after each update; "keep" holds it between rollouts, "free" releases it after
+    # each, "auto" keeps it when it takes at most half the free GPU memory (docs/training.md).
+    inference_copy: Literal["auto", "keep", "free"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

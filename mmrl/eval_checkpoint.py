@@ -101,8 +101,9 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     engine = Engine(built, dist, share_media=m.share_media, pack=m.pack, compile_layers=m.compile_layers,
                     pack_tokens=m.pack_tokens or max(PACK_TOKENS, r.algo.micro_batch_tokens or 0))
     backend = choose_backend(r.rollout.backend, engine, multi_turn=environment is not None)
-    options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights}}
-    rollout = make_rollout(backend, engine, built.processing, **options.get(backend, {}))
+    options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
+                                                              "inference_copy": r.rollout.inference_copy}}
+    rollout = make_rollout(r.rollout.backend, engine, built.processing, **options.get(backend, {}))
     agent = None
     if environment is not None:
         from mmrl.rollout.agent import AgentRollout

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmrl.rollout import choose_backend
+from mmrl.rollout.inference_copy import describe
 
 
 def run_summary(trainer) -> list[str]:
@@ -42,7 +43,11 @@ def run_summary(trainer) -> list[str]:
              else f"micro-batch {r.algo.micro_batch_size}")
     settings = actor.settings
     checkpointing = _on(settings.checkpointing) + (" (auto)" if settings.checkpointing_auto else "")
-    backend = choose_backend(r.rollout.backend, actor, multi_turn=trainer.agent is not None)
+    # The rollout built (an "auto" compiled rollout may have taken plain generate).
+    backend = getattr(trainer.rollout, "backend", None) or choose_backend(r.rollout.backend, actor)
+    copy = getattr(trainer.rollout, "copy", None)
+    if copy is not None:
+        backend += f" ({describe(copy)})"
     return [
         f"model     {actor.adapter.family} ({m.path}{', random init' if m.random_init else ''})",
         f"weights   {_count(total)} parameters, {_count(trainable)} trainable ({share:.1f}%); "

@@ -176,8 +176,10 @@ class Trainer:
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)
         backend = choose_backend(r.rollout.backend, self.actor, multi_turn=self._environment is not None)
-        options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights}}
-        self.rollout = make_rollout(backend, self.actor, self.processing, **options.get(backend, {}))
+        options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
+                                                                  "inference_copy": r.rollout.inference_copy}}
+        # The recipe's own name: "auto" may still take plain generate (an inference copy that does not fit).
+        self.rollout = make_rollout(r.rollout.backend, self.actor, self.processing, **options.get(backend, {}))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout

@@ -297,7 +297,7 @@ def test_an_exports_suppressed_tokens_keep_the_compiled_loop():
         make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
 
 
-def test_auto_takes_the_compiled_rollout_in_one_gpu_process_only():
+def test_auto_takes_the_compiled_rollout_on_a_gpu_only():
     from types import SimpleNamespace
 
     from mmrl.rollout import choose_backend
@@ -309,7 +309,7 @@ def test_auto_takes_the_compiled_rollout_in_one_gpu_process_only():
     assert choose_backend("auto", engine("cuda")) == "hf_compiled"
     assert choose_backend("auto", engine("cuda", left_padding=False)) == "hf"
     assert choose_backend("auto", engine("cpu")) == "hf"
-    assert choose_backend("auto", engine("cuda", sharded=True)) == "hf"
+    assert choose_backend("auto", engine("cuda", sharded=True)) == "hf_compiled"  # on an inference copy
     assert choose_backend("auto", engine("cuda"), multi_turn=True) == "hf_compiled"
     for named in ("hf", "hf_compiled", "vllm"):
         assert choose_backend(named, engine("cpu")) == named

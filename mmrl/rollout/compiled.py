@@ -25,9 +25,15 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
   are, and when half of them have finished it moves the running rows (and their cache)
   into a batch half as wide, so finished rows stop costing compute.
 
-Where this cannot run (sharded weights, a family that computes its own positions, a
-generation config with logits processors this loop lacks) or compiling fails, the
-backend warns once and uses plain `generate`. Speed: `python bench/rollout_speed.py`.
+Under FSDP2 each rank decodes its own prompts on an unsharded inference copy of the
+weights, gathered from the shards after each update (`mmrl.rollout.inference_copy`;
+`inference_copy` says whether it stays between rollouts): the decode loop is the same,
+and no forward waits for another rank.
+
+Where this cannot run (a family that computes its own positions or cannot take left
+padding, a generation config with logits processors this loop lacks) or compiling fails,
+the backend warns once and uses plain `generate` (under FSDP2 every rank at once, when
+any rank fails). Speed: `python bench/rollout_speed.py`.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ import warnings
 
 import torch
 
+from mmrl.engine.media import sharing
 from mmrl.errors import one_line
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.hf import HFRollout
+from mmrl.rollout.inference_copy import InferenceCopy
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
 # same whatever the width. The widths the loop moves rows into are powers of two from here
@@ -109,12 +117,18 @@ def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: 
 
 class CompiledHFRollout(HFRollout):
     """`HFRollout` with a static-cache decode loop; `compile=False` runs the same loop
-    eagerly (what CPU tests check), `compile_options` go to `torch.compile`."""
+    eagerly (what CPU tests check), `compile_options` go to `torch.compile`. With sharded
+    weights it decodes on an `InferenceCopy` ("auto", "keep" or "free" between rollouts);
+    building one that does not fit raises `CopyDoesNotFit`."""
+
+    backend = "hf_compiled"
+    copy: InferenceCopy | None = None  # the sharded engine's inference copy (None: one process)
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
-                 half_weights: bool = True):
+                 half_weights: bool = True, inference_copy: str = "auto"):
         super().__init__(engine, processing)
+        self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
         # fp32 weights under autocast: cast the linear layers' weights once per rollout
         # instead of at every step (`_half_linears`): faster decoding, same tokens as
@@ -135,18 +149,48 @@ class CompiledHFRollout(HFRollout):
     # -- the switch --------------------------------------------------------------------------
     def _sample(self, batch, shared, params: SamplingParams):
         if self.fallback_reason is None:
+            result = failure = None
             try:
-                return self._fast_sample(batch, shared, params)
+                if self.copy is not None:
+                    # Collective: every rank gathers before anything that may fail on one rank alone.
+                    self.copy.refresh(self.engine)
+                result = self._fast_sample(batch, shared, params)
             except Exception as error:  # noqa: BLE001 - any failure falls back, once, loudly
-                self.fallback_reason = one_line(error, typed=True)[:300]
-                self._caches.clear()
-                warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
-                              stacklevel=2)
+                failure = one_line(error, typed=True)[:300]
+            finally:
+                if self.copy is not None and not self.copy.keep:
+                    # Memory is short: the update gets the copy's and the caches' memory.
+                    self.copy.release()
+                    self._caches.clear()
+            if self.copy is not None:
+                # The ranks decode apart but fall back together: plain generate is collective.
+                others = [f for f in self.engine.dist.all_gather_objects(failure) if f]
+                failure = failure or (f"on another rank: {others[0]}" if others else None)
+            if failure is None:
+                return result
+            self.fallback_reason = failure
+            self._caches.clear()
+            if self.copy is not None:
+                self.copy.keep = False
+                self.copy.release()
+            warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
+                          stacklevel=2)
         return super()._sample(batch, shared, params)
 
+    def sync(self, engine) -> None:
+        """After an update: the inference copy (FSDP2) gathers the new weights, now when it
+        is kept between rollouts, else at the next rollout."""
+        if self.copy is None or self.fallback_reason is not None:
+            return
+        self.copy.stale()
+        if self.copy.keep:
+            self.copy.refresh(engine)
+
+    def _decoder(self) -> torch.nn.Module:
+        """The model the loop runs: the engine's, or under FSDP2 the refreshed inference copy."""
+        return self.engine.model if self.copy is None else self.copy.refresh(self.engine)
+
     def _check(self, params: SamplingParams) -> None:
-        if self.engine.sharded:
-            raise Unsupported("sharded weights (FSDP2) step every rank together")
         if not self.engine.adapter.left_padding:
             raise Unsupported("the family cannot take left padding (left_padding=False)")
         config = self.engine.model.generation_config
@@ -161,8 +205,12 @@ class CompiledHFRollout(HFRollout):
     # -- the loop ----------------------------------------------------------------------------
     def _fast_sample(self, batch, shared, params: SamplingParams):
         self._check(params)
-        model = self.engine.model
+        model = self._decoder()
         device = self.engine.dist.device
+        if self.copy is not None:
+            # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
+            batch = {k: v.to(self.copy.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                     for k, v in batch.items()}
         positions = self.engine.adapter.position_ids(model, batch)
         if positions is None:
             raise Unsupported("the family computes its own position ids")
@@ -180,7 +228,7 @@ class CompiledHFRollout(HFRollout):
             if self.half_weights and computes_in is not None:
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
             cache = self._cache(rows, length, computes_in)
-            with self.engine.media_sharing(batch, shared.to(device) if shared else None):
+            with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
                 out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
             _unguarded(cache)
             logits = out.logits[:, -1].float()
@@ -271,7 +319,7 @@ class CompiledHFRollout(HFRollout):
             self._caches = {key: c for key, c in self._caches.items() if key[1:] == (length, dtype)}
         cache = self._caches.get((rows, length, dtype))
         if cache is None:
-            cache = StaticCache(config=self.engine.model.config, max_cache_len=length)
+            cache = StaticCache(config=self._decoder_config(), max_cache_len=length)
             if dtype is not None:
                 for layer in cache.layers:
                     layer.update = _casting(layer.update, dtype)
@@ -279,6 +327,9 @@ class CompiledHFRollout(HFRollout):
         else:
             cache.reset()
         return cache
+
+    def _decoder_config(self):
+        return (self.engine.model if self.copy is None else self.copy.model).config
 
     def _moved(self, cache, keep: torch.Tensor, length: int):
         """The cache rows `keep` in a (kept) cache of len(keep) rows."""

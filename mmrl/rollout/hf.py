@@ -13,6 +13,8 @@ from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
 
 
 class HFRollout:
+    backend = "hf"  # the recipe's name for it (`rollout.backend`)
+
     def __init__(self, engine, processing):
         self.engine = engine
         self.processing = processing
@@ -31,7 +33,6 @@ class HFRollout:
         model = self.engine.model
         was_training = model.training
         model.eval()
-        self.engine.gather_root()
         try:
             generated, logprobs = self._sample(batch, shared, params)
         finally:
@@ -47,6 +48,7 @@ class HFRollout:
     def _sample(self, batch: dict, shared, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Generated tokens (B, R) on the CPU, and with `params.logprobs` each token's
         log-prob under the raw logits (B, R); rows that stopped early are padded."""
+        self.engine.gather_root()
         if not self.engine.adapter.left_padding:
             return self._sample_by_length(batch, shared, params)
         return self._generate(batch, shared, params)

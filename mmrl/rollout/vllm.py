@@ -71,6 +71,8 @@ class VLLMRollout:
     `seed` seeds unseeded sampling; `media_limits` caps images/videos per prompt.
     """
 
+    backend = "vllm"
+
     def __init__(
         self,
         engine,
