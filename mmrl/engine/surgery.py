@@ -97,8 +97,8 @@ def resolve(model: torch.nn.Module, adapter, dist: Dist, *, trains: bool, pack: 
     if gradient_checkpointing not in (True, False, "auto"):
         raise ValueError(f"gradient_checkpointing must be true, false or auto, got {gradient_checkpointing!r}")
     auto = gradient_checkpointing == "auto"
-    # "auto": compiled layers on a GPU in one process, packed or padded (measured both
-    # ways; sharded layers are not compiled unless asked).
+    # "auto": compiled layers on a GPU in one process, packed or padded (both measured:
+    # bench/packing.py, docs/performance.md; sharded layers are not compiled unless asked).
     if compile_layers not in (True, False, "auto"):
         raise ValueError(f"compile_layers must be true, false or auto, got {compile_layers!r}")
     on_gpu = dist.device.type == "cuda"

@@ -286,7 +286,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         extra["enable_gqa"] = True
     # Otherwise this torch hands key and value to the flash kernel as they are, and the
     # kernel shares each key/value head among its query heads itself: the same output and
-    # gradients as with the heads repeated, and faster (bench/attention_kernels.py).
+    # gradients as with the heads repeated, and faster (an H200 run: commit 4b4ca48's message).
 
     dtype = _kernel_dtype(query)
 
