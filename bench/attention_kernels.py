@@ -23,7 +23,6 @@ backward 2.5 x that).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -135,7 +134,7 @@ def main() -> None:
 
     from packing import lengths as rl_lengths  # bench/packing.py's RL lengths
     from mmrl.engine.packing import bins_by_tokens
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
 
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
@@ -276,9 +275,7 @@ def main() -> None:
               "micro_batch_tokens": args.micro_batch_tokens, "micro_batches": [len(m) for m in micro_batches],
               "real_tokens": sum(all_lengths), "lengths": all_lengths, "reference": reference,
               "repeats": args.repeats, "modes": report_modes}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

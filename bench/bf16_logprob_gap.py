@@ -23,7 +23,6 @@ bf16 rounding that depends on batch shapes, not a sharing error.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -47,7 +46,7 @@ def main() -> None:
     from mmrl.engine import Engine, join
     from mmrl.engine.media import SharedMedia
     from mmrl.parallel import init_distributed
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
 
     recipe = load_recipe(args.recipe, [])
     m = recipe.model
@@ -108,9 +107,7 @@ def main() -> None:
     }
     for name, values in report["gaps"].items():
         print(f"{name:<34} max {values['max']:.3e}  p99 {values['p99']:.3e}  mean {values['mean']:.3e}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def main() -> None:
         raise SystemExit("fsdp_scaling: --nproc must be at least 2")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         raise SystemExit(f"fsdp_scaling: --nproc {args.nproc} needs as many GPUs, {torch.cuda.device_count()} visible")
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
 
     one = run(args, 1)
     print(f"1 process: {one['median_step_s']:.3f} s a step, {one['real_tokens_per_s']:.0f} real tok/s")
@@ -159,9 +159,7 @@ def main() -> None:
         "sequences_per_rank": args.sequences, "micro_batch_tokens": args.micro_batch_tokens, "repeats": args.repeats,
         "runs": {"1": one, str(args.nproc): many}, "processes": args.nproc, "efficiency": efficiency,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

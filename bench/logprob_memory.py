@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -71,12 +70,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/logprob_memory_gpu.json (_cpu.json off CUDA)")
     args = parser.parse_args()
+    from mmrl.platform_info import write_report
+
     report = {**run(args), "command": " ".join(["python bench/logprob_memory.py", *sys.argv[1:]])}
     kind = "gpu" if args.device.startswith("cuda") else "cpu"
     out = args.out or REPO / "bench" / "results" / f"logprob_memory_{kind}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, report)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine, join
     from mmrl.parallel import init_distributed
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions
 
     dist = init_distributed(args.device)
     device = dist.device

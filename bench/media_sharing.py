@@ -19,7 +19,6 @@ plain/shared ratios, and writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ def main() -> None:
 
     from mmrl.config import load_recipe
     from mmrl.data import to_conversation
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
     from mmrl.rollout.base import SamplingParams
     from mmrl.rollout_batch import training_batches
     from mmrl.trainer import Trainer
@@ -120,9 +119,7 @@ def main() -> None:
         "repeats": args.repeats, "max_logp_diff": gap, "median_s": medians, "plain_over_shared": ratios,
         "total_plain_over_shared": total["plain"] / total["shared"], "samples_s": samples,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

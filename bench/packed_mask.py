@@ -57,7 +57,7 @@ def main() -> None:
 
     from mmrl.engine import varlen
     from mmrl.engine.packing import bins_by_tokens
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions
     from packing import lengths as rl_lengths  # bench/packing.py's RL lengths
 
     device = torch.device(args.device)

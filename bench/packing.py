@@ -27,7 +27,6 @@ weights. Medians of `--repeats` alternating runs; tokens/s counts real tokens on
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -88,7 +87,7 @@ def main() -> None:
 
     from mmrl.engine.packing import bins_by_tokens, pack_sequences
     from mmrl.parallel import init_distributed
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
 
     dist = init_distributed(args.device)
     device = dist.device
@@ -223,9 +222,7 @@ def main() -> None:
         "dynamo_graphs": dict(counters["stats"]),  # unique_graphs: the compiled layers' graphs over all modes
         "profiles": profiles,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

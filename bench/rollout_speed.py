@@ -59,7 +59,7 @@ def main() -> None:
     from mmrl import build_model
     from mmrl.engine import Engine
     from mmrl.parallel import init_distributed
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.compiled import CompiledHFRollout
     from mmrl.rollout.hf import HFRollout

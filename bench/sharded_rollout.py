@@ -76,7 +76,7 @@ def worker(args) -> None:
 
     from mmrl import build_model
     from mmrl.engine import Engine
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.compiled import CompiledHFRollout
     from mmrl.rollout.hf import HFRollout

@@ -444,15 +444,9 @@ def build_start(model_dir: Path, seed: int) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    from mmrl.platform_info import versions as installed
 
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "mmrl"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "missing"
-    return out
+    return installed(("torch", "transformers", "trl", "accelerate", "datasets", "mmrl"), missing="missing")
 
 
 def settings(args) -> dict[str, Any]:
@@ -568,9 +562,9 @@ def main() -> None:
               "processor": platform.processor(), "cpu_count": os.cpu_count(), "versions": versions(),
               "start_model": start, "checks": checked, "settings": settings(args), "differences": DIFFERENCES,
               "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    from mmrl.platform_info import write_report
+
+    write_report(args.out, report, lead="\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ weights (on the first 8 images). Medians of `--repeats` alternating runs, peak m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ def main() -> None:
     from mmrl import build_model
     from mmrl.config import load_recipe
     from mmrl.engine import vision_attention
-    from mmrl.probes.base import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
 
     device = torch.device(args.device)
     images = args.images or (4 if args.tiny else 64)
@@ -155,9 +154,7 @@ def main() -> None:
         "attention_calls_while_timed": calls, "out_of_memory": failed,
         "command": " ".join(["python bench/vision_attention.py", *sys.argv[1:]]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

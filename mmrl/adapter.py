@@ -9,9 +9,11 @@ registration (`ModelAdapter.validate`), so a missing or malformed field fails ea
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from mmrl import imports
+from mmrl.imports import split_spec
 
 if TYPE_CHECKING:
     import torch
@@ -166,9 +168,9 @@ class TinyModel:
 
 
 def import_object(spec: str) -> Any:
-    """Import `"package.module:Attr"` (or `"package.module.Attr"`)."""
-    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    return getattr(importlib.import_module(module_name), attr)
+    """The class `"package.module:Class"` (or `"package.module.Class"`) names: mmrl.imports'
+    reader, so a wrong name is one line naming the spec and what the module defines."""
+    return imports.import_object(spec, what="class", kind="class")
 
 
 def _computes_own_positions(model) -> bool:
@@ -243,7 +245,7 @@ class ModelAdapter:
     # -- identity ----------------------------------------------------------------------
     @property
     def hf_architectures(self) -> tuple[str, ...]:
-        return self.architectures or (self.hf_class.partition(":")[2],)
+        return self.architectures or (split_spec(self.hf_class)[1],)
 
     @property
     def is_multimodal(self) -> bool:

@@ -127,20 +127,18 @@ class ModelConfig(_Section):
     share_media: bool = True
     # Padding-free log-probs in the engine (`mmrl.engine.packing`), for families that
     # declare padding_free: sequences packed into rows of at most `pack_tokens` tokens
-    # (16384: 2.46x the padded update on an H200 against 2.23x at 8192, bench/packing.py;
-    # 3.60x with compile_layers; 4.01x in 32768-token micro-batches and rows). "auto": on
-    # a GPU in one process for text families (the VL-3B recipe, whose rows are about the
-    # same length, stepped slower packed: docs/training.md).
+    # (the speed-up and its row widths: docs/performance.md, "Packing and compiled layers").
+    # "auto": on a GPU in one process for text families (the VL-3B recipe, whose rows are
+    # about the same length, stepped slower packed: docs/training.md).
     pack: bool | Literal["auto"] = "auto"
     # None: 16384, or algo.micro_batch_tokens where that is larger, so a token-budget
-    # micro-batch packs into one row: in rows of 16384 its rows pad to the widest
-    # (bench/packing.py on an H200: 0.520 s against 0.409 s in one row of 32768).
+    # micro-batch packs into one row: in narrower rows its rows pad to the widest
+    # (bench/packing.py; the figures: docs/performance.md, "Packing and compiled layers").
     pack_tokens: int | None = Field(None, gt=0)
     # The text decoder's layers through torch.compile in the engines' log-prob and value
-    # forwards (`mmrl.engine.compiled_layers`). "auto": on a GPU in one process. On an
-    # H200 the 0.5B packed update went from 0.595 s to 0.444 s, the padded one from 1.60 s
-    # to 1.16 s (bench/packing.py), the VL-3B recipe's padded update from 1.81 s to 1.57 s
-    # (bench/recipe_steps.py).
+    # forwards (`mmrl.engine.compiled_layers`). "auto": on a GPU in one process, where it
+    # speeds up packed and padded updates alike (bench/packing.py, bench/recipe_steps.py;
+    # the figures: docs/performance.md, "Packing and compiled layers").
     compile_layers: bool | Literal["auto"] = "auto"
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.

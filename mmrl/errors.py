@@ -4,6 +4,11 @@
     one_line(exc, typed=True)          # "KeyError: first line of the message"
     one_line(exc, 300, typed=True)     # the same, cut to 300 characters ending in "..."
     one_line(exc, typed=True, whole=True)  # every line of the message, whitespace collapsed
+
+Two presets name the forms several modules quote a cause in:
+
+    whole_cause(exc)    # "ValidationError: every line of the message" (a field is often on line 2)
+    raised(exc)         # "KeyError: first line", a blank message as "(no message)"
 """
 
 from __future__ import annotations
@@ -27,3 +32,15 @@ def one_line(source: BaseException | str, limit: int | None = None, *, typed: bo
     elif not line:
         line = name if empty is None else empty
     return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
+
+
+def whole_cause(exc: BaseException, limit: int | None = None) -> str:
+    """The type and the whole message on one line: what a failed plugin load or a config
+    class that rejects values says (a validation error names the field on a later line)."""
+    return one_line(exc, limit, typed=True, whole=True)
+
+
+def raised(exc: BaseException) -> str:
+    """`Type: first line`, a blank message read as `(no message)`: what user code (a reward,
+    an imported file) raised, quoted in the error that wraps it."""
+    return f"{type(exc).__name__}: {one_line(exc, empty='(no message)')}"

@@ -14,6 +14,9 @@ A spec takes one of three forms:
   current folder are appended to `sys.path` first, so a module beside the recipe imports
   without `PYTHONPATH=.` (appended: an installed package of the same name wins).
 
+An adapter's `hf_class` and `processing` ("transformers:Qwen2VLForConditionalGeneration")
+and a reward's metric name go through the same spec reading (`split_spec`).
+
 A spec that does not resolve is a ValueError of one line naming the spec, the file or
 module, and what is missing.
 """
@@ -27,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mmrl.errors import one_line
+from mmrl.errors import raised
 
 
 def is_file_spec(spec: str) -> bool:
@@ -36,20 +39,31 @@ def is_file_spec(spec: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """(the file or module, the object's name) of a spec: `dir/file.py:name` splits at its
+    last colon, `package.module:name` at its colon, `package.module.name` at its last dot;
+    a bare `name` is ("", name) and a file without `:name` is (file, "")."""
+    if is_file_spec(spec):
+        target, _, attribute = spec.rpartition(":") if ":" in spec else (spec, "", "")
+        return target, attribute
+    target, _, attribute = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    return target, attribute
+
+
 def import_object(spec: str, *, what: str, folder: str | Path | None = None,
                   builtins: Mapping[str, Any] | None = None, kind: str = "") -> Any:
     """The object `spec` names (see the module docstring). `what` names it in errors
     ("reward"), `builtins` lists the names the caller resolves itself, `kind` says what
     the object is ("function"); `folder` is the recipe's folder (None: none)."""
     folder = Path(folder).expanduser().resolve() if folder is not None else None
+    target, attribute = split_spec(spec)
     if is_file_spec(spec):
-        target, _, attribute = spec.rpartition(":") if ":" in spec else (spec, "", "")
         if not attribute:
             raise ValueError(f"{what} {spec!r}: name the {kind or 'object'} in the file: '{target}:NAME'")
         path = _find_file(target, folder, spec, what)
         module, where = _load_file(path, spec, what), str(path)
     else:
-        module_name, _, attribute = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        module_name = target
         if not module_name or not attribute:
             known = f"not a built-in ({', '.join(sorted(builtins))}) and " if builtins else ""
             raise ValueError(f"unknown {what} {spec!r}: {known}not a 'package.module:{kind or 'name'}' "
@@ -97,8 +111,7 @@ def _load_file(path: Path, spec: str, what: str):
         del sys.modules[name]
         if not isinstance(exc, Exception):
             raise
-        raise ValueError(f"{what} {spec!r}: importing {path} raised {type(exc).__name__}: "
-                         f"{one_line(exc, empty='(no message)')}") from exc
+        raise ValueError(f"{what} {spec!r}: importing {path} raised {raised(exc)}") from exc
     return module
 
 
@@ -115,8 +128,7 @@ def _import_module(module_name: str, folder: Path | None, spec: str, what: str):
                              "or on the Python path)") from None
         raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc})") from exc
     except Exception as exc:
-        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: "
-                         f"{one_line(exc, empty='(no message)')})") from exc
+        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({raised(exc)})") from exc
 
 
 def _append_to_path(folder: Path) -> None:
@@ -138,4 +150,4 @@ def _defined_names(module, limit: int = 8) -> list[str]:
     return names[:limit] + (["..."] if len(names) > limit else [])
 
 
-__all__ = ["import_object", "is_file_spec"]
+__all__ = ["import_object", "is_file_spec", "split_spec"]

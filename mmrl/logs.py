@@ -17,7 +17,7 @@ One setting here is about CPU time, not output: `share_cpu()` makes torch's Open
 threads sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), which the CLI
 and the tests set before torch loads. On a machine whose cores are shared, spinning
 threads take the CPU that the thread they wait for needs; bench/cpu_contention.py
-measured the tiny recipe's 2-thread step 9-18x faster with it on a loaded machine
+measures the tiny recipe's step with and without it on a loaded machine
 (bench/results/cpu_contention.json).
 """
 

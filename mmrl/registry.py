@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from mmrl.adapter import ModelAdapter
-from mmrl.errors import one_line
+from mmrl.errors import whole_cause
 from mmrl.hub import HubError, checkpoint_folder
 
 ENTRY_POINT_GROUP = "mmrl.models"
@@ -96,12 +96,6 @@ def unregister(family: str) -> None:
             del table[key]
 
 
-def _one_line(exc: BaseException) -> str:
-    """The cause of a failed plugin load on one line: the exception type and its whole
-    message (a validation error's message names the field, a duplicate's the name taken)."""
-    return one_line(exc, typed=True, whole=True)
-
-
 def _load_whole(load: Callable[[], object]) -> None:
     """Run `load`, an import that registers adapters. If it raises, families registered by
     modules whose import failed are removed again, so a plugin whose module registers two
@@ -127,7 +121,7 @@ def load_plugin(module: str) -> None:
     try:
         _load_whole(lambda: importlib.import_module(module))
     except Exception as exc:
-        raise RegistryError(f"plugin module {module!r} failed to load: {_one_line(exc)}") from exc
+        raise RegistryError(f"plugin module {module!r} failed to load: {whole_cause(exc)}") from exc
 
 
 def _skip_plugin(ep: EntryPoint, exc: Exception) -> None:
@@ -137,7 +131,7 @@ def _skip_plugin(ep: EntryPoint, exc: Exception) -> None:
     # than a log record: spawned probe workers discover again, and they silence warnings.
     warnings.warn_explicit(
         f"skipped plugin package {package!r}: entry point '{ep.name} = {ep.value}' in group "
-        f"{ENTRY_POINT_GROUP} failed to load: {_one_line(exc)}",
+        f"{ENTRY_POINT_GROUP} failed to load: {whole_cause(exc)}",
         PluginWarning, filename="mmrl", lineno=0,
     )
 

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from mmrl.processing import Processing
-from mmrl.processors.templates import CHATML_SPECIAL_TOKENS
+from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media
 from mmrl.tiny import char_tokenizer, tiny_text_config
 
 NAMED_TOKENS = {
@@ -24,19 +24,7 @@ NAMED_TOKENS = {
 
 # The template of the OpenGVLab InternVL*-hf checkpoints: ChatML with `<IMG_CONTEXT>`
 # and `<video>` placeholders on their own line.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
-    "{% elif part['type'] == 'video' %}{{ '<video>\\n' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chatml_with_media("<IMG_CONTEXT>\n", "<video>\n")
 
 # Tiny shapes: 56-pixel tiles of 14-pixel patches, pixel-unshuffled by 0.5 into 4 tokens
 # a tile; at most 4 tiles (+ thumbnail) an image.

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from mmrl.processing import Processing
-from mmrl.processors.templates import CHATML_SPECIAL_TOKENS
+from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media
 from mmrl.tiny import char_tokenizer, tiny_text_config
 
 IMAGE_TOKEN = "<image>"
@@ -20,19 +20,7 @@ VIDEO_TOKEN = "<video>"
 
 # The template of the llava-hf OneVision (Qwen2) checkpoints: ChatML, each message's
 # images first, then videos, then its text.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] }}{% endfor %}"
-    "{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chatml_with_media("<image>\n", "<video>\n", media_first=True)
 
 # Tiny shapes: 56-pixel tiles of 14-pixel patches (16 tokens a tile) on a grid of at
 # most 2 x 2 tiles, so the two test images take 36 and 72 image tokens.

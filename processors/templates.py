@@ -5,20 +5,43 @@ offline render prompts the way the real family does. A newline right after a Jin
 is dropped by the template engine, so newlines are written as `{{ '\\n' }}`.
 """
 
+
+def _jinja_string(text: str) -> str:
+    """`text` as a Jinja string literal (a newline as `\\n`, see the module docstring)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def chatml_with_media(image: str, video: str | None = None, *, media_first: bool = False) -> str:
+    """ChatML whose image (and video) parts render as the family's placeholder text.
+
+    By default each part renders where it stands in the message (Qwen-VL, InternVL);
+    `media_first` renders a message's images, then its videos, then its text (the
+    LLaVA-OneVision checkpoints' template). The three ChatML families differ only here.
+    """
+    media = [("image", image)] + ([("video", video)] if video is not None else [])
+    if media_first:
+        body = "".join(
+            f"{{% for part in message['content'] | selectattr('type', 'equalto', '{kind}') %}}"
+            f"{{{{ {_jinja_string(text)} }}}}{{% endfor %}}" for kind, text in media)
+        body = ("{% else %}" + body
+                + "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] }}{% endfor %}"
+                + "{% endif %}")
+    else:
+        body = ("{% else %}{% for part in message['content'] %}"
+                "{% if part['type'] == 'text' %}{{ part['text'] }}"
+                + "".join(f"{{% elif part['type'] == '{kind}' %}}{{{{ {_jinja_string(text)} }}}}" for kind, text in media)
+                + "{% endif %}{% endfor %}{% endif %}")
+    return ("{% for message in messages %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}"
+            + body
+            + "{{ '<|im_end|>\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
 # ChatML (Qwen2/2.5/3 text, and the base of the Qwen-VL templates).
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHATML = chatml_with_media("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
 CHATML_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 # Llama 3 header format.

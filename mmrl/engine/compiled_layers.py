@@ -3,9 +3,8 @@
 Eagerly, each decoder layer's norms, rotary embedding, gated activation, residual adds
 and dtype casts are dozens of small elementwise kernels, forward and backward; at a
 0.5B model's width they took more GPU time than the matrix products. Compiled, inductor
-fuses them into a few. On an H200 the packed 0.5B update of bench/packing.py went from
-0.595 s to 0.444 s a step with bf16 weights, 0.673 s to 0.466 s with fp32 weights under
-autocast (`compiled_16384` against `varlen_16384`, same run).
+fuses them into a few. bench/packing.py measures it (`compiled_16384` against
+`varlen_16384`, same run); the figures: docs/performance.md, "Packing and compiled layers".
 
     layers = CompiledLayers(decoder_layers(model, adapter))
     with layers.active():     # the engine's log-prob and value forwards
@@ -56,7 +55,7 @@ def _recompile_limit() -> dict[str, int | bool]:
     forwards (`CompiledLayers.active`), not for the whole pass, so other compiled code in
     the pass keeps the user's settings. Read once per engine: reading dynamo's config
     takes about a millisecond of CPU, which per layer call left the GPU waiting between
-    layers (bench/packing.py --profile: 7.9 ms of idle GPU a step in the layers' forwards)."""
+    layers (bench/packing.py --profile shows the idle GPU time in the layers' forwards)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     fail = {"fail_on_recompile_limit_hit": True} if hasattr(config, "fail_on_recompile_limit_hit") else {}

@@ -198,8 +198,8 @@ class Engine:
         """How many bytes of output-embedding outputs (logits before the log-softmax) the
         chunked log-probs keep from the forward for the backward, instead of computing
         them again there: a sixteenth of the GPU's memory where memory is not short (one
-        process, no checkpointing), else none. The H200 profile of the packed 0.5B update
-        put the head's recomputation at about 13 ms of matrix products a step."""
+        process, no checkpointing), else none. What the recomputation costs: the profile
+        in docs/performance.md, "Log-probs without full-vocabulary logits"."""
         if self.dist.device.type != "cuda" or self.sharded or self.checkpointing:
             return 0
         return torch.cuda.get_device_properties(self.dist.device).total_memory // HEAD_KEEP_SHARE

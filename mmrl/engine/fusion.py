@@ -4,8 +4,8 @@ Some of the engine's arithmetic is a few cheap element-wise passes over one larg
 (a chunk of logits). Eagerly each pass reads and writes the whole tensor, and those passes
 can cost more than the matrix products around them; compiled (torch.compile, inductor) they
 fuse into a kernel or two. Not every such pass gains: a packed row's T x T mask check,
-compiled, was slower on an H200 than eagerly (inductor's any-reduction over 1G elements,
-7-9 ms a 32k-token row), so it stays eager. Measure before wrapping. `on_cuda` wraps such a function:
+compiled, was slower on the GPU than eagerly (inductor's any-reduction over T x T
+elements; bench/packed_mask.py), so it stays eager. Measure before wrapping. `on_cuda` wraps such a function:
 
     @on_cuda("chunked log-probs", enabled=lambda: FUSE_ON_CUDA)
     def stats(raw, targets): ...

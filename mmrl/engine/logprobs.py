@@ -46,8 +46,8 @@ HEAD_CHUNK_ELEMENTS = 2**27
 # Fused (CUDA, below) a chunk holds the head's output and its gradient in the head's dtype,
 # 4 bytes an element in bf16, so the same memory takes 4x the chunk: 2^29, 2 GiB. Larger
 # chunks pay for themselves: each chunk adds its head-weight gradient into an fp32 sum, a
-# pass over vocabulary x hidden elements whatever the chunk's tokens (0.5B update on an
-# H200, 32k-token micro-batches: 0.413 s a step at 2^27, 0.399 s at 2^29).
+# pass over vocabulary x hidden elements whatever the chunk's tokens (the step times at
+# 2^27 and 2^29: docs/performance.md, "Log-probs without full-vocabulary logits").
 FUSED_HEAD_CHUNK_ELEMENTS = 2**29
 
 
@@ -150,8 +150,8 @@ def mismatch(raw: torch.Tensor, logits: torch.Tensor, transforms: list[LogitTran
 # -- the chunked head -----------------------------------------------------------------------------
 # On CUDA a chunk's softmax arithmetic (below) runs through torch.compile: eagerly it is
 # about eight passes over the chunk's fp32 logits, which took more time than the head's
-# matrix products (a 0.5B update on an H200: 27% of the step in the chunked head, two
-# thirds of it outside the products); compiled, a pass or two. Elsewhere it runs eagerly.
+# matrix products (bench/results/packing_profile_gpu.json; docs/performance.md, "Log-probs
+# without full-vocabulary logits"); compiled, a pass or two. Elsewhere it runs eagerly.
 FUSE_ON_CUDA = True
 
 

@@ -104,8 +104,8 @@ class Optimizer:
         if half_dtype is not None and not self.sharded:
             groups = self.masters.replace(groups, lambda param: needs_master(param, half_dtype))
         # One process on a GPU: the fused AdamW kernel (one launch over all parameters
-        # instead of a dozen foreach passes): the 0.5B bf16 update of bench/packing.py
-        # went from 0.460 s to 0.431 s a step on an H200. Sharded, the default.
+        # instead of a dozen foreach passes), faster on the 0.5B bf16 update of
+        # bench/packing.py (docs/performance.md, "Packing and compiled layers"). Sharded, the default.
         fused = {"fused": True} if dist.device.type == "cuda" and not self.sharded else {}
         self.optimizer = torch.optim.AdamW(groups, lr=base_lr, betas=optim.betas, weight_decay=optim.weight_decay,
                                            **fused)

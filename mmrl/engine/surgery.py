@@ -200,7 +200,8 @@ def enable_checkpointing(model: torch.nn.Module, settings: Settings) -> bool:
 
 def checkpoints(model: torch.nn.Module) -> bool:
     """Whether `model` recomputes activations in backward. transformers' flag walks every
-    module (0.7 ms for a 24-layer model): the engine reads it once and keeps the answer."""
+    module, which adds up when asked per layer call: the engine reads it once and keeps
+    the answer."""
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 

@@ -40,6 +40,8 @@ SEGMENTS = "mmrl_segments"  # the keyword `segments_hook` passes a layer's segme
 
 
 def available() -> bool:
+    """Whether torch's variable-length attention kernel runs here (it needs CUDA); the
+    one check the decoder's and the vision tower's varlen paths share."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
@@ -87,8 +89,8 @@ def document_segments(mask: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     False, and is read as strided views with `any` (no cast: a bool `sum` first copies the
     mask to int64). Flattened, what lies between row q's band and row q + 1's is one run of
     T - top entries (the rest of row q, then the start of row q + 1), so those runs form a
-    (rows, T - top) view with row stride T + 1. H200, 31k packed tokens: 3.3 ms, against
-    7.9 for comparing with the whole expected mask."""
+    (rows, T - top) view with row stride T + 1. Less than half the time of comparing
+    with the whole expected mask (docs/performance.md, "Packing and compiled layers")."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
         return None
     rows, _, length, _ = mask.shape
@@ -164,8 +166,8 @@ def packed_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     (no padding, no cache, no other mask function: `_packed_ids`) the document-causal mask
     written band by band (`document_mask`), its segments remembered for `segments_hook`;
     anything else is transformers' SDPA mask. The mask is the one SDPA's function would
-    build, so any other reader of it sees the same values (H200, 31k packed tokens:
-    transformers builds it in 8.1 ms, mostly broadcast comparisons over T x T)."""
+    build, so any other reader of it sees the same values, without transformers' broadcast
+    comparisons over T x T (bench/results/varlen_segments_ab_gpu.json holds the timing)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask_function = mask_function or causal_mask_function
@@ -283,9 +285,8 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if kv_heads != heads and "enable_gqa" in options:
         extra["enable_gqa"] = True
     # Otherwise this torch hands key and value to the flash kernel as they are, and the
-    # kernel shares each key/value head among its query heads itself (torch 2.11, H200:
-    # the same output and gradients as with the heads repeated, 1.77 ms against 2.05 ms
-    # forward and backward over 31k packed tokens).
+    # kernel shares each key/value head among its query heads itself: the same output and
+    # gradients as with the heads repeated, and faster (an H200 run: commit 4b4ca48's message).
 
     dtype = _kernel_dtype(query)
 

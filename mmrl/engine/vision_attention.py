@@ -33,6 +33,8 @@ import re
 
 import torch
 
+from mmrl.engine.varlen import available as varlen_available
+
 NAME = "mmrl_flash_vision"  # "flash" selects the model code's cu_seqlens branch; no digit after it
 BASE = "sdpa"
 _CALLS = {"varlen": 0, "padded": 0, "sdpa": 0}
@@ -41,14 +43,6 @@ _LAYOUTS_SIZE = 4
 # Model code that reads the implementation's name (and would change meaning under one
 # containing "flash") outside the attention modules' cu_seqlens branch.
 _READS_NAME = re.compile(r"is_flash_attention_requested|_attn_implementation|create_\w*mask")
-
-
-def varlen_available() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,9 +21,7 @@ Status rules (the support matrix and `mmrl doctor` show these; CI gates on `gate
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from mmrl import errors
+from mmrl.platform_info import device_name, today, versions
 
 if TYPE_CHECKING:
     from mmrl.adapter import ModelAdapter
@@ -219,31 +218,6 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message` (a CheckFailed's own sentence untyped), short
     enough for a table cell's evidence."""
     return errors.one_line(exc, limit, typed=not isinstance(exc, CheckFailed), empty="")
-
-
-def versions() -> dict[str, str]:
-    """Versions that decide a probe's outcome (imported lazily; absent ones omitted)."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for name in ("mmrl", "torch", "transformers", "peft", "vllm"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            continue
-    return out
-
-
-def device_name(device: str = "cpu") -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({platform.machine()})"
-
-
-def today() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmrl.errors import one_line
-from mmrl.imports import import_object
+from mmrl.errors import one_line, raised
+from mmrl.imports import import_object, split_spec
 from mmrl.rewards.builtin import BUILTIN_REWARDS
 
 RewardFn = Callable[..., list[float]]
@@ -154,7 +154,7 @@ def score(fn: RewardFn, completions: list[str], answers: list[str], **fields) ->
     except RewardError:
         raise
     except Exception as exc:
-        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {one_line(exc, empty='(no message)')}",
+        raise RewardError(f"reward {name!r} raised {raised(exc)}",
                           reward=name, index=_failing_index(fn, completions, answers, fields)) from exc
     return _checked(scores, len(completions), name)
 
@@ -279,7 +279,7 @@ def _part_names(names: Sequence[str]) -> list[str]:
     taken = {"mean", "std", "accuracy"}
     out = []
     for name in names:
-        short = name.rpartition(":")[2] if ":" in name else name.rpartition(".")[2] if "." in name else name
+        short = split_spec(name)[1] or name
         unique, count = short, 1
         while unique in taken:
             count += 1

@@ -12,9 +12,9 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
 - in those steps the text decoder's SDPA attention runs as two batched matmuls per
   layer, one query per row against its key/value heads (`decode_attention`): SDPA
   with a mask would first copy the whole cache out to every query head (grouped-query
-  models), which took more of an H200 step than the rest of the layer; on CUDA the
+  models), which took more of a GPU decode step than the rest of the layer; on CUDA the
   products read a bf16 cache as stored and return fp32 (an fp32 copy of the cache per
-  step had cost 40% of an H200 decode step);
+  step was a large share of a decode step: bench/rollout_speed.py measures both);
 - positions come from the family's adapter (`position_ids`, 3-D for mrope): a new token
   sits one past its row's largest prompt position on every axis, which is what
   transformers' rope deltas give;
@@ -131,8 +131,8 @@ class CompiledHFRollout(HFRollout):
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
         # fp32 weights under autocast: cast the linear layers' weights once per rollout
-        # instead of at every step (`_half_linears`): 1.39x decode tokens/s on an H200
-        # (bench/results/rollout_speed_gpu_half.json), same tokens as per-step casting.
+        # instead of at every step (`_half_linears`): faster decoding, same tokens as
+        # per-step casting (bench/results/rollout_speed_gpu_half.json holds the figure).
         self.half_weights = half_weights
         self._half_store: dict[str, torch.nn.Parameter] = {}
         self.min_compact_rows = min_compact_rows
@@ -294,8 +294,8 @@ class CompiledHFRollout(HFRollout):
         """The cache length for `needed` positions: rounded up to CACHE_LENGTH_STEP and, when
         compiling, never shorter than the longest cache so far. The cache length is a python
         int inside transformers' StaticCache, so dynamo compiles the step again for the first
-        new length (then treats the length as dynamic); on an H200 that second compile took
-        about a minute for the 0.5B shape (bench/first_steps.sh), so a shorter batch reuses
+        new length (then treats the length as dynamic); that second compile costs about as
+        much as the first (docs/performance.md, "What compiling costs a run"), so a shorter batch reuses
         the longer cache (its extra positions are masked) rather than pay it. Eager decoding
         (compile=False) takes the rounded length itself."""
         length = -(-needed // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP

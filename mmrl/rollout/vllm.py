@@ -401,7 +401,7 @@ def _blocking_processor(token_ids: list[int]):
     """A vLLM logits processor class that rules `token_ids` out for every request.
 
     One masked write per batch; per-request `allowed_token_ids` would instead build a
-    vocabulary-sized mask for every sample (~70 ms each at a 152k vocabulary)."""
+    vocabulary-sized mask for every sample, a cost that grows with the vocabulary."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class BlockTokens(LogitsProcessor):

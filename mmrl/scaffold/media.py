@@ -22,12 +22,13 @@ import inspect
 import re
 from typing import Any
 
+from mmrl.errors import whole_cause
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.scaffold.image_size import _COUNT_ARGUMENT, _fit_image_size, _sized
 from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, _text_values, build_config, build_processor
 from mmrl.scaffold.placeholders import _named_token, _tokens_in_source, _unexpanded_placeholder, find_placeholder
 from mmrl.scaffold.shrink import (
-    TinyInputs, _modeling_reads, _modeling_source, _one_line, shrink_values, tiny_vision_values,
+    TinyInputs, _modeling_reads, _modeling_source, shrink_values, tiny_vision_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -129,7 +130,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     try:
         defaults = config_cls()
     except Exception as exc:
-        raise ScaffoldError(f"{resolved.config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() "
+        raise ScaffoldError(f"{resolved.config_class}() fails with its own defaults ({whole_cause(exc, 200)}); write tiny() "
                             "by hand", category="config") from exc
     text_default = defaults.get_text_config(decoder=True)
     vision_default = getattr(defaults, resolved.vision_config_key, None)

@@ -14,8 +14,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmrl.errors import whole_cause
 from mmrl.scaffold.base import Resolved, ScaffoldError
-from mmrl.scaffold.shrink import _one_line, build_text_config, build_tiny, built_or_repaired, tiny_text_values
+from mmrl.scaffold.shrink import build_text_config, build_tiny, built_or_repaired, tiny_text_values
 
 
 def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
@@ -86,7 +87,7 @@ def build_config(resolved: Resolved, plan: MediaPlan):
         config, _ = built_or_repaired(lambda v: config_cls(**v), values,
                                       lambda v, _: _shared_values_kept(config_cls, plan.vision_key, v))
     except Exception as exc:  # a validator may raise anything
-        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({_one_line(exc)}); write tiny() "
+        raise ScaffoldError(f"{resolved.config_class} rejects the shrunk values ({whole_cause(exc, 200)}); write tiny() "
                             "by hand with values it accepts", category="config") from exc
     return tokenizer, config
 
@@ -129,7 +130,7 @@ def build_processor(plan: MediaPlan, tokenizer, config):
         try:
             sub = getattr(transformers, cls_name)(**kwargs)
         except Exception as exc:
-            raise ScaffoldError(f"{cls_name}({kwargs}) fails ({_one_line(exc)})", category="processor") from exc
+            raise ScaffoldError(f"{cls_name}({kwargs}) fails ({whole_cause(exc, 200)})", category="processor") from exc
         subs[argument] = as_loaded(sub) if argument == "image_processor" else sub
     kwargs = {name: eval(expression, {"config": config, "tokenizer": tokenizer})
               for name, expression in plan.processor_kwargs.items()}
@@ -137,7 +138,7 @@ def build_processor(plan: MediaPlan, tokenizer, config):
         processor = getattr(transformers, plan.processor_class)(tokenizer=tokenizer, **subs, **kwargs)
     except Exception as exc:
         raise ScaffoldError(f"{plan.processor_class} cannot be built from the tiny tokenizer and its default "
-                            f"sub-processors ({_one_line(exc)}); write tiny() by hand", category="processor") from exc
+                            f"sub-processors ({whole_cause(exc, 200)}); write tiny() by hand", category="processor") from exc
     return processor
 
 
@@ -157,5 +158,5 @@ def runs_with_image(model_class: str, config, processor, placeholder: str | None
             inputs = {k: v for k, v in inputs.items() if k in accepted}
         model(**{**inputs, "labels": inputs["input_ids"]}).loss.backward()
     except Exception as exc:
-        return _one_line(exc)
+        return whole_cause(exc, 200)
     return None

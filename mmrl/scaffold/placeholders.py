@@ -15,9 +15,10 @@ from __future__ import annotations
 import inspect
 import re
 
+from mmrl.errors import whole_cause
 from mmrl.scaffold.base import ScaffoldError
 from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, runs_with_image
-from mmrl.scaffold.shrink import _one_line, build_tiny
+from mmrl.scaffold.shrink import build_tiny
 
 
 def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
@@ -138,7 +139,7 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         try:
             counts = counted(token)
         except Exception as exc:
-            errors.append(f"{token}: {_one_line(exc, 120)}")
+            errors.append(f"{token}: {whole_cause(exc, 120)}")
             continue
         if token in framed and any(counts.get(f) != 1 for frame in frames for f in frame if f in token):
             continue  # the processor frames media itself: a frame in the text would double it

@@ -24,7 +24,7 @@ from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any
 
-from mmrl.errors import one_line
+from mmrl.errors import whole_cause
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -248,7 +248,7 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     try:
         default = cls()
     except Exception as exc:
-        raise ScaffoldError(f"{config_class}() fails with its own defaults ({_one_line(exc)}); write tiny() by hand",
+        raise ScaffoldError(f"{config_class}() fails with its own defaults ({whole_cause(exc, 200)}); write tiny() by hand",
                             category="config") from exc
     values = shrink_values(default, shapes, layer_indexes=True)
     if derived:
@@ -456,7 +456,7 @@ def build_text_config(config_class: str, tokenizer, values: dict[str, Any]):
     try:
         return sized_config(f"transformers:{config_class}", tokenizer, **values)
     except Exception as exc:
-        raise ScaffoldError(f"{config_class} rejects the shrunk values ({_one_line(exc)}); "
+        raise ScaffoldError(f"{config_class} rejects the shrunk values ({whole_cause(exc, 200)}); "
                             "write tiny() by hand with values it accepts", category="config") from exc
 
 
@@ -474,7 +474,7 @@ def build_tiny(model_class: str, config):
         with torch.random.fork_rng(devices=[]):
             return cls._from_config(config)
     except Exception as exc:
-        raise ScaffoldError(f"{model_class} cannot be built from the shrunk config ({_one_line(exc)}); write tiny() "
+        raise ScaffoldError(f"{model_class} cannot be built from the shrunk config ({whole_cause(exc, 200)}); write tiny() "
                             "by hand", category="model-init") from exc
 
 
@@ -488,7 +488,7 @@ def runs(model_class: str, config) -> None:
     try:
         model(input_ids=ids, labels=ids).loss.backward()
     except Exception as exc:
-        raise ScaffoldError(f"{model_class} does not run on the shrunk config ({_one_line(exc)}); write tiny() by "
+        raise ScaffoldError(f"{model_class} does not run on the shrunk config ({whole_cause(exc, 200)}); write tiny() by "
                             "hand with values its code accepts", category="forward") from exc
 
 
@@ -508,5 +508,3 @@ _OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_siz
                            r"^projection_dim$|^llm_hidden_size$")
 
 
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    return one_line(exc, limit, typed=True, whole=True)

@@ -1,0 +1,86 @@
+"""The helpers several modules share instead of each writing its own (issue 29, "fold
+the twins"): one spec reader, the one-line error presets, the platform record and a
+bench report's writer, and one ChatML-with-media template builder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrl import adapter, errors, platform_info
+from mmrl.imports import split_spec
+
+
+@pytest.mark.parametrize(("spec", "parts"), [
+    ("transformers:Qwen2VLForConditionalGeneration", ("transformers", "Qwen2VLForConditionalGeneration")),
+    ("my_pkg.rewards.graded", ("my_pkg.rewards", "graded")),
+    ("./my_rewards.py:graded", ("./my_rewards.py", "graded")),
+    ("C:/x/r.py:graded", ("C:/x/r.py", "graded")),
+    ("graded", ("", "graded")),
+    ("dir/r.py", ("dir/r.py", "")),
+])
+def test_split_spec_reads_every_form(spec, parts):
+    assert split_spec(spec) == parts
+
+
+def test_adapter_import_object_names_what_the_module_lacks():
+    assert adapter.import_object("collections:OrderedDict") is __import__("collections").OrderedDict
+    assert adapter.import_object("collections.OrderedDict") is __import__("collections").OrderedDict
+    with pytest.raises(ValueError, match=r"^class 'collections:NoSuchClass': module 'collections' has no class"):
+        adapter.import_object("collections:NoSuchClass")
+
+
+def test_reward_metric_names_come_from_the_spec_reader():
+    from mmrl.rewards import _part_names
+
+    assert _part_names(["dir/r.py:graded", "pkg.mod.graded", "exact", "pkg:mean"]) == [
+        "graded", "graded_2", "exact", "mean_2"]
+
+
+def test_error_presets():
+    exc = ValueError("first\n  second")
+    assert errors.whole_cause(exc) == "ValueError: first second"
+    assert errors.whole_cause(exc, 12) == "ValueErro..."
+    assert errors.raised(exc) == "ValueError: first"
+    assert errors.raised(KeyError()) == "KeyError: (no message)"
+
+
+def test_platform_record_and_report(tmp_path, capsys):
+    found = platform_info.versions(("torch", "no-such-package-mmrl"), missing="missing")
+    assert found["no-such-package-mmrl"] == "missing" and "torch" in found and "python" in found
+    assert "no-such-package-mmrl" not in platform_info.versions(("no-such-package-mmrl",))
+    assert platform_info.device_name("cpu").startswith("cpu (")
+    out = platform_info.write_report(tmp_path / "a" / "r.json", {"x": 1})
+    assert json.loads(out.read_text()) == {"x": 1} and out.read_text().endswith("\n")
+    assert capsys.readouterr().out == f"wrote {out}\n"
+
+    from mmrl.probes import base  # the probes record the same platform
+    assert base.versions is platform_info.versions and base.device_name is platform_info.device_name
+
+
+def _render(template: str, content) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "user", "content": content}]
+    return ImmutableSandboxedEnvironment().from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+def test_chatml_with_media_places_parts_inline_or_media_first():
+    from mmrl.processors import internvl, llava_onevision
+    from mmrl.processors.templates import CHATML
+
+    content = [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"}, {"type": "text", "text": "b"}]
+    assert _render(CHATML, content) == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|>"
+                                        "<|vision_start|><|video_pad|><|vision_end|>b<|im_end|>\n<|im_start|>assistant\n")
+    assert _render(internvl.CHAT_TEMPLATE, content) == (
+        "<|im_start|>user\na<IMG_CONTEXT>\n<video>\nb<|im_end|>\n<|im_start|>assistant\n")
+    assert _render(llava_onevision.CHAT_TEMPLATE, content) == (
+        "<|im_start|>user\n<image>\n<video>\nab<|im_end|>\n<|im_start|>assistant\n")
+    assert _render(CHATML, "plain") == "<|im_start|>user\nplain<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chatml_with_media_quotes_placeholders():
+    from mmrl.processors.templates import chatml_with_media
+
+    assert _render(chatml_with_media("it's\\"), [{"type": "image"}]).startswith("<|im_start|>user\nit's\\<|im_end|>")
