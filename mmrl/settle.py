@@ -31,8 +31,9 @@ from mmrl.registry import get_adapter
 if TYPE_CHECKING:
     from mmrl.parallel import Dist
 
-# Tokens per packed row unless `model.pack_tokens` is set: 2.46x the padded update on an H200
-# against 2.23x at 8192 (bench/packing.py); `mmrl.engine.packing` re-exports it.
+# Tokens per packed row unless `model.pack_tokens` is set: faster than rows of 8192 or 32768
+# (`bench/packing.py --modes padded varlen_8192 varlen_16384 varlen_32768`, docs/performance.md);
+# `mmrl.engine.packing` re-exports it.
 PACK_TOKENS = 16384
 
 # The reason of a value the recipe's own section sets.
@@ -64,8 +65,8 @@ def _switch(name: str, value) -> None:
 
 def pack_rule(pack: bool | str, adapter, dist: Dist) -> Choice:
     """`model.pack` by the device rule alone: "auto" packs text families on a GPU in one
-    process (the 0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B
-    recipe's update, rows of about one length, ran slower packed: docs/training.md)."""
+    process (faster at RL lengths: docs/performance.md; the VL-3B recipe's update, rows of
+    about one length, ran slower packed: docs/training.md)."""
     _switch("pack", pack)
     if pack != "auto":
         return Choice(pack, SET_IN_RECIPE)
