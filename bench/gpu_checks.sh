@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks of a session in one device call (carry [".whl", ".whl_trl"]): the `gpu`-marked
+# tests of the files given in TESTS (default: the newest first), then the support matrix's
+# GPU cells of the features in FEATURES (all families) and MULTI_TURN_FAMILIES' multi_turn
+# cells, into $OUT/gpu_cells. Each part has its own time limit, so one slow part cannot
+# take the others' time. Merge the cells here afterwards:
+#   mmrl support-matrix --gpu-results <files_at>/gpu_cells/results.json --feature F ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp}
+py=${PYTHON:-python3}
+if ! "$py" -c "import pydantic" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl >/dev/null 2>&1
+  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
+fi
+read -r -a tests <<< "${TESTS:-tests/test_rollout_sharded.py tests/test_media_probes.py tests/test_rollout_zoo.py tests/test_gpu.py}"
+for file in "${tests[@]}"; do
+  name=$(basename "$file" .py)
+  timeout "${TEST_LIMIT:-150}" "$py" -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$file" \
+    > "$out/$name.log" 2>&1
+  echo "$file: rc $? $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$out/$name.log" | tail -1)"
+done
+cells=$out/gpu_cells
+features=()
+for f in ${FEATURES:-reads_media rollout_agreement}; do features+=(--feature "$f"); done
+timeout "${MATRIX_LIMIT:-200}" "$py" -m mmrl.cli support-matrix --device cuda "${features[@]}" --output "$cells" \
+  --no-progress > "$out/matrix.log" 2>&1
+echo "matrix ${FEATURES:-reads_media rollout_agreement}: rc $? $(tail -1 "$out/matrix.log")"
+families=()
+for f in ${MULTI_TURN_FAMILIES:-idefics3 smolvlm llava_onevision}; do families+=(--family "$f"); done
+if [[ ${#families[@]} -gt 0 ]]; then
+  timeout "${MATRIX_LIMIT:-200}" "$py" -m mmrl.cli support-matrix --device cuda --feature multi_turn "${families[@]}" \
+    --output "$cells" --no-progress > "$out/matrix_multi_turn.log" 2>&1
+  echo "matrix multi_turn: rc $? $(tail -1 "$out/matrix_multi_turn.log")"
+fi
