@@ -654,7 +654,7 @@ def _check_model(m: ModelConfig) -> None:
         if m.config_overrides or m.tiny_vocabulary:
             key = "config_overrides" if m.config_overrides else "tiny_vocabulary"
             raise RecipeError(f"model.{key}: applies to random_init=true builds only")
-        problem = _weights_problem(path)
+        problem = weights_problem(path)
         if problem:
             raise RecipeError(f"model.path: {problem}")
     elif looks_like_path and not path.exists():
@@ -780,7 +780,7 @@ def unset_toy_defaults(recipe: Recipe) -> str | None:
     return "note: the recipe leaves these at their defaults: " + "; ".join(unset)
 
 
-def _weights_problem(folder: Path) -> str | None:
+def weights_problem(folder: Path) -> str | None:
     """Why the checkpoint folder's weights cannot be loaded, from the safetensors headers
     alone (no tensor is read), or None."""
     import json
