@@ -29,7 +29,6 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from mmrl.data.layouts import DataSource, DataSpec
 from mmrl.errors import one_line
 from mmrl.loggers import check_installed
-from mmrl.smoke import SmokeConfig
 
 # What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
 IN_MEMORY = "memory:"
@@ -279,6 +278,24 @@ class EvalConfig(_Section):
     shuffled_images: bool = True
     # Prompts per generate call.
     batch_size: int = Field(128, gt=0)
+
+
+class SmokeConfig(BaseModel):
+    """What `--smoke` swaps in for the recipe's checkpoint and dataset (mmrl/smoke.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # A registered family (its tiny random-init model); None: model.path when it already
+    # names a family.
+    family: str | None = None
+    # A local copy of the dataset in its own layout; replaces `path` in each data source
+    # mapping (and a plain path source). None: the sources are used as they are.
+    data: str | None = None
+    # Applied to the tiny config (rarely needed).
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    # The bundled images are tens of pixels wide; real budgets would upscale them a hundredfold.
+    min_pixels: int = Field(3136, gt=0)
+    max_pixels: int = Field(12544, gt=0)
 
 
 class TrainerConfig(_Section):
@@ -678,14 +695,14 @@ def _check_lora_targets(m: ModelConfig) -> None:
         return
     import torch
 
-    from mmrl.build import _customized
+    from mmrl.build import customized_config
     from mmrl.lora import lora_target_modules
     from mmrl.registry import adapter_for_config
 
     config = _base_config(m)
     adapter = adapter_for_config(config)
     if m.random_init and m.config_overrides:
-        config = _customized(config, adapter, m.config_overrides)
+        config = customized_config(config, adapter, m.config_overrides)
     with torch.device("meta"):
         model = adapter.model_class()._from_config(config)
     try:
