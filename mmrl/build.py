@@ -100,7 +100,7 @@ def build_model(
     dtype = _dtype(dtype)
     processor = None
     if is_checkpoint:
-        processor = _load_processor(path, adapter, trust_remote_code)
+        processor = load_processor(path, adapter, trust_remote_code)
     if random_init:
         adapter, config, processor = _random_init_config(path if is_checkpoint else None, adapter, config, processor,
                                                          trust_remote_code, config_overrides, tiny_vocabulary)
@@ -156,7 +156,7 @@ def _random_init_config(checkpoint: Path | None, adapter: ModelAdapter, config, 
         config = config if config is not None else tiny.config
         processor = processor if processor is not None else tiny.processor
     adapter = adapter_for_config(config)
-    return adapter, _customized(config, adapter, config_overrides or {}), processor
+    return adapter, customized_config(config, adapter, config_overrides or {}), processor
 
 
 def recipe_tokenizer(model) -> tuple[Any, Any]:
@@ -164,7 +164,7 @@ def recipe_tokenizer(model) -> tuple[Any, Any]:
     without building the model (nor fetching a hub checkpoint's weights): for the checks
     before the build, such as a prompt's length against the context."""
     path, is_checkpoint, adapter = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
-    processor = _load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
+    processor = load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
     if model.random_init:
         _, config, processor = _random_init_config(path if is_checkpoint else None, adapter, None, processor,
                                                    model.trust_remote_code, model.config_overrides or None,
@@ -201,7 +201,7 @@ def _nothing():
     return contextlib.nullcontext()
 
 
-def _customized(config, adapter: ModelAdapter, overrides: dict[str, Any]):
+def customized_config(config, adapter: ModelAdapter, overrides: dict[str, Any]):
     """A copy of `config` with overrides applied, checked for rope consistency."""
     import copy
 
@@ -259,7 +259,7 @@ def _load_tokenizer(path: Path, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def _load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
+def load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
     from transformers import AutoProcessor
 
     tokenizer = _load_tokenizer(path, trust_remote_code)

@@ -274,12 +274,6 @@ def _check_out_file(out: str) -> None:
         fail(f"--out: {above} is not writable; give a file in a folder you may write to")
 
 
-def _workers(workers: int | None) -> int:
-    import os
-
-    return workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
-
-
 @app.command("support-matrix")
 def support_matrix(
     output: str = typer.Option("support_matrix", "--output", "-o",
@@ -303,7 +297,6 @@ def support_matrix(
     import time
     from pathlib import Path
 
-    from mmrl.logs import close_worker_log, new_worker_log
     from mmrl.probes import FEATURES
     from mmrl.probes import matrix as sm
     from mmrl.registry import RegistryError, get_adapter
@@ -321,23 +314,18 @@ def support_matrix(
         console.print(f"re-rendered {', '.join(str(p) for p in written)} from {len(document['cells'])} recorded cells",
                       highlight=False)
         return
-    log = new_worker_log("support-matrix") if _workers(workers) > 0 else None
-    logged = f" Third-party logs of the probe workers: {log}." if log else ""
+    workers = sm.default_workers(workers)
+    log = sm.WorkerLog("support-matrix", workers)
     if check:
-        try:
-            problems, document, fresh = sm.check(Path(output), workers=_workers(workers), progress=progress)
-        except BaseException:
-            if log:
-                Console(stderr=True).print(f"the probe workers' logs are kept in {log}", highlight=False,
-                                           soft_wrap=True)
-            raise
+        with log:
+            problems, document, fresh = sm.check(Path(output), workers=workers, progress=progress)
         elapsed = time.perf_counter() - start
-        log = close_worker_log(log, failed=bool(problems))  # a check that passed leaves no log behind
+        kept = log.close(failed=bool(problems))  # a check that passed leaves no log behind
         if problems:
             Console(stderr=True).print(
                 f"[bold red]support matrix check failed[/] ({elapsed:.0f} s; fresh output in {fresh}): "
                 + "; ".join(problems) + f". Regenerate with `mmrl support-matrix --output {output}` and commit it."
-                + logged,
+                + (f" Third-party logs of the probe workers: {kept}." if kept else ""),
                 highlight=False, soft_wrap=True)
             raise typer.Exit(code=1)
         console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
@@ -351,7 +339,7 @@ def support_matrix(
         chosen = [get_adapter(name) for name in family]
         document, gpu_cells = sm.regenerate(
             Path(output), families=chosen, features=feature, gpu_results=Path(gpu_results) if gpu_results else None,
-            device=device, workers=_workers(workers), progress=progress)
+            device=device, workers=workers, progress=progress)
     except (RegistryError, FileNotFoundError, ValueError) as exc:
         fail(str(exc))
     written = sm.write(document, Path(output), gpu_cells)
@@ -360,7 +348,7 @@ def support_matrix(
         counts[cell["status"]] = counts.get(cell["status"], 0) + 1
     console.print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - start:.0f} s: "
                   + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-                  + (f" (worker logs in {log})" if log else ""), highlight=False, soft_wrap=True)
+                  + (f" (worker logs in {log.path})" if log.path else ""), highlight=False, soft_wrap=True)
     for cell in sm.gating_failures(document):
         console.print(f"[red]declared capability fails:[/] {cell['family']}/{cell['feature']}: {cell['reason']}",
                       highlight=False)
@@ -387,63 +375,23 @@ def doctor(
                                   help="Show a progress bar on stderr (default: when stderr is a terminal)."),
 ) -> None:
     """Run every probe on a checkpoint or a family's tiny model (exit 1 when a declared capability fails)."""
-    from pathlib import Path
-
-    from mmrl.config import _weights_problem
-    from mmrl.errors import one_line
-    from mmrl.hub import HubError, checkpoint_folder
-    from mmrl.logs import close_worker_log, new_worker_log
-    from mmrl.probes import PROBES, Subject
-    from mmrl.probes.matrix import progress_bar, run_probes
-    from mmrl.registry import RegistryError, adapter_for_config, get_adapter
+    from mmrl.probes import PROBES
+    from mmrl.probes.doctor import DoctorTargetError, doctor_subject
+    from mmrl.probes.matrix import WorkerLog, default_workers, progress_bar, run_probes
 
     try:
-        path = checkpoint_folder(target)  # a hub id: its snapshot in the HF cache
-    except HubError as exc:
+        subject = doctor_subject(target, device)
+    except DoctorTargetError as exc:
         fail(str(exc))
-    try:
-        if path is not None:
-            config_file = path / "config.json" if path.is_dir() else path
-            if not config_file.is_file():
-                fail(f"{target}: no config.json found")
-            try:
-                config = json.loads(config_file.read_text())
-            except ValueError as exc:  # cut short by an interrupted copy, or not JSON at all
-                fail(f"{config_file}: not a readable config ({one_line(exc)}); copy the checkpoint again")
-            if not isinstance(config, dict):
-                fail(f"{config_file}: a config is a JSON object, got {type(config).__name__}")
-            try:
-                adapter = adapter_for_config(config, source=str(path))
-            except RegistryError:
-                model_type = config.get("model_type")
-                if not model_type:
-                    fail(f"{config_file}: no model_type (every transformers config names its model type); "
-                         "copy the checkpoint again or add the field")
-                fail(f"{target}: model type {model_type!r} is not registered with mmrl; "
-                     f"add it with `mmrl add-model {model_type}` (docs/adding_a_model.md)")
-            folder = path.resolve() if path.is_dir() else path.parent.resolve()
-            problem = _weights_problem(folder)  # one line, not every probe failing on the same file
-            if problem:
-                fail(f"{target}: {problem}")
-            subject = Subject(adapter=adapter, source=str(folder), random_init=False, device=device)
-        else:
-            adapter = get_adapter(target)
-            subject = Subject(adapter=adapter, source=adapter.family, device=device)
-    except RegistryError as exc:
-        fail(str(exc))
-    log = new_worker_log("doctor") if _workers(workers) > 0 else None
+    adapter = subject.adapter
+    workers = default_workers(workers)
     if progress is None:
         progress = sys.stderr.isatty()
-    try:
-        with progress_bar(progress, len(PROBES), transient=True) as advance:
-            results = run_probes([subject], PROBES, workers=_workers(workers), on_result=advance)
-    except BaseException:
-        if log:
-            Console(stderr=True).print(f"the probe workers' logs are kept in {log}", highlight=False, soft_wrap=True)
-        raise
+    with WorkerLog("doctor", workers) as worker_log, progress_bar(progress, len(PROBES), transient=True) as advance:
+        results = run_probes([subject], PROBES, workers=workers, on_result=advance)
     rows = [(p, results[(subject.label, p.feature)]) for p in PROBES]
     gating = [p.feature for p, r in rows if r.gates]
-    log = close_worker_log(log, failed=bool(gating))  # named below only when kept
+    log = worker_log.close(failed=bool(gating))  # named below only when kept
     if as_json:
         json.dump({"subject": subject.label, "family": adapter.family,
                    "results": [{"feature": p.feature, "capability": p.capability, **r.to_dict()} for p, r in rows]},

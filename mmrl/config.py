@@ -32,7 +32,6 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from mmrl.data.layouts import DataSource, DataSpec
 from mmrl.errors import one_line
 from mmrl.loggers import check_installed
-from mmrl.smoke import SmokeConfig
 
 # What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
 IN_MEMORY = "memory:"
@@ -299,6 +298,24 @@ class EvalConfig(_Section):
     shuffled_images: bool = True
     # Prompts per generate call.
     batch_size: int = Field(128, gt=0)
+
+
+class SmokeConfig(BaseModel):
+    """What `--smoke` swaps in for the recipe's checkpoint and dataset (mmrl/smoke.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # A registered family (its tiny random-init model); None: model.path when it already
+    # names a family.
+    family: str | None = None
+    # A local copy of the dataset in its own layout; replaces `path` in each data source
+    # mapping (and a plain path source). None: the sources are used as they are.
+    data: str | None = None
+    # Applied to the tiny config (rarely needed).
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    # The bundled images are tens of pixels wide; real budgets would upscale them a hundredfold.
+    min_pixels: int = Field(3136, gt=0)
+    max_pixels: int = Field(12544, gt=0)
 
 
 class TrainerConfig(_Section):
@@ -730,7 +747,7 @@ def _check_model(m: ModelConfig) -> None:
         if m.config_overrides or m.tiny_vocabulary:
             key = "config_overrides" if m.config_overrides else "tiny_vocabulary"
             raise RecipeError(f"model.{key}: applies to random_init=true builds only")
-        problem = _weights_problem(path)
+        problem = weights_problem(path)
         if problem:
             raise RecipeError(f"model.path: {problem}")
     elif looks_like_path and not path.exists():
@@ -776,13 +793,13 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
 
 def _built_config(m: ModelConfig):
     """The config the model of `m` is built with (config_overrides applied), and its adapter."""
-    from mmrl.build import _customized
+    from mmrl.build import customized_config
     from mmrl.registry import adapter_for_config
 
     config = _base_config(m)
     adapter = adapter_for_config(config)
     if m.random_init and m.config_overrides:
-        config = _customized(config, adapter, m.config_overrides)
+        config = customized_config(config, adapter, m.config_overrides)
     return config, adapter
 
 
@@ -872,7 +889,7 @@ def unset_toy_defaults(recipe: Recipe) -> str | None:
     return "note: the recipe leaves these at their defaults: " + "; ".join(unset)
 
 
-def _weights_problem(folder: Path) -> str | None:
+def weights_problem(folder: Path) -> str | None:
     """Why the checkpoint folder's weights cannot be loaded, from the safetensors headers
     alone (no tensor is read), or None."""
     import json

@@ -22,7 +22,7 @@ import torch
 import torch.distributed
 
 from mmrl.build import build_model, build_recipe_model
-from mmrl.config import Recipe, RecipeError, _weights_problem, check_reward_and_data, recipe_reward
+from mmrl.config import Recipe, RecipeError, check_reward_and_data, recipe_reward, weights_problem
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
@@ -49,7 +49,7 @@ def checkpoint_kind(path: Path) -> str:
             raise RecipeError(f"--checkpoint: {path} is a step checkpoint that does not verify: {problem}")
         return "step"
     if (path / "config.json").is_file():
-        problem = _weights_problem(path)
+        problem = weights_problem(path)
         if problem:
             raise RecipeError(f"--checkpoint: {problem}")
         return "export"

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from mmrl.adapter import ModelAdapter
-from mmrl.parts import _adapter_for, part_of
+from mmrl.parts import model_adapter, part_of
 
 
 def lora_target_modules(model: torch.nn.Module, scope: str, adapter: ModelAdapter | None = None,
@@ -27,7 +27,7 @@ def lora_target_modules(model: torch.nn.Module, scope: str, adapter: ModelAdapte
     """Full names of the linear modules LoRA wraps for `scope`: those of the scope's
     parts whose leaf name the family declares, or, with `targets`, one of `targets`
     (each must name at least one linear module there)."""
-    adapter = _adapter_for(model, adapter)
+    adapter = model_adapter(model, adapter)
     declared = adapter.lora.for_scope(scope)
     parts = _scope_parts(scope) if targets else set(declared)
     if not parts:

@@ -25,7 +25,8 @@ def _unwrap_name(name: str) -> str:
     return name
 
 
-def _adapter_for(model: torch.nn.Module, adapter: ModelAdapter | None) -> ModelAdapter:
+def model_adapter(model: torch.nn.Module, adapter: ModelAdapter | None) -> ModelAdapter:
+    """`adapter` when given, else the registered family of the model's config."""
     if adapter is not None:
         return adapter
     from mmrl.registry import adapter_for_config
@@ -48,7 +49,7 @@ def parameters_by_part(
     model: torch.nn.Module, adapter: ModelAdapter | None = None
 ) -> dict[str | None, list[tuple[str, torch.nn.Parameter]]]:
     """Parameters grouped by part; parameters in no part sit under None."""
-    adapter = _adapter_for(model, adapter)
+    adapter = model_adapter(model, adapter)
     groups: dict[str | None, list] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         groups[part_of(name, adapter)].append((name, param))
@@ -57,14 +58,14 @@ def parameters_by_part(
 
 def part_modules(model: torch.nn.Module, part: str, adapter: ModelAdapter | None = None) -> list[torch.nn.Module]:
     """The modules a part's paths name (paths that name a parameter are skipped)."""
-    adapter = _adapter_for(model, adapter)
+    adapter = model_adapter(model, adapter)
     paths = dict(adapter.parts.items()).get(part, ())
     return [module for name, module in model.named_modules() if _unwrap_name(name) in paths]
 
 
 def check_parts(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list[str]:
     """Declared part paths that name nothing in `model` (empty when all resolve)."""
-    adapter = _adapter_for(model, adapter)
+    adapter = model_adapter(model, adapter)
     names = {_unwrap_name(n) for n, _ in model.named_modules()}
     names |= {_unwrap_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     return [f"{part}: {path}" for part, paths in adapter.parts.items() for path in paths if path not in names]
@@ -77,7 +78,7 @@ def freeze(
 ) -> int:
     """Stop gradients for every parameter of the named parts; returns how many froze."""
     parts = tuple(parts)
-    adapter = _adapter_for(model, adapter)
+    adapter = model_adapter(model, adapter)
     unknown = set(parts) - set(PART_NAMES)
     if unknown:
         raise ValueError(f"unknown part(s) {sorted(unknown)}; parts are {PART_NAMES}")

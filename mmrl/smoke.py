@@ -25,34 +25,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from mmrl.config import Recipe, RecipeError, apply_overrides, load_recipe
 
 SMOKE_STEPS = 2
-
-
-class SmokeConfig(BaseModel):
-    """What `--smoke` swaps in for the recipe's checkpoint and dataset."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    # A registered family (its tiny random-init model); None: model.path when it already
-    # names a family.
-    family: str | None = None
-    # A local copy of the dataset in its own layout; replaces `path` in each data source
-    # mapping (and a plain path source). None: the sources are used as they are.
-    data: str | None = None
-    # Applied to the tiny config (rarely needed).
-    config_overrides: dict[str, Any] = Field(default_factory=dict)
-    # The bundled images are tens of pixels wide; real budgets would upscale them a hundredfold.
-    min_pixels: int = Field(3136, gt=0)
-    max_pixels: int = Field(12544, gt=0)
 
 
 def _checkpoint_family(path: str, source: str | Path) -> str:
     """The family of the checkpoint a recipe trains (a folder or a hub id whose config is
     in reach), whose tiny model stands in for it; a RecipeError naming smoke.family when
     its config cannot be read or its model_type has no family."""
-    from mmrl.config import RecipeError
     from mmrl.registry import RegistryError, get_adapter
 
     try:
@@ -64,8 +45,6 @@ def _checkpoint_family(path: str, source: str | Path) -> str:
 
 def smoke_values(recipe, source: str | Path = "recipe") -> dict[str, Any]:
     """The recipe's values with the smoke replacements made (a dict for `Recipe`)."""
-    from mmrl.config import RecipeError
-
     smoke = recipe.smoke
     values = recipe.model_dump(mode="json")
     family = smoke.family
@@ -119,8 +98,6 @@ def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
     """The recipe at `path` as a smoke run; `overrides` apply after the smoke changes."""
     from pydantic import ValidationError
 
-    from mmrl.config import Recipe, RecipeError, apply_overrides, load_recipe
-
     recipe = load_recipe(path)
     values = apply_overrides(smoke_values(recipe, path), overrides or [])
     given = {o.partition("=")[0] for o in overrides or []}
@@ -140,7 +117,6 @@ def load_smoke_recipe(path: str | Path, overrides: list[str] | None = None):
 def processing_for(recipe):
     """The recipe's input processing without building its model: a checkpoint folder's
     processor, or the family's tiny one for a random init."""
-    from mmrl.config import RecipeError
     from mmrl.hub import HubError, checkpoint_folder
     from mmrl.registry import RegistryError, get_adapter
 
@@ -151,9 +127,9 @@ def processing_for(recipe):
     except (HubError, RegistryError) as exc:
         raise RecipeError(f"model.path: {exc}") from None
     if path is not None and path.is_dir():
-        from mmrl.build import _load_processor
+        from mmrl.build import load_processor
 
-        processor = _load_processor(path, adapter, m.trust_remote_code)
+        processor = load_processor(path, adapter, m.trust_remote_code)
     else:
         from contextlib import nullcontext
 
@@ -169,7 +145,6 @@ def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str,
     """How the first `rows` rows of the recipe's `split` source render: the chat-template
     text, the answer, the other columns, the images' sizes and the token counts. Every
     row is validated first (a ValueError naming the first bad one), not only those shown."""
-    from mmrl.config import RecipeError
     from mmrl.data import load_prompts, to_conversation
 
     source = {"train": recipe.data.train, "test": recipe.data.eval, "validation": recipe.data.validation}[split]

@@ -350,6 +350,19 @@ def test_doctor_on_an_unreadable_checkpoint_is_one_line(tmp_path, folder, words)
     _assert_one_clean_line(result.output, words.replace("{tmp}", str(tmp_path)))
 
 
+def test_doctor_subject_resolves_a_family_and_refuses_a_bad_folder_without_the_cli(tmp_path):
+    from mmrl.probes.doctor import DoctorTargetError, doctor_subject
+
+    subject = doctor_subject("qwen2", "cpu")
+    assert (subject.source, subject.random_init, subject.adapter.family) == ("qwen2", True, "qwen2")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DoctorTargetError, match="empty: no config.json found"):
+        doctor_subject(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(DoctorTargetError, match="no model_type"):
+        doctor_subject(str(tmp_path / "empty"))
+
+
 def test_debug_shows_the_traceback_instead_of_one_line(tmp_path):
     result = CliRunner().invoke(app, ["--debug", "train", RECIPE, "optim.lr=abc", f"trainer.output_dir={tmp_path}"])
     assert type(result.exception).__name__ == "RecipeError", result.exception

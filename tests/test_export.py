@@ -9,7 +9,7 @@ import torch
 from conftest import VLM_FAMILIES
 
 from mmrl import build_model
-from mmrl.build import _load_processor
+from mmrl.build import load_processor
 from mmrl.checks import sample_images
 from mmrl.config import load_recipe
 from mmrl.data import to_conversation
@@ -163,5 +163,5 @@ def test_every_vlm_familys_pixel_budget_survives_save_and_reload(family, tmp_pat
     built = build_model(family, random_init=True, processing_options={"min_pixels": 3136, "max_pixels": 200704})
     built.processing.processor_with_budget().save_pretrained(tmp_path)
     built.model.config.save_pretrained(tmp_path)
-    problem = budget_problem(built.processing, _load_processor(tmp_path, built.adapter, trust_remote_code=False))
+    problem = budget_problem(built.processing, load_processor(tmp_path, built.adapter, trust_remote_code=False))
     assert (problem is not None) == (family in BUDGET_OUTSIDE_THE_PROCESSOR), problem

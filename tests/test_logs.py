@@ -50,6 +50,23 @@ def test_support_matrix_prints_its_result_and_logs_the_workers(tmp_path):
     assert "Loading safetensors checkpoint shards" in logs[0].read_text(), "the workers' output is lost"
 
 
+def test_worker_log_is_removed_after_a_pass_and_kept_and_named_after_an_error(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from mmrl.probes.matrix import WorkerLog
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("MMRL_VERBOSE", raising=False)
+    assert WorkerLog("doctor", workers=0).path is None  # probes in process: nothing to log
+    with WorkerLog("doctor", workers=1) as passed:
+        pass
+    assert passed.close(failed=False) is None and not list(tmp_path.glob("mmrl-doctor-*.log"))
+    with pytest.raises(RuntimeError), WorkerLog("doctor", workers=1) as crashed:
+        raise RuntimeError("a worker died")
+    assert crashed.path.is_file() and crashed.close(failed=True) == crashed.path
+    assert f"the probe workers' logs are kept in {crashed.path}" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.slow
 def test_no_progress_means_no_save_bars(tmp_path):
     result = run(sys.executable, "-m", "mmrl.cli", "train", "recipes/tiny_vlm_count.yaml", "trainer.steps=1",

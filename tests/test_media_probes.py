@@ -100,7 +100,7 @@ def test_a_rollout_that_runs_its_own_model_leaves_the_training_path_to_check():
     still checked, and the reading says why the rollout path is not."""
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine
-    from mmrl.probes.training import _single_process
+    from mmrl.probes.launcher import single_process
     from mmrl.rollout import make_rollout
 
     class OwnModelRollout:  # a backend that is not the engine's HF model
@@ -111,7 +111,7 @@ def test_a_rollout_that_runs_its_own_model_leaves_the_training_path_to_check():
             return self.inner.generate(conversations, params)
 
     built = _subject("qwen2_vl").build()
-    engine = Engine(built, _single_process("cpu"), optim=OptimConfig(lr=1e-2), total_steps=1)
+    engine = Engine(built, single_process("cpu"), optim=OptimConfig(lr=1e-2), total_steps=1)
     rollout = OwnModelRollout(make_rollout("hf", engine, built.processing))
     reading = media_check.read_media(engine, rollout, built.processing, media_conversations())
     assert reading.problem is None and set(reading.figures) == {"training/blank", "training/shuffled"}

@@ -84,7 +84,7 @@ def test_broken_packing_fails(trajectory_batch, monkeypatch, broken, message):
 
 @pytest.mark.multiprocess
 def test_ulysses_on_a_trajectory_batch_equals_one_process():
-    from mmrl.probes.training import torchrun_many
+    from mmrl.probes.launcher import torchrun_many
 
     [(outcome, _)] = torchrun_many("mmrl.probes.multi_turn_sp", [Subject(get_adapter("qwen2_vl"), source="qwen2_vl")],
                                    "verified", processes=2)

@@ -367,18 +367,3 @@ def _datasets_offline(offline: bool):
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE = before
-
-
-def load_layout(spec: DataSource | Mapping[str, Any], split: str = "train", *, limit: int | None = None,
-                shuffle_seed: int | None = None):
-    """A validated `PromptDataset` of a dataset in its public layout (`DataSource`)."""
-    from mmrl.data.loaders import PromptDataset
-
-    source = data_source(spec)
-    raw, root, name = read_source(source, split)
-    rows = MappedRows(raw, source, name)
-    limit = min(x for x in (limit, source.limit) if x is not None) if (limit or source.limit) else None
-    try:
-        return PromptDataset(rows, root=root, name=name, limit=limit, shuffle_seed=shuffle_seed)
-    except LayoutError as exc:
-        raise LayoutError(f"{name}: {exc}") from None

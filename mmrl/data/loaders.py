@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mmrl.data.layouts import DataSource, LayoutError, MappedRows, data_source, read_source
 from mmrl.data.schema import (ANSWER, MEDIA_COLUMNS, Sample, check_row_lengths, resolve_paths, to_conversation,
                                validate_sample)
 
@@ -359,8 +360,6 @@ def _load_prompts(source: str | Path | Sequence[Sample], split: str, *, limit: i
                   shuffle_seed: int | None) -> PromptDataset:
     if not isinstance(source, (str, Path, list, tuple)):
         # A public dataset's own layout with a column mapping: `mmrl.data.layouts`.
-        from mmrl.data.layouts import load_layout
-
         return load_layout(source, split, limit=limit, shuffle_seed=shuffle_seed)
     if isinstance(source, str) and source.startswith(SYNTHETIC_PREFIX):
         from mmrl.data.synthetic import from_spec
@@ -375,3 +374,16 @@ def _load_prompts(source: str | Path | Sequence[Sample], split: str, *, limit: i
     _check_answer_type(rows, path)
     root = path if path.is_dir() else path.parent
     return PromptDataset(rows, root=root, name=str(path), limit=limit, shuffle_seed=shuffle_seed)
+
+
+def load_layout(spec: DataSource | Mapping[str, Any], split: str = "train", *, limit: int | None = None,
+                shuffle_seed: int | None = None):
+    """A validated `PromptDataset` of a dataset in its public layout (`DataSource`)."""
+    source = data_source(spec)
+    raw, root, name = read_source(source, split)
+    rows = MappedRows(raw, source, name)
+    limit = min(x for x in (limit, source.limit) if x is not None) if (limit or source.limit) else None
+    try:
+        return PromptDataset(rows, root=root, name=name, limit=limit, shuffle_seed=shuffle_seed)
+    except LayoutError as exc:
+        raise LayoutError(f"{name}: {exc}") from None

@@ -14,12 +14,9 @@ scales the loss so that FSDP2's gradient averaging gives the one-process gradien
 
 from __future__ import annotations
 
-import datetime
-import json
-import sys
-import time
-
 import torch
+
+from mmrl.probes.launcher import run_worker
 
 GRAD_RTOL = 1e-5  # per tensor: |diff| <= GRAD_RTOL * max(1, max|grad|) + GRAD_ATOL
 GRAD_ATOL = 1e-7
@@ -92,13 +89,6 @@ def step_and_collect(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
     return grads, state
 
 
-def exact_numerics() -> None:
-    """No TF32 in GPU matmuls and convolutions: a sharded step splits the batch, and TF32's
-    10-bit mantissa would make that visible far above the fp32 bounds."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 def _built_on_cpu(subject):
     """Built on CPU whatever the default device (a probe may run under the GPU's), with
     its processing there too; the Engine moves the model to the rank's device itself."""
@@ -146,76 +136,5 @@ def compare_updates(reference: tuple[dict, dict], sharded: tuple[dict, dict]) ->
     return None, evidence
 
 
-def drive(out: str, specs: list[dict], update, compare, *, sequence_parallel: bool = False, precheck=None) -> None:
-    """The loop of a torchrun probe script, shared with `sp_step`: for each subject, rank
-    0 runs `update(subject, one_process)` as the reference, then every rank runs
-    `update(subject, dist)`, and rank 0 appends a JSON record with `compare(reference,
-    result)` -> (failure or None, evidence). `precheck(subject)` may raise first."""
-    from mmrl.parallel import Dist, init_distributed
-    from mmrl.parallel.mesh import backend
-    from mmrl.probes.base import Subject, missing_package, one_line
-
-    torch.set_num_threads(1)
-    device = specs[0].get("device", "cpu") if specs else "cpu"
-    exact_numerics()
-    if not torch.distributed.is_initialized():
-        # A short timeout: a rank that fails alone must not leave the other waiting for
-        # the default half hour; the probe then blames the subject in progress.
-        torch.distributed.init_process_group(backend=backend(device), timeout=datetime.timedelta(seconds=120))
-    world = torch.distributed.get_world_size()
-    dist = init_distributed(device, sequence_parallel=world) if sequence_parallel else init_distributed(device)
-    alone = Dist(rank=0, world_size=1, local_rank=dist.local_rank, device=dist.device, mesh=None)
-    for spec in specs:
-        start = time.perf_counter()
-        record: dict = {"source": spec["source"], "passed": False, "evidence": {}}
-        reference = error = None
-        try:
-            subject = Subject.from_spec(spec)
-            if precheck is not None:
-                precheck(subject)
-            if dist.is_main:
-                reference = update(subject, alone)
-        except Exception as exc:  # noqa: BLE001 - recorded, the next subject still runs
-            error = one_line(exc)
-            record["not_run"] = missing_package(exc)
-        # Rank 0 alone ran the reference: every rank learns whether to go on.
-        error = dist.all_gather_objects(error)[0]
-        if error is None:
-            try:
-                result = update(subject, dist)
-                if dist.is_main:
-                    error, record["evidence"] = compare(reference, result)
-                    record["passed"] = error is None
-            except Exception as exc:  # noqa: BLE001
-                error = one_line(exc)
-            # Rank 0 reports the first error of any rank.
-            error = next((e for e in dist.all_gather_objects(error) if e), None)
-            record["passed"] = record["passed"] and error is None
-        record["reason"] = error
-        record["seconds"] = round(time.perf_counter() - start, 3)
-        if dist.is_main:
-            with open(out, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        dist.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def main(out: str, specs: list[dict]) -> None:
-    drive(out, specs, update, compare_updates)
-
-
-def exit_cleanly() -> None:
-    """End a torchrun probe process once its records are written and its process group
-    destroyed, skipping interpreter teardown: under load, gloo's threads were seen to
-    abort it there ('terminate called without an active exception', exit -6) after all
-    the work had succeeded, which failed the launch."""
-    import os
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
-    exit_cleanly()
+    run_worker(update, compare_updates)

@@ -24,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from mmrl.logs import close_worker_log, new_worker_log
 from mmrl.probes.base import Probe, ProbeResult, Status, Subject
 
 SCHEMA_VERSION = 1
@@ -273,6 +274,41 @@ class progress_bar:
         if self.enabled:
             self.bar.__exit__(*exc)
         return False
+
+
+def default_workers(workers: int | None) -> int:
+    """Worker processes for a probe command: as given (0: in process), else 2, or 1 on one core."""
+    return workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
+
+
+class WorkerLog:
+    """The third-party log of a probe command's worker processes (mmrl/logs.py): none when
+    the probes run in process. Leaving the `with` on an exception names the log on stderr
+    (it is kept); `close(failed=...)` keeps it and returns its path only for a command
+    that failed, so passing runs leave no `mmrl-*.log` behind in $TMPDIR.
+
+        with WorkerLog("doctor", workers) as log:
+            results = run_probes(...)
+        kept = log.close(failed=bool(failures))   # None when removed
+    """
+
+    def __init__(self, command: str, workers: int):
+        self.path = new_worker_log(command) if workers > 0 else None
+
+    def __enter__(self) -> WorkerLog:
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if exc is not None and self.path is not None:
+            from rich.console import Console
+
+            Console(stderr=True).print(f"the probe workers' logs are kept in {self.path}", highlight=False,
+                                       soft_wrap=True)
+        return False
+
+    def close(self, *, failed: bool) -> Path | None:
+        self.path = close_worker_log(self.path, failed=failed)
+        return self.path
 
 
 # -- files -------------------------------------------------------------------------------

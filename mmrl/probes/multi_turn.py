@@ -124,12 +124,12 @@ def rollout(subject: Subject) -> Rollout:
     """The agent loop (hf backend, fp32, plain engine) on the subject's model, seeded:
     one row, `SAMPLES` samples; raises `CheckFailed` where the prefix rule cannot hold."""
     from mmrl.engine import Engine
-    from mmrl.probes.training import _single_process
+    from mmrl.probes.launcher import single_process
     from mmrl.rollout import SamplingParams, make_rollout
     from mmrl.rollout.agent import AgentRollout
 
     built = subject.build(seed=0)
-    engine = Engine(built, _single_process(subject.device), mixed_precision=False, share_media=False)
+    engine = Engine(built, single_process(subject.device), mixed_precision=False, share_media=False)
     processing = built.processing
     row, video = _row(), _with_video(built.adapter)
     opening = _ImageReply(row, "user").reset(row)
@@ -260,7 +260,7 @@ def _engine_variants(run: Rollout, plain, plain_logp: torch.Tensor, evidence: di
     (shared media encoding, padding-free packing, both) against the plain path's."""
     from mmrl.engine import Engine
     from mmrl.engine.packing import pack_sequences
-    from mmrl.probes.training import _single_process
+    from mmrl.probes.launcher import single_process
     from mmrl.rollout_batch import trajectory_sequences
 
     built, kept = run.built, run.kept
@@ -275,7 +275,7 @@ def _engine_variants(run: Rollout, plain, plain_logp: torch.Tensor, evidence: di
         ("shared media", True, False), ("packed", False, True), ("packed with shared media", True, True))
         if (not share or capabilities.media_sharing) and (not pack or capabilities.padding_free)]
     for name, share, pack in variants:
-        engine = Engine(built, _single_process(run.engine.dist.device.type), mixed_precision=False,
+        engine = Engine(built, single_process(run.engine.dist.device.type), mixed_precision=False,
                         share_media=share, pack=pack, pack_tokens=row_tokens)
         seqs = trajectory_sequences(kept, built.processing, built.adapter, engine.model, pad, share=share)
         if share:
@@ -323,7 +323,7 @@ def check_multi_turn_many(subjects: list[Subject]) -> list[tuple[Verified | Base
     one torchrun launch (`mmrl.probes.multi_turn_sp`)."""
     from mmrl.probes.base import NotRunHere
     from mmrl.probes.sequence_parallel import SP_PROCESSES
-    from mmrl.probes.training import _fsdp_available, torchrun_many
+    from mmrl.probes.launcher import require_processes, torchrun_many
 
     outcomes: list[list] = []
     for subject in subjects:
@@ -338,7 +338,7 @@ def check_multi_turn_many(subjects: list[Subject]) -> list[tuple[Verified | Base
     if todo:
         start = time.perf_counter()
         try:
-            _fsdp_available(subjects[0].device)
+            require_processes(subjects[0].device)
             parallel = torchrun_many("mmrl.probes.multi_turn_sp", [subjects[i] for i in todo], "", processes=SP_PROCESSES)
         except NotRunHere as exc:
             parallel = [(exc, 0.0)] * len(todo)

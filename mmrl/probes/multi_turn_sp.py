@@ -16,10 +16,10 @@ declares it; the comparison is `sp_step`'s (log-probs 1e-5, gradients, AdamW ste
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
+
+from mmrl.probes.fsdp_step import probe_engine, step_and_collect
+from mmrl.probes.sp_step import run_sequence_parallel
 
 _TRAJECTORIES: dict[str, list] = {}
 
@@ -45,7 +45,6 @@ def trajectories(subject, dist) -> list:
 def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Log-probs, gradients and updated weights (full, on CPU) of one update on the whole
     trajectory batch, in one process or split along the sequence over dist's SP group."""
-    from mmrl.probes.fsdp_step import probe_engine, step_and_collect
     from mmrl.rollout_batch import trajectory_sequences
 
     kept = trajectories(subject, dist)
@@ -61,15 +60,5 @@ def update(subject, dist) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[s
     return logp.detach().float().cpu(), grads, state
 
 
-def main(out: str, specs: list[dict]) -> None:
-    from mmrl.probes.fsdp_step import drive
-    from mmrl.probes.sp_step import _opted_in, compare
-
-    drive(out, specs, update, compare, sequence_parallel=True, precheck=_opted_in)
-
-
 if __name__ == "__main__":
-    from mmrl.probes.fsdp_step import exit_cleanly
-
-    main(sys.argv[1], json.loads(sys.argv[2]))
-    exit_cleanly()
+    run_sequence_parallel(update)

@@ -33,11 +33,11 @@ def media_conversations() -> list[list[dict]]:
 def check_reads_media(subject: Subject) -> Verified:
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine
-    from mmrl.probes.training import _single_process
+    from mmrl.probes.launcher import single_process
     from mmrl.rollout import make_rollout
 
     built = subject.build()
-    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=1)
+    engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=1)
     rollout = make_rollout("auto", engine, built.processing)
     reading = read_media(engine, rollout, built.processing, media_conversations())
     if reading.problem is not None:

@@ -88,12 +88,12 @@ def check_rollout_agreement(subject: Subject) -> Verified:
     from mmrl.checks import sample_conversations
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine
-    from mmrl.probes.training import _single_process
+    from mmrl.probes.launcher import single_process
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep `mmrl doctor --json`'s stdout clean
     built = subject.build()
-    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=1)
+    engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=1)
     precision = _precision(engine)
     max_bound, kl_bound = BOUNDS[precision]
     conversations = sample_conversations(built.adapter)

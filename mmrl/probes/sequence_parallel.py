@@ -11,9 +11,9 @@ from __future__ import annotations
 from mmrl.adapter import ModelAdapter
 from mmrl.probes.base import Subject, Verified
 from mmrl.parallel.mesh import backend
-from mmrl.probes.training import FSDP_PROCESSES, _fsdp_available, torchrun_many
+from mmrl.probes.launcher import PROCESSES, require_processes, torchrun_many
 
-SP_PROCESSES = FSDP_PROCESSES
+SP_PROCESSES = PROCESSES
 
 
 def sequence_parallel_inapplicable(adapter: ModelAdapter) -> str | None:
@@ -21,7 +21,7 @@ def sequence_parallel_inapplicable(adapter: ModelAdapter) -> str | None:
 
 
 def check_sequence_parallel_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
-    _fsdp_available(subjects[0].device)
+    require_processes(subjects[0].device)
     return torchrun_many("mmrl.probes.sp_step", subjects,
                          f"Ulysses over {SP_PROCESSES} processes ({backend(subjects[0].device)}, fp32; sequence of "
                          "odd length) equals one process: log-probs (1e-5), gradients and AdamW-updated weights",

@@ -15,12 +15,10 @@ AdamW-updated weights are compared with the FSDP2 probe's bounds (`compare_updat
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 
-from mmrl.probes.fsdp_step import compare_updates, drive, probe_engine, step_and_collect
+from mmrl.probes.fsdp_step import compare_updates, probe_engine, step_and_collect
+from mmrl.probes.launcher import run_worker
 
 LOGPROB_ATOL = 1e-5
 
@@ -86,17 +84,17 @@ def compare(reference, parallel) -> tuple[str | None, dict]:
     return reason, {"max_logprob_diff": gap, "tokens": int(ref_logp.numel()), **evidence}
 
 
-def _opted_in(subject) -> None:
+def opted_in(subject) -> None:
+    """Refuse a subject whose adapter does not declare sequence parallelism."""
     if subject.adapter.sequence_parallel is None:
         raise ValueError("the adapter sets sequence_parallel = None")
 
 
-def main(out: str, specs: list[dict]) -> None:
-    drive(out, specs, update, compare, sequence_parallel=True, precheck=_opted_in)
+def run_sequence_parallel(update) -> None:
+    """The main of a Ulysses probe script (this one and `multi_turn_sp`): `update` run in
+    one process and over the SP group, compared by `compare`."""
+    run_worker(update, compare, sequence_parallel=True, precheck=opted_in)
 
 
 if __name__ == "__main__":
-    from mmrl.probes.fsdp_step import exit_cleanly
-
-    main(sys.argv[1], json.loads(sys.argv[2]))
-    exit_cleanly()
+    run_sequence_parallel(update)

@@ -2,37 +2,21 @@
 and vLLM rollout with weight sync (Ulysses sequence parallelism: probes/sequence_parallel.py).
 
 The FSDP2 probe launches `mmrl.probes.fsdp_step` under torchrun (2 processes) once for
-all the subjects it is given; a subject that crashes or hangs the launch is blamed and
-the rest run again in a fresh launch.
+all the subjects it is given, through `mmrl.probes.launcher`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
 from mmrl.adapter import ModelAdapter
 from mmrl.parallel.mesh import backend
 from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, one_line, require
-
-FSDP_PROCESSES = 2
-FSDP_TIMEOUT_BASE_S = 120  # start-up of two interpreters importing torch and transformers
-FSDP_TIMEOUT_PER_SUBJECT_S = 90
-
-
-def _single_process(device: str):
-    from mmrl.parallel import Dist
-
-    return Dist(rank=0, world_size=1, local_rank=0, device=torch.device(device), mesh=None)
+from mmrl.probes.launcher import PROCESSES, exact_numerics, require_processes, single_process, torchrun_many
 
 
 def _sequences(built, engine, responses_per_prompt: int = 4):
@@ -60,7 +44,7 @@ def check_critic(subject: Subject) -> Verified:
     from mmrl.engine import Engine
 
     built = subject.build()
-    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2, critic_lr=1e-2),
+    engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2, critic_lr=1e-2),
                     lr=1e-2, total_steps=1, value_head=True)
     seqs = _sequences(built, engine)
     with torch.no_grad():
@@ -105,7 +89,7 @@ def check_media_sharing(subject: Subject) -> Verified:
     from mmrl.engine.media import SharedMedia
     from mmrl.parts import part_modules
     from mmrl.processing import batch_differences
-    from mmrl.probes.fsdp_step import compare_updates, exact_numerics, probe_engine, step_and_collect
+    from mmrl.probes.fsdp_step import compare_updates, probe_engine, step_and_collect
 
     adapter = subject.adapter
     # (conversations, owners) per micro-batch: prompts with one image (two sizes) and,
@@ -120,7 +104,7 @@ def check_media_sharing(subject: Subject) -> Verified:
     prompts = sum(len(conversations) for conversations, _ in batches)
 
     def update(share: bool):
-        built, engine = probe_engine(subject, _single_process(subject.device))
+        built, engine = probe_engine(subject, single_process(subject.device))
         engine.shares_media = share  # the probe verifies the claim, so it does not read it
         vocab = built.model.config.get_text_config().vocab_size
         generator = torch.Generator(device="cpu").manual_seed(0)
@@ -190,71 +174,10 @@ def _input_size(args: tuple, kwargs: dict) -> int:
 
 
 # -- FSDP2 -----------------------------------------------------------------------------
-def _fsdp_available(device: str) -> None:
-    if not torch.distributed.is_available():
-        raise NotRunHere("torch.distributed is not available in this torch build")
-    if device.startswith("cuda") and torch.cuda.device_count() < FSDP_PROCESSES:
-        raise NotRunHere(f"needs {FSDP_PROCESSES} GPUs, found {torch.cuda.device_count()}")
-
-
-def _launch(module: str, subjects: list[Subject], out: Path, timeout: float, processes: int) -> tuple[int | None, str]:
-    """Run `module` under torchrun; (exit code or None on timeout, last stderr line)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           # The subprocesses import what this process can: plugin modules included.
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", module, str(out), json.dumps([s.spec() for s in subjects])]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:.0f} s"
-    errors = [line.strip() for line in done.stderr.splitlines() if "Error" in line or "error" in line]
-    return done.returncode, (errors[-1] if errors else (done.stderr.strip().splitlines() or [""])[-1])[:300]
-
-
-def torchrun_many(
-    module: str, subjects: list[Subject], verified: str, *, processes: int = FSDP_PROCESSES,
-    timeout_base_s: float = FSDP_TIMEOUT_BASE_S, timeout_per_subject_s: float = FSDP_TIMEOUT_PER_SUBJECT_S,
-) -> list[tuple[Verified | BaseException, float]]:
-    """Run a torchrun probe script (`module OUT.jsonl SPECS`, one JSON record per subject:
-    source, passed, reason, evidence, seconds, not_run) over all `subjects` in one
-    launch; a subject that crashes or hangs the launch is blamed and the rest run again.
-    `verified` is the reason a passing record gets."""
-    results: dict[str, tuple[Verified | BaseException, float]] = {}
-    remaining = list(subjects)
-    retried = False
-    while remaining:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "records.jsonl"
-            start = time.perf_counter()
-            timeout = timeout_base_s + timeout_per_subject_s * len(remaining)
-            code, last_error = _launch(module, remaining, out, timeout, processes)
-            elapsed = time.perf_counter() - start
-            records = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
-        for record in records:
-            if record["passed"]:
-                outcome = Verified(verified, record["evidence"])
-            elif record.get("not_run"):
-                outcome = NotRunHere(record["not_run"])
-            else:
-                outcome = CheckFailed(record["reason"])
-            results[record["source"]] = (outcome, record["seconds"])
-        done = {r["source"] for r in records}
-        remaining = [s for s in remaining if s.source not in done]
-        if code == 0 or not remaining:
-            break
-        if not records and not retried:
-            retried = True  # a launch that produced nothing (e.g. rendezvous trouble): once more
-            continue
-        blamed = remaining.pop(0)  # the subject in progress when the launch died
-        results[blamed.source] = (CheckFailed(f"torchrun failed (exit {code}): {last_error}"), elapsed)
-    return [results.get(s.source, (CheckFailed("no result from torchrun"), 0.0)) for s in subjects]
-
-
 def check_fsdp2_many(subjects: list[Subject]) -> list[tuple[Verified | BaseException, float]]:
-    _fsdp_available(subjects[0].device)
+    require_processes(subjects[0].device)
     return torchrun_many("mmrl.probes.fsdp_step", subjects,
-                         f"{FSDP_PROCESSES}-process FSDP2 step ({backend(subjects[0].device)}, fp32) equals the "
+                         f"{PROCESSES}-process FSDP2 step ({backend(subjects[0].device)}, fp32) equals the "
                          "one-process step: gradients and AdamW-updated weights")
 
 
@@ -292,7 +215,7 @@ def check_vllm(subject: Subject) -> Verified:
     from mmrl.rollout.vllm import UnsupportedByVLLM, platform_limit
 
     built = subject.build()
-    engine = Engine(built, _single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
+    engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
     try:
         rollout = make_rollout("vllm", engine, built.processing)
     except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result

@@ -19,7 +19,8 @@ the rule.
     scores = reward(completions, answers, **columns)
     scores, parts = score_parts(reward, completions, answers, **columns)  # parts: {"math": [...], ...}
 
-Built-in names: see `BUILTIN_REWARDS` (mmrl/rewards/builtin.py).
+Built-in names: see `BUILTIN_REWARDS` (the functions in mmrl/rewards/builtin.py, `weighted` here,
+`judge` in mmrl/rewards/judge.py).
 
 `score(fn, ...)` calls a reward and checks what it returns: one finite number per
 completion. A reward that raises, returns the wrong count or a NaN/inf score gives a
@@ -37,7 +38,8 @@ from pathlib import Path
 
 from mmrl.errors import one_line, raised
 from mmrl.imports import import_object, split_spec
-from mmrl.rewards.builtin import BUILTIN_REWARDS
+from mmrl.rewards.builtin import (boxed_math, counting, exact_match, format_match, math_equivalent, numeric,
+                                  think_format)
 
 RewardFn = Callable[..., list[float]]
 
@@ -218,7 +220,8 @@ def get_reward(spec: str | RewardFn, folder: str | Path | None = None, /, **opti
 
 def _resolve(spec: str, folder: str | Path | None) -> RewardFn:
     if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+        entry = BUILTIN_REWARDS[spec]
+        return import_object(entry, what="reward", kind="function") if isinstance(entry, str) else entry
     fn = import_object(spec, what="reward", folder=folder, builtins=BUILTIN_REWARDS, kind="function")
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {type(fn).__name__} is not a function")
@@ -314,3 +317,37 @@ def weighted_reward(components, folder: str | Path | None = None) -> CombinedRew
                       component["weight"]))
     names = _part_names([name if isinstance(name, str) else reward_name(fn) for name, fn, _ in parts])
     return CombinedReward([RewardPart(n, fn, float(w)) for n, (_, fn, w) in zip(names, parts)], name="weighted")
+
+
+def weighted(completions: list[str], answers: list[str], *, components: list[dict], **fields) -> list[float]:
+    """The weighted sum of other rewards, configured in a recipe:
+
+        reward:
+          name: weighted
+          options:
+            components:
+              - {name: boxed_math, weight: 0.9}
+              - {name: think_format, weight: 0.1, options: {answer: boxed}}
+
+    Each component is a reward name (built-in or dotted path), a weight and its options.
+    With weights summing to 1, a fully right completion scores exactly 1.0.
+    Each part's mean is logged as `reward/<name>` (`mmrl.rewards.score_parts`).
+    """
+    return weighted_reward(components)(completions, answers, **fields)
+
+
+# Built-ins by name, in the order the docs list them. The judge builds a model through
+# the engine and a rollout backend, and the engine imports the recipe schema, whose checks
+# import this package: the judge is named by import path and imported on first use, so
+# this package never imports the engine (no import cycle; tests/test_core_rules.py).
+BUILTIN_REWARDS: dict[str, RewardFn | str] = {
+    "exact_match": exact_match,
+    "numeric": numeric,
+    "math": math_equivalent,
+    "format": format_match,
+    "counting": counting,
+    "boxed_math": boxed_math,
+    "think_format": think_format,
+    "weighted": weighted,
+    "judge": "mmrl.rewards.judge:judge",
+}

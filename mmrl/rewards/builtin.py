@@ -16,8 +16,10 @@ are keyword arguments that `get_reward("numeric", tolerance=1e-3)` binds once.
     counting     a count 0..10 in digits or words; partial credit for a wrong count
     boxed_math   the last \\boxed{...} of the completion is equivalent to the answer
     think_format `<think>reasoning</think>` then an answer (boxed, tagged or any text)
-    weighted     a weighted sum of other rewards, e.g. 0.9 boxed_math + 0.1 think_format
-    judge        a second model's score, read from its reply (`mmrl.rewards.judge`)
+
+The table `mmrl.rewards.BUILTIN_REWARDS` names these and two more: `weighted` (a weighted
+sum of other rewards, in `mmrl.rewards` beside the combining it uses) and `judge` (a
+second model's score, `mmrl.rewards.judge`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import math
 import re
 import threading
 
-from mmrl.rewards.judge import judge
 
 DEFAULT_FORMAT = r"<answer>.*?</answer>"
 
@@ -342,35 +343,3 @@ def think_format(completions: list[str], answers: list[str], *, answer: str = "b
             ok = bool(reasoning.strip()) and check(rest)
         scores.append(float(ok))
     return scores
-
-
-def weighted(completions: list[str], answers: list[str], *, components: list[dict], **fields) -> list[float]:
-    """The weighted sum of other rewards, configured in a recipe:
-
-        reward:
-          name: weighted
-          options:
-            components:
-              - {name: boxed_math, weight: 0.9}
-              - {name: think_format, weight: 0.1, options: {answer: boxed}}
-
-    Each component is a reward name (built-in or dotted path), a weight and its options.
-    With weights summing to 1, a fully right completion scores exactly 1.0.
-    Each part's mean is logged as `reward/<name>` (`mmrl.rewards.score_parts`).
-    """
-    from mmrl.rewards import weighted_reward  # the package imports this module
-
-    return weighted_reward(components)(completions, answers, **fields)
-
-
-BUILTIN_REWARDS = {
-    "exact_match": exact_match,
-    "numeric": numeric,
-    "math": math_equivalent,
-    "format": format_match,
-    "counting": counting,
-    "boxed_math": boxed_math,
-    "think_format": think_format,
-    "weighted": weighted,
-    "judge": judge,
-}

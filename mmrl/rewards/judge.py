@@ -15,7 +15,8 @@ The judge is built on first use, once per process and set of model options, as a
 inference engine (no optimizer, not sharded: under torchrun each rank holds its own
 copy on its device), and answers greedily. A reply without a score gets `default`. A
 judge that reads images gets the prompt's images before the template's text; a text-only
-judge gets the text alone.
+judge gets the text alone. `mmrl.rewards` names this reward by import path and imports it
+on first use, so the other rewards stay free of torch and the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from __future__ import annotations
 import os
 import re
 from typing import Any
+
+import torch
+
+from mmrl.build import build_model
+from mmrl.config import RolloutConfig
+from mmrl.engine import Engine
+from mmrl.parallel import Dist
+from mmrl.rollout import SamplingParams, make_rollout
 
 DEFAULT_TEMPLATE = ("Question: {question}\nReference answer: {answer}\nResponse: {completion}\n"
                     "Rate the response from 0 to 10. Score:")
@@ -38,15 +47,6 @@ class Judge:
     def __init__(self, model: str, *, random_init: bool = False, dtype: str = "float32", backend: str = "hf",
                  device: str | None = None, processing_options: dict | None = None,
                  tiny_vocabulary: dict | None = None):
-        # Here, not at the top: the built-in rewards import this module, and they stay
-        # free of torch and the engine until a judge is built.
-        import torch
-
-        from mmrl import build_model
-        from mmrl.engine import Engine
-        from mmrl.parallel import Dist
-        from mmrl.rollout import make_rollout
-
         device = torch.device(device or _default_device())
         built = build_model(model, random_init=random_init, dtype=dtype, device=device,
                             processing_options=processing_options or {}, tiny_vocabulary=tiny_vocabulary)
@@ -55,16 +55,12 @@ class Judge:
         engine = Engine(built, Dist(rank=0, world_size=1, local_rank=0, device=device, mesh=None))
         options = {}
         if backend == "vllm":
-            from mmrl.config import RolloutConfig
-
             options = {"config": RolloutConfig()}
         self.processing = built.processing
         self.reads_images = built.adapter.is_multimodal
         self.rollout = make_rollout(backend, engine, built.processing, **options)
 
     def replies(self, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
-        from mmrl.rollout import SamplingParams
-
         result = self.rollout.generate(conversations, SamplingParams(n=1, max_new_tokens=max_new_tokens,
                                                                      temperature=0.0))
         return self.processing.decode(result.response_ids)
@@ -87,8 +83,6 @@ class Judge:
 
 
 def _default_device() -> str:
-    import torch
-
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return "cpu"
