@@ -78,14 +78,27 @@ HEAD_KEEP_SHARE = 16
 
 
 def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
-    """`model.pack` resolved: "auto" packs text families on a GPU in one process (the
-    0.5B text update at RL lengths ran 4.01x the padded one there; the VL-3B recipe's update,
-    rows of about one length, ran slower packed: docs/training.md)."""
+    """`model.pack` resolved: "auto" packs text families that declare `padding_free` on a
+    GPU in one process (the 0.5B text update at RL lengths ran 4.01x the padded one there;
+    the VL-3B recipe's update, rows of about one length, ran slower packed:
+    docs/training.md). `true` for a family without `padding_free` is refused: its packed
+    batches are unverified, and a hybrid family's convolution or recurrent state would
+    leak from one packed sample into the next."""
     if pack not in (True, False, "auto"):
         raise ValueError(f"pack must be true, false or auto, got {pack!r}")
+    declared = adapter.capabilities.padding_free
+    if pack is True and not declared:
+        raise ValueError(unpackable(adapter))
     if pack == "auto":
-        return dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
+        return declared and dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
     return pack
+
+
+def unpackable(adapter) -> str:
+    """Why `model.pack: true` is refused for a family that does not declare padding_free."""
+    return (f"model.pack: true, but {adapter.family} does not declare padding_free (its padding-free probe did not "
+            f"verify packed batches, e.g. a convolution or recurrent state crossing a packed sequence boundary); "
+            f"set model.pack to auto or false")
 
 
 class Engine:
@@ -128,7 +141,7 @@ class Engine:
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
         # "auto": `packs_batches` says where.
-        self.pack = packs_batches(pack, self.adapter, dist) and self.adapter.capabilities.padding_free
+        self.pack = packs_batches(pack, self.adapter, dist)
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.

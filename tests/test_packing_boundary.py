@@ -1,0 +1,107 @@
+"""Packing across sequence boundaries (issue 31): the padding-free probe's boundary case
+(a short sample packed right behind a long neighbour, log-probs against itself alone)
+fails for a hybrid family whose state leaks across the boundary, and the trainer refuses
+to pack a family that does not declare padding_free.
+
+The hybrid family here is transformers' Lfm2 with one short-convolution layer (the
+scaffold's tiny Lfm2 config has attention layers only, so it cannot show the leak).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmrl import build_model
+from mmrl.adapter import DECODER_PARTS, Capabilities, LoraTargets, ModelAdapter, TinyModel
+from mmrl.checks import (
+    BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE, packed_boundary_gap, packed_vs_padded, sample_conversations,
+)
+from mmrl.config import ModelConfig, RecipeError, _check_pack
+from mmrl.engine.engine import packs_batches
+from mmrl.probes import Subject, probe
+from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
+from mmrl.registry import register_model, unregister
+from mmrl.tiny import char_tokenizer, sized_config
+
+pytest.importorskip("transformers.models.lfm2")
+
+
+def _hybrid(family: str, layer_types: list[str], capabilities: Capabilities) -> type[ModelAdapter]:
+    class Hybrid(ModelAdapter):
+        hf_class = "transformers:Lfm2ForCausalLM"
+        parts = DECODER_PARTS
+        shard_layers = ("Lfm2DecoderLayer",)
+        lora = LoraTargets(language=("q_proj", "k_proj", "v_proj", "out_proj"))
+
+        def tiny(self) -> TinyModel:
+            tokenizer = char_tokenizer(special_tokens=CHATML_SPECIAL_TOKENS, eos_token="<|im_end|>",
+                                       pad_token="<|endoftext|>", chat_template=CHATML)
+            config = sized_config(
+                "transformers:Lfm2Config", tokenizer, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=1024, layer_types=layer_types,
+                full_attn_idxs=[i for i, kind in enumerate(layer_types) if kind == "full_attention"])
+            return TinyModel(config=config, processor=tokenizer)
+
+    Hybrid.family = family
+    Hybrid.model_types = ("lfm2",)
+    Hybrid.capabilities = capabilities
+    Hybrid.__name__ = Hybrid.__qualname__ = family.title().replace("_", "")
+    return Hybrid
+
+
+@pytest.fixture
+def leaky():
+    # As the scaffold declared Lfm2 before the boundary case: padding_free claimed.
+    register_model(_hybrid("leaky_conv", ["conv", "full_attention"], Capabilities(padding_free=True)))
+    yield "leaky_conv"
+    unregister("leaky_conv")
+
+
+@pytest.fixture
+def unpacked():
+    register_model(_hybrid("unpacked_conv", ["conv", "full_attention"], Capabilities(padding_free=False)))
+    yield "unpacked_conv"
+    unregister("unpacked_conv")
+
+
+def test_boundary_case_catches_a_convolution_state_crossing_the_boundary(leaky):
+    gap = packed_boundary_gap(build_model(leaky, random_init=True))
+    assert not gap.exact
+    # Both measures catch it: 1.6e-4 in log-prob, far more in the hidden state.
+    assert gap.logprob > 10 * BOUNDARY_TOLERANCE and gap.hidden > 10 * BOUNDARY_HIDDEN_TOLERANCE
+    # The same model without its convolution layer packs exactly.
+    attention_only = build_model(leaky, random_init=True, config_overrides={
+        "layer_types": ["full_attention", "full_attention"], "full_attn_idxs": [0, 1]})
+    assert packed_boundary_gap(attention_only).exact
+
+
+def test_padding_free_probe_fails_on_the_boundary_case(leaky):
+    from mmrl.registry import get_adapter
+
+    result = probe("padding_free").run(Subject(adapter=get_adapter(leaky), source=leaky))
+    assert result.status == "failed"
+    assert "state crosses a packed sequence boundary" in result.reason
+
+
+def test_a_zoo_family_passes_the_boundary_case():
+    built = build_model("qwen2", random_init=True)
+    assert packed_boundary_gap(built).exact
+    assert packed_vs_padded(built, sample_conversations(built.adapter)) < 2e-4
+
+
+def test_pack_true_is_refused_for_a_family_without_padding_free(unpacked):
+    from mmrl.registry import get_adapter
+
+    adapter = get_adapter(unpacked)
+    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False)
+    with pytest.raises(ValueError, match="model.pack: true, but unpacked_conv does not declare padding_free"):
+        packs_batches(True, adapter, gpu)
+    assert packs_batches("auto", adapter, gpu) is False  # auto: unpacked
+    assert packs_batches(False, adapter, gpu) is False
+    recipe = SimpleNamespace(model=ModelConfig(path=unpacked, random_init=True, pack=True))
+    with pytest.raises(RecipeError, match="^model.pack: true, but unpacked_conv does not declare padding_free"):
+        _check_pack(recipe)
+    _check_pack(SimpleNamespace(model=ModelConfig(path=unpacked, random_init=True, pack="auto")))
+    _check_pack(SimpleNamespace(model=ModelConfig(path="qwen2", random_init=True, pack=True)))
