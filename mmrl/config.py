@@ -637,6 +637,11 @@ def _check_pack(recipe: Recipe) -> None:
     adapter = get_adapter(path if path.is_dir() else m.path, source=m.path)
     if not adapter.capabilities.padding_free:
         raise RecipeError(unpackable(adapter))
+    if path.is_dir():  # a checkpoint: its layers may be of kinds the family's probe never packed
+        from mmrl.engine.boundaries import unverified_layer_kinds, unverified_packing
+
+        if unverified := unverified_layer_kinds(adapter, _base_config(m)):
+            raise RecipeError(unverified_packing(adapter, unverified))
 
 
 def _check_strict_media(recipe: Recipe) -> None:

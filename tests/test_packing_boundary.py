@@ -105,3 +105,33 @@ def test_pack_true_is_refused_for_a_family_without_padding_free(unpacked):
         _check_pack(recipe)
     _check_pack(SimpleNamespace(model=ModelConfig(path=unpacked, random_init=True, pack="auto")))
     _check_pack(SimpleNamespace(model=ModelConfig(path="qwen2", random_init=True, pack=True)))
+
+
+@pytest.fixture
+def attention_tiny():
+    # As `mmrl add-model lfm2` scaffolds it: the type's default config is all attention, so
+    # the tiny model passes the boundary case and padding_free is declared; a checkpoint
+    # of the type with short-convolution layers was never verified packed.
+    register_model(_hybrid("attention_tiny", ["full_attention", "full_attention"], Capabilities(padding_free=True)))
+    yield "attention_tiny"
+    unregister("attention_tiny")
+
+
+def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(attention_tiny, tmp_path):
+    from mmrl.engine import Engine
+    from mmrl.engine.boundaries import unverified_layer_kinds
+    from mmrl.parallel import init_distributed
+
+    tiny = build_model(attention_tiny, random_init=True)
+    assert packed_boundary_gap(tiny).exact and unverified_layer_kinds(tiny.adapter, tiny.model.config) == set()
+    hybrid = build_model(attention_tiny, random_init=True, config_overrides={
+        "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]})
+    assert not packed_boundary_gap(hybrid).exact  # what packing it would do
+    assert unverified_layer_kinds(hybrid.adapter, hybrid.model.config) == {"conv"}
+    with pytest.raises(ValueError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
+        Engine(hybrid, init_distributed("cpu"), pack=True)
+    assert Engine(tiny, init_distributed("cpu"), pack=True).pack  # verified: packs
+    checkpoint = hybrid.save(tmp_path / "hybrid")
+    with pytest.raises(RecipeError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
+        _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack=True)))
+    _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack="auto")))

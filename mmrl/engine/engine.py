@@ -60,6 +60,7 @@ import torch
 from mmrl.config import OptimConfig
 import mmrl.engine.state as state
 import mmrl.engine.surgery as surgery
+from mmrl.engine.boundaries import unverified_layer_kinds, unverified_packing
 from mmrl.engine.layouts import Layout, Packed, Padded, SequenceParallel
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.logprobs import candidates, chunked_head, mismatch
@@ -140,8 +141,13 @@ class Engine:
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
-        # "auto": `packs_batches` says where.
+        # "auto": `packs_batches` says where; never a model with stateful layers (convolution,
+        # linear attention) that the family's verified tiny model lacks (`mmrl.engine.boundaries`).
         self.pack = packs_batches(pack, self.adapter, dist)
+        if self.pack and (unverified := unverified_layer_kinds(self.adapter, built.model.config)):
+            if pack is True:
+                raise ValueError(unverified_packing(self.adapter, unverified))
+            self.pack = False
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.
