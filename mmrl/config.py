@@ -629,7 +629,7 @@ def _check_pack(recipe: Recipe) -> None:
     """model.pack: true needs a family whose packed batches are verified (padding_free)."""
     if recipe.model.pack is not True:
         return
-    from mmrl.engine.engine import unpackable
+    from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
     from mmrl.registry import get_adapter
 
     m = recipe.model
@@ -638,8 +638,6 @@ def _check_pack(recipe: Recipe) -> None:
     if not adapter.capabilities.padding_free:
         raise RecipeError(unpackable(adapter))
     if path.is_dir():  # a checkpoint: its layers may be of kinds the family's probe never packed
-        from mmrl.engine.boundaries import unverified_layer_kinds, unverified_packing
-
         if unverified := unverified_layer_kinds(adapter, _base_config(m)):
             raise RecipeError(unverified_packing(adapter, unverified))
 

@@ -9,6 +9,7 @@ have others (a type whose default config is all attention, while its real checkp
 interleave short convolutions): packing it was never verified, and the engine refuses it.
 
     unverified_layer_kinds(adapter, model.config)   # {"conv"}: packing this model is unverified
+    unpackable(adapter)                             # why model.pack: true is refused for a family
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def unverified_packing(adapter, kinds: set[str]) -> str:
     return (f"model.pack: true, but this {adapter.family} model has {', '.join(sorted(kinds))} layers (layer_types) "
             f"that the family's tiny model lacks, so its padding_free claim does not cover them (their state "
             f"would cross packed sequence boundaries); set model.pack to auto or false")
+
+
+def unpackable(adapter) -> str:
+    """Why `model.pack: true` is refused for a family that does not declare padding_free."""
+    return (f"model.pack: true, but {adapter.family} does not declare padding_free (its padding-free probe did not "
+            f"verify packed batches, e.g. a convolution or recurrent state crossing a packed sequence boundary); "
+            f"set model.pack to auto or false")

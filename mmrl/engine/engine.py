@@ -60,7 +60,7 @@ import torch
 from mmrl.config import OptimConfig
 import mmrl.engine.state as state
 import mmrl.engine.surgery as surgery
-from mmrl.engine.boundaries import unverified_layer_kinds, unverified_packing
+from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
 from mmrl.engine.layouts import Layout, Packed, Padded, SequenceParallel
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.logprobs import candidates, chunked_head, mismatch
@@ -93,13 +93,6 @@ def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
     if pack == "auto":
         return declared and dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
     return pack
-
-
-def unpackable(adapter) -> str:
-    """Why `model.pack: true` is refused for a family that does not declare padding_free."""
-    return (f"model.pack: true, but {adapter.family} does not declare padding_free (its padding-free probe did not "
-            f"verify packed batches, e.g. a convolution or recurrent state crossing a packed sequence boundary); "
-            f"set model.pack to auto or false")
 
 
 class Engine:
