@@ -18,6 +18,7 @@ from mmrl.checks import (
     BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE, packed_boundary_gap, packed_vs_padded, sample_conversations,
 )
 from mmrl.config import ModelConfig, RecipeError, _check_pack
+from mmrl.engine.boundaries import packs_model
 from mmrl.engine.engine import packs_batches
 from mmrl.probes import Subject, probe
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
@@ -131,6 +132,9 @@ def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(at
     with pytest.raises(ValueError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
         Engine(hybrid, init_distributed("cpu"), pack=True)
     assert Engine(tiny, init_distributed("cpu"), pack=True).pack  # verified: packs
+    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False)
+    assert packs_model("auto", hybrid.adapter, gpu, tiny.model.config)
+    assert not packs_model("auto", hybrid.adapter, gpu, hybrid.model.config)  # auto: padded
     checkpoint = hybrid.save(tmp_path / "hybrid")
     with pytest.raises(RecipeError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
         _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack=True)))

@@ -10,6 +10,7 @@ interleave short convolutions): packing it was never verified, and the engine re
 
     unverified_layer_kinds(adapter, model.config)   # {"conv"}: packing this model is unverified
     unpackable(adapter)                             # why model.pack: true is refused for a family
+    packs_model(pack, adapter, dist, model.config)  # `model.pack` resolved for the engine
 """
 
 from __future__ import annotations
@@ -55,3 +56,31 @@ def unpackable(adapter) -> str:
     return (f"model.pack: true, but {adapter.family} does not declare padding_free (its padding-free probe did not "
             f"verify packed batches, e.g. a convolution or recurrent state crossing a packed sequence boundary); "
             f"set model.pack to auto or false")
+
+
+def packs_batches(pack: bool | str, adapter, dist) -> bool:
+    """`model.pack` resolved: "auto" packs text families that declare `padding_free` on a
+    GPU in one process (the 0.5B text update at RL lengths ran 4.01x the padded one there;
+    the VL-3B recipe's update, rows of about one length, ran slower packed:
+    docs/training.md). `true` for a family without `padding_free` is refused: its packed
+    batches are unverified, and a hybrid family's convolution or recurrent state would
+    leak from one packed sample into the next."""
+    if pack not in (True, False, "auto"):
+        raise ValueError(f"pack must be true, false or auto, got {pack!r}")
+    declared = adapter.capabilities.padding_free
+    if pack is True and not declared:
+        raise ValueError(unpackable(adapter))
+    if pack == "auto":
+        return declared and dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
+    return pack
+
+
+def packs_model(pack: bool | str, adapter, dist, config) -> bool:
+    """`packs_batches` for a built model: never one with stateful layers that the family's
+    verified tiny model lacks (`true` is refused, `auto` stays padded)."""
+    packs = packs_batches(pack, adapter, dist)
+    if packs and (unverified := unverified_layer_kinds(adapter, config)):
+        if pack is True:
+            raise ValueError(unverified_packing(adapter, unverified))
+        return False
+    return packs

@@ -60,7 +60,7 @@ import torch
 from mmrl.config import OptimConfig
 import mmrl.engine.state as state
 import mmrl.engine.surgery as surgery
-from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
+from mmrl.engine.boundaries import packs_batches, packs_model  # noqa: F401 (packs_batches re-exported)
 from mmrl.engine.layouts import Layout, Packed, Padded, SequenceParallel
 from mmrl.engine.logprobs import LOGPROB_CHUNK_TOKENS, token_log_probs  # noqa: F401 (re-exported)
 from mmrl.engine.logprobs import candidates, chunked_head, mismatch
@@ -76,23 +76,6 @@ PROBE_TOKENS = 4
 # The share of a GPU's memory (1 / this) whose worth of head outputs the chunked log-probs
 # keep for the backward when memory is not short (`Engine.head_keep_bytes`).
 HEAD_KEEP_SHARE = 16
-
-
-def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
-    """`model.pack` resolved: "auto" packs text families that declare `padding_free` on a
-    GPU in one process (the 0.5B text update at RL lengths ran 4.01x the padded one there;
-    the VL-3B recipe's update, rows of about one length, ran slower packed:
-    docs/training.md). `true` for a family without `padding_free` is refused: its packed
-    batches are unverified, and a hybrid family's convolution or recurrent state would
-    leak from one packed sample into the next."""
-    if pack not in (True, False, "auto"):
-        raise ValueError(f"pack must be true, false or auto, got {pack!r}")
-    declared = adapter.capabilities.padding_free
-    if pack is True and not declared:
-        raise ValueError(unpackable(adapter))
-    if pack == "auto":
-        return declared and dist.device.type == "cuda" and not dist.distributed and not adapter.is_multimodal
-    return pack
 
 
 class Engine:
@@ -136,11 +119,7 @@ class Engine:
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
         # "auto": `packs_batches` says where; never a model with stateful layers (convolution,
         # linear attention) that the family's verified tiny model lacks (`mmrl.engine.boundaries`).
-        self.pack = packs_batches(pack, self.adapter, dist)
-        if self.pack and (unverified := unverified_layer_kinds(self.adapter, built.model.config)):
-            if pack is True:
-                raise ValueError(unverified_packing(self.adapter, unverified))
-            self.pack = False
+        self.pack = packs_model(pack, self.adapter, dist, built.model.config)
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.
