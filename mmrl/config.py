@@ -715,6 +715,24 @@ def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = Non
         raise RecipeError(f"trainer.loggers: {exc}") from None
     check_reward_and_data(recipe, reward=reward, loaded=loaded)
     _check_strict_media(recipe)
+    _check_pack(recipe)
+
+
+def _check_pack(recipe: Recipe) -> None:
+    """model.pack: true needs a family whose packed batches are verified (padding_free)."""
+    if recipe.model.pack is not True:
+        return
+    from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
+    from mmrl.registry import get_adapter
+
+    m = recipe.model
+    path = _checkpoint_folder(m) or Path(m.path).expanduser()
+    adapter = get_adapter(path if path.is_dir() else m.path, source=m.path)
+    if not adapter.capabilities.padding_free:
+        raise RecipeError(unpackable(adapter))
+    if path.is_dir():  # a checkpoint: its layers may be of kinds the family's probe never packed
+        if unverified := unverified_layer_kinds(adapter, _base_config(m)):
+            raise RecipeError(unverified_packing(adapter, unverified))
 
 
 def _check_strict_media(recipe: Recipe) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmrl.build import default_attention
 from mmrl.config import SETTLED_FIELDS, Recipe, SettledConfig
+from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
 from mmrl.hub import checkpoint_folder
 from mmrl.registry import get_adapter
 
@@ -83,6 +84,23 @@ def pack_choice(pack: bool | str, adapter, dist: Dist) -> Choice:
     if choice.value and not adapter.capabilities.padding_free:
         return Choice(False, f"the {adapter.family} adapter does not declare padding_free")
     return choice
+
+
+def packs_model(pack: bool | str, adapter, dist: Dist, config=None) -> bool:
+    """`model.pack` resolved for a built model (the engine's; `config` its config, None
+    before the build: no layer check): `pack_choice`, where `true`
+    for a family without `padding_free` is refused (its packed batches are unverified, and a
+    hybrid family's convolution or recurrent state would leak from one packed sample into
+    the next), and never a model with stateful layers that the family's verified tiny model
+    lacks (`mmrl.engine.boundaries`: `true` is refused, `auto` stays padded)."""
+    if pack is True and not adapter.capabilities.padding_free:
+        raise ValueError(unpackable(adapter))
+    packs = pack_choice(pack, adapter, dist).value
+    if packs and config is not None and (unverified := unverified_layer_kinds(adapter, config)):
+        if pack is True:
+            raise ValueError(unverified_packing(adapter, unverified))
+        return False
+    return packs
 
 
 def pack_tokens_choice(pack_tokens: int | None, micro_batch_tokens: int | None) -> Choice:

@@ -15,6 +15,7 @@ from mmrl.checks import (
     logits_of,
     lora_merge_difference,
     loss_and_backward,
+    packed_boundary_gap,
     packed_vs_padded,
     padded_vs_single,
     sample_conversations,
@@ -77,6 +78,9 @@ def test_packed_batch_matches_padded(family):
     if not built.adapter.capabilities.padding_free:
         pytest.skip(f"{family} does not declare padding_free")
     assert packed_vs_padded(built, sample_conversations(built.adapter)) < TOLERANCE
+    # A short sample packed right behind a long neighbour equals itself alone: no state
+    # (convolution, linear attention) crosses the boundary.
+    assert packed_boundary_gap(built).exact
 
 
 @pytest.mark.parametrize("family", FAMILIES)

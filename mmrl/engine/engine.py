@@ -68,7 +68,7 @@ from mmrl.engine.packing import PACK_TOKENS
 from mmrl.engine.surgery import disable_dropout  # noqa: F401 (re-exported)
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import Dist
-from mmrl.settle import pack_rule
+from mmrl.settle import pack_rule, packs_model
 
 # Real positions the model's own logits are computed for on an engine's first log-prob call,
 # to check the chunked head's logit post-processing against (`mmrl.engine.logprobs`).
@@ -76,11 +76,6 @@ PROBE_TOKENS = 4
 # The share of a GPU's memory (1 / this) whose worth of head outputs the chunked log-probs
 # keep for the backward when memory is not short (`Engine.head_keep_bytes`).
 HEAD_KEEP_SHARE = 16
-
-
-def packs_batches(pack: bool | str, adapter, dist: Dist) -> bool:
-    """`model.pack` resolved by the device rule (`mmrl.settle.pack_rule`)."""
-    return pack_rule(pack, adapter, dist).value
 
 
 class Engine:
@@ -125,8 +120,9 @@ class Engine:
         self.shares_media = share_media and self.adapter.is_multimodal and self.adapter.capabilities.media_sharing
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
-        # "auto": `packs_batches` says where.
-        self.pack = packs_batches(pack, self.adapter, dist) and self.adapter.capabilities.padding_free
+        # "auto": `mmrl.settle.pack_choice` says where; never a model with stateful layers (convolution,
+        # linear attention) that the family's verified tiny model lacks (`mmrl.engine.boundaries`).
+        self.pack = packs_model(pack, self.adapter, dist, built.model.config)
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
         # batch as rows of one sequence each, starting at the row's first column.

@@ -76,7 +76,9 @@ PROBES: tuple[Probe, ...] = (
           "each prompt run alone (fp32 logits, 2e-4).",
           check_padded_batch),
     Probe("padding_free", "Padding-free", "The batch packed into one row (positions restart per sequence) "
-          "equals the padded batch (2e-4).", check_padding_free, capability="padding_free"),
+          "equals the padded batch (2e-4), and a short sample right behind a long neighbour equals itself "
+          "alone (1e-5 in log-prob, 1e-4 in the last hidden state): no state crosses a boundary.",
+          check_padding_free, capability="padding_free"),
     Probe("freeze", "Freeze parts", "Each declared part frozen alone gets no gradient while every other part "
           "still does.", check_freeze, cost=2.0),
     Probe("lora_language", "LoRA lang.", "LoRA on the language model changes the logits; merged equals "

@@ -20,6 +20,7 @@ from mmrl.checks import (
     logits_of,
     lora_merge_difference,
     loss_and_backward,
+    packed_boundary_gap,
     packed_vs_padded,
     padded_vs_single,
     sample_conversations,
@@ -226,12 +227,20 @@ def check_padded_batch(subject: Subject) -> Verified:
 
 
 def check_padding_free(subject: Subject) -> Verified:
+    """The packed batch equals the padded one, and a short sample packed right behind a
+    long neighbour has the log-probs it has alone (no state crosses the boundary: the
+    convolution, linear-attention and recurrent layers of hybrid families)."""
     built = subject.build()
+    boundary = packed_boundary_gap(built)
+    require(boundary.exact, f"state crosses a packed sequence boundary: a short sample behind a long neighbour "
+                            f"differs from itself alone by {boundary}")
     gap = packed_vs_padded(built, sample_conversations(built.adapter))
     require(gap < TOLERANCE,
             f"packed batch differs from padded: max |logit diff| {gap:.2e} (tolerance {TOLERANCE:.0e})")
-    return Verified(f"packed (padding-free) batch equals the padded one (max |diff| {gap:.1e} < {TOLERANCE:.0e})",
-                    {"max_abs_diff": gap})
+    return Verified(f"packed (padding-free) batch equals the padded one (max |diff| {gap:.1e} < {TOLERANCE:.0e}); "
+                    f"a short sample behind a long neighbour equals itself alone ({boundary})",
+                    {"max_abs_diff": gap, "boundary_max_abs_logprob_diff": boundary.logprob,
+                     "boundary_max_abs_hidden_diff": boundary.hidden})
 
 
 def check_freeze(subject: Subject) -> Verified:

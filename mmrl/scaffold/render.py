@@ -357,8 +357,8 @@ def render_test(d: Discovery, layout: Layout) -> str:
 
         from mmrl import build_model, load_model
         from mmrl.checks import (
-            generate, lora_merge_difference, logits_of, loss_and_backward, packed_vs_padded, padded_vs_single,
-            sample_conversations,
+            generate, lora_merge_difference, logits_of, loss_and_backward, packed_boundary_gap,
+            packed_vs_padded, padded_vs_single, sample_conversations,
         )
         from mmrl.parts import check_parts, parameters_by_part
 
@@ -399,6 +399,7 @@ def render_test(d: Discovery, layout: Layout) -> str:
             if not built.adapter.capabilities.padding_free:
                 pytest.skip("padding_free is not declared")
             assert packed_vs_padded(built, sample_conversations(built.adapter)) < TOLERANCE
+            assert packed_boundary_gap(built).exact  # no state crosses a packed sequence boundary
 
 
         def test_lora_merge_matches_unmerged():

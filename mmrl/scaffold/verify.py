@@ -146,6 +146,12 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         return tokens.shape == (len(conversations), 4), f"generated shape {tuple(tokens.shape)}"
 
     def packs():
+        from mmrl.checks import packed_boundary_gap
+
+        boundary = packed_boundary_gap(built)
+        if not boundary.exact:
+            return False, f"state crosses a packed sequence boundary (a short sample behind a long neighbour " \
+                          f"differs from itself alone by {boundary})"
         gap = packed_vs_padded(built, conversations)
         return gap < TOLERANCE, f"packed and padded logits differ by {gap:.2g}"
 

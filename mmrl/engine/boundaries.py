@@ -1,0 +1,59 @@
+"""Which packed models keep their samples apart: layers that carry a state along the sequence.
+
+A convolution's window, a linear-attention or a recurrent (mamba) state runs on from one
+packed sample into the next unless the layer is told where each sample starts; attention
+is kept apart by the position ids alone. A family's `padding_free` claim is verified on
+its tiny model (the padding-free probe's boundary case, `mmrl.checks.packed_boundary_gap`),
+so it covers the stateful layer kinds that model has. A checkpoint of the same type can
+have others (a type whose default config is all attention, while its real checkpoints
+interleave short convolutions): packing it was never verified, and the engine refuses it.
+
+    unverified_layer_kinds(adapter, model.config)   # {"conv"}: packing this model is unverified
+    unpackable(adapter)                             # why model.pack: true is refused for a family
+
+`mmrl.settle.packs_model` resolves `model.pack` for a built model with these rules.
+"""
+
+from __future__ import annotations
+
+# transformers' names for the kinds of layer that hold a state along the sequence
+# (`configuration_utils.ALLOWED_ATTN_LAYER_TYPES`; "mamba" is the legacy name of
+# "linear_attention").
+STATEFUL_LAYER_KINDS = frozenset({"conv", "linear_attention", "mamba", "hybrid", "hybrid_sliding"})
+
+
+def stateful_layer_kinds(config) -> set[str]:
+    """The stateful kinds among a config's `layer_types` (of its text config), if it lists any."""
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    kinds = set()
+    for each in configs:
+        kinds.update(k for k in (getattr(each, "layer_types", None) or ()) if k in STATEFUL_LAYER_KINDS)
+    return kinds
+
+
+def unverified_layer_kinds(adapter, config) -> set[str]:
+    """Stateful layer kinds of `config` that the family's tiny model, on which its
+    padding_free claim was verified, does not have."""
+    kinds = stateful_layer_kinds(config)
+    if not kinds:
+        return set()
+    tiny = adapter.tiny().config
+    if isinstance(tiny, dict):
+        tiny = adapter.config_from_dict(tiny)
+    return kinds - stateful_layer_kinds(tiny)
+
+
+def unverified_packing(adapter, kinds: set[str]) -> str:
+    """Why `model.pack: true` is refused for a model with stateful layers its family's probe never saw."""
+    return (f"model.pack: true, but this {adapter.family} model has {', '.join(sorted(kinds))} layers (layer_types) "
+            f"that the family's tiny model lacks, so its padding_free claim does not cover them (their state "
+            f"would cross packed sequence boundaries); set model.pack to auto or false")
+
+
+def unpackable(adapter) -> str:
+    """Why `model.pack: true` is refused for a family that does not declare padding_free."""
+    return (f"model.pack: true, but {adapter.family} does not declare padding_free (its padding-free probe did not "
+            f"verify packed batches, e.g. a convolution or recurrent state crossing a packed sequence boundary); "
+            f"set model.pack to auto or false")
