@@ -722,7 +722,7 @@ def _check_pack(recipe: Recipe) -> None:
     """model.pack: true needs a family whose packed batches are verified (padding_free)."""
     if recipe.model.pack is not True:
         return
-    from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
+    from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing
     from mmrl.registry import get_adapter
 
     m = recipe.model

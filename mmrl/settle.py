@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmrl.build import default_attention
 from mmrl.config import SETTLED_FIELDS, Recipe, SettledConfig
-from mmrl.engine.boundaries import unpackable, unverified_layer_kinds, unverified_packing
+from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing
 from mmrl.hub import checkpoint_folder
 from mmrl.registry import get_adapter
 
@@ -92,7 +92,7 @@ def packs_model(pack: bool | str, adapter, dist: Dist, config=None) -> bool:
     for a family without `padding_free` is refused (its packed batches are unverified, and a
     hybrid family's convolution or recurrent state would leak from one packed sample into
     the next), and never a model with stateful layers that the family's verified tiny model
-    lacks (`mmrl.engine.boundaries`: `true` is refused, `auto` stays padded)."""
+    lacks (`mmrl.boundaries`: `true` is refused, `auto` stays padded)."""
     if pack is True and not adapter.capabilities.padding_free:
         raise ValueError(unpackable(adapter))
     packs = pack_choice(pack, adapter, dist).value

@@ -394,7 +394,7 @@ def test_a_packed_training_step_equals_the_padded_one(tmp_path, advantage):
 def test_pack_auto_packs_text_families_on_one_gpu_only():
     """`model.pack: auto` (the default): text families on a GPU in one process; VLMs, the
     CPU and sharded ranks stay padded unless asked; anything else is an error."""
-    from mmrl.engine.engine import packs_batches
+    from mmrl.settle import packs_model as packs_batches
     from mmrl.parallel import Dist
     from mmrl.registry import get_adapter
 

@@ -95,7 +95,7 @@ def test_pack_true_is_refused_for_a_family_without_padding_free(unpacked):
     from mmrl.registry import get_adapter
 
     adapter = get_adapter(unpacked)
-    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False)
+    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False, world_size=1)
     with pytest.raises(ValueError, match="model.pack: true, but unpacked_conv does not declare padding_free"):
         packs_model(True, adapter, gpu)
     assert packs_model("auto", adapter, gpu) is False  # auto: unpacked
@@ -119,7 +119,7 @@ def attention_tiny():
 
 def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(attention_tiny, tmp_path):
     from mmrl.engine import Engine
-    from mmrl.engine.boundaries import unverified_layer_kinds
+    from mmrl.boundaries import unverified_layer_kinds
     from mmrl.parallel import init_distributed
 
     tiny = build_model(attention_tiny, random_init=True)
@@ -131,7 +131,7 @@ def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(at
     with pytest.raises(ValueError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
         Engine(hybrid, init_distributed("cpu"), pack=True)
     assert Engine(tiny, init_distributed("cpu"), pack=True).pack  # verified: packs
-    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False)
+    gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False, world_size=1)
     assert packs_model("auto", hybrid.adapter, gpu, tiny.model.config)
     assert not packs_model("auto", hybrid.adapter, gpu, hybrid.model.config)  # auto: padded
     checkpoint = hybrid.save(tmp_path / "hybrid")

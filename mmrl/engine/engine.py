@@ -121,7 +121,7 @@ class Engine:
         # Padding-free log-probs (`mmrl.engine.packing`), for families whose packed batches
         # are verified (`padding_free`): sequences in rows of at most `pack_tokens` tokens.
         # "auto": `mmrl.settle.pack_choice` says where; never a model with stateful layers (convolution,
-        # linear attention) that the family's verified tiny model lacks (`mmrl.engine.boundaries`).
+        # linear attention) that the family's verified tiny model lacks (`mmrl.boundaries`).
         self.pack = packs_model(pack, self.adapter, dist, built.model.config)
         self.pack_tokens = pack_tokens
         # A family that cannot take left padding (`ModelAdapter.left_padding`) runs every
