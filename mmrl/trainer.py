@@ -45,6 +45,7 @@ from mmrl.engine import Engine
 from mmrl.engine.packing import PACK_TOKENS
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
+from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, choose_backend, make_rollout
@@ -77,7 +78,7 @@ class Trainer:
         self.dist = dist
         cfg = recipe.trainer
         if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+            torch.set_num_threads(capped_threads(cfg.threads))
         # The ranks of one sequence-parallel group sample alike (same seed, same prompts).
         torch.manual_seed(cfg.seed + self.dist.dp_rank)
         random.seed(cfg.seed + self.dist.dp_rank)
