@@ -26,6 +26,7 @@ from mmrl.config import Recipe, RecipeError, check_reward_and_data, recipe_rewar
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
+from mmrl.logs import capped_threads
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
 from mmrl.rollout import make_rollout
@@ -94,7 +95,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     check_reward_and_data(recipe, splits=(split,))
     environment = environment_factory(recipe)
     if recipe.trainer.threads:
-        torch.set_num_threads(recipe.trainer.threads)
+        torch.set_num_threads(capped_threads(recipe.trainer.threads))
     dist = init_distributed(sequence_parallel=recipe.parallel.sequence_parallel)
     r, m = recipe, recipe.model
     built = _policy(recipe, path, kind, dist.device)

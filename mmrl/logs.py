@@ -13,12 +13,15 @@ remove it when they succeed and keep and name it when they fail (`close_worker_l
 The settings travel to subprocesses (spawned probe workers, torchrun) as environment
 variables; a variable the user set already is left as it is.
 
-One setting here is about CPU time, not output: `share_cpu()` makes torch's OpenMP
+Two settings here are about CPU time, not output. `share_cpu()` makes torch's OpenMP
 threads sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), which the CLI
 and the tests set before torch loads. On a machine whose cores are shared, spinning
 threads take the CPU that the thread they wait for needs; bench/cpu_contention.py
 measures the tiny recipe's step with and without it on a loaded machine
-(bench/results/cpu_contention.json).
+(bench/results/cpu_contention.json). And `$MMRL_MAX_THREADS` caps the torch threads a
+recipe asks for (`trainer.threads`), in the process and in those it starts: the test
+suite sets it to one per pytest-xdist worker, so that N workers on N cores do not each
+start the tiny recipe's 2 threads.
 """
 
 from __future__ import annotations
@@ -53,6 +56,19 @@ def share_cpu() -> None:
     docstring); call before torch is imported. A value the user set is kept."""
     for name, value in CPU_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+MAX_THREADS_ENV = "MMRL_MAX_THREADS"
+
+
+def capped_threads(requested: int) -> int:
+    """`requested` torch threads, at most `$MMRL_MAX_THREADS` when that is set."""
+    cap = os.environ.get(MAX_THREADS_ENV, "").strip()
+    if not cap:
+        return requested
+    if not cap.isdigit() or int(cap) < 1:
+        raise ValueError(f"{MAX_THREADS_ENV}={cap!r}: give a whole number of threads, 1 or more")
+    return min(requested, int(cap))
 
 
 def verbose() -> bool:

@@ -48,6 +48,7 @@ from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.media_check import step_zero_media_check
+from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.prompt_lengths import check_prompt_lengths
 from mmrl.rewards import get_reward, reward_name
@@ -82,7 +83,7 @@ class Trainer:
         self.dist = dist
         cfg = recipe.trainer
         if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+            torch.set_num_threads(capped_threads(cfg.threads))
         # The ranks of one sequence-parallel group sample alike (same seed, same prompts).
         torch.manual_seed(cfg.seed + self.dist.dp_rank)
         random.seed(cfg.seed + self.dist.dp_rank)

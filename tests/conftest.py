@@ -1,17 +1,31 @@
-"""Shared fixtures: the registered families and fresh tiny builds of each."""
+"""Shared fixtures: the registered families and fresh tiny builds of each; the torch
+threads of each test process.
+
+Under pytest-xdist (`-n auto`: README.md's test command) every worker gets its share of
+the cores, one thread on a machine with as many cores as workers, and the processes it
+starts (torchrun ranks, `mmrl train`) inherit that share through OMP_NUM_THREADS and
+MMRL_MAX_THREADS, which caps a recipe's `trainer.threads` (mmrl/logs.py). Without xdist
+the one process takes up to 2 threads, as before.
+"""
 
 import os
 
-from mmrl.logs import share_cpu
+from mmrl.logs import MAX_THREADS_ENV, share_cpu
 
 share_cpu()  # OpenMP threads sleep while they wait: before torch loads (mmrl/logs.py)
+
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, len(os.sched_getaffinity(0)) // WORKERS))
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # read when torch loads, here and in subprocesses
+    os.environ.setdefault(MAX_THREADS_ENV, str(THREADS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)))))
+torch.set_num_threads(THREADS)
 
 from mmrl.registry import families  # noqa: E402
 
@@ -43,3 +57,18 @@ def plugin_path(tmp_path):
                 if isinstance(attr, type) and attr.__module__ == name and hasattr(attr, "family"):
                     unregister(attr.family)
     importlib.invalidate_caches()
+
+
+def pytest_itemcollected(item):
+    """A test that starts torchrun processes is slow too: out of the quick tier
+    (`-m "not slow and not gpu"`, README.md), first in the queue."""
+    if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has grouped the tests that share a parametrized fixture
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort keeps their order otherwise): under xdist the long
+    end-to-end runs start while the other workers take the quick tests, instead of one
+    of them starting last and running on alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -36,6 +36,7 @@ def zoo_checks(family: str):
             yield name, check
 
 
+@pytest.mark.slow
 def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
     result = add_model(TEXT_TYPE, "--out", str(plugin_path), "--no-depth")
     assert result.exit_code == 0, result.output
@@ -64,6 +65,7 @@ def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
             "test_packed_batch_matches_padded", "test_lora_merge_matches_unmerged"} <= set(ran)
 
 
+@pytest.mark.slow
 def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_padded(plugin_path, tmp_ckpt):
     """RWKV's forward ignores the mask, so pads in front enter its recurrent state: a
     left-padded batch differs from each prompt alone with counted and with its own
@@ -106,6 +108,7 @@ def test_a_recurrent_family_that_cannot_take_left_padding_is_scaffolded_right_pa
             torch.testing.assert_close(logp[i][real], alone[0][real], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_type_without_a_processor_class_takes_the_one_of_the_model_it_derives_from(plugin_path, tmp_ckpt):
     """GLM-OCR has no processor class in transformers' table nor in its package; its
     modular source derives its model from GLM-4V's, so the scaffold builds GLM-4V's
@@ -187,6 +190,7 @@ VLM_TYPE = "mistral3"  # a vision-language type in transformers, not in the zoo
 FAILING_VLM = "llama4"  # one whose scaffolded tiny model does not run
 
 
+@pytest.mark.slow
 def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
     result = add_model(VLM_TYPE, "--out", str(plugin_path))
     assert result.exit_code == 0, result.output
@@ -210,6 +214,7 @@ def test_vision_language_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt)
     assert {"test_freeze_vision", "test_multi_image_and_video", "test_padded_batch_matches_each_prompt_alone"} <= set(ran)
 
 
+@pytest.mark.slow
 def test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in(tmp_path):
     # llama4's projector widths (vision_config.projector_*_dim) are tied to no width the
     # scaffold shrinks: not discoverable generically yet.
@@ -244,6 +249,7 @@ def test_in_tree_scaffold_writes_models_tests_and_docs(tmp_path, monkeypatch):
     assert f"pytest -q tests/test_family_{TEXT_TYPE}.py" in result.output
 
 
+@pytest.mark.slow
 def test_coverage_sweep_slice_writes_rows_and_resumes(tmp_path):
     """A small fixed slice of the coverage sweep (`mmrl add-model --sweep`): a text type
     that scaffolds green, an encoder that the scope rule removes, a VLM whose tiny model
@@ -352,6 +358,7 @@ def test_image_processor_sizes_follow_a_height_width_tower_size():
     # counted positions fail padded-vs-single, the model's own pass.
     ("kosmos-2", ("vision_model",), {"image_to_text_projection"}, True),
 ])
+@pytest.mark.slow
 def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, own_positions, plugin_path,
                                                  tmp_ckpt):
     result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
@@ -380,6 +387,7 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
     # The processor refuses one image list per prompt: the processing flattens them.
     ("got_ocr2", "flat_images"),
 ])
+@pytest.mark.slow
 def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need(model_type, rule, plugin_path,
                                                                                tmp_ckpt):
     result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
@@ -402,6 +410,7 @@ def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need
         check(**{k: v for k, v in arguments.items() if k in inspect.signature(check).parameters})
 
 
+@pytest.mark.slow
 def test_a_framed_placeholder_must_expand_not_just_pass_through():
     # QianfanOCRProcessor expands `<image>` into start + context tokens + end; a framed
     # `<|start_image|><|context_image|><|end_image|>` in the text passes through as is

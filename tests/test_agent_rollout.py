@@ -241,6 +241,7 @@ def test_one_turn_agent_equals_the_single_turn_rollout():
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.slow
 def test_multi_turn_on_the_compiled_rollout_equals_plain_generate(family):
     """Issue 28: the agent loop over the compiled rollout (decode step traced by dynamo, full
     graph) gives plain `generate`'s greedy tokens and log-probs turn by turn, images in the

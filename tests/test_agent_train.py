@@ -5,6 +5,8 @@ tool and the reply images reach the training batch."""
 import json
 from pathlib import Path
 
+import pytest
+
 from mmrl.config import RecipeError, load_recipe
 from mmrl.trainer import Trainer
 
@@ -19,6 +21,7 @@ def _recipe(tmp_path, *extra):
                                 "trainer.export=false", *extra])
 
 
+@pytest.mark.slow
 def test_agent_recipe_trains_and_logs_agent_metrics(tmp_path):
     trainer = Trainer(_recipe(tmp_path))
     before = {k: v.detach().clone() for k, v in trainer.actor.model.state_dict().items()}
@@ -33,6 +36,7 @@ def test_agent_recipe_trains_and_logs_agent_metrics(tmp_path):
     assert 0 <= step["agent/samples_calling_tools"] <= 1
 
 
+@pytest.mark.slow
 def test_agent_recipe_calls_the_tool_and_the_reply_image_reaches_the_batch(tmp_path):
     """The demo's opening prompt holds no image: the only image a sample sees is the
     zoom reply. A random-init policy calls zoom in about 1 of 8 turns, so 64 samples

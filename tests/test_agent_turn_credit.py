@@ -218,6 +218,7 @@ def _capture_advantages(trainer):
     return calls
 
 
+@pytest.mark.slow
 def test_demo_recipe_trains_with_turn_credit(tmp_path):
     """Two steps of the zoom demo with `algo.credit_assignment=turn`: it runs, updates the
     model, logs the per-turn reward, and the advantages the update used are
@@ -245,6 +246,7 @@ def test_demo_recipe_trains_with_turn_credit(tmp_path):
         torch.testing.assert_close(seqs.extras["advantages"].cpu(), expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_default_credit_is_the_per_trajectory_advantage(tmp_path):
     """Without the option, every policy token of a sample gets the estimator's advantage of
     its summed reward (the function's score plus the environment's), bit for bit."""

@@ -23,6 +23,7 @@ from mmrl.rollout.agent import AgentRollout  # noqa: E402
 from mmrl.rollout_batch import trajectory_sequences  # noqa: E402
 
 
+@pytest.mark.slow
 def test_agent_loop_over_vllm_keeps_each_turns_log_probs():
     built = build_model("qwen2_vl", random_init=True, processing_options={"min_pixels": 784, "max_pixels": 3136},
                         config_overrides={"text_config": {"initializer_range": 0.2}})

@@ -297,6 +297,7 @@ def test_bad_input_through_the_python_api_is_one_line(tmp_path, monkeypatch, cas
     ("rewards_bad:raises", "reward 'raises' raised KeyError: 'oops' at step 1, row "),
     ("rewards_bad:nan", "reward 'nan' returned nan (a reward must be a finite number) at step 1, row "),
 ])
+@pytest.mark.slow
 def test_a_failing_reward_is_one_line_and_leaves_no_checkpoint(tmp_path, reward, words):
     _write_inputs(tmp_path)
     run = tmp_path / "run"
@@ -324,6 +325,7 @@ def test_a_failing_reward_is_one_line_and_leaves_no_checkpoint(tmp_path, reward,
     (["data.train={tmp}/corrupt_image.jsonl"], "row 3: images[0]: {tmp}/corrupt.png: not a readable image"),
     (["optim.lr=[1,"], "the value is not valid YAML"),
 ])
+@pytest.mark.slow
 def test_the_real_process_prints_one_line_on_stderr(tmp_path, overrides, words):
     _write_inputs(tmp_path)
     run = tmp_path / "run"
@@ -363,6 +365,7 @@ def test_doctor_subject_resolves_a_family_and_refuses_a_bad_folder_without_the_c
         doctor_subject(str(tmp_path / "empty"))
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback_instead_of_one_line(tmp_path):
     result = CliRunner().invoke(app, ["--debug", "train", RECIPE, "optim.lr=abc", f"trainer.output_dir={tmp_path}"])
     assert type(result.exception).__name__ == "RecipeError", result.exception

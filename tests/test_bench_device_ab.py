@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "device_ab.sh"
 
@@ -18,6 +20,7 @@ def _run(tmp_path: Path, sides: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_each_side_runs_its_own_tree_and_is_compared_with_the_first(tmp_path):
     base = tmp_path / "trees" / "base"
     shutil.copytree(REPO / "mmrl", base / "mmrl", ignore=shutil.ignore_patterns("__pycache__"))

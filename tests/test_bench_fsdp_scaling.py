@@ -10,6 +10,8 @@ import pytest
 
 from bench_scripts import load_bench
 
+pytestmark = pytest.mark.slow  # its module fixture runs the bench under torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_the_sharded_run_is_compared_with_the_one_process_run(report):
     one, two = report["runs"]["1"], report["runs"]["2"]
     assert (one["world_size"], one["sharded"]) == (1, False)

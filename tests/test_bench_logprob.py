@@ -9,6 +9,8 @@ import torch
 
 from bench_scripts import load_bench
 
+pytestmark = pytest.mark.slow  # its module fixture runs the bench
+
 
 @pytest.fixture(scope="module")
 def report():
@@ -25,6 +27,7 @@ def report():
     return {**bench.run(args), "command": "python bench/logprob_memory.py --device cpu"}
 
 
+@pytest.mark.slow
 def test_naive_path_falls_back_to_fewer_rows_and_is_compared_there(report):
     assert report["largest_rows_that_fit"] == {"model_only": 4, "engine": 4, "naive": 1}
     naive = report["runs"]["naive"]

@@ -14,6 +14,8 @@ import torch
 
 from bench_scripts import load_bench
 
+pytestmark = pytest.mark.slow  # its module fixtures run the bench's training runs
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_vlm_count.yaml")
 # A KL term, so the trainer holds a reference model that the start is loaded into too.
@@ -48,6 +50,7 @@ def _learning_keys(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("time/", "compile/")) and not k.endswith("_per_s")}
 
 
+@pytest.mark.slow
 def test_two_runs_from_one_start_have_the_same_first_step(runs, same_learning):
     saved, loaded = runs.saved["variants"]["v"], runs.loaded["variants"]["v"]
     assert runs.saved["errors"] == {} and runs.loaded["errors"] == {}

@@ -267,6 +267,7 @@ def test_chunks_are_larger_only_where_the_chunk_arithmetic_runs_fused(monkeypatc
     assert logprobs.chunk_elements(cuda) == logprobs.HEAD_CHUNK_ELEMENTS
 
 
+@pytest.mark.slow
 def test_compiled_head_gradient_is_one_pointwise_pass_equal_to_the_eager_one():
     """Compiled (as on CUDA), the gradient of a chunk's log-softmax adds the target's term
     through a one-hot mask instead of a scatter, so that it fuses into one pass: on the same

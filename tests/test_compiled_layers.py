@@ -42,6 +42,7 @@ def _step(compile_layers, pack, checkpointing=False, lora=False):
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
@@ -63,6 +64,7 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.slow
 def test_compiled_layers_with_lora_give_the_eager_log_probs_and_gradients():
     _, logp, _, grads = _step(False, pack=True, lora=True)
     engine, logp_c, _, grads_c = _step(True, pack=True, lora=True)

@@ -10,6 +10,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILY_NAMES = re.compile(r"qwen|llama|mistral|gemma|phi[-_]?\d|idefics|smolvlm|llava|internvl", re.I)
 
@@ -38,6 +40,7 @@ def test_core_names_no_model_family():
     assert not hits, "the core names model families:\n" + "\n".join(hits)
 
 
+@pytest.mark.slow
 def test_every_module_has_a_docstring():
     missing = []
     for folder in ("mmrl", "models", "processors"):
@@ -47,6 +50,7 @@ def test_every_module_has_a_docstring():
     assert not missing, f"modules without a docstring: {missing}"
 
 
+@pytest.mark.slow
 def test_import_is_cheap_and_lazy():
     code = """
 import sys, time

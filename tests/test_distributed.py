@@ -9,6 +9,7 @@ from cpu_processes import REPO, run, torchrun
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.mark.slow
 def test_two_process_fsdp2_update_equals_one_process(tmp_path):
     """The support matrix's FSDP2 probe script, on a text and a vision-language family
     in one launch: the sharded update equals the one-process update (its bounds are in
@@ -44,6 +45,7 @@ def test_update_comparison_catches_a_wrong_gradient_or_step():
     assert "on average" in compare_updates((tiny, still), (tiny, all_noisy))[0]
 
 
+@pytest.mark.slow
 def test_two_process_training_run(tmp_path):
     out = tmp_path / "run"
     run(torchrun(
@@ -95,6 +97,7 @@ torch.distributed.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_sharded_generation_and_evaluation(tmp_path):
     """Under FSDP every forward is collective: ranks whose generations stop at different
     lengths must keep stepping together (synced_gpus), and evaluation splits the eval set

@@ -360,6 +360,7 @@ def test_varlen_attention_falls_back_to_sdpa_where_the_kernel_does_not_apply():
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "gae"])
+@pytest.mark.slow
 def test_a_packed_training_step_equals_the_padded_one(tmp_path, advantage):
     """The tiny VLM recipe (mrope, shared media, a KL reference; with GAE a critic too)
     takes the same step with `model.pack=true` as without: packing stays inside the engine."""

@@ -18,6 +18,8 @@ from mmrl.rollout import SamplingParams
 from mmrl.rollout.base import trim_responses
 from mmrl.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # its module fixture trains the run it exports
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny_vlm_count.yaml"
 # The README's recipe, bounded: three steps of 2 prompts x 2 samples, 8 eval images.

@@ -65,6 +65,7 @@ def lora_run(tmp_path_factory, base):
     return trainer, out
 
 
+@pytest.mark.slow
 def test_a_full_runs_step_checkpoint_exports_as_its_final_folder(tmp_path):
     run = tmp_path / "run"
     trainer = _run(run, "trainer.steps=2", "trainer.save_every=2")
@@ -106,6 +107,7 @@ def test_a_lora_checkpoint_resumes_exactly(tmp_path, base, lora_run):
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_exports_as_an_adapter_and_merged(lora_run, base, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

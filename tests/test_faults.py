@@ -104,6 +104,7 @@ def _project(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("extra", [[], ["trainer.overwrite=true"]], ids=["plain", "overwrite"])
+@pytest.mark.slow
 def test_run_folder_a_project_folder_is_refused_and_left_as_it_was(tmp_path, monkeypatch, extra):
     project = _project(tmp_path)
     monkeypatch.chdir(project)
@@ -335,6 +336,7 @@ def test_error_boundary_doctor_on_a_cut_short_config(tmp_path):
     assert _state(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_error_boundary_a_full_disk_at_the_export_keeps_the_weights(tmp_path, monkeypatch):
     """With the default save_every 0, the export is where a finished run was lost: now it is
     one line naming the file, no half-written final/, and a checkpoint to resume from."""

@@ -24,6 +24,7 @@ def project(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_a_second_smoke_run_of_a_recipe_replaces_the_first(project):
     from mmrl.trainer import train
 

@@ -209,6 +209,7 @@ torch.distributed.destroy_process_group()
 '''
 
 
+@pytest.mark.multiprocess
 def test_sharded_rollout_keeps_ranks_with_different_prompt_lengths_in_step(tmp_path):
     """Under FSDP2 every forward is collective: rank 0 holds prompts of two lengths (two
     `generate` calls), rank 1 of one; rank 1 repeats a call so neither waits forever, and

@@ -55,6 +55,7 @@ def _tensorboard_texts(run: Path) -> dict[str, list[tuple[int, str]]]:
 
 
 # -- samples.jsonl -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_vlm_run_writes_readable_samples_every_n_steps_and_at_validation(tmp_path):
     run = tmp_path / "run"
     Trainer(load_recipe(VLM_RECIPE, [*VLM_CHEAP, f"trainer.output_dir={run}", "trainer.samples_every=2",
@@ -96,6 +97,7 @@ def test_samples_every_0_writes_none(tmp_path):
     assert not (run / SAMPLES_FILE).exists()
 
 
+@pytest.mark.slow
 def test_resume_cuts_samples_back_like_metrics(tmp_path):
     run = tmp_path / "run"
     # Steps 1-3 ran (the final evaluation too), the checkpoint is at 2, then the run died
@@ -188,6 +190,7 @@ def _wandb_records(wandb_dir: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_mlflow_file_store_receive_metrics_config_and_samples(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

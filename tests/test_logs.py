@@ -24,6 +24,7 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @NEEDS_VLLM
+@pytest.mark.slow
 def test_quiet_keeps_vllm_and_torch_import_warnings_out():
     script = "from mmrl.logs import quiet; quiet(); import vllm; from vllm import LLM; print('imported')"
     quiet = run(sys.executable, "-c", script)
@@ -78,6 +79,7 @@ def test_no_progress_means_no_save_bars(tmp_path):
     assert "Writing model shards" not in output and "it/s]" not in output, output[-2000:]
 
 
+@pytest.mark.slow
 def test_models_keeps_capability_names_whole_at_80_columns():
     from mmrl.registry import families
 
@@ -91,6 +93,7 @@ def test_models_keeps_capability_names_whole_at_80_columns():
         assert set(adapter.capabilities.declared()) <= words, adapter.family
 
 
+@pytest.mark.slow
 def test_models_sets_apart_declared_capabilities_that_do_not_apply():
     import json
 

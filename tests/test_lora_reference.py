@@ -84,6 +84,7 @@ def test_kl_reference_is_the_actor_without_adapters_and_no_second_model(tmp_path
     assert torch.equal(actor_before, actor_after), "the adapters are back on after the reference pass"
 
 
+@pytest.mark.slow
 def test_lora_alpha_dropout_and_targets_reach_peft(tmp_path):
     recipe = load_recipe(RECIPE, [*CHEAP, f"trainer.output_dir={tmp_path / 'run'}", "model.lora_scope=language",
                                   "model.lora_rank=2", "model.lora_alpha=8", "model.lora_dropout=0.1",

@@ -190,6 +190,7 @@ def test_a_checkpoint_keeps_the_scale_and_the_good_step_count(tmp_path):
     assert older.loss_scaler.state_dict() == {"scale": START, "good_steps": 0, "skipped_steps": 0}
 
 
+@pytest.mark.slow
 def test_a_float16_run_logs_the_loss_scale_and_ends_with_finite_weights(tmp_path):
     from pathlib import Path
 

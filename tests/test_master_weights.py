@@ -133,6 +133,7 @@ def test_checkpoint_keeps_the_masters_and_resume_continues_exactly(tmp_path):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_a_bf16_run_resumes_exactly(tmp_path):
     """tests/test_trainer.py::test_resume_continues_exactly with `model.dtype=bfloat16`."""
     from test_trainer import _recipe

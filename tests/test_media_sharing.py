@@ -114,6 +114,7 @@ def test_a_wrong_sharing_is_visible_and_unmatched_calls_run_plain():
     assert "get_image_features" not in vars(built.model.model)
 
 
+@pytest.mark.slow
 def test_training_steps_with_and_without_sharing_agree(tmp_path):
     weights, metrics = [], []
     for share in ("true", "false"):

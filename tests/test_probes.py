@@ -100,6 +100,7 @@ def test_text_family_probes_verify(feature):
     assert result.status is Status.VERIFIED, result.reason
 
 
+@pytest.mark.slow
 def test_text_family_skips_what_it_cannot_do():
     subject = _subject("qwen2")
     for feature in ("single_image", "multi_image", "video", "lora_vision"):
@@ -170,6 +171,7 @@ def test_doctor_on_a_checkpoint(tmp_path):
     assert all(r["status"] in ("verified", "n/a", "not run here") for r in report["results"]), report
 
 
+@pytest.mark.slow
 def test_doctor_names_the_add_model_command_for_an_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "fancy_new_lm", "architectures": ["FancyLM"]}))
     result = _mmrl("doctor", str(tmp_path))
@@ -178,6 +180,7 @@ def test_doctor_names_the_add_model_command_for_an_unknown_model_type(tmp_path):
     assert "mmrl add-model fancy_new_lm" in result.stderr
 
 
+@pytest.mark.slow
 def test_doctor_unknown_name():
     result = _mmrl("doctor", "no_such_family_xyz")
     assert result.returncode == 2 and "no registered model family" in result.stderr
@@ -238,6 +241,7 @@ def test_differences_report_status_changes_and_new_families_in_one_line():
     assert any(f"{first['family']}/{first['feature']}: {first['status']} -> failed" in line for line in found)
 
 
+@pytest.mark.slow
 def test_gpu_cells_are_merged_and_kept(tmp_path):
     shutil.copytree(COMMITTED, tmp_path / "out")
     gpu = _document()
@@ -298,6 +302,7 @@ def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
 
 
 # -- multi_turn: an image from the environment in turn 3 ------------------------------------
+@pytest.mark.slow
 def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold(monkeypatch):
     from mmrl.processing import Processing
     from mmrl.processors.idefics3 import Idefics3Processing

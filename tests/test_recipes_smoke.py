@@ -43,6 +43,7 @@ def test_bundled_samples_are_small():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[r.stem for r in RECIPES])
+@pytest.mark.slow
 def test_recipe_smoke_run(path, tmp_path, monkeypatch):
     from mmrl.trainer import train
 
@@ -69,6 +70,7 @@ def test_recipe_smoke_run(path, tmp_path, monkeypatch):
         assert line["response/length"] > 0
 
 
+@pytest.mark.slow
 def test_data_check_renders_the_mapped_rows_with_the_template_and_image_tokens(monkeypatch):
     monkeypatch.chdir(REPO)
     recipe = load_smoke_recipe(REPO / "recipes" / "qwen2_5_vl_7b_multi_image.yaml")
@@ -91,6 +93,7 @@ def test_gsm8k_recipe_reads_the_answer_after_hashes(monkeypatch):
     assert all('final answer after "####"' in r["text"] for r in rows)
 
 
+@pytest.mark.slow
 def test_cli_smoke_and_data_check(tmp_path):
     recipe = "recipes/qwen2_5_vl_3b_clevr_count_grpo.yaml"
     done = subprocess.run([sys.executable, "-m", "mmrl.cli", "data", "check", recipe, "--smoke", "--rows", "1"],

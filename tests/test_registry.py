@@ -81,6 +81,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_plugin_module_on_the_cli_registers_a_family():
     result = subprocess.run(
         [sys.executable, "-m", "mmrl.cli", "--plugin", "plugins.toy_family", "models", "--json"],
@@ -102,6 +103,7 @@ def test_missing_plugin_module_exits_non_zero_with_one_line():
     assert "no_such_module_xyz" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_entry_point_plugins_are_discovered(tmp_path):
     # A fake installed distribution whose entry point names the toy family module.
     dist = tmp_path / "toy_plugin-1.0.dist-info"
@@ -238,6 +240,7 @@ def test_cli_commands_work_with_a_broken_plugin_installed(broken_plugins_install
         assert json.loads(result.stdout)["family"] == zoo[0]
 
 
+@pytest.mark.slow
 def test_broken_plugin_is_one_stderr_line_in_the_cli(tmp_path):
     # In a real process (pytest records warnings instead of printing them): one line on
     # stderr per broken plugin, no traceback, and a working plugin next to them still loads.

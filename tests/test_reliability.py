@@ -60,6 +60,7 @@ def _one_line(message: str) -> bool:
 
 
 # -- run folders ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_folder_holding_a_run_is_refused_then_overwritten_or_resumed(tmp_path):
     run = tmp_path / "run"
     Trainer(_recipe(run, "trainer.steps=3", "trainer.save_every=3")).fit()
@@ -139,6 +140,7 @@ def test_a_folder_left_with_only_a_recipe_is_taken_and_an_unused_new_folder_goes
     assert (tmp_path / "kept" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_two_processes_into_one_folder_the_second_refuses(tmp_path):
     """A real second process: one holds the folder (through RunFolder), the CLI refuses."""
     run = tmp_path / "run"
@@ -283,6 +285,7 @@ def _wait_for_steps(run, process, count):
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.slow
 def test_a_signal_finishes_the_step_saves_and_exits(tmp_path, signum, code):
     run = tmp_path / "run"
     process = _start(run, "trainer.steps=10000")
@@ -415,6 +418,7 @@ def test_large_images_are_decoded_reduced(tmp_path):
     assert image.width * image.height <= 16 * 50_000
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_follow_the_source_resolution(tmp_path):
     """Four 8000x8000 JPEGs decoded for a 256k-pixel budget: the peak resident memory
     grows by far less than one full-size decode (192 MB)."""
@@ -563,6 +567,7 @@ def _assert_one_clean_line(result):
      "model.config_overrides.text_config.hidden_size: expected an integer"),
     (["data.train=EMPTY"], "empty file (0 bytes)"),
 ])
+@pytest.mark.slow
 def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, overrides, words):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     overrides = [o.replace("EMPTY", str(tmp_path / "empty.jsonl")) for o in overrides]
@@ -622,6 +627,7 @@ def test_checkpoint_weights_are_checked_before_the_build(tmp_path):
 
 # -- CPU contention: OpenMP threads sleep while they wait (bench/cpu_contention.py) ----------
 @pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+@pytest.mark.slow
 def test_the_cli_sets_the_openmp_wait_policy_before_torch_loads(given, expected):
     script = ("import sys; from typer.testing import CliRunner; from mmrl.cli import app; "
               "assert 'torch' not in sys.modules; result = CliRunner().invoke(app, ['models', '--json']); "
@@ -632,6 +638,24 @@ def test_the_cli_sets_the_openmp_wait_policy_before_torch_loads(given, expected)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
                             timeout=HANG_GUARD_S)
     assert result.stdout.split() == ["0", expected], result.stderr[-2000:]
+
+
+def test_max_threads_caps_the_threads_a_recipe_asks_for(tmp_path, monkeypatch):
+    """MMRL_MAX_THREADS (one per pytest-xdist worker in this suite) wins over `trainer.threads`."""
+    from mmrl.logs import MAX_THREADS_ENV, capped_threads
+
+    monkeypatch.delenv(MAX_THREADS_ENV, raising=False)
+    assert capped_threads(2) == 2
+    monkeypatch.setenv(MAX_THREADS_ENV, "x")
+    with pytest.raises(ValueError, match="MMRL_MAX_THREADS='x': give a whole number of threads"):
+        capped_threads(2)
+    monkeypatch.setenv(MAX_THREADS_ENV, "1")
+    before = torch.get_num_threads()
+    try:
+        Trainer(_recipe(tmp_path / "run", "trainer.threads=2"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- worker logs: removed when doctor succeeds, kept and named when it fails ------------------

@@ -51,6 +51,7 @@ needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") i
 
 
 @needs_math_verify
+@pytest.mark.slow
 def test_math_reward_symbolic_with_math_verify():
     reward = get_reward("math")
     completions = ["\\boxed{\\frac{2}{4}}", "so $\\sqrt{2}$", "it is $1 + x^2$", "x = 3"]

@@ -234,6 +234,7 @@ def _python_blocks(heading: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 
 
+@pytest.mark.slow
 def test_the_python_api_example_of_the_docs_trains(tmp_path, monkeypatch, capsys):
     """docs/training.md#training-from-python as written: a callable reward reading the
     images, an in-memory datasets.Dataset, the README's tiny recipe, 2 steps."""
@@ -368,6 +369,7 @@ def test_a_tiny_judge_model_scores_through_the_rollout_and_sees_the_images(monke
 
 # -- the command line: the user's folder, as issue 32 tells it -----------------------------------
 
+@pytest.mark.slow
 def test_cli_trains_with_a_reward_module_beside_the_recipe_without_pythonpath(tmp_path):
     """`reward.name: my_rewards:graded` with my_rewards.py beside the recipe, run from
     another folder without PYTHONPATH: trains; a recipe without a reward is one line."""

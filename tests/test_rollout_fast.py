@@ -202,6 +202,7 @@ def test_decode_attention_equals_sdpa_on_grouped_heads():
                                sdpa_attention_forward(module, prompt, key, value, square)[0], atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_traces_as_one_graph():
     built, engine = _setup("qwen2")
     conversations = _conversations(built)
@@ -328,6 +329,7 @@ def test_the_recipe_names_the_backend():
         make_rollout("hf_fast", None, None)
 
 
+@pytest.mark.slow
 def test_a_spread_of_prompt_lengths_and_widths_compiles_at_most_two_graphs(monkeypatch):
     """Issue 28: rollouts over prompts of many lengths whose rows finish at different steps
     (the loop moves them into narrower batches) trace the decode step at most twice: the
@@ -362,6 +364,7 @@ def test_a_spread_of_prompt_lengths_and_widths_compiles_at_most_two_graphs(monke
     assert graphs <= 2
 
 
+@pytest.mark.slow
 def test_a_shorter_batch_reuses_the_longest_compiled_cache():
     """A batch of short prompts after a long one decodes on the long batch's cache (the
     extra positions masked) with the same tokens as on a cache of its own length, and the

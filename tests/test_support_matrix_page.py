@@ -22,7 +22,8 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
         "--disable-sync", "--no-first-run"]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is installed by scripts/install_browser.sh")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: run `bash scripts/install_browser.sh`")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no chromium: run `bash scripts/install_browser.sh`"),
+              pytest.mark.slow]  # a real browser
 
 
 @pytest.fixture(scope="module")

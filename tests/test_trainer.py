@@ -38,6 +38,7 @@ def _weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.actor.model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_plot_and_a_loadable_export(tmp_path):
     trainer = Trainer(_recipe(tmp_path, "trainer.steps=3"))
     summary = trainer.fit()
@@ -166,6 +167,7 @@ VLM_CHEAP = ["trainer.eval_every=0", "data.eval=null", "data.validation=null", "
 
 @pytest.mark.parametrize("family", ["text", "vlm"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.slow
 def test_micro_batches_by_tokens_give_the_same_loss_and_gradients(tmp_path, family, aggregation):
     """algo.micro_batch_tokens splits the step into uneven micro-batches (a KL reference and
     an entropy term in the loss, and for the VLM packed rows); the loss and the gradients
@@ -209,6 +211,7 @@ def test_one_mini_batch_is_the_plain_update(tmp_path):
         assert torch.equal(weights[0][name], weights[1][name]), name
 
 
+@pytest.mark.slow
 def test_auto_checkpointing_redoes_an_update_that_ran_out_of_memory(tmp_path):
     """gradient_checkpointing: auto starts without checkpointing; when an update runs out
     of memory (here: raised on its second micro-batch, after the first one's gradients
@@ -311,6 +314,7 @@ def rank_skewed_reward(completions, answers, **fields):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ranks_with_unequal_kept_rows_run_as_many_passes(tmp_path):
     """Under FSDP2 (2 processes, gloo) rank 1 keeps half as many rows as rank 0 and makes
     micro-batches of one row (a 1-token budget): it repeats micro-batches with weight 0 so

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from huggingface_hub import constants
 from PIL import Image, ImageDraw
 
@@ -83,6 +84,7 @@ def _run(command: str, env: dict, cwd: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_tutorial_runs_as_written(tmp_path, monkeypatch):
     import mmrl
 

@@ -146,6 +146,7 @@ def _torchrun(module: str, out: Path, specs: list[dict], timeout: int = 400) -> 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_process_ulysses_update_equals_one_process(tmp_path):
     """qwen2 (text) and qwen2_vl (image, 3-D mrope positions); sp_step makes every
     sequence of odd length, so it is padded to split over the 2 ranks."""
@@ -162,6 +163,7 @@ def test_two_process_ulysses_update_equals_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_probe_runs_every_family_in_one_launch():
     from mmrl.probes.base import CheckFailed, Subject, Verified
     from mmrl.probes.sequence_parallel import check_sequence_parallel_many
@@ -225,6 +227,7 @@ torch.distributed.destroy_process_group()
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_checkpointed_critic_and_entropy_under_ulysses(tmp_path):
     """Activation checkpointing (layers recomputed outside the forward's context), the
     entropy and a value head, SP=2 against one process."""
@@ -319,6 +322,7 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_training_with_sequence_parallel_equals_one_process(tmp_path):
     """Two training steps of the tiny VLM recipe: one Ulysses group of 2 processes
     samples what one process samples (same seed, same prompts) and takes the same steps."""

@@ -116,6 +116,7 @@ def expand(conversations, result):
     return [conversations[i] for i in result.prompt_index.tolist()]
 
 
+@pytest.mark.slow
 def test_greedy_matches_the_hf_backend(served):
     family, built, engine, rollout = served
     conversations = CONVERSATIONS[family]
@@ -142,6 +143,7 @@ def test_greedy_matches_the_hf_backend(served):
     torch.testing.assert_close(scored, truth, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_never_draws_blocked_tokens(served):
     family, built, engine, rollout = served
     conversations = CONVERSATIONS[family]
@@ -178,6 +180,7 @@ def _gap(rollout, engine, processing, conversations, result):
     return float((scored - truth).abs().max())
 
 
+@pytest.mark.slow
 def test_sync_pushes_updated_weights(served):
     family, built, engine, rollout = served
     conversations = CONVERSATIONS[family]
@@ -202,6 +205,7 @@ def test_sync_pushes_updated_weights(served):
         rollout.sync(engine)
 
 
+@pytest.mark.slow
 def test_sync_pushes_merged_lora_weights():
     from mmrl.lora import apply_lora
 
@@ -227,6 +231,7 @@ def test_sync_pushes_merged_lora_weights():
         rollout.close()
 
 
+@pytest.mark.slow
 def test_head_size_vllm_cannot_run_is_refused_up_front():
     heads_of_16 = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
     built = build_model("qwen2", random_init=True, config_overrides=heads_of_16)
@@ -307,6 +312,7 @@ def _count_recipe(tmp_path, *overrides):
     ])
 
 
+@pytest.mark.slow
 def test_trainer_runs_with_the_vllm_backend(tmp_path):
     from mmrl.rollout.vllm import VLLMRollout
     from mmrl.trainer import Trainer
@@ -384,6 +390,7 @@ rollout.close()  # under torchrun vLLM's shutdown also ends the process group
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+@pytest.mark.slow
 def test_each_rank_runs_its_own_engine_under_torchrun(tmp_path, family):
     script, out = tmp_path / "parity.py", tmp_path / "gaps.json"
     script.write_text(TORCHRUN_PARITY)
@@ -396,6 +403,7 @@ def test_each_rank_runs_its_own_engine_under_torchrun(tmp_path, family):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_training_under_torchrun_with_the_vllm_backend(tmp_path):
     out = tmp_path / "run"
     run(torchrun(2, "-m", "mmrl.cli", "train", REPO / "recipes" / "tiny_vlm_count.yaml", "rollout.backend=vllm",
