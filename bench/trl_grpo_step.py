@@ -644,7 +644,7 @@ def prompt_check(trainer, rows: list[dict], ours: list[list[int]]) -> dict[str, 
 
 def micro_batch(args) -> int:
     rows = args.prompts * args.samples
-    return args.micro_batch or rows
+    return getattr(args, "micro_batch", 0) or rows  # callers that build their own args may leave it out
 
 
 def same_prompt_ids(theirs: list[list[int]], ours: list[list[int]]) -> dict[str, Any]:
@@ -688,7 +688,7 @@ def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
         "slow_steps": [(i + 1, round(r["step_s"], 2)) for i, r in enumerate(records)
                        if r["step_s"] > 3 * median["step"]],
         "per_step": records,
-        **whole_run(records, median["step"], args.whole_run or args.steps),
+        **whole_run(records, median["step"], getattr(args, "whole_run", 0) or args.steps),
     }
 
 
