@@ -205,6 +205,11 @@ class RolloutConfig(_Section):
     # gathered after each update; "keep" holds it between rollouts, "free" releases it after
     # each, "auto" keeps it when it takes at most half the free GPU memory (docs/training.md).
     inference_copy: Literal["auto", "keep", "free"] = "auto"
+    # hf_compiled on a GPU: how the decode step runs fast. "graphs" records the eager step as
+    # CUDA graphs (a fraction of a second each), "compiled" compiles it with torch.compile
+    # (tens of seconds at a run's first steps, faster steps after); "auto" takes the one that
+    # the whole-run bench measured faster (docs/performance.md).
+    decode: Literal["auto", "graphs", "compiled"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

@@ -52,7 +52,7 @@ from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.prompt_lengths import check_prompt_lengths
 from mmrl.rewards import get_reward, reward_name
-from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout import SamplingParams, make_rollout, rollout_options
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
 from mmrl.samples import sample_rows
@@ -184,11 +184,9 @@ class Trainer:
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)
         backend = settled.rollout_backend
-        options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
-                                                                  "inference_copy": r.rollout.inference_copy}}
         # The recipe's own name too: "auto" may still take plain generate (an inference copy that does not fit).
         self.rollout = make_rollout(backend, self.actor, self.processing, requested=r.rollout.backend,
-                                    **options.get(backend, {}))
+                                    **rollout_options(r.rollout, backend))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout

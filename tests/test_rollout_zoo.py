@@ -5,6 +5,8 @@ on CUDA (`-m gpu`) it runs through `torch.compile` and CUDA graphs, the path `au
 there, and must not fall back.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from mmrl import build_model
 from mmrl.engine import Engine
 from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout.graphs import GraphedStep
 
 from test_rollout_fast import _assert_same, _conversations
 
@@ -37,17 +40,24 @@ def _setup(family: str, device: str):
     return built, Engine(built, init_distributed(device), mixed_precision=False, share_media=False)
 
 
-def _compare(family: str, device: str, compile: bool):
+def _compare(family: str, device: str, compile: bool, decode: str = "compiled"):
     built, engine = _setup(family, device)
     conversations = _conversations(built, count=3)
     params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
-    rollout = make_rollout("hf_compiled", engine, built.processing, compile=compile)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=compile, decode=decode)
     for _ in range(2 if compile else 1):  # compiled: the second call replays the captured graph
         fast = rollout.generate(conversations, params)
         assert rollout.fallback_reason is None, rollout.fallback_reason
         assert len(set(plain.response_ids.flatten().tolist())) > 3  # not one token repeated everywhere
         _assert_same(plain, fast)
+    return rollout
+
+
+def _recordable(family: str) -> bool:
+    """Whether the family's decode step takes the recorded-graph path (`mmrl.rollout.graphs`:
+    full-attention layers only; sliding-window families use the compiled step)."""
+    return family not in ("gemma3_text", "gemma3")
 
 
 def test_the_list_is_the_zoo():
@@ -66,3 +76,34 @@ def test_every_zoo_familys_static_cache_loop_equals_plain_generate(family):
 @pytest.mark.parametrize("family", ZOO)
 def test_every_zoo_family_on_cuda_takes_the_compiled_path_and_equals_plain_generate(family):
     _compare(family, "cuda", compile=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava_onevision"])
+def test_the_recorded_graphs_step_equals_plain_generate(family):
+    """`rollout.decode: graphs` on CPU runs the step the GPU records (masks and cache slots
+    built inside the step, no host reads) eagerly; a family whose layers are not all full
+    attention gives the step up for the other one, with one warning, and still equals
+    plain generate."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rollout = _compare(family, "cpu", compile=False, decode="graphs")
+    step = rollout._step
+    assert isinstance(step, GraphedStep)
+    if _recordable(family):
+        assert step.fallback is None and not caught
+    else:
+        assert "layer kinds" in step.fallback_reason
+        assert sum("rollout.decode=graphs" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ZOO)
+def test_every_zoo_family_on_cuda_records_the_decode_step_and_equals_plain_generate(family):
+    """The CUDA graphs recorded without compiling (`rollout.decode: graphs`) give plain
+    generate's tokens and log-probs, the second rollout replaying the first's graphs."""
+    rollout = _compare(family, "cuda", compile=True, decode="graphs")
+    step = rollout._step
+    if _recordable(family):
+        assert step.fallback is None, step.fallback_reason
+        assert step.recordings >= 1

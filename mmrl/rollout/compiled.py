@@ -46,7 +46,9 @@ import torch
 
 from mmrl.engine.media import sharing
 from mmrl.errors import one_line
+from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.graphs import GraphedStep
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 
@@ -76,6 +78,9 @@ _UNSUPPORTED_SAMPLING = {"min_p": (None, 0.0), "typical_p": (None, 1.0), "epsilo
 
 
 DECODE_ATTENTION = "mmrl_decode"
+DECODE_MODES = ("auto", "graphs", "compiled")
+# What "auto" takes: bench/trl_grpo_step.py --whole-run measures both on a GPU.
+AUTO_DECODE = "compiled"
 
 
 class Unsupported(Exception):
@@ -126,7 +131,7 @@ class CompiledHFRollout(HFRollout):
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
-                 half_weights: bool = True, inference_copy: str = "auto"):
+                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto"):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -138,6 +143,11 @@ class CompiledHFRollout(HFRollout):
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
         self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
+        # How the decode step runs fast: "graphs" records the eager step as CUDA graphs
+        # (`mmrl.rollout.graphs`, seconds), "compiled" compiles it (tens of seconds per graph).
+        if decode not in DECODE_MODES:
+            raise ValueError(f"rollout.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        self.decode = AUTO_DECODE if decode == "auto" else decode
         # The longest cache a compiled step has run on: shorter prompts reuse it (see
         # `_cache_length`).
         self._longest_cache = 0
@@ -255,6 +265,8 @@ class CompiledHFRollout(HFRollout):
             mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(rows, length - prompt_length)], 1)
             index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
             step = self._compiled_step()
+            if isinstance(step, GraphedStep):
+                step.start(model, prompt_length, self._caches.values())
             steps = 1
             with _decode_attention(model):
                 for t in range(1, new_tokens):
@@ -305,7 +317,15 @@ class CompiledHFRollout(HFRollout):
 
     def _compiled_step(self):
         if self._step is None:
-            self._step = torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+            def compiled():
+                return torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+
+            if self.decode == "graphs":
+                capture = self.compile and self.engine.dist.device.type == "cuda"
+                self._step = GraphedStep(choose_tokens, capture=capture, fallback=compiled,
+                                         attention=DECODE_ATTENTION, on_record=watch().record)
+            else:
+                self._step = compiled()
         return self._step
 
     def _cache(self, rows: int, length: int, dtype: torch.dtype | None = None):
