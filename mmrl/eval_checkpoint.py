@@ -103,7 +103,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     engine = Engine(built, dist, share_media=m.share_media, **settled.engine_options())
     backend = settled.rollout_backend
     rollout = make_rollout(backend, engine, built.processing, requested=r.rollout.backend,
-                           **rollout_options(r.rollout, backend))
+                           **rollout_options(r.rollout, backend, settled.rollout_decode))
     agent = None
     if environment is not None:
         from mmrl.rollout.agent import AgentRollout

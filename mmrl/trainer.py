@@ -186,7 +186,7 @@ class Trainer:
         backend = settled.rollout_backend
         # The recipe's own name too: "auto" may still take plain generate (an inference copy that does not fit).
         self.rollout = make_rollout(backend, self.actor, self.processing, requested=r.rollout.backend,
-                                    **rollout_options(r.rollout, backend))
+                                    **rollout_options(r.rollout, backend, settled.rollout_decode))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout

@@ -17,13 +17,14 @@ def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     return backend_choice(backend, engine.adapter, engine.dist).value
 
 
-def rollout_options(rollout, backend: str) -> dict:
-    """The keyword options the recipe's `rollout` section gives the backend `backend`."""
+def rollout_options(rollout, backend: str, decode: str | None = None) -> dict:
+    """The keyword options the recipe's `rollout` section gives the backend `backend`;
+    `decode`: `rollout.decode` as settled (`mmrl.settle.resolve`)."""
     if backend == "vllm":
         return {"config": rollout}
     if backend == "hf_compiled":
         return {"half_weights": rollout.half_weights, "inference_copy": rollout.inference_copy,
-                "decode": rollout.decode}
+                "decode": decode or rollout.decode}
     return {}
 
 
