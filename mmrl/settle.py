@@ -176,8 +176,8 @@ def backend_choice(backend: str, adapter, dist: Dist) -> Choice:
 
 
 # Decode steps in a run (steps x new tokens per turn x turns) up to which recording the decode
-# step as CUDA graphs beats compiling it: compiling costs about 50 s at the first step and
-# saves about 1.3 ms per decode step after (0.5B text, 64 rows: bench/results/decode_ab_text_gpu.json).
+# step as CUDA graphs beats compiling it: the compile's first-step cost over what it saves per
+# decode step after (docs/performance.md, "Recording the decode step instead of compiling it").
 GRAPHS_UP_TO = 40_000
 
 
