@@ -323,7 +323,8 @@ class CompiledHFRollout(HFRollout):
             if self.decode == "graphs":
                 capture = self.compile and self.engine.dist.device.type == "cuda"
                 self._step = GraphedStep(choose_tokens, capture=capture, fallback=compiled,
-                                         attention=DECODE_ATTENTION, on_record=watch().record)
+                                         attention=DECODE_ATTENTION, on_record=watch().record,
+                                         layers=self.engine.compiled_layers if self.copy is None else None)
             else:
                 self._step = compiled()
         return self._step

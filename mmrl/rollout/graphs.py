@@ -37,6 +37,7 @@ import contextlib
 import inspect
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -86,9 +87,12 @@ class GraphedStep:
     recording is not possible; `on_record(seconds, what)` hears of each recording."""
 
     def __init__(self, choose: Callable, capture: bool, fallback: Callable[[], Callable], attention: str,
-                 on_record: Callable[[float, str], None] | None = None):
+                 on_record: Callable[[float, str], None] | None = None, layers=None):
         self.choose = choose
         self.attention = attention  # the attention function that reads the step's boolean masks
+        # The engine's compiled decoder layers (`mmrl.engine.compiled_layers`), or None: the
+        # recorded step then replays their fused kernels instead of eager ones.
+        self.layers = layers
         self.capture = capture
         self._fallback_factory = fallback
         self.fallback: Callable | None = None
@@ -100,6 +104,7 @@ class GraphedStep:
         self._takes_cache_position: bool | None = None
         self.recordings = 0
         self._checked = False
+        self._wrapped: list[weakref.ref] = []  # caches whose update `_eager_update` wrapped
         self._tried = False
 
     def start(self, model, prompt_length: int, live_caches: Iterable = ()) -> None:
@@ -138,7 +143,9 @@ class GraphedStep:
             if not self._tried:  # the first step tries the model as the GPU's first step does
                 self._tried = True
                 return self._first(None, model, cache, inputs, run)
-            return graph_step(model, *_args(inputs, cache), **run)
+            self._eager_update(cache)
+            with self._compiled_layers():
+                return graph_step(model, *_args(inputs, cache), **run)
         key = (id(cache), ids.shape[0], mask.shape[1], place.shape, seen is None,
                tuple(sorted((k, v) for k, v in pick.items())))
         recorded = self._recorded.get(key)
@@ -151,25 +158,59 @@ class GraphedStep:
         return recorded.outputs
 
     def _first(self, key, model, cache, inputs: dict, run: dict):
-        """Run the step eagerly (its result is this step's), then record it for the next."""
+        """Run the step (its result is this step's; the compiled layers compile their decode
+        graphs here), run it again where nothing may read back to the host, and record it
+        for the next step. The second run's effects (cache counters, `slot`, the random
+        state) are undone; the keys and values it writes are the first run's again."""
+        self._eager_update(cache)
+        state = _State(cache, self.slot)
         try:
-            counters = _fill_counters(cache)
-            before = [c.clone() for c in counters] + [self.slot.clone()]
-            try:
-                with _sync_raises() if self.capture else contextlib.nullcontext(), _uncached_autocast():
-                    result = graph_step(model, *_args(inputs, cache), **run)
-            except Exception as error:
-                # Undo what the partial step advanced; the keys and values it wrote are
-                # written again by the step that replaces it.
-                for tensor, value in zip([*counters, self.slot], before, strict=True):
-                    tensor.copy_(value)
-                raise NotRecordable(f"the model's step fails without host reads ({one_line(error)[:160]})") from error
-            if self.capture:
-                self._record(key, model, cache, inputs, run)
-            return result
-        except NotRecordable as error:
-            self._give_up(str(error))
+            result = self._try(model, cache, inputs, run)
+        except Exception as error:  # noqa: BLE001 - the fallback step runs it instead
+            state.restore()
+            self._give_up(f"the model's step fails as prepared here ({one_line(error)[:160]})")
             return self.fallback(model, *_args(inputs, cache), **_pick(run))
+        if self.capture:
+            state = _State(cache, self.slot)
+            try:
+                with _sync_raises():
+                    self._try(model, cache, inputs, run)
+            except Exception as error:  # noqa: BLE001
+                self._give_up(f"the eager step reads back to the host ({one_line(error)[:160]})")
+                return result
+            finally:
+                state.restore()
+            self._record(key, model, cache, inputs, run)
+        return result
+
+    def _try(self, model, cache, inputs: dict, run: dict):
+        """The eager step, through the engine's compiled layers where it compiles them; a
+        layer compile that fails leaves the engine's layers as they were for its updates and
+        the decode step eager from then on."""
+        failed_before = None if self.layers is None else self.layers.failed
+        with _uncached_autocast(), self._compiled_layers():
+            out = graph_step(model, *_args(inputs, cache), **run)
+        if self.layers is not None and self.layers.failed and not failed_before:
+            self.layers.failed, self.layers = failed_before, None
+        return out
+
+    def _eager_update(self, cache) -> None:
+        """With compiled layers, keep the cache write out of their graphs: it picks the
+        layer's cache by index, which would make dynamo compile one graph per layer."""
+        if self.layers is not None and "update" not in vars(cache):
+            cache.update = torch.compiler.disable(cache.update)
+            self._wrapped.append(weakref.ref(cache))
+
+    def _compiled_layers(self):
+        """While open, the decoder layers run the engine's compiled forwards, with each
+        layer's index a symbolic int (one graph serves every layer, not one per index) and
+        the cache write outside the graph (`_eager_update`)."""
+        if self.layers is None or self.layers.failed:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.layers.active())
+        stack.enter_context(torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True))
+        return stack
 
     def _unrecordable(self, model) -> str | None:
         kinds = layer_kinds(model)
@@ -185,6 +226,11 @@ class GraphedStep:
         self.fallback_reason = reason
         self.fallback = self._fallback_factory()
         self._recorded.clear()
+        for ref in self._wrapped:  # the compiled step traces the cache write as one graph
+            cache = ref()
+            if cache is not None:
+                vars(cache).pop("update", None)
+        self._wrapped.clear()
         warnings.warn(f"rollout.decode=graphs: using the compiled decode step ({reason})", stacklevel=4)
 
     def _record(self, key, model, cache, inputs: dict, run: dict) -> None:
@@ -208,6 +254,22 @@ def _args(inputs: dict, cache) -> tuple:
 
 def _pick(run: dict) -> dict:
     return {k: v for k, v in run.items() if k not in ("slot", "choose", "takes_cache_position")}
+
+
+class _State:
+    """What a step advances besides the cache contents, to put back: the layers' fill
+    counters, `slot` and the device's random state."""
+
+    def __init__(self, cache, slot: torch.Tensor):
+        self.tensors = [*_fill_counters(cache), slot]
+        self.values = [t.clone() for t in self.tensors]
+        self.rng = torch.cuda.get_rng_state(slot.device) if slot.is_cuda else None
+
+    def restore(self) -> None:
+        for tensor, value in zip(self.tensors, self.values, strict=True):
+            tensor.copy_(value)
+        if self.rng is not None:
+            torch.cuda.set_rng_state(self.rng, self.tensors[-1].device)
 
 
 def _fill_counters(cache) -> list[torch.Tensor]:
