@@ -22,13 +22,14 @@ import torch
 import torch.distributed
 
 from mmrl.build import build_model, build_recipe_model
-from mmrl.config import Recipe, RecipeError, check_reward_and_data, recipe_reward, weights_problem
+from mmrl.config import Recipe, RecipeError
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
 from mmrl.logs import capped_threads
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
+from mmrl.recipe_checks import check_reward_and_data, recipe_reward, weights_problem
 from mmrl.rollout import make_rollout
 from mmrl.runs import verify_checkpoint
 from mmrl.settle import resolve
