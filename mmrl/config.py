@@ -9,9 +9,9 @@ a YAML error, or a key given twice, names the line and column. Values are not co
 what can be told from the recipe alone (group-relative advantages need samples that can
 differ) is refused here, before anything is built. What needs the filesystem, the model's
 config or the data is checked in `mmrl.recipe_checks` (`check_before_build`), before the slow
-model build. `same_run` tells whether a saved recipe is the run being resumed. A recipe's `settled:` section (`SettledConfig`) holds what a
-run settled for the settings left to mmrl (`mmrl.settle`); `dump_recipe` writes it last,
-with the reason for each value.
+model build. `same_run` tells whether a saved recipe is the run being resumed. A recipe's
+`settled:` section (`SettledConfig`) holds what a run settled for the settings left to mmrl
+(`mmrl.settle`); `dump_recipe` writes it last, with the reason for each value.
 """
 
 from __future__ import annotations
