@@ -22,7 +22,7 @@ import torch
 import torch.distributed
 
 from mmrl.build import build_model, build_recipe_model
-from mmrl.config import Recipe, RecipeError, check_reward_and_data, recipe_reward, weights_problem
+from mmrl.config import Recipe, RecipeError
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
@@ -30,6 +30,8 @@ from mmrl.logs import capped_threads
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
 from mmrl.rollout import make_rollout, rollout_options
+from mmrl.recipe_checks import check_reward_and_data, recipe_reward, weights_problem
+
 from mmrl.runs import verify_checkpoint
 from mmrl.settle import resolve
 from mmrl.trainer import environment_factory

@@ -42,15 +42,14 @@ from mmrl.buffer import RolloutBatch, attach_behaviour, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
-from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
-                         unset_toy_defaults)
+from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.media_check import step_zero_media_check
 from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
-from mmrl.prompt_lengths import check_prompt_lengths
+from mmrl.recipe_checks import check_before_build, check_prompt_lengths, recipe_reward, unset_toy_defaults
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, make_rollout, rollout_options
 from mmrl.run_log import RunLog, plot_rewards

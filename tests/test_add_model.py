@@ -298,11 +298,11 @@ def test_processor_tokens_read_only_when_the_tokenizer_has_them_stay_unset():
     # its own AddedToken("<image>"): the tiny tokenizer must leave the attribute unset.
     import transformers
 
-    from mmrl.scaffold.placeholders import _tokens_in_source
+    from mmrl.scaffold.placeholders import tokens_in_source
 
-    named, literals, optional = _tokens_in_source(transformers.Blip2Processor)
+    named, literals, optional = tokens_in_source(transformers.Blip2Processor)
     assert optional == {"image_token": "<image>"} and "image_token" not in named
-    named, _, optional = _tokens_in_source(transformers.PaliGemmaProcessor)
+    named, _, optional = tokens_in_source(transformers.PaliGemmaProcessor)
     assert "add_bos_token" not in named and "add_bos_token" not in optional, "a tokenizer switch is not a token"
 
 
@@ -324,16 +324,16 @@ def test_multi_axis_rope_split_written_in_model_code_is_rescaled_with_equal_axes
 def test_processor_token_names_are_read_through_aliases_and_frame_words():
     import transformers
 
-    from mmrl.scaffold.placeholders import _frames, _named_token, _tokens_in_source
+    from mmrl.scaffold.placeholders import _frames, named_token, tokens_in_source
 
     # InternVLProcessor: `self.image_token = tokenizer.context_image_token`.
-    named, _, _ = _tokens_in_source(transformers.InternVLProcessor)
+    named, _, _ = tokens_in_source(transformers.InternVLProcessor)
     assert named["image_token"] == named["context_image_token"]
     # A config field's stem finds the processor's token under another frame word.
     named = {"vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>", "image_token": "<i>"}
-    assert _named_token("vision_start", named) == "<|vision_bos|>"
-    assert _named_token("vision_end", named) == "<|vision_eos|>"
-    assert _named_token("audio_start", named) is None
+    assert named_token("vision_start", named) == "<|vision_bos|>"
+    assert named_token("vision_end", named) == "<|vision_eos|>"
+    assert named_token("audio_start", named) is None
     assert _frames(named) == [("<|vision_bos|>", "<|vision_eos|>")]
     # The chat template's own message markers are no media frame.
     assert _frames({"message_start_token": "<|im_start|>", "message_end_token": "<|im_end|>"}) == []
@@ -342,9 +342,9 @@ def test_processor_token_names_are_read_through_aliases_and_frame_words():
 def test_image_processor_sizes_follow_a_height_width_tower_size():
     import transformers
 
-    from mmrl.scaffold.image_size import _sized
+    from mmrl.scaffold.image_size import sized_processor_kwargs
 
-    sized = _sized(transformers.GotOcr2ImageProcessor, [448, 336])
+    sized = sized_processor_kwargs(transformers.GotOcr2ImageProcessor, [448, 336])
     assert sized["size"] == {"height": 448, "width": 336}
 
 
@@ -506,9 +506,9 @@ def test_image_processor_pixel_budgets_are_sized_to_the_tower_area():
     # Glm4vImageProcessor's size holds pixel areas (a min/max budget), not edges.
     import transformers
 
-    from mmrl.scaffold.image_size import _sized
+    from mmrl.scaffold.image_size import sized_processor_kwargs
 
-    sized = _sized(transformers.Glm4vImageProcessor, 336)
+    sized = sized_processor_kwargs(transformers.Glm4vImageProcessor, 336)
     assert sized["size"]["longest_edge"] == 336 * 336
     assert sized["size"]["shortest_edge"] <= 336 * 336
 
