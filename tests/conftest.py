@@ -1,5 +1,5 @@
 """Shared fixtures: the registered families and fresh tiny builds of each; the torch
-threads of each test process.
+threads of each test process; the order the tests are queued in (the longest first).
 
 Under pytest-xdist (`-n auto`: README.md's test command) every worker gets its share of
 the cores, one thread on a machine with as many cores as workers, and the processes it
@@ -107,7 +107,9 @@ def _urgency(item) -> tuple[int, bool]:
 def _module_fixture_users(item) -> bool:
     """Whether the test takes a module-scoped fixture (pytest's own record of the
     fixtures a test resolves to)."""
-    return any(definitions[-1].scope == "module" for definitions in item._fixtureinfo.name2fixturedefs.values())
+    resolved = getattr(item, "_fixtureinfo", None)  # on every test function; absent on other kinds of item
+    return resolved is not None and any(definitions[-1].scope == "module"
+                                        for definitions in resolved.name2fixturedefs.values())
 
 
 @pytest.hookimpl(trylast=True)  # after pytest has grouped the tests that share a parametrized fixture
