@@ -256,9 +256,10 @@ def test_coverage_sweep_slice_writes_rows_and_resumes(tmp_path):
     does not run (one line naming the stage); a second run adds rows and keeps the first.
     Its green text row repeats test_text_family_scaffold_passes_the_zoo_unedited's check
     (the zoo's tests on the olmo2 scaffold, here through the generated test file in a
-    process of its own) and its llama4 row
-    test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in's; what it adds
-    is the sweep's rows, resume, page and depth columns (Ulysses over 2 processes)."""
+    process of its own) and its llama4 row the finding of
+    test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in (the tiny model
+    does not run); what it adds is the sweep's rows, resume, page and depth columns
+    (Ulysses over 2 processes)."""
     import json
 
     coverage = tmp_path / "coverage.json"
