@@ -29,8 +29,8 @@ from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
 from mmrl.logs import capped_threads
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
-from mmrl.rollout import make_rollout, rollout_options
 from mmrl.recipe_checks import check_reward_and_data, recipe_reward, weights_problem
+from mmrl.rollout import make_rollout, rollout_options
 
 from mmrl.runs import verify_checkpoint
 from mmrl.settle import resolve

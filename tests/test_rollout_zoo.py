@@ -9,40 +9,19 @@ import warnings
 
 import pytest
 import torch
+from test_rollout_fast import _assert_same
+from widened_models import prompt_conversations, widened_engine
 
-from mmrl import build_model
-from mmrl.engine import Engine
-from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout.graphs import GraphedStep
-
-from test_rollout_fast import _assert_same, _conversations
 
 ZOO = ["qwen2", "qwen3", "llama", "mistral", "gemma3_text", "phi3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
        "idefics3", "smolvlm", "llava_onevision", "gemma3", "internvl"]
 
 
-# Weight spread of the random init per family (test_rollout_fast's _setup): Gemma's scaled
-# embeddings and soft-capped logits saturate at the default 0.3 into one repeated token.
-SPREAD = {"gemma3_text": 0.03, "gemma3": 0.03}
-
-
-def _setup(family: str, device: str):
-    """test_rollout_fast's tiny model with widened weights, on `device`."""
-    options = {"min_pixels": 784, "max_pixels": 56 * 56} if family not in ZOO[:6] else {}
-    with torch.device(device):
-        built = build_model(family, random_init=True, seed=0, processing_options=options)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in built.model.parameters():
-            if parameter.dim() == 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * SPREAD.get(family, 0.3))
-    return built, Engine(built, init_distributed(device), mixed_precision=False, share_media=False)
-
-
 def _compare(family: str, device: str, compile: bool, decode: str = "compiled"):
-    built, engine = _setup(family, device)
-    conversations = _conversations(built, count=3)
+    built, engine = widened_engine(family, device)  # Gemma's at its own spread (widened_models.SPREAD)
+    conversations = prompt_conversations(built, count=3)
     params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=compile, decode=decode)
