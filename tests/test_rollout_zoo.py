@@ -86,3 +86,37 @@ def test_every_zoo_family_on_cuda_records_the_decode_step_and_equals_plain_gener
     if _recordable(family):
         assert step.fallback is None, step.fallback_reason
         assert step.recordings >= 1
+
+
+@pytest.mark.slow
+def test_the_recorded_step_runs_the_engines_compiled_layers_as_one_graph_set():
+    """Where the engine compiles its decoder layers (one GPU process; forced here on CPU),
+    the recorded decode step runs through them: every layer shares the same compiled graphs
+    (the layer index is a symbolic int and the cache write stays outside them), so six
+    layers compile no more graphs than two, and the tokens and log-probs are still plain
+    generate's."""
+    from torch._dynamo.utils import counters
+    from widened_models import widened_model
+
+    from mmrl.engine import Engine
+    from mmrl.parallel import init_distributed
+
+    def decode_graphs(layers: int) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        built = widened_model("qwen2", "cpu", config_overrides={"num_hidden_layers": layers})
+        engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False,
+                        compile_layers=True)
+        conversations = prompt_conversations(built, count=2)
+        params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
+        plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+        rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, decode="graphs")
+        before = engine.compiled_layers.compiled_calls
+        fast = rollout.generate(conversations, params)
+        _assert_same(plain, fast)
+        assert rollout._step.fallback is None and rollout._step.layers is engine.compiled_layers
+        # Every decode step went through the compiled layers.
+        assert engine.compiled_layers.compiled_calls - before >= 7 * layers
+        return counters["stats"]["unique_graphs"]
+
+    assert decode_graphs(6) == decode_graphs(2) > 0

@@ -25,13 +25,14 @@ SPREAD = {"gemma3_text": 0.03, "gemma3": 0.03}
 DEFAULT_SPREAD = 0.3
 
 
-def widened_model(family: str, device: str = "cpu", spread: float | None = None):
+def widened_model(family: str, device: str = "cpu", spread: float | None = None, config_overrides=None):
     """The family's tiny model with its matrices redrawn wider (the default init repeats
     one token forever), images kept to at most 56x56 pixels; seeded, so every process that
     builds it gets the same weights."""
     options = {"min_pixels": 784, "max_pixels": 56 * 56} if get_adapter(family).is_multimodal else {}
     with torch.device(device):
-        built = build_model(family, random_init=True, seed=0, processing_options=options)
+        built = build_model(family, random_init=True, seed=0, processing_options=options,
+                            config_overrides=config_overrides)
     generator = torch.Generator().manual_seed(1)
     scale = SPREAD.get(family, DEFAULT_SPREAD) if spread is None else spread
     with torch.no_grad():
