@@ -142,3 +142,33 @@ def test_smolvlm_prompt_with_an_image_and_a_video_gets_both_in_order():
     assert placeholders == tokens_per_tile * (len(tiles) + len(frames))
     mixed = [both, images[1]]
     assert padded_vs_single(built, mixed) < 2e-4
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_exported_chat_template_renders_what_training_did(family, tmp_path):
+    """Training writes an assistant turn right after `Assistant:` (the space is the
+    model's to sample); the checkpoints' template adds one. The exported processor,
+    reloaded by plain transformers, renders a conversation (assistant turns with and
+    without a leading space) to the token ids training made, and the generation prompt
+    plus the sampled tokens is the start of the rendered conversation."""
+    from transformers import AutoProcessor
+
+    from mmrl.export import save_decoding
+
+    built = build_model(family, random_init=True)
+    save_decoding(tmp_path, built.model, built.processing)
+    exported = AutoProcessor.from_pretrained(tmp_path)
+    image = sample_images()[0]
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hi?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " No."}]},
+    ]
+    trained = built.processing([conversation], add_generation_prompt=False)["input_ids"][0]
+    text = exported.apply_chat_template(conversation, tokenize=False)
+    served = exported(text=text, images=[[image]], return_tensors="pt")["input_ids"][0]
+    assert served.tolist() == trained.tolist()
+    prompt = built.processing([conversation[:-1]])["input_ids"][0]
+    sampled = built.tokenizer(" No.<end_of_utterance>", add_special_tokens=False)["input_ids"]
+    assert served[:len(prompt) + len(sampled)].tolist() == prompt.tolist() + sampled
