@@ -50,7 +50,8 @@ def _rollout(backend: str, engine, processing):
     return make_rollout(backend, engine, processing)
 
 
-def _skip_reason(backend: str, adapter) -> str | None:
+def backend_skip_reason(backend: str, adapter) -> str | None:
+    """Why `backend` cannot run for `adapter`'s family here (None: it can)."""
     if backend != "vllm":
         return None
     if importlib.util.find_spec("vllm") is None:
@@ -99,7 +100,7 @@ def check_rollout_agreement(subject: Subject) -> Verified:
     conversations = sample_conversations(built.adapter)
     measured, skipped, failures = {}, {}, []
     for backend in BACKENDS:
-        reason = _skip_reason(backend, built.adapter)
+        reason = backend_skip_reason(backend, built.adapter)
         if reason is not None:
             skipped[backend] = reason
             continue
