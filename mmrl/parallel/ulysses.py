@@ -281,8 +281,9 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
         attention_free = _attention_free_layer_kinds(model, adapter, stack)
         if attention_free is not None:
             raise ValueError(f"sequence parallelism (Ulysses) splits the attention heads of the text decoder over "
-                             f"the processes, and this decoder has no attention layer: its layers ({attention_free}) "
-                             "call no attention function (recurrent, state-space or convolution layers); keep "
+                             f"the processes, in transformers' attention interface, which no layer of this decoder "
+                             f"calls: its layers ({attention_free}) have no attention heads to split (recurrent, "
+                             "state-space or convolution layers) or compute attention their own way; keep "
                              "sequence_parallel = None for this family")
         if current_name != BASE:
             raise ValueError(f"sequence parallelism runs on the text decoder's {BASE} attention, not "
