@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,10 +155,16 @@ class Idefics3Processing(Processing):
     def processor_with_budget(self):
         """Also carries the template training rendered with (`trained_chat_template`), so an
         exported folder, served or rendered by plain transformers, writes an assistant turn
-        as the model was trained on it (`Assistant:` + its text, no added space)."""
+        as the model was trained on it (`Assistant:` + its text, no added space); warns
+        where that template cannot be written."""
         processor = super().processor_with_budget()
         template = self.trained_chat_template()
         if template is None:
+            warnings.warn("export: the chat template saved with the processor renders assistant turns with a space "
+                          "after 'Assistant:' that training did not write, and mmrl could not rewrite it; served "
+                          "conversations may differ from the trained token ids", stacklevel=2)
+            return processor
+        if template == getattr(processor, "chat_template", None):
             return processor
         if processor is self.processor:
             processor = copy.deepcopy(processor)
@@ -168,25 +175,33 @@ class Idefics3Processing(Processing):
         return processor
 
     def trained_chat_template(self) -> str | None:
-        """The processor's chat template with the separator after `Assistant:` dropped
-        where `render` drops it (an assistant turn of text alone); None when the template
-        has no one `': '` separator to rewrite, or when the rewritten template does not
-        render the check conversations exactly as `render` does."""
+        """A chat template that renders as `render` does: the processor's own where it
+        already does, else that template with the separator after `Assistant:` dropped for
+        an assistant turn of text alone; None where the template has no one `': '`
+        separator to rewrite, or the rewrite does not render the check conversations
+        exactly as `render` does."""
         template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
-        if not isinstance(template, str) or len(_SEPARATOR.findall(template)) != 1:
+        if not isinstance(template, str):
+            return None
+        if self._renders_as_trained(template):
+            return template
+        if len(_SEPARATOR.findall(template)) != 1:
             return None
         rewritten = _SEPARATOR.sub(lambda found: _ASSISTANT_SEPARATOR.format(separator=found.group(0)), template)
+        return rewritten if self._renders_as_trained(rewritten) else None
+
+    def _renders_as_trained(self, template: str) -> bool:
         for conversation in _TEMPLATE_CHECKS:
             for prompt in (True, False):
                 try:
                     exported = self.processor.apply_chat_template(
-                        conversation, chat_template=rewritten, tokenize=False, add_generation_prompt=prompt,
+                        conversation, chat_template=template, tokenize=False, add_generation_prompt=prompt,
                         **self.template_kwargs())
                 except Exception:  # noqa: BLE001 - a template this rewrite does not fit stays as it is
-                    return None
+                    return False
                 if exported != self.render(conversation, prompt):
-                    return None
-        return rewritten
+                    return False
+        return True
 
     def render(self, conversation, add_generation_prompt: bool = True) -> str:
         texts: dict[str, str] = {}

@@ -172,3 +172,28 @@ def test_exported_chat_template_renders_what_training_did(family, tmp_path):
     prompt = built.processing([conversation[:-1]])["input_ids"][0]
     sampled = built.tokenizer(" No.<end_of_utterance>", add_special_tokens=False)["input_ids"]
     assert served[:len(prompt) + len(sampled)].tolist() == prompt.tolist() + sampled
+
+
+# The Idefics3 checkpoints' own template (HuggingFaceM4/Idefics3-8B-Llama3), which the
+# tiny processors' imitates: contents as parts only, the ': ' separator after every role.
+CHECKPOINT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_the_checkpoints_template_is_rewritten_and_one_that_cannot_be_warns():
+    built = build_model("idefics3", random_init=True)
+    processing = built.processing
+    processing.processor.chat_template = processing.tokenizer.chat_template = CHECKPOINT_TEMPLATE
+    rewritten = processing.trained_chat_template()
+    assert rewritten is not None and rewritten != CHECKPOINT_TEMPLATE
+    assert processing.processor_with_budget().chat_template == rewritten
+    assert processing.processor.chat_template == CHECKPOINT_TEMPLATE  # the training processor is left alone
+    two_separators = CHECKPOINT_TEMPLATE.replace("<end_of_utterance>", "{{': '}}<end_of_utterance>")
+    processing.processor.chat_template = processing.tokenizer.chat_template = two_separators
+    with pytest.warns(UserWarning, match="could not rewrite it"):
+        assert processing.processor_with_budget().chat_template == two_separators
