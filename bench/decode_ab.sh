@@ -4,7 +4,8 @@
 # mode starts from its own empty compile cache, as on a fresh machine; the compiled mode then
 # runs again on its warm cache (a second run of the same recipe: its first step against a
 # steady one). One device call (carry [".whl", ".whl_trl"]: the Qwen vocabulary):
-#   bash bench/decode_ab.sh            # STEPS=50 by default; results in $OUT/decode_*.json
+#   bash bench/decode_ab.sh            # STEPS=50 by default; results in $OUT/decode_<mode>_<shape>.json
+#   MODES="graphs compiled" SHAPE=vl3b bash bench/decode_ab.sh
 # The VLM shape: SHAPE=vl3b (bench/trl_grpo_step.py --shape), with its micro-batches.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +24,18 @@ if [[ $shape == vl3b ]]; then
   extra=(--micro-batch 16 --new-tokens 64 --prompt-words 20 60)
 fi
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
-graphs=(--variant mmrl_graphs rollout.backend=hf_compiled "model.dtype=$dtype" rollout.decode=graphs)
-compiled=(--variant mmrl_compiled rollout.backend=hf_compiled "model.dtype=$dtype" rollout.decode=compiled)
-warm=(--variant mmrl_compiled_warm rollout.backend=hf_compiled "model.dtype=$dtype" rollout.decode=compiled)
-MMRL_COMPILE_CACHE=$(mktemp -d) "$py" "${common[@]}" --runs "${graphs[@]}" --log-dir "$out/logs_graphs" \
-  --out "$out/decode_graphs_$shape.json" > "$out/decode_graphs_$shape.log" 2>&1
-echo "graphs: rc $? $(tail -2 "$out/decode_graphs_$shape.log" | tr '\n' ' ')"
-MMRL_COMPILE_CACHE=$(mktemp -d) "$py" "${common[@]}" --runs "${compiled[@]}" "${warm[@]}" --log-dir "$out/logs_compiled" \
-  --out "$out/decode_compiled_$shape.json" > "$out/decode_compiled_$shape.log" 2>&1
-echo "compiled, then warm: rc $? $(tail -2 "$out/decode_compiled_$shape.log" | tr '\n' ' ')"
+compiled_cache=$(mktemp -d)
+# MODES: which runs, in this order (graphs and compiled each from an empty cache; warm on
+# compiled's cache, so after it).
+for mode in ${MODES:-graphs compiled warm}; do
+  case $mode in
+    graphs) name=mmrl_graphs; decode=graphs; cache=$(mktemp -d) ;;
+    compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
+    warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
+    *) echo "MODES: unknown mode $mode (graphs, compiled, warm)"; exit 2 ;;
+  esac
+  MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" --runs --variant "$name" rollout.backend=hf_compiled \
+    "model.dtype=$dtype" "rollout.decode=$decode" --log-dir "$out/logs_$shape" \
+    --out "$out/decode_${mode}_$shape.json" > "$out/decode_${mode}_$shape.log" 2>&1
+  echo "$mode ($shape): rc $? $(tail -1 "$out/decode_${mode}_$shape.log")"
+done
