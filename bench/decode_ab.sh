@@ -25,14 +25,16 @@ if [[ $shape == vl3b ]]; then
 fi
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
-# MODES: which runs, in this order (graphs and compiled each from an empty cache; warm on
-# compiled's cache, so after it).
+graphs_cache=$(mktemp -d)
+# MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
+# graphs_warm on compiled's and graphs' caches, so after them).
 for mode in ${MODES:-graphs compiled warm}; do
   case $mode in
-    graphs) name=mmrl_graphs; decode=graphs; cache=$(mktemp -d) ;;
+    graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
+    graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
-    *) echo "MODES: unknown mode $mode (graphs, compiled, warm)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, compiled, warm, graphs_warm)"; exit 2 ;;
   esac
   MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" --runs --variant "$name" rollout.backend=hf_compiled \
     "model.dtype=$dtype" "rollout.decode=$decode" --log-dir "$out/logs_$shape" \
