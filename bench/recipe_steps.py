@@ -215,7 +215,8 @@ def qwen_template(model: dict, folder: Path) -> Path:
     `model`'s pixel budget, written to `folder`/template: a model path that builds with
     random weights (`model.random_init`) and real prompt token counts."""
     if model["path"] != "qwen2_5_vl":
-        raise SystemExit(f"error: --vocabulary qwen builds Qwen2.5-VL shapes; this recipe's stand-in is {model['path']}")
+        raise SystemExit("error: --vocabulary qwen builds Qwen2.5-VL shapes; this recipe's stand-in is "
+                         f"{model['path']}")
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -562,7 +563,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--shape-of", default=None, metavar="RECIPE|NAME",
-                        help=f"a recipe whose model.config_overrides give the shape, or one of {', '.join(NAMED_SHAPES)}")
+                        help="a recipe whose model.config_overrides give the shape, or one of "
+                             + ", ".join(NAMED_SHAPES))
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None,
                         help="--shape-of: prompts per step, the bundled train rows repeated to as many")
