@@ -45,7 +45,7 @@ vision tower frozen, gradient checkpointing on, micro-batches of 8; the rollout'
 KV cache takes 57 KB a token (28 layers x 2 x 4 heads x 128 x 2 bytes): 80 sequences x
 2,048 positions = 9.4 GB. Conditions differ from EasyR1's: LoRA instead of full
 fine-tuning (the frozen weights need no gradient of their own), random weights that never
-stop early (every response is 1,024 tokens; EasyR1's average well under 2,048), mmrl's
+stop early (every response is 1,024 tokens; EasyR1's stop at their answers, up to 2,048), mmrl's
 compiled HF rollout instead of vLLM, one H200 (4.8 TB/s) instead of an H100 (3.35 TB/s) of
 eight, and 80 sequences a step instead of 320 per GPU.
 Reported per variant: `tokens_per_s_per_gpu` (prompt + response tokens over the step
@@ -129,7 +129,7 @@ NAMED_SHAPES = {
 }
 # EasyR1's published throughput, the figure the 7B geometry3k run is set beside (issue 28).
 EASYR1 = {"tokens_per_s_per_gpu": 2000, "model": "Qwen2.5-VL-7B-Instruct (real weights)", "gpus": "8 x H100",
-          "run": "hiyouga/EasyR1 examples/qwen2_5_vl_7b_geo3k_grpo.sh: full fine-tuning (FSDP, fp32 masters), "
+          "run": "hiyouga/EasyR1 examples/qwen2_5_vl_7b_geo3k_grpo.sh: full fine-tuning (FSDP), "
                  "vLLM rollouts, 512 prompts x 5 samples a step, up to 2,048 response tokens, geometry3k's "
                  "own images; tokens counted as verl does (prompt + response)"}
 
