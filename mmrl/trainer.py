@@ -3,6 +3,7 @@
     mmrl train recipes/tiny_vlm_count.yaml                       # one process
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE         # FSDP2 over 2 processes
     torchrun --nproc_per_node 4 -m mmrl.cli train RECIPE parallel.sequence_parallel=2
+    torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE parallel.rollout_ranks=1 algo.max_staleness=1
 
 Each step takes `prompts_per_step` prompts (split across the data-parallel ranks; the
 `parallel.sequence_parallel` ranks of one Ulysses group share their prompts, rollouts

@@ -48,6 +48,7 @@ import torch.distributed as torch_dist
 from mmrl.buffer.schedule import BUFFER_FOLDER, BufferedSteps, behaviour_log_probs, rebuild_for
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, read_batch, write_batch
 from mmrl.config import Recipe, RecipeError
+from mmrl.data import Position
 from mmrl.parallel import Dist, init_distributed
 
 if TYPE_CHECKING:
@@ -322,8 +323,6 @@ class ReceivedSteps(BufferedSteps):
 
 def train_steps(trainer: Trainer, layout: Layout, sync_group) -> ReceivedSteps:
     """A train rank's schedule: batches from the rollout ranks' files, weights to them."""
-    from mmrl.data import Position
-
     dist = trainer.dist
     folder = trainer.output_dir / BUFFER_FOLDER
     buffer = TrajectoryBuffer(folder, rank=dist.rank, ranks=dist.world_size, main=dist.is_main)
@@ -365,8 +364,6 @@ class RolloutRank:
                       for served in self.serves}
 
     def run(self) -> None:
-        from mmrl.data import Position
-
         trainer, recipe = self.trainer, self.trainer.recipe
         info = self.weights.start()
         version = self._receive()
