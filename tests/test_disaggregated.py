@@ -88,3 +88,43 @@ def test_one_rollout_rank_and_one_train_rank(tmp_path):
     assert state["produced"] == state["taken"] == steps
     assert sorted(p.name for p in (out / "buffer").glob("batch_*.parquet")) == [
         f"batch_{n:06d}.parquet" for n in range(1, steps + 1)]
+
+
+@pytest.mark.multiprocess
+def test_resumed_disaggregated_run_trains_each_batch_once(tmp_path):
+    """A checkpoint at step 2 (batch 3 already written ahead by the rollout rank, not yet
+    received): the resumed run sends the checkpoint's weights, samples batch 3 again from
+    the checkpoint's data position, and trains every batch once."""
+    out = tmp_path / "run"
+    common = [str(RECIPE), f"trainer.output_dir={out}", "trainer.progress=false", "trainer.eval_every=0",
+              "data.eval=synthetic:count_shapes?n=4&seed=1", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+              "trainer.threads=1", "trainer.export=false", "trainer.save_every=2", "trainer.summary=false",
+              "parallel.rollout_ranks=1", "algo.max_staleness=2"]
+    run(torchrun(2, "-m", "mmrl.cli", "train", *common, "trainer.steps=3"), timeout=600)
+    run(torchrun(2, "-m", "mmrl.cli", "train", *common, "trainer.steps=4", "trainer.resume=true"), timeout=600)
+    state = json.loads((out / "buffer" / "state.json").read_text())
+    assert [entry["batch"] for entry in state["log"]] == [1, 2, 3, 4]
+    assert [entry["version"] for entry in state["log"]] == [0, 0, 2, 2]  # batch 3 sampled again by step 2's weights
+    sent = [json.loads(line) for line in (out / "buffer" / "weights_sent.jsonl").read_text().splitlines()]
+    loaded = [json.loads(line) for line in (out / "buffer" / "weights_rank1.jsonl").read_text().splitlines()]
+    assert loaded == sent and [r["version"] for r in sent] == [0, 1, 2, 3, 2, 3, 4]
+    assert sent[4] == sent[2]  # the checkpoint's weights are step 2's, bit for bit
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4]  # metrics cut back to the checkpoint, then steps 3 and 4 and the summary
+
+
+def test_train_ranks_refuse_plain_generate_under_fsdp_with_evaluation():
+    from types import SimpleNamespace
+
+    from mmrl.buffer.disaggregated import refuse_synchronized_generate
+    from mmrl.parallel import Dist
+
+    def trainer(world_size, backend, eval_set=object()):
+        dist = Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), mesh=None)
+        return SimpleNamespace(dist=dist, validation_set=None, eval_set=eval_set,
+                               settled=SimpleNamespace(rollout_backend=backend))
+
+    with pytest.raises(RecipeError, match="^parallel.rollout_ranks: the 2 train ranks validate with plain generate"):
+        refuse_synchronized_generate(trainer(2, "hf"))
+    for fine in (trainer(1, "hf"), trainer(2, "hf_compiled"), trainer(2, "hf", eval_set=None)):
+        refuse_synchronized_generate(fine)

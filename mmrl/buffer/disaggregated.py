@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 # How often a train rank looks for the file of the batch it waits for.
 POLL_SECONDS = 0.02
 SENT_LOG = "weights_sent.jsonl"
-_HEADER = 3  # version, stop, checksum
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,8 @@ def layout_problem(world_size: int, rollout_ranks: int) -> str | None:
     train = world_size - rollout_ranks
     if rollout_ranks > train:
         return (f"parallel.rollout_ranks: {rollout_ranks} rollout ranks for {train} train rank(s): each rollout rank "
-                f"samples the batches of whole train ranks, so at most {train} of the {world_size} processes")
+                f"samples the batches of whole train ranks, so at most {world_size // 2} of the {world_size} "
+                "processes")
     return None
 
 
