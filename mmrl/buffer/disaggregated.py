@@ -23,9 +23,11 @@ shards (`DTensor.full_tensor`, collective over the train ranks) just before it i
 after a header of the version and a checksum of the weights. The rollout ranks load them
 into their copy between batches.
 
-Staleness: a rollout rank samples the batch of step b (b = 1, 2, ...) only with weights of
-version >= b - 1 - `algo.max_staleness`, waiting for them when it is that far ahead, so no
-batch a train rank takes is older than the bound (`tests/test_disaggregated.py` checks the
+Staleness: before each batch a rollout rank loads every version sent since its last one
+(it awaits the next header in the background, so it sees one without waiting), and it
+samples the batch of step b (b = 1, 2, ...) only with weights of version >= b - 1 -
+`algo.max_staleness`, waiting for them when it is that far ahead, so no batch a train rank
+takes is older than the bound (`tests/test_disaggregated.py` checks the
 versions in metrics.jsonl). Each train step logs `buffer/version` (the version that sampled
 its batch), `buffer/wait_seconds` (waiting for the batch's file) and `sync/seconds`
 (sending the weights). Train rank 0 records each version it sent and its checksum in
@@ -228,7 +230,10 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """A rollout rank's side: the start, then each version into its engine's model."""
+    """A rollout rank's side: the start, then each version into its engine's model. The
+    next version's header is always awaited in the background (an asynchronous
+    broadcast), so between batches the rank can see whether one was sent (`arrived`)
+    without waiting, and the sender waits for it one batch at most."""
 
     def __init__(self, engine, device: torch.device, group, log: Path):
         self.engine = engine
@@ -236,6 +241,8 @@ class WeightReceiver:
         self.group = group
         self.log = log
         self.layout: list[tuple[str, tuple, str]] = []
+        self._header = torch.zeros(2, dtype=torch.int64, device=device)
+        self._header_work = None
 
     def start(self) -> dict:
         """Where the run stands (`WeightSender.start`); the weights' layout must be this
@@ -250,14 +257,21 @@ class WeightReceiver:
         if unknown or missing:
             raise RuntimeError(f"the rollout rank's model does not match the train ranks': it lacks {len(unknown)} "
                                f"of their weights {unknown[:1]} and has {len(missing)} more {missing[:1]}")
+        self._await_header()
         return info
+
+    def _await_header(self) -> None:
+        self._header_work = torch_dist.broadcast(self._header, src=0, group=self.group, async_op=True)
+
+    def arrived(self) -> bool:
+        """Whether the train ranks have sent the next version (or the word to stop)."""
+        return self._header_work.is_completed()
 
     @torch.no_grad()
     def receive(self) -> int | None:
         """The next version sent, loaded into the model (None: the train ranks are done)."""
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        torch_dist.broadcast(header, src=0, group=self.group)
-        version, stop = (int(x) for x in header.tolist())
+        self._header_work.wait()
+        version, stop = (int(x) for x in self._header.tolist())
         if stop:
             return None
         own = dict(_weights(self.engine))
@@ -274,6 +288,7 @@ class WeightReceiver:
             raise RuntimeError(f"weights version {version} arrived with checksum {loaded}, sent with {int(expected)}")
         with self.log.open("a") as out:
             out.write(json.dumps({"version": version, "checksum": loaded}) + "\n")
+        self._await_header()
         return version
 
 
@@ -377,7 +392,8 @@ class RolloutRank:
         name = getattr(dataset, "name", "") or ""
         temperature = recipe.rollout.temperature or 1.0
         for number in range(info["produced"] + 1, recipe.trainer.steps + 1):
-            while version < number - 1 - recipe.algo.max_staleness:
+            # The newest weights sent, and at least those the bound asks for.
+            while version < number - 1 - recipe.algo.max_staleness or self.weights.arrived():
                 version = self._receive()
                 if version is None:
                     return  # the train ranks stopped early
