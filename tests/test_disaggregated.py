@@ -130,3 +130,28 @@ def test_train_ranks_refuse_plain_generate_under_fsdp_with_evaluation():
         refuse_synchronized_generate(trainer(2, "hf"))
     for fine in (trainer(1, "hf"), trainer(2, "hf_compiled"), trainer(2, "hf", eval_set=None)):
         refuse_synchronized_generate(fine)
+
+
+@pytest.mark.multiprocess
+def test_two_train_ranks_shard_over_their_own_group(tmp_path):
+    """Three processes: FSDP2 over train ranks 0 and 1 alone (a mesh over all three would
+    wait for the rollout rank forever), the weights gathered from both shards reach rollout
+    rank 2 bit for bit, and each train rank gets its own share of every batch."""
+    out, steps = tmp_path / "run", 2
+    run(torchrun(
+        3, "-m", "mmrl.cli", "train", str(RECIPE), f"trainer.steps={steps}", f"trainer.output_dir={out}",
+        "trainer.progress=false", "trainer.eval_every=0", "data.eval=synthetic:count_shapes?n=4&seed=1",
+        "data.prompts_per_step=4", "rollout.samples_per_prompt=2", "trainer.threads=1", "trainer.export=false",
+        f"trainer.save_every={steps}", "trainer.summary=false", "rollout.backend=hf_compiled",
+        "parallel.rollout_ranks=1", "algo.max_staleness=1",
+    ), timeout=600)
+    checkpoint = out / "checkpoints" / f"step_{steps:06d}"
+    assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(p.name for p in (out / "buffer").glob("batch_*.parquet")) == [
+        f"batch_{n:06d}-rank{rank}.parquet" for n in range(1, steps + 1) for rank in (0, 1)]
+    sent = [json.loads(line) for line in (out / "buffer" / "weights_sent.jsonl").read_text().splitlines()]
+    loaded = [json.loads(line) for line in (out / "buffer" / "weights_rank2.jsonl").read_text().splitlines()]
+    assert loaded == sent and [r["version"] for r in sent] == list(range(steps + 1))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 2]
+    assert all(0 <= r["step"] - 1 - r["buffer/version"] <= 1 for r in records[:-1])
