@@ -20,17 +20,20 @@ file system. Weights travel through the process group: before the step that trai
 weights version v (v updates done), train rank 0 broadcasts them over a group of itself
 and the rollout ranks (gloo on CPU, NCCL on GPU), tensor by tensor, each gathered from the
 shards (`DTensor.full_tensor`, collective over the train ranks) just before it is sent,
-after a header of the version and a checksum of the weights. The rollout ranks load them
-into their copy between batches.
+after a header with the version and before a checksum of their bits, which each rollout
+rank checks once it has loaded them into its copy.
 
 Staleness: before each batch a rollout rank loads every version sent since its last one
 (it awaits the next header in the background, so it sees one without waiting), and it
 samples the batch of step b (b = 1, 2, ...) only with weights of version >= b - 1 -
 `algo.max_staleness`, waiting for them when it is that far ahead, so no batch a train rank
-takes is older than the bound (`tests/test_disaggregated.py` checks the
-versions in metrics.jsonl). Each train step logs `buffer/version` (the version that sampled
-its batch), `buffer/wait_seconds` (waiting for the batch's file) and `sync/seconds`
-(sending the weights). Train rank 0 records each version it sent and its checksum in
+takes is older than the bound (`tests/test_disaggregated.py` checks the versions in
+metrics.jsonl). A resumed run starts from what the train ranks send first: the
+checkpoint's weights version, its data position and the batches it had received.
+
+Each train step logs `buffer/version` (the version that sampled its batch),
+`buffer/wait_seconds` (waiting for the batch's file) and `sync/seconds` (sending the
+weights). Train rank 0 records each version it sent and its checksum in
 `buffer/weights_sent.jsonl`, each rollout rank what it loaded in
 `buffer/weights_rank<R>.jsonl`.
 """
@@ -122,7 +125,7 @@ def train(recipe: Recipe, make_trainer: Callable[[Recipe, Dist], Trainer]) -> di
                     device=world.device, mesh=mesh, group=train_group)
         trainer = make_trainer(recipe, dist)
         refuse_synchronized_generate(trainer)
-        steps = train_steps(trainer, layout, sync_group)
+        steps = train_steps(trainer, sync_group)
         trainer.trajectories = steps
         summary = trainer.fit()
         steps.close(trainer.step)
@@ -300,6 +303,7 @@ class ReceivedSteps(BufferedSteps):
     def __init__(self, buffer: TrajectoryBuffer, *, max_staleness: int, total_steps: Callable[[], int],
                  receive: Callable[[Path], RolloutBatch], rebuild: Callable, sender: WeightSender,
                  start_info: Callable[[], dict]):
+        # Nothing is produced here: `_fill` receives what the rollout ranks wrote.
         super().__init__(buffer, max_staleness=max_staleness, total_steps=total_steps, produce=lambda: None,
                          rebuild=rebuild)
         self.receive = receive
@@ -309,11 +313,7 @@ class ReceivedSteps(BufferedSteps):
         self._wait_seconds = 0.0
 
     def next(self, done: int) -> tuple[RolloutBatch, dict[str, float]]:
-        self._sync_seconds = 0.0
-        if self.sender.version is None:
-            self.sender.start(self.start_info())
-        if self.sender.version != done:
-            self._sync_seconds = self.sender.publish(done)
+        self._sync_seconds = self._publish(done)
         self._wait_seconds = 0.0
         batch, metrics = super().next(done)
         return batch, {**metrics, "buffer/version": float(batch.version), "buffer/wait_seconds": self._wait_seconds,
@@ -329,14 +329,18 @@ class ReceivedSteps(BufferedSteps):
 
     def close(self, done: int) -> None:
         """After the last step: the final weights, then the word to stop."""
-        if self.sender.version is None:
-            self.sender.start(self.start_info())
-        if self.sender.version != done:
-            self.sender.publish(done)
+        self._publish(done)
         self.sender.stop()
 
+    def _publish(self, done: int) -> float:
+        """Send weights version `done` unless sent already (the run's start first, once);
+        the seconds it took."""
+        if self.sender.version is None:
+            self.sender.start(self.start_info())
+        return self.sender.publish(done) if self.sender.version != done else 0.0
 
-def train_steps(trainer: Trainer, layout: Layout, sync_group) -> ReceivedSteps:
+
+def train_steps(trainer: Trainer, sync_group) -> ReceivedSteps:
     """A train rank's schedule: batches from the rollout ranks' files, weights to them."""
     dist = trainer.dist
     folder = trainer.output_dir / BUFFER_FOLDER
@@ -407,8 +411,7 @@ class RolloutRank:
                 batch.indices = [index_of[row] for row in batch.rows]
                 batch.dataset = name
                 batch.batch_id = number
-                with trainer._timed("logprob"):
-                    batch.behaviour_logp = behaviour_log_probs(trainer.update, batch, temperature)
+                batch.behaviour_logp = behaviour_log_probs(trainer.update, batch, temperature)
                 write_batch(self.files[served].batch_file(number), batch)
         while version is not None:  # the remaining versions, the last one included
             version = self._receive()
