@@ -371,6 +371,10 @@ class ParallelConfig(_Section):
     # number of processes and the text model's attention heads (`mmrl.parallel.ulysses`;
     # checked before the build by `mmrl.recipe_checks`).
     sequence_parallel: int = Field(1, gt=0)
+    # The last N processes only roll out (holding a full copy of the policy), the others
+    # train with FSDP2 and send them the weights after each update; 0: every process does
+    # both (`mmrl.parallel.disaggregated`, docs/async.md).
+    rollout_ranks: int = Field(0, ge=0)
 
 
 class SettledModel(_Section):
@@ -489,6 +493,22 @@ class Recipe(_Section):
             raise ValueError(f"advantage {value.advantage!r} compares the samples of a prompt, but "
                              "rollout.temperature 0 (greedy) makes them all alike: every advantage would be 0; "
                              "set rollout.temperature > 0 or use reinforce_pp or gae")
+        return value
+
+    @field_validator("parallel")
+    @classmethod
+    def _rollout_ranks_run_ahead(cls, value: ParallelConfig, info) -> ParallelConfig:
+        """Rollout ranks sample the next batches while the train ranks update, so the
+        batches they send are at least one update old (`mmrl.parallel.disaggregated`)."""
+        algo = info.data.get("algo")
+        if not value.rollout_ranks or algo is None:
+            return value
+        if algo.max_staleness < 1:
+            raise ValueError(f"rollout_ranks {value.rollout_ranks} needs algo.max_staleness >= 1 (the rollout ranks "
+                             "sample ahead of the update), got 0")
+        if value.sequence_parallel > 1:
+            raise ValueError(f"rollout_ranks {value.rollout_ranks} and sequence_parallel {value.sequence_parallel} "
+                             "cannot be combined yet; set one of them")
         return value
 
     @field_validator("trainer")
@@ -697,7 +717,7 @@ _HOW_TO_RUN = {
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},
-    "parallel": {"sequence_parallel"},
+    "parallel": {"sequence_parallel", "rollout_ranks"},
     "eval": set(EvalConfig.model_fields),
 }
 

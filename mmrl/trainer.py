@@ -3,6 +3,7 @@
     mmrl train recipes/tiny_vlm_count.yaml                       # one process
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE         # FSDP2 over 2 processes
     torchrun --nproc_per_node 4 -m mmrl.cli train RECIPE parallel.sequence_parallel=2
+    torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE parallel.rollout_ranks=1 algo.max_staleness=1
 
 Each step takes `prompts_per_step` prompts (split across the data-parallel ranks; the
 `parallel.sequence_parallel` ranks of one Ulysses group share their prompts, rollouts
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 from mmrl.atomic import atomic_folder, atomic_write_text
-from mmrl.buffer import RolloutBatch, attach_behaviour, steps_for
+from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
@@ -266,12 +267,13 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def _roll_out(self) -> RolloutBatch:
+    def _roll_out(self, prompts: tuple[list[dict], list[int]] | None = None) -> RolloutBatch:
         """The next prompts' rollout, scored: what a step trains on, now or (one step off,
-        `algo.max_staleness`) later."""
+        `algo.max_staleness`) later. `prompts`: the samples and their source rows, chosen
+        by the caller (a rollout rank, `mmrl.buffer.disaggregated`)."""
         r = self.recipe
         where = f"step {self.step + 1}"
-        samples, source_rows = self._next_prompts()
+        samples, source_rows = prompts if prompts is not None else self._next_prompts()
         # An environment opens each sample's conversation itself (from the row).
         conversations = None if self.agent else conversations_of(samples, source_rows, self.train_set, where,
                                                                 max_pixels=r.model.max_pixels)
@@ -655,6 +657,8 @@ def train(recipe: Recipe, *, reward=None, datasets: dict | None = None) -> dict[
     """Run a recipe to the end; returns the final summary (rank 0's view). `reward` and
     `datasets` as for `Trainer`; `mmrl.train` (mmrl/api.py) is the documented entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if recipe.parallel.rollout_ranks:  # the last ranks only roll out (mmrl/buffer/disaggregated.py)
+        return disaggregated.train(recipe, lambda part, dist: Trainer(part, dist, reward=reward, datasets=datasets))
     trainer = Trainer(recipe, reward=reward, datasets=datasets)
     summary = trainer.fit()
     if trainer.dist.distributed and torch.distributed.is_initialized():
