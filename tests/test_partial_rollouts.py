@@ -93,6 +93,23 @@ def test_a_generation_continued_in_rounds_is_the_one_round_generation(tmp_path):
     assert tokens == expected and reasons == whole.finish_reasons
 
 
+def test_a_vision_generation_continued_in_rounds_is_the_one_round_generation(tmp_path):
+    """The same with images and 3-D (mrope) positions: the tiny Qwen2-VL of the CPU demo,
+    rounds of 2 tokens against one call of 6; its responses differ by image only."""
+    trainer = Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
+        "trainer.eval_every=0", "data.eval=null", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]))
+    _sharpen(trainer)
+    samples = [trainer.train_set[i] for i in range(3)]
+    conversations = conversations_of(samples, list(range(3)), trainer.train_set, "test")
+    whole = trainer.rollout.generate(conversations, SamplingParams(max_new_tokens=6, temperature=0))
+    tokens = [[] for _ in conversations]
+    for _ in range(3):
+        part = trainer.rollout.continue_from(conversations, tokens, SamplingParams(max_new_tokens=2, temperature=0))
+        for row in range(len(tokens)):
+            tokens[row] += part.response_ids[row, :int(part.response_mask[row].sum())].tolist()
+    assert tokens == whole.response_ids.tolist() and len({tuple(t) for t in tokens}) > 1
+
+
 def test_extend_prompts_appends_each_rows_tokens_and_pads_on_the_left():
     inputs = {"input_ids": torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]]),
               "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
