@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from mmrl.buffer import TrajectoryBuffer
-from mmrl.buffer.schedule import _check_sampler_log_probs
+from mmrl.buffer.schedule import _check_partial, _check_sampler_log_probs
 from mmrl.buffer.show import summarize
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, read_batch, read_in_flight, write_in_flight
 from mmrl.config import RecipeError, load_recipe
 from mmrl.evaluation import conversations_of
+from mmrl.parallel import Dist
 from mmrl.rollout.base import SamplingParams, extend_prompts
+from mmrl.rollout.compiled import CompiledHFRollout
 from mmrl.trainer import Trainer
 from test_buffer import _TRAIN, REPO, RUN, TESTS, _rows, _trained_data, _untimed, _weights
 
@@ -62,22 +64,26 @@ def _sharpen(trainer):
 
 
 # -- the rollout ---------------------------------------------------------------------------------
-def test_a_generation_continued_in_rounds_is_the_one_round_generation(tmp_path):
+@pytest.mark.parametrize("backend", ["hf", "hf_compiled"])
+def test_a_generation_continued_in_rounds_is_the_one_round_generation(tmp_path, backend):
     """Greedy, the same weights: rounds of 3 tokens through `continue_from` give the tokens
     and finish reasons of one `generate` call of 10, for responses that stop inside a
-    round and ones that run to the end."""
+    round and ones that run to the end; on plain `generate` and on the compiled decode
+    loop (run eagerly here, as its CPU tests run it)."""
     trainer = Trainer(_recipe(tmp_path / "run", "rollout.max_new_tokens=10"))
+    rollout = trainer.rollout if backend == "hf" else CompiledHFRollout(trainer.actor, trainer.processing,
+                                                                         compile=False)
     samples = [trainer.train_set[i] for i in range(6)]
     conversations = conversations_of(samples, list(range(6)), trainer.train_set, "test")
     _sharpen(trainer)
-    whole = trainer.rollout.generate(conversations, SamplingParams(max_new_tokens=10, temperature=0))
+    whole = rollout.generate(conversations, SamplingParams(max_new_tokens=10, temperature=0))
     # Responses that stop inside the first round, at its last token, and run to the end.
     assert sorted(whole.response_mask.sum(-1).tolist()) == [2, 3, 10, 10, 10, 10]
     tokens, reasons = [[] for _ in conversations], [None] * len(conversations)
     rounds = 0
     while None in reasons:
         active = [i for i, reason in enumerate(reasons) if reason is None]
-        part = trainer.rollout.continue_from([conversations[i] for i in active], [tokens[i] for i in active],
+        part = rollout.continue_from([conversations[i] for i in active], [tokens[i] for i in active],
                                              SamplingParams(max_new_tokens=3, temperature=0))
         for row, i in enumerate(active):
             made = int(part.response_mask[row].sum())
@@ -91,6 +97,9 @@ def test_a_generation_continued_in_rounds_is_the_one_round_generation(tmp_path):
     assert rounds == 4 and "length" in reasons  # 3 + 3 + 3 + 1 for a response that runs to the end
     expected = [whole.response_ids[i, :int(whole.response_mask[i].sum())].tolist() for i in range(len(samples))]
     assert tokens == expected and reasons == whole.finish_reasons
+    assert getattr(rollout, "fallback_reason", None) is None  # the compiled loop decoded every round
+    # Only plain generate tempers its log-probs (`algo.behaviour: sampler` at a temperature other than 1).
+    assert rollout.tempered_logprobs == (backend == "hf")
 
 
 def test_a_vision_generation_continued_in_rounds_is_the_one_round_generation(tmp_path):
@@ -201,8 +210,8 @@ def test_partial_rollouts_with_sampler_behaviour_store_each_rounds_sampler_log_p
         result = continue_from(conversations, prefixes, params)
         for row, (conversation, prefix) in enumerate(zip(conversations, prefixes)):
             made = int(result.response_mask[row].sum())
-            rounds.append((json.dumps(conversation, default=str), list(prefix), result.response_ids[row, :made].tolist(),
-                           result.logprobs[row, :made].tolist()))
+            rounds.append((json.dumps(conversation, default=str), list(prefix),
+                           result.response_ids[row, :made].tolist(), result.logprobs[row, :made].tolist()))
         return result
 
     trainer.rollout.continue_from = recording
@@ -323,3 +332,12 @@ def test_what_partial_rollouts_and_sampler_behaviour_need_is_said_in_one_line(tm
                                           r"temperature 1 only, not at rollout\.temperature 0\.7"):
         _check_sampler_log_probs(RawOnly(), recipe)
     _check_sampler_log_probs(RawOnly(), _recipe(tmp_path, "algo.behaviour=sampler"))  # temperature 1: raw is right
+    with pytest.raises(RecipeError, match=r"^rollout\.partial_tokens=2: rollout backend 'vllm' cannot continue a "
+                                          r"sample from its tokens so far; use rollout\.backend=hf or hf_compiled"):
+        _check_partial(RawOnly(), _dist(1), _recipe(tmp_path, "rollout.partial_tokens=2"))
+    with pytest.raises(RecipeError, match=r"^rollout\.partial_tokens=2 runs in one process for now"):
+        _check_partial(CompiledHFRollout, _dist(2), _recipe(tmp_path, "rollout.partial_tokens=2"))
+
+
+def _dist(world_size):
+    return Dist(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), mesh=None)

@@ -17,11 +17,15 @@ log-probs, its rewards and their parts, its group (prompt) and the weights versi
 sampled it; each batch is one Parquet file in the run folder's `buffer/`, written whole
 (mmrl/atomic.py), and a checkpoint records how far the buffer was produced and taken, so a
 resumed run trains every batch once (`mmrl.buffer.store`). `mmrl buffer show RUN` prints
-what a run's buffer holds (`mmrl.buffer.show`). docs/async.md explains the settings.
+what a run's buffer holds (`mmrl.buffer.show`). With `rollout.partial_tokens` the batches
+come from partial rollouts (`mmrl.buffer.partial`): rounds of a few tokens per sample,
+the unfinished ones kept in the buffer (and its files) for the next step's round.
+docs/async.md explains the settings.
 """
 
+from mmrl.buffer.partial import PartialRollouts
 from mmrl.buffer.schedule import BufferedSteps, attach_behaviour, behaviour_log_probs, steps_for
 from mmrl.buffer.store import BufferError, RolloutBatch, TrajectoryBuffer
 
-__all__ = ["BufferError", "BufferedSteps", "RolloutBatch", "TrajectoryBuffer", "attach_behaviour",
+__all__ = ["BufferError", "BufferedSteps", "PartialRollouts", "RolloutBatch", "TrajectoryBuffer", "attach_behaviour",
            "behaviour_log_probs", "steps_for"]

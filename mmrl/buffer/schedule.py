@@ -198,7 +198,8 @@ def _check_sampler_log_probs(rollout, recipe) -> None:
     temperature = recipe.rollout.temperature
     if recipe.algo.behaviour == "sampler" and temperature not in (0, 1) and \
             not getattr(rollout, "tempered_logprobs", False):
-        raise RecipeError(f"algo.behaviour=sampler: rollout backend {getattr(rollout, 'backend', type(rollout).__name__)!r} "
+        backend = getattr(rollout, "backend", type(rollout).__name__)
+        raise RecipeError(f"algo.behaviour=sampler: rollout backend {backend!r} "
                           f"gives log-probs at temperature 1 only, not at rollout.temperature {temperature}; use "
                           "rollout.backend=hf, rollout.temperature=1 or algo.behaviour=recomputed")
 
@@ -209,7 +210,7 @@ def _check_partial(rollout, dist, recipe) -> None:
     if not can_continue(rollout):
         raise RecipeError(f"rollout.partial_tokens={tokens}: rollout backend "
                           f"{getattr(rollout, 'backend', type(rollout).__name__)!r} cannot continue a sample from its "
-                          "tokens so far; use rollout.backend=hf or rollout.partial_tokens=0")
+                          "tokens so far; use rollout.backend=hf or hf_compiled, or rollout.partial_tokens=0")
     if dist.dp_size > 1 or dist.sequence_parallel > 1:
         raise RecipeError(f"rollout.partial_tokens={tokens} runs in one process for now (its batches vary in size "
                           "from rank to rank); use rollout.partial_tokens=0 under torchrun")

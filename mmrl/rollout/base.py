@@ -93,8 +93,8 @@ def extend_prompts(prompt_inputs: dict, prefixes: list[list[int]], pad_id: int) 
     rows, width = ids.shape
     if len(prefixes) != rows:
         raise ValueError(f"{len(prefixes)} prefixes for {rows} prompts")
-    aligned = [k for k, v in prompt_inputs.items() if isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (rows, width)
-               and v.dim() == 2]
+    aligned = [k for k, v in prompt_inputs.items()
+               if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (rows, width)]
     keep = attention.bool()
     lengths = [int(keep[row].sum()) + len(prefixes[row]) for row in range(rows)]
     longest = max(lengths, default=0)

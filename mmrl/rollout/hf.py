@@ -14,7 +14,12 @@ from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, tri
 
 class HFRollout:
     backend = "hf"  # the recipe's name for it (`rollout.backend`)
-    tempered_logprobs = True  # honours `SamplingParams.logprobs_temperature`
+
+    @property
+    def tempered_logprobs(self) -> bool:
+        """Whether `SamplingParams.logprobs_temperature` is honoured: by `generate`'s own
+        sampling, not by a subclass with a decode loop of its own (hf_compiled: raw log-probs)."""
+        return type(self)._sample is HFRollout._sample
 
     def __init__(self, engine, processing):
         self.engine = engine
