@@ -172,6 +172,18 @@ def test_partial_rollouts_train_the_one_round_tokens_with_each_tokens_version_an
     assert in_flight["generating"] == metrics[-1]["partial/carried_out"]
 
 
+def test_partial_rollouts_run_one_step_off(tmp_path):
+    """With `algo.max_staleness: 1` too, a batch made one update ahead carries tokens of
+    up to three versions, each weighed against its own behaviour log-prob."""
+    trainer = Trainer(_recipe(tmp_path / "run", "trainer.steps=4", "algo.max_staleness=1", *PARTIAL))
+    trainer.fit()
+    metrics = [r for r in _rows(tmp_path / "run") if not r.get("final")]
+    assert [r["off_policy/staleness_max"] for r in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert max(r["partial/token_staleness_max"] for r in metrics) >= 2
+    assert all(0 < r["off_policy/ratio_min"] <= r["off_policy/ratio_max"] for r in metrics[1:])
+    assert all(torch.isfinite(torch.tensor(v)) for r in metrics for v in r.values() if isinstance(v, float))
+
+
 def test_sampler_behaviour_log_probs_are_the_samplers(tmp_path):
     """`algo.behaviour: sampler`, one-step-off: the stale batch's stored behaviour log-probs
     are those the rollout returned, and the trainer's forward gives the same up to its
