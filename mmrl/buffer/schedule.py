@@ -163,7 +163,8 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
     name = getattr(trainer.train_set, "name", "") or ""
     temperature = recipe.rollout.temperature or 1.0
     sampler = recipe.algo.behaviour == "sampler"
-    _check_sampler_log_probs(trainer.rollout, recipe)
+    if recipe.algo.max_staleness or partial:  # the only runs that take behaviour log-probs
+        _check_sampler_log_probs(trainer.rollout, recipe)
 
     def recompute(conversations: list | None, result: RolloutResult) -> torch.Tensor:
         with trainer._timed("logprob"):
