@@ -17,7 +17,8 @@ from mmrl.adapter import DECODER_PARTS, Capabilities, LoraTargets, ModelAdapter,
 from mmrl.checks import (
     BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE, packed_boundary_gap, packed_vs_padded, sample_conversations,
 )
-from mmrl.config import ModelConfig, RecipeError, _check_pack
+from mmrl.config import ModelConfig, RecipeError
+from mmrl.recipe_checks import _check_pack
 from mmrl.settle import packs_model
 from mmrl.probes import Subject, probe
 from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
