@@ -211,14 +211,33 @@ class CompiledHFRollout(HFRollout):
                 failure = failure or (f"on another rank: {others[0]}" if others else None)
             if failure is None:
                 return result
-            self.fallback_reason = failure
-            self._caches.clear()
-            if self.copy is not None:
-                self.copy.keep = False
-                self.copy.release()
-            warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
-                          stacklevel=2)
+            self.give_up(failure)
         return super()._sample(batch, shared, params)
+
+    def give_up(self, reason: str) -> None:
+        """Plain `generate` from now on, said once (`reason`: why the compiled path failed)."""
+        self.fallback_reason = reason
+        self._caches.clear()
+        if self.copy is not None:
+            self.copy.keep = False
+            self.copy.release()
+        warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({reason})", stacklevel=3)
+
+    def session_unsupported(self) -> str | None:
+        """Why a multi-turn session (`mmrl.rollout.sessions`) cannot keep this rollout's
+        caches between turns, or None where it can."""
+        from transformers import StaticCache
+
+        if self.fallback_reason is not None:
+            return f"the compiled path was given up ({self.fallback_reason})"
+        if self.copy is not None:
+            # Each rank decodes its own samples, and turns end at different times on different
+            # ranks; the per-turn path keeps the ranks' collectives in step.
+            return "sharded weights (each rank decodes on an inference copy)"
+        if any(getattr(layer, "is_sliding", False)
+               for layer in StaticCache(config=self._decoder_config(), max_cache_len=1).layers):
+            return "sliding-window cache layers (their slots wrap around)"
+        return None
 
     def sync(self, engine) -> None:
         """After an update: the inference copy (FSDP2) gathers the new weights, now when it
