@@ -344,7 +344,7 @@ class DecodeSession:
         right-aligned to the longest row), in a longer cache only where that is not enough."""
         real = self.mask != 0
         filled = int(real.sum(-1).max())
-        length = max(self.length, self.rollout._cache_length(filled + needed))
+        length = self.length if filled + needed <= self.length else self.rollout._cache_length(filled + needed)
         # Per row: its holes first, then its real slots in order; the last `filled` of them.
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, self.length - filled:]
         target = self.cache if length == self.length else self.rollout._cache(len(self.rows), length, run.dtype)
