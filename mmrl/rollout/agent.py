@@ -26,6 +26,13 @@ them alone (environment tokens, template tokens and images are context). A turn 
 text re-renders to other tokens (a stop token the template does not write, or a
 tokenizer that does not round-trip) breaks the rule: the sample ends before it
 (`finish` "drift", counted in the metrics).
+
+On the compiled backend (`hf_compiled`) the loop opens a session
+(`mmrl.rollout.sessions`) that keeps each sample's KV-cache row between turns: a later
+turn prefills only what the prefix rule says is new (the environment's reply, template
+tokens, new images), at the positions and with the media tensors of the whole
+conversation, and finished samples free their rows. `keep_cache=False` (or any other
+backend) samples each turn from its whole conversation.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
   are, and when half of them have finished it moves the running rows (and their cache)
   into a batch half as wide, so finished rows stop costing compute.
 
+The prefill (`_prefill`) and the decode loop (`_decode`) are pieces a caller can run on a
+cache it keeps: a multi-turn session (`mmrl.rollout.sessions`, what the agent loop opens
+on this backend) prefills only a turn's new tokens and images into each sample's kept
+row, and the loop writes the rows it moves out back into that cache.
+
 Under FSDP2 each rank decodes its own prompts on an unsharded inference copy of the
 weights, gathered from the shards after each update (`mmrl.rollout.inference_copy`;
 `inference_copy` says whether it stays between rollouts): the decode loop is the same,
