@@ -123,7 +123,9 @@ class AgentRollout:
         turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                      top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
         active = list(range(len(trajectories)))
-        session = self.session = session_for(self.backend, reserve=self.max_tokens) if self.keep_cache else None
+        # No room reserved for later turns: the cache grows when a turn needs it (a longer
+        # cache costs every decode step), and the compiled rollout keeps its longest length.
+        session = self.session = session_for(self.backend) if self.keep_cache else None
         try:
             self._turns(trajectories, envs, active, params, turn_params, session)
         finally:
