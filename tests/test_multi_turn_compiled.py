@@ -143,9 +143,11 @@ def test_the_later_turns_read_the_kept_cache(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
-def test_finished_samples_free_their_rows(family):
+def test_finished_samples_free_their_rows(family, monkeypatch):
     """Samples that finish (the environment says done) leave the cache: each turn's cache
-    holds only the samples still running; the others keep their tokens and log-probs."""
+    holds only the samples still running (and makes room for them: a short cache-length
+    step), and they keep plain generate's tokens and log-probs."""
+    monkeypatch.setattr(compiled, "CACHE_LENGTH_STEP", 8)
     built, engine = _setup(family)
     params = SamplingParams(n=3, max_new_tokens=5, temperature=0, logprobs=True)
 
@@ -162,7 +164,8 @@ def test_finished_samples_free_their_rows(family):
     agent = _agent(built, engine, "hf_compiled", env=environments(), compile=False)
     fast = agent.generate(_rows(), params)
     assert [t.turns for t in fast.trajectories] == [1, 2, 3, 1, 2, 3]
-    assert agent.session.stats["cache_rows"] == [6, 4, 2]
+    assert agent.backend.fallback_reason is None and agent.session.stats["cache_rows"] == [6, 4, 2]
+    assert agent.backend._caches and {rows for rows, *_ in agent.backend._caches} <= {2, 4, 6}
     assert agent.session.cache is None  # let go when the rollout ended
     _assert_same(fast, plain)
 
@@ -189,6 +192,7 @@ def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
                *grown[1][1:]]
     conversations = [grown[0], drifted, openings[0]]
     second = session.generate(["a", "b", "c"], conversations, params)
+    assert rollout.fallback_reason is None
     assert session.stats["reprefilled_samples"] == 2 and session.stats["cache_rows"] == [2, 3]
     reference = plain.generate(conversations, params)
     assert torch.equal(second.response_ids, reference.response_ids)
@@ -229,7 +233,7 @@ def test_rows_survive_the_moves_inside_and_between_turns(monkeypatch):
                         or moved_rows(cache, keep, length))
     fast = agent.generate(_rows(), params)
     assert made_room and moved
-    assert agent.session.stats["reprefill_reason"] is None
+    assert agent.backend.fallback_reason is None and agent.session.stats["reprefill_reason"] is None
     _assert_same(fast, plain)
 
 
@@ -277,6 +281,7 @@ def test_media_whose_part_is_not_found_prefill_whole(monkeypatch):
     agent = _agent(built, engine, "hf_compiled", compile=False)
     fast = agent.generate(_rows(), GREEDY)
     stats = agent.session.stats
+    assert agent.backend.fallback_reason is None
     assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"]
     _assert_same(fast, plain)
 
@@ -288,6 +293,7 @@ def test_keep_cache_off_and_other_backends_go_turn_by_turn():
     agent.keep_cache = False
     off = agent.generate(_rows(), GREEDY)
     assert agent.session is None and "agent/prefill_tokens" not in off.stats
+    assert agent.backend.fallback_reason is None
     _assert_same(off, kept)
     plain = _agent(built, engine, "hf")
     plain.generate(_rows(), GREEDY)
@@ -302,7 +308,7 @@ def test_sampled_turns_keep_their_log_probs():
     torch.manual_seed(0)
     agent = _agent(built, engine, "hf_compiled", compile=False)
     result = agent.generate(_rows(), SamplingParams(n=2, max_new_tokens=4, logprobs=True))
-    assert agent.session.stats["reprefilled_samples"] == 0
+    assert agent.backend.fallback_reason is None and agent.session.stats["reprefilled_samples"] == 0
     seqs = trajectory_sequences(result.trajectories, built.processing, built.adapter, engine.model,
                                 built.processing.tokenizer.pad_token_id)
     with torch.no_grad():

@@ -343,11 +343,11 @@ class DecodeSession:
         """Room for `needed` more slots: each row's real slots move to the front (in order,
         right-aligned to the longest row), in a longer cache only where that is not enough."""
         real = self.mask != 0
-        filled = int(real.sum(-1).max())
+        rows, filled = len(real), int(real.sum(-1).max())
         length = self.length if filled + needed <= self.length else self.rollout._cache_length(filled + needed)
         # Per row: its holes first, then its real slots in order; the last `filled` of them.
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, self.length - filled:]
-        target = self.cache if length == self.length else self.rollout._cache(len(self.rows), length, run.dtype)
+        target = self.cache if length == self.length else self.rollout._cache(rows, length, run.dtype)
         for old, new in zip(self.cache.layers, target.layers, strict=True):
             moved = [t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                      for t in (old.keys, old.values)]
@@ -356,7 +356,7 @@ class DecodeSession:
             new.keys[:, :, :filled].copy_(moved[0])
             new.values[:, :, :filled].copy_(moved[1])
             new.cumulative_length.fill_(filled)
-        mask = self.mask.new_zeros(len(self.rows), length)
+        mask = self.mask.new_zeros(rows, length)
         mask[:, :filled] = self.mask.gather(1, order)
         self.cache, self.mask, self.length, self.fill = target, mask, length, filled
 
