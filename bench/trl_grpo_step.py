@@ -801,7 +801,8 @@ def settings(args) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help=f"of {', '.join(RUNS)}")
+    parser.add_argument("--runs", nargs="*", default=list(DEFAULT_RUNS),
+                        help=f"of {', '.join(RUNS)} (none: only the --variant runs)")
     parser.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="another mmrl run: a name and recipe overrides over the shared settings")
     parser.add_argument("--device", default="cuda")
@@ -855,6 +856,8 @@ def main() -> None:
         specs[name] = RUNS[name]
     for name, *overrides in args.variant:
         specs[name] = {"trainer": "mmrl", "overrides": overrides}
+    if not specs:
+        parser.error("no runs: name them with --runs or --variant")
     if args.micro_batch and (args.prompts * args.samples) % args.micro_batch:
         parser.error(f"--micro-batch: {args.micro_batch} does not divide the {args.prompts * args.samples} rows of a step")
     for item in args.steps_for:

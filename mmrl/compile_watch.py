@@ -68,6 +68,16 @@ class CompileWatch:
             compile_id = getattr(args, "compile_id", "")
             print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s", flush=True)
 
+    def record(self, seconds: float, what: str) -> None:
+        """Count work that stands in for a compile (a CUDA graph recorded without compiling,
+        `mmrl.rollout.graphs`) as one."""
+        with self._lock:
+            self.seconds += seconds
+            self.graphs += 1
+            count = self.graphs
+        if self.announce:
+            print(f"recorded graph {count} ({what}) in {seconds:.1f} s", flush=True)
+
     def take(self) -> tuple[float, int]:
         """Seconds and compiles since the previous `take`."""
         with self._lock:

@@ -7,13 +7,11 @@ values are errors that name the dotted field (`optim.lr: Input should be a valid
 a YAML error, or a key given twice, names the line and column. Values are not coerced
 (`true` is no number, `1` no switch, `"5"` no integer; non-finite floats are refused), and
 what can be told from the recipe alone (group-relative advantages need samples that can
-differ) is refused here, before anything is built. `check_before_build` checks what needs the
-filesystem or the model's config (model.path, config_overrides' types, LoRA targets,
-sequence_parallel against the attention heads, the reward, every dataset's rows and images)
-before the slow model build; `same_run` tells whether a saved
-recipe is the run being resumed. A recipe's `settled:` section (`SettledConfig`) holds what a
-run settled for the settings left to mmrl (`mmrl.settle`); `dump_recipe` writes it last,
-with the reason for each value.
+differ) is refused here, before anything is built. What needs the filesystem, the model's
+config or the data is checked in `mmrl.recipe_checks` (`check_before_build`), before the slow
+model build. `same_run` tells whether a saved recipe is the run being resumed. A recipe's
+`settled:` section (`SettledConfig`) holds what a run settled for the settings left to mmrl
+(`mmrl.settle`); `dump_recipe` writes it last, with the reason for each value.
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from mmrl.data.layouts import DataSource, DataSpec
-from mmrl.errors import one_line
-from mmrl.loggers import check_installed
 
 # What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
 IN_MEMORY = "memory:"
@@ -205,6 +201,12 @@ class RolloutConfig(_Section):
     # gathered after each update; "keep" holds it between rollouts, "free" releases it after
     # each, "auto" keeps it when it takes at most half the free GPU memory (docs/training.md).
     inference_copy: Literal["auto", "keep", "free"] = "auto"
+    # hf_compiled on a GPU: how the decode step runs fast. "graphs" records the eager step as
+    # CUDA graphs (a fraction of a second each), "compiled" compiles it with torch.compile
+    # (tens of seconds at a run's first steps, faster steps after); "auto": graphs for a run
+    # of at most 40,000 decode steps (steps x max_new_tokens x turns), compiled past that
+    # (`mmrl.settle.decode_choice`; the figures: docs/performance.md).
+    decode: Literal["auto", "graphs", "compiled"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.
@@ -260,7 +262,7 @@ class AlgoConfig(_Section):
 class RewardConfig(_Section):
     # A built-in reward name, "path/to/file.py:function" (relative to the recipe's folder)
     # or "package.module:function" (a module beside the recipe imports too). No default:
-    # a run without one stops before the build (`check_reward_and_data`), unless
+    # a run without one stops before the build (`mmrl.recipe_checks`), unless
     # `mmrl.train(recipe, reward=fn)` passes a function.
     name: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
@@ -366,22 +368,13 @@ class TrainerConfig(_Section):
 
 class ParallelConfig(_Section):
     # Ranks that split every sequence (Ulysses sequence parallelism): it must divide the
-    # number of processes and the text model's attention heads (`mmrl.parallel.ulysses`).
+    # number of processes and the text model's attention heads (`mmrl.parallel.ulysses`;
+    # checked before the build by `mmrl.recipe_checks`).
     sequence_parallel: int = Field(1, gt=0)
-
-    def check_model(self, adapter, text_config) -> None:
-        """Raise RecipeError naming the field when the model cannot be split this way."""
-        size = self.sequence_parallel
-        if size == 1:
-            return
-        if adapter.sequence_parallel is None:
-            raise RecipeError(f"parallel.sequence_parallel: {size} is set, but the {adapter.family} adapter opts out "
-                              "of sequence parallelism")
-        from mmrl.parallel.ulysses import heads_problem
-
-        problem = heads_problem(text_config, adapter.sequence_parallel.heads_attrs, size)
-        if problem:
-            raise RecipeError(f"parallel.sequence_parallel: {problem}")
+    # The last N processes only roll out (holding a full copy of the policy), the others
+    # train with FSDP2 and send them the weights after each update; 0: every process does
+    # both (`mmrl.parallel.disaggregated`, docs/async.md).
+    rollout_ranks: int = Field(0, ge=0)
 
 
 class SettledModel(_Section):
@@ -396,6 +389,7 @@ class SettledModel(_Section):
 
 class SettledRollout(_Section):
     backend: Literal["hf", "hf_compiled", "vllm"] | None = None
+    decode: Literal["graphs", "compiled"] | None = None
 
 
 class SettledConfig(_Section):
@@ -499,6 +493,22 @@ class Recipe(_Section):
             raise ValueError(f"advantage {value.advantage!r} compares the samples of a prompt, but "
                              "rollout.temperature 0 (greedy) makes them all alike: every advantage would be 0; "
                              "set rollout.temperature > 0 or use reinforce_pp or gae")
+        return value
+
+    @field_validator("parallel")
+    @classmethod
+    def _rollout_ranks_run_ahead(cls, value: ParallelConfig, info) -> ParallelConfig:
+        """Rollout ranks sample the next batches while the train ranks update, so the
+        batches they send are at least one update old (`mmrl.parallel.disaggregated`)."""
+        algo = info.data.get("algo")
+        if not value.rollout_ranks or algo is None:
+            return value
+        if algo.max_staleness < 1:
+            raise ValueError(f"rollout_ranks {value.rollout_ranks} needs algo.max_staleness >= 1 (the rollout ranks "
+                             "sample ahead of the update), got 0")
+        if value.sequence_parallel > 1:
+            raise ValueError(f"rollout_ranks {value.rollout_ranks} and sequence_parallel {value.sequence_parallel} "
+                             "cannot be combined yet; set one of them")
         return value
 
     @field_validator("trainer")
@@ -699,310 +709,6 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
-def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = None) -> None:
-    """Raise RecipeError for what the schema cannot see but a model build or the first
-    step would trip on late: a model.path that is not there or holds unreadable weights,
-    config_overrides of the wrong type, LoRA targets the model lacks, a sequence_parallel
-    size the family or its attention heads cannot take, a reward that is not set or cannot
-    be found, a dataset that cannot be loaded. `reward` (a function) and `loaded` (datasets by field,
-    e.g. {"train": ...}) are what the Python caller gave instead (`mmrl.api.train`)."""
-    _check_model(recipe.model)
-    _check_lora_targets(recipe.model)
-    _check_sequence_parallel(recipe)
-    try:
-        check_installed(recipe.trainer.loggers)
-    except ValueError as exc:
-        raise RecipeError(f"trainer.loggers: {exc}") from None
-    check_reward_and_data(recipe, reward=reward, loaded=loaded)
-    _check_strict_media(recipe)
-    _check_pack(recipe)
-
-
-def _check_pack(recipe: Recipe) -> None:
-    """model.pack: true needs a family whose packed batches are verified (padding_free)."""
-    if recipe.model.pack is not True:
-        return
-    from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing
-    from mmrl.registry import get_adapter
-
-    m = recipe.model
-    path = _checkpoint_folder(m) or Path(m.path).expanduser()
-    adapter = get_adapter(path if path.is_dir() else m.path, source=m.path)
-    if not adapter.capabilities.padding_free:
-        raise RecipeError(unpackable(adapter))
-    if path.is_dir():  # a checkpoint: its layers may be of kinds the family's probe never packed
-        if unverified := unverified_layer_kinds(adapter, _base_config(m)):
-            raise RecipeError(unverified_packing(adapter, unverified))
-
-
-def _check_strict_media(recipe: Recipe) -> None:
-    """trainer.strict_media makes the step-0 media check an error: it needs a model that
-    takes images and a single-turn run, where the first batch's conversations are known."""
-    if not recipe.trainer.strict_media:
-        return
-    if recipe.rollout.env is not None:
-        raise RecipeError("trainer.strict_media: the step-0 media check runs on single-turn rollouts, and "
-                          "rollout.env makes them multi-turn (the multi_turn probe of `mmrl doctor` checks those)")
-    from mmrl.registry import get_adapter
-
-    m = recipe.model
-    path = _checkpoint_folder(m) or Path(m.path).expanduser()
-    adapter = get_adapter(path if path.is_dir() else m.path, source=m.path)
-    if not adapter.is_multimodal:
-        raise RecipeError(f"trainer.strict_media: the model ({adapter.family}) takes no images or video, so there "
-                          "is no media to check; leave it false")
-
-
-def _check_model(m: ModelConfig) -> None:
-    path = _checkpoint_folder(m) or Path(m.path).expanduser()
-    looks_like_path = "/" in m.path or m.path.startswith((".", "~"))
-    if not m.random_init:
-        if path.is_file():
-            raise RecipeError(f"model.path: {m.path} is a file; give a checkpoint folder")
-        if not path.is_dir():
-            raise RecipeError(f"model.path: no checkpoint folder {m.path} (to build a family's tiny model "
-                              "instead, name the family and set model.random_init=true)")
-        if m.config_overrides or m.tiny_vocabulary:
-            key = "config_overrides" if m.config_overrides else "tiny_vocabulary"
-            raise RecipeError(f"model.{key}: applies to random_init=true builds only")
-        problem = weights_problem(path)
-        if problem:
-            raise RecipeError(f"model.path: {problem}")
-    elif looks_like_path and not path.exists():
-        raise RecipeError(f"model.path: no checkpoint folder {m.path} (and it is not a family name)")
-    from mmrl.registry import RegistryError, get_adapter
-
-    try:
-        get_adapter(path if path.is_dir() else m.path, source=m.path)  # a family, or a checkpoint of one
-    except RegistryError as exc:
-        raise RecipeError(f"model.path: {exc}") from None
-    if m.random_init and m.config_overrides:
-        problem = _override_problem(_base_config(m), m.config_overrides, "model.config_overrides")
-        if problem:
-            raise RecipeError(problem)
-
-
-def _check_lora_targets(m: ModelConfig) -> None:
-    """model.lora_targets against the model's module names, on an empty (meta-device)
-    model of its config: no weights are drawn or read, so a 7B costs what a tiny one does."""
-    if m.lora_scope == "none" or not m.lora_targets:
-        return
-    import torch
-
-    from mmrl.lora import lora_target_modules
-
-    config, adapter = _built_config(m)
-    with torch.device("meta"):
-        model = adapter.model_class()._from_config(config)
-    try:
-        lora_target_modules(model, m.lora_scope, adapter, m.lora_targets)
-    except ValueError as exc:
-        raise RecipeError(f"model.lora_targets: {exc}") from None
-
-
-def _check_sequence_parallel(recipe: Recipe) -> None:
-    """parallel.sequence_parallel against the family and its config's attention heads, from
-    the config alone (the model is not built)."""
-    if recipe.parallel.sequence_parallel == 1:
-        return
-    config, adapter = _built_config(recipe.model)
-    recipe.parallel.check_model(adapter, config.get_text_config())
-
-
-def _built_config(m: ModelConfig):
-    """The config the model of `m` is built with (config_overrides applied), and its adapter."""
-    from mmrl.build import customized_config
-    from mmrl.registry import adapter_for_config
-
-    config = _base_config(m)
-    adapter = adapter_for_config(config)
-    if m.random_init and m.config_overrides:
-        config = customized_config(config, adapter, m.config_overrides)
-    return config, adapter
-
-
-def check_reward_and_data(recipe: Recipe, splits: tuple[str, ...] = ("train", "validation", "eval"), *,
-                          reward=None, loaded: dict | None = None) -> None:
-    """Raise RecipeError, one line naming the field and the file or row, when the reward
-    is not set (and no function is given: `reward`) or cannot be found, or needs an
-    argument no column of data.train fills, or a dataset of `splits` cannot be loaded
-    (every row validated, every image opened; `loaded`: datasets given in memory). The
-    datasets stay cached by `load_prompts`, so the trainer does not load them twice."""
-    from mmrl.data import load_prompts
-
-    reward_fn = reward if reward is not None else recipe_reward(recipe)
-    data = recipe.data
-    for field, source, split in (("train", data.train, "train"), ("validation", data.validation, "validation"),
-                                 ("eval", data.eval, "test")):
-        given = (loaded or {}).get(field)
-        if field not in splits or (given is None and source is None):
-            continue
-        path = source.path if isinstance(source, DataSource) else source
-        if given is None and isinstance(path, str) and path.startswith(IN_MEMORY):
-            raise RecipeError(f"data.{field}: {path} was a dataset given to mmrl.train() in Python; "
-                              "pass it again there, or name a file, folder or synthetic task here")
-        try:
-            dataset = given if given is not None else load_prompts(source, split=split)
-        except (ValueError, TypeError, FileNotFoundError) as exc:
-            raise RecipeError(f"data.{field}: {exc}") from None
-        if field == "eval":
-            from mmrl.data.synthetic import shuffle_control_problem
-
-            problem = shuffle_control_problem(list(dataset))
-            if problem:
-                raise RecipeError(f"data.eval: {dataset.name or 'data.eval'}: {problem}")
-        if field == "train" and len(dataset) < data.prompts_per_step:
-            raise RecipeError(f"data.prompts_per_step: {data.prompts_per_step} prompts per step, but "
-                              f"{dataset.name or 'data.train'} has {len(dataset)} rows")
-        if field == "train":
-            _check_reward_arguments(reward_fn, dataset, "reward" if reward is not None else "reward.name")
-
-
-def _check_reward_arguments(reward_fn, dataset, field: str) -> None:
-    """A RecipeError when the reward requires an argument that neither a column of the
-    training rows nor the trainer gives (it would fail at step 1)."""
-    from mmrl.rewards import TRAINER_FIELDS, missing_fields, reward_name
-
-    columns = set(dataset[0]) - {"prompt", "answer", "images", "videos"}
-    missing = missing_fields(reward_fn, columns | set(TRAINER_FIELDS))
-    if missing:
-        listed = ", ".join(sorted(columns)) or "none"
-        raise RecipeError(f"{field}: {reward_name(reward_fn)} needs {', '.join(map(repr, missing))}, which is no "
-                          f"column of data.train (its other columns: {listed}) nor one of {', '.join(TRAINER_FIELDS)}")
-
-
-def recipe_reward(recipe: Recipe):
-    """The reward function `reward:` names, resolved against the recipe's folder; a
-    RecipeError naming the field when it is not set or does not resolve."""
-    from mmrl.rewards import BUILTIN_REWARDS, get_reward
-
-    reward = recipe.reward
-    if reward.name is None:
-        raise RecipeError(f"reward.name: not set; name what scores the completions: a built-in "
-                          f"({', '.join(BUILTIN_REWARDS)}), path/to/file.py:function or package.module:function "
-                          "(docs/training.md#rewards)")
-    try:
-        return get_reward(reward.name, recipe.folder, **reward.options)
-    except (ValueError, TypeError) as exc:
-        options = "has no option" in str(exc) or reward.name == "weighted"
-        field = "reward.options" if options else "reward.name"
-        raise RecipeError(f"{field}: {exc}") from None
-
-
-# Defaults fit for the tiny CPU recipes, not for a real model: a run that leaves them
-# unset is told which ones it uses.
-TOY_DEFAULTS = {("optim", "lr"): "a real model usually wants 1e-6 to 1e-5",
-                ("model", "dtype"): "bfloat16 halves the memory of a real model on a GPU"}
-
-
-def unset_toy_defaults(recipe: Recipe) -> str | None:
-    """A one-line notice naming the `TOY_DEFAULTS` that `recipe` leaves unset, or None."""
-    unset = []
-    for (section, field), advice in TOY_DEFAULTS.items():
-        config = getattr(recipe, section)
-        if field not in config.model_fields_set:
-            unset.append(f"{section}.{field}={getattr(config, field)} ({advice})")
-    if not unset:
-        return None
-    return "note: the recipe leaves these at their defaults: " + "; ".join(unset)
-
-
-def weights_problem(folder: Path) -> str | None:
-    """Why the checkpoint folder's weights cannot be loaded, from the safetensors headers
-    alone (no tensor is read), or None."""
-    import json
-    import struct
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
-            return f"{folder} holds only pickle-format weights (.bin/.pt); mmrl loads safetensors only"
-        return f"{folder} holds no *.safetensors weights"
-    for file in files:
-        size = file.stat().st_size
-        try:
-            with open(file, "rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                if length > size - 8:
-                    raise ValueError("header longer than the file")
-                header = json.loads(handle.read(length))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
-                      default=0)
-        except (struct.error, ValueError, KeyError, TypeError, IndexError):
-            return f"{file}: not a readable safetensors file (truncated or corrupt header)"
-        if 8 + length + end != size:
-            return f"{file}: truncated or padded ({size} bytes; its header describes {8 + length + end})"
-    return None
-
-
-def _checkpoint_folder(m: ModelConfig) -> Path | None:
-    """model.path's checkpoint folder (a hub id's snapshot in the HF cache), or None."""
-    from mmrl.hub import HubError, checkpoint_folder
-
-    try:
-        return checkpoint_folder(m.path, weights=not m.random_init, trust_remote_code=m.trust_remote_code)
-    except HubError as exc:
-        raise RecipeError(f"model.path: {exc}") from None
-
-
-def _base_config(m: ModelConfig):
-    """The config a random init of `m` starts from (the family's tiny one, or a checkpoint's)."""
-    from contextlib import nullcontext
-
-    from mmrl.registry import RegistryError, get_adapter
-
-    path = _checkpoint_folder(m) or Path(m.path).expanduser()
-    if path.is_dir():
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
-        except Exception as exc:
-            if "StrictDataclassError" not in {cls.__name__ for cls in type(exc).__mro__}:
-                raise
-            raise RecipeError(f"model.path: {path / 'config.json'} is not a valid config "
-                              f"({one_line(exc.__cause__ or exc, 300)})") from None
-    try:
-        adapter = get_adapter(m.path)
-    except RegistryError as exc:
-        raise RecipeError(f"model.path: {exc}") from None
-    from mmrl.tiny import vocabulary
-
-    with vocabulary(**m.tiny_vocabulary) if m.tiny_vocabulary else nullcontext():
-        return adapter.tiny().config
-
-
-_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"),
-          ((list, tuple), "a list"))
-
-
-def _override_problem(config, overrides: dict[str, Any], where: str) -> str | None:
-    """The first override whose key the config lacks or whose value has another type."""
-    for key, value in overrides.items():
-        field = f"{where}.{key}"
-        if not hasattr(config, key):
-            return f"{field}: {type(config).__name__} has no such field"
-        current = getattr(config, key)
-        if hasattr(current, "to_dict"):
-            if not isinstance(value, dict):
-                return f"{field}: a sub-config; give a mapping of its fields, got {type(value).__name__}"
-            problem = _override_problem(current, value, field)
-            if problem:
-                return problem
-            continue
-        if current is None or value is None:
-            continue
-        for kind, words in _KINDS:
-            if isinstance(current, kind):
-                fits = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-                if kind is float:
-                    fits = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if not fits:
-                    return f"{field}: expected {words} (the config has {current!r}), got {value!r}"
-                break
-    return None
-
-
 # Recipe fields that say how to run, not what is trained: a resumed run may change them.
 _HOW_TO_RUN = {
     "trainer": {"steps", "resume", "overwrite", "progress", "summary", "threads", "time_budget_s", "log_every", "eval_every",
@@ -1011,7 +717,7 @@ _HOW_TO_RUN = {
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
               "compile_layers"},
-    "parallel": {"sequence_parallel"},
+    "parallel": {"sequence_parallel", "rollout_ranks"},
     "eval": set(EvalConfig.model_fields),
 }
 

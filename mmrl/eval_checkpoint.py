@@ -22,14 +22,16 @@ import torch
 import torch.distributed
 
 from mmrl.build import build_model, build_recipe_model
-from mmrl.config import Recipe, RecipeError, check_reward_and_data, recipe_reward, weights_problem
+from mmrl.config import Recipe, RecipeError
 from mmrl.data import load_prompts
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, reward_scorer, rollout_generator
 from mmrl.logs import capped_threads
 from mmrl.lora import apply_lora
 from mmrl.parallel import init_distributed
-from mmrl.rollout import make_rollout
+from mmrl.recipe_checks import check_reward_and_data, recipe_reward, weights_problem
+from mmrl.rollout import make_rollout, rollout_options
+
 from mmrl.runs import verify_checkpoint
 from mmrl.settle import resolve
 from mmrl.trainer import environment_factory
@@ -102,10 +104,8 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
     settled = resolve(recipe, dist, adapter=built.adapter)  # as the trainer settles them (`mmrl.settle`)
     engine = Engine(built, dist, share_media=m.share_media, **settled.engine_options())
     backend = settled.rollout_backend
-    options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
-                                                              "inference_copy": r.rollout.inference_copy}}
     rollout = make_rollout(backend, engine, built.processing, requested=r.rollout.backend,
-                           **options.get(backend, {}))
+                           **rollout_options(r.rollout, backend, settled.rollout_decode))
     agent = None
     if environment is not None:
         from mmrl.rollout.agent import AgentRollout

@@ -17,10 +17,14 @@ real images' must exceed `READS_MEDIA_BOUND` on both paths. The vision tower's f
 is hooked on both paths: it must be
 called, and with the same pixels on both, so a processor that drops `pixel_values`,
 placeholders that are not expanded or a model that loses its pixels fail in one line.
-The rollout path is checked where it runs the engine's own model (the `hf` and
-`hf_compiled` backends); under vLLM, which runs a copy of its own, only the training path
-is (the vllm probe compares vLLM's log-probs with the trainer's). Every rank of a sharded
-run makes the same calls (FSDP2's collectives).
+The rollout path is hooked where it runs the engine's own model (the `hf` and
+`hf_compiled` backends). A backend that runs a copy of its own (vLLM) is checked through
+its own scoring of the same response tokens (`rollout.log_probs`, vLLM's prompt
+log-probs) with each variant's media; its vision tower's pixels cannot be seen, so they
+are compared on the hooked backends only, and the reading says so (`pixels_unchecked`).
+A backend that neither runs the engine's model nor scores given tokens leaves the
+training path alone checked (`rollout_unchecked`). Every rank of a sharded run makes the
+same calls (FSDP2's collectives).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class MediaReading:
     pixel_gap: float | None = None
     # Why the rollout path was not checked (a backend that runs its own copy of the model).
     rollout_unchecked: str | None = None
+    # Why the tower's pixels were not compared between the paths (the rollout path checked
+    # through the backend's own scoring, e.g. vLLM's copy of the model).
+    pixels_unchecked: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -78,7 +85,8 @@ class MediaReading:
         return {"min_logprob_diff": dict(self.figures),
                 "vision_tower_calls": self.tower_calls, "pixel_max_diff_rollout_vs_training": self.pixel_gap,
                 "prompts_with_media": self.prompts_with_media, "bound": READS_MEDIA_BOUND,
-                **({"rollout_unchecked": self.rollout_unchecked} if self.rollout_unchecked else {})}
+                **({"rollout_unchecked": self.rollout_unchecked} if self.rollout_unchecked else {}),
+                **({"pixels_unchecked": self.pixels_unchecked} if self.pixels_unchecked else {})}
 
     def summary(self) -> str:
         shown = ", ".join(f"{k} {v:.1e}" for k, v in self.figures.items())
@@ -86,8 +94,10 @@ class MediaReading:
             return (f"log-probs move when the images do on the training path (per prompt, smallest largest "
                     f"difference: {shown}; bound {READS_MEDIA_BOUND:.0e}); rollout path not checked: "
                     f"{self.rollout_unchecked}")
+        pixels = (f"the vision tower's pixels not compared: {self.pixels_unchecked}" if self.pixels_unchecked
+                  else "the vision tower gets the same pixels on both paths")
         return (f"log-probs move when the images do, on both paths (per prompt, smallest largest difference: "
-                f"{shown}; bound {READS_MEDIA_BOUND:.0e}); the vision tower gets the same pixels on both paths")
+                f"{shown}; bound {READS_MEDIA_BOUND:.0e}); {pixels}")
 
 
 # -- the media and their variants ---------------------------------------------------------------
@@ -273,12 +283,18 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     ids, mask = responses
 
     # The rollout path is hooked where it runs the engine's own model (the HF backends);
-    # vLLM runs a copy of its own, which the vllm probe compares with the trainer instead.
+    # a backend with its own copy (vLLM) scores the same response tokens itself.
     hooked = isinstance(rollout, HFRollout)
-    if not hooked:
+    scored = not hooked and callable(getattr(rollout, "log_probs", None))
+    if scored:
+        reading.pixels_unchecked = (f"{type(rollout).__name__} runs its own copy of the model (no hooks there); "
+                                    "its rollout path is checked through its own log-probs of the sampled tokens")
+    elif not hooked:
         reading.rollout_unchecked = f"{type(rollout).__name__} runs its own copy of the model (no hooks there)"
 
     def rollout_path(batch) -> torch.Tensor | None:
+        if scored:
+            return rollout.log_probs(batch, ids, mask).float().cpu() * mask.float()
         if not hooked:
             return None
         # One token: the prompt's forward alone, so the hook sees nothing compiled.
@@ -325,7 +341,7 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
         rows = changed_rows(conversations, variants[variant])
         if not rows:
             continue  # e.g. one image in the batch: shuffling moves nothing
-        if hooked:
+        if hooked or scored:
             reading.figures[f"rollout/{variant}"] = (next_logp - real_next).abs().amax(-1)[rows].min().item()
         reading.figures[f"training/{variant}"] = (logp - real_logp).abs().amax(-1)[rows].min().item()
     for key, value in reading.figures.items():

@@ -175,6 +175,26 @@ def backend_choice(backend: str, adapter, dist: Dist) -> Choice:
     return Choice("hf_compiled", f"auto: {where(dist)}")
 
 
+# Decode steps in a run (steps x new tokens per turn x turns) up to which recording the decode
+# step as CUDA graphs beats compiling it: the compile's first-step cost over what it saves per
+# decode step after (docs/performance.md, "Recording the decode step instead of compiling it").
+GRAPHS_UP_TO = 40_000
+
+
+def decode_choice(decode: str, backend: str, recipe: Recipe) -> Choice:
+    """`rollout.decode`; "auto": the decode step recorded as CUDA graphs for a run of at
+    most GRAPHS_UP_TO decode steps, compiled for a longer one (its compile then pays off)."""
+    if decode != "auto":
+        return Choice(decode, SET_IN_RECIPE)
+    if backend != "hf_compiled":
+        return Choice("graphs", f"auto: unused by rollout.backend {backend}")
+    r = recipe.rollout
+    steps = recipe.trainer.steps * r.max_new_tokens * (r.max_turns if r.env else 1)
+    if steps <= GRAPHS_UP_TO:
+        return Choice("graphs", f"auto: at most {steps:,} decode steps; compiling pays off past {GRAPHS_UP_TO:,}")
+    return Choice("compiled", f"auto: up to {steps:,} decode steps; compiling pays off past {GRAPHS_UP_TO:,}")
+
+
 @dataclass(frozen=True)
 class Settled:
     """A recipe's settings as settled for one run (`resolve`), by dotted field in the order
@@ -208,6 +228,10 @@ class Settled:
     @property
     def rollout_backend(self) -> str:
         return self.choices["rollout.backend"].value
+
+    @property
+    def rollout_decode(self) -> str:
+        return self.choices["rollout.decode"].value
 
     def values(self) -> dict[str, Any]:
         """{dotted field: value}."""
@@ -266,11 +290,15 @@ def resolve(recipe: Recipe, dist: Dist, adapter=None) -> Settled:
         "model.gradient_checkpointing": (m.gradient_checkpointing, lambda value: checkpointing_choice(value, dist)),
         "model.attn_implementation": (m.attn_implementation, lambda value: attention_choice(value, adapter)),
         "rollout.backend": (recipe.rollout.backend, lambda value: backend_choice(value, adapter, dist)),
+        "rollout.decode": (recipe.rollout.decode,
+                           lambda value: decode_choice(value, choices["rollout.backend"].value, recipe)),
     }
-    choices = {field: settle(field, *rules[field]) for field in SETTLED_FIELDS}
+    choices: dict[str, Choice] = {}
+    for field in SETTLED_FIELDS:  # in order: the decode rule reads the settled backend
+        choices[field] = settle(field, *rules[field])
     return Settled(choices, compile_layers_required=m.compile_layers is True)
 
 
 __all__ = ["AFTER_OOM", "PACK_TOKENS", "Choice", "Settled", "attention_choice", "backend_choice",
-           "checkpointing_choice", "compile_layers_choice", "model_adapter", "pack_choice", "pack_rule",
+           "checkpointing_choice", "compile_layers_choice", "decode_choice", "model_adapter", "pack_choice", "pack_rule",
            "pack_tokens_choice", "resolve", "where"]

@@ -3,6 +3,7 @@
     mmrl train recipes/tiny_vlm_count.yaml                       # one process
     torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE         # FSDP2 over 2 processes
     torchrun --nproc_per_node 4 -m mmrl.cli train RECIPE parallel.sequence_parallel=2
+    torchrun --nproc_per_node 2 -m mmrl.cli train RECIPE parallel.rollout_ranks=1 algo.max_staleness=1
 
 Each step takes `prompts_per_step` prompts (split across the data-parallel ranks; the
 `parallel.sequence_parallel` ranks of one Ulysses group share their prompts, rollouts
@@ -38,21 +39,20 @@ from typing import Any
 import torch
 
 from mmrl.atomic import atomic_folder, atomic_write_text
-from mmrl.buffer import RolloutBatch, attach_behaviour, steps_for
+from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
-from mmrl.config import (Recipe, RecipeError, check_before_build, dump_recipe, recipe_reward, same_run,
-                         unset_toy_defaults)
+from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.media_check import step_zero_media_check
 from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
-from mmrl.prompt_lengths import check_prompt_lengths
+from mmrl.recipe_checks import check_before_build, check_prompt_lengths, recipe_reward, unset_toy_defaults
 from mmrl.rewards import get_reward, reward_name
-from mmrl.rollout import SamplingParams, make_rollout
+from mmrl.rollout import SamplingParams, make_rollout, rollout_options
 from mmrl.run_log import RunLog, plot_rewards
 from mmrl.runs import RunFolder, RunFolderError
 from mmrl.samples import sample_rows
@@ -184,11 +184,9 @@ class Trainer:
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)
         backend = settled.rollout_backend
-        options = {"vllm": {"config": r.rollout}, "hf_compiled": {"half_weights": r.rollout.half_weights,
-                                                                  "inference_copy": r.rollout.inference_copy}}
         # The recipe's own name too: "auto" may still take plain generate (an inference copy that does not fit).
         self.rollout = make_rollout(backend, self.actor, self.processing, requested=r.rollout.backend,
-                                    **options.get(backend, {}))
+                                    **rollout_options(r.rollout, backend, settled.rollout_decode))
         self.agent = None
         if self._environment is not None:
             from mmrl.rollout.agent import AgentRollout
@@ -269,12 +267,13 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def _roll_out(self) -> RolloutBatch:
+    def _roll_out(self, prompts: tuple[list[dict], list[int]] | None = None) -> RolloutBatch:
         """The next prompts' rollout, scored: what a step trains on, now or (one step off,
-        `algo.max_staleness`) later."""
+        `algo.max_staleness`) later. `prompts`: the samples and their source rows, chosen
+        by the caller (a rollout rank, `mmrl.buffer.disaggregated`)."""
         r = self.recipe
         where = f"step {self.step + 1}"
-        samples, source_rows = self._next_prompts()
+        samples, source_rows = prompts if prompts is not None else self._next_prompts()
         # An environment opens each sample's conversation itself (from the row).
         conversations = None if self.agent else conversations_of(samples, source_rows, self.train_set, where,
                                                                 max_pixels=r.model.max_pixels)
@@ -658,6 +657,8 @@ def train(recipe: Recipe, *, reward=None, datasets: dict | None = None) -> dict[
     """Run a recipe to the end; returns the final summary (rank 0's view). `reward` and
     `datasets` as for `Trainer`; `mmrl.train` (mmrl/api.py) is the documented entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if recipe.parallel.rollout_ranks:  # the last ranks only roll out (mmrl/buffer/disaggregated.py)
+        return disaggregated.train(recipe, lambda part, dist: Trainer(part, dist, reward=reward, datasets=datasets))
     trainer = Trainer(recipe, reward=reward, datasets=datasets)
     summary = trainer.fit()
     if trainer.dist.distributed and torch.distributed.is_initialized():

@@ -9,7 +9,10 @@ and SmolVLM's video processor, so one module serves both (`IDEFICS3`, `SMOLVLM`)
 
 from __future__ import annotations
 
+import copy
 import math
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +140,9 @@ class Idefics3Processing(Processing):
     token); a sampled turn rendered back through that template gained a space it never
     sampled whenever it did not open with one, and the agent loop had to end the sample
     (the prefix rule, `mmrl.rollout.agent`). A hand-written assistant turn therefore
-    opens with the space the model would write (" Yes.").
+    opens with the space the model would write (" Yes."). An export saves the template
+    rewritten to render this way (`trained_chat_template`), so served or re-rendered
+    conversations are the token ids training saw.
     """
 
     def image_kwargs(self) -> dict[str, Any]:
@@ -146,6 +151,57 @@ class Idefics3Processing(Processing):
         tile = self.processor.image_processor.max_image_size["longest_edge"]
         edge = max(1, math.isqrt(self.max_pixels) // tile) * tile
         return {"size": {"longest_edge": edge}}
+
+    def processor_with_budget(self):
+        """Also carries the template training rendered with (`trained_chat_template`), so an
+        exported folder, served or rendered by plain transformers, writes an assistant turn
+        as the model was trained on it (`Assistant:` + its text, no added space); warns
+        where that template cannot be written."""
+        processor = super().processor_with_budget()
+        template = self.trained_chat_template()
+        if template is None:
+            warnings.warn("export: the chat template saved with the processor renders assistant turns with a space "
+                          "after 'Assistant:' that training did not write, and mmrl could not rewrite it; served "
+                          "conversations may differ from the trained token ids", stacklevel=2)
+            return processor
+        if template == getattr(processor, "chat_template", None):
+            return processor
+        if processor is self.processor:
+            processor = copy.deepcopy(processor)
+        processor.chat_template = template
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = template
+        return processor
+
+    def trained_chat_template(self) -> str | None:
+        """A chat template that renders as `render` does: the processor's own where it
+        already does, else that template with the separator after `Assistant:` dropped for
+        an assistant turn of text alone; None where the template has no one `': '`
+        separator to rewrite, or the rewrite does not render the check conversations
+        exactly as `render` does."""
+        template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            return None
+        if self._renders_as_trained(template):
+            return template
+        if len(_SEPARATOR.findall(template)) != 1:
+            return None
+        rewritten = _SEPARATOR.sub(lambda found: _ASSISTANT_SEPARATOR.format(separator=found.group(0)), template)
+        return rewritten if self._renders_as_trained(rewritten) else None
+
+    def _renders_as_trained(self, template: str) -> bool:
+        for conversation in _TEMPLATE_CHECKS:
+            for prompt in (True, False):
+                try:
+                    exported = self.processor.apply_chat_template(
+                        conversation, chat_template=template, tokenize=False, add_generation_prompt=prompt,
+                        **self.template_kwargs())
+                except Exception:  # noqa: BLE001 - a template this rewrite does not fit stays as it is
+                    return False
+                if exported != self.render(conversation, prompt):
+                    return False
+        return True
 
     def render(self, conversation, add_generation_prompt: bool = True) -> str:
         texts: dict[str, str] = {}
@@ -167,6 +223,25 @@ class Idefics3Processing(Processing):
 
 # Stands in for an assistant's text while the template renders (no template writes it).
 _MARKER = "\u2063MMRL-ASSISTANT\u2063"
+# The template's separator after a role name (`{{': '}}` in the checkpoints' templates),
+# and what the exported template writes instead: nothing after `Assistant:` for a turn of
+# text alone, the separator otherwise (what `render` writes).
+_SEPARATOR = re.compile(r"""\{\{-?\s*(['"]): \1\s*-?\}\}""")
+_ASSISTANT_SEPARATOR = ("{{% if message['role'] == 'assistant' and (message['content'] is string or "
+                        "message['content'] | rejectattr('type', 'equalto', 'text') | list | length == 0) %}}"
+                        "{{{{ ':' }}}}{{% else %}}{separator}{{% endif %}}")
+# Conversations on which the exported template must render as `render` does: assistant
+# turns with and without the space the model may sample (content as parts: `render` passes
+# the template parts, and the checkpoints' templates read `content[0]['type']`).
+_TEMPLATE_CHECKS = (
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "A dot."}]},
+     {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": " Yes."}]}],
+    [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+     {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}],
+)
 
 
 def _text_only(message: dict) -> str | None:

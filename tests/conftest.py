@@ -1,5 +1,5 @@
 """Shared fixtures: the registered families and fresh tiny builds of each; the torch
-threads of each test process.
+threads of each test process; the order the tests are queued in (the longest first).
 
 Under pytest-xdist (`-n auto`: README.md's test command) every worker gets its share of
 the cores, one thread on a machine with as many cores as workers, and the processes it
@@ -66,9 +66,67 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.slow)
 
 
+# The longest tests, longest first (names without parameters; a CI run's `--durations=40`,
+# 2026-12-03): under `--dist worksteal` the first worker's queue starts with them and the
+# other worker steals from that queue's end, so the longest run first instead of one of
+# them starting last and running on alone.
+LONGEST = [
+    "tests/test_vllm.py::test_count_recipe_learns_with_the_vllm_backend",
+    "tests/test_add_model.py::test_coverage_sweep_slice_writes_rows_and_resumes",
+    "tests/test_recipe.py::test_tiny_vlm_recipe_learns_to_count_from_the_image",
+    "tests/test_add_model.py::test_vision_language_scaffolds_read_what_their_processor_and_model_code_need",
+    "tests/test_tutorial.py::test_the_tutorial_runs_as_written",
+    "tests/test_probes.py::test_plugin_family_adds_its_row_and_changes_nothing_else",
+    "tests/test_add_model.py::test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in",
+    "tests/test_bench_fsdp_scaling.py::test_the_sharded_run_is_compared_with_the_one_process_run",
+    "tests/test_ulysses.py::test_data_and_sequence_parallel_equals_data_parallel",
+    "tests/test_add_model.py::test_vision_language_scaffold_passes_the_zoo_unedited",
+    "tests/test_vllm.py::test_vllm_probe_verifies_a_scaffolded_family",
+    "tests/test_vllm.py::test_each_rank_runs_its_own_engine_under_torchrun",
+    "tests/test_bad_inputs.py::test_a_failing_reward_is_one_line_and_leaves_no_checkpoint",
+    "tests/test_probes.py::test_gpu_cells_are_merged_and_kept",
+    "tests/test_bench_sharded_rollout.py::test_the_bench_compares_both_rollouts_of_a_sharded_engine",
+    "tests/test_probes.py::test_doctor_on_a_checkpoint",
+    "tests/test_vllm.py::test_training_under_torchrun_with_the_vllm_backend",
+    "tests/test_export_checkpoints.py::test_a_sharded_lora_run_saves_its_adapter_and_resumes_exactly",
+    "tests/test_rollout_sharded.py::test_two_process_compiled_rollout_equals_one_process",
+    "tests/test_buffer.py::test_two_process_one_step_off_run_writes_each_ranks_share",
+    "tests/test_bench_device_ab.py::test_each_side_runs_its_own_tree_and_is_compared_with_the_first",
+    "tests/test_ulysses.py::test_probe_runs_every_family_in_one_launch",
+    "tests/test_probes.py::test_doctor_fails_a_family_that_breaks_its_contract",
+    "tests/test_ulysses.py::test_training_with_sequence_parallel_equals_one_process",
+    "tests/test_reliability.py::test_sigkill_at_random_points_then_resume_equals_an_uninterrupted_run",
+]
+RANK = {name: rank for rank, name in enumerate(LONGEST)}
+
+
+def _urgency(item) -> tuple[int, bool]:
+    return RANK.get(item.nodeid.split("[")[0], len(LONGEST)), item.get_closest_marker("slow") is None
+
+
+def _module_fixture_users(item) -> bool:
+    """Whether the test takes a module-scoped fixture (pytest's own record of the
+    fixtures a test resolves to)."""
+    resolved = getattr(item, "_fixtureinfo", None)  # on every test function; absent on other kinds of item
+    return resolved is not None and any(definitions[-1].scope == "module"
+                                        for definitions in resolved.name2fixturedefs.values())
+
+
 @pytest.hookimpl(trylast=True)  # after pytest has grouped the tests that share a parametrized fixture
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (a stable sort keeps their order otherwise): under xdist the long
-    end-to-end runs start while the other workers take the quick tests, instead of one
-    of them starting last and running on alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first (LONGEST), then the other slow ones, then the quick tier (a
+    stable sort keeps their order otherwise): under xdist the long end-to-end runs start
+    while the other workers take the quick tests, instead of one of them starting last and
+    running on alone. The tests of a module that share a module-scoped fixture move
+    together, to the place of the most urgent of them: split apart, pytest would build
+    the fixture again for each part (a training run, a bench under torchrun)."""
+    urgency = {item: _urgency(item) for item in items}
+    shared = {}
+    for item in items:
+        if _module_fixture_users(item):
+            module = item.nodeid.split("::")[0]
+            shared[module] = min(shared.get(module, urgency[item]), urgency[item])
+    for item in items:
+        if _module_fixture_users(item):
+            urgency[item] = shared[item.nodeid.split("::")[0]]
+    items.sort(key=urgency.__getitem__)

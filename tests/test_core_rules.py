@@ -142,11 +142,6 @@ def test_rollout_to_training_batch_has_one_home():
 
 
 # -- the import graph: no cycle, no private name across files ------------------------------------
-# mmrl/scaffold/ belongs to the branch that untangles it (`mturn`: its five-module cycle is broken
-# there by mmrl/scaffold/tiny_inputs.py, its private names still cross files). Until that lands,
-# scaffold cycles and scaffold-internal private imports are let through; once merged, set this to
-# None so the rules hold in scaffold/ too.
-SCAFFOLD_UNTIL_UNTANGLED = "mmrl.scaffold."
 
 
 def _mmrl_modules() -> dict[str, Path]:
@@ -231,10 +226,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _let_through(modules: list[str]) -> bool:
-    return SCAFFOLD_UNTIL_UNTANGLED is not None and all(m.startswith(SCAFFOLD_UNTIL_UNTANGLED) for m in modules)
-
-
 def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
@@ -244,7 +235,7 @@ def test_no_import_cycle_in_mmrl():
     """No two modules of mmrl/ import each other, directly or around a loop, counting
     imports inside functions: the dependency graph is a set of layers a reader can follow
     (docs/architecture.md)."""
-    cycles = [cycle for cycle in _cycles(_import_graph()) if not _let_through(cycle)]
+    cycles = _cycles(_import_graph())
     assert not cycles, "import cycles in mmrl/:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
 
 
@@ -256,6 +247,6 @@ def test_no_private_name_is_imported_across_files():
         for line, target, imported in _mmrl_imports(name, path, modules):
             if not imported or not imported.startswith("_") or imported.startswith("__"):
                 continue
-            if modules.get(target) != path and not _let_through([name, target]):
+            if modules.get(target) != path:
                 crossing.append(f"{path.relative_to(REPO)}:{line}: {imported} from {target}")
     assert not crossing, "private names imported across files:\n" + "\n".join(crossing)

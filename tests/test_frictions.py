@@ -90,7 +90,7 @@ def test_a_run_prints_what_it_trains_before_its_first_step(tmp_path, capsys):
     trainer.fit()
     err = capsys.readouterr().err
     lines = err.splitlines()
-    assert [line.split()[0] for line in lines[:11]] == ["model", "weights", "rows", "step", *["settled"] * 6, "output"]
+    assert [line.split()[0] for line in lines[:12]] == ["model", "weights", "rows", "step", *["settled"] * 7, "output"]
     total = sum(p.numel() for p in trainer.actor.model.parameters())
     trainable = sum(p.numel() for p in trainer.actor.model.parameters() if p.requires_grad)
     assert 0 < trainable < total
@@ -99,15 +99,16 @@ def test_a_run_prints_what_it_trains_before_its_first_step(tmp_path, capsys):
     assert lines[2] == "rows      train 8192, validation 4, eval 4"
     assert lines[3] == "step      2 prompts x 2 samples = 4 sequences; 2 mini-batches, micro-batch 2"
     # One line per setting a recipe may leave to auto, as `mmrl.settle.resolve` settled it.
-    assert lines[4:10] == [
+    assert lines[4:11] == [
         "settled   model.pack false (auto: cpu, 1 process; packs in one GPU process only)",
         "settled   model.pack_tokens 16384 (auto: the default)",
         "settled   model.compile_layers false (auto: cpu, 1 process; compiles in one GPU process only)",
         "settled   model.gradient_checkpointing after_oom (auto: cpu, 1 process; off until an update runs out of "
         "memory)",
         "settled   model.attn_implementation sdpa (auto: Qwen2VLForConditionalGeneration supports SDPA)",
-        "settled   rollout.backend hf (set in the recipe)"]
-    assert lines[10] == f"output    {tmp_path / 'run'}"
+        "settled   rollout.backend hf (set in the recipe)",
+        "settled   rollout.decode graphs (auto: unused by rollout.backend hf)"]
+    assert lines[11] == f"output    {tmp_path / 'run'}"
     assert err.count("model     ") == 1  # once
 
 

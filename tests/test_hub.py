@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 import mmrl
 from mmrl.cli import app
-from mmrl.config import RecipeError, _check_model, check_before_build, load_recipe
+from mmrl.config import RecipeError, load_recipe
+from mmrl.recipe_checks import _check_model, check_before_build
 from mmrl.hub import HubError, checkpoint_folder, split_hub_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -4,7 +4,6 @@ templates, answer patterns, kept columns, every source kind, and one-line errors
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 from PIL import Image
 
@@ -91,6 +90,8 @@ def test_jsonl_with_image_paths_and_a_missing_column(tmp_path):
 
 
 def test_save_to_disk_dataset_dict_picks_the_split(tmp_path):
+    import datasets  # heavy: imported by the one test that builds a dataset, not at collection
+
     features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
                                   "images": datasets.List(datasets.Image())})
     split = lambda n: datasets.Dataset.from_dict(  # noqa: E731

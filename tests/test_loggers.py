@@ -195,12 +195,26 @@ def test_wandb_offline_and_mlflow_file_store_receive_metrics_config_and_samples(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # Every folder wandb writes in is this test's own (by default its service logs, table
+    # staging and settings are shared by every run on the machine: other xdist workers,
+    # other checkouts running this test at the same moment).
+    for variable, folder in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
+                             ("WANDB_ARTIFACT_DIR", "artifacts"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home" / folder))
     store = f"file://{tmp_path / 'mlruns'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 keeps the file store behind this
     run = tmp_path / "run"
-    Trainer(load_recipe(None, [*TEXT, f"trainer.output_dir={run}", "trainer.steps=2", "trainer.samples_every=1",
-                               "trainer.loggers=[wandb, mlflow]"])).fit()
+    import wandb
+
+    try:
+        Trainer(load_recipe(None, [*TEXT, f"trainer.output_dir={run}", "trainer.steps=2", "trainer.samples_every=1",
+                                   "trainer.loggers=[wandb, mlflow]"])).fit()
+    finally:
+        # The run's .wandb file is read below only once wandb's service process has
+        # exited: otherwise it lives on in this xdist worker (with the file open) until
+        # the worker ends, and nothing says it is done writing when `finish` returns.
+        wandb.teardown()
     assert not (run / "tensorboard").exists()  # not in the list
     local = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

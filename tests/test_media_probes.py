@@ -18,6 +18,7 @@ from mmrl.probes import Status, Subject, probe
 from mmrl.probes.reads_media import media_conversations
 from mmrl.probes.render import figure, render_html, render_markdown
 from mmrl.registry import get_adapter, unregister
+from mmrl.rollout import make_rollout
 
 VLM_RECIPE = ["trainer.eval_every=0", "data.eval=null", "data.validation=null", "data.prompts_per_step=4",
               "data.train=synthetic:count_shapes?n=16&seed=0&image_size=56", "rollout.samples_per_prompt=2",
@@ -56,9 +57,12 @@ def test_variants_change_only_the_pixels():
         [m["content"][1] for m in (c[0] for c in conversations)]  # the text is untouched
 
 
-def test_reads_media_verifies_a_zoo_vlm_on_both_paths():
+def test_reads_media_verifies_a_zoo_vlm_on_both_paths(monkeypatch):
+    _without_vllm(monkeypatch)
     result = probe("reads_media").run(_subject("qwen2_vl"))
     assert result.status is Status.VERIFIED, result.reason
+    assert result.reason.endswith("; vLLM's rollout path not checked (vllm not installed)")
+    assert result.evidence["vllm"] == {"unchecked": "vllm not installed"}
     figures = result.evidence["min_logprob_diff"]
     assert set(figures) == {f"{path}/{variant}" for path in ("rollout", "training") for variant in ("blank", "shuffled")}
     assert min(figures.values()) > media_check.READS_MEDIA_BOUND
@@ -117,6 +121,59 @@ def test_a_rollout_that_runs_its_own_model_leaves_the_training_path_to_check():
     assert reading.problem is None and set(reading.figures) == {"training/blank", "training/shuffled"}
     assert reading.rollout_unchecked == "OwnModelRollout runs its own copy of the model (no hooks there)"
     assert "rollout path not checked" in reading.summary()
+
+
+def _scoring_rollout(engine, processing, reads_media: bool):
+    """A backend with its own copy of the model that scores given tokens, as vLLM does:
+    with the conversations' media, or (`reads_media=False`) always with the first batch's."""
+    first = []
+
+    class ScoringRollout:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, conversations, params):
+            return self.inner.generate(conversations, params)
+
+        def log_probs(self, conversations, ids, mask):
+            first.append(conversations)
+            scored = conversations if reads_media else first[0]
+            return media_check._training_logprobs(engine, processing, scored, ids, mask)
+
+    return ScoringRollout(make_rollout("hf", engine, processing))
+
+
+@pytest.mark.parametrize("reads_media", [True, False])
+def test_a_rollout_that_scores_tokens_itself_is_checked_through_its_scores(reads_media):
+    """vLLM's path: no hook sees its copy of the model, so its own log-probs of the sampled
+    tokens with each variant's media are compared, and the pixels are said not compared."""
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine
+    from mmrl.probes.launcher import single_process
+
+    built = _subject("qwen2_vl").build()
+    engine = Engine(built, single_process("cpu"), optim=OptimConfig(lr=1e-2), total_steps=1)
+    rollout = _scoring_rollout(engine, built.processing, reads_media)
+    reading = media_check.read_media(engine, rollout, built.processing, media_conversations())
+    assert reading.rollout_unchecked is None and "ScoringRollout runs its own copy" in reading.pixels_unchecked
+    if reads_media:
+        assert reading.problem is None, reading.problem
+        assert set(reading.figures) == {f"{p}/{v}" for p in ("rollout", "training") for v in ("blank", "shuffled")}
+        assert "on both paths" in reading.summary() and "pixels not compared" in reading.summary()
+    else:
+        assert reading.problem.startswith("on the rollout path, log-probs with blank images differ from those with "
+                                          "the real images by at most 0.0e+00")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+def test_reads_media_checks_the_vllm_rollout_path_where_installed():
+    result = probe("reads_media").run(_subject("smolvlm"))
+    assert result.status is Status.VERIFIED, result.reason
+    assert "; VLLMRollout: log-probs move when the images do on its rollout path too" in result.reason
+    figures = result.evidence["vllm"]["min_logprob_diff"]
+    assert {"rollout/blank", "rollout/shuffled"} <= set(figures)
+    assert min(figures.values()) > media_check.READS_MEDIA_BOUND
 
 
 # -- rollout_agreement ----------------------------------------------------------------------

@@ -100,13 +100,16 @@ def _suffix_tokens(trajectories):
     return total
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_kept_cache_turns_equal_plain_generate(family):
+@pytest.mark.parametrize("family, decode", [*((f, "compiled") for f in FAMILIES), ("qwen2_5_vl", "graphs")])
+def test_kept_cache_turns_equal_plain_generate(family, decode):
+    """`decode`: the step `rollout.decode` picks, here its eager CPU twin ("graphs" builds
+    the masks from the session's mask and the slot the step writes, as its CUDA graphs do)."""
     built, engine = _setup(family)
     plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
-    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent = _agent(built, engine, "hf_compiled", compile=False, decode=decode)
     fast = agent.generate(_rows(), GREEDY)
     assert agent.backend.fallback_reason is None
+    assert decode == "compiled" or agent.backend._step.fallback is None  # the graphs step itself ran
     stats = agent.session.stats
     assert stats["turn_by_turn"] is None and stats["reprefill_reason"] is None and stats["reprefilled_samples"] == 0
     assert [t.turns for t in fast.trajectories] == [3] * 4 and stats["turns"] == 3

@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 
 import mmrl.trainer as trainer_module
-from mmrl.config import RecipeError, check_before_build, load_recipe
+from mmrl.config import RecipeError, load_recipe
+from mmrl.recipe_checks import check_before_build
 from mmrl.data import load_prompts, schema, to_conversation
 from mmrl.evaluation import conversations_of
 from mmrl.rewards import RewardError, combine

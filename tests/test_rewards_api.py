@@ -18,7 +18,8 @@ import torch
 import yaml
 from PIL import Image
 
-from mmrl.config import RecipeError, load_recipe, recipe_reward, unset_toy_defaults
+from mmrl.config import RecipeError, load_recipe
+from mmrl.recipe_checks import recipe_reward, unset_toy_defaults
 from mmrl.rewards import accepts, call_reward, combine, get_reward, score, score_parts
 from mmrl.rewards.fields import trainer_fields
 
@@ -213,7 +214,7 @@ def test_weighted_parts_are_scored_apart_and_named(tmp_path, monkeypatch):
 # -- 5. no silent defaults ---------------------------------------------------------------------
 
 def test_a_recipe_without_a_reward_stops_and_toy_defaults_are_named(tmp_path):
-    from mmrl.config import check_before_build
+    from mmrl.recipe_checks import check_before_build
 
     recipe = load_recipe(None, ["model.path=qwen2_vl", "model.random_init=true",
                                 "data.train=synthetic:count_shapes?n=8&image_size=56", "data.prompts_per_step=2"])
@@ -303,7 +304,7 @@ def test_train_refuses_what_it_cannot_use(tmp_path):
 
 
 def test_a_reward_needing_a_column_the_data_lacks_stops_before_the_build(tmp_path, monkeypatch):
-    from mmrl.config import check_reward_and_data
+    from mmrl.recipe_checks import check_reward_and_data
 
     module = _unique("needs")
     recipe_path = _experiment(tmp_path, f"./{module}.py:graded", {f"{module}.py": """
@@ -406,7 +407,7 @@ def test_cli_trains_with_a_reward_module_beside_the_recipe_without_pythonpath(tm
 
 
 def test_a_saved_recipe_of_an_in_memory_run_says_what_is_missing(tmp_path):
-    from mmrl.config import check_reward_and_data
+    from mmrl.recipe_checks import check_reward_and_data
 
     recipe = load_recipe(TINY, ["data.train=memory:train_dataset"])
     with pytest.raises(RecipeError, match=r"^data\.train: memory:train_dataset was a dataset given to mmrl\.train"):

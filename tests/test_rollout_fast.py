@@ -11,38 +11,11 @@ import warnings
 
 import pytest
 import torch
-from PIL import Image
+from widened_models import prompt_conversations, widened_engine
 
-from mmrl import build_model
-from mmrl.engine import Engine
-from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout import compiled
 from mmrl.rollout.compiled import choose_tokens, decode_attention
-
-TEXT_PROMPTS = ["What is it?", "And this one here, a longer one?", "no", "Say something about the sea and sky"]
-
-
-def _setup(family, spread: float = 0.3):
-    """A tiny model whose greedy continuations differ from token to token: random init
-    with widened weights (the default init repeats one token forever)."""
-    options = {"min_pixels": 784, "max_pixels": 56 * 56} if family != "qwen2" else {}
-    built = build_model(family, random_init=True, seed=0, processing_options=options)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in built.model.parameters():
-            if parameter.dim() == 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * spread)
-    engine = Engine(built, init_distributed(), mixed_precision=False, share_media=False)
-    return built, engine
-
-
-def _conversations(built, count=2):
-    if not built.adapter.is_multimodal:
-        return [[{"role": "user", "content": text}] for text in TEXT_PROMPTS[:count]]
-    sizes = [(56, 56), (84, 56), (56, 84), (28, 56)]
-    return [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", sizes[i], (60 * i, 30, 200))},
-                                          {"type": "text", "text": TEXT_PROMPTS[i]}]}] for i in range(count)]
 
 
 def _assert_same(plain, fast):
@@ -55,8 +28,8 @@ def _assert_same(plain, fast):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl", "qwen2_5_vl", "idefics3"])
 def test_greedy_tokens_and_logprobs_equal_plain_generate(family, monkeypatch):
-    built, engine = _setup(family)
-    conversations = _conversations(built)
+    built, engine = widened_engine(family)
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
@@ -79,8 +52,8 @@ def test_decode_steps_take_decode_attention_beside_the_packed_updates_varlen(mon
     from mmrl.engine import varlen
     from mmrl.parts import decoder_layers
 
-    built, engine = _setup("qwen2")
-    conversations = _conversations(built)
+    built, engine = widened_engine("qwen2")
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     assert varlen.install(built.model, decoder_layers(built.model, built.adapter))
@@ -96,8 +69,8 @@ def test_decode_steps_take_decode_attention_beside_the_packed_updates_varlen(mon
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_finished_rows_leave_the_batch_without_changing_the_output(family):
-    built, engine = _setup(family)
-    conversations = _conversations(built, count=4)
+    built, engine = widened_engine(family)
+    conversations = prompt_conversations(built, count=4)
     params = SamplingParams(n=4, max_new_tokens=24, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     # A stop token that the first prompt's rows meet early and some other prompt's never.
@@ -119,9 +92,9 @@ def test_fp32_weights_under_bf16_autocast_take_the_compiled_path(family):
     keys in fp32 while values are bf16; the static cache stores both in bf16 (what
     attention reads under autocast) instead of falling back. CPU autocast stands in for
     the GPU's."""
-    built, engine = _setup(family)
+    built, engine = widened_engine(family)
     engine.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    conversations = _conversations(built)
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
@@ -145,9 +118,9 @@ def test_half_weights_under_autocast_give_the_same_tokens_to_the_bit(family):
     cast once per rollout): the same tokens and log-probs, bit for bit, as casting at
     every step; the model's own fp32 parameters are back in place afterwards, and a
     second rollout after a weight change uses the new weights."""
-    built, engine = _setup(family)
+    built, engine = widened_engine(family)
     engine.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    conversations = _conversations(built)
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
     own = {name: p for name, p in engine.model.named_parameters()}
     results = {}
@@ -204,8 +177,8 @@ def test_decode_attention_equals_sdpa_on_grouped_heads():
 
 @pytest.mark.slow
 def test_compiled_decode_step_traces_as_one_graph():
-    built, engine = _setup("qwen2")
-    conversations = _conversations(built)
+    built, engine = widened_engine("qwen2")
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=10, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing,
@@ -252,8 +225,8 @@ def test_the_generation_configs_repetition_penalty_is_applied_as_generate_does(f
     """A checkpoint whose generation config sets `repetition_penalty` (prompt tokens,
     padding and image placeholders included, then each sampled token): the same greedy
     tokens and raw log-probs as plain generate, and other tokens than without it."""
-    built, engine = _setup(family)
-    conversations = _conversations(built)
+    built, engine = widened_engine(family)
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=16, temperature=0, logprobs=True)
     unpenalized = make_rollout("hf", engine, built.processing).generate(conversations, params)
     engine.model.generation_config.repetition_penalty = 1.8
@@ -267,9 +240,9 @@ def test_the_generation_configs_repetition_penalty_is_applied_as_generate_does(f
 
 
 def test_a_generation_config_it_cannot_follow_falls_back_with_one_warning():
-    built, engine = _setup("qwen2")
+    built, engine = widened_engine("qwen2")
     engine.model.generation_config.no_repeat_ngram_size = 2
-    conversations = _conversations(built)
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
@@ -284,8 +257,8 @@ def test_an_exports_suppressed_tokens_keep_the_compiled_loop():
     """An mmrl export's generation config suppresses the blocked tokens (mmrl/export.py):
     the loop blocks those anyway, so a run from an export keeps the fast path; a token
     the rollout would not block still falls back."""
-    built, engine = _setup("qwen2")
-    conversations = _conversations(built)
+    built, engine = widened_engine("qwen2")
+    conversations = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
     engine.model.generation_config.suppress_tokens = built.processing.blocked_token_ids
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
@@ -316,7 +289,7 @@ def test_auto_takes_the_compiled_rollout_on_a_gpu_only():
     assert choose_backend("auto", engine("cuda"), multi_turn=True) == "hf_compiled"
     for named in ("hf", "hf_compiled", "vllm"):
         assert choose_backend(named, engine("cpu")) == named
-    built, cpu_engine = _setup("qwen2")
+    built, cpu_engine = widened_engine("qwen2")
     assert type(make_rollout("auto", cpu_engine, built.processing)).__name__ == "HFRollout"
 
 
@@ -340,7 +313,7 @@ def test_a_spread_of_prompt_lengths_and_widths_compiles_at_most_two_graphs(monke
 
     from mmrl.compile_watch import watch
 
-    built, engine = _setup("qwen2")
+    built, engine = widened_engine("qwen2")
     vocabulary = engine.model.config.vocab_size
     built.processing.extra_stop_ids = list(range(0, vocabulary, 12))  # rows stop at different steps
     rollout = make_rollout("hf_compiled", engine, built.processing, min_compact_rows=2, check_every=2,
@@ -371,9 +344,9 @@ def test_a_shorter_batch_reuses_the_longest_compiled_cache():
     traced step is not traced again."""
     from mmrl.compile_watch import watch
 
-    built, engine = _setup("qwen2")
+    built, engine = widened_engine("qwen2")
     long = [[{"role": "user", "content": "sea sky " * 200}], [{"role": "user", "content": "tree"}]]
-    short = _conversations(built)
+    short = prompt_conversations(built)
     params = SamplingParams(n=2, max_new_tokens=8, temperature=0, logprobs=True)
     eager = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(short, params)
     rollout = make_rollout("hf_compiled", engine, built.processing,

@@ -23,37 +23,16 @@ from cpu_processes import run, torchrun
 
 SHARDED_ROLLOUT = '''
 import json, sys, torch
-from PIL import Image
-from mmrl import build_model
-from mmrl.engine import Engine
 from mmrl.parallel import Dist, init_distributed
+from mmrl.registry import get_adapter
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout.compiled import CompiledHFRollout
+from widened_models import prompt_conversation, widened_engine
 
-out, family, keep, mode = sys.argv[1:]
+out, cases = sys.argv[1], json.loads(sys.argv[2])  # cases: [[family, keep, mode], ...], one after the other
 torch.set_num_threads(1)
 dist = init_distributed("cpu")
-TEXTS = ["What is it?", "And this one here, a longer one?", "no", "Say something about the sea and sky"]
-
-
-def built_model():
-    """A tiny model whose greedy continuations differ from token to token (widened weights)."""
-    options = {"min_pixels": 784, "max_pixels": 56 * 56} if family != "qwen2" else {}
-    built = build_model(family, random_init=True, seed=0, processing_options=options)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in built.model.parameters():
-            if parameter.dim() == 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return built
-
-
-def conversation(i):
-    if family == "qwen2":
-        return [{"role": "user", "content": TEXTS[i]}]
-    size = [(56, 56), (84, 56), (56, 84), (28, 56)][i]
-    return [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size, (60 * i, 30, 200))},
-                                         {"type": "text", "text": TEXTS[i]}]}]
+params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
 
 
 def rows(result):
@@ -62,52 +41,56 @@ def rows(result):
     return [(result.response_ids[r, :n].tolist(), result.logprobs[r, :n].tolist()) for r, n in enumerate(lengths)]
 
 
-params = SamplingParams(n=2, max_new_tokens=12, temperature=0, logprobs=True)
-built = built_model()
-engine = Engine(built, dist, mixed_precision=False, share_media=False)
-options = {"compile": False} if mode == "eager" else {"compile_options": {"backend": "eager", "fullgraph": True}}
-rollout = make_rollout("hf_compiled", engine, built.processing, inference_copy=keep, **options)
-assert isinstance(rollout, CompiledHFRollout) and rollout.copy is not None
-mine = [conversation(i) for i in range(dist.rank, 4, 2)]  # rank r: prompts r, r + 2
-record = {"kept": rollout.copy.keep}
-states, results = [], []
-for phase in ("before", "after"):
-    if phase == "after":
-        # The shards change as an update changes them (each rank its own part), then sync.
-        generator = torch.Generator().manual_seed(10 + dist.rank)
-        engine.model.reshard()  # the root's weights too are shards again (a rollout gathers them)
-        with torch.no_grad():
-            for parameter in engine.model.parameters():
-                local = parameter.to_local()
-                if local.dim() == 2:
-                    local.add_(torch.randn(local.shape, generator=generator) * 0.1)
-        rollout.sync(engine)
-        record["fresh_after_sync"] = rollout.copy.fresh
-    states.append(engine.full_state_dict())  # rank 0 gets the full weights
-    result = rollout.generate(mine, params)
-    assert rollout.fallback_reason is None, rollout.fallback_reason
-    record[f"resident_{phase}"] = rollout.copy.resident_bytes()
-    results.append(dist.all_gather_objects(rows(result)))
-# The decode loop fails on rank 1 only: both ranks take plain generate (collective) together.
-if dist.rank == 1:
-    def broken(*args):
-        raise RuntimeError("out of luck")
-    rollout._fast_sample = broken
-failing = rows(rollout.generate(mine, params))
-record["fallbacks"] = dist.all_gather_objects(rollout.fallback_reason)
-record["fallback_rows"] = dist.all_gather_objects(failing)
+def case(family, keep, mode):
+    multimodal = get_adapter(family).is_multimodal
+    built, engine = widened_engine(family, dist=dist)  # the same weights on every rank (seeded)
+    options = {"compile": False} if mode == "eager" else {"compile_options": {"backend": "eager", "fullgraph": True}}
+    rollout = make_rollout("hf_compiled", engine, built.processing, inference_copy=keep, **options)
+    assert isinstance(rollout, CompiledHFRollout) and rollout.copy is not None
+    mine = [prompt_conversation(multimodal, i) for i in range(dist.rank, 4, 2)]  # rank r: prompts r, r + 2
+    record = {"kept": rollout.copy.keep}
+    states, results = [], []
+    for phase in ("before", "after"):
+        if phase == "after":
+            # The shards change as an update changes them (each rank its own part), then sync.
+            generator = torch.Generator().manual_seed(10 + dist.rank)
+            engine.model.reshard()  # the root's weights too are shards again (a rollout gathers them)
+            with torch.no_grad():
+                for parameter in engine.model.parameters():
+                    local = parameter.to_local()
+                    if local.dim() == 2:
+                        local.add_(torch.randn(local.shape, generator=generator) * 0.1)
+            rollout.sync(engine)
+            record["fresh_after_sync"] = rollout.copy.fresh
+        states.append(engine.full_state_dict())  # rank 0 gets the full weights
+        result = rollout.generate(mine, params)
+        assert rollout.fallback_reason is None, rollout.fallback_reason
+        record[f"resident_{phase}"] = rollout.copy.resident_bytes()
+        results.append(dist.all_gather_objects(rows(result)))
+    # The decode loop fails on rank 1 only: both ranks take plain generate (collective) together.
+    if dist.rank == 1:
+        def broken(*args):
+            raise RuntimeError("out of luck")
+        rollout._fast_sample = broken
+    failing = rows(rollout.generate(mine, params))
+    record["fallbacks"] = dist.all_gather_objects(rollout.fallback_reason)
+    record["fallback_rows"] = dist.all_gather_objects(failing)
+    if dist.rank == 0:
+        alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+        single, reference = widened_engine(family, dist=alone)
+        conversations = [prompt_conversation(multimodal, i) for i in range(4)]
+        for phase, state, gathered in zip(("before", "after"), states, results):
+            single.model.load_state_dict(state)
+            plain = rows(make_rollout("hf", reference, single.processing).generate(conversations, params))
+            fast = rows(make_rollout("hf_compiled", reference, single.processing, compile=False)
+                        .generate(conversations, params))
+            record[phase] = {"plain": plain, "fast": fast, "sharded": gathered}
+    return record
+
+
+records = {"-".join(c): case(*c) for c in cases}
 if dist.rank == 0:
-    alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
-    single = built_model()
-    reference = Engine(single, alone, mixed_precision=False, share_media=False)
-    for phase, state, gathered in zip(("before", "after"), states, results):
-        single.model.load_state_dict(state)
-        conversations = [conversation(i) for i in range(4)]
-        plain = rows(make_rollout("hf", reference, single.processing).generate(conversations, params))
-        fast = rows(make_rollout("hf_compiled", reference, single.processing, compile=False)
-                    .generate(conversations, params))
-        record[phase] = {"plain": plain, "fast": fast, "sharded": gathered}
-    json.dump(record, open(out, "w"))
+    json.dump(records, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
 '''
@@ -153,15 +136,26 @@ def _close(rows_a, rows_b, atol=1e-4):
         torch.testing.assert_close(torch.tensor(logp_a), torch.tensor(logp_b), atol=atol, rtol=0)
 
 
+ROLLOUT_CASES = [("qwen2", "keep", "dynamo"), ("qwen2_vl", "free", "eager")]
+
+
+@pytest.fixture(scope="module")
+def sharded_rollouts(tmp_path_factory):
+    """Every case of ROLLOUT_CASES in one torchrun launch (the processes start, import and
+    join their group once), by case: "family-keep-mode"."""
+    folder = tmp_path_factory.mktemp("sharded_rollout")
+    script, out = folder / "rollout.py", folder / "rollout.json"
+    script.write_text(SHARDED_ROLLOUT)
+    run(torchrun(2, script, out, json.dumps(ROLLOUT_CASES)), timeout=600)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, keep, mode", [("qwen2", "keep", "dynamo"), ("qwen2_vl", "free", "eager")])
-def test_two_process_compiled_rollout_equals_one_process(tmp_path, family, keep, mode):
+@pytest.mark.parametrize("family, keep, mode", ROLLOUT_CASES)
+def test_two_process_compiled_rollout_equals_one_process(sharded_rollouts, family, keep, mode):
     """The text case runs the decode step through dynamo (full graph, eager backend) on
     a kept copy; the VLM case runs it eagerly on a copy freed after each rollout."""
-    script, out = tmp_path / "rollout.py", tmp_path / "rollout.json"
-    script.write_text(SHARDED_ROLLOUT)
-    run(torchrun(2, script, out, family, keep, mode), timeout=400)
-    record = json.loads(out.read_text())
+    record = sharded_rollouts[f"{family}-{keep}-{mode}"]
     for phase in ("before", "after"):
         plain, fast, sharded = (record[phase][k] for k in ("plain", "fast", "sharded"))
         assert len(set(map(str, plain))) > 2  # the rows differ: a row out of place would show

@@ -13,7 +13,7 @@ import yaml
 from mmrl.config import SETTLED_FIELDS, RecipeError, dump_recipe, load_recipe, same_run
 from mmrl.parallel import Dist
 from mmrl.registry import get_adapter
-from mmrl.settle import backend_choice, pack_choice, resolve
+from mmrl.settle import GRAPHS_UP_TO, backend_choice, pack_choice, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT, VLM = get_adapter("qwen2"), get_adapter("qwen2_5_vl")
@@ -34,8 +34,8 @@ def test_a_recipe_of_autos_settles_by_device_processes_and_family():
     assert tuple(cpu.values()) == SETTLED_FIELDS  # every setting, in the schema's order
     assert cpu.values() == {"model.pack": False, "model.pack_tokens": 16384, "model.compile_layers": False,
                             "model.gradient_checkpointing": "after_oom", "model.attn_implementation": "sdpa",
-                            "rollout.backend": "hf"}
-    assert cpu.lines()[-1] == "rollout.backend hf (auto: cpu, 1 process; compiled decoding on a GPU only)"
+                            "rollout.backend": "hf", "rollout.decode": "graphs"}
+    assert cpu.lines()[-2] == "rollout.backend hf (auto: cpu, 1 process; compiled decoding on a GPU only)"
     gpu = resolve(recipe, _dist("cuda"), TEXT)
     assert gpu.values() == {**cpu.values(), "model.pack": True, "model.compile_layers": True,
                             "rollout.backend": "hf_compiled"}
@@ -56,11 +56,12 @@ def test_a_recipe_of_autos_settles_by_device_processes_and_family():
 
 def test_values_the_recipe_sets_are_kept_and_the_rest_follow_them():
     recipe = _recipe("model.pack=true", "algo.micro_batch_tokens=32768", "model.attn_implementation=eager",
-                     "rollout.backend=vllm", "model.gradient_checkpointing=true", "model.compile_layers=true")
+                     "rollout.backend=vllm", "model.gradient_checkpointing=true", "model.compile_layers=true",
+                     "rollout.decode=compiled")
     settled = resolve(recipe, _dist("cpu"), TEXT)
     assert settled.values() == {"model.pack": True, "model.pack_tokens": 32768, "model.compile_layers": True,
                                 "model.gradient_checkpointing": True, "model.attn_implementation": "eager",
-                                "rollout.backend": "vllm"}
+                                "rollout.backend": "vllm", "rollout.decode": "compiled"}
     reasons = settled.reasons()
     assert reasons.pop("model.pack_tokens") == "auto: algo.micro_batch_tokens, one micro-batch a row"
     assert set(reasons.values()) == {"set in the recipe"}
@@ -152,3 +153,21 @@ def test_a_run_records_what_it_settled_and_a_run_of_its_recipe_keeps_it(tmp_path
         assert again.settled.values() == first.settled.values() and again.actor.pack
     finally:
         again.folder.release()
+
+
+def test_the_decode_step_is_recorded_for_short_runs_and_compiled_for_long_ones():
+    """`rollout.decode: auto` on a GPU: CUDA graphs recorded without compiling while the
+    run's decode steps stay within GRAPHS_UP_TO, the compiled step past it (where its
+    compile pays off); turns of a multi-turn run count; the recipe's own value is kept."""
+    def settled(*overrides):
+        return resolve(_recipe(*overrides), _dist("cuda"), TEXT)
+
+    short = settled("trainer.steps=50", "rollout.max_new_tokens=256")
+    assert short.rollout_decode == "graphs"
+    assert "at most 12,800 decode steps" in short.reasons()["rollout.decode"]
+    long = settled("trainer.steps=500", "rollout.max_new_tokens=256")
+    assert long.rollout_decode == "compiled" and f"{GRAPHS_UP_TO:,}" in long.reasons()["rollout.decode"]
+    turns = settled("trainer.steps=50", "rollout.max_new_tokens=256", "rollout.env=tools", "rollout.max_turns=4")
+    assert turns.rollout_decode == "compiled"  # 51,200 decode steps
+    assert settled("trainer.steps=500", "rollout.decode=graphs").rollout_decode == "graphs"
+    assert "unused" in resolve(_recipe("rollout.backend=vllm"), _dist("cuda"), TEXT).reasons()["rollout.decode"]

@@ -140,6 +140,39 @@ def test_installed_model_still_generates_and_equals_itself(one_process_group):
     torch.testing.assert_close(split[real], before[real], atol=1e-5, rtol=0)
 
 
+def _scaffold_like_adapter(layer: str, language: str):
+    from types import SimpleNamespace
+
+    from mmrl.adapter import Parts, SequenceParallel
+
+    return SimpleNamespace(family="x", sequence_parallel=SequenceParallel(), shard_layers=(layer,),
+                           parts=Parts(language=language))
+
+
+def test_an_attention_free_decoder_is_told_that_ulysses_needs_attention_heads():
+    """A pure state-space decoder (built eager, as its class lacks SDPA) is not told to
+    set sdpa, which could not help: the error names its layer kinds and that Ulysses
+    splits attention heads."""
+    import transformers
+
+    config = transformers.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as error:
+        ulysses.install(model, _scaffold_like_adapter("MambaBlock", "backbone"))
+    message = str(error.value)
+    assert "no attention heads to split" in message and "(MambaBlock: MambaMixer)" in message
+    assert "keep sequence_parallel = None" in message
+    assert "sdpa" not in message
+
+
+def test_an_eager_attention_decoder_is_told_to_set_sdpa():
+    from mmrl import build_model
+
+    built = build_model("qwen2", random_init=True, seed=0, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"not 'eager' \(set model.attn_implementation: sdpa\)"):
+        ulysses.install(built.model, built.adapter)
+
+
 def _torchrun(module: str, out: Path, specs: list[dict], timeout: int = 400) -> list[dict]:
     run(torchrun(2, "-m", module, out, json.dumps(specs)), timeout=timeout)
     return [json.loads(line) for line in out.read_text().splitlines()]

@@ -142,3 +142,58 @@ def test_smolvlm_prompt_with_an_image_and_a_video_gets_both_in_order():
     assert placeholders == tokens_per_tile * (len(tiles) + len(frames))
     mixed = [both, images[1]]
     assert padded_vs_single(built, mixed) < 2e-4
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_exported_chat_template_renders_what_training_did(family, tmp_path):
+    """Training writes an assistant turn right after `Assistant:` (the space is the
+    model's to sample); the checkpoints' template adds one. The exported processor,
+    reloaded by plain transformers, renders a conversation (assistant turns with and
+    without a leading space) to the token ids training made, and the generation prompt
+    plus the sampled tokens is the start of the rendered conversation."""
+    from transformers import AutoProcessor
+
+    from mmrl.export import save_decoding
+
+    built = build_model(family, random_init=True)
+    save_decoding(tmp_path, built.model, built.processing)
+    exported = AutoProcessor.from_pretrained(tmp_path)
+    image = sample_images()[0]
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hi?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " No."}]},
+    ]
+    trained = built.processing([conversation], add_generation_prompt=False)["input_ids"][0]
+    text = exported.apply_chat_template(conversation, tokenize=False)
+    served = exported(text=text, images=[[image]], return_tensors="pt")["input_ids"][0]
+    assert served.tolist() == trained.tolist()
+    prompt = built.processing([conversation[:-1]])["input_ids"][0]
+    sampled = built.tokenizer(" No.<end_of_utterance>", add_special_tokens=False)["input_ids"]
+    assert served[:len(prompt) + len(sampled)].tolist() == prompt.tolist() + sampled
+
+
+# The Idefics3 checkpoints' own template (HuggingFaceM4/Idefics3-8B-Llama3), which the
+# tiny processors' imitates: contents as parts only, the ': ' separator after every role.
+CHECKPOINT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_the_checkpoints_template_is_rewritten_and_one_that_cannot_be_warns():
+    built = build_model("idefics3", random_init=True)
+    processing = built.processing
+    processing.processor.chat_template = processing.tokenizer.chat_template = CHECKPOINT_TEMPLATE
+    rewritten = processing.trained_chat_template()
+    assert rewritten is not None and rewritten != CHECKPOINT_TEMPLATE
+    assert processing.processor_with_budget().chat_template == rewritten
+    assert processing.processor.chat_template == CHECKPOINT_TEMPLATE  # the training processor is left alone
+    two_separators = CHECKPOINT_TEMPLATE.replace("<end_of_utterance>", "{{': '}}<end_of_utterance>")
+    processing.processor.chat_template = processing.tokenizer.chat_template = two_separators
+    with pytest.warns(UserWarning, match="could not rewrite it"):
+        assert processing.processor_with_budget().chat_template == two_separators

@@ -17,7 +17,9 @@ log-probs, its rewards and their parts, its group (prompt) and the weights versi
 sampled it; each batch is one Parquet file in the run folder's `buffer/`, written whole
 (mmrl/atomic.py), and a checkpoint records how far the buffer was produced and taken, so a
 resumed run trains every batch once (`mmrl.buffer.store`). `mmrl buffer show RUN` prints
-what a run's buffer holds (`mmrl.buffer.show`). docs/async.md explains the settings.
+what a run's buffer holds (`mmrl.buffer.show`). Under torchrun, `parallel.rollout_ranks`
+gives the sampling to ranks of its own that write the batches the train ranks take
+(`mmrl.buffer.disaggregated`). docs/async.md explains the settings.
 """
 
 from mmrl.buffer.schedule import BufferedSteps, attach_behaviour, behaviour_log_probs, steps_for

@@ -144,10 +144,10 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
 
     return BufferedSteps(buffer, max_staleness=trainer.recipe.algo.max_staleness,
                          total_steps=lambda: trainer.recipe.trainer.steps, produce=produce, behaviour=behaviour,
-                         rebuild=_rebuild_for(trainer))
+                         rebuild=rebuild_for(trainer))
 
 
-def _rebuild_for(trainer: Trainer) -> Callable:
+def rebuild_for(trainer: Trainer) -> Callable:
     """`TrajectoryBuffer.restore`'s `rebuild` for the trainer's dataset and processor."""
 
     def conversations(samples: list[dict], rows: list[int]) -> list | None:

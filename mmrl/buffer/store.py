@@ -100,10 +100,11 @@ class TrajectoryBuffer:
     log: list[dict[str, Any]] = field(default_factory=list)
 
     # -- put and take ------------------------------------------------------------------------------
-    def put(self, batch: RolloutBatch) -> int:
-        """Add a produced batch (persisted first, so a batch in memory is a batch on disk)."""
+    def put(self, batch: RolloutBatch, on_disk: bool = False) -> int:
+        """Add a produced batch (persisted first, so a batch in memory is a batch on disk;
+        `on_disk`: its file is there already, written by the rank that sampled it)."""
         batch.batch_id = self.produced + 1
-        if self.folder is not None and self.writer:
+        if self.folder is not None and self.writer and not on_disk:
             write_batch(self.batch_file(batch.batch_id), batch)
         self.produced = batch.batch_id
         self.pending.append(batch)

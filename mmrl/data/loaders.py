@@ -27,7 +27,7 @@ blank lines is one line naming the file.
 The last few datasets loaded from a synthetic spec, a path or a `DataSource` are kept
 (`_RECENT`), keyed by the source, the split, the options and the local files' sizes and
 modification times, so the recipe check before the model build
-(`mmrl.config.check_reward_and_data`) and the trainer share one load and one validation
+(`mmrl.recipe_checks.check_reward_and_data`) and the trainer share one load and one validation
 pass.
 """
 

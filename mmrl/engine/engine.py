@@ -308,8 +308,8 @@ class Engine:
             import torch.distributed as torch_dist
 
             errors, checked = errors.to(self.dist.device), checked.to(self.dist.device)
-            torch_dist.all_reduce(errors, op=torch_dist.ReduceOp.MAX)
-            torch_dist.all_reduce(checked, op=torch_dist.ReduceOp.MAX)
+            torch_dist.all_reduce(errors, op=torch_dist.ReduceOp.MAX, group=self.dist.group)
+            torch_dist.all_reduce(checked, op=torch_dist.ReduceOp.MAX, group=self.dist.group)
             errors, checked = errors.cpu(), checked.cpu()
         if not checked.item():  # no rank had a position to check: decide on a later call
             return 0

@@ -107,9 +107,10 @@ class LossScaler:
 
     @torch.no_grad()
     def unscale(self, grads: list[torch.Tensor], scaled: bool, device: torch.device,
-                across_ranks: bool = False) -> bool:
+                across_ranks: bool = False, group=None) -> bool:
         """Divide `grads` (on `device`) in place by the scale (when `scaled`) and return
-        whether all of them are finite, in this process or (`across_ranks`) on every rank."""
+        whether all of them are finite, in this process or (`across_ranks`) on every rank
+        of `group` (None: every process)."""
         # DTensor gradients (FSDP2) are unscaled shard by shard: the operation is elementwise.
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         found_inf = torch.zeros(1, device=device)
@@ -121,7 +122,7 @@ class LossScaler:
         if across_ranks:  # each rank holds its own shards: one inf anywhere skips everywhere
             import torch.distributed as torch_dist
 
-            torch_dist.all_reduce(found_inf, op=torch_dist.ReduceOp.MAX)
+            torch_dist.all_reduce(found_inf, op=torch_dist.ReduceOp.MAX, group=group)
         return not found_inf.item()
 
     def update(self, finite: bool) -> None:

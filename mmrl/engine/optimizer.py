@@ -144,7 +144,7 @@ class Optimizer:
         if self.loss_scaler is not None:
             grads = [p.grad for p in params if p.grad is not None]
             finite = self.loss_scaler.unscale(grads, self.scaled_backward, self.dist.device,
-                                              across_ranks=self.sharded)
+                                              across_ranks=self.sharded, group=self.dist.group)
             self.scaled_backward = False
             self.loss_scaler.update(finite)
             if not finite:

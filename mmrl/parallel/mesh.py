@@ -53,6 +53,9 @@ class Dist:
     # Ranks that share one sequence (Ulysses), and their process group (None when 1).
     sequence_parallel: int = 1
     sp_group: object | None = None
+    # The process group of this Dist's collectives: None is every process; the train ranks'
+    # group when other ranks only roll out (`mmrl.parallel.disaggregated`).
+    group: object | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -77,14 +80,14 @@ class Dist:
 
     def barrier(self) -> None:
         if self.distributed:
-            torch_dist.barrier()
+            torch_dist.barrier(group=self.group)
 
     def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over ranks (a copy; single process returns the input)."""
         if not self.distributed:
             return values
         out = values.detach().clone().to(self.device)
-        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM, group=self.group)
         return (out / self.world_size).to(values.device)
 
     def all_reduce_sum(self, value: float) -> float:
@@ -92,14 +95,14 @@ class Dist:
         if not self.distributed:
             return value
         out = torch.tensor([value], dtype=torch.float64, device=self.device)
-        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM, group=self.group)
         return float(out)
 
     def all_gather_objects(self, value) -> list:
         if not self.distributed:
             return [value]
         out = [None] * self.world_size
-        torch_dist.all_gather_object(out, value)
+        torch_dist.all_gather_object(out, value, group=self.group)
         return out
 
     @contextmanager

@@ -31,13 +31,15 @@ DeepSpeed-Ulysses, for any HF decoder through transformers' registration APIs:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 
-from mmrl.parts import decoder_stack
+from mmrl.parts import decoder_layers, decoder_stack
 
 NAME = "mmrl_ulysses"
 # What the text decoder runs when no sequence-parallel forward is active. Only "sdpa":
@@ -274,18 +276,50 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     text_config = base.config.get_text_config()
     current_name = text_config._attn_implementation
+    stack = decoder_stack(model, adapter)
     if current_name != NAME:
+        attention_free = _attention_free_layer_kinds(model, adapter, stack)
+        if attention_free is not None:
+            raise ValueError(f"sequence parallelism (Ulysses) splits the attention heads of the text decoder over "
+                             f"the processes, in transformers' attention interface, which no layer of this decoder "
+                             f"calls: its layers ({attention_free}) have no attention heads to split (recurrent, "
+                             "state-space or convolution layers) or compute attention their own way; keep "
+                             "sequence_parallel = None for this family")
         if current_name != BASE:
             raise ValueError(f"sequence parallelism runs on the text decoder's {BASE} attention, not "
                              f"{current_name!r} (set model.attn_implementation: {BASE})")
         text_config._attn_implementation = NAME
-    stack = decoder_stack(model, adapter)
     if getattr(stack.config, "_attn_implementation", NAME) != NAME:
         raise ValueError(f"{type(stack).__name__} does not read its attention from the text config")
     if not getattr(stack, "_mmrl_ulysses_hooked", False):
         stack.register_forward_pre_hook(_splitter(adapter.sequence_parallel), with_kwargs=True)
         stack._mmrl_ulysses_hooked = True
     return stack
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_attention(cls: type) -> bool:
+    """Whether a module class's forward calls transformers' attention interface, the call
+    Ulysses takes over (read from the model code, never from a family name)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _attention_free_layer_kinds(model, adapter, stack: torch.nn.Module) -> str | None:
+    """The text decoder's layer kinds ("MambaBlock: MambaMixer") when none of its modules
+    calls the attention interface (a pure recurrent or convolution decoder), else None."""
+    if any(_calls_attention(type(module)) for module in stack.modules()):
+        return None
+    kinds: dict[str, list[str]] = {}
+    for layer in decoder_layers(model, adapter):
+        inner = kinds.setdefault(type(layer).__name__, [])
+        for child in layer.children():
+            name = type(child).__name__
+            if "norm" not in name.lower() and any(True for _ in child.parameters()) and name not in inner:
+                inner.append(name)
+    return "; ".join(f"{name}: {', '.join(inner)}" if inner else name for name, inner in kinds.items()) or "none found"
 
 
 _NOT_SPLIT = ("attention_mask", "past_key_values", "use_cache", "return_dict", "output_hidden_states",

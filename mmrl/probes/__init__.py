@@ -119,7 +119,8 @@ PROBES: tuple[Probe, ...] = (
           inapplicable=needs_images, check_many=check_multi_turn_many, cost=4.0),
     Probe("reads_media", "Reads media", "Log-probs with the real images differ from those with blank and with "
           "shuffled images (1e-4) on the rollout path (greedy token) and the training path (the engine's log-probs), "
-          "and the vision tower is called with the same pixels on both.", check_reads_media,
+          "and the vision tower is called with the same pixels on both; where vLLM is installed, on its rollout path "
+          "too (its log-probs of the same tokens).", check_reads_media,
           inapplicable=reads_media_inapplicable, cost=2.0),
     Probe("rollout_agreement", "Rollout agreement", "Per rollout backend (hf, hf_compiled; vllm where installed): "
           "KL and largest log-prob difference between what it sampled with and the trainer's log-probs of the same "

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 from mmrl.adapter import ModelAdapter
-from mmrl.config import weights_problem
 from mmrl.errors import one_line
 from mmrl.hub import HubError, checkpoint_folder
 from mmrl.probes.base import Subject
+from mmrl.recipe_checks import weights_problem
 from mmrl.registry import RegistryError, adapter_for_config, get_adapter
 
 

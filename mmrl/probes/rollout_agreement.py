@@ -13,7 +13,9 @@ GPU the engine computes in bf16 (autocast) and the figure is recorded against
 beside its bound; the KL (the k3 estimator over the sampled tokens, an estimate of
 KL(sampler || trainer)) is in the evidence. A backend that cannot run here is named in
 the evidence; vLLM's agreement gates only where the family declares `vllm` (the vLLM
-column verifies it).
+column verifies it). Each backend's figures include the largest difference at the first
+response token (the prompt's forward, where the media act) beside the overall one (the
+decode steps), so a recorded failure says which part to look at.
 """
 
 from __future__ import annotations
@@ -28,13 +30,20 @@ from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, one_lin
 BACKENDS = ("hf", "hf_compiled", "vllm")
 # precision -> (largest |log p difference|, KL estimate per token). fp32: the vLLM
 # probe's bound (the same computation in another order); bf16: two computations each
-# within tests/test_gpu.py's 5e-2 of fp32.
+# within tests/test_gpu.py's 5e-2 of fp32. How the bf16 bound stands against measured
+# figures: under CPU bf16 autocast every family measured (smolvlm and idefics3 among them,
+# no larger than qwen2_5_vl's) stays more than an order of magnitude below it, first
+# response token and decode steps alike (bench/results/rollout_agreement_bf16_cpu.json,
+# from bench/rollout_agreement_bf16.py): a GPU figure above it is not the bf16 noise of a
+# tiny model, and that script's GPU run splits it (prompt forward vs decode steps, with
+# and without images, compiled decoder layers on and off) to find the part that differs.
 BOUNDS = {"fp32": (1e-4, 1e-8), "bf16": (1e-1, 1e-3)}
 SAMPLES_PER_PROMPT = 2
 NEW_TOKENS = 8
 
 
-def _precision(engine) -> str:
+def engine_precision(engine) -> str:
+    """"bf16" where the engine computes under bf16 autocast (one GPU process), else "fp32"."""
     from contextlib import nullcontext
 
     return "fp32" if isinstance(engine.autocast(), nullcontext) else "bf16"
@@ -50,7 +59,8 @@ def _rollout(backend: str, engine, processing):
     return make_rollout(backend, engine, processing)
 
 
-def _skip_reason(backend: str, adapter) -> str | None:
+def backend_skip_reason(backend: str, adapter) -> str | None:
+    """Why `backend` cannot run for `adapter`'s family here (None: it can)."""
     if backend != "vllm":
         return None
     if importlib.util.find_spec("vllm") is None:
@@ -77,11 +87,15 @@ def agreement(engine, processing, rollout, conversations) -> dict[str, float]:
     with torch.no_grad():
         trainer, _ = engine.log_probs(seqs, 1.0, with_entropy=False)
     mask = result.response_mask.bool()
-    sampler, trainer = result.logprobs.float()[mask], trainer.float().cpu()[mask]
-    delta = (trainer - sampler).double()  # r - 1 - log r cancels to nothing in fp32 for tiny gaps
+    gaps = (trainer.float().cpu() - result.logprobs.float()).double()  # r - 1 - log r cancels in fp32 for tiny gaps
+    delta = gaps[mask]
     kl = (delta.exp() - 1 - delta).mean().item()  # k3: E_sampler[r - 1 - log r], r = p_trainer / p_sampler
+    # The first response token comes from the prompt's forward (where the media act), the
+    # others from decode steps: where the largest gap sits says which part to look at.
+    first = gaps[:, 0][mask[:, 0]].abs()
     return {"max_abs_logprob_diff": delta.abs().max().item(), "mean_abs_logprob_diff": delta.abs().mean().item(),
-            "kl": max(kl, 0.0), "tokens": int(mask.sum())}
+            "kl": max(kl, 0.0), "tokens": int(mask.sum()),
+            "first_token_max_abs_logprob_diff": first.max().item() if first.numel() else 0.0}
 
 
 def check_rollout_agreement(subject: Subject) -> Verified:
@@ -94,12 +108,12 @@ def check_rollout_agreement(subject: Subject) -> Verified:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep `mmrl doctor --json`'s stdout clean
     built = subject.build()
     engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=1)
-    precision = _precision(engine)
+    precision = engine_precision(engine)
     max_bound, kl_bound = BOUNDS[precision]
     conversations = sample_conversations(built.adapter)
     measured, skipped, failures = {}, {}, []
     for backend in BACKENDS:
-        reason = _skip_reason(backend, built.adapter)
+        reason = backend_skip_reason(backend, built.adapter)
         if reason is not None:
             skipped[backend] = reason
             continue

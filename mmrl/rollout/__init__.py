@@ -17,6 +17,17 @@ def choose_backend(backend: str, engine, multi_turn: bool = False) -> str:
     return backend_choice(backend, engine.adapter, engine.dist).value
 
 
+def rollout_options(rollout, backend: str, decode: str | None = None) -> dict:
+    """The keyword options the recipe's `rollout` section gives the backend `backend`;
+    `decode`: `rollout.decode` as settled (`mmrl.settle.resolve`)."""
+    if backend == "vllm":
+        return {"config": rollout}
+    if backend == "hf_compiled":
+        return {"half_weights": rollout.half_weights, "inference_copy": rollout.inference_copy,
+                "decode": decode or rollout.decode}
+    return {}
+
+
 def make_rollout(backend: str, engine, processing, requested: str | None = None, **options):
     """The rollout backend named `backend` ("hf", "hf_compiled", "vllm" or "auto") for
     `engine`'s model; `requested` is the recipe's own name where `backend` was settled from
@@ -50,4 +61,4 @@ def make_rollout(backend: str, engine, processing, requested: str | None = None,
     raise ValueError(f"rollout.backend must be 'auto', 'hf', 'hf_compiled' or 'vllm', got {backend!r}")
 
 
-__all__ = ["RolloutResult", "SamplingParams", "choose_backend", "make_rollout", "trim_responses"]
+__all__ = ["RolloutResult", "SamplingParams", "choose_backend", "make_rollout", "rollout_options", "trim_responses"]

@@ -52,7 +52,9 @@ import torch
 
 from mmrl.engine.media import sharing
 from mmrl.errors import one_line
+from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
+from mmrl.rollout.graphs import GraphedStep
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 
@@ -82,6 +84,9 @@ _UNSUPPORTED_SAMPLING = {"min_p": (None, 0.0), "typical_p": (None, 1.0), "epsilo
 
 
 DECODE_ATTENTION = "mmrl_decode"
+DECODE_MODES = ("auto", "graphs", "compiled")
+# What "auto" takes: bench/trl_grpo_step.py --whole-run measures both on a GPU.
+AUTO_DECODE = "compiled"
 
 
 class Unsupported(Exception):
@@ -174,7 +179,7 @@ class CompiledHFRollout(HFRollout):
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
-                 half_weights: bool = True, inference_copy: str = "auto"):
+                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto"):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -186,6 +191,11 @@ class CompiledHFRollout(HFRollout):
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
         self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
+        # How the decode step runs fast: "graphs" records the eager step as CUDA graphs
+        # (`mmrl.rollout.graphs`, seconds), "compiled" compiles it (tens of seconds per graph).
+        if decode not in DECODE_MODES:
+            raise ValueError(f"rollout.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        self.decode = AUTO_DECODE if decode == "auto" else decode
         # The longest cache a compiled step has run on: shorter prompts reuse it (see
         # `_cache_length`).
         self._longest_cache = 0
@@ -287,7 +297,7 @@ class CompiledHFRollout(HFRollout):
                 logits = self._prefill(run, cache, batch, positions)
             mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(rows, length - prompt_length)], 1)
             decoded = self._decode(run, cache, logits, mask, next_positions(positions, batch["attention_mask"]),
-                                   batch["input_ids"], length)
+                                   batch["input_ids"], length, prompt_length)
         # What the last call did (tests and the benchmark read it).
         self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
         return decoded.trimmed(run.stops)
@@ -323,11 +333,11 @@ class CompiledHFRollout(HFRollout):
         return out.logits[:, -1].float()
 
     def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
-                prompt_ids: torch.Tensor, length: int, home=None) -> Decoded:
+                prompt_ids: torch.Tensor, length: int, fill: int, home=None) -> Decoded:
         """Tokens from `logits` (the prefill's) on: the first chosen from them, then one
-        decode step per token on `cache` (length `length`) until every row stopped or
-        `max_new_tokens` are out. `mask` (rows, length) covers the cache's slots, the
-        steps' included; `last` is each row's largest position so far (per axis);
+        decode step per token on `cache` (length `length`, its first `fill` slots written)
+        until every row stopped or `max_new_tokens` are out. `mask` (rows, length) covers
+        the cache's slots, the steps' included; `last` is each row's largest position so far (per axis);
         `prompt_ids` seed the repetition penalty. Rows that finished leave for a narrower
         cache (`_moved`) when half of them have; with `home` (the cache a session keeps,
         `mmrl.rollout.sessions`), the rows' slots are written back into it before each
@@ -351,6 +361,8 @@ class CompiledHFRollout(HFRollout):
             logprobs[:, 0] = logprob
         index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
         step = self._compiled_step()
+        if isinstance(step, GraphedStep):
+            step.start(run.model, fill, self._caches.values())
         steps = 1
         with _decode_attention(run.model):
             for t in range(1, new_tokens):
@@ -402,7 +414,16 @@ class CompiledHFRollout(HFRollout):
 
     def _compiled_step(self):
         if self._step is None:
-            self._step = torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+            def compiled():
+                return torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+
+            if self.decode == "graphs":
+                capture = self.compile and self.engine.dist.device.type == "cuda"
+                self._step = GraphedStep(choose_tokens, capture=capture, fallback=compiled,
+                                         attention=DECODE_ATTENTION, on_record=watch().record,
+                                         layers=self.engine.compiled_layers if self.copy is None else None)
+            else:
+                self._step = compiled()
         return self._step
 
     def _cache(self, rows: int, length: int, dtype: torch.dtype | None = None):

@@ -1,6 +1,6 @@
 """Multi-turn decoding on the compiled rollout's kept KV cache: a session per agent rollout.
 
-    session = session_for(rollout, reserve=max_tokens)     # None unless rollout is `hf_compiled`
+    session = session_for(rollout)                         # None unless rollout is `hf_compiled`
     first = session.generate(keys, conversations, params)  # turn 1: every prompt prefilled whole
     # ... each conversation grows by its sampled turn and the environment's reply ...
     later = session.generate(still, grown, params)         # only what is new is prefilled
@@ -175,7 +175,7 @@ class DecodeSession:
                 else:
                     logits, end = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
                 decoded = rollout._decode(run, self.cache, logits, self.mask, next_positions(positions, real),
-                                          inputs["input_ids"], self.length, home=self.cache)
+                                          inputs["input_ids"], self.length, end, home=self.cache)
         finally:
             model.train(was_training)
         generated, logprobs = decoded.trimmed(run.stops)

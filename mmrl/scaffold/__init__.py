@@ -36,6 +36,13 @@ from pathlib import Path
 from mmrl.scaffold.base import (
     CHECKED, COLUMNS, DEPTH, TOLERANCE, VISION_ONLY, Discovery, Gap, Layout, Resolved, Result, ScaffoldError,
 )
+from mmrl.scaffold.depth import Depth, verify_depth
+from mmrl.scaffold.discover import inspect_family
+from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
+from mmrl.scaffold.render import render_adapter, render_processing, render_test
+from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
+from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+from mmrl.scaffold.verify import verify
 
 __all__ = ["CHECKED", "COLUMNS", "DEPTH", "TOLERANCE", "VISION_ONLY", "Discovery", "Gap", "Layout", "Resolved",
            "Result", "ScaffoldError", "STAGE_SECONDS", "scaffold"]
@@ -85,13 +92,6 @@ def scaffold(model_type: str, *, family: str | None = None, out: str | Path | No
     docstring. `replace_registered` scaffolds a type the registry already holds (its
     family is unregistered in this process first; the coverage sweep uses it);
     `depth=False` stops after the quick checks (the depth probes take minutes)."""
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
-    from mmrl.scaffold.render import render_adapter, render_processing, render_test
-    from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
-    from mmrl.scaffold.verify import verify
-
     with quiet_transformers():
         return _scaffold(model_type, family, out, dry_run, force, check and depth, check, on_stage,
                          replace_registered)
@@ -112,14 +112,6 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stage, replace_registered) -> Result:
-    from mmrl.scaffold.depth import Depth, verify_depth
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import FAMILIES_HEADER, layout_for, write_all
-    from mmrl.scaffold.render import render_adapter, render_processing, render_test
-    from mmrl.scaffold.resolve import check_unregistered, family_name, resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
-    from mmrl.scaffold.verify import verify
-
     with stage_limit("resolve", on_stage):
         resolved = resolve(model_type)
         name = family_name(model_type, family)

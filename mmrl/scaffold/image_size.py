@@ -13,17 +13,16 @@ import re
 from typing import Any
 
 from mmrl.scaffold.base import Resolved, ScaffoldError
-from mmrl.scaffold.media_plan import (
-    MediaPlan, _init_parameters, _text_values, build_config, build_processor, runs_with_image,
-)
-from mmrl.scaffold.shrink import _OUTPUT_WIDTH, build_tiny
+from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters, runs_with_image
+from mmrl.scaffold.shrink import TOWER_OUTPUT_WIDTH, build_tiny, vision_language_text_values
 
 # No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
 # are pixel areas.
 _LONGEST_EDGE = 8192
 
 
-def _sized(processor_cls, image_size: int | None, vision: dict[str, Any] | None = None) -> dict[str, Any]:
+def sized_processor_kwargs(processor_cls, image_size: int | None,
+                           vision: dict[str, Any] | None = None) -> dict[str, Any]:
     """Arguments of an image/video processor: its size keys set to `image_size`, and its
     patch geometry (`patch_size`, `merge_size`, `temporal_patch_size`, ...) set to the
     vision config's value of the same name (or a name ending in it: `spatial_merge_size`)."""
@@ -78,7 +77,7 @@ VLM_TEXT_CANDIDATES = (
 COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
 
 
-def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
+def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
     """Default configs are not always one checkpoint's, and processors learn some counts
     only from a checkpoint. When the tiny model does not run on one image, try, in turn:
     wider text heads (model code that fixes rotary sections), the tower's `hidden_size` as
@@ -99,19 +98,19 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
     if isinstance(base, int):
         sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
     processor_cls = getattr(transformers, plan.processor_class)
-    counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in _init_parameters(processor_cls).items()
+    counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in init_parameters(processor_cls).items()
                      if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
-    count_arguments = _per_image_counts(processor_cls)
+    count_arguments = per_image_count_arguments(processor_cls)
     saved = (dict(plan.vision), dict(plan.sub_processors), dict(plan.text_overrides), dict(plan.processor_kwargs))
     for text_shapes, projects, count, size in itertools.product(VLM_TEXT_CANDIDATES, (False, True), counts, sizes):
         if not (text_shapes or projects or count or size):
             continue  # the defaults, already tried
         width = (text_shapes or TINY_TEXT_SHAPES)["hidden_size"]
-        plan.text_overrides = (_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes},
-                                            getattr(transformers, resolved.config_class))
+        plan.text_overrides = (vision_language_text_values(plan.text_config_class, {**TINY_TEXT_SHAPES, **text_shapes},
+                                                           getattr(transformers, resolved.config_class))
                                if text_shapes else dict(saved[2]))
         plan.vision = dict(saved[0])
-        plan.vision.update({k: width for k in plan.vision if _OUTPUT_WIDTH.search(k)})
+        plan.vision.update({k: width for k in plan.vision if TOWER_OUTPUT_WIDTH.search(k)})
         if projects:
             plan.vision["hidden_size"] = width
             if "head_dim" in plan.vision:
@@ -121,8 +120,9 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
         if size is not None:
             plan.vision["image_size"] = size
             vision_values = getattr(config, plan.vision_key).to_dict()
-            plan.sub_processors = {arg: (name, _sized(getattr(transformers, name), size, vision_values))
-                                   for arg, (name, _) in saved[1].items()}
+            plan.sub_processors = {
+                arg: (name, sized_processor_kwargs(getattr(transformers, name), size, vision_values))
+                for arg, (name, _) in saved[1].items()}
         try:
             tokenizer2, config2 = build_config(resolved, plan)
             processor2 = build_processor(plan, tokenizer2, config2)
@@ -148,9 +148,10 @@ def _fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
 _COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")
 
 
-def _per_image_counts(processor_cls) -> list[str]:
-    """The processor's integer arguments that fix how many tokens an image gets."""
-    return [name for name, parameter in _init_parameters(processor_cls).items()
+def per_image_count_arguments(processor_cls) -> list[str]:
+    """The processor's integer arguments that fix how many tokens an image gets (None by
+    default where only a checkpoint says), in the order `__init__` takes them."""
+    return [name for name, parameter in init_parameters(processor_cls).items()
             if (parameter.default is None or type(parameter.default) is int) and _COUNT_ARGUMENT.search(name)]
 
 

@@ -24,11 +24,11 @@ from typing import Any
 
 from mmrl.errors import whole_cause
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
-from mmrl.scaffold.image_size import _COUNT_ARGUMENT, _fit_image_size, _sized
-from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, _text_values, build_config, build_processor
-from mmrl.scaffold.placeholders import _named_token, _tokens_in_source, _unexpanded_placeholder, find_placeholder
+from mmrl.scaffold.image_size import fit_image_size, per_image_count_arguments, sized_processor_kwargs
+from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters
+from mmrl.scaffold.placeholders import find_placeholder, named_token, tokens_in_source, unexpanded_placeholder
 from mmrl.scaffold.shrink import (
-    TinyInputs, _modeling_reads, _modeling_source, shrink_values, tiny_vision_values,
+    TinyInputs, modeling_reads, modeling_source, shrink_values, tiny_vision_values, vision_language_text_values,
 )
 from mmrl.tiny import TINY_TEXT_SHAPES
 
@@ -151,7 +151,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     if processor_cls is None:
         raise ScaffoldError(f"transformers has no processor class for {resolved.model_type!r}; write tiny()'s "
                             "processor by hand", category="processor")
-    named, literals, optional = _tokens_in_source(processor_cls)
+    named, literals, optional = tokens_in_source(processor_cls)
     if "image_token" not in optional:
         named.setdefault("image_token", "<image>")
     # Config fields holding a token id: the processor token of the same stem, else a new one.
@@ -161,20 +161,20 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         if match is None or key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             continue
         stem = match.group(1)
-        token = _named_token(stem, named) or optional.get(f"{stem}_token") or f"<|{stem}|>"
+        token = named_token(stem, named) or optional.get(f"{stem}_token") or f"<|{stem}|>"
         token_fields[key] = token
         if token not in named.values() and token not in optional.values():
             named[f"{stem}_token"] = token
     # Token ids the model code reads off its config that the config class leaves out
     # (`config.vision_start_token_id`): set where the processor names that token.
-    for key in dict.fromkeys(re.findall(r"config\.(\w+_token_(?:id|index))\b", _modeling_source(config_cls))):
-        if not hasattr(defaults, key) and (token := _named_token(_TOKEN_FIELD.match(key).group(1), named)):
+    for key in dict.fromkeys(re.findall(r"config\.(\w+_token_(?:id|index))\b", modeling_source(config_cls))):
+        if not hasattr(defaults, key) and (token := named_token(_TOKEN_FIELD.match(key).group(1), named)):
             token_fields[key] = token
     literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
     text_class = type(text_default).__name__
-    text_overrides = _text_values(text_class, TINY_TEXT_SHAPES, config_cls)
+    text_overrides = vision_language_text_values(text_class, TINY_TEXT_SHAPES, config_cls)
     if (getattr(text_default, "sliding_window", 0) is None and "sliding_window" not in text_overrides
-            and _modeling_reads(type(text_default), "sliding_attention")):
+            and modeling_reads(type(text_default), "sliding_attention")):
         # Model code that builds a sliding-window mask whatever its layers use: a window
         # wider than any tiny sequence, the same as none.
         text_overrides["sliding_window"] = 4096
@@ -235,7 +235,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     try:
         plan.image_placeholder = find_placeholder(processor, tokenizer, plan, "image")
     except ScaffoldError as exc:
-        plan.image_placeholder = _unexpanded_placeholder(resolved.model_class, config, processor, plan)
+        plan.image_placeholder = unexpanded_placeholder(resolved.model_class, config, processor, plan)
         if plan.image_placeholder is None:
             raise exc
     if "video_processor" in plan.sub_processors:
@@ -243,7 +243,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     tokenizer, config = build_config(resolved, plan)  # the id fields may point elsewhere now
     processor = build_processor(plan, tokenizer, config)
     plan.flat_images = _wants_flat_images(processor, plan.image_placeholder)
-    tokenizer, config, processor = _fit_image_size(resolved, plan, tokenizer, config, processor)
+    tokenizer, config, processor = fit_image_size(resolved, plan, tokenizer, config, processor)
     return TinyInputs(config=config, media=plan)
 
 
@@ -258,14 +258,14 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
 
     vision_config = getattr(config, plan.vision_key)
     vision_values = vision_config.to_dict()
-    wanted = _init_parameters(processor_cls)
+    wanted = init_parameters(processor_cls)
     for argument, table in (("image_processor", IMAGE_PROCESSOR_MAPPING_NAMES),
                             ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES),
                             ("feature_extractor", FEATURE_EXTRACTOR_MAPPING_NAMES)):
         if argument in wanted:
             cls = _table_class(table, resolved.model_type, processor_cls)
             if cls is not None:
-                kwargs = _sized(cls, vision_values.get("image_size"), vision_values)
+                kwargs = sized_processor_kwargs(cls, vision_values.get("image_size"), vision_values)
                 plan.sub_processors[argument] = (cls.__name__, {**kwargs, **_switches_off_to_save(cls, kwargs)})
     # A second tokenizer the processor needs (a Q-Former's) is the same tiny one.
     for name, parameter in wanted.items():
@@ -280,10 +280,10 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
         elif field in config.to_dict():
             plan.processor_kwargs[name] = f"config.{field}"
     # A per-image token count the processor cannot do without (None by default): the
-    # tower's patch grid, until the tiny tower's own count replaces it (_fit_image_size).
+    # tower's patch grid, until the tiny tower's own count replaces it (fit_image_size).
     key = plan.vision_key
-    for name, parameter in wanted.items():
-        if (name not in plan.processor_kwargs and parameter.default is None and _COUNT_ARGUMENT.search(name)
+    for name in per_image_count_arguments(processor_cls):
+        if (name not in plan.processor_kwargs and wanted[name].default is None
                 and type(vision_values.get("image_size")) is int and type(vision_values.get("patch_size")) is int):
             plan.processor_kwargs[name] = f"(config.{key}.image_size // config.{key}.patch_size) ** 2"
     model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters

@@ -5,7 +5,7 @@ together (the adapter's `tiny()` is rendered from it). This module decides nothi
 the type: it turns a plan into the tiny tokenizer, config and processor (`build_config`,
 `build_processor`) and says whether the tiny model runs a training step on one processed
 image (`runs_with_image`). `media` fills the plan in; `placeholders` and `image_size`
-adjust it.
+adjust it, reading a processor class's arguments through `init_parameters`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from mmrl.errors import whole_cause
 from mmrl.scaffold.base import Resolved, ScaffoldError
-from mmrl.scaffold.shrink import build_text_config, build_tiny, built_or_repaired, tiny_text_values
+from mmrl.scaffold.shrink import build_text_config, build_tiny, built_or_repaired
 
 
 def tiny_text_tokenizer(named_tokens: dict[str, str] | None = None, chat_template: str | None = None,
@@ -54,20 +54,13 @@ class MediaPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _init_parameters(cls) -> dict[str, Any]:
+def init_parameters(cls) -> dict[str, Any]:
+    """The arguments `cls.__init__` takes, by name ({} where its signature cannot be read):
+    how the stages that fill a plan in learn what a processor class accepts."""
     try:
         return dict(inspect.signature(cls.__init__).parameters)
     except (TypeError, ValueError):
         return {}
-
-
-def _text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
-    """The shrunk text values; for a composite that is its own text config, without its
-    sub-configs (the tower and any third one are shrunk as towers, not as text)."""
-    values = tiny_text_values(text_class, shapes)
-    if text_class != config_cls.__name__:
-        return values
-    return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
 
 
 def build_config(resolved: Resolved, plan: MediaPlan):

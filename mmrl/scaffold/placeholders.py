@@ -17,11 +17,11 @@ import re
 
 from mmrl.errors import whole_cause
 from mmrl.scaffold.base import ScaffoldError
-from mmrl.scaffold.media_plan import MediaPlan, _init_parameters, runs_with_image
+from mmrl.scaffold.media_plan import MediaPlan, init_parameters, runs_with_image
 from mmrl.scaffold.shrink import build_tiny
 
 
-def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
+def tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str, str]]:
     """(named tokens, literal special tokens, optional tokens) the processor's code and
     defaults use. Optional tokens are tokenizer attributes the processor only reads when
     the tokenizer has them (`hasattr(tokenizer, "image_token")`), making its own token
@@ -30,7 +30,7 @@ def _tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[st
     from transformers import TokenizersBackend
 
     named: dict[str, str] = {}
-    for name, parameter in _init_parameters(processor_cls).items():
+    for name, parameter in init_parameters(processor_cls).items():
         if name.endswith("_token") and isinstance(parameter.default, str):
             named[name] = parameter.default
     literals: list[str] = []
@@ -76,7 +76,7 @@ def _class_default(cls, attribute: str) -> str | None:
 _FRAME_WORDS = {"start": "end", "begin": "end", "bos": "eos"}
 
 
-def _named_token(stem: str, named: dict[str, str]) -> str | None:
+def named_token(stem: str, named: dict[str, str]) -> str | None:
     """The named token for a config field's stem (`vision_start` for
     `vision_start_token_id`), also where the processor spells the frame word differently
     (`vision_bos_token`)."""
@@ -168,7 +168,7 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
     return None
 
 
-def _unexpanded_placeholder(model_class: str, config, processor, plan: MediaPlan) -> str | None:
+def unexpanded_placeholder(model_class: str, config, processor, plan: MediaPlan) -> str | None:
     """The image placeholder for a processor that expands no token (the released chat
     template writes them out): none, where the model reads the image by cross-attention
     and runs without one; else the kind's own token written once per image feature the

@@ -35,6 +35,10 @@ _LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _HEAD_DIM = (
 # Integers that are never shapes, whatever their value.
 _NOT_SHAPES = re.compile(r"token|vocab|position|seed|window|chunk|max_|length|bucket|ctx|steps|rate|epoch|"
                          r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels")
+# Vision config fields that hold the width a tower projects into the text model: they
+# follow the text model's width (here and when image_size widens the tiny text model).
+TOWER_OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_size$|^output_dim$|^out_dim$|"
+                                r"^projection_dim$|^llm_hidden_size$")
 # How many experts a mixture holds (routed, shared).
 _EXPERT_COUNTS = re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_experts|moe_num_experts|n_experts"
                             r"|num_routed_experts|n_shared_experts|num_shared_experts)$")
@@ -261,7 +265,7 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     values.update(_unset_layer_kinds(cls, default, values, shapes))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
-    if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", _modeling_source(cls)):
+    if not rope and layer_types and re.search(r"rope_parameters\[\s*layer_type\s*\]", modeling_source(cls)):
         # Model code that reads one rope entry per layer type, under a default config
         # that has none (released checkpoints write them): plain rope for each type.
         entry = {"rope_type": "default", "rope_theta": float(getattr(default, "rope_theta", None) or 10000.0)}
@@ -272,6 +276,16 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     if rope is not None:
         values["rope_parameters"] = rope
     return _accepted(cls, default, values)
+
+
+def vision_language_text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
+    """The shrunk values of a vision-language type's text config class `text_class`; for a
+    composite `config_cls` that is its own text config, without its sub-configs (the tower
+    and any third one are shrunk as towers, not as text)."""
+    values = tiny_text_values(text_class, shapes)
+    if text_class != config_cls.__name__:
+        return values
+    return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
 
 
 def _accepted(cls, default, values: dict[str, Any]) -> dict[str, Any]:
@@ -365,7 +379,7 @@ def _unset_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[str, i
     holds fewer. Released checkpoints write the list; a default without it builds no layer."""
     if "layer_types" in values or default.to_dict().get("layer_types", 0) is not None:
         return {}
-    source = _modeling_source(cls)
+    source = modeling_source(cls)
     mapping = re.search(r"causal_mask_mapping\s*=\s*\{(.*?)\n\s*\}", source, re.S)
     if mapping is None or not re.search(r"causal_mask_mapping\[[^\]]*layer_types\[", source):
         return {}
@@ -406,7 +420,7 @@ def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
 def _tiny_rope(rope, cls, values: dict[str, Any], default):
     """One rope entry for the tiny text config with its multi-axis split made explicit
     and rescaled; None where the entry has no such split (it stays as it is)."""
-    if isinstance(rope, dict) and rope.get("rope_type") and not rope.get("mrope_section") and _modeling_reads(
+    if isinstance(rope, dict) and rope.get("rope_type") and not rope.get("mrope_section") and modeling_reads(
             cls, "mrope_section"):
         # The model splits its rotary width over (time, height, width) but the
         # default config leaves the split to a value hard-coded in the model (or
@@ -415,7 +429,7 @@ def _tiny_rope(rope, cls, values: dict[str, Any], default):
     return _rescaled_mrope(rope, values, default)
 
 
-def _modeling_source(config_class) -> str:
+def modeling_source(config_class) -> str:
     """The text of the modeling module beside a config class ("" where there is none):
     read, not imported."""
     import importlib.util
@@ -424,14 +438,14 @@ def _modeling_source(config_class) -> str:
     return Path(spec.origin).read_text() if spec is not None and spec.origin is not None else ""
 
 
-def _modeling_reads(config_class, key: str) -> bool:
+def modeling_reads(config_class, key: str) -> bool:
     """Whether the modeling module beside a config class reads `key`."""
-    return f'"{key}"' in _modeling_source(config_class)
+    return f'"{key}"' in modeling_source(config_class)
 
 
 def _modeling_default(config_class, key: str) -> list[int] | None:
     """The list the modeling module falls back to for a rope key (`.get("key", [8, 12, 12])`)."""
-    found = re.search(rf"""get\(\s*["']{key}["']\s*,\s*\[([\d,\s]+)\]""", _modeling_source(config_class))
+    found = re.search(rf"""get\(\s*["']{key}["']\s*,\s*\[([\d,\s]+)\]""", modeling_source(config_class))
     return [int(v) for v in found.group(1).split(",") if v.strip()] if found else None
 
 
@@ -499,12 +513,9 @@ def tiny_vision_values(vision_default, text_hidden_default: int | None) -> dict[
     values = shrink_values(vision_default, TINY_VISION_SHAPES, tied=tied, layer_indexes=True)
     # Widths a vision tower projects into the text model, by what their names say.
     for key, value in vision_default.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and _OUTPUT_WIDTH.search(key):
+        if isinstance(value, int) and not isinstance(value, bool) and TOWER_OUTPUT_WIDTH.search(key):
             values[key] = TINY_TEXT_SHAPES[_HIDDEN]
     return values
 
-
-_OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_size$|^output_dim$|^out_dim$|"
-                           r"^projection_dim$|^llm_hidden_size$")
 
 

@@ -1,0 +1,243 @@
+"""Multi-turn rollout speed: the zoom-tool agent (recipes/agent_zoom_count.yaml) at the
+Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) against plain
+`generate` (`hf`) on the same prompts and weights, in one process (issue 28).
+
+    python bench/agent_rollout_speed.py --out $OUT/agent_rollout_speed_gpu.json
+    python bench/agent_rollout_speed.py --out $OUT/b.json rollout.SOME_FLAG=true --agent-options SOME_FLAG=true
+    .venv/bin/python bench/agent_rollout_speed.py --shape tiny --prompts 2 --samples 2 \
+        --new-tokens 4 --repeats 1 --out /tmp/agent_rollout_speed.json   # smoke run on CPU
+
+The recipe's trainer is built once (`--shape vl3b`: the model config of
+recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
+`--shape tiny`: the recipe's own tiny model), with `rollout.backend=hf_compiled` and any
+positional `key=value` recipe overrides, so a recipe option of the compiled or agent
+rollout reaches the agent the trainer builds; `--agent-options key=value` (values read as
+YAML) are then set on that agent and `--rollout-options` on its backend, for a flag that is
+an attribute rather than a recipe key. The baseline is an `AgentRollout` over a plain
+`hf` backend on the same engine, environment and limits.
+
+Each sample has `--replies` + 1 policy turns of `--new-tokens` tokens each and
+`--replies` image replies: the opening prompt (the question; the image hidden), a policy
+turn, the environment's reply with the full image, a policy turn (three turns with one
+image reply, by default). A random model never writes `zoom()` itself, so the environment
+(`CallsZoom`) reads every policy turn within `max_calls` as that call; and the policy
+samples only the digits 1-4 (every other token id blocked, on both backends), which
+re-render as the same tokens, so no trajectory ends early by drift and every turn runs to
+`--new-tokens` tokens (blocking the stop token too). Plain `generate` takes the blocked
+ids as `suppress_tokens`, a mask over the vocabulary each step; the compiled loop adds a
+prepared mask.
+
+Both agents run once to warm up (the compiled one compiles), then `--repeats` alternating
+rounds (bench/timing.py); per backend the median seconds per rollout, policy tokens/s
+(the sampled tokens of every turn) and the trajectories' turns, image replies and finish
+reasons, checked equal between the two; `speedup` is plain's seconds over compiled's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from mmrl.envs.builtin import ToolEnvironment
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "agent_zoom_count.yaml"
+SHAPE_RECIPE = REPO / "recipes" / "qwen2_5_vl_3b_shape.yaml"
+ALLOWED = ("1", "2", "3", "4")  # the tokens the policy may sample (the recipe's answers)
+
+
+class CallsZoom(ToolEnvironment):
+    """The zoom-tool environment with every policy turn within `max_calls` read as a
+    call of `zoom()` (what the recipe's trained policy writes), whatever was sampled."""
+
+    def step(self, messages: list[dict]):
+        if self.tool_calls < self.max_calls:
+            messages = [*messages[:-1], {**messages[-1], "content": "zoom()"}]
+        return super().step(messages)
+
+
+def shape_overrides(shape: str, replies: int, new_tokens: int, prompts: int, samples: int, dtype: str) -> list[str]:
+    """Recipe overrides of the agent recipe for `shape` and the turn layout."""
+    # Each turn's tokens after the opening prompt: a policy turn and an image reply (256
+    # tokens at 448 x 448, and its chat scaffolding).
+    budget = (replies + 1) * new_tokens + replies * 300 + 64
+    overrides = [f"rollout.max_turns={replies + 1}", f"rollout.env_options.max_calls={replies}",
+                 f"rollout.max_new_tokens={new_tokens}", f"rollout.max_tokens={budget}",
+                 f"data.prompts_per_step={prompts}", f"rollout.samples_per_prompt={samples}",
+                 "rollout.backend=hf_compiled", "trainer.progress=false", "trainer.export=false",
+                 "data.validation=null", "data.eval=null", "trainer.eval_every=0"]
+    if shape == "vl3b":  # model.config_overrides: set by `recipe_for` (a mapping)
+        model = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]
+        overrides += ["model.path=qwen2_5_vl", f"model.dtype={dtype}",
+                      f"model.min_pixels={model['min_pixels']}", f"model.max_pixels={model['max_pixels']}",
+                      f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=448"]
+    else:
+        overrides += [f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=56"]
+    return overrides
+
+
+def recipe_for(shape: str, overrides: list[str], given: list[str], folder: str):
+    """The agent recipe with the bench's `overrides`, the shape's model config, then the
+    caller's `given` overrides."""
+    from mmrl.config import apply_overrides, read_recipe, validate_recipe
+
+    values = apply_overrides(read_recipe(RECIPE), [*overrides, f"trainer.output_dir={folder}/run"])
+    if shape == "vl3b":
+        values["model"]["config_overrides"] = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]["config_overrides"]
+        values["model"]["tiny_vocabulary"] = values["model"].get("tiny_vocabulary") or {}
+    values = apply_overrides(values, given)
+    return validate_recipe(values, where=RECIPE, folder=RECIPE.parent)
+
+
+def key_values(pairs: list[str], what: str) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: {what}: {pair!r} is not key=value")
+        options[key] = yaml.safe_load(value)
+    return options
+
+
+def set_options(target, options: dict, what: str) -> None:
+    """Attributes of `target` (an agent or a backend); one it does not have is an error,
+    so a misspelt flag does not run the bench unchanged."""
+    for key, value in options.items():
+        if not hasattr(target, key) and key not in inspect.signature(type(target).__init__).parameters:
+            raise SystemExit(f"error: {what}: {type(target).__name__} has no option {key!r}")
+        setattr(target, key, value)
+
+
+def only_sampling(processing, allowed: list[int], rows: int) -> None:
+    """Make `processing` block every token id below `rows` but `allowed` (both backends read
+    `blocked_token_ids`)."""
+    blocked = sorted(set(range(rows)) - set(allowed))
+    processing.__class__ = type(f"Only{type(processing).__name__}", (type(processing),),
+                                {"blocked_token_ids": property(lambda self: blocked)})
+
+
+def trajectory_stats(result) -> dict:
+    trajectories = result.trajectories or []
+    return {
+        "trajectories": len(trajectories),
+        "policy_tokens": sum(end - start for t in trajectories for start, end in t.spans),
+        "turns": sorted({t.turns for t in trajectories}),
+        "image_replies": sorted({t.tool_calls for t in trajectories}),
+        "finish": sorted({t.finish for t in trajectories}),
+        "sequence_tokens_max": max((len(t.prompt_ids) + len(t.last_ids) for t in trajectories), default=0),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["vl3b", "tiny"], default="vl3b")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="--shape vl3b: the weights (float32 runs under the engine's bf16 autocast)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens of each policy turn")
+    parser.add_argument("--replies", type=int, default=1, help="image replies (policy turns: one more)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--agent-options", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="attributes set on the compiled backend's AgentRollout (values read as YAML)")
+    parser.add_argument("--rollout-options", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="attributes set on the compiled backend (CompiledHFRollout)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_rollout_speed_gpu.json")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    args = parser.parse_args(argv)
+    agent_options = key_values(args.agent_options, "--agent-options")
+    rollout_options = key_values(args.rollout_options, "--rollout-options")
+
+    from mmrl.platform_info import device_name, today, versions, write_report
+    from mmrl.rollout import SamplingParams, make_rollout
+    from mmrl.rollout.agent import AgentRollout
+    from mmrl.trainer import Trainer
+
+    overrides = shape_overrides(args.shape, args.replies, args.new_tokens, args.prompts, args.samples, args.dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        recipe = recipe_for(args.shape, overrides, args.overrides, folder)
+        began = time.perf_counter()
+        trainer = Trainer(recipe)  # on the GPU where there is one (the trainer's own choice)
+        build_s = time.perf_counter() - began
+    device = trainer.dist.device
+    r = recipe.rollout
+    calls_zoom = functools.partial(CallsZoom, **r.env_options)
+    compiled = trainer.agent
+    compiled.env_factory = calls_zoom
+    set_options(compiled, agent_options, "--agent-options")
+    set_options(compiled.backend, rollout_options, "--rollout-options")
+    plain = AgentRollout(make_rollout("hf", trainer.actor, trainer.processing), trainer.processing, calls_zoom,
+                         max_turns=r.max_turns, max_tokens=r.max_tokens)
+    tokenizer = trainer.processing.tokenizer
+    allowed = [tokenizer.convert_tokens_to_ids(t) for t in ALLOWED]
+    if any(i is None or i == tokenizer.unk_token_id for i in allowed):
+        raise SystemExit(f"error: the tokenizer has no single tokens for {ALLOWED}")
+    only_sampling(trainer.processing, allowed, trainer.actor.model.config.get_text_config().vocab_size)
+    samples, _ = trainer._next_prompts()
+    params = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p)
+    agents = {"plain": plain, "compiled": compiled}
+    stats: dict[str, list[dict]] = {name: [] for name in agents}
+    warm_up: dict[str, float] = {}
+
+    def step(mode: str) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        with torch.no_grad():
+            result = agents[mode].generate(samples, params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - began
+        warm_up.setdefault(mode, seconds)
+        stats[mode].append(trajectory_stats(result))
+        return seconds
+
+    trainer.actor.model.eval()
+    seconds, medians, peaks, failed = alternate(list(agents), step, args.repeats, device, free=lambda: None)
+    runs = {}
+    for name in agents:
+        if name not in medians:
+            continue
+        timed = stats[name][1:]  # after the warm-up
+        tokens = statistics.median(s["policy_tokens"] for s in timed)
+        runs[name] = {"median_s": medians[name], "seconds": seconds[name], "warm_up_s": warm_up[name],
+                      "policy_tokens": tokens, "tokens_per_s": tokens / medians[name], "trajectories": timed[-1],
+                      "peak_allocated_gib": peaks.get(name)}
+    runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
+    report = {
+        "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": device_name(str(device)), "versions": versions(), "date": today(),
+        "shape": args.shape, "dtype": args.dtype if args.shape == "vl3b" else recipe.model.dtype,
+        "parameters": sum(p.numel() for p in trainer.actor.model.parameters()), "build_s": build_s,
+        "prompts": args.prompts, "samples_per_prompt": r.samples_per_prompt, "new_tokens_per_turn": r.max_new_tokens,
+        "image_replies": args.replies, "policy_turns": r.max_turns, "repeats": args.repeats,
+        "recipe_overrides": [*overrides, *args.overrides], "agent_options": agent_options,
+        "rollout_options": rollout_options, "runs": runs, "failed": failed,
+        "same_trajectory_shape": len(runs) == 2 and all(
+            runs["plain"]["trajectories"][k] == runs["compiled"]["trajectories"][k]
+            for k in ("trajectories", "turns", "image_replies", "finish", "policy_tokens")),
+    }
+    if len(runs) == 2:
+        report["speedup"] = runs["plain"]["median_s"] / runs["compiled"]["median_s"]
+        print(f"plain {runs['plain']['median_s']:.2f} s/rollout ({runs['plain']['tokens_per_s']:.0f} tokens/s), "
+              f"compiled {runs['compiled']['median_s']:.2f} s ({runs['compiled']['tokens_per_s']:.0f} tokens/s): "
+              f"{report['speedup']:.2f}x; compiled warm-up {runs['compiled']['warm_up_s']:.1f} s, "
+              f"fallback {runs['compiled']['fallback']}", flush=True)
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

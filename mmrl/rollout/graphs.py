@@ -1,0 +1,303 @@
+"""The decode step as captured CUDA graphs, without compiling (`rollout.decode: graphs`).
+
+    step = GraphedStep(capture=True, fallback=lambda: torch.compile(decode_step, ...))
+    step.start(model, prompt_length, live_caches)      # once per rollout, after the prefill
+    token, logprob, running, seen = step(model, ids, place, mask, cache, running, blocked, stops, seen, **pick)
+
+A small model's decode step is bound by kernel launches, not by arithmetic: what
+`torch.compile(mode="reduce-overhead")` gains there comes mostly from replaying the step as
+a CUDA graph, and compiling it costs a run tens of seconds at its first steps
+(docs/performance.md, "What compiling costs a run"). This step runs the model eagerly
+once per (batch width, cache) and records that run as a CUDA graph; later steps copy
+their inputs into the graph's and replay it. Recording takes a fraction of a second.
+
+What makes the eager step recordable (no host synchronisation, no Python-side state that
+changes between steps):
+
+- the attention mask is built inside the step from the cache slot the step writes
+  (`slot`, a device counter shared by every graph of a rollout) and given to the model
+  as a prepared 4-D mask, which transformers passes on as it is (its own mask code reads
+  the mask on the host);
+- `cache_position`, where the model's forward still takes one, is that same slot;
+- the static cache's own fill counter is a device tensor in the transformers that
+  tests run on.
+
+Before the first recording the step runs once with CUDA's sync debug mode set to raise:
+a model whose forward reads a value back to the host (dynamic rope, some families'
+placeholder checks) or has layer kinds other than full attention (sliding windows keep
+Python-side state) is not recorded; the step then hands over to `fallback` (the compiled
+step) for the rest of the process, with one warning. On the CPU (`capture=False`) the
+same step runs eagerly: the masks and slots that the graphs replay are what CPU tests
+check against plain `generate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mmrl.errors import one_line
+
+
+class NotRecordable(Exception):
+    """This model's decode step cannot be recorded as a CUDA graph (the message says why)."""
+
+
+def layer_kinds(model) -> set[str]:
+    """The attention kinds of the text decoder's layers (transformers' `layer_types`;
+    full attention where the config names none)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    return set(getattr(config, "layer_types", None) or ["full_attention"])
+
+
+def graph_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, *,
+               slot: torch.Tensor, choose: Callable, takes_cache_position: bool, **pick):
+    """One decode step with everything the model would derive on the host given to it:
+    the mask of each row's visible cache slots (its prompt's real tokens and every slot up
+    to `slot`, the one this step writes) and, where the forward takes it, the cache
+    position. Advances `slot`."""
+    length = attention_mask.shape[1]
+    visible = attention_mask.bool() & (torch.arange(length, device=attention_mask.device) <= slot)
+    extra = {"cache_position": slot.view(1)} if takes_cache_position else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=visible[:, None, None],
+                past_key_values=cache, use_cache=True, **extra)
+    slot.add_(1)
+    return choose(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
+
+
+class _Recorded:
+    """One recorded step: its graph, the input tensors it reads and the outputs it writes.
+    It holds the cache it was recorded on, so that cache's memory (which the graph reads by
+    address) lives as long as the graph."""
+
+    def __init__(self, graph, inputs: dict, outputs, cache):
+        self.graph, self.inputs, self.outputs, self.cache = graph, inputs, outputs, cache
+
+
+class GraphedStep:
+    """The decode step, recorded as a CUDA graph per (batch width, cache, sampling settings)
+    and replayed (see the module docstring). `fallback` builds the step to use where
+    recording is not possible; `on_record(seconds, what)` hears of each recording."""
+
+    def __init__(self, choose: Callable, capture: bool, fallback: Callable[[], Callable], attention: str,
+                 on_record: Callable[[float, str], None] | None = None, layers=None):
+        self.choose = choose
+        self.attention = attention  # the attention function that reads the step's boolean masks
+        # The engine's compiled decoder layers (`mmrl.engine.compiled_layers`), or None: the
+        # recorded step then replays their fused kernels instead of eager ones.
+        self.layers = layers
+        self.capture = capture
+        self._fallback_factory = fallback
+        self.fallback: Callable | None = None
+        self.fallback_reason: str | None = None
+        self.on_record = on_record
+        self.slot: torch.Tensor | None = None
+        self._recorded: dict[tuple, _Recorded] = {}
+        self._weights: tuple | None = None
+        self._takes_cache_position: bool | None = None
+        self.recordings = 0
+        self._checked = False
+        self._wrapped: list[weakref.ref] = []  # caches whose update `_eager_update` wrapped
+        self._tried = False
+
+    def start(self, model, prompt_length: int, live_caches: Iterable = ()) -> None:
+        """Before a rollout's first decode step: the next slot is `prompt_length`. Graphs
+        recorded on caches no longer in `live_caches`, or over weights that have moved since
+        (a new inference copy), are dropped."""
+        if self.fallback is not None:
+            return
+        device = next(model.parameters()).device
+        if self.slot is None or self.slot.device != device:
+            self.slot = torch.zeros((), dtype=torch.long, device=device)
+        self.slot.fill_(prompt_length)
+        weights = tuple(p.data_ptr() for p in model.parameters())
+        live = {id(cache) for cache in live_caches}
+        if weights != self._weights:
+            self._recorded.clear()
+            self._weights = weights
+        self._recorded = {key: rec for key, rec in self._recorded.items() if id(rec.cache) in live}
+        if self._takes_cache_position is None:
+            self._takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+
+    def __call__(self, model, ids, place, mask, cache, running, blocked, stops, seen, **pick):
+        if self.fallback is None and not self._checked:
+            self._checked = True
+            reason = self._unrecordable(model)
+            if reason:
+                self._give_up(reason)
+        if self.fallback is not None:
+            return self.fallback(model, ids, place, mask, cache, running, blocked, stops, seen, **pick)
+        if self.slot is None:
+            raise RuntimeError("GraphedStep.start was not called before the first step")
+        run = dict(slot=self.slot, choose=self.choose, takes_cache_position=self._takes_cache_position, **pick)
+        inputs = {"ids": ids, "place": place, "mask": mask, "running": running, "blocked": blocked,
+                  "stops": stops, "seen": seen}
+        if not self.capture:
+            if not self._tried:  # the first step tries the model as the GPU's first step does
+                self._tried = True
+                return self._first(None, model, cache, inputs, run)
+            self._eager_update(cache)
+            with self._compiled_layers():
+                return graph_step(model, *_args(inputs, cache), **run)
+        key = (id(cache), ids.shape[0], mask.shape[1], place.shape, seen is None,
+               tuple(sorted((k, v) for k, v in pick.items())))
+        recorded = self._recorded.get(key)
+        if recorded is None:
+            return self._first(key, model, cache, inputs, run)
+        for name, value in inputs.items():
+            if value is not None:
+                recorded.inputs[name].copy_(value)
+        recorded.graph.replay()
+        return recorded.outputs
+
+    def _first(self, key, model, cache, inputs: dict, run: dict):
+        """Run the step (its result is this step's; the compiled layers compile their decode
+        graphs here), run it again where nothing may read back to the host, and record it
+        for the next step. The second run's effects (cache counters, `slot`, the random
+        state) are undone; the keys and values it writes are the first run's again."""
+        self._eager_update(cache)
+        state = _State(cache, self.slot)
+        try:
+            result = self._try(model, cache, inputs, run)
+        except Exception as error:  # noqa: BLE001 - the fallback step runs it instead
+            state.restore()
+            self._give_up(f"the model's step fails as prepared here ({one_line(error)[:160]})")
+            return self.fallback(model, *_args(inputs, cache), **_pick(run))
+        if self.capture:
+            state = _State(cache, self.slot)
+            try:
+                with _sync_raises():
+                    self._try(model, cache, inputs, run)
+            except Exception as error:  # noqa: BLE001
+                self._give_up(f"the eager step reads back to the host ({one_line(error)[:160]})")
+                return result
+            finally:
+                state.restore()
+            self._record(key, model, cache, inputs, run)
+        return result
+
+    def _try(self, model, cache, inputs: dict, run: dict):
+        """The eager step, through the engine's compiled layers where it compiles them; a
+        layer compile that fails leaves the engine's layers as they were for its updates and
+        the decode step eager from then on."""
+        failed_before = None if self.layers is None else self.layers.failed
+        with _uncached_autocast(), self._compiled_layers():
+            out = graph_step(model, *_args(inputs, cache), **run)
+        if self.layers is not None and self.layers.failed and not failed_before:
+            self.layers.failed, self.layers = failed_before, None
+        return out
+
+    def _eager_update(self, cache) -> None:
+        """With compiled layers, keep the cache write out of their graphs: it picks the
+        layer's cache by index, which would make dynamo compile one graph per layer."""
+        if self.layers is not None and "update" not in vars(cache):
+            cache.update = torch.compiler.disable(cache.update)
+            self._wrapped.append(weakref.ref(cache))
+
+    def _compiled_layers(self):
+        """While open, the decoder layers run the engine's compiled forwards, with each
+        layer's index a symbolic int (one graph serves every layer, not one per index) and
+        the cache write outside the graph (`_eager_update`)."""
+        if self.layers is None or self.layers.failed:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.layers.active())
+        stack.enter_context(torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True))
+        return stack
+
+    def _unrecordable(self, model) -> str | None:
+        kinds = layer_kinds(model)
+        if kinds != {"full_attention"}:
+            return f"layer kinds {', '.join(sorted(kinds))}: only full attention takes the step's masks"
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        implementation = base.config.get_text_config()._attn_implementation
+        if implementation != self.attention:
+            return f"attention {implementation!r} does not read the step's boolean masks"
+        return None
+
+    def _give_up(self, reason: str) -> None:
+        self.fallback_reason = reason
+        self.fallback = self._fallback_factory()
+        self._recorded.clear()
+        for ref in self._wrapped:  # the compiled step traces the cache write as one graph
+            cache = ref()
+            if cache is not None:
+                vars(cache).pop("update", None)
+        self._wrapped.clear()
+        warnings.warn(f"rollout.decode=graphs: using the compiled decode step ({reason})", stacklevel=4)
+
+    def _record(self, key, model, cache, inputs: dict, run: dict) -> None:
+        started = time.perf_counter()
+        static = {name: None if value is None else value.clone() for name, value in inputs.items()}
+        # Recording runs no kernel: the cache, its counters and `slot` are as the eager
+        # step left them, and the graph's in-place additions act on them at each replay.
+        graph = torch.cuda.CUDAGraph()
+        with _uncached_autocast(), torch.cuda.graph(graph):
+            outputs = graph_step(model, *_args(static, cache), **run)
+        self._recorded[key] = _Recorded(graph, static, outputs, cache)
+        self.recordings += 1
+        if self.on_record is not None:
+            self.on_record(time.perf_counter() - started, f"decode graph (width {key[1]}, cache {key[2]})")
+
+
+def _args(inputs: dict, cache) -> tuple:
+    return (inputs["ids"], inputs["place"], inputs["mask"], cache, inputs["running"], inputs["blocked"],
+            inputs["stops"], inputs["seen"])
+
+
+def _pick(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k not in ("slot", "choose", "takes_cache_position")}
+
+
+class _State:
+    """What a step advances besides the cache contents, to put back: the layers' fill
+    counters, `slot` and the device's random state."""
+
+    def __init__(self, cache, slot: torch.Tensor):
+        self.tensors = [*_fill_counters(cache), slot]
+        self.values = [t.clone() for t in self.tensors]
+        self.rng = torch.cuda.get_rng_state(slot.device) if slot.is_cuda else None
+
+    def restore(self) -> None:
+        for tensor, value in zip(self.tensors, self.values, strict=True):
+            tensor.copy_(value)
+        if self.rng is not None:
+            torch.cuda.set_rng_state(self.rng, self.tensors[-1].device)
+
+
+def _fill_counters(cache) -> list[torch.Tensor]:
+    """The cache layers' device-side fill counters (transformers' `cumulative_length`)."""
+    found = []
+    for layer in cache.layers:
+        for name, value in vars(layer).items():
+            if name.startswith("cumulative_length") and isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
+
+
+def _uncached_autocast():
+    """The autocast in force, without its cache of cast weights: a recorded graph must not
+    read casts that the cache frees when autocast closes (torch.cuda.graph's rule)."""
+    if torch.is_autocast_enabled("cuda"):
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+class _sync_raises:
+    """While open, a CUDA operation that waits for the device (an `.item()`, a blocking
+    copy to the host) raises instead of running."""
+
+    def __enter__(self):
+        self._before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self._before)
+        return False

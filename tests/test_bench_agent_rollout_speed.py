@@ -1,0 +1,71 @@
+"""bench/agent_rollout_speed.py on CPU: the zoom agent's tiny recipe, two prompts x two
+samples, 4 tokens a turn, the compiled backend's loop run eagerly. The timings mean
+nothing here; the trajectories' shape (two policy turns around one image reply, the same
+on both backends) and the report do.
+
+    .venv/bin/python -m pytest -q tests/test_bench_agent_rollout_speed.py
+"""
+
+import json
+import sys
+
+import pytest
+
+from bench_scripts import BENCH, load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))  # as when run: the script imports bench/timing.py
+    try:
+        yield load_bench("agent_rollout_speed")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def report(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("agent_rollout_speed") / "report.json"
+    bench.main(["--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--repeats", "1",
+                "--rollout-options", "compile=false", "--agent-options", "max_tokens=400", "--out", str(out),
+                "rollout.temperature=1.0"])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
+    assert report["failed"] == {} and report["same_trajectory_shape"] is True
+    assert report["rollout_options"] == {"compile": False} and report["agent_options"] == {"max_tokens": 400}
+    assert "rollout.temperature=1.0" in report["recipe_overrides"]
+    for name in ("plain", "compiled"):
+        run = report["runs"][name]
+        shape = run["trajectories"]
+        # 4 trajectories, each: prompt, policy turn, image reply, policy turn (the answer).
+        assert shape["trajectories"] == 4 and shape["turns"] == [2] and shape["image_replies"] == [1]
+        assert shape["finish"] == ["done"]  # no drift: only the digits are sampled
+        assert run["policy_tokens"] == 4 * 2 * 4  # every turn runs to its 4 tokens
+        assert run["tokens_per_s"] == pytest.approx(run["policy_tokens"] / run["median_s"])
+    assert report["runs"]["compiled"]["fallback"] is None  # the compiled backend's own loop ran
+    assert report["speedup"] == pytest.approx(report["runs"]["plain"]["median_s"]
+                                              / report["runs"]["compiled"]["median_s"])
+
+
+def test_every_policy_turn_within_the_budget_calls_zoom(bench):
+    from mmrl.data.synthetic import count_shapes
+
+    env = bench.CallsZoom(tools=["zoom"], max_calls=1, hide_images=True, reply_role="user")
+    env.reset(count_shapes(1, seed=0, image_size=56)[0])
+    replies, done, _ = env.step([{"role": "assistant", "content": "3412"}])
+    assert not done and replies[0]["role"] == "user"
+    assert any(part.get("type") == "image" for part in replies[0]["content"])
+    replies, done, _ = env.step([{"role": "assistant", "content": "2"}])
+    assert done and replies == []
+
+
+def test_a_misspelt_option_fails_in_one_line(bench, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        bench.key_values(["nokey"], "--agent-options")
+    assert "is not key=value" in str(exit_.value)
+    with pytest.raises(SystemExit) as exit_:
+        bench.set_options(bench.CallsZoom(tools=["zoom"]), {"incremental_prefil": True}, "--agent-options")
+    assert "has no option 'incremental_prefil'" in str(exit_.value) and "\n" not in str(exit_.value)
