@@ -214,6 +214,10 @@ class RolloutConfig(_Section):
     env_options: dict[str, Any] = Field(default_factory=dict)
     max_turns: int = Field(4, gt=0)
     max_tokens: int = Field(1024, gt=0)
+    # Partial rollouts (docs/async.md): the tokens a sample may generate per rollout round;
+    # one still generating is carried to the next step's round, under the new weights.
+    # 0: off, every sample generates to its end in the round it starts.
+    partial_tokens: int = Field(0, ge=0)
 
     @field_validator("max_tokens")
     @classmethod
@@ -257,6 +261,9 @@ class AlgoConfig(_Section):
     max_staleness: int = Field(0, ge=0)
     off_policy: Literal["tis", "mask", "none"] = "tis"
     is_cap: float = Field(2.0, gt=1)
+    # Where a stale token's behaviour log-prob comes from: the trainer's forward under the
+    # sampling weights ("recomputed", one more forward pass) or the sampler's own (docs/async.md).
+    behaviour: Literal["recomputed", "sampler"] = "recomputed"
 
 
 class RewardConfig(_Section):
@@ -475,6 +482,15 @@ class Recipe(_Section):
         if value.max_staleness and rollout is not None and rollout.env is not None:
             raise ValueError(f"max_staleness {value.max_staleness} trains single-turn rollouts only for now; a "
                              "multi-turn rollout (rollout.env) needs max_staleness 0")
+        return value
+
+    @field_validator("algo")
+    @classmethod
+    def _partial_rollouts_are_single_turn(cls, value: AlgoConfig, info) -> AlgoConfig:
+        rollout = info.data.get("rollout")
+        if rollout is not None and rollout.partial_tokens and rollout.env is not None:
+            raise ValueError(f"rollout.partial_tokens {rollout.partial_tokens} carries single-turn samples only "
+                             "for now; a multi-turn rollout (rollout.env) needs partial_tokens 0")
         return value
 
     @field_validator("algo")

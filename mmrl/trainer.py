@@ -277,8 +277,11 @@ class Trainer:
         # An environment opens each sample's conversation itself (from the row).
         conversations = None if self.agent else conversations_of(samples, source_rows, self.train_set, where,
                                                                 max_pixels=r.model.max_pixels)
+        # `algo.behaviour: sampler` takes a stale batch's behaviour log-probs from the sampler (mmrl/buffer).
+        sampler = r.algo.behaviour == "sampler" and r.algo.max_staleness > 0
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
-                                temperature=r.rollout.temperature, top_p=r.rollout.top_p)
+                                temperature=r.rollout.temperature, top_p=r.rollout.top_p, logprobs=sampler,
+                                logprobs_temperature=r.rollout.temperature or 1.0)
         with self._timed("rollout"):
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)

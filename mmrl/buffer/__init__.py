@@ -19,11 +19,15 @@ sampled it; each batch is one Parquet file in the run folder's `buffer/`, writte
 resumed run trains every batch once (`mmrl.buffer.store`). `mmrl buffer show RUN` prints
 what a run's buffer holds (`mmrl.buffer.show`). Under torchrun, `parallel.rollout_ranks`
 gives the sampling to ranks of its own that write the batches the train ranks take
-(`mmrl.buffer.disaggregated`). docs/async.md explains the settings.
+(`mmrl.buffer.disaggregated`). With `rollout.partial_tokens` the batches
+come from partial rollouts (`mmrl.buffer.partial`): rounds of a few tokens per sample,
+the unfinished ones kept in the buffer (and its files) for the next step's round.
+docs/async.md explains the settings.
 """
 
+from mmrl.buffer.partial import PartialRollouts
 from mmrl.buffer.schedule import BufferedSteps, attach_behaviour, behaviour_log_probs, steps_for
 from mmrl.buffer.store import BufferError, RolloutBatch, TrajectoryBuffer
 
-__all__ = ["BufferError", "BufferedSteps", "RolloutBatch", "TrajectoryBuffer", "attach_behaviour",
+__all__ = ["BufferError", "BufferedSteps", "PartialRollouts", "RolloutBatch", "TrajectoryBuffer", "attach_behaviour",
            "behaviour_log_probs", "steps_for"]

@@ -14,10 +14,17 @@ than the ones that sampled it: the one-step-off schedule, run one after the othe
 device (its truly concurrent form, rollout beside update, is later work: issue 33). No
 batch is produced for a step past `trainer.steps`.
 
-A batch that may be trained on stale records its behaviour log-probs when it is made: the
-trainer's own forward of the sampled tokens under the sampling weights, at the rollout
-temperature (the quantity the update's log-probs are, so the two compare exactly). A batch
-trained on by the weights that sampled it (staleness 0) needs no correction and gets none.
+A batch that may be trained on stale records its behaviour log-probs when it is made:
+with `algo.behaviour: recomputed` (the default) the trainer's own forward of the sampled
+tokens under the sampling weights, at the rollout temperature (the quantity the update's
+log-probs are, so the two compare exactly); with `sampler` the log-probs the rollout
+backend gave each token as it sampled it, at the rollout temperature, with no extra
+forward. A batch trained on by the weights that sampled every one of its tokens (staleness
+0) needs no correction and gets none.
+
+With `rollout.partial_tokens: N` the batches come from `mmrl.buffer.partial`: rounds of at
+most N new tokens per sample, unfinished samples carried to the next step's rounds; each
+token keeps the version and behaviour log-prob of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmrl.buffer.partial import PartialRollouts, partial_metrics
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, rebuild_batch
+from mmrl.config import RecipeError
 from mmrl.evaluation import conversations_of
+from mmrl.rollout.base import RolloutResult, can_continue
 from mmrl.rollout_batch import training_batches
 
 if TYPE_CHECKING:
@@ -66,12 +76,14 @@ class BufferedSteps:
             if batch is not None:
                 break
         staleness = done - batch.version
-        if staleness == 0:
+        if staleness == 0 and not batch.older_tokens(done):
             batch.behaviour_logp = None  # sampled by the weights that train on it: nothing to correct
+        # Partial rollouts: the rounds' figures and the trained tokens by staleness.
+        metrics = partial_metrics(batch, done) if self.buffer.partial else {}
         if not self.max_staleness:
-            return batch, {}
+            return batch, metrics
         return batch, {"off_policy/staleness_mean": float(staleness), "off_policy/staleness_max": float(staleness),
-                       "buffer/dropped": float(dropped), "buffer/pending": float(len(self.buffer.pending))}
+                       "buffer/dropped": float(dropped), "buffer/pending": float(len(self.buffer.pending)), **metrics}
 
     def _fill(self, done: int) -> None:
         """Produce batches with the current weights until `max_staleness + 1` wait, none
@@ -79,7 +91,8 @@ class BufferedSteps:
         pending = self.buffer.pending
         while len(pending) < self.max_staleness + 1 and (done + len(pending) < self.total_steps() or not pending):
             batch = self.produce()
-            if self.max_staleness and self.behaviour is not None:
+            # (A partial rollout's batch records its tokens' behaviour log-probs round by round.)
+            if self.max_staleness and self.behaviour is not None and batch.behaviour_logp is None:
                 batch.behaviour_logp = self.behaviour(batch)
             self.buffer.put(batch)
 
@@ -92,13 +105,29 @@ class BufferedSteps:
         self.buffer.restore(state, self.rebuild)
 
 
-@torch.no_grad()
 def behaviour_log_probs(update: PolicyUpdate, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """The current weights' log-probs (N * n, R) of the batch's sampled tokens, 0 off the
     mask, computed as the update computes its own (same micro-batches, same forward)."""
+    return forward_log_probs(update, batch.conversations, batch.result, temperature)
+
+
+def sampler_log_probs(batch: RolloutBatch) -> torch.Tensor:
+    """The log-probs (N * n, R) the rollout backend gave the batch's sampled tokens (asked
+    for at the rollout temperature: `algo.behaviour: sampler`), 0 off the mask."""
     result = batch.result
+    if result.logprobs is None:
+        raise RecipeError("algo.behaviour=sampler: the rollout backend returned no log-probs for the sampled tokens; "
+                          "use algo.behaviour=recomputed")
+    return result.logprobs.float().cpu() * result.response_mask.cpu()
+
+
+@torch.no_grad()
+def forward_log_probs(update: PolicyUpdate, conversations: list | None, result: RolloutResult,
+                      temperature: float) -> torch.Tensor:
+    """The current weights' log-probs (N * n, R) of `result`'s tokens after their prompts
+    (`conversations`, by `result.prompt_index`), 0 off the mask (`behaviour_log_probs`)."""
     rows = torch.arange(len(result.response_ids))
-    micro, plan = training_batches(batch.conversations, result, rows, algo=update.recipe.algo, dist=update.dist,
+    micro, plan = training_batches(conversations, result, rows, algo=update.recipe.algo, dist=update.dist,
                                    processing=update.processing, adapter=update.adapter, actor=update.actor)
     out = torch.zeros(result.response_mask.shape, dtype=torch.float32)
     # Every pass the plan lists, zero-weighted repeats included: ranks run as many
@@ -126,25 +155,66 @@ def attach_behaviour(micro_batches: list, batch: RolloutBatch) -> None:
 def steps_for(trainer: Trainer) -> BufferedSteps:
     """The trainer's schedule: its rollouts (`Trainer._roll_out`) through a buffer in its
     run folder, under its recipe's `algo.max_staleness`."""
-    dist = trainer.dist
+    dist, recipe = trainer.dist, trainer.recipe
+    partial = recipe.rollout.partial_tokens > 0
     buffer = TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
-                              main=dist.is_main, writer=dist.sp_rank == 0)
+                              main=dist.is_main, writer=dist.sp_rank == 0, partial=partial)
     index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}
     name = getattr(trainer.train_set, "name", "") or ""
+    temperature = recipe.rollout.temperature or 1.0
+    sampler = recipe.algo.behaviour == "sampler"
+    if recipe.algo.max_staleness or partial:  # the only runs that take behaviour log-probs
+        _check_sampler_log_probs(trainer.rollout, recipe)
 
-    def produce() -> RolloutBatch:
-        batch = trainer._roll_out()
-        batch.indices = [index_of[row] for row in batch.rows]
-        batch.dataset = name
-        return batch
+    def recompute(conversations: list | None, result: RolloutResult) -> torch.Tensor:
+        with trainer._timed("logprob"):
+            return forward_log_probs(trainer.update, conversations, result, temperature)
 
     def behaviour(batch: RolloutBatch) -> torch.Tensor:
-        with trainer._timed("logprob"):
-            return behaviour_log_probs(trainer.update, batch, trainer.recipe.rollout.temperature or 1.0)
+        return sampler_log_probs(batch) if sampler else recompute(batch.conversations, batch.result)
 
-    return BufferedSteps(buffer, max_staleness=trainer.recipe.algo.max_staleness,
+    if partial:
+        _check_partial(trainer.rollout, dist, recipe)
+        rounds = PartialRollouts(trainer, buffer, recompute=None if sampler else recompute)
+
+        def produce() -> RolloutBatch:
+            batch = rounds.produce()
+            batch.dataset = name
+            return batch
+    else:
+        def produce() -> RolloutBatch:
+            batch = trainer._roll_out()
+            batch.indices = [index_of[row] for row in batch.rows]
+            batch.dataset = name
+            return batch
+
+    return BufferedSteps(buffer, max_staleness=recipe.algo.max_staleness,
                          total_steps=lambda: trainer.recipe.trainer.steps, produce=produce, behaviour=behaviour,
                          rebuild=rebuild_for(trainer))
+
+
+def _check_sampler_log_probs(rollout, recipe) -> None:
+    """`algo.behaviour: sampler` needs the sampler's log-probs at the rollout temperature:
+    every backend gives them at temperature 1, only those that say so at another."""
+    temperature = recipe.rollout.temperature
+    if recipe.algo.behaviour == "sampler" and temperature not in (0, 1) and \
+            not getattr(rollout, "tempered_logprobs", False):
+        backend = getattr(rollout, "backend", type(rollout).__name__)
+        raise RecipeError(f"algo.behaviour=sampler: rollout backend {backend!r} "
+                          f"gives log-probs at temperature 1 only, not at rollout.temperature {temperature}; use "
+                          "rollout.backend=hf, rollout.temperature=1 or algo.behaviour=recomputed")
+
+
+def _check_partial(rollout, dist, recipe) -> None:
+    """What partial rollouts need today, each refused in one line."""
+    tokens = recipe.rollout.partial_tokens
+    if not can_continue(rollout):
+        raise RecipeError(f"rollout.partial_tokens={tokens}: rollout backend "
+                          f"{getattr(rollout, 'backend', type(rollout).__name__)!r} cannot continue a sample from its "
+                          "tokens so far; use rollout.backend=hf or hf_compiled, or rollout.partial_tokens=0")
+    if dist.dp_size > 1 or dist.sequence_parallel > 1:
+        raise RecipeError(f"rollout.partial_tokens={tokens} runs in one process for now (its batches vary in size "
+                          "from rank to rank); use rollout.partial_tokens=0 under torchrun")
 
 
 def rebuild_for(trainer: Trainer) -> Callable:

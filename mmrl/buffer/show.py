@@ -4,7 +4,8 @@
 
 One row per weights version that sampled trajectories (per range of versions when there
 are more than 25): batches and trajectories, how many were trained on, dropped for being
-too stale or still waiting, the staleness they were trained at, and their rewards.
+too stale or still waiting, the staleness they were trained at, and their rewards; with
+partial rollouts, the samples still generating after the last batch.
 `summarize` gives the same figures as data.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.buffer.schedule import BUFFER_FOLDER
-from mmrl.buffer.store import BufferError, batch_name, read_batch, read_state
+from mmrl.buffer.store import BufferError, batch_name, read_batch, read_in_flight, read_state
 
 
 def summarize(run: Path, rows: int = 25) -> dict[str, Any]:
@@ -67,8 +68,17 @@ def summarize(run: Path, rows: int = 25) -> dict[str, Any]:
                     "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                     "reward_max": max(rewards) if rewards else None})
     totals = {key: sum(r[key] for r in out) for key in ("trajectories", "trained", "dropped", "waiting")}
-    return {"run": str(run), "files": len(files), "produced": state.get("produced", 0),
-            "taken": state.get("taken", 0), **totals, "versions": out}
+    produced = state.get("produced", 0)
+    in_flight = None
+    # Partial rollouts: the groups in flight after the last batch (one rank's file: rank 0's).
+    path = next(iter(sorted(folder.glob(f"in_flight_{produced:06d}*.parquet"))), None)
+    if path is not None:
+        groups = read_in_flight(path)
+        in_flight = {"groups": len(groups),
+                     "generating": sum(r.finish is None for g in groups for r in g.responses),
+                     "tokens": sum(len(r.tokens) for g in groups for r in g.responses)}
+    return {"run": str(run), "files": len(files), "produced": produced,
+            "taken": state.get("taken", 0), **totals, "versions": out, "in_flight": in_flight}
 
 
 def render(summary: dict[str, Any]):
@@ -81,7 +91,9 @@ def render(summary: dict[str, Any]):
 
     head = Text(f"{summary['run']}: {summary['files']} batch files, {summary['trajectories']} trajectories; "
                 f"trained {summary['trained']}, waiting {summary['waiting']}, dropped as too stale "
-                f"{summary['dropped']}")
+                f"{summary['dropped']}" + ("" if not summary.get("in_flight") else
+                                           "; in flight (partial rollouts): {groups} prompts, {generating} responses "
+                                           "still generating, {tokens} tokens".format(**summary["in_flight"])))
     table = Table(title="trajectories by the weights version that sampled them")
     for name in ("version", "batches", "trajectories", "trained", "waiting", "dropped", "staleness mean/max",
                  "reward mean/max"):

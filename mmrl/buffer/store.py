@@ -6,6 +6,7 @@ restore on resume.
     batch, dropped = store.take(version=3, max_staleness=1)
     checkpoint_state["buffer"] = store.state()    # {"produced": M, "taken": N}
     store.restore(saved_state, rebuild)           # on resume: batches N+1..M wait again
+    store.in_flight                               # partial rollouts: samples still generating
 
 Batches are numbered 1, 2, ... as they are produced and taken in that order (first in,
 first out). A batch whose weights version is more than `max_staleness` updates behind
@@ -23,6 +24,13 @@ from their files, and removes the files of batches produced after it: their prom
 again from the checkpoint's data position, sampled again by the checkpoint's weights with
 its random state, so a resumed run trains on each batch exactly once and on the same data
 as a run never stopped. pyarrow comes with `datasets`, a dependency.
+
+Partial rollouts (`rollout.partial_tokens`, mmrl/buffer/partial.py) also keep the samples
+still generating (`in_flight`: groups of responses, each token with the weights version
+that sampled it and its behaviour log-prob). With each batch the buffer writes the set as
+it stands after that batch, `in_flight_000001.parquet`, before the batch's own file; a
+resume reads back the set of the checkpoint's last batch, so a carried sample is neither
+lost nor continued twice.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ FORMAT = 1
 _METADATA_KEY = b"mmrl_buffer"
 # One row per trajectory; `reward/<name>` columns follow for a combined reward's parts.
 COLUMNS = ("batch", "version", "group", "index", "row", "media", "prompt_ids", "response_ids", "response_mask",
-           "behaviour_logp", "finish_reason", "reward", "outcome")
+           "behaviour_logp", "token_version", "finish_reason", "reward", "outcome")
 
 
 class BufferError(ValueError):
@@ -76,10 +84,46 @@ class RolloutBatch:
     indices: list[int] = field(default_factory=list)
     dataset: str = ""
     batch_id: int = 0
+    # Partial rollouts: the weights version that sampled each token (N * n, R), and the
+    # figures of the rounds that made the batch (written with it, for metrics.jsonl).
+    token_versions: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def older_tokens(self, version: int) -> bool:
+        """Whether any response token was sampled by weights older than `version`."""
+        if self.token_versions is None:
+            return False
+        sampled = self.result.response_mask > 0
+        return bool((self.token_versions[sampled] < version).any())
 
     @property
     def size(self) -> int:
         return len(self.rewards)
+
+
+@dataclass
+class InFlightResponse:
+    """One response of a partial rollout: its tokens so far, each one's sampling weights
+    version and behaviour log-prob, and how it ended (None: still generating)."""
+
+    tokens: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class InFlightGroup:
+    """One prompt's `n` responses in a partial rollout, by the prompt's index in the
+    training dataset and its source row; trained on once every response has finished."""
+
+    index: int
+    row: int
+    responses: list[InFlightResponse]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finish is not None for r in self.responses)
 
 
 @dataclass
@@ -98,14 +142,20 @@ class TrajectoryBuffer:
     taken: int = 0
     # What became of each taken batch, in order: {"batch", "step", "version", "staleness", "trajectories", "dropped"}.
     log: list[dict[str, Any]] = field(default_factory=list)
+    # Partial rollouts: the groups still generating, persisted with each batch.
+    partial: bool = False
+    in_flight: list[InFlightGroup] = field(default_factory=list)
 
     # -- put and take ------------------------------------------------------------------------------
     def put(self, batch: RolloutBatch, on_disk: bool = False) -> int:
         """Add a produced batch (persisted first, so a batch in memory is a batch on disk;
         `on_disk`: its file is there already, written by the rank that sampled it)."""
         batch.batch_id = self.produced + 1
-        if self.folder is not None and self.writer and not on_disk:
-            write_batch(self.batch_file(batch.batch_id), batch)
+        if self.folder is not None and self.writer:
+            if self.partial:
+                write_in_flight(self.in_flight_file(batch.batch_id), self.in_flight)
+            if not on_disk:
+                write_batch(self.batch_file(batch.batch_id), batch)
         self.produced = batch.batch_id
         self.pending.append(batch)
         self._write_state()
@@ -142,10 +192,20 @@ class TrajectoryBuffer:
         are removed (see the module docstring)."""
         produced, taken = (state["produced"], state["taken"]) if state else (0, 0)
         self.pending.clear()
+        self.in_flight = []
         if self.folder is not None:
             for path in self._batch_files() if self.writer else ():
                 if batch_name(path)[0] > produced:
                     path.unlink(missing_ok=True)
+            for path in self.folder.glob("in_flight_*.parquet") if self.writer else ():
+                if (name := batch_name(path, _IN_FLIGHT_NAME)) is not None and name[0] > produced:
+                    path.unlink(missing_ok=True)
+            if self.partial and produced:
+                path = self.in_flight_file(produced)
+                if not path.is_file():
+                    raise BufferError(f"trainer.resume: {path} is missing: it holds the samples still generating "
+                                      f"after batch {produced}; restore the file, or start a new run")
+                self.in_flight = read_in_flight(path)
             for batch_id in range(taken + 1, produced + 1):
                 path = self.batch_file(batch_id)
                 if not path.is_file():
@@ -169,6 +229,10 @@ class TrajectoryBuffer:
         suffix = f"-rank{self.rank}" if self.ranks > 1 else ""
         return self.folder / f"batch_{batch_id:06d}{suffix}.parquet"
 
+    def in_flight_file(self, batch_id: int) -> Path:
+        suffix = f"-rank{self.rank}" if self.ranks > 1 else ""
+        return self.folder / f"in_flight_{batch_id:06d}{suffix}.parquet"
+
     def _batch_files(self) -> list[Path]:
         """This rank's batch files, any number."""
         mine = self.rank if self.ranks > 1 else None
@@ -183,11 +247,13 @@ class TrajectoryBuffer:
 
 
 _BATCH_NAME = re.compile(r"batch_(\d+)(?:-rank(\d+))?\.parquet")
+_IN_FLIGHT_NAME = re.compile(r"in_flight_(\d+)(?:-rank(\d+))?\.parquet")
 
 
-def batch_name(path: Path) -> tuple[int, int | None] | None:
-    """A batch file's (number, rank) (rank None: a one-rank run's); None: not a batch file."""
-    match = _BATCH_NAME.fullmatch(path.name)
+def batch_name(path: Path, pattern: re.Pattern = _BATCH_NAME) -> tuple[int, int | None] | None:
+    """A batch file's (number, rank) (rank None: a one-rank run's); None: not a batch file
+    (`pattern`: of another kind of numbered file, the in-flight ones)."""
+    match = pattern.fullmatch(path.name)
     if not match:
         return None
     return int(match[1]), int(match[2]) if match[2] is not None else None
@@ -250,6 +316,8 @@ def batch_table(batch: RolloutBatch):
     keep = positions[None, :] <= last[:, None]
     behaviour = _ragged(batch.behaviour_logp.cpu().float(), keep, pa.float32()) \
         if batch.behaviour_logp is not None else pa.nulls(batch.size, pa.list_(pa.float32()))
+    versions = _ragged(batch.token_versions.cpu().long(), keep, pa.int64()) \
+        if batch.token_versions is not None else pa.nulls(batch.size, pa.list_(pa.int64()))
     owners = result.prompt_index.tolist()
     columns: dict[str, Any] = {
         "batch": pa.array([batch.batch_id] * batch.size, pa.int64()),
@@ -262,6 +330,7 @@ def batch_table(batch: RolloutBatch):
         "response_ids": _ragged(result.response_ids.cpu().int(), keep, pa.int32()),
         "response_mask": _ragged(mask, keep, pa.float32()),
         "behaviour_logp": behaviour,
+        "token_version": versions,
         "finish_reason": pa.array(list(result.finish_reasons), pa.string()),
         "reward": pa.array(batch.rewards.cpu().double().numpy(), pa.float64()),
         "outcome": pa.array(batch.outcomes.cpu().double().numpy(), pa.float64()),
@@ -269,7 +338,8 @@ def batch_table(batch: RolloutBatch):
     for name, scores in batch.reward_parts.items():
         columns[f"reward/{name}"] = pa.array([float(s) for s in scores], pa.float64())
     metadata = {"format": FORMAT, "batch": batch.batch_id, "version": batch.version,
-                "data_end": list(batch.data_end), "dataset": batch.dataset, "prompts": len(batch.samples)}
+                "data_end": list(batch.data_end), "dataset": batch.dataset, "prompts": len(batch.samples),
+                **({"metrics": batch.metrics} if batch.metrics else {})}
     return pa.table(columns).replace_schema_metadata({_METADATA_KEY: json.dumps(metadata).encode()})
 
 
@@ -318,12 +388,17 @@ def rebuild_batch(table, metadata: dict, *, dataset, pad_id: int,
     ids = torch.full((size, width), pad_id, dtype=torch.long)
     mask = torch.zeros(size, width)
     behaviour = torch.zeros(size, width) if all(b is not None for b in columns["behaviour_logp"]) and size else None
+    stored_versions = columns.get("token_version", [None])  # absent in files from before partial rollouts
+    versions = torch.zeros(size, width, dtype=torch.long) if size and all(v is not None for v in stored_versions) \
+        else None
     for i in range(size):
         n = len(columns["response_ids"][i])
         ids[i, :n] = torch.tensor(columns["response_ids"][i], dtype=torch.long)
         mask[i, :n] = torch.tensor(columns["response_mask"][i])
         if behaviour is not None:
             behaviour[i, :n] = torch.tensor(columns["behaviour_logp"][i])
+        if versions is not None:
+            versions[i, :n] = torch.tensor(columns["token_version"][i], dtype=torch.long)
     result = RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=list(columns["finish_reason"]),
                            prompt_index=torch.tensor(owners, dtype=torch.long))
     parts = {name.removeprefix("reward/"): values for name, values in columns.items() if name.startswith("reward/")}
@@ -332,4 +407,44 @@ def rebuild_batch(table, metadata: dict, *, dataset, pad_id: int,
                         result=result, rewards=torch.tensor(columns["reward"], dtype=torch.float32),
                         reward_parts=parts, outcomes=torch.tensor(columns["outcome"], dtype=torch.float32),
                         version=metadata["version"], data_end=tuple(metadata["data_end"]), behaviour_logp=behaviour,
-                        batch_id=metadata["batch"], dataset=metadata.get("dataset", ""))
+                        batch_id=metadata["batch"], dataset=metadata.get("dataset", ""), token_versions=versions,
+                        metrics=metadata.get("metrics", {}))
+
+
+def write_in_flight(path: Path, groups: list[InFlightGroup]) -> Path:
+    """Write the samples still generating, one row per response, whole: its group's
+    position, dataset index and source row, its tokens with their versions and behaviour
+    log-probs, its finish reason (null while generating)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [(number, group, response) for number, group in enumerate(groups) for response in group.responses]
+    table = pa.table({
+        "group": pa.array([number for number, _, _ in rows], pa.int32()),
+        "index": pa.array([group.index for _, group, _ in rows], pa.int64()),
+        "row": pa.array([group.row for _, group, _ in rows], pa.int64()),
+        "response_ids": pa.array([r.tokens for _, _, r in rows], pa.list_(pa.int32())),
+        "token_version": pa.array([r.versions for _, _, r in rows], pa.list_(pa.int64())),
+        "behaviour_logp": pa.array([r.behaviour for _, _, r in rows], pa.list_(pa.float32())),
+        "finish_reason": pa.array([r.finish for _, _, r in rows], pa.string()),
+    }).replace_schema_metadata({_METADATA_KEY: json.dumps({"format": FORMAT, "groups": len(groups)}).encode()})
+    try:
+        with replacing(path) as temp:
+            pq.write_table(table, str(temp))
+    except OSError as exc:
+        raise BufferError(f"{path}: cannot be written ({exc.strerror or exc})") from None
+    return path
+
+
+def read_in_flight(path: Path) -> list[InFlightGroup]:
+    """The groups `write_in_flight` wrote, in order."""
+    table, metadata = read_batch(path)
+    columns = table.to_pydict()
+    groups: list[InFlightGroup | None] = [None] * metadata["groups"]
+    for i, number in enumerate(columns["group"]):
+        if groups[number] is None:
+            groups[number] = InFlightGroup(index=columns["index"][i], row=columns["row"][i], responses=[])
+        groups[number].responses.append(InFlightResponse(
+            tokens=list(columns["response_ids"][i]), versions=list(columns["token_version"][i]),
+            behaviour=list(columns["behaviour_logp"][i]), finish=columns["finish_reason"][i]))
+    return groups

@@ -4,10 +4,17 @@
     result = rollout.generate(conversations, SamplingParams(n=8, max_new_tokens=4))
     result.response_ids, result.response_mask, result.finish_reasons, result.prompt_index
     rollout.sync(engine)          # after each update: the rollout samples from new weights
+    # partial rollouts (mmrl/buffer/partial.py), where a backend has it (hf):
+    result = rollout.continue_from(conversations, prefixes, SamplingParams(max_new_tokens=4))
 
 A backend returns, for each prompt, `n` right-padded responses with a mask that covers
 the tokens up to and including the stop token. Special tokens that must never be
 sampled (image placeholders, chat scaffolding) are blocked by every backend.
+
+`continue_from` (optional: `can_continue(rollout)`) generates one response per
+conversation after the response tokens it already has (`prefixes`), by processing the
+prompt again with those tokens appended (`extend_prompts`): partial rollouts carry an
+unfinished sample to the next round this way. It returns only the new tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ class SamplingParams:
     # Ask for the sampled tokens' log-probs (temperature 1, whole vocabulary); the HF
     # backend keeps every step's logits for it, so it is off unless a caller needs them.
     logprobs: bool = False
+    # The temperature those log-probs are taken at (logits / it): 1 is the raw logits;
+    # the rollout's own temperature makes them the sampling policy's (`algo.behaviour:
+    # sampler`). Backends without `tempered_logprobs = True` give raw log-probs only.
+    logprobs_temperature: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +77,42 @@ class Rollout(Protocol):
     def generate(self, conversations: list[list[dict]], params: SamplingParams) -> RolloutResult: ...
 
     def sync(self, engine) -> None: ...
+
+
+def can_continue(rollout) -> bool:
+    """Whether `rollout` continues responses from prefix tokens (`continue_from`)."""
+    return callable(getattr(rollout, "continue_from", None))
+
+
+def extend_prompts(prompt_inputs: dict, prefixes: list[list[int]], pad_id: int) -> dict:
+    """The processed, left-padded prompt batch (rows, T) with each row's `prefixes[row]`
+    appended after its prompt, left-padded again: `input_ids` get the tokens,
+    `attention_mask` ones, any other (rows, T) tensor (token types, media markers) zeros,
+    the marks of text; other inputs (pixels, grids) are the prompts' and stay as they are."""
+    ids, attention = prompt_inputs["input_ids"], prompt_inputs["attention_mask"]
+    rows, width = ids.shape
+    if len(prefixes) != rows:
+        raise ValueError(f"{len(prefixes)} prefixes for {rows} prompts")
+    aligned = [k for k, v in prompt_inputs.items()
+               if isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (rows, width)]
+    keep = attention.bool()
+    lengths = [int(keep[row].sum()) + len(prefixes[row]) for row in range(rows)]
+    longest = max(lengths, default=0)
+    out = dict(prompt_inputs)
+    for key in aligned:
+        value = prompt_inputs[key]
+        fill = pad_id if key == "input_ids" else 0
+        extended = value.new_full((rows, longest), fill)
+        for row in range(rows):
+            prefix = prefixes[row]
+            if key == "input_ids":
+                tail = torch.tensor(prefix, dtype=value.dtype)
+            else:
+                tail = value.new_full((len(prefix),), 1 if key == "attention_mask" else 0)
+            own = torch.cat([value[row][keep[row]], tail])
+            extended[row, longest - len(own):] = own
+        out[key] = extended
+    return out
 
 
 def trim_responses(

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
 
 
 class HFRollout:
     backend = "hf"  # the recipe's name for it (`rollout.backend`)
+
+    @property
+    def tempered_logprobs(self) -> bool:
+        """Whether `SamplingParams.logprobs_temperature` is honoured: by `generate`'s own
+        sampling, not by a subclass with a decode loop of its own (hf_compiled: raw log-probs)."""
+        return type(self)._sample is HFRollout._sample
 
     def __init__(self, engine, processing):
         self.engine = engine
@@ -28,6 +34,26 @@ class HFRollout:
         shared = SharedMedia.of(self.processing, expanded, prompt_index.tolist()) if self.engine.shares_media else None
         # With shared media each prompt is processed once and its rows collated.
         prompt_inputs = shared.rows(self.processing, expanded) if shared is not None else dict(self.processing(expanded))
+        return self._respond(prompt_inputs, shared, prompt_index, params)
+
+    @torch.no_grad()
+    def continue_from(self, conversations: list[list[dict]], prefixes: list[list[int]],
+                      params: SamplingParams) -> RolloutResult:
+        """One response per conversation, continuing after the response tokens it has
+        (`prefixes`, possibly none) for at most `params.max_new_tokens` more: the prompt is
+        processed again with them appended (no cache is kept between calls). The result
+        holds the new tokens only, "length" meaning the budget ran out; `params.n` must be 1."""
+        if params.n != 1:
+            raise ValueError(f"continue_from generates one response per conversation, got n={params.n}")
+        inputs = extend_prompts(dict(self.processing(conversations)), prefixes,
+                                self.processing.tokenizer.pad_token_id)
+        result = self._respond(inputs, None, torch.arange(len(conversations)), params)
+        result.prompt_inputs = None  # the prompts with their prefixes: not a prompt batch to reuse
+        return result
+
+    def _respond(self, prompt_inputs: dict, shared, prompt_index: torch.Tensor,
+                 params: SamplingParams) -> RolloutResult:
+        """Generate from the processed (left-padded) prompt batch: the responses, trimmed at their stop tokens."""
         batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
                  for k, v in prompt_inputs.items()}
         model = self.engine.model
@@ -109,8 +135,11 @@ class HFRollout:
         if not params.logprobs:
             return generated, None
         # The raw logits of each step (before temperature, top-p and blocked tokens),
-        # as vLLM's raw log-probs and `Engine.log_probs` at temperature 1 see them.
+        # as vLLM's raw log-probs and `Engine.log_probs` at temperature 1 see them;
+        # divided by `logprobs_temperature` as `Engine.log_probs` divides them.
         logits = torch.stack(out.logits, dim=1).float().cpu()
+        if params.logprobs_temperature != 1.0:
+            logits = logits / params.logprobs_temperature
         return generated, torch.log_softmax(logits, -1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
 
     def sync(self, engine) -> None:
