@@ -295,8 +295,9 @@ class CompiledHFRollout(HFRollout):
             device = self.engine.dist.device
             with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
                 logits = self._prefill(run, cache, batch, positions)
-            mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(rows, length - prompt_length)], 1)
-            decoded = self._decode(run, cache, logits, mask, next_positions(positions, batch["attention_mask"]),
+            prompt_mask = batch["attention_mask"]
+            mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - prompt_length)], 1)
+            decoded = self._decode(run, cache, logits, mask, next_positions(positions, prompt_mask),
                                    batch["input_ids"], length, prompt_length)
         # What the last call did (tests and the benchmark read it).
         self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}

@@ -322,7 +322,8 @@ class DecodeSession:
         grown = dict(row.media)
         for key, (joined, per_row) in chunk.sizes().items():
             had_joined, had_per_row = grown.get(key, (0, 0))
-            grown[key] = (had_joined + joined, None if per_row is None or had_per_row is None else had_per_row + per_row)
+            items = None if per_row is None or had_per_row is None else had_per_row + per_row
+            grown[key] = (had_joined + joined, items)
         return grown
 
     # -- the cache ---------------------------------------------------------------------------
