@@ -216,6 +216,12 @@ def main(argv: list[str] | None = None) -> dict:
                       "policy_tokens": tokens, "tokens_per_s": tokens / medians[name], "trajectories": timed[-1],
                       "peak_allocated_gib": peaks.get(name)}
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
+    # The last rollout's kept cache (mmrl/rollout/sessions.py; None with --agent-options
+    # keep_cache=false): tokens prefilled against processing every turn whole.
+    session = getattr(compiled, "session", None)
+    runs["compiled"]["kept_cache"] = None if session is None else {
+        key: session.stats[key] for key in ("prefill_tokens", "whole_tokens", "reprefilled_samples",
+                                            "reprefill_reason", "turn_by_turn")}
     report = {
         "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": device_name(str(device)), "versions": versions(), "date": today(),

@@ -26,6 +26,13 @@ them alone (environment tokens, template tokens and images are context). A turn 
 text re-renders to other tokens (a stop token the template does not write, or a
 tokenizer that does not round-trip) breaks the rule: the sample ends before it
 (`finish` "drift", counted in the metrics).
+
+On the compiled backend (`hf_compiled`) the loop opens a session
+(`mmrl.rollout.sessions`) that keeps each sample's KV-cache row between turns: a later
+turn prefills only what the prefix rule says is new (the environment's reply, template
+tokens, new images), at the positions and with the media tensors of the whole
+conversation, and finished samples free their rows. `keep_cache=False` (or any other
+backend) samples each turn from its whole conversation.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from mmrl.rollout.base import RolloutResult, SamplingParams
+from mmrl.rollout.sessions import session_for
 
 
 @dataclass
@@ -79,7 +87,7 @@ class AgentRollout:
     per sample (`mmrl.envs.get_environment`)."""
 
     def __init__(self, backend, processing, env_factory: Callable[[], Any], *, max_turns: int = 4,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, keep_cache: bool = True):
         if max_turns < 1:
             raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
         self.backend = backend
@@ -87,6 +95,10 @@ class AgentRollout:
         self.env_factory = env_factory
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+        # On the compiled backend, each sample's cache row lives from turn to turn
+        # (`mmrl.rollout.sessions`); False re-prefills every conversation whole each turn.
+        self.keep_cache = keep_cache
+        self.session = None  # the last rollout's session, where one ran (its `stats`)
 
     def sync(self, engine) -> None:
         self.backend.sync(engine)
@@ -111,9 +123,27 @@ class AgentRollout:
         turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                      top_p=params.top_p, seed=params.seed, logprobs=params.logprobs)
         active = list(range(len(trajectories)))
+        # No room reserved for later turns: the cache grows when a turn needs it (a longer
+        # cache costs every decode step), and the compiled rollout keeps its longest length.
+        session = self.session = session_for(self.backend) if self.keep_cache else None
+        try:
+            self._turns(trajectories, envs, active, params, turn_params, session)
+        finally:
+            if session is not None:
+                session.close()
+        return self._result(trajectories, params.n, len(rows), session)
+
+    def _turns(self, trajectories: list[Trajectory], envs: list, active: list[int], params: SamplingParams,
+               turn_params: SamplingParams, session) -> None:
+        """Policy and environment turns until no sample is `active` (indices of `trajectories`);
+        each turn through `session` where there is one (samples no longer active leave its
+        cache), else through the backend's `generate`."""
         while active:
             conversations = [trajectories[i].messages for i in active]
-            result = self.backend.generate(conversations, turn_params)
+            if session is not None:
+                result = session.generate(active, conversations, turn_params)
+            else:
+                result = self.backend.generate(conversations, turn_params)
             prompts = self._prompt_ids(result, conversations)
             still = []
             for row, i in enumerate(active):
@@ -149,7 +179,6 @@ class AgentRollout:
                     t.messages = [*t.messages, *new]
                     still.append(i)
             active = still
-        return self._result(trajectories, params.n, len(rows))
 
     def _content(self, messages: list[dict], sampled: list[int]) -> str:
         """The policy turn as the assistant message's text: its tokens without the stop
@@ -176,7 +205,7 @@ class AgentRollout:
             return ""
         return rendered[len(prompt):rendered.index(marker)]
 
-    def _result(self, trajectories: list[Trajectory], n: int, prompts: int) -> RolloutResult:
+    def _result(self, trajectories: list[Trajectory], n: int, prompts: int, session=None) -> RolloutResult:
         pad = self.processing.tokenizer.pad_token_id
         tails = [t.ids[t.first:] for t in trajectories]
         width = max(1, max(len(x) for x in tails))
@@ -206,6 +235,12 @@ class AgentRollout:
             **{f"agent/finish_{kind}": sum(t.finish == kind for t in trajectories) / count
                for kind in ("done", "turns", "tokens", "drift")},
         }
+        if session is not None and session.stats["turn_by_turn"] is None:
+            # Tokens each sample's turns prefilled into the kept cache, against processing
+            # every turn's whole conversation (what re-prefilling feeds).
+            stats["agent/prefill_tokens"] = session.stats["prefill_tokens"] / count
+            stats["agent/prefill_tokens_whole"] = session.stats["whole_tokens"] / count
+            stats["agent/reprefilled_samples"] = session.stats["reprefilled_samples"] / count
         texts = self.processing.decode([t.last_ids for t in trajectories])
         return RolloutResult(
             response_ids=ids, response_mask=mask,

@@ -25,6 +25,11 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
   are, and when half of them have finished it moves the running rows (and their cache)
   into a batch half as wide, so finished rows stop costing compute.
 
+The prefill (`_prefill`) and the decode loop (`_decode`) are pieces a caller can run on a
+cache it keeps: a multi-turn session (`mmrl.rollout.sessions`, what the agent loop opens
+on this backend) prefills only a turn's new tokens and images into each sample's kept
+row, and the loop writes the rows it moves out back into that cache.
+
 Under FSDP2 each rank decodes its own prompts on an unsharded inference copy of the
 weights, gathered from the shards after each update (`mmrl.rollout.inference_copy`;
 `inference_copy` says whether it stays between rollouts): the decode loop is the same,
@@ -41,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -120,6 +126,48 @@ def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: 
     return tokens, logprobs, unfinished, seen
 
 
+@dataclass
+class DecodeRun:
+    """What one rollout call decodes with: the model, the token choice's settings
+    (`choose_tokens`' keywords), the stop tokens, and the dtype the caches store
+    (autocast's, or None)."""
+
+    model: torch.nn.Module
+    params: SamplingParams
+    pick: dict
+    stops: torch.Tensor
+    keep_last: dict
+    dtype: torch.dtype | None
+    device: torch.device
+
+    @property
+    def penalty(self) -> float:
+        return self.pick["penalty"]
+
+
+@dataclass
+class Decoded:
+    """A decode loop's output: tokens (rows, max_new_tokens), right-padded, their
+    log-probs (or None), the steps it ran and the rows still in its batch at the end."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    steps: int
+    final_rows: int
+
+    def trimmed(self, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens and log-probs on the CPU, cut where `generate` ends its loop."""
+        width = _used_width(self.tokens, stops)
+        return self.tokens[:, :width].cpu(), None if self.logprobs is None else self.logprobs[:, :width].cpu()
+
+
+def next_positions(positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's largest position over its real tokens, axis by axis (mrope's, and a
+    text axis where the family adds one): the loop's step t sits at this + t, which is
+    what transformers' rope deltas give (padding may hold any position)."""
+    return positions.masked_fill(attention_mask == 0, -1).amax(-1)
+
+
 class CompiledHFRollout(HFRollout):
     """`HFRollout` with a static-cache decode loop; `compile=False` runs the same loop
     eagerly (what CPU tests check), `compile_options` go to `torch.compile`. With sharded
@@ -178,14 +226,33 @@ class CompiledHFRollout(HFRollout):
                 failure = failure or (f"on another rank: {others[0]}" if others else None)
             if failure is None:
                 return result
-            self.fallback_reason = failure
-            self._caches.clear()
-            if self.copy is not None:
-                self.copy.keep = False
-                self.copy.release()
-            warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({self.fallback_reason})",
-                          stacklevel=2)
+            self.give_up(failure)
         return super()._sample(batch, shared, params)
+
+    def give_up(self, reason: str) -> None:
+        """Plain `generate` from now on, said once (`reason`: why the compiled path failed)."""
+        self.fallback_reason = reason
+        self._caches.clear()
+        if self.copy is not None:
+            self.copy.keep = False
+            self.copy.release()
+        warnings.warn(f"rollout.backend=hf_compiled: using plain generate ({reason})", stacklevel=3)
+
+    def session_unsupported(self) -> str | None:
+        """Why a multi-turn session (`mmrl.rollout.sessions`) cannot keep this rollout's
+        caches between turns, or None where it can."""
+        from transformers import StaticCache
+
+        if self.fallback_reason is not None:
+            return f"the compiled path was given up ({self.fallback_reason})"
+        if self.copy is not None:
+            # Each rank decodes its own samples, and turns end at different times on different
+            # ranks; the per-turn path keeps the ranks' collectives in step.
+            return "sharded weights (each rank decodes on an inference copy)"
+        if any(getattr(layer, "is_sliding", False)
+               for layer in StaticCache(config=self._decoder_config(), max_cache_len=1).layers):
+            return "sliding-window cache layers (their slots wrap around)"
+        return None
 
     def sync(self, engine) -> None:
         """After an update: the inference copy (FSDP2) gathers the new weights, now when it
@@ -216,90 +283,121 @@ class CompiledHFRollout(HFRollout):
     def _fast_sample(self, batch, shared, params: SamplingParams):
         self._check(params)
         model = self._decoder()
-        device = self.engine.dist.device
         if self.copy is not None:
             # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
             batch = {k: v.to(self.copy.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in batch.items()}
+        positions = self._positions(model, batch)
+        rows, prompt_length = batch["input_ids"].shape
+        length = self._cache_length(prompt_length + params.max_new_tokens)
+        with self._decoding(model, params) as run:
+            cache = self._cache(rows, length, run.dtype)
+            device = self.engine.dist.device
+            with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
+                logits = self._prefill(run, cache, batch, positions)
+            prompt_mask = batch["attention_mask"]
+            mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - prompt_length)], 1)
+            decoded = self._decode(run, cache, logits, mask, next_positions(positions, prompt_mask),
+                                   batch["input_ids"], length, prompt_length)
+        # What the last call did (tests and the benchmark read it).
+        self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
+        return decoded.trimmed(run.stops)
+
+    def _positions(self, model, batch) -> torch.Tensor:
         positions = self.engine.adapter.position_ids(model, batch)
         if positions is None:
             raise Unsupported("the family computes its own position ids")
-        rows, prompt_length = batch["input_ids"].shape
-        new_tokens = params.max_new_tokens
-        length = self._cache_length(prompt_length + new_tokens)
-        pad_id = self.processing.tokenizer.pad_token_id
-        stops = torch.tensor(self.processing.stop_token_ids, device=device)
+        return positions
+
+    @contextlib.contextmanager
+    def _decoding(self, model, params: SamplingParams):
+        """The settings one rollout call decodes `model` with (a `DecodeRun`), inside the
+        engine's autocast and, where it applies, with the linear layers' half copies."""
+        device = self.engine.dist.device
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
-        pick = dict(pad_id=pad_id, temperature=params.temperature, top_p=params.top_p,
-                    want_logprobs=params.logprobs, penalty=penalty)
+        pick = dict(pad_id=self.processing.tokenizer.pad_token_id, temperature=params.temperature,
+                    top_p=params.top_p, want_logprobs=params.logprobs, penalty=penalty)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        stops = torch.tensor(self.processing.stop_token_ids, device=device)
         with self.engine.autocast(), contextlib.ExitStack() as stack:
             computes_in = _autocast_dtype()
             if self.half_weights and computes_in is not None:
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
-            cache = self._cache(rows, length, computes_in)
-            with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
-                out = model(**batch, position_ids=positions, past_key_values=cache, use_cache=True, **keep_last)
-            _unguarded(cache)
-            logits = out.logits[:, -1].float()
-            del out
-            blocked = torch.zeros(logits.shape[-1], device=device)
-            blocked[[i for i in self.processing.blocked_token_ids if i < logits.shape[-1]]] = float("-inf")
-            running = torch.ones(rows, dtype=torch.bool, device=device)
-            # The penalty's memory of each row: its prompt (padding included, as
-            # `generate` sees it) and every token it samples.
-            seen = None
-            if penalty != 1.0:
-                seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device)
-                seen.scatter_(1, batch["input_ids"].clamp(max=logits.shape[-1] - 1), True)
-            token, logprob, running, seen = choose_tokens(logits, running, blocked, stops, seen=seen, **pick)
-            tokens = torch.full((rows, new_tokens), pad_id, dtype=torch.long, device=device)
-            logprobs = torch.zeros(rows, new_tokens, device=device) if params.logprobs else None
-            tokens[:, 0] = token
-            if logprobs is not None:
-                logprobs[:, 0] = logprob
-            # Each row's next position, axis by axis (mrope's, and a text axis where the
-            # family adds one): one past the largest position of its real prompt tokens,
-            # as transformers' rope deltas give (padding may hold any position).
-            last = positions.masked_fill(batch["attention_mask"] == 0, -1).amax(-1)
-            mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(rows, length - prompt_length)], 1)
-            index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
-            step = self._compiled_step()
-            if isinstance(step, GraphedStep):
-                step.start(model, prompt_length, self._caches.values())
-            steps = 1
-            with _decode_attention(model):
-                for t in range(1, new_tokens):
-                    if t % self.check_every == 0:
-                        alive = int(running.sum())
-                        if alive == 0:
-                            break
-                        width = len(index)
-                        if width > self.min_compact_rows and alive <= width // 2:
-                            keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
-                            cache = self._moved(cache, keep, length)
-                            index, token, running, mask = (x[keep] for x in (index, token, running, mask))
-                            seen = None if seen is None else seen[keep]
-                            last = last[..., keep]
-                    place = (last + t).unsqueeze(-1)
-                    if self.compile and device.type == "cuda":
-                        torch.compiler.cudagraph_mark_step_begin()
-                    ids = token[:, None]
-                    if self.compile:
-                        _mark_dynamic_sizes(ids, place, mask, running, seen, cache)
-                    token, logprob, running, seen = step(model, ids, place, mask, cache, running, blocked,
-                                                         stops, seen, **pick)
-                    # The graph's outputs are overwritten by its next replay: keep copies.
-                    token, running = token.clone(), running.clone()
-                    seen = None if seen is None else seen.clone()
-                    tokens[index, t] = token
-                    if logprobs is not None:
-                        logprobs[index, t] = logprob
-                    steps += 1
-        # What the last call did (tests and the benchmark read it).
-        self.stats = {"steps": steps, "final_rows": len(index)}
-        width = _used_width(tokens, stops)
-        return tokens[:, :width].cpu(), None if logprobs is None else logprobs[:, :width].cpu()
+            yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device)
+
+    def _prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
+        """One eager forward of `inputs` (token ids, their attention mask over the cache,
+        media, per-token entries) into `cache` at its fill: the last position's logits,
+        float32, (rows, vocab)."""
+        out = run.model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, **run.keep_last)
+        _unguarded(cache)
+        return out.logits[:, -1].float()
+
+    def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
+                prompt_ids: torch.Tensor, length: int, fill: int, home=None) -> Decoded:
+        """Tokens from `logits` (the prefill's) on: the first chosen from them, then one
+        decode step per token on `cache` (length `length`, its first `fill` slots written)
+        until every row stopped or `max_new_tokens` are out. `mask` (rows, length) covers
+        the cache's slots, the steps' included; `last` is each row's largest position so far (per axis);
+        `prompt_ids` seed the repetition penalty. Rows that finished leave for a narrower
+        cache (`_moved`) when half of them have; with `home` (the cache a session keeps,
+        `mmrl.rollout.sessions`), the rows' slots are written back into it before each
+        move and at the end, so every row's cache survives the turn."""
+        params, device, pick = run.params, run.device, run.pick
+        rows, new_tokens = len(logits), params.max_new_tokens
+        blocked = torch.zeros(logits.shape[-1], device=device)
+        blocked[[i for i in self.processing.blocked_token_ids if i < logits.shape[-1]]] = float("-inf")
+        running = torch.ones(rows, dtype=torch.bool, device=device)
+        # The penalty's memory of each row: its prompt (padding included, as `generate`
+        # sees it) and every token it samples.
+        seen = None
+        if run.penalty != 1.0:
+            seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device)
+            seen.scatter_(1, prompt_ids.clamp(max=logits.shape[-1] - 1), True)
+        token, logprob, running, seen = choose_tokens(logits, running, blocked, run.stops, seen=seen, **pick)
+        tokens = torch.full((rows, new_tokens), pick["pad_id"], dtype=torch.long, device=device)
+        logprobs = torch.zeros(rows, new_tokens, device=device) if params.logprobs else None
+        tokens[:, 0] = token
+        if logprobs is not None:
+            logprobs[:, 0] = logprob
+        index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
+        step = self._compiled_step()
+        if isinstance(step, GraphedStep):
+            step.start(run.model, fill, self._caches.values())
+        steps = 1
+        with _decode_attention(run.model):
+            for t in range(1, new_tokens):
+                if t % self.check_every == 0:
+                    alive = int(running.sum())
+                    if alive == 0:
+                        break
+                    width = len(index)
+                    if width > self.min_compact_rows and alive <= width // 2:
+                        keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
+                        if home is not None and cache is not home:
+                            _write_back(home, cache, index)
+                        cache = self._moved(cache, keep, length)
+                        index, token, running, mask = (x[keep] for x in (index, token, running, mask))
+                        seen = None if seen is None else seen[keep]
+                        last = last[..., keep]
+                place = (last + t).unsqueeze(-1)
+                if self.compile and device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                ids = token[:, None]
+                if self.compile:
+                    _mark_dynamic_sizes(ids, place, mask, running, seen, cache)
+                token, logprob, running, seen = step(run.model, ids, place, mask, cache, running, blocked,
+                                                     run.stops, seen, **pick)
+                # The graph's outputs are overwritten by its next replay: keep copies.
+                token, running = token.clone(), running.clone()
+                seen = None if seen is None else seen.clone()
+                tokens[index, t] = token
+                if logprobs is not None:
+                    logprobs[index, t] = logprob
+                steps += 1
+        if home is not None and cache is not home:
+            _write_back(home, cache, index)
+        return Decoded(tokens, logprobs, steps, len(index))
 
     # -- pieces ------------------------------------------------------------------------------
     def _cache_length(self, needed: int) -> int:
@@ -376,6 +474,15 @@ def _decode_step(model, input_ids, position_ids, attention_mask, cache, running,
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
     return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
+
+
+def _write_back(home, cache, index: torch.Tensor) -> None:
+    """Rows of `cache` into the rows `index` of `home` (a wider cache of the same length),
+    with its fill."""
+    for wide, narrow in zip(home.layers, cache.layers, strict=True):
+        wide.keys.index_copy_(0, index, narrow.keys)
+        wide.values.index_copy_(0, index, narrow.values)
+        wide.cumulative_length.copy_(narrow.cumulative_length)
 
 
 def _unguarded(cache) -> None:

@@ -1,0 +1,417 @@
+"""Multi-turn decoding on the compiled rollout's kept KV cache: a session per agent rollout.
+
+    session = session_for(rollout)                         # None unless rollout is `hf_compiled`
+    first = session.generate(keys, conversations, params)  # turn 1: every prompt prefilled whole
+    # ... each conversation grows by its sampled turn and the environment's reply ...
+    later = session.generate(still, grown, params)         # only what is new is prefilled
+    session.stats    # tokens prefilled against re-prefilling whole, rows per turn, reasons
+
+`keys` name the samples (any hashable, one per conversation); a key's row of the static
+cache holds its conversation between calls. The agent loop (`mmrl.rollout.agent`) opens
+one session per rollout on the `hf_compiled` backend; results are the backend's
+`RolloutResult`s, `prompt_inputs` being each conversation processed whole.
+
+What a later turn does, per sample:
+- its conversation is processed whole, as plain `generate` would get it: token ids, the
+  adapter's positions (3-D for mrope), media tensors of every image so far;
+- when those tokens begin with the ones its row holds (the previous prompt and what was
+  sampled from it: the agent's prefix rule), only the rest is prefilled: the last sampled
+  token (the decode loop samples it but never feeds it), the environment's reply, the
+  template's tokens, with their positions and per-token entries sliced from the whole
+  conversation's, and the media tensors of the images that arrived since, cut out of the
+  whole conversation's tensors (so they are the ones processing it whole gives);
+- where the rule fails, the sample prefills its whole conversation and its old slots
+  are masked ("reprefilled_samples" in `stats`);
+- samples not in the call (finished: the environment said done, or out of turns or
+  tokens) leave the cache, which narrows to the samples still running (continuous
+  batching), and within a turn the decode loop moves finished rows out as for one turn,
+  writing their slots back into the session's cache.
+
+The suffixes are left-padded together and written at the cache's fill; the attention
+mask covers each row's real slots only (a suffix's padding, the tokens a finished row was
+fed after its stop). When the next turn would overflow the cache, each row's real slots
+move to the front, in order, and the cache grows only if that is not enough.
+
+Where the new images' part of the media tensors cannot be found exactly (each new
+chunk's images are processed alone for their sizes and checked against the whole
+conversation's tensors: joined along the first dimension, or per row) the whole batch is
+prefilled anew (`stats["reprefill_reason"]` says why). A backend that cannot keep a cache
+between turns (sharded weights decoding on an inference copy, sliding-window cache
+layers) serves each turn by its own `generate`, the reason in `stats` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmrl.engine.media import placeholder_tokens
+from mmrl.errors import one_line
+from mmrl.processing import text_aligned
+from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
+
+MEDIA_TYPES = ("image", "video")
+
+
+def session_for(backend, reserve: int = 0) -> DecodeSession | None:
+    """A session over `backend` where it can keep caches between turns (the compiled
+    rollout), else None. `reserve`: tokens a conversation may still grow by after its
+    first prompt (the agent's `max_tokens`), so the first cache is sized for the turns."""
+    return DecodeSession(backend, reserve) if isinstance(backend, CompiledHFRollout) else None
+
+
+@dataclass
+class _Row:
+    """What a sample's cache row holds."""
+
+    tokens: list[int]  # its last prompt's tokens and the ones sampled from it
+    messages: int  # messages of the conversation that prompt was processed from
+    # Media items its conversation holds so far, per media key: (along the first dimension,
+    # along the second where each chunk is one row of it, else None). None: not learned yet.
+    media: dict[str, tuple[int, int | None]] | None = None
+
+    @property
+    def cached(self) -> int:
+        """Tokens whose keys and values the row holds (the last sampled one never went in)."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class _Chunk:
+    """Media parts processed alone: their tensors and placeholder-token counts."""
+
+    tensors: dict[str, torch.Tensor]
+    placeholders: dict[int, int]
+
+    def sizes(self) -> dict[str, tuple[int, int | None]]:
+        return {key: (t.shape[0], t.shape[1] if t.dim() > 1 and t.shape[0] == 1 else None)
+                for key, t in self.tensors.items()}
+
+
+class _Reprefill(Exception):
+    """This turn prefills every sample whole (the message says why)."""
+
+
+class DecodeSession:
+    """The kept cache of one multi-turn rollout on a `CompiledHFRollout` (module docstring)."""
+
+    def __init__(self, rollout: CompiledHFRollout, reserve: int = 0):
+        self.rollout = rollout
+        self.processing = rollout.processing
+        self.reserve = reserve
+        self.cache = None  # the static cache: one row per key of `rows`
+        self.mask: torch.Tensor | None = None  # (rows, length): the cache's real slots
+        self.length = 0
+        self.fill = 0  # slots written so far (every row's; the mask says which are real)
+        self.rows: list[Hashable] = []
+        self.samples: dict[Hashable, _Row] = {}
+        self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media identity -> chunk (and the parts, kept alive)
+        self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
+                            "cache_rows": [], "reprefill_reason": None,
+                            "turn_by_turn": rollout.session_unsupported()}
+
+    def __enter__(self) -> DecodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the cache (the rollout keeps it for reuse) and what the rows held."""
+        self.cache = self.mask = None
+        self.rows, self.samples, self._chunks = [], {}, {}
+
+    @torch.no_grad()
+    def generate(self, keys: Sequence[Hashable], conversations: list[list[dict]],
+                 params: SamplingParams) -> RolloutResult:
+        """One turn: a response per conversation (`params.n` must be 1), `keys[i]` naming
+        conversation i's sample; samples of earlier calls missing from `keys` are freed."""
+        if params.n != 1:
+            raise ValueError(f"a decode session samples one response per conversation, got n={params.n}")
+        if len(keys) != len(conversations) or len(set(keys)) != len(keys):
+            raise ValueError("a decode session needs one distinct key per conversation")
+        rollout = self.rollout
+        if self.stats["turn_by_turn"] is None and rollout.fallback_reason is None:
+            batch = dict(self.processing(conversations))
+            try:
+                generated, logprobs = self._turn(list(keys), conversations, batch, params)
+            except Exception as error:  # noqa: BLE001 - as the rollout's own path: plain generate, once, loudly
+                self.close()
+                rollout.give_up(one_line(error, typed=True)[:300])
+            else:
+                stops, pad = self.processing.stop_token_ids, self.processing.tokenizer.pad_token_id
+                ids, mask, reasons = trim_responses(generated, stops, pad)
+                return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
+                                     prompt_index=torch.arange(len(conversations)),
+                                     logprobs=None if logprobs is None else logprobs * mask, prompt_inputs=batch)
+        self.stats["turns"] += 1
+        return rollout.generate(conversations, params)
+
+    # -- a turn ------------------------------------------------------------------------------
+    def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams):
+        rollout = self.rollout
+        rollout._check(params)
+        model = rollout._decoder()
+        device = rollout.engine.dist.device
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        positions = rollout._positions(model, inputs)
+        real = inputs["attention_mask"].bool()
+        ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
+        was_training = model.training
+        model.eval()
+        try:
+            with rollout._decoding(model, params) as run:
+                starts = media = None
+                if self.cache is not None:
+                    try:
+                        starts, media = self._continuation(keys, conversations, inputs, ids, run)
+                    except _Reprefill as reason:
+                        self.stats["reprefill_reason"] = str(reason)
+                if starts is None:
+                    logits, end = self._prefill_whole(run, inputs, positions, params)
+                else:
+                    logits, end = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
+                decoded = rollout._decode(run, self.cache, logits, self.mask, next_positions(positions, real),
+                                          inputs["input_ids"], self.length, end, home=self.cache)
+        finally:
+            model.train(was_training)
+        generated, logprobs = decoded.trimmed(run.stops)
+        _, response_mask, _ = trim_responses(generated, self.processing.stop_token_ids,
+                                             self.processing.tokenizer.pad_token_id)
+        lengths = response_mask.sum(-1).long().tolist()
+        self._record(keys, conversations, ids, generated, lengths, end, decoded.steps, starts)
+        rollout.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
+        self.stats["turns"] += 1
+        self.stats["whole_tokens"] += sum(map(len, ids))
+        self.stats["cache_rows"].append(len(keys))
+        return generated, logprobs
+
+    def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams):
+        """Every conversation into a fresh cache, as the one-turn loop does."""
+        rows, width = inputs["input_ids"].shape
+        self.length = self.rollout._cache_length(width + max(params.max_new_tokens, self.reserve))
+        self.cache = self.rollout._cache(rows, self.length, run.dtype)
+        mask = inputs["attention_mask"]
+        self.mask = torch.cat([mask, mask.new_ones(rows, self.length - width)], 1)
+        logits = self.rollout._prefill(run, self.cache, inputs, positions)
+        self.fill = width
+        self.stats["prefill_tokens"] += int(mask.sum())
+        return logits, width
+
+    def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, ids: list[list[int]],
+                        starts: list[int], media: dict, params: SamplingParams):
+        """Each row's tokens from `starts[row]` on (its real tokens' order), left-padded
+        together, into the kept cache at its fill."""
+        rows = len(ids)
+        width = max(len(row) - start for row, start in zip(ids, starts))
+        if self.fill + width + params.max_new_tokens > self.length:
+            self._make_room(run, width + params.max_new_tokens)
+        pad = self.processing.tokenizer.pad_token_id
+        real = inputs["attention_mask"].bool()
+        aligned = [k for k, v in inputs.items()
+                   if k not in ("input_ids", "attention_mask") and text_aligned(k, v, inputs)]
+        suffix = {"input_ids": inputs["input_ids"].new_full((rows, width), pad),
+                  **{k: inputs[k].new_zeros(rows, width) for k in aligned}}
+        places = positions.new_zeros((*positions.shape[:-2], rows, width))
+        suffix_mask = self.mask.new_zeros(rows, width)
+        for row, start in enumerate(starts):
+            take = real[row].nonzero().squeeze(-1)[start:]
+            count = len(take)
+            for key in suffix:
+                suffix[key][row, width - count:] = inputs[key][row, take]
+            places[..., row, width - count:] = positions[..., row, take]
+            suffix_mask[row, width - count:] = 1
+        self.mask[:, self.fill:self.fill + width] = suffix_mask
+        self.mask[:, self.fill + width:] = 1  # the decode steps' slots
+        logits = self.rollout._prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
+        self.fill += width
+        self.stats["prefill_tokens"] += int(suffix_mask.sum())
+        return logits, self.fill
+
+    def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
+                lengths: list[int], end: int, steps: int, starts: list[int] | None) -> None:
+        """What each row holds after the turn: its prompt and sampled tokens, of which the
+        last is not in the cache; slots after it (the stop token fed to a finished row,
+        padding) leave the mask."""
+        for row, (key, length) in enumerate(zip(keys, lengths)):
+            self.mask[row, end + length - 1:] = 0
+            previous = self.samples.get(key)
+            continued = starts is not None and starts[row] > 0 and previous is not None
+            self.samples[key] = _Row(tokens=ids[row] + generated[row, :length].tolist(),
+                                     messages=len(conversations[row]),
+                                     media=self._grown_media(previous, conversations[row]) if continued else None)
+        self.fill = end + steps - 1
+        self.rows = list(keys)
+
+    # -- what continues --------------------------------------------------------------------
+    def _continuation(self, keys: list, conversations: list, inputs: dict, ids: list[list[int]], run: DecodeRun):
+        """Where each row's prefill starts (0: its whole conversation) and the media inputs
+        of what it prefills; the cache's rows rearranged to `keys` first."""
+        starts = []
+        for key, row_ids in zip(keys, ids):
+            row = self.samples.get(key)
+            starts.append(row.cached if row is not None and row_ids[:len(row.tokens)] == row.tokens else 0)
+        if not any(starts):
+            raise _Reprefill("no sample's conversation continues the tokens its cache row holds")
+        reprefilled = sum(1 for start in starts if start == 0)
+        media = self._suffix_media(keys, conversations, inputs, ids, starts)
+        self._keep_rows([self.rows.index(key) if key in self.samples else 0 for key in keys], run)
+        for row, start in enumerate(starts):
+            if start == 0:
+                self.mask[row] = 0
+        if reprefilled:
+            self.stats["reprefilled_samples"] += reprefilled
+            self.stats["reprefill_reason"] = "a conversation does not begin with its cache row's tokens"
+        return starts, media
+
+    def _suffix_media(self, keys: list, conversations: list, inputs: dict, ids: list[list[int]],
+                      starts: list[int]) -> dict[str, torch.Tensor]:
+        """The media inputs of the rows' suffixes: the part of each media tensor of the whole
+        batch that belongs to the images each suffix holds."""
+        media_keys = [k for k, v in inputs.items()
+                      if k != "attention_mask" and isinstance(v, torch.Tensor) and not text_aligned(k, v, inputs)]
+        others = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor) and v is not None]
+        if others:
+            raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
+        if not media_keys:
+            return {}
+        placeholders = placeholder_tokens(self.rollout._decoder())
+        before, new = [], []
+        for key, conversation, row_ids, start in zip(keys, conversations, ids, starts):
+            row = self.samples.get(key)
+            if start:
+                if row.media is None:
+                    row.media = self._chunk(_media_parts(conversation[:row.messages])).sizes()
+                chunk = self._chunk(_media_parts(conversation[row.messages:]))
+                before.append(row.media)
+            else:
+                chunk = self._chunk(_media_parts(conversation))
+                before.append({})
+            new.append(chunk)
+            for token in placeholders:
+                if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
+                    raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
+        return {key: _cut(key, inputs[key], before, new) for key in media_keys
+                if any(key in chunk.tensors for chunk in new)}
+
+    def _chunk(self, parts: list[dict]) -> _Chunk:
+        """`parts` (media parts of a conversation) processed alone, once per session."""
+        identity = tuple((part.get("type"), id(part.get(part.get("type")))) for part in parts)
+        if identity not in self._chunks:
+            if not parts:
+                chunk = _Chunk({}, {})
+            else:
+                processed = dict(self.processing([[{"role": "user", "content": parts}]]))
+                tensors = {k: v for k, v in processed.items()
+                           if k != "attention_mask" and isinstance(v, torch.Tensor)
+                           and not text_aligned(k, v, processed)}
+                counted = processed["input_ids"][0]
+                chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()})
+            self._chunks[identity] = (chunk, parts)
+        return self._chunks[identity][0]
+
+    def _grown_media(self, row: _Row, conversation: list) -> dict[str, tuple[int, int | None]] | None:
+        """A continued row's media sizes with the chunk its turn added (None where its
+        earlier media were never learned: a text-only family, or no media key yet)."""
+        if row.media is None:
+            return None
+        chunk = self._chunk(_media_parts(conversation[row.messages:]))
+        grown = dict(row.media)
+        for key, (joined, per_row) in chunk.sizes().items():
+            had_joined, had_per_row = grown.get(key, (0, 0))
+            items = None if per_row is None or had_per_row is None else had_per_row + per_row
+            grown[key] = (had_joined + joined, items)
+        return grown
+
+    # -- the cache ---------------------------------------------------------------------------
+    def _keep_rows(self, index: list[int], run: DecodeRun) -> None:
+        """The cache's rows `index`, in that order (rows of finished samples leave)."""
+        if index == list(range(len(self.rows))):
+            return
+        chosen = torch.tensor(index, device=run.device)
+        if len(index) != len(self.rows):
+            self.cache = self.rollout._moved(self.cache, chosen, self.length)
+        else:  # as many rows (rearranged): the rollout keeps one cache per width, this one
+            for layer in self.cache.layers:
+                layer.keys.copy_(layer.keys.index_select(0, chosen))
+                layer.values.copy_(layer.values.index_select(0, chosen))
+        self.mask = self.mask[chosen]
+
+    def _make_room(self, run: DecodeRun, needed: int) -> None:
+        """Room for `needed` more slots: each row's real slots move to the front (in order,
+        right-aligned to the longest row), in a longer cache only where that is not enough."""
+        real = self.mask != 0
+        rows, filled = len(real), int(real.sum(-1).max())
+        length = self.length if filled + needed <= self.length else self.rollout._cache_length(filled + needed)
+        # Per row: its holes first, then its real slots in order; the last `filled` of them.
+        order = torch.sort(real.int(), dim=1, stable=True).indices[:, self.length - filled:]
+        target = self.cache if length == self.length else self.rollout._cache(rows, length, run.dtype)
+        for old, new in zip(self.cache.layers, target.layers, strict=True):
+            moved = [t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                     for t in (old.keys, old.values)]
+            if not new.is_initialized:
+                new.lazy_initialization(*moved)
+            new.keys[:, :, :filled].copy_(moved[0])
+            new.values[:, :, :filled].copy_(moved[1])
+            new.cumulative_length.fill_(filled)
+        mask = self.mask.new_zeros(rows, length)
+        mask[:, :filled] = self.mask.gather(1, order)
+        self.cache, self.mask, self.length, self.fill = target, mask, length, filled
+
+
+def _media_parts(messages: Sequence[dict]) -> list[dict]:
+    return [part for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if part.get("type") in MEDIA_TYPES]
+
+
+def _cut(key: str, whole: torch.Tensor, before: list[dict], new: list[_Chunk]) -> torch.Tensor:
+    """The part of `whole` (a media tensor of the batch) that the rows' new chunks hold,
+    laid out as the processor lays out a batch: joined along the first dimension (each
+    row's items after the row's earlier ones), or one row each along the first dimension
+    with items along the second (rows without new items get one all-zero item, as the
+    processor gives a row without media). Each cut is checked against its chunk processed
+    alone; `_Reprefill` where neither layout gives the chunks back."""
+    sizes = [(row.get(key, (0, 0)), chunk.sizes().get(key, (0, 0))) for row, chunk in zip(before, new)]
+    totals = [old[0] + added[0] for old, added in sizes]
+    if sum(totals) == whole.shape[0]:
+        parts, offset = [], 0
+        for (old, added), total, chunk in zip(sizes, totals, new):
+            if added[0]:
+                part = whole[offset + old[0]:offset + old[0] + added[0]]
+                if not _same(chunk.tensors[key], part):
+                    break
+                parts.append(part)
+            offset += total
+        else:
+            return torch.cat(parts)
+    if whole.shape[0] == len(new) and whole.dim() > 2 and all(
+            old[1] is not None and added[1] is not None and old[1] + added[1] <= whole.shape[1]
+            for old, added in sizes):
+        count = max(max(added[1] for _, added in sizes), 1)
+        cut = whole.new_zeros(len(new), count, *whole.shape[2:])
+        for row, ((old, added), chunk) in enumerate(zip(sizes, new)):
+            if added[1]:
+                part = whole[row, old[1]:old[1] + added[1]]
+                if not _same(chunk.tensors[key][0], part):
+                    break
+                cut[row, :added[1]] = part
+        else:
+            return cut
+    raise _Reprefill(f"the new images' part of {key!r} is not where their sizes put it")
+
+
+def _same(alone: torch.Tensor, part: torch.Tensor) -> bool:
+    """Whether `part` (cut from a batch's tensor) is `alone` (processed by itself), up to
+    the zeros a batch pads every dimension but the first with."""
+    if alone.dim() != part.dim() or alone.shape[0] != part.shape[0] or any(
+            a > b for a, b in zip(alone.shape[1:], part.shape[1:])):
+        return False
+    gap = [x for d in reversed(range(1, alone.dim())) for x in (0, part.shape[d] - alone.shape[d])]
+    padded = torch.nn.functional.pad(alone, gap) if any(gap) else alone
+    return torch.equal(padded.to(device=part.device, dtype=part.dtype), part)
+
+
+__all__ = ["DecodeSession", "session_for"]

@@ -1,0 +1,341 @@
+"""Multi-turn rollouts on the compiled path's kept cache (mmrl/rollout/sessions.py), on tiny
+random-init models in fp32, greedy: an agent run of three turns, with an image arriving in
+each environment reply for the VLMs, gives plain `generate`'s tokens and log-probs turn by
+turn for a text family (qwen2), an mrope family (qwen2_5_vl) and a non-Qwen VLM
+(idefics3), while the turns after the first prefill only their new tokens and images into
+each sample's cache row. Finished samples free their rows, new or diverging samples
+prefill whole beside continuing ones, rows survive the moves inside and between turns,
+media whose part cannot be found is prefilled whole, and the path can be turned off.
+On CPU the decode loop runs eagerly (`compile=False`); the last test runs it compiled on
+CUDA (`-m gpu`)."""
+
+import pytest
+import torch
+from test_agent_rollout import ImageReplies, _rows
+
+from mmrl import build_model
+from mmrl.engine import Engine
+from mmrl.parallel import init_distributed
+from mmrl.rollout import SamplingParams, compiled, make_rollout, sessions
+from mmrl.rollout.agent import AgentRollout
+from mmrl.rollout_batch import trajectory_sequences
+
+FAMILIES = ["qwen2", "qwen2_5_vl", "idefics3"]
+GREEDY = SamplingParams(n=2, max_new_tokens=6, temperature=0, logprobs=True)
+
+
+class TextReplies:
+    """A text environment: a reply of its own length each turn."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["text"]}]
+
+    def step(self, messages):
+        self.turns += 1
+        return [{"role": "user", "content": "so " * self.turns + "and then?"}], False, 0.0
+
+
+class DoneAfter:
+    """`ImageReplies` (or `TextReplies`) that says done after `turns` policy turns."""
+
+    def __init__(self, inner, turns):
+        self.inner, self.turns, self.seen = inner, turns, 0
+
+    def reset(self, row):
+        return self.inner.reset(row)
+
+    def step(self, messages):
+        self.seen += 1
+        new, _, reward = self.inner.step(messages)
+        return new, self.seen >= self.turns, reward
+
+
+def _setup(family, device="cpu"):
+    """A tiny model whose greedy continuations differ from token to token (widened random
+    weights, as tests/test_rollout_fast.py): a wrong position or feature would show."""
+    options = {"min_pixels": 784, "max_pixels": 56 * 56} if family != "qwen2" else {}
+    with torch.device(device):
+        built = build_model(family, random_init=True, seed=0, processing_options=options)
+    generator = torch.Generator(device).manual_seed(1)
+    with torch.no_grad():
+        for parameter in built.model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, device=device) * 0.3)
+    engine = Engine(built, init_distributed(device), mixed_precision=False, share_media=False)
+    return built, engine
+
+
+def _environment(built):
+    if not built.adapter.is_multimodal:
+        return TextReplies
+    role = "tool" if built.adapter.family.startswith("qwen") else "user"  # the other templates have no tool role
+    return lambda: ImageReplies(role)
+
+
+def _agent(built, engine, backend, env=None, max_turns=3, **options):
+    rollout = make_rollout(backend, engine, built.processing, **options)
+    return AgentRollout(rollout, built.processing, env or _environment(built), max_turns=max_turns,
+                        max_tokens=4096)
+
+
+def _assert_same(fast, plain):
+    assert [t.turns for t in fast.trajectories] == [t.turns for t in plain.trajectories]
+    for ours, theirs in zip(fast.trajectories, plain.trajectories):
+        assert ours.ids == theirs.ids and ours.spans == theirs.spans and ours.finish == theirs.finish
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=0)
+    assert torch.equal(fast.response_ids, plain.response_ids)
+    assert fast.texts == plain.texts
+
+
+def _suffix_tokens(trajectories):
+    """What prefilling only the new tokens feeds: each first prompt whole, then each later
+    prompt from the last token sampled before it (the one token a decode loop never feeds)."""
+    total = 0
+    for t in trajectories:
+        total += t.spans[0][0]
+        total += sum(start - (end - 1) for (_, end), (start, _) in zip(t.spans, t.spans[1:]))
+    return total
+
+
+@pytest.mark.parametrize("family, decode", [*((f, "compiled") for f in FAMILIES), ("qwen2_5_vl", "graphs")])
+def test_kept_cache_turns_equal_plain_generate(family, decode):
+    """`decode`: the step `rollout.decode` picks, here its eager CPU twin ("graphs" builds
+    the masks from the session's mask and the slot the step writes, as its CUDA graphs do)."""
+    built, engine = _setup(family)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False, decode=decode)
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.backend.fallback_reason is None
+    assert decode == "compiled" or agent.backend._step.fallback is None  # the graphs step itself ran
+    stats = agent.session.stats
+    assert stats["turn_by_turn"] is None and stats["reprefill_reason"] is None and stats["reprefilled_samples"] == 0
+    assert [t.turns for t in fast.trajectories] == [3] * 4 and stats["turns"] == 3
+    if built.adapter.is_multimodal:  # images arrived in the later turns
+        assert all(sum(part.get("type") == "image" for m in t.messages if isinstance(m["content"], list)
+                       for part in m["content"]) == 3 for t in fast.trajectories)
+    # The continuations are not one token repeated.
+    assert len(set(fast.trajectories[0].last_ids)) > 2
+    _assert_same(fast, plain)
+    # Only the new tokens went in: the turns' whole conversations hold far more.
+    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories)
+    assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
+    assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
+
+
+def test_the_later_turns_read_the_kept_cache(monkeypatch):
+    """Emptying the kept cache before a later turn's prefill changes that turn's log-probs:
+    the suffix is decoded against what the earlier turns left in the rows."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    prefill = sessions.DecodeSession._prefill_suffix
+
+    def emptied(self, *args, **kwargs):
+        for layer in self.cache.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+        return prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(sessions.DecodeSession, "_prefill_suffix", emptied)
+    fast = _agent(built, engine, "hf_compiled", compile=False).generate(_rows(), GREEDY)
+    first = plain.trajectories[0].spans[0][1] - plain.trajectories[0].spans[0][0]
+    ours, theirs = (torch.tensor(r.trajectories[0].logprobs[first:first + 1]) for r in (fast, plain))
+    assert (ours - theirs).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_finished_samples_free_their_rows(family, monkeypatch):
+    """Samples that finish (the environment says done) leave the cache: each turn's cache
+    holds only the samples still running (and makes room for them: a short cache-length
+    step), and they keep plain generate's tokens and log-probs."""
+    monkeypatch.setattr(compiled, "CACHE_LENGTH_STEP", 8)
+    built, engine = _setup(family)
+    params = SamplingParams(n=3, max_new_tokens=5, temperature=0, logprobs=True)
+
+    def environments():
+        made = []
+
+        def make():
+            made.append(1)
+            return DoneAfter(_environment(built)(), turns=1 + (len(made) - 1) % 3)  # done after 1, 2, 3 turns
+
+        return make
+
+    plain = _agent(built, engine, "hf", env=environments()).generate(_rows(), params)
+    agent = _agent(built, engine, "hf_compiled", env=environments(), compile=False)
+    fast = agent.generate(_rows(), params)
+    assert [t.turns for t in fast.trajectories] == [1, 2, 3, 1, 2, 3]
+    assert agent.backend.fallback_reason is None and agent.session.stats["cache_rows"] == [6, 4, 2]
+    assert agent.backend._caches and {rows for rows, *_ in agent.backend._caches} <= {2, 4, 6}
+    assert agent.session.cache is None  # let go when the rollout ended
+    _assert_same(fast, plain)
+
+
+def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
+    """Through the session directly: a sample whose conversation no longer begins with
+    its row's tokens, and a sample new in the second turn, prefill their whole
+    conversations (old slots masked) in the same batch as a continuing sample; each
+    response equals plain generate's on its conversation."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = make_rollout("hf", engine, built.processing)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    session = sessions.session_for(rollout, reserve=256)
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0, logprobs=True)
+    env = _environment(built)
+    openings = [env().reset(row) for row in _rows()]
+    first = session.generate(["a", "b"], openings, params)
+    grown, agent = [], _agent(built, engine, "hf")
+    for row, opening in enumerate(openings):
+        sampled = first.response_ids[row, :int(first.response_mask[row].sum())].tolist()
+        reply, _, _ = env().step(opening)
+        grown.append([*opening, {"role": "assistant", "content": agent._content(opening, sampled)}, *reply])
+    drifted = [{**grown[1][0], "content": [grown[1][0]["content"][0], {"type": "text", "text": "Something else?"}]},
+               *grown[1][1:]]
+    conversations = [grown[0], drifted, openings[0]]
+    second = session.generate(["a", "b", "c"], conversations, params)
+    assert rollout.fallback_reason is None
+    assert session.stats["reprefilled_samples"] == 2 and session.stats["cache_rows"] == [2, 3]
+    reference = plain.generate(conversations, params)
+    assert torch.equal(second.response_ids, reference.response_ids)
+    torch.testing.assert_close(second.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+    session.close()
+
+
+def test_rows_survive_the_moves_inside_and_between_turns(monkeypatch):
+    """Rows that stop early leave the decode batch mid-turn (their slots written back to
+    the kept cache) and go on in the next turn, and when a turn would overflow the cache
+    every row's real slots move to its front (a short cache-length step and no reserve
+    force both): the tokens and log-probs stay plain generate's."""
+    built, engine = _setup("qwen2_vl")
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=0, logprobs=True)
+    plain = _agent(built, engine, "hf").generate(_rows(), params)
+    # The end of turn takes the logits of a token some rows sample: they stop there, the
+    # template writes the same end of turn, and the sample goes on.
+    end_of_turn = built.processing.stop_token_ids[0]
+    counts = torch.bincount(torch.tensor([tok for t in plain.trajectories for tok in t.last_ids]))
+    often = int(counts.argmax())
+    with torch.no_grad():
+        head = engine.model.get_output_embeddings().weight
+        head[end_of_turn] = head[often] * 1.05
+    plain = _agent(built, engine, "hf").generate(_rows(), params)
+    lengths = [end - start for t in plain.trajectories for start, end in t.spans]
+    assert min(lengths) <= 4 and max(lengths) == 8 and all(t.turns == 3 for t in plain.trajectories)
+    monkeypatch.setattr(compiled, "CACHE_LENGTH_STEP", 8)
+    made_room = []
+    make_room = sessions.DecodeSession._make_room
+    monkeypatch.setattr(sessions.DecodeSession, "_make_room",
+                        lambda self, *a: made_room.append(self.fill) or make_room(self, *a))
+    monkeypatch.setattr("mmrl.rollout.agent.session_for",
+                        lambda backend, reserve=0: sessions.DecodeSession(backend, reserve=0))
+    agent = _agent(built, engine, "hf_compiled", compile=False, min_compact_rows=2, check_every=2)
+    moved = []
+    moved_rows = agent.backend._moved
+    monkeypatch.setattr(agent.backend, "_moved", lambda cache, keep, length: moved.append(len(keep))
+                        or moved_rows(cache, keep, length))
+    fast = agent.generate(_rows(), params)
+    assert made_room and moved
+    assert agent.backend.fallback_reason is None and agent.session.stats["reprefill_reason"] is None
+    _assert_same(fast, plain)
+
+
+def test_making_room_moves_each_rows_real_slots_to_the_front_in_order():
+    """`_make_room` on a cache whose slots hold their own row and slot numbers: each row's
+    real slots (the mask's), in order, end at the longest row's count; the mask follows;
+    a longer cache is made only when the room is still short."""
+    from types import SimpleNamespace
+
+    built, engine = _setup("qwen2")
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    session = sessions.DecodeSession(rollout)
+    cache = rollout._cache(3, 16)
+    numbered = (torch.arange(16.).view(1, 1, 16, 1) + 100 * torch.arange(3.).view(3, 1, 1, 1)).expand(3, 2, 16, 4)
+    for layer in cache.layers:
+        layer.lazy_initialization(numbered, numbered)
+        layer.keys.copy_(numbered)
+        layer.values.copy_(numbered)
+        layer.cumulative_length.fill_(12)
+    real = [[0, 1, 2, 3, 4, 5, 8, 9, 11], [3, 4, 5, 6, 7, 9, 10], [1, 4, 7, 10]]
+    mask = torch.zeros(3, 16, dtype=torch.long)
+    for row, slots in enumerate(real):
+        mask[row, slots] = 1
+    session.cache, session.mask, session.length, session.fill, session.rows = cache, mask, 16, 12, ["a", "b", "c"]
+    run = SimpleNamespace(dtype=None, device=torch.device("cpu"))
+    for needed, length in ((7, 16), (20, compiled.CACHE_LENGTH_STEP)):
+        session._make_room(run, needed)
+        assert session.fill == 9 and session.length == length
+        assert session.cache is cache if length == 16 else session.cache is not cache
+        for layer in session.cache.layers:
+            assert int(layer.cumulative_length) == 9
+            for row, slots in enumerate(real):
+                kept = session.mask[row].nonzero().squeeze(-1).tolist()
+                assert kept == list(range(9 - len(slots), 9))
+                for tensor in (layer.keys, layer.values):
+                    assert tensor[row, 0, kept, 0].tolist() == [100.0 * row + slot for slot in slots]
+
+
+def test_media_whose_part_is_not_found_prefill_whole(monkeypatch):
+    """Where the new images' tensors cannot be cut out of the whole conversation's, the
+    turn prefills every conversation whole, says why, and still gives plain generate's."""
+    built, engine = _setup("idefics3")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    monkeypatch.setattr(sessions, "_same", lambda alone, part: False)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    stats = agent.session.stats
+    assert agent.backend.fallback_reason is None
+    assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"]
+    _assert_same(fast, plain)
+
+
+def test_keep_cache_off_and_other_backends_go_turn_by_turn():
+    built, engine = _setup("qwen2")
+    kept = _agent(built, engine, "hf_compiled", compile=False).generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent.keep_cache = False
+    off = agent.generate(_rows(), GREEDY)
+    assert agent.session is None and "agent/prefill_tokens" not in off.stats
+    assert agent.backend.fallback_reason is None
+    _assert_same(off, kept)
+    plain = _agent(built, engine, "hf")
+    plain.generate(_rows(), GREEDY)
+    assert plain.session is None
+
+
+def test_sampled_turns_keep_their_log_probs():
+    """Sampling (temperature 1) on the kept cache: each policy turn's log-probs equal the
+    training pass's over the final trajectory (the context, images and positions of the
+    whole conversation)."""
+    built, engine = _setup("qwen2_5_vl")
+    torch.manual_seed(0)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    result = agent.generate(_rows(), SamplingParams(n=2, max_new_tokens=4, logprobs=True))
+    assert agent.backend.fallback_reason is None and agent.session.stats["reprefilled_samples"] == 0
+    seqs = trajectory_sequences(result.trajectories, built.processing, built.adapter, engine.model,
+                                built.processing.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = engine.log_probs(seqs, temperature=1.0, with_entropy=False)
+    sampler = torch.cat([torch.tensor(t.logprobs) for t in result.trajectories])
+    torch.testing.assert_close(logp[seqs.response_mask.bool()], sampler, atol=2e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_cache_turns_on_cuda_compiled_equal_plain_generate(family):
+    """The same agent run with the decode step compiled (inductor, CUDA graphs) on CUDA,
+    fp32: plain generate's tokens and log-probs, the later turns prefilling only what is
+    new."""
+    built, engine = _setup(family, device="cuda")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled")
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.backend.fallback_reason is None
+    stats = agent.session.stats
+    assert stats["turn_by_turn"] is None and stats["reprefilled_samples"] == 0
+    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) < stats["whole_tokens"]
+    assert [t.turns for t in fast.trajectories] == [t.turns for t in plain.trajectories]
+    for ours, theirs in zip(fast.trajectories, plain.trajectories):
+        assert ours.ids == theirs.ids and ours.spans == theirs.spans
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-3, rtol=0)
