@@ -214,6 +214,10 @@ class RolloutConfig(_Section):
     env_options: dict[str, Any] = Field(default_factory=dict)
     max_turns: int = Field(4, gt=0)
     max_tokens: int = Field(1024, gt=0)
+    # Multi-turn on hf_compiled: keep each sample's cache between turns and prefill only a
+    # turn's new tokens and images (`mmrl.rollout.sessions`); false prefills the whole
+    # conversation at every turn.
+    keep_cache: bool = True
     # Partial rollouts (docs/async.md): the tokens a sample may generate per rollout round;
     # one still generating is carried to the next step's round, under the new weights.
     # 0: off, every sample generates to its end in the round it starts.

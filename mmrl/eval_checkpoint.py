@@ -111,7 +111,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
         from mmrl.rollout.agent import AgentRollout
 
         agent = AgentRollout(rollout, built.processing, environment, max_turns=r.rollout.max_turns,
-                             max_tokens=r.rollout.max_tokens)
+                             max_tokens=r.rollout.max_tokens, keep_cache=r.rollout.keep_cache)
     evaluator = Evaluator(r.eval, dist, max_new_tokens=r.rollout.max_new_tokens,
                           generate=rollout_generator(rollout, agent, max_pixels=m.max_pixels),
                           score=reward_scorer(recipe_reward(r), built.processing))

@@ -192,7 +192,8 @@ class Trainer:
             from mmrl.rollout.agent import AgentRollout
 
             self.agent = AgentRollout(self.rollout, self.processing, self._environment,
-                                      max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens)
+                                      max_turns=r.rollout.max_turns, max_tokens=r.rollout.max_tokens,
+                                      keep_cache=r.rollout.keep_cache)
         self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
