@@ -2,9 +2,13 @@
 package: each script imports its neighbours from its own folder).
 
     packing = load_bench("packing")
+    with bench_on_path("decode_bound") as bench:   # a script that imports its neighbours
+        bench.main([...])
 """
 
+import contextlib
 import importlib.util
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -16,3 +20,14 @@ def load_bench(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def bench_on_path(name: str):
+    """bench/<name>.py imported with bench/ on the import path while the block runs, as
+    when the script runs (it imports its neighbours, e.g. bench/timing.py)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield load_bench(name)
+    finally:
+        sys.path.remove(str(BENCH))

@@ -7,20 +7,16 @@ on both backends) and the report do.
 """
 
 import json
-import sys
 
 import pytest
 
-from bench_scripts import BENCH, load_bench
+from bench_scripts import bench_on_path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))  # as when run: the script imports bench/timing.py
-    try:
-        yield load_bench("agent_rollout_speed")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_on_path("agent_rollout_speed") as bench:  # bench/ on the path, as when run
+        yield bench
 
 
 @pytest.fixture(scope="module")

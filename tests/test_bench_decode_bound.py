@@ -5,21 +5,16 @@ timings mean nothing here; the report's fields and the bound's arithmetic do.
 """
 
 import json
-import sys
 
 import pytest
 
-from bench_scripts import BENCH, load_bench
+from bench_scripts import bench_on_path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # The script imports its neighbour bench/packing.py, as it does when run (bench/ on the path).
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield load_bench("decode_bound")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_on_path("decode_bound") as bench:  # bench/ on the path, as when run
+        yield bench
 
 
 @pytest.fixture(scope="module")

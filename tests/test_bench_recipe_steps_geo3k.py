@@ -7,13 +7,12 @@ template that gives a shape Qwen's real vocabulary.
 """
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from bench_scripts import BENCH, load_bench
+from bench_scripts import bench_on_path
 
 REPO = Path(__file__).resolve().parents[1]
 GEO3K_LORA = str(REPO / "recipes" / "qwen2_5_vl_7b_geo3k_lora.yaml")
@@ -23,11 +22,8 @@ CHEAP = ["model.min_pixels=3136", "model.max_pixels=3136", "rollout.samples_per_
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))  # as when run: the script imports bench/trl_grpo_step.py
-    try:
-        yield load_bench("recipe_steps")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_on_path("recipe_steps") as bench:  # bench/ on the path, as when run
+        yield bench
 
 
 @pytest.fixture(scope="module")
