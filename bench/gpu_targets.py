@@ -155,11 +155,13 @@ def whole_run_entries() -> list[dict]:
         trl = 50 * report["trl_step_s"]
         for name, run in report["summary"].items():
             ratio = trl / run["whole_run_s"]
+            fresh = run.get("fresh_machine", True)  # the target is a fresh machine's; a warm cache is information
             entries.append({
                 "name": f"50-step GRPO wall clock vs TRL, {report['shape']}: {name}", "measured": run["whole_run_s"],
                 "baseline": trl, "ratio": ratio, "target": report["target_vs_trl"],
-                "met": ratio >= report["target_vs_trl"], "command": report["command"],
-                "note": f"seconds for 50 steps, compiling included; first step {run['first_step_s']} s, median "
+                "met": ratio >= report["target_vs_trl"] if fresh else None, "command": report["command"],
+                "note": ("" if fresh else "a warm compile cache, not a fresh machine; ")
+                        + f"seconds for 50 steps, compiling included; first step {run['first_step_s']} s, median "
                         f"{run['median_step_s']} s; TRL: 50 x {report['trl_step_s']} s ({report['trl_step_source']})",
             })
     return entries
