@@ -175,8 +175,13 @@ def _run(command: list[str], seconds: float, env: dict) -> tuple[int | None, str
 
 
 def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_SECONDS,
-              tests_seconds: float = TESTS_SECONDS) -> Row:
-    """Scaffold `model_type` and run its generated tests, each in a process of its own."""
+              tests_seconds: float = TESTS_SECONDS, depth_only: bool = False) -> Row:
+    """Scaffold `model_type` and run its generated tests, each in a process of its own.
+    `depth_only` (a type recorded green): the scaffold runs all its stages (the quick
+    checks and the depth probes, so every column is decided by this code), and the
+    generated tests are not run again: they check what the quick stage decides (save/
+    reload, parts, padded, packed, LoRA), not the depth columns, so the recorded green
+    stands (stage "depth-only"); a type the scaffold now stops on loses its green."""
     start = time.monotonic()
     rule = scope_rule(model_type)
     row = Row(model_type, mapping, rule is None, "green", "", "", scope_rule=rule)
@@ -197,19 +202,25 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
         else:
             row.capabilities = record.get("capabilities", [])
             row.columns, row.gaps = record.get("columns", {}), record.get("gaps", [])
-            row.stage = "tests"
-            tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
-            code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
-                                tests_seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
-            if code is None:
-                row.status, row.reason = "timeout", f"the generated tests ran past the {tests_seconds:.0f} s limit"
-            elif code < 0:
-                row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
-            elif code != 0:
-                row.status, row.reason = "tests-fail", _tests_reason(output)
+            row.stage = "depth-only" if depth_only else "tests"
+            if not depth_only:
+                _run_tests(row, out, model_type, tests_seconds, env)
     row.seconds = round(time.monotonic() - start, 1)
     row.runner = runner()
     return row
+
+
+def _run_tests(row: Row, out: Path, model_type: str, seconds: float, env: dict) -> None:
+    """Run the generated tests of the package in `out`; a failure sets `row`'s status."""
+    tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
+    code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
+                        seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
+    if code is None:
+        row.status, row.reason = "timeout", f"the generated tests ran past the {seconds:.0f} s limit"
+    elif code < 0:
+        row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
+    elif code != 0:
+        row.status, row.reason = "tests-fail", _tests_reason(output)
 
 
 def _killed(code: int, what: str) -> str:
@@ -414,9 +425,11 @@ def _depth_lines(document: dict) -> list[str]:
 
 def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
               scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS,
-              workers: int = 1) -> dict:
+              workers: int = 1, depth_only: bool = False) -> dict:
     """Run the sweep over `types` (default: every type not yet recorded) into `path`,
-    `workers` types at a time (each in processes of its own)."""
+    `workers` types at a time (each in processes of its own). `depth_only` re-sweeps
+    types recorded green without re-running their generated tests (`sweep_one`); by
+    default it takes the green rows that lack a column, image-text-to-text first."""
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -431,8 +444,12 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
         if unknown:
             raise ValueError(f"not in transformers' causal-LM or image-text-to-text tables: {', '.join(unknown)}")
         todo = list(types)
+    elif depth_only:
+        todo = sorted((t for t in table if t in rows and rows[t].status == "green" and not is_current(rows[t])),
+                      key=lambda t: (table[t] != "image_text_to_text", t))
     else:
         todo = [t for t in table if t not in rows or not is_current(rows[t])]
+    recorded_green = {t for t in todo if t in rows and rows[t].in_scope and rows[t].status == "green"}
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -441,7 +458,8 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
         if rule is not None:
             return Row(model_type, table[model_type], False, "out-of-scope", "resolve", OUT_OF_SCOPE_RULES[rule],
                        scope_rule=rule)
-        return sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds)
+        return sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds,
+                         depth_only=depth_only and model_type in recorded_green)
 
     with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
         task = bar.add_task("add-model sweep", total=len(todo))
@@ -455,9 +473,28 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     return write_document(path, rows, version)
 
 
+def rewrite_page(path: Path) -> None:
+    """Write the summary and coverage.md again from the rows of coverage.json at `path`
+    (after a sweep was stopped mid-type, or the page's layout changed); runs nothing."""
+    document = json.loads(path.read_text())
+    rows = {r["model_type"]: Row(**r) for r in document.get("types", [])}
+    document.update(summary=summarize(rows.values()), types=[asdict(rows[t]) for t in sorted(rows)])
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(json.dumps(document, indent=1) + "\n")
+    temp.replace(path)
+    render_page(document, path.with_suffix(".md"))
+
+
+USAGE = ("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT, or "
+         "python -m mmrl.scaffold.sweep page COVERAGE_JSON (the page again from the rows; the sweep itself runs "
+         "through `mmrl add-model --sweep`)")
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "worker":
         scaffold_worker(*sys.argv[2:])
+    elif len(sys.argv) == 3 and sys.argv[1] == "page":
+        if not Path(sys.argv[2]).is_file():
+            raise SystemExit(f"error: {sys.argv[2]}: no such coverage JSON")
+        rewrite_page(Path(sys.argv[2]))
     else:
-        raise SystemExit("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT "
-                         "(the sweep itself runs through `mmrl add-model --sweep`)")
+        raise SystemExit(USAGE)
