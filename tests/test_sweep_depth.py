@@ -69,9 +69,15 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
 
 
 def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
+    """...with each depth gap's advice derived again from its cause (a row recorded with
+    the generic advice reads as a new one would)."""
     path = tmp_path / "coverage.json"
+    gap = {"column": "sequence_parallel", "cause": "log-probs differ from one process by 6.29e-04 (atol 1e-05)",
+           "write": "the generic advice"}
     rows = {"llama": Row("llama", "causal_lm", True, "green", "depth-only", "", capabilities=["generation"],
-                         columns=ALL_COLUMNS)}
+                         columns=ALL_COLUMNS),
+            "qwen3_next": Row("qwen3_next", "causal_lm", True, "green", "tests", "", capabilities=["generation"],
+                              columns=ALL_COLUMNS | {"sequence_parallel": "no"}, gaps=[gap])}
     write_document(path, rows, "5.19.0")
     page = path.with_suffix(".md")
     page.write_text("stale\n")
@@ -79,6 +85,8 @@ def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
                           text=True)
     assert done.returncode == 0, done.stderr
     assert "| `llama` | causal_lm | green | depth-only |" in page.read_text()
+    (written,) = [r for r in json.loads(path.read_text())["types"] if r["model_type"] == "qwen3_next"]
+    assert "linear_attention" in written["gaps"][0]["write"] and "linear_attention" in page.read_text()
     done = subprocess.run([sys.executable, "-m", "mmrl.scaffold.sweep", "page", str(tmp_path / "none.json")],
                           capture_output=True, text=True)
     assert done.returncode == 1 and "none.json" in done.stderr and "\n" not in done.stderr.strip()

@@ -64,8 +64,14 @@ TO_WRITE = {
 # Failures of a depth probe that no adapter line fixes (a limit of the type, or of mmrl's
 # Ulysses), by a pattern of the probe's reason: what the gap line tells the user instead
 # of the column's generic advice. Checked in order; {0} is the pattern's first group.
+_OUT_OF_TIME = (r"ran past its \d+ s limit",
+                "run `mmrl add-model TYPE` again on a less loaded host: the probe did not finish within the depth "
+                "stage's time, which says nothing about the type")
 LIMITS = {
+    "video": (_OUT_OF_TIME,),
+    "multi_turn": (_OUT_OF_TIME,),
     "sequence_parallel": (
+        _OUT_OF_TIME,
         (r"sdpa attention, not '([^']+)'",
          "keep sequence_parallel=False: Ulysses splits the heads of sdpa attention, and this decoder runs {0} "
          "attention only (or has none: recurrent layers)"),

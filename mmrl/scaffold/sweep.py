@@ -475,14 +475,33 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
 
 def rewrite_page(path: Path) -> None:
     """Write the summary and coverage.md again from the rows of coverage.json at `path`
-    (after a sweep was stopped mid-type, or the page's layout changed); runs nothing."""
+    (after a sweep was stopped mid-type, or the page's layout changed); runs nothing. Each
+    depth gap's advice is derived again from its recorded cause (`depth.to_write`, with
+    the type's default config standing in for the tiny one), so rows recorded before an
+    advice was refined read as new ones do."""
+    from mmrl.scaffold.depth import to_write
+
     document = json.loads(path.read_text())
     rows = {r["model_type"]: Row(**r) for r in document.get("types", [])}
+    for row in rows.values():
+        for gap in row.gaps:
+            if gap["column"] in DEPTH:
+                gap["write"] = to_write(gap["column"], gap["cause"], _default_config(row.model_type))
     document.update(summary=summarize(rows.values()), types=[asdict(rows[t]) for t in sorted(rows)])
     temp = path.with_suffix(".json.tmp")
     temp.write_text(json.dumps(document, indent=1) + "\n")
     temp.replace(path)
     render_page(document, path.with_suffix(".md"))
+
+
+def _default_config(model_type: str):
+    """The type's config with its defaults, or None where it takes no defaults."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]()
+    except Exception:  # a config without defaults: the advice falls back to the column's
+        return None
 
 
 USAGE = ("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT, or "
