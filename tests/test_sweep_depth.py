@@ -153,3 +153,26 @@ def test_the_scaffold_writes_the_sequence_parallel_it_found():
             'masked_inputs=(("visual_pos_masks", ("deepstack_visual_embeds",)),))') in flat
     assert "SequenceParallel" in source.split("from mmrl.adapter import", 1)[1].split("from mmrl.processors")[0]
     assert all(len(line) <= 116 for line in source.splitlines() if line.startswith("from mmrl.adapter"))
+
+
+def test_a_forward_that_fails_while_looking_for_decoder_inputs_leaves_the_default(monkeypatch):
+    """verify_depth keeps the default SequenceParallel when finding the decoder's inputs
+    fails (the Ulysses probe then says what fails), instead of failing the scaffold."""
+    from mmrl.adapter import Capabilities
+    from mmrl.scaffold import depth as depth_module
+
+    class Found:
+        sequence_parallel = None
+        tiny = None
+
+    def boom(subject):
+        raise RuntimeError("the forward failed")
+
+    ran = []
+    monkeypatch.setattr(depth_module, "applicable", lambda d, capabilities: ["sequence_parallel"])
+    monkeypatch.setattr(depth_module, "scratch_family", lambda *args: __import__("contextlib").nullcontext("subject"))
+    monkeypatch.setattr(depth_module, "sequence_inputs", boom)
+    monkeypatch.setattr(depth_module, "_run", lambda column, subject, depth: ran.append(column))
+    found = Found()
+    depth_module.verify_depth(found, None, depth_module.Depth(Capabilities()))
+    assert found.sequence_parallel is None and ran == ["sequence_parallel"]

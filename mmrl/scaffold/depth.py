@@ -171,7 +171,10 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
     first = [c for c in columns if c != "multi_turn"]
     if "sequence_parallel" in first and d.sequence_parallel is None:
         with scratch_family(d, layout, depth.capabilities, hidden) as subject:
-            d.sequence_parallel = sequence_inputs(subject)
+            try:
+                d.sequence_parallel = sequence_inputs(subject)
+            except Exception:  # noqa: BLE001 - the default stands; the probe says what fails
+                d.sequence_parallel = None
     if first:
         claimed = dataclasses.replace(depth.capabilities, **{c: True for c in first})
         with scratch_family(d, layout, claimed, hidden) as subject:
