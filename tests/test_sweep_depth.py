@@ -114,6 +114,11 @@ def test_a_sequence_parallel_limit_gets_its_own_gap_line_not_the_generic_one():
     assert "linear_attention" in hybrid and hybrid.startswith("keep sequence_parallel=False")
     assert to_write("sequence_parallel", mismatch, transformers.LlamaConfig()) == generic
     assert to_write("multi_turn", "anything") == TO_WRITE["multi_turn"]
+    prefix = ("the opening turn is processed into other tokens once the reply image is in the conversation (33 of "
+              "236 differ): the prefix rule cannot hold, so samples end before the reply")
+    assert to_write("multi_turn", prefix).startswith("keep multi_turn=False: the processor lays the opening turn")
+    assert "ran past" not in to_write("video", "ScaffoldError: stage 'depth' ran past its 540 s limit")
+    assert "less loaded host" in to_write("video", "ScaffoldError: stage 'depth' ran past its 540 s limit")
 
 
 def test_the_decoder_inputs_along_the_sequence_become_the_adapters_sequence_parallel():

@@ -69,7 +69,16 @@ _OUT_OF_TIME = (r"ran past its \d+ s limit",
                 "stage's time, which says nothing about the type")
 LIMITS = {
     "video": (_OUT_OF_TIME,),
-    "multi_turn": (_OUT_OF_TIME,),
+    "multi_turn": (
+        _OUT_OF_TIME,
+        (r"opening turn is processed into other tokens",
+         "keep multi_turn=False: the processor lays the opening turn out anew once a later image is in the "
+         "conversation (e.g. every image's placeholders at the start of the text); claiming it needs a processing "
+         "that puts each image's placeholders in the turn the image arrives in"),
+        (r"reply image's placeholders are not in the trained columns",
+         "keep multi_turn=False: the processor puts the reply image's placeholders outside the turn it arrives in "
+         "(e.g. at the start of the text); claiming it needs a processing that puts them in that turn"),
+    ),
     "sequence_parallel": (
         _OUT_OF_TIME,
         (r"sdpa attention, not '([^']+)'",

@@ -9,6 +9,8 @@ result is `support_matrix/coverage.json` and `support_matrix/coverage.md`.
     mmrl add-model --sweep                        # every type; resumes where it stopped
     mmrl add-model --sweep --types olmo2,llava    # just these (merged into the JSON)
     mmrl add-model --sweep --fresh                # forget earlier rows and start over
+    mmrl add-model --sweep --depth-only           # green rows again, without their generated tests
+    python -m mmrl.scaffold.sweep page support_matrix/coverage.json   # the page again from the JSON
 
 Rows are written after each type (atomically), so an interrupted sweep resumes from the
 rows already there; rows recorded by another transformers version, or before the
@@ -17,9 +19,9 @@ capability columns they lack existed, are run again.
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
 then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply. A green type takes about 2 (causal LM) to 4.5 (image-text-to-
-text) minutes on a shared 2-core host, most of it the depth probes' torchrun launches:
-the whole sweep runs about 4.5 hours with `--workers 2` (docs/adding_a_model.md).
+where it does not apply. Most of a green type's time is the depth probes' two torchrun
+launches; docs/adding_a_model.md gives the measured times of the full and the depth-only
+sweep.
 """
 
 from __future__ import annotations
