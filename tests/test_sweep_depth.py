@@ -181,3 +181,14 @@ def test_a_forward_that_fails_while_looking_for_decoder_inputs_leaves_the_defaul
     found = Found()
     depth_module.verify_depth(found, None, depth_module.Depth(Capabilities()))
     assert found.sequence_parallel is None and ran == ["sequence_parallel"]
+
+
+def test_depth_only_with_fresh_is_refused_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    result = CliRunner().invoke(app, ["add-model", "--sweep", "--depth-only", "--fresh", "--coverage",
+                                      str(tmp_path / "coverage.json"), "--no-progress"])
+    assert result.exit_code == 2 and "--depth-only" in result.output and "--fresh" in result.output
+    assert not (tmp_path / "coverage.json").exists()
