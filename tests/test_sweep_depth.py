@@ -67,6 +67,15 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
     run_sweep(path, types=["gpt2", "qwen3"], progress=False, depth_only=True)
     assert swept == [("gpt2", False), ("qwen3", True)], "a type recorded failing runs the whole sweep"
 
+    def out_of_time(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False):
+        return Row(model_type, mapping, True, "timeout", "verify", "stage verify ran past the 1260 s limit")
+
+    monkeypatch.setattr(sweep, "sweep_one", out_of_time)
+    document = run_sweep(path, types=["qwen3", "mistral"], progress=False, depth_only=True)
+    kept = {r["model_type"]: r["status"] for r in document["types"]}
+    assert kept["qwen3"] == "green", "a depth-only type out of time keeps the green recorded"
+    assert kept["mistral"] == "timeout", "a type not recorded green gets the sweep's verdict"
+
 
 def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
     """...with each depth gap's advice derived again from its cause (a row recorded with

@@ -431,7 +431,9 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     """Run the sweep over `types` (default: every type not yet recorded) into `path`,
     `workers` types at a time (each in processes of its own). `depth_only` re-sweeps
     types recorded green without re-running their generated tests (`sweep_one`); by
-    default it takes the green rows that lack a column, image-text-to-text first."""
+    default it takes the green rows that lack a column, image-text-to-text first. One
+    that runs out of time keeps its recorded row (on a loaded host, a time limit is no
+    verdict); one the scaffold now stops on otherwise loses its green."""
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -460,8 +462,11 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
         if rule is not None:
             return Row(model_type, table[model_type], False, "out-of-scope", "resolve", OUT_OF_SCOPE_RULES[rule],
                        scope_rule=rule)
-        return sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds,
-                         depth_only=depth_only and model_type in recorded_green)
+        again = depth_only and model_type in recorded_green
+        row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds, depth_only=again)
+        if again and row.status == "timeout":  # a loaded host, not a verdict: the green recorded stands
+            return rows[model_type]
+        return row
 
     with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
         task = bar.add_task("add-model sweep", total=len(todo))
