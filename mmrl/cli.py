@@ -483,6 +483,8 @@ def add_model(
                                   help="With --sweep: the JSON to write (a Markdown page is written beside it)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="With --sweep: show a progress bar."),
     workers: int = typer.Option(1, "--workers", min=1, help="With --sweep: types scaffolded at a time."),
+    depth_only: bool = typer.Option(False, "--depth-only", help="With --sweep: re-sweep types recorded green "
+                                    "(default: those lacking a column) without re-running their generated tests."),
 ) -> None:
     """Scaffold a model family (adapter, processing, zoo test, docs) from transformers' own classes."""
     if sweep:
@@ -491,11 +493,13 @@ def add_model(
         if model_type is not None:
             fail(f"--sweep takes no MODEL_TYPE (got {model_type!r}); name the types with --types "
                  f"{model_type},OTHER_TYPE")
+        if depth_only and fresh:
+            fail("--depth-only re-sweeps the green rows recorded; --fresh forgets them: give one of the two")
         if types is not None and types.startswith("-"):
             fail(f"--types: {types!r} is not a type list; give comma-separated types, e.g. --types TYPE_A,TYPE_B")
         try:
             document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress,
-                                 workers=workers)
+                                 workers=workers, depth_only=depth_only)
         except ValueError as exc:
             fail(str(exc))
         for mapping, summary in document["summary"].items():

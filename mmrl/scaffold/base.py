@@ -80,6 +80,9 @@ class Discovery:
     # Neither does: the forward ignores the mask for pads in front, and a right-padded
     # batch matches each prompt alone (verify); the adapter declares left_padding = False.
     left_padding: bool = True
+    # What the decoder stack gets along the sequence beyond ids, embeddings and positions
+    # (found by running it, depth.py): the adapter's SequenceParallel cuts these too.
+    sequence_parallel: Any = None  # mmrl.adapter.SequenceParallel, or None for the default
 
 
 @dataclass

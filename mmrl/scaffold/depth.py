@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import importlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mmrl import errors
 from mmrl.adapter import Capabilities
@@ -59,6 +61,82 @@ TO_WRITE = {
 }
 
 
+# Failures of a depth probe that no adapter line fixes (a limit of the type, or of mmrl's
+# Ulysses), by a pattern of the probe's reason: what the gap line tells the user instead
+# of the column's generic advice. Checked in order; {0} is the pattern's first group.
+_OUT_OF_TIME = (r"ran past its \d+ s limit",
+                "run `mmrl add-model TYPE` again on a less loaded host: the probe did not finish within the depth "
+                "stage's time, which says nothing about the type")
+LIMITS = {
+    "video": (_OUT_OF_TIME,),
+    "multi_turn": (
+        _OUT_OF_TIME,
+        (r"opening turn is processed into other tokens",
+         "keep multi_turn=False: the processor lays the opening turn out anew once a later image is in the "
+         "conversation (e.g. every image's placeholders at the start of the text); claiming it needs a processing "
+         "that puts each image's placeholders in the turn the image arrives in"),
+        (r"reply image's placeholders are not in the trained columns",
+         "keep multi_turn=False: the processor puts the reply image's placeholders outside the turn it arrives in "
+         "(e.g. at the start of the text); claiming it needs a processing that puts them in that turn"),
+    ),
+    "sequence_parallel": (
+        _OUT_OF_TIME,
+        (r"sdpa attention, not '([^']+)'",
+         "keep sequence_parallel=False: Ulysses splits the heads of sdpa attention, and this decoder runs {0} "
+         "attention only (or has none: recurrent layers)"),
+        (r"soft-capping",
+         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) has no attention logit soft-capping, which "
+         "this type's own attention applies"),
+        (r"position biases or attention sinks",
+         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) takes no position bias or attention sinks"),
+        (r"needs keyword arguments for (\w+)",
+         "keep sequence_parallel=False: the model calls its decoder stack {0} with positional arguments, which "
+         "mmrl's Ulysses hook (mmrl/parallel/ulysses.py) does not cut"),
+        (r"the decoder gets (\w+) \S+ \S+ over the whole sequence",
+         "declare it in the adapter: sequence_parallel = SequenceParallel(split_inputs=(..., '{0}')) where {0} "
+         "holds one value per position, or masked_inputs=(('{0}', (INPUTS,)),) where it marks the rows of INPUTS"),
+        (r"does not divide|heads divisible by",
+         "write tiny() with attention heads that 2 divides (the probe's 2 processes), or keep "
+         "sequence_parallel=False"),
+    ),
+}
+# Config fields of layers that carry a state along the sequence (state-space, recurrent,
+# linear-attention, short-convolution layers), beside transformers' own `layer_types`.
+STATEFUL_FIELDS = re.compile(r"mamba|ssm|rwkv|linear_(num|key|value|conv)|conv_(kernel|L_cache)|short_conv|"
+                             r"time_step|state_size|deltanet|lightning|recurrent|xlstm|slstm|mlstm", re.IGNORECASE)
+
+
+def stateful_layers(config) -> list[str]:
+    """What says the tiny model has layers carrying a state along the sequence: the
+    stateful kinds of its `layer_types`, else the config fields that name such layers."""
+    from mmrl.boundaries import stateful_layer_kinds
+
+    if config is None:
+        return []
+    kinds = sorted(stateful_layer_kinds(config))
+    if kinds:
+        return kinds
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return sorted(k for k in text.to_dict() if STATEFUL_FIELDS.search(k))[:3]
+
+
+def to_write(column: str, cause: str, config=None) -> str:
+    """What to write by hand for `column`, whose probe failed with `cause`: the limit
+    the cause names (LIMITS), a mismatch of a sequence-parallel step on a decoder with
+    stateful layers, or else the column's generic advice (TO_WRITE)."""
+    for pattern, advice in LIMITS.get(column, ()):
+        found = re.search(pattern, cause)
+        if found:
+            return advice.format(*found.groups())
+    if column == "sequence_parallel" and re.search(r"differ|exceed|mismatch", cause):
+        layers = stateful_layers(config)
+        if layers:
+            return (f"keep sequence_parallel=False: the decoder has layers that carry a state along the sequence "
+                    f"({', '.join(layers)}), which under Ulysses each process runs on its own slice of the sequence, "
+                    "so no adapter line makes them equal one process")
+    return TO_WRITE[column]
+
+
 @dataclass
 class Depth:
     """The capabilities so far (the quick checks', then each depth probe's verdict as it
@@ -68,13 +146,15 @@ class Depth:
     gaps: list[Gap] = field(default_factory=list)
     decided: list[str] = field(default_factory=list)  # depth columns whose probe gave a verdict
     running: str | None = None  # the column whose probe is running
+    config: Any = None  # the tiny config (set by verify_depth): what a gap's advice reads
 
     def decide(self, column: str, passed: bool, cause: str = "") -> None:
         self.capabilities = dataclasses.replace(self.capabilities, **{column: passed})
         self.decided.append(column)
         self.running = None
         if not passed:
-            self.gaps.append(Gap(column, errors.one_line(cause, 240, whole=True), TO_WRITE[column]))
+            cause = errors.one_line(cause, 240, whole=True)
+            self.gaps.append(Gap(column, cause, to_write(column, cause, self.config)))
 
 
 def takes_video(d: Discovery) -> bool:
@@ -95,8 +175,15 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
     """Run the depth probes on the scaffolded family, updating `depth` as each decides:
     `video` and `sequence_parallel` on the adapter claiming both, then `multi_turn` on the
     adapter claiming what verified (its checks follow what the family declares)."""
+    depth.config = d.tiny.config if d.tiny is not None else None
     columns = applicable(d, depth.capabilities)
     first = [c for c in columns if c != "multi_turn"]
+    if "sequence_parallel" in first and d.sequence_parallel is None:
+        with scratch_family(d, layout, depth.capabilities, hidden) as subject:
+            try:
+                d.sequence_parallel = sequence_inputs(subject)
+            except Exception:  # noqa: BLE001 - the default stands; the probe says what fails
+                d.sequence_parallel = None
     if first:
         claimed = dataclasses.replace(depth.capabilities, **{c: True for c in first})
         with scratch_family(d, layout, claimed, hidden) as subject:
@@ -105,6 +192,68 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
     if "multi_turn" in columns:
         with scratch_family(d, layout, dataclasses.replace(depth.capabilities, multi_turn=True), hidden) as subject:
             _run("multi_turn", subject, depth)
+
+
+# What the Ulysses hook cuts or leaves whole without being told (mmrl.parallel.ulysses).
+_KNOWN_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "past_key_values",
+                 "use_cache", "return_dict", "output_hidden_states", "output_attentions")
+
+
+def sequence_inputs(subject):
+    """The adapter's `SequenceParallel` for what the tiny model's decoder stack gets along
+    the sequence beyond ids, embeddings and positions (one forward on a sample image
+    batch, its keyword arguments read by a pre-hook), or None where it gets nothing more.
+    A (B, S) boolean mask whose True count is the row count of other inputs (a tensor,
+    or a list of tensors: e.g. visual features added at the image positions) pairs with
+    them as `masked_inputs`; any other per-position input is cut as a `split_inputs`."""
+    import torch
+
+    from mmrl import build_model
+    from mmrl.adapter import SequenceParallel
+    from mmrl.checks import logits_of, sample_conversations
+    from mmrl.parts import decoder_stack
+
+    built = build_model(subject.source, random_init=True)
+    batch = dict(built.processing(sample_conversations(built.adapter)))
+    seen: dict = {}
+    stack = decoder_stack(built.model, built.adapter)
+    handle = stack.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            logits_of(built.model, batch)
+    finally:
+        handle.remove()
+    source = seen.get("inputs_embeds", seen.get("input_ids"))
+    if not isinstance(source, torch.Tensor):
+        return None
+    default = SequenceParallel()
+    along = [name for name, value in seen.items() if name not in _KNOWN_INPUTS and name not in default.split_inputs
+             and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == source.shape[:2]]
+    split, masked = list(default.split_inputs), []
+    for name in along:
+        value = seen[name]
+        count = int(value.sum()) if value.dtype == torch.bool and value.dim() == 2 else -1
+        rows = tuple(other for other, held in seen.items()
+                     if other != name and other not in along and count > 0 and _rows(held) == count)
+        if rows:
+            masked.append((name, rows))
+        else:
+            split.append(name)
+    if not along:
+        return None
+    return SequenceParallel(heads_attrs=default.heads_attrs, split_inputs=tuple(split), masked_inputs=tuple(masked))
+
+
+def _rows(value) -> int | None:
+    """The row count of a tensor, or of every tensor of a list (None where they differ)."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return value.shape[0]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in value):
+        counts = {v.shape[0] for v in value}
+        return counts.pop() if len(counts) == 1 else None
+    return None
 
 
 def _run(column: str, subject, depth: Depth) -> None:
@@ -163,4 +312,4 @@ def scratch_family(d: Discovery, layout: Layout, capabilities: Capabilities, hid
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["TO_WRITE", "Depth", "applicable", "scratch_family", "takes_video", "verify_depth"]
+__all__ = ["LIMITS", "TO_WRITE", "Depth", "sequence_inputs", "stateful_layers", "to_write", "applicable", "scratch_family", "takes_video", "verify_depth"]

@@ -143,6 +143,14 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         adapter_imports.add("LoraTargets")
         lines.append(f"    lora = LoraTargets(language={_tuple(d.language_leaves)})")
     lines += _capabilities_source(d, verified, adapter_imports, checked, gaps)
+    if d.sequence_parallel is not None:
+        adapter_imports.add("SequenceParallel")
+        spec = d.sequence_parallel
+        masked = "(" + ", ".join(f"({_str(m)}, {_tuple(rows)})" for m, rows in spec.masked_inputs) + \
+            ("," if len(spec.masked_inputs) == 1 else "") + ")"
+        lines += ["    # The decoder gets these along the sequence too (found by running it): Ulysses cuts them.",
+                  "    sequence_parallel = " + _call("SequenceParallel", [f"split_inputs={_tuple(spec.split_inputs)}",
+                                                                        f"masked_inputs={masked}"])]
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
     if not d.left_padding:
@@ -172,7 +180,9 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         header += [textwrap.fill(item, 88, initial_indent="- ", subsequent_indent="  ") for item in d.fill_in]
     header.append('"""')
     imports = ["from dataclasses import replace", ""] if "replace(" in "\n".join(lines) else []
-    imports.append("from mmrl.adapter import " + ", ".join(sorted(adapter_imports, key=_import_order)))
+    names = sorted(adapter_imports, key=_import_order)
+    line = "from mmrl.adapter import " + ", ".join(names)
+    imports.append(line if len(line) <= 116 else _call("from mmrl.adapter import ", names, indent=""))
     if vlm:
         imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS")
         imports.append("from mmrl.registry import register_model")

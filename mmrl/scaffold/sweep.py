@@ -9,6 +9,8 @@ result is `support_matrix/coverage.json` and `support_matrix/coverage.md`.
     mmrl add-model --sweep                        # every type; resumes where it stopped
     mmrl add-model --sweep --types olmo2,llava    # just these (merged into the JSON)
     mmrl add-model --sweep --fresh                # forget earlier rows and start over
+    mmrl add-model --sweep --depth-only           # green rows again, without their generated tests
+    python -m mmrl.scaffold.sweep page support_matrix/coverage.json   # the page again from the JSON
 
 Rows are written after each type (atomically), so an interrupted sweep resumes from the
 rows already there; rows recorded by another transformers version, or before the
@@ -17,9 +19,9 @@ capability columns they lack existed, are run again.
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
 then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply. A green type takes about 2 (causal LM) to 4.5 (image-text-to-
-text) minutes on a shared 2-core host, most of it the depth probes' torchrun launches:
-the whole sweep runs about 4.5 hours with `--workers 2` (docs/adding_a_model.md).
+where it does not apply. Most of a green type's time is the depth probes' two torchrun
+launches; docs/adding_a_model.md gives the measured times of the full and the depth-only
+sweep.
 """
 
 from __future__ import annotations
@@ -175,8 +177,13 @@ def _run(command: list[str], seconds: float, env: dict) -> tuple[int | None, str
 
 
 def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_SECONDS,
-              tests_seconds: float = TESTS_SECONDS) -> Row:
-    """Scaffold `model_type` and run its generated tests, each in a process of its own."""
+              tests_seconds: float = TESTS_SECONDS, depth_only: bool = False) -> Row:
+    """Scaffold `model_type` and run its generated tests, each in a process of its own.
+    `depth_only` (a type recorded green): the scaffold runs all its stages (the quick
+    checks and the depth probes, so every column is decided by this code), and the
+    generated tests are not run again: they check what the quick stage decides (save/
+    reload, parts, padded, packed, LoRA), not the depth columns, so the recorded green
+    stands (stage "depth-only"); a type the scaffold now stops on loses its green."""
     start = time.monotonic()
     rule = scope_rule(model_type)
     row = Row(model_type, mapping, rule is None, "green", "", "", scope_rule=rule)
@@ -197,19 +204,25 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
         else:
             row.capabilities = record.get("capabilities", [])
             row.columns, row.gaps = record.get("columns", {}), record.get("gaps", [])
-            row.stage = "tests"
-            tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
-            code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
-                                tests_seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
-            if code is None:
-                row.status, row.reason = "timeout", f"the generated tests ran past the {tests_seconds:.0f} s limit"
-            elif code < 0:
-                row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
-            elif code != 0:
-                row.status, row.reason = "tests-fail", _tests_reason(output)
+            row.stage = "depth-only" if depth_only else "tests"
+            if not depth_only:
+                _run_tests(row, out, model_type, tests_seconds, env)
     row.seconds = round(time.monotonic() - start, 1)
     row.runner = runner()
     return row
+
+
+def _run_tests(row: Row, out: Path, model_type: str, seconds: float, env: dict) -> None:
+    """Run the generated tests of the package in `out`; a failure sets `row`'s status."""
+    tests = out / "tests" / f"test_family_{family_for(model_type)}.py"
+    code, output = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(tests)],
+                        seconds, {**env, "MMRL_HIDE_FAMILIES": ",".join(holders(model_type))})
+    if code is None:
+        row.status, row.reason = "timeout", f"the generated tests ran past the {seconds:.0f} s limit"
+    elif code < 0:
+        row.status, row.reason = "tests-fail", _killed(code, "the generated tests")
+    elif code != 0:
+        row.status, row.reason = "tests-fail", _tests_reason(output)
 
 
 def _killed(code: int, what: str) -> str:
@@ -414,9 +427,13 @@ def _depth_lines(document: dict) -> list[str]:
 
 def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
               scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS,
-              workers: int = 1) -> dict:
+              workers: int = 1, depth_only: bool = False) -> dict:
     """Run the sweep over `types` (default: every type not yet recorded) into `path`,
-    `workers` types at a time (each in processes of its own)."""
+    `workers` types at a time (each in processes of its own). `depth_only` re-sweeps
+    types recorded green without re-running their generated tests (`sweep_one`); by
+    default it takes the green rows that lack a column, image-text-to-text first. One
+    that runs out of time keeps its recorded row (on a loaded host, a time limit is no
+    verdict); one the scaffold now stops on otherwise loses its green."""
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -431,8 +448,12 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
         if unknown:
             raise ValueError(f"not in transformers' causal-LM or image-text-to-text tables: {', '.join(unknown)}")
         todo = list(types)
+    elif depth_only:
+        todo = sorted((t for t in table if t in rows and rows[t].status == "green" and not is_current(rows[t])),
+                      key=lambda t: (table[t] != "image_text_to_text", t))
     else:
         todo = [t for t in table if t not in rows or not is_current(rows[t])]
+    recorded_green = {t for t in todo if t in rows and rows[t].in_scope and rows[t].status == "green"}
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
@@ -441,7 +462,11 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
         if rule is not None:
             return Row(model_type, table[model_type], False, "out-of-scope", "resolve", OUT_OF_SCOPE_RULES[rule],
                        scope_rule=rule)
-        return sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds)
+        again = depth_only and model_type in recorded_green
+        row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds, depth_only=again)
+        if again and row.status == "timeout":  # a loaded host, not a verdict: the green recorded stands
+            return rows[model_type]
+        return row
 
     with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
         task = bar.add_task("add-model sweep", total=len(todo))
@@ -455,9 +480,47 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     return write_document(path, rows, version)
 
 
+def rewrite_page(path: Path) -> None:
+    """Write the summary and coverage.md again from the rows of coverage.json at `path`
+    (after a sweep was stopped mid-type, or the page's layout changed); runs nothing. Each
+    depth gap's advice is derived again from its recorded cause (`depth.to_write`, with
+    the type's default config standing in for the tiny one), so rows recorded before an
+    advice was refined read as new ones do."""
+    from mmrl.scaffold.depth import to_write
+
+    document = json.loads(path.read_text())
+    rows = {r["model_type"]: Row(**r) for r in document.get("types", [])}
+    for row in rows.values():
+        for gap in row.gaps:
+            if gap["column"] in DEPTH:
+                gap["write"] = to_write(gap["column"], gap["cause"], _default_config(row.model_type))
+    document.update(summary=summarize(rows.values()), types=[asdict(rows[t]) for t in sorted(rows)])
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(json.dumps(document, indent=1) + "\n")
+    temp.replace(path)
+    render_page(document, path.with_suffix(".md"))
+
+
+def _default_config(model_type: str):
+    """The type's config with its defaults, or None where it takes no defaults."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]()
+    except Exception:  # a config without defaults: the advice falls back to the column's
+        return None
+
+
+USAGE = ("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT, or "
+         "python -m mmrl.scaffold.sweep page COVERAGE_JSON (the page again from the rows; the sweep itself runs "
+         "through `mmrl add-model --sweep`)")
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "worker":
         scaffold_worker(*sys.argv[2:])
+    elif len(sys.argv) == 3 and sys.argv[1] == "page":
+        if not Path(sys.argv[2]).is_file():
+            raise SystemExit(f"error: {sys.argv[2]}: no such coverage JSON")
+        rewrite_page(Path(sys.argv[2]))
     else:
-        raise SystemExit("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT "
-                         "(the sweep itself runs through `mmrl add-model --sweep`)")
+        raise SystemExit(USAGE)
