@@ -393,3 +393,32 @@ def test_masked_inputs_keep_the_rows_of_each_ranks_positions(rank):
     assert torch.equal(cut["visual_pos_masks"], padded[:, 3 * rank:3 * rank + 3])
     assert cut["inputs_embeds"].shape == (2, 3, 3)
     assert int(cut["visual_pos_masks"].sum()) == len(expected_rows)
+
+
+def test_a_decoder_called_positionally_is_split_by_its_signatures_names():
+    """Families such as GPT-2 call their decoder stack as `self.transformer(input_ids, ...)`:
+    the splitter binds those arguments to their names and cuts them as keywords; a forward
+    whose arguments have no names is one line."""
+    from mmrl.adapter import SequenceParallel
+    from mmrl.parallel.ulysses import _splitter, active
+
+    class Stack(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **extra):
+            self.seen = {"input_ids": input_ids, "position_ids": position_ids, **extra}
+            return input_ids
+
+    class Unnamed(torch.nn.Module):
+        def forward(self, *inputs):
+            return inputs[0]
+
+    stack, unnamed = Stack(), Unnamed()
+    for module in (stack, unnamed):
+        module.register_forward_pre_hook(_splitter(SequenceParallel()), with_kwargs=True)
+    ids = torch.arange(8).unsqueeze(0)
+    with active(None, rank=1, size=2):
+        stack(ids, labels=ids)
+        with pytest.raises(ValueError, match="needs keyword arguments for Unnamed"):
+            unnamed(ids)
+    assert stack.seen["input_ids"].tolist() == [[4, 5, 6, 7]]  # rank 1's half
+    assert stack.seen["position_ids"].tolist() == [[4, 5, 6, 7]]
+    assert stack.seen["labels"].tolist() == [[4, 5, 6, 7]]

@@ -347,8 +347,8 @@ def _splitter(spec):
         ctx = _CONTEXT
         if ctx is None:
             return None
-        if args:
-            raise ValueError(f"sequence parallelism needs keyword arguments for {type(module).__name__}")
+        if args:  # a family that calls its decoder positionally (`self.transformer(input_ids, ...)`)
+            args, kwargs = (), _as_keywords(module, args, kwargs)
         source = kwargs.get("inputs_embeds")
         if source is None:
             source = kwargs.get("input_ids")
@@ -409,6 +409,27 @@ def _splitter(spec):
         return args, kwargs
 
     return hook
+
+
+def _as_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """`module.forward`'s arguments as keywords, bound by its signature; a forward whose
+    positional arguments have no names (`*args`, positional-only) cannot be split."""
+    signature = inspect.signature(module.forward)
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"sequence parallelism needs keyword arguments for {type(module).__name__} ({error})") from None
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
+            raise ValueError(f"sequence parallelism needs keyword arguments for {type(module).__name__} "
+                             f"({name} is positional only)")
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
 
 
 def heads_problem(text_config, heads_attrs: tuple[str, ...], size: int) -> str | None:
