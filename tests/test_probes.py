@@ -171,19 +171,28 @@ def test_doctor_on_a_checkpoint(tmp_path):
     assert all(r["status"] in ("verified", "n/a", "not run here") for r in report["results"]), report
 
 
-@pytest.mark.slow
+def _mmrl_in_process(*args: str):
+    """`mmrl ARGS` in this process through the CLI's own `app` (the `mmrl` script's entry
+    point), for a check of what a command prints, not of its process: a process paid
+    ~5-10 s of interpreter start and imports."""
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
 def test_doctor_names_the_add_model_command_for_an_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "fancy_new_lm", "architectures": ["FancyLM"]}))
-    result = _mmrl("doctor", str(tmp_path))
-    assert result.returncode == 2
+    result = _mmrl_in_process("doctor", str(tmp_path))
+    assert result.exit_code == 2, (result.output, result.exception)
     assert "'fancy_new_lm' is not registered" in result.stderr
     assert "mmrl add-model fancy_new_lm" in result.stderr
 
 
-@pytest.mark.slow
 def test_doctor_unknown_name():
-    result = _mmrl("doctor", "no_such_family_xyz")
-    assert result.returncode == 2 and "no registered model family" in result.stderr
+    result = _mmrl_in_process("doctor", "no_such_family_xyz")
+    assert result.exit_code == 2 and "no registered model family" in result.stderr, (result.output, result.exception)
 
 
 # -- the committed matrix ------------------------------------------------------------------

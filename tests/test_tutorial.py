@@ -1,6 +1,7 @@
 """docs/tutorial.md runs as written. In a temporary folder the test writes each block marked
 `<!-- tutorial: file PATH -->`, runs each `<!-- tutorial: run -->` command and each
-`<!-- tutorial: python -->` block in page order, with the two substitutions the page states:
+`<!-- tutorial: python -->` block in page order (an `mmrl` command in this process through
+the CLI's `app`, other commands in a shell process), with the two substitutions the page states:
 
 - the checkpoint id the page names is a tiny random-init Qwen2-VL (the zoo's tiny config)
   saved by the test into a stand-in HF cache under that id, read with `HF_HUB_OFFLINE=1`;
@@ -19,12 +20,15 @@ import os
 import re
 import shlex
 import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
 from PIL import Image, ImageDraw
+from typer.testing import CliRunner
+
+from mmrl.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = (REPO / "docs" / "tutorial.md").read_text()
@@ -74,14 +78,22 @@ def _draw_images(folder: Path) -> None:
 
 
 def _run(command: str, env: dict, cwd: Path) -> str:
+    """An `mmrl` command runs in this process through the CLI's own `app` (the `mmrl`
+    script's entry point: the same options, the same code) in the page's folder and
+    environment, which the test has made this process's; each one in a process of its own
+    paid ~5-10 s of interpreter start and imports on 2 busy cores, and the page is about
+    what the commands do, not about the process they start in. Other commands (`tail`)
+    run in a shell process."""
     words = shlex.split(command)
-    if words[0] == "mmrl":
-        words = [sys.executable, "-m", "mmrl.cli", *words[1:]]
-        if words[3] in ("train", "eval"):
-            words += CHEAP
-    done = subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    if words[0] != "mmrl":
+        done = subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+    args = [*words[1:], *(CHEAP if words[1] in ("train", "eval") else [])]
+    result = CliRunner().invoke(app, args)
+    failure = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+    assert result.exit_code == 0, f"{command}\n{result.output[-3000:]}\n{failure[-3000:]}"
+    return result.output
 
 
 @pytest.mark.slow
