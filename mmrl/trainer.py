@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from mmrl.atomic import atomic_folder, atomic_write_text
+from mmrl.atomic import atomic_write_text
 from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint

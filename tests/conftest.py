@@ -75,7 +75,7 @@ LONGEST = [
     "tests/test_add_model.py::test_coverage_sweep_slice_writes_rows_and_resumes",
     "tests/test_recipe.py::test_tiny_vlm_recipe_learns_to_count_from_the_image",
     "tests/test_add_model.py::test_vision_language_scaffolds_read_what_their_processor_and_model_code_need",
-    "tests/test_tutorial.py::test_the_tutorial_runs_as_written",
+    "tests/test_disaggregated.py::test_one_rollout_rank_and_one_train_rank_and_a_resumed_run_trains_each_batch_once",
     "tests/test_probes.py::test_plugin_family_adds_its_row_and_changes_nothing_else",
     "tests/test_add_model.py::test_vision_language_scaffold_that_does_not_run_lists_what_to_fill_in",
     "tests/test_bench_fsdp_scaling.py::test_the_sharded_run_is_compared_with_the_one_process_run",

@@ -896,27 +896,3 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     assert new.count("✓") == len(COLUMNS) - 2 and "✗" in new and "–" in new
     assert "- `new` **multi_turn**: the opening turn is processed into other tokens; to claim it, fix it." in page
     assert "it broke" in next(line for line in page.splitlines() if line.startswith("| `broken` |"))
-
-
-def test_the_scaffold_has_no_import_cycle():
-    """No module of mmrl/scaffold imports (at the top or inside a function) one that
-    imports it back, directly or through others (issue 29: the stage modules once
-    formed a cycle of five)."""
-    import ast
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "mmrl" / "scaffold"
-    names = {p.stem: f"mmrl.scaffold.{p.stem}" if p.stem != "__init__" else "mmrl.scaffold" for p in folder.glob("*.py")}
-    modules = set(names.values())
-    graph = {}
-    for stem, name in names.items():
-        found = set()
-        for node in ast.walk(ast.parse((folder / f"{stem}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found |= {t for t in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if t in modules}
-        graph[name] = found - {name}
-
-    def reaches(start, goal, seen=()):
-        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
-
-    assert [m for m in sorted(modules) if reaches(m, m)] == []
