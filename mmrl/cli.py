@@ -222,8 +222,15 @@ def train(
     from mmrl.trainer import train as run
 
     summary = run(config)  # its failures become one line in `_boundary`
-    if summary is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
+    if summary is not None and int(os.environ.get("RANK", "0")) == 0:
         console.print_json(json.dumps(summary))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun, every output written and the process group destroyed: skip the
+        # interpreter's teardown, where gloo's threads aborted a rank of a finished run
+        # under load (as they did the probes' processes, `exit_cleanly`).
+        from mmrl.probes.launcher import exit_cleanly
+
+        exit_cleanly()
 
 
 @app.command("eval")
