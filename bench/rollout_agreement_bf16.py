@@ -46,20 +46,9 @@ def text_only(conversations: list[list[dict]]) -> list[list[dict]]:
 
 def breakdown(engine, processing, rollout, conversations) -> dict[str, float]:
     """The probe's figures plus the first-token / later-token split."""
-    from mmrl.engine import join
-    from mmrl.probes.rollout_agreement import NEW_TOKENS, SAMPLES_PER_PROMPT
-    from mmrl.rollout import SamplingParams
+    from mmrl.probes.rollout_agreement import sampled_gaps
 
-    torch.manual_seed(0)
-    params = SamplingParams(n=SAMPLES_PER_PROMPT, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0, logprobs=True)
-    result = rollout.generate(conversations, params)
-    expanded = [conversations[i] for i in result.prompt_index.tolist()]
-    seqs = join(dict(processing(expanded)), result.response_ids, result.response_mask, engine.adapter, engine.model,
-                processing.tokenizer.pad_token_id).to(engine.dist.device)
-    with torch.no_grad():
-        trainer, _ = engine.log_probs(seqs, 1.0, with_entropy=False)
-    mask = result.response_mask.bool()
-    delta = (trainer.float().cpu() - result.logprobs.float()).double()
+    delta, mask = sampled_gaps(engine, processing, rollout, conversations)
     kl = (delta[mask].exp() - 1 - delta[mask]).mean().item()
     later = mask.clone()
     later[:, 0] = False

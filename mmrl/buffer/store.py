@@ -343,17 +343,21 @@ def batch_table(batch: RolloutBatch):
     return pa.table(columns).replace_schema_metadata({_METADATA_KEY: json.dumps(metadata).encode()})
 
 
-def write_batch(path: Path, batch: RolloutBatch) -> Path:
-    """Write the batch's Parquet file whole (a temporary file, fsynced, renamed)."""
+def _write_table(path: Path, table) -> Path:
+    """Write a Parquet table whole (a temporary file, fsynced, renamed)."""
     import pyarrow.parquet as pq
 
-    table = batch_table(batch)
     try:
         with replacing(path) as temp:
             pq.write_table(table, str(temp))
     except OSError as exc:
         raise BufferError(f"{path}: cannot be written ({exc.strerror or exc})") from None
     return path
+
+
+def write_batch(path: Path, batch: RolloutBatch) -> Path:
+    """Write the batch's Parquet file whole (a temporary file, fsynced, renamed)."""
+    return _write_table(path, batch_table(batch))
 
 
 def read_batch(path: Path):
@@ -416,7 +420,6 @@ def write_in_flight(path: Path, groups: list[InFlightGroup]) -> Path:
     position, dataset index and source row, its tokens with their versions and behaviour
     log-probs, its finish reason (null while generating)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rows = [(number, group, response) for number, group in enumerate(groups) for response in group.responses]
     table = pa.table({
@@ -428,12 +431,7 @@ def write_in_flight(path: Path, groups: list[InFlightGroup]) -> Path:
         "behaviour_logp": pa.array([r.behaviour for _, _, r in rows], pa.list_(pa.float32())),
         "finish_reason": pa.array([r.finish for _, _, r in rows], pa.string()),
     }).replace_schema_metadata({_METADATA_KEY: json.dumps({"format": FORMAT, "groups": len(groups)}).encode()})
-    try:
-        with replacing(path) as temp:
-            pq.write_table(table, str(temp))
-    except OSError as exc:
-        raise BufferError(f"{path}: cannot be written ({exc.strerror or exc})") from None
-    return path
+    return _write_table(path, table)
 
 
 def read_in_flight(path: Path) -> list[InFlightGroup]:

@@ -70,9 +70,10 @@ def backend_skip_reason(backend: str, adapter) -> str | None:
     return None
 
 
-def agreement(engine, processing, rollout, conversations) -> dict[str, float]:
-    """Sample with `rollout` (temperature 1, its log-probs) and compare with the engine's
-    log-probs of the same tokens: max |diff|, mean |diff| and the k3 KL estimate."""
+def sampled_gaps(engine, processing, rollout, conversations) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample with `rollout` (temperature 1, its log-probs) and take the engine's log-probs
+    of the same tokens: (trainer - sampler per token, float64, (rows, tokens); the
+    response mask, bool)."""
     from mmrl.engine import join
     from mmrl.rollout import SamplingParams
 
@@ -86,8 +87,14 @@ def agreement(engine, processing, rollout, conversations) -> dict[str, float]:
                 processing.tokenizer.pad_token_id).to(engine.dist.device)
     with torch.no_grad():
         trainer, _ = engine.log_probs(seqs, 1.0, with_entropy=False)
-    mask = result.response_mask.bool()
-    gaps = (trainer.float().cpu() - result.logprobs.float()).double()  # r - 1 - log r cancels in fp32 for tiny gaps
+    # float64: r - 1 - log r cancels in fp32 for tiny gaps
+    return (trainer.float().cpu() - result.logprobs.float()).double(), result.response_mask.bool()
+
+
+def agreement(engine, processing, rollout, conversations) -> dict[str, float]:
+    """`sampled_gaps` as figures: max |diff|, mean |diff|, the k3 KL estimate and the first
+    response token's max |diff|."""
+    gaps, mask = sampled_gaps(engine, processing, rollout, conversations)
     delta = gaps[mask]
     kl = (delta.exp() - 1 - delta).mean().item()  # k3: E_sampler[r - 1 - log r], r = p_trainer / p_sampler
     # The first response token comes from the prompt's forward (where the media act), the
