@@ -171,16 +171,20 @@ class GraphedStep:
             self._give_up(f"the model's step fails as prepared here ({one_line(error)[:160]})")
             return self.fallback(model, *_args(inputs, cache), **_pick(run))
         if self.capture:
+            # The graph reads its inputs from copies it keeps; the checked run takes the same
+            # copies, so the recording meets the compiled layers' guards as that run left
+            # them and nothing compiles while the stream is captured.
+            static = {name: None if value is None else value.clone() for name, value in inputs.items()}
             state = _State(cache, self.slot)
             try:
                 with _sync_raises():
-                    self._try(model, cache, inputs, run)
+                    self._try(model, cache, static, run)
             except Exception as error:  # noqa: BLE001
                 self._give_up(f"the eager step reads back to the host ({one_line(error)[:160]})")
                 return result
             finally:
                 state.restore()
-            self._record(key, model, cache, inputs, run)
+            self._record(key, model, cache, static, run)
         return result
 
     def _try(self, model, cache, inputs: dict, run: dict):
@@ -233,18 +237,36 @@ class GraphedStep:
         self._wrapped.clear()
         warnings.warn(f"rollout.decode=graphs: using the compiled decode step ({reason})", stacklevel=4)
 
-    def _record(self, key, model, cache, inputs: dict, run: dict) -> None:
+    def _record(self, key, model, cache, static: dict, run: dict) -> None:
+        """Record the step on `static` (the inputs each replay copies into) through the
+        compiled layers where the checked runs went through them: recorded without them,
+        the graph would replay the layers' eager kernels (dozens of small ones per layer)
+        whatever the checked runs compiled. A recording through them that fails records the
+        eager layers instead, with one warning, and this step leaves them from then on."""
         started = time.perf_counter()
-        static = {name: None if value is None else value.clone() for name, value in inputs.items()}
-        # Recording runs no kernel: the cache, its counters and `slot` are as the eager
-        # step left them, and the graph's in-place additions act on them at each replay.
-        graph = torch.cuda.CUDAGraph()
-        with _uncached_autocast(), torch.cuda.graph(graph):
-            outputs = graph_step(model, *_args(static, cache), **run)
+        try:
+            graph, outputs = self._capture(model, cache, static, run, through_layers=True)
+        except Exception as error:  # noqa: BLE001 - the eager layers record instead
+            if self.layers is None or self.layers.failed:
+                raise
+            self.layers = None
+            warnings.warn(f"rollout.decode=graphs: recording the decode step through the compiled layers failed "
+                          f"({one_line(error)[:160]}); recording their eager forwards", stacklevel=4)
+            graph, outputs = self._capture(model, cache, static, run, through_layers=False)
         self._recorded[key] = _Recorded(graph, static, outputs, cache)
         self.recordings += 1
         if self.on_record is not None:
             self.on_record(time.perf_counter() - started, f"decode graph (width {key[1]}, cache {key[2]})")
+
+    def _capture(self, model, cache, static: dict, run: dict, through_layers: bool) -> tuple:
+        """(graph, outputs) of the step recorded on `static`, through the compiled layers or
+        not. Recording runs no kernel: the cache, its counters and `slot` are as the eager
+        step left them, and the graph's in-place additions act on them at each replay."""
+        graph = torch.cuda.CUDAGraph()
+        layers = self._compiled_layers if through_layers else contextlib.nullcontext
+        with _uncached_autocast(), layers(), torch.cuda.graph(graph):
+            outputs = graph_step(model, *_args(static, cache), **run)
+        return graph, outputs
 
 
 def _args(inputs: dict, cache) -> tuple:
