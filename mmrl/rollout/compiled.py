@@ -362,8 +362,11 @@ class CompiledHFRollout(HFRollout):
             logprobs[:, 0] = logprob
         index = torch.arange(rows, device=device)  # row of the full batch each cache row holds
         step = self._compiled_step()
-        if isinstance(step, GraphedStep):
-            step.start(run.model, fill, self._caches.values())
+        # A step that keeps state between rollouts (a GraphedStep, or a bench's timer around
+        # one: bench/decode_profile.py) starts each rollout here.
+        start = getattr(step, "start", None)
+        if start is not None:
+            start(run.model, fill, self._caches.values())
         steps = 1
         with _decode_attention(run.model):
             for t in range(1, new_tokens):
