@@ -13,12 +13,13 @@ overrides after the options), and every mode's rollout is made by the trainer's 
 (`make_rollout` with `rollout_options`) on its engine, then rolls out the trainer's first batch
 (8 prompts x 8 samples x 256 new tokens by default, temperature 1, as `Trainer._roll_out`).
 
-Modes (`--modes`, in this order by default; each keeps its compiled code and graphs):
+Modes (`--modes`, in this order by default, the ones the question is about first; each
+keeps its compiled code and graphs):
 
-  eager         the static-cache decode loop with the step neither compiled nor recorded
-  graphs_eager  rollout.decode=graphs with the engine's compiled layers left out of the step
   graphs        rollout.decode=graphs as the trainer runs it (through the compiled layers)
   compiled      rollout.decode=compiled (torch.compile, mode reduce-overhead)
+  graphs_eager  rollout.decode=graphs with the engine's compiled layers left out of the step
+  eager         the static-cache decode loop with the step neither compiled nor recorded
 
 Each mode rolls out once to warm up (`warm_up_s`: compiling, recording), then once more
 measured: decode steps 1 .. `--profile-from` - 1 are timed with CUDA events and no profiler
@@ -53,7 +54,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("eager", "graphs_eager", "graphs", "compiled")
+MODES = ("graphs", "compiled", "graphs_eager", "eager")
 # (group, substrings of a lower-cased kernel name), the first match wins. Sampling before
 # attention: the vocabulary-wide softmax is `cunn_SoftMax*` eagerly, the attention's over
 # a few thousand positions `softmax_warp*`; inductor names fused kernels after their
@@ -122,6 +123,7 @@ class StepProbe:
             self.profiler.start()
             self.window.append(self._mark())
         if self.calls >= self.profile_from:
+            self.profiled_steps += len(self.window) == 1  # inside the window
             return self.step(*args, **kwargs)
         before = self._mark()
         out = self.step(*args, **kwargs)
@@ -134,24 +136,23 @@ class StepProbe:
         if self.profiler is None or len(self.window) == 2:
             return
         self.window.append(self._mark())
-        self.profiled_steps = self.calls - self.profile_from
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        _synchronize(self.device)
         self.profiler.stop()
 
     def timings(self) -> dict:
         """Median milliseconds of the timed steps: the call itself and start to next start."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            elapsed = lambda a, b: a.elapsed_time(b)  # noqa: E731
-        else:
-            elapsed = lambda a, b: (b - a) * 1e3  # noqa: E731
-        calls = [elapsed(a, b) for a, b in self.marks]
-        iterations = [elapsed(a[0], b[0]) for a, b in zip(self.marks, self.marks[1:])]
-        window = elapsed(*self.window) if len(self.window) == 2 else None
+        _synchronize(self.device)
+        calls = [_elapsed_ms(a, b) for a, b in self.marks]
+        iterations = [_elapsed_ms(a[0], b[0]) for a, b in zip(self.marks, self.marks[1:])]
+        window = _elapsed_ms(*self.window) if len(self.window) == 2 else None
         return {"steps_timed": len(calls), "step_ms": _median(calls), "iteration_ms": _median(iterations),
                 "profiled_steps": self.profiled_steps,
                 "profiled_iteration_ms": None if window is None else window / max(self.profiled_steps, 1)}
+
+
+def _elapsed_ms(before, after) -> float:
+    """Milliseconds between two marks: CUDA events, or `time.perf_counter` readings."""
+    return before.elapsed_time(after) if isinstance(before, torch.cuda.Event) else (after - before) * 1e3
 
 
 def _median(values: list[float]) -> float | None:
@@ -340,7 +341,8 @@ def measure(mode: str, trainer, conversations, params, args, device) -> dict:
     probe.finish()
     timings = probe.timings()
     profile = kernel_table(probe.profiler, device, probe.profiled_steps, args.top) if probe.profiler else None
-    rows, cache_length, _ = max(rollout._caches)  # the full batch's cache (rows move to narrower ones)
+    # The full batch's cache (rows that run on move to narrower ones).
+    rows, cache_length, _ = max(rollout._caches, key=lambda key: key[0])
     prompt_length = result.prompt_inputs["input_ids"].shape[1]
     needed = prompt_length + params.max_new_tokens
     # One decode step of the mode's Python, eagerly, under the operator census.
@@ -349,8 +351,9 @@ def measure(mode: str, trainer, conversations, params, args, device) -> dict:
     rollout._step = step
     text = trainer.actor.model.config.get_text_config()
     heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     shape = dict(vocab=trainer.actor.model.get_output_embeddings().weight.shape[0], heads=heads,
-                 kv_heads=text.num_key_value_heads, head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads)
+                 kv_heads=text.num_key_value_heads, head_dim=head_dim)
     facts = step_facts(census.census.ops, **shape, cache_length=cache_length, needed=needed,
                        bucket=-(-needed // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP)
     graphed = step if isinstance(step, GraphedStep) else None
@@ -371,17 +374,23 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def print_mode(mode: str, run: dict) -> None:
     profile, facts = run["profile"] or {}, run["facts"]
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    print(f"\n{mode}: step {fmt(run['step_ms'])} ms (loop iteration {fmt(run['iteration_ms'])} ms, profiled "
-          f"{fmt(run['profiled_iteration_ms'])} ms), {profile.get('kernels_per_step', 0):.0f} kernels a step, "
+    print(f"\n{mode}: step {_ms(run['step_ms'])} ms (loop iteration {_ms(run['iteration_ms'])} ms, profiled "
+          f"{_ms(run['profiled_iteration_ms'])} ms), {profile.get('kernels_per_step', 0):.0f} kernels a step, "
           f"busy {profile.get('kernel_us_per_step', 0) / 1e3:.3f} ms; warm-up {run['warm_up_s']} s, "
           f"rollout {run['rollout_s']} s, fallback {run['fallback']}, recorded {run['recorded']}")
+    if profile and not profile["kernels_per_step"]:
+        print("  the profiler saw no kernels in this window: compare the step times only")
     print("  split (us/step, kernels/step): " + ", ".join(
         f"{g} {v['us']:.0f}/{v['kernels']:.0f}" for g, v in profile.get("groups", {}).items()))
     for kernel in profile.get("top", []):
-        print(f"  {kernel['us_per_step']:9.1f} us {kernel['per_step']:6.1f}x  {kernel['group']:<11} {kernel['name'][:100]}")
+        print(f"  {kernel['us_per_step']:9.1f} us {kernel['per_step']:6.1f}x  {kernel['group']:<11} "
+              f"{kernel['name'][:100]}")
     print(f"  attention: {facts['attention']}; attends {facts['attended_lengths']} of a static cache of "
           f"{facts['static_cache_length']} (needed {facts['needed_length']}, bucket {facts['bucket_length']}); "
           f"repeat_kv copies {facts['repeat_kv_copies']}; lm_head {facts['lm_head']}; logits {facts['logits_widened']}")
@@ -466,9 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
                for mode, run in report["modes"].items()}
     print("\nmode          step ms   kernels/step")
     for mode, row in summary.items():
-        step_ms = "-" if row["step_ms"] is None else f"{row['step_ms']:.3f}"
         kernels = "-" if row["kernels_per_step"] is None else f"{row['kernels_per_step']:.0f}"
-        print(f"{mode:<13} {step_ms:>7}   {kernels:>6}")
+        print(f"{mode:<13} {_ms(row['step_ms']):>7}   {kernels:>6}")
     return report
 
 
