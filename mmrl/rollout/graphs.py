@@ -10,6 +10,9 @@ a CUDA graph, and compiling it costs a run tens of seconds at its first steps
 (docs/performance.md, "What compiling costs a run"). This step runs the model eagerly
 once per (batch width, cache) and records that run as a CUDA graph; later steps copy
 their inputs into the graph's and replay it. Recording takes a fraction of a second.
+Where the engine compiles its decoder layers (`layers`), the step runs, and is recorded,
+through them: the graph then replays inductor's fused kernels in the layers, and the rest
+of the step (embedding, rotary tables, cache writes, final norm, sampling) eagerly.
 
 What makes the eager step recordable (no host synchronisation, no Python-side state that
 changes between steps):
