@@ -3,6 +3,8 @@ entropy and gradients of the engine with `chunked_head=True` (default) and False
 inputs (fp32, CPU), padded, packed, shared media, LoRA, soft-capped logits; the first-call
 check that falls back; the size of the largest logits tensor."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -417,3 +419,61 @@ def test_the_check_finds_each_config_named_post_processing(name, field, expected
     assert errors[choice] <= 1.0 < errors[-1]  # none at all (last) does not reproduce them
     expected_logp = plain.gather(-1, ids[:, 1:, None])[..., 0].reshape(-1)
     assert torch.allclose(call.values[choice][0], expected_logp, atol=1e-5)
+
+
+def _logits_everywhere(model):
+    """The model as transformers writes some VLMs (VideoLlama3, the Qwen Omni thinkers,
+    MiniCPM-V 4.6): a forward without `logits_to_keep` that makes logits for every position."""
+    computes = type(model)
+
+    class EveryPosition(computes):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            kwargs.pop("logits_to_keep", None)
+            return computes.forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids, logits_to_keep=0, **kwargs)
+
+    model.__class__ = EveryPosition
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_forward_without_logits_to_keep_gives_the_same_log_probs_and_gradients(chunked):
+    """The layouts' `logits_to_keep` is applied at the output embedding where the forward
+    does not take it: the chunked and the plain path then read the positions before the
+    response, as for the model that honours it (without: other positions, or a crash)."""
+    engine, seqs, logp, entropy, grads = _run("qwen2", chunked, prepare=_logits_everywhere)
+    _, _, honoured_logp, honoured_entropy, honoured_grads = _run("qwen2", chunked)
+    assert "logits_to_keep" not in inspect.signature(type(engine.model).forward).parameters
+    assert engine.chunked_head == chunked
+    assert torch.allclose(logp, honoured_logp, atol=1e-5)
+    assert torch.allclose(entropy, honoured_entropy, atol=1e-5)
+    for name, grad in honoured_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_kept_positions_slices_like_transformers_and_leaves_kept_inputs():
+    """An int keeps the last N positions (0: all), a tensor the indices it names (as the
+    sequence-parallel layout asks); a head input that already has that many positions (an
+    inner language model honoured the argument) passes as it is."""
+    from mmrl.engine.layouts import kept_positions
+
+    class Wrapper(torch.nn.Module):  # a forward without logits_to_keep
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Identity()
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, hidden, **kwargs):
+            return self.head(hidden)
+
+    model, hidden = Wrapper(), torch.arange(2 * 6 * 3.0).view(2, 6, 3)
+    cases = [(2, hidden[:, -2:]), (0, hidden), (torch.tensor([1, 4]), hidden[:, [1, 4]]),
+             (torch.tensor([], dtype=torch.long), hidden[:, :0])]
+    for keep, expected in cases:
+        with kept_positions(model, keep):
+            assert torch.equal(model(hidden, logits_to_keep=keep), expected), keep
+    for keep, already in ((3, hidden[:, -3:]), (torch.tensor([0, 2]), hidden[:, :2])):
+        with kept_positions(model, keep):
+            assert torch.equal(model(already), already)
+    assert not model.head._forward_pre_hooks  # removed on leaving

@@ -22,16 +22,20 @@ interface, whatever the layout:
 
 A layout holds one batch for one call; the model runs under the engine's autocast and
 media sharing (which matches media tensors against the padded batch's, the same objects).
+Every layout asks for its positions with transformers' `logits_to_keep`; a model whose
+forward does not take it (it computes the head on every position) gets it applied at its
+output embedding instead (`kept_positions`), so the positions are the same either way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 
-from mmrl.engine.logprobs import token_log_probs
+from mmrl.engine.logprobs import first_tensor, token_log_probs
 from mmrl.engine.packing import keep_rows, pack_sequences
 from mmrl.engine.sequences import Sequences
 from mmrl.parallel import ulysses
@@ -40,6 +44,47 @@ from mmrl.parallel import ulysses
 def _zero_padding(seqs: Sequences, logp: torch.Tensor, entropy: torch.Tensor):
     padding = ~seqs.response_mask.bool()
     return logp.masked_fill(padding, 0.0), entropy.masked_fill(padding, 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+@contextlib.contextmanager
+def kept_positions(model: torch.nn.Module, logits_to_keep):
+    """Within the block, the output embedding of a model whose forward has no
+    `logits_to_keep` (it passes it on in **kwargs, or drops it) sees only the positions
+    the argument names, as transformers' models slice them: the last N for an int N (all
+    for 0), the given sequence indices for a tensor. A head input that already has that
+    length (an inner language model honoured the argument) is left as it is; for a tensor
+    of sorted distinct indices that length means all of them, so nothing is lost."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if logits_to_keep is None or _takes_logits_to_keep(type(base)) or head is None:
+        yield
+        return
+
+    def keep(module, args, kwargs):
+        hidden, where = first_tensor(args, kwargs)
+        if hidden.dim() != 3:
+            return None
+        if isinstance(logits_to_keep, torch.Tensor):
+            if hidden.shape[1] == logits_to_keep.numel():
+                return None
+            hidden = hidden[:, logits_to_keep.to(hidden.device)]
+        elif 0 < logits_to_keep < hidden.shape[1]:
+            hidden = hidden[:, -logits_to_keep:]
+        else:
+            return None
+        return ((hidden, *args[1:]), kwargs) if where == 0 else (args, {**kwargs, where: hidden})
+
+    # First among the head's hooks: the chunked head's (mmrl.engine.logprobs) reads the kept positions.
+    handle = head.register_forward_pre_hook(keep, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class Layout:
@@ -52,7 +97,8 @@ class Layout:
         """The model on `inputs` (this batch's, or a layout of them) under the engine's
         autocast and media sharing, and `also`."""
         engine, seqs = self.engine, self.seqs
-        with engine.autocast(), engine.media_sharing(seqs.inputs, seqs.shared), also:
+        with (engine.autocast(), engine.media_sharing(seqs.inputs, seqs.shared), also,
+              kept_positions(self.model, kwargs.get("logits_to_keep"))):
             return self.model(**inputs, use_cache=False, **kwargs)
 
     @functools.cached_property

@@ -306,7 +306,7 @@ class HeadCall:
     probe_raw: torch.Tensor | None = None
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
+def first_tensor(args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
     if args:
         return args[0], 0
     for key, value in kwargs.items():
@@ -343,7 +343,7 @@ def chunked_head(
         if own[0]:
             return None
         call.calls += 1
-        hidden, where = _first_tensor(args, kwargs)
+        hidden, where = first_tensor(args, kwargs)
         flat = hidden.reshape(-1, hidden.shape[-1])
         if index is not None:
             flat = flat[index]
