@@ -100,16 +100,19 @@ def test_text_family_probes_verify(feature):
     assert result.status is Status.VERIFIED, result.reason
 
 
-@pytest.mark.slow
-def test_text_family_skips_what_it_cannot_do():
+def test_text_family_skips_what_it_cannot_do(monkeypatch):
+    import importlib.util
+
     subject = _subject("qwen2")
     for feature in ("single_image", "multi_image", "video", "lora_vision"):
         assert probe(feature).run(subject).status is Status.NOT_APPLICABLE
+    # Where vLLM is missing the probe says so (checked here with vLLM hidden, so also where
+    # it is installed: there the probe itself runs in test_doctor_on_a_checkpoint, in
+    # test_vllm.py's scaffolded families and in CI's support-matrix check).
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     vllm = probe("vllm").run(subject)
-    try:
-        import vllm as _  # noqa: F401
-    except ImportError:
-        assert vllm.status is Status.NOT_RUN and vllm.reason == "vllm not installed"
+    assert vllm.status is Status.NOT_RUN and vllm.reason == "vllm not installed"
 
 
 def test_vlm_video_probe():
