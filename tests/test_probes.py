@@ -314,8 +314,10 @@ def test_check_reports_a_hand_edited_page(tmp_path, monkeypatch):
 def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
     out = tmp_path / "out"
     shutil.copytree(COMMITTED, out)
+    # One worker process: the pool that imports the plugin's module, which the doctor
+    # tests above (in process) leave to this one; a second worker only ran probes beside it.
     result = _mmrl("--plugin", "plugins.toy_family", "support-matrix", "--output", str(out), "--family", "toy",
-                   "--no-progress", cwd=REPO / "tests", PYTHONPATH=str(REPO / "tests"))
+                   "--no-progress", "--workers", "1", cwd=REPO / "tests", PYTHONPATH=str(REPO / "tests"))
     assert result.returncode == 0, result.stderr
     before, after = sm.load(COMMITTED / sm.RESULTS_FILE), sm.load(out / sm.RESULTS_FILE)
     toy = {c["feature"]: c for c in after["cells"] if c["family"] == "toy"}
