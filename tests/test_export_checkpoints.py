@@ -171,7 +171,11 @@ def test_prune_keeps_the_newest_up_to_the_saved_one(tmp_path):
 @pytest.mark.multiprocess
 def test_a_sharded_lora_run_saves_its_adapter_and_resumes_exactly(tmp_path, base):
     """Two FSDP2 processes: the checkpoint holds the adapter only (gathered without the
-    frozen base), resuming from it gives the weights of an uninterrupted run."""
+    frozen base), resuming from it gives the weights of an uninterrupted run. The run cut
+    after step 1 is a copy of the uninterrupted run's folder without its step-2
+    checkpoint (what a run killed during step 2 leaves), which saves a third launch."""
+    import shutil
+
     from cpu_processes import run, torchrun
 
     common = [*TEXT, f"model.path={base}", "model.random_init=false", "model.tiny_vocabulary={}",
@@ -184,8 +188,9 @@ def test_a_sharded_lora_run_saves_its_adapter_and_resumes_exactly(tmp_path, base
         run(torchrun(2, "-m", "mmrl.cli", "train", recipe, *common, f"trainer.output_dir={out}", *extra),
             timeout=600)
 
-    train(tmp_path / "straight", "trainer.steps=2", "trainer.save_every=2")
-    train(tmp_path / "cut", "trainer.steps=1", "trainer.save_every=1")
+    train(tmp_path / "straight", "trainer.steps=2", "trainer.save_every=1")
+    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000002")
     train(tmp_path / "cut", "trainer.steps=2", "trainer.save_every=2", "trainer.resume=true")
     straight = load_file(tmp_path / "straight" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     resumed = load_file(tmp_path / "cut" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")

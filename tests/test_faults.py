@@ -395,6 +395,7 @@ except SystemExit as exc:
 """
 
 
+@pytest.mark.multiprocess  # torchrun: out of the quick tier, queued with the slow tests
 def test_error_boundary_a_full_disk_at_a_two_process_export_stops_every_rank_and_keeps_the_weights(tmp_path):
     """Rank 1 waited at a barrier for rank 0, which had given up: now every rank learns the
     failure, both save the checkpoint together, and each says one line and exits 2."""

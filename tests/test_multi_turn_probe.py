@@ -1,8 +1,9 @@
 """The multi_turn probe's checks of the engine's optimizations on a trajectory batch
 (an image and a video arriving in turn 3; tiny random-init Qwen2-VL, fp32 on CPU):
 shared media encoding and padding-free packing give the plain path's log-probs, and
-each check fails when the optimization is broken; Ulysses over 2 processes (gloo)
-equals one process on the same batch."""
+each check fails when the optimization is broken. Ulysses over 2 processes (gloo) on
+the same batch is checked where the whole probe runs on qwen2_vl, with its one torchrun
+launch (tests/test_probes.py::test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold)."""
 
 import copy
 
@@ -80,13 +81,3 @@ def test_broken_packing_fails(trajectory_batch, monkeypatch, broken, message):
     run, seqs, logp = trajectory_batch
     with pytest.raises(CheckFailed, match=message):
         _engine_variants(run, seqs, logp, {})
-
-
-@pytest.mark.multiprocess
-def test_ulysses_on_a_trajectory_batch_equals_one_process():
-    from mmrl.probes.launcher import torchrun_many
-
-    [(outcome, _)] = torchrun_many("mmrl.probes.multi_turn_sp", [Subject(get_adapter("qwen2_vl"), source="qwen2_vl")],
-                                   "verified", processes=2)
-    assert not isinstance(outcome, BaseException), outcome
-    assert outcome.evidence["max_logprob_diff"] <= 1e-5 and outcome.evidence["gradient_tensors"] > 0

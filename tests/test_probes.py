@@ -100,16 +100,16 @@ def test_text_family_probes_verify(feature):
     assert result.status is Status.VERIFIED, result.reason
 
 
-@pytest.mark.slow
-def test_text_family_skips_what_it_cannot_do():
+def test_text_family_skips_what_it_cannot_do(monkeypatch):
     subject = _subject("qwen2")
     for feature in ("single_image", "multi_image", "video", "lora_vision"):
         assert probe(feature).run(subject).status is Status.NOT_APPLICABLE
+    # Where vLLM is missing the probe says so (checked here with vLLM hidden, so also where
+    # it is installed: there the probe itself runs in test_vllm.py's scaffolded families
+    # and in CI's support-matrix check).
+    _hide_vllm(monkeypatch)
     vllm = probe("vllm").run(subject)
-    try:
-        import vllm as _  # noqa: F401
-    except ImportError:
-        assert vllm.status is Status.NOT_RUN and vllm.reason == "vllm not installed"
+    assert vllm.status is Status.NOT_RUN and vllm.reason == "vllm not installed"
 
 
 def test_vlm_video_probe():
@@ -145,10 +145,18 @@ class Broken(ModelAdapter):
 
 
 @pytest.mark.multiprocess
-def test_doctor_fails_a_family_that_breaks_its_contract(tmp_path):
-    (tmp_path / "broken_family.py").write_text(BROKEN_FAMILY)
-    result = _mmrl("--plugin", "broken_family", "doctor", "broken", PYTHONPATH=str(tmp_path), COLUMNS="200")
-    assert result.returncode == 1, result.stdout + result.stderr
+def test_doctor_fails_a_family_that_breaks_its_contract(plugin_path, monkeypatch):
+    """In this process, probes included (`--workers 0`; its torchrun probes import the
+    plugin through the path this process passes on): the worker pool that loads a plugin
+    runs in test_plugin_family_adds_its_row_and_changes_nothing_else."""
+    from rich.console import Console
+
+    import mmrl.cli
+
+    (plugin_path / "broken_family.py").write_text(BROKEN_FAMILY)
+    monkeypatch.setattr(mmrl.cli, "console", Console(width=200))  # the table's reasons unclipped
+    result = _mmrl_in_process("--plugin", "broken_family", "doctor", "broken", "--workers", "0", "--no-progress")
+    assert result.exit_code == 1, (result.output, result.exception)
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
     assert {p.title for p in PROBES} <= set(lines)
     assert "failed" in lines["Padded batch"] and "left-padded batch differs" in lines["Padded batch"]
@@ -158,17 +166,30 @@ def test_doctor_fails_a_family_that_breaks_its_contract(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_doctor_on_a_checkpoint(tmp_path):
+def test_doctor_on_a_checkpoint(tmp_path, monkeypatch):
+    """Every probe on a checkpoint folder (its torchrun probes load the folder in their own
+    processes). In this process with vLLM hidden: the vLLM probes' engine starts were two
+    thirds of the command's time and do not depend on where the weights came from (vLLM
+    loads the engine's own copy); test_vllm.py and CI's support-matrix check run them."""
     from mmrl import build_model
 
     build_model("qwen2", random_init=True).save(tmp_path / "ckpt")
-    result = _mmrl("doctor", str(tmp_path / "ckpt"), "--json")
-    assert result.returncode == 0, result.stdout + result.stderr
+    _hide_vllm(monkeypatch)
+    result = _mmrl_in_process("doctor", str(tmp_path / "ckpt"), "--json", "--workers", "0", "--no-progress")
+    assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads(result.stdout)
     assert report["family"] == "qwen2" and report["subject"] == str((tmp_path / "ckpt").resolve())
     by_feature = {r["feature"]: r for r in report["results"]}
     assert "loaded from the checkpoint" in by_feature["random_init"]["reason"]
     assert all(r["status"] in ("verified", "n/a", "not run here") for r in report["results"]), report
+
+
+def _hide_vllm(monkeypatch) -> None:
+    """vLLM looks uninstalled to the probes (they ask importlib.util.find_spec)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
 
 
 def _mmrl_in_process(*args: str):
@@ -250,16 +271,18 @@ def test_differences_report_status_changes_and_new_families_in_one_line():
     assert any(f"{first['family']}/{first['feature']}: {first['status']} -> failed" in line for line in found)
 
 
-@pytest.mark.slow
 def test_gpu_cells_are_merged_and_kept(tmp_path):
+    """In this process (`--workers 0`, one rope probe per run): what the command writes is
+    checked, not its process (which paid an interpreter start and imports per run)."""
     shutil.copytree(COMMITTED, tmp_path / "out")
     gpu = _document()
     gpu["cells"] = [dict(c, platform="gpu", device="Test GPU", versions={"torch": "2.11.0+cu130"},
                          date="2026-11-30") for c in gpu["cells"] if c["family"] == "qwen2" and c["platform"] == "cpu"]
     (tmp_path / "gpu.json").write_text(json.dumps(gpu))
-    result = _mmrl("support-matrix", "--output", str(tmp_path / "out"), "--gpu-results", str(tmp_path / "gpu.json"),
-                   "--family", "qwen2", "--feature", "rope", "--no-progress", "--workers", "0")
-    assert result.returncode == 0, result.stderr
+    result = _mmrl_in_process("support-matrix", "--output", str(tmp_path / "out"), "--gpu-results",
+                              str(tmp_path / "gpu.json"), "--family", "qwen2", "--feature", "rope", "--no-progress",
+                              "--workers", "0")
+    assert result.exit_code == 0, (result.output, result.exception)
     document = sm.load(tmp_path / "out" / sm.RESULTS_FILE)
     gpu_cells = [c for c in document["cells"] if c["platform"] == "gpu"]
     assert sorted(c["feature"] for c in gpu_cells if c["device"] == "Test GPU") == sorted(FEATURES)
@@ -268,9 +291,9 @@ def test_gpu_cells_are_merged_and_kept(tmp_path):
     assert sorted(map(json.dumps, stored)) == sorted(map(json.dumps, gpu_cells))
     assert "Recorded on GPU" in (tmp_path / "out" / sm.MARKDOWN_FILE).read_text()
     # A later regeneration without --gpu-results keeps them (gpu_results.json).
-    result = _mmrl("support-matrix", "--output", str(tmp_path / "out"), "--family", "qwen2", "--feature", "rope",
-                   "--no-progress", "--workers", "0")
-    assert result.returncode == 0, result.stderr
+    result = _mmrl_in_process("support-matrix", "--output", str(tmp_path / "out"), "--family", "qwen2", "--feature",
+                              "rope", "--no-progress", "--workers", "0")
+    assert result.exit_code == 0, (result.output, result.exception)
     again = sm.load(tmp_path / "out" / sm.RESULTS_FILE)
     assert [c for c in again["cells"] if c["platform"] == "gpu"] == gpu_cells
     assert sm.differences(document, again) == []
@@ -291,8 +314,10 @@ def test_check_reports_a_hand_edited_page(tmp_path, monkeypatch):
 def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
     out = tmp_path / "out"
     shutil.copytree(COMMITTED, out)
+    # One worker process: the pool that imports the plugin's module, which the doctor
+    # tests above (in process) leave to this one; a second worker only ran probes beside it.
     result = _mmrl("--plugin", "plugins.toy_family", "support-matrix", "--output", str(out), "--family", "toy",
-                   "--no-progress", cwd=REPO / "tests", PYTHONPATH=str(REPO / "tests"))
+                   "--no-progress", "--workers", "1", cwd=REPO / "tests", PYTHONPATH=str(REPO / "tests"))
     assert result.returncode == 0, result.stderr
     before, after = sm.load(COMMITTED / sm.RESULTS_FILE), sm.load(out / sm.RESULTS_FILE)
     toy = {c["feature"]: c for c in after["cells"] if c["family"] == "toy"}
@@ -311,7 +336,7 @@ def test_plugin_family_adds_its_row_and_changes_nothing_else(tmp_path):
 
 
 # -- multi_turn: an image from the environment in turn 3 ------------------------------------
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold(monkeypatch):
     from mmrl.processing import Processing
     from mmrl.processors.idefics3 import Idefics3Processing
@@ -321,6 +346,11 @@ def test_multi_turn_probe_verifies_and_names_where_the_prefix_rule_cannot_hold(m
     assert result.status is Status.VERIFIED, result.reason
     assert "positions" in result.reason and result.evidence["kept"] >= 1
     assert result.evidence["max_logprob_diff"] <= 2e-4
+    # Its Ulysses part (one torchrun launch of mmrl.probes.multi_turn_sp): the same update
+    # over 2 processes equals one process on the trajectory batch.
+    assert "Ulysses over 2 processes equals one process" in result.reason, result.reason
+    ulysses = result.evidence["sequence_parallel"]
+    assert ulysses["max_logprob_diff"] <= 1e-5 and ulysses["gradient_tensors"] > 0, ulysses
     assert probe("multi_turn").run(_subject("qwen2")).status is Status.NOT_APPLICABLE
     # Without what the families' processing does to keep the rule (every image in anyres
     # tiles; an assistant's text written as sampled), the probe names why it cannot hold.

@@ -560,18 +560,19 @@ def _assert_one_clean_line(result):
     assert len(lines) == 1, result.stderr
 
 
+# The real process for the checks of a checkpoint folder and of config overrides; the
+# same table's other stages (recipe values, data files) run in a real process in
+# tests/test_bad_inputs.py::test_the_real_process_prints_one_line_on_stderr (a bad YAML
+# value, an unreadable image), and these four inputs, min_pixels above max_pixels and an
+# empty data file among them, through the CLI in process in its table.
 @pytest.mark.parametrize("overrides, words", [
-    (["model.min_pixels=9000", "model.max_pixels=100"], "min_pixels (9000) is above max_pixels (100)"),
     (["model.path=/no/such/checkpoint", "model.random_init=false", "model.tiny_vocabulary={}",
       "model.config_overrides={}"], "model.path: no checkpoint folder /no/such/checkpoint"),
     (["model.config_overrides={text_config: {hidden_size: big}}"],
      "model.config_overrides.text_config.hidden_size: expected an integer"),
-    (["data.train=EMPTY"], "empty file (0 bytes)"),
 ])
 @pytest.mark.slow
 def test_cli_bad_inputs_exit_2_with_one_line(tmp_path, overrides, words):
-    (tmp_path / "empty.jsonl").write_bytes(b"")
-    overrides = [o.replace("EMPTY", str(tmp_path / "empty.jsonl")) for o in overrides]
     result = _cli(f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", *overrides)
     assert result.returncode == 2, result.stderr
     assert words in result.stderr
