@@ -2,7 +2,8 @@
 mmrl/rollout/sessions.py), tiny qwen2 in fp32, the decode loop run eagerly: with the
 weights unchanged, rounds continued on each response's kept cache row give the tokens and
 log-probs of one uninterrupted generation and of the re-prefill path, while a carried
-response prefills only its last sampled token; with the weights changed between rounds,
+response prefills only its last sampled token (text, and images with mrope positions
+on the tiny Qwen2-VL); with the weights changed between rounds,
 the continued response reads the older weights' keys and values (a plain forward over a
 cache the old weights filled gives its log-probs; re-prefilling gives others); a run
 trains on the kept cache; where the cache cannot be kept the rounds re-prefill and say
@@ -11,12 +12,13 @@ why in one line."""
 import torch
 
 from mmrl.buffer.partial import kept_cache_session
+from mmrl.config import load_recipe
 from mmrl.evaluation import conversations_of
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.compiled import CompiledHFRollout
 from mmrl.rollout.sessions import session_for
 from mmrl.trainer import Trainer
-from test_buffer import _rows, _weights
+from test_buffer import REPO, _rows, _weights
 from test_partial_rollouts import FIXED, PARTIAL, _recipe, _responses, _sharpen
 
 ROUND = 3  # tokens per round
@@ -91,6 +93,32 @@ def test_kept_cache_rounds_are_the_one_round_generation_and_the_reprefill_rounds
     assert session.stats["prefill_tokens"] < 0.5 * session.stats["whole_tokens"]
     # Finished responses left: the session holds the rows of its last call only.
     assert set(session.samples) == set(calls[-1][0]) and session.rows == calls[-1][0]
+
+
+def test_kept_cache_rounds_with_images_are_the_one_round_generation(tmp_path):
+    """The same with images and 3-D (mrope) positions: the tiny Qwen2-VL of the CPU demo,
+    rounds of 2 tokens on the kept cache against one call of 6; no image is processed
+    again after the first round (only the last sampled token is prefilled)."""
+    trainer = Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", [
+        "trainer.eval_every=0", "data.eval=null", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]))
+    _sharpen(trainer)
+    rollout = CompiledHFRollout(trainer.actor, trainer.processing, compile=False)
+    samples = [trainer.train_set[i] for i in range(3)]
+    conversations = conversations_of(samples, list(range(3)), trainer.train_set, "test")
+    whole = rollout.generate(conversations, _greedy(6))
+    session = session_for(rollout, reserve=6)
+    tokens, logprobs = [[] for _ in conversations], [[] for _ in conversations]
+    for _ in range(3):
+        part = session.generate([0, 1, 2], conversations, _greedy(2), prefixes=[list(t) for t in tokens])
+        for row in range(len(tokens)):
+            made = int(part.response_mask[row].sum())
+            tokens[row] += part.response_ids[row, :made].tolist()
+            logprobs[row] += part.logprobs[row, :made].tolist()
+    assert rollout.fallback_reason is None and session.stats["reprefill_reason"] is None
+    assert tokens == whole.response_ids.tolist() and len({tuple(t) for t in tokens}) > 1
+    torch.testing.assert_close(torch.tensor(logprobs), whole.logprobs, atol=1e-4, rtol=0)
+    first = sum(len(ids) for ids in _prompt_ids(trainer, conversations))
+    assert session.stats["prefill_tokens"] == first + 2 * len(conversations)
 
 
 def _prompt_ids(trainer, conversations):
