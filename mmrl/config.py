@@ -216,7 +216,8 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(1024, gt=0)
     # Multi-turn on hf_compiled: keep each sample's cache between turns and prefill only a
     # turn's new tokens and images (`mmrl.rollout.sessions`); false prefills the whole
-    # conversation at every turn.
+    # conversation at every turn. Partial rollouts on hf_compiled: keep a carried sample's
+    # cache between rounds (docs/async.md); false re-prefills it under the new weights.
     keep_cache: bool = True
     # Partial rollouts (docs/async.md): the tokens a sample may generate per rollout round;
     # one still generating is carried to the next step's round, under the new weights.

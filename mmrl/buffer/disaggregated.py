@@ -10,7 +10,10 @@ process) and decode. Rollout rank j samples the prompt shares of train ranks j, 
 (the step's prompts split as a run of T ranks splits them), scores them, records their
 behaviour log-probs under its weights and writes each share as the Parquet file the train
 rank's buffer reads (`mmrl.buffer.store`; the file names are those the train rank would
-write itself). A train rank waits for the file of its next batch and trains on it.
+write itself). A train rank waits for the file of its next batch and trains on it. The
+rollout backend is the recipe's: `hf`, `hf_compiled` or `vllm` (an in-process engine per
+rollout rank, which takes each weights version the rank loads through its `sync`);
+with `algo.behaviour: sampler` the behaviour log-probs are the backend's own.
 
 Batches travel through the run folder, not through process-group messages: the buffer
 persists them there anyway, a train rank that stops early (a target accuracy, a time budget)
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as torch_dist
 
-from mmrl.buffer.schedule import BUFFER_FOLDER, BufferedSteps, behaviour_log_probs, rebuild_for
+from mmrl.buffer.schedule import BUFFER_FOLDER, BufferedSteps, behaviour_log_probs, rebuild_for, sampler_log_probs
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, read_batch, write_batch
 from mmrl.config import Recipe, RecipeError
 from mmrl.data import Position
@@ -395,6 +398,7 @@ class RolloutRank:
         index_of = {source: index for index, source in enumerate(dataset.source_rows)}
         name = getattr(dataset, "name", "") or ""
         temperature = recipe.rollout.temperature or 1.0
+        sampler = recipe.algo.behaviour == "sampler"
         for number in range(info["produced"] + 1, recipe.trainer.steps + 1):
             # The newest weights sent, and at least those the bound asks for.
             while version < number - 1 - recipe.algo.max_staleness or self.weights.arrived():
@@ -411,7 +415,9 @@ class RolloutRank:
                 batch.indices = [index_of[row] for row in batch.rows]
                 batch.dataset = name
                 batch.batch_id = number
-                batch.behaviour_logp = behaviour_log_probs(trainer.update, batch, temperature)
+                # The sampler's own log-probs (`algo.behaviour: sampler`) save the rank a forward pass.
+                batch.behaviour_logp = sampler_log_probs(batch) if sampler else \
+                    behaviour_log_probs(trainer.update, batch, temperature)
                 write_batch(self.files[served].batch_file(number), batch)
         while version is not None:  # the remaining versions, the last one included
             version = self._receive()

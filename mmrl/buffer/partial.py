@@ -7,10 +7,19 @@ samples still generating carried to the next step under the new weights.
 Each rollout round draws the next `data.prompts_per_step` prompts (groups of
 `rollout.samples_per_prompt` responses) into flight, then every unfinished response in
 flight generates at most N tokens (fewer where `rollout.max_new_tokens` comes first),
-continuing from its prompt and its tokens so far (the rollout's `continue_from`, which
-processes them again: no cache is kept between rounds). A response finishes at its stop
-token or at `max_new_tokens`, as it would in one `generate` call: with greedy decoding and
-unchanged weights the tokens are the same (tests/test_partial_rollouts.py). The groups
+continuing from its prompt and its tokens so far. On the compiled rollout (`hf_compiled`,
+with `rollout.keep_cache`, the default) one decode session (`mmrl.rollout.sessions`) lives
+for the run: a carried response keeps its cache row between rounds, its older positions'
+keys and values as the older weights computed them (the semantics of partial rollouts in
+AReaL and Kimi k1.5), and its next round prefills only its last sampled token; finished
+responses leave the cache at the next round. Elsewhere (`hf`, `keep_cache: false`,
+sharded weights, sliding-window cache layers, a compiled path given up; said in one line
+at the start) the rollout's `continue_from` processes the prompt and the tokens so far
+again under the new weights, and a resumed run re-prefills its carried responses once
+(caches are not persisted). A response finishes at its stop token or at `max_new_tokens`,
+as it would in one `generate` call: with greedy decoding and unchanged weights the tokens
+are the same on either path (tests/test_partial_rollouts.py,
+tests/test_partial_kept_cache.py). The groups
 whose responses have all finished form the step's batch, in the order they were drawn; a
 round that finishes none is followed by another before the update (the first steps of a
 run, until the first groups are through). The others stay in the buffer
@@ -28,6 +37,8 @@ weights against it (`algo.off_policy`), whatever `algo.max_staleness` is.
 
 from __future__ import annotations
 
+import itertools
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,6 +48,7 @@ import torch
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, RolloutBatch, TrajectoryBuffer
 from mmrl.evaluation import conversations_of
 from mmrl.rollout.base import RolloutResult, SamplingParams
+from mmrl.rollout.sessions import DecodeSession, session_for
 
 if TYPE_CHECKING:
     from mmrl.trainer import Trainer
@@ -58,12 +70,22 @@ class PartialRollouts:
         self.max_new_tokens = r.rollout.max_new_tokens
         self.samples_per_prompt = r.rollout.samples_per_prompt
         self.index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}
+        self.session, reason = kept_cache_session(trainer.rollout, keep_cache=r.rollout.keep_cache,
+                                                  reserve=self.max_new_tokens)
+        if reason is not None and trainer.dist.is_main:
+            print(f"rollout.partial_tokens: carried samples re-prefill their tokens each round ({reason})",
+                  file=sys.stderr, flush=True)
+        # Each carried response's key in the session: id(response) -> (response, serial);
+        # holding the response keeps its id from being reused while the key is live.
+        self._keys: dict[int, tuple[InFlightResponse, int]] = {}
+        self._serials = itertools.count()
 
     def produce(self) -> RolloutBatch:
         """The next batch of finished groups, scored (sampled by the current weights, and
         for carried responses by older ones too)."""
         version = self.trainer.step
         carried = sum(r.finish is None for g in self.buffer.in_flight for r in g.responses)
+        prefilled = dict(self.session.stats) if self.session is not None else None
         rounds = drawn = 0
         while not any(g.complete for g in self.buffer.in_flight):
             drawn += self._draw()
@@ -77,6 +99,10 @@ class PartialRollouts:
                          "partial/carried_out": float(sum(r.finish is None for g in self.buffer.in_flight
                                                           for r in g.responses)),
                          "partial/waiting_groups": float(len(self.buffer.in_flight))}
+        if prefilled is not None:
+            stats = self.session.stats
+            batch.metrics["partial/prefill_tokens"] = float(stats["prefill_tokens"] - prefilled["prefill_tokens"])
+            batch.metrics["partial/prefill_tokens_whole"] = float(stats["whole_tokens"] - prefilled["whole_tokens"])
         return batch
 
     def _draw(self) -> int:
@@ -107,9 +133,14 @@ class PartialRollouts:
         params = SamplingParams(n=1, max_new_tokens=min(self.budget, max(room)), temperature=r.rollout.temperature,
                                 top_p=r.rollout.top_p, logprobs=sampler,
                                 logprobs_temperature=r.rollout.temperature or 1.0)
+        asked = [conversations[number] for number, _ in active]
+        prefixes = [list(response.tokens) for _, response in active]
         with self.trainer._timed("rollout"):
-            result = self.trainer.rollout.continue_from([conversations[number] for number, _ in active],
-                                                        [response.tokens for _, response in active], params)
+            if self.session is not None:
+                result = self.session.generate(self._session_keys([response for _, response in active]), asked,
+                                               params, prefixes=prefixes)
+            else:
+                result = self.trainer.rollout.continue_from(asked, prefixes, params)
         before = [len(response.tokens) for _, response in active]
         for i, (_, response) in enumerate(active):
             made = int(result.response_mask[i].sum())
@@ -129,6 +160,17 @@ class PartialRollouts:
             logp = self.recompute(conversations, grown)
             for i, (_, response) in enumerate(active):
                 response.behaviour += logp[i, before[i]:len(response.tokens)].tolist()
+
+    def _session_keys(self, responses: list[InFlightResponse]) -> list[int]:
+        """The session's key of each response (a new one for a response it has not seen);
+        the keys of responses not in this round are let go, as the session lets go of their rows."""
+        keys = {}
+        for response in responses:
+            known = self._keys.get(id(response))
+            keys[id(response)] = known if known is not None and known[0] is response else \
+                (response, next(self._serials))
+        self._keys = keys
+        return [serial for _, serial in keys.values()]
 
     def _batch(self, groups: list[InFlightGroup], version: int) -> RolloutBatch:
         """The finished groups as a scored batch."""
@@ -165,6 +207,21 @@ def _responses_result(responses: list[InFlightResponse], owners: torch.Tensor, p
         mask[i, :len(response.tokens)] = 1.0
     return RolloutResult(response_ids=ids, response_mask=mask,
                          finish_reasons=[r.finish or "length" for r in responses], prompt_index=owners)
+
+
+def kept_cache_session(rollout, keep_cache: bool, reserve: int) -> tuple[DecodeSession | None, str | None]:
+    """The decode session that keeps carried responses' caches between rounds, or None
+    and why the rounds re-prefill instead. `reserve`: the tokens a response may reach
+    (`rollout.max_new_tokens`), so the first cache is sized for every round."""
+    if not keep_cache:
+        return None, "rollout.keep_cache is false"
+    session = session_for(rollout, reserve=reserve)
+    if session is None:
+        return None, f"rollout backend {getattr(rollout, 'backend', type(rollout).__name__)!r} keeps no cache " \
+                     "between calls; hf_compiled does"
+    if session.stats["turn_by_turn"] is not None:
+        return None, f"hf_compiled cannot keep a cache here: {session.stats['turn_by_turn']}"
+    return session, None
 
 
 def partial_metrics(batch: RolloutBatch, version: int) -> dict[str, float]:

@@ -9,7 +9,14 @@
 `keys` name the samples (any hashable, one per conversation); a key's row of the static
 cache holds its conversation between calls. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
-`RolloutResult`s, `prompt_inputs` being each conversation processed whole.
+`RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
+rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
+response's tokens so far as `prefixes` (appended to its processed prompt, as
+`continue_from` appends them): a carried response's conversation then begins with what
+its row holds, and only its last sampled token is prefilled, under whatever weights the
+model has now. Between calls the kept cache leaves the rollout's pool of caches, which
+any other call of the rollout (a validation between two rounds) would reset and reuse,
+and rejoins it for the session's next call.
 
 What a later turn does, per sample:
 - its conversation is processed whole, as plain `generate` would get it: token ids, the
@@ -50,7 +57,7 @@ import torch
 from mmrl.engine.media import placeholder_tokens
 from mmrl.errors import one_line
 from mmrl.processing import text_aligned
-from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
 from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
 
 MEDIA_TYPES = ("image", "video")
@@ -109,6 +116,7 @@ class DecodeSession:
         self.rows: list[Hashable] = []
         self.samples: dict[Hashable, _Row] = {}
         self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media identity -> chunk (and the parts, kept alive)
+        self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None,
                             "turn_by_turn": rollout.session_unsupported()}
@@ -121,14 +129,18 @@ class DecodeSession:
 
     def close(self) -> None:
         """Let go of the cache (the rollout keeps it for reuse) and what the rows held."""
+        self._rejoin_pool()
         self.cache = self.mask = None
         self.rows, self.samples, self._chunks = [], {}, {}
 
     @torch.no_grad()
     def generate(self, keys: Sequence[Hashable], conversations: list[list[dict]],
-                 params: SamplingParams) -> RolloutResult:
+                 params: SamplingParams, prefixes: list[list[int]] | None = None) -> RolloutResult:
         """One turn: a response per conversation (`params.n` must be 1), `keys[i]` naming
-        conversation i's sample; samples of earlier calls missing from `keys` are freed."""
+        conversation i's sample; samples of earlier calls missing from `keys` are freed.
+        `prefixes[i]`: response tokens conversation i already has (a partial rollout's
+        carried sample, `mmrl.buffer.partial`), appended after its processed prompt as the
+        rollout's `continue_from` appends them; the result holds the new tokens only."""
         if params.n != 1:
             raise ValueError(f"a decode session samples one response per conversation, got n={params.n}")
         if len(keys) != len(conversations) or len(set(keys)) != len(keys):
@@ -136,19 +148,42 @@ class DecodeSession:
         rollout = self.rollout
         if self.stats["turn_by_turn"] is None and rollout.fallback_reason is None:
             batch = dict(self.processing(conversations))
+            if prefixes is not None:
+                batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             try:
+                self._rejoin_pool()
                 generated, logprobs = self._turn(list(keys), conversations, batch, params)
             except Exception as error:  # noqa: BLE001 - as the rollout's own path: plain generate, once, loudly
                 self.close()
                 rollout.give_up(one_line(error, typed=True)[:300])
             else:
+                self._leave_pool()
                 stops, pad = self.processing.stop_token_ids, self.processing.tokenizer.pad_token_id
                 ids, mask, reasons = trim_responses(generated, stops, pad)
                 return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                                      prompt_index=torch.arange(len(conversations)),
-                                     logprobs=None if logprobs is None else logprobs * mask, prompt_inputs=batch)
+                                     logprobs=None if logprobs is None else logprobs * mask,
+                                     prompt_inputs=batch if prefixes is None else None)
         self.stats["turns"] += 1
+        if prefixes is not None:
+            return rollout.continue_from(conversations, prefixes, params)
         return rollout.generate(conversations, params)
+
+    def _leave_pool(self) -> None:
+        """Between calls the kept cache is the session's alone: the rollout reuses (and
+        resets) the caches of its pool for any other call, such as a validation between
+        two rounds of a partial rollout."""
+        pool = self.rollout._caches
+        self._pool_key = next((key for key, cache in pool.items() if cache is self.cache), None)
+        if self._pool_key is not None:
+            del pool[self._pool_key]
+
+    def _rejoin_pool(self) -> None:
+        """The kept cache back in the rollout's pool for this call, where the decode loop
+        and its recorded graphs (`GraphedStep.start`) count it as live."""
+        if self.cache is not None and self._pool_key is not None:
+            self.rollout._caches[self._pool_key] = self.cache
+        self._pool_key = None
 
     # -- a turn ------------------------------------------------------------------------------
     def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams):
@@ -245,6 +280,9 @@ class DecodeSession:
                                      media=self._grown_media(previous, conversations[row]) if continued else None)
         self.fill = end + steps - 1
         self.rows = list(keys)
+        # Samples missing from this call left the cache: what their rows held goes too (a
+        # partial rollout's session lives for the whole run).
+        self.samples = {key: self.samples[key] for key in keys}
 
     # -- what continues --------------------------------------------------------------------
     def _continuation(self, keys: list, conversations: list, inputs: dict, ids: list[list[int]], run: DecodeRun):

