@@ -268,6 +268,10 @@ class AlgoConfig(_Section):
     # Where a stale token's behaviour log-prob comes from: the trainer's forward under the
     # sampling weights ("recomputed", one more forward pass) or the sampler's own (docs/async.md).
     behaviour: Literal["recomputed", "sampler"] = "recomputed"
+    # One-step-off on one device: "thread" samples the next batch beside the update, on an
+    # inference copy (needs max_staleness >= 1 and behaviour sampler); "auto" takes the
+    # thread on a GPU where the recipe allows it; "off": one after the other (docs/async.md).
+    overlap: Literal["off", "thread", "auto"] = "off"
 
 
 class RewardConfig(_Section):

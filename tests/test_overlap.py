@@ -1,0 +1,151 @@
+"""The concurrent one-step-off schedule (mmrl/buffer/overlap.py, `algo.overlap: thread`):
+the same batches, behaviour log-probs, metrics and weights as the sequential schedule bit
+for bit, an error in the rollout thread raised in the main thread with its traceback, a
+failed run not waiting on the thread, and the recipe's one-line refusals."""
+
+import json
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.buffer import ConcurrentSteps
+from mmrl.buffer.store import read_batch
+from mmrl.config import RecipeError, load_recipe
+from mmrl.trainer import Trainer
+from test_trainer import TEXT
+
+ONE_STEP_OFF = [*TEXT, "data.eval=null", "trainer.export=false", "reward.name=test_buffer:length_reward",
+                "rollout.backend=hf_compiled", "algo.max_staleness=1", "algo.behaviour=sampler", "optim.lr=1e-2"]
+
+
+def _trainer(run, *extra) -> Trainer:
+    return Trainer(load_recipe(None, [*ONE_STEP_OFF, f"trainer.output_dir={run}", *extra]))
+
+
+def _drawing_update(trainer: Trainer) -> Trainer:
+    """The trainer with an update that draws from the default generator as it runs, as
+    dropout does (training engines switch the model's own dropout off; a LoRA copy is
+    merged, so its samples differ from the live adapters' in the last bits)."""
+    update = trainer.update.run
+
+    def run(plan):
+        for _ in range(20):
+            torch.rand(64)
+            torch.randn(8, 8) @ torch.randn(8, 8)
+        return update(plan)
+
+    trainer.update.run = run
+    return trainer
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "overlap/"))
+             and k not in ("tokens_per_s", "train_seconds")} for r in rows]
+
+
+def _batches(run) -> dict[int, dict]:
+    """Each batch file's columns by batch number, and the version that sampled it."""
+    out = {}
+    for path in sorted((Path(run) / "buffer").glob("batch_*.parquet")):
+        table, metadata = read_batch(path)
+        out[metadata["batch"]] = {"sampled_by": metadata["version"], **table.to_pydict()}
+    return out
+
+
+def _rollout_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("mmrl-rollout-batch-")]
+
+
+def test_concurrent_one_step_off_equals_the_sequential_schedule_bit_for_bit(tmp_path):
+    """Batches 3 to 5 are sampled in the thread while steps 2 to 4 update (drawing random
+    numbers meanwhile): the same tokens, behaviour log-probs, rewards, metrics and final
+    weights as the sequential schedule."""
+    sequential = _drawing_update(_trainer(tmp_path / "sequential", "trainer.steps=5"))
+    sequential.fit()
+    concurrent = _drawing_update(_trainer(tmp_path / "concurrent", "trainer.steps=5", "algo.overlap=thread"))
+    concurrent.fit()
+    assert isinstance(concurrent.trajectories, ConcurrentSteps)
+    assert not isinstance(sequential.trajectories, ConcurrentSteps)
+    rows = _rows(tmp_path / "concurrent")
+    assert _untimed(rows) == _untimed(_rows(tmp_path / "sequential"))
+    # Steps 3 to 5 collected a batch sampled beside the previous update.
+    assert [r["overlap/rollout_s"] > 0 for r in rows if not r.get("final")] == [False, False, True, True, True]
+    batches = _batches(tmp_path / "concurrent")
+    assert batches == _batches(tmp_path / "sequential")
+    assert [batches[n]["sampled_by"] for n in sorted(batches)] == [0, 0, 1, 2, 3]
+    expected = sequential.actor.model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in concurrent.actor.model.state_dict().items())
+    assert not _rollout_threads()
+
+
+def _fails_in_the_thread(completions, answers, **fields):
+    """A reward that fails when scored in the rollout thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError("scored in the rollout thread")
+    return [len(c) / 3 for c in completions]
+
+
+def test_an_error_in_the_rollout_thread_is_raised_in_the_main_thread_with_its_traceback(tmp_path):
+    trainer = _trainer(tmp_path / "run", "trainer.steps=4", "algo.overlap=thread",
+                       "reward.name=test_overlap:_fails_in_the_thread")
+    with pytest.raises(Exception, match="scored in the rollout thread") as caught:
+        trainer.fit()
+    error = caught.value
+    assert any("raised in the rollout thread (algo.overlap=thread), sampling batch 3" in note
+               for note in getattr(error, "__notes__", []))
+    frames = traceback.extract_tb(error.__traceback__)
+    assert any(frame.name == "_work" and frame.filename.endswith("overlap.py") for frame in frames)
+    assert any(frame.name == "_fails_in_the_thread" for frame in frames) or error.__cause__ is not None \
+        or "_fails_in_the_thread" in str(error)
+    assert trainer.step == 2  # raised when step 3 collects the batch it trains on
+    assert not _rollout_threads()
+
+
+def test_a_run_that_fails_beside_a_rollout_does_not_wait_for_it(tmp_path):
+    """The update of step 2 fails while batch 3 is sampled: the error reaches the caller
+    at once; the thread, a daemon, ends with its batch and keeps no process alive."""
+    trainer = _trainer(tmp_path / "run", "trainer.steps=4", "algo.overlap=thread")
+    update = trainer.update.run
+    seen = []
+
+    def failing_update(plan):
+        if trainer.step == 2:
+            seen.extend(_rollout_threads())
+            raise RuntimeError("update failed")
+        return update(plan)
+
+    trainer.update.run = failing_update
+    with pytest.raises(RuntimeError, match="update failed"):
+        trainer.fit()
+    assert seen and all(thread.daemon for thread in seen)
+    for thread in seen:
+        thread.join()  # bounded: one batch
+    assert not _rollout_threads()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["algo.max_staleness=0"], "needs algo.max_staleness >= 1"),
+    (["algo.behaviour=recomputed"], "needs algo.behaviour=sampler"),
+    (["rollout.backend=hf"], "rollout.backend 'hf' is not it"),
+    (["rollout.partial_tokens=2"], "rollout.partial_tokens=2 cannot be combined"),
+])
+def test_what_the_thread_cannot_run_is_refused_in_one_line(tmp_path, extra, words):
+    with pytest.raises(RecipeError) as caught:
+        _trainer(tmp_path / "run", "algo.overlap=thread", *extra)
+    message = str(caught.value)
+    assert message.startswith("algo.overlap=thread") and words in message and "\n" not in message
+
+
+def test_auto_runs_sequentially_off_a_gpu_and_an_unknown_mode_is_refused(tmp_path):
+    assert not isinstance(_trainer(tmp_path / "auto", "algo.overlap=auto").trajectories, ConcurrentSteps)
+    with pytest.raises(RecipeError, match=r"^algo.overlap=thread .*settled on 'hf'"):
+        _trainer(tmp_path / "settled", "algo.overlap=thread", "rollout.backend=auto")
+    with pytest.raises(RecipeError, match=r"^algo.overlap: Input should be 'off', 'thread' or 'auto'"):
+        _trainer(tmp_path / "bad", "algo.overlap=sometimes")
