@@ -273,6 +273,12 @@ class AlgoConfig(_Section):
     # thread on a GPU where the recipe allows it; "off": one after the other (docs/async.md).
     overlap: Literal["off", "thread", "auto"] = "off"
 
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `off` as false: `overlap: off` means "off"."""
+        return "off" if value is False else value
+
 
 class RewardConfig(_Section):
     # A built-in reward name, "path/to/file.py:function" (relative to the recipe's folder)
