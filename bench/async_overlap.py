@@ -36,6 +36,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,19 +138,19 @@ def print_table(runs: dict[str, dict], ratio: dict[str, dict[str, float]]) -> No
         phase, r = run["median_phase_s"], ratio.get(name, {})
         print(f"{name:<14} {run['steps_done']:>5} {run['median_step_s']:>7.2f} {run['whole_run_s']:>8.1f} "
               f"{phase.get('rollout_s', 0):>7.2f} {phase.get('update_s', 0):>7.2f} "
-              f"{phase.get('overlap/waited_for_rollout_s', 0):>9.2f} {phase.get('overlap/waited_for_update_s', 0):>10.2f} "
+              f"{phase.get('overlap/waited_for_rollout_s', 0):>9.2f} "
+              f"{phase.get('overlap/waited_for_update_s', 0):>10.2f} "
               f"{run.get('peak_allocated_gib') or 0:>8.1f} {r.get('median_step', float('nan')):>7.2f}x "
               f"{r.get('whole_run', float('nan')):>7.2f}x")
 
 
 def child(args, worker: str, tmp: Path, overrides: list[str]) -> tuple[dict | None, str | None]:
     """Run one recipe in a fresh process of this script; its record and an error line."""
-    import subprocess
-
     result = tmp / f"{worker}.json"
     log = tmp / f"{worker}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
-           "--result", str(result), "--overrides", json.dumps(overrides), "--prompt-words", *map(str, args.prompt_words),
+           "--result", str(result), "--overrides", json.dumps(overrides),
+           "--prompt-words", *map(str, args.prompt_words),
            *[item for key in grpo.FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
     error = None
     with log.open("w") as out:

@@ -149,3 +149,29 @@ def test_auto_runs_sequentially_off_a_gpu_and_an_unknown_mode_is_refused(tmp_pat
         _trainer(tmp_path / "settled", "algo.overlap=thread", "rollout.backend=auto")
     with pytest.raises(RecipeError, match=r"^algo.overlap: Input should be 'off', 'thread' or 'auto'"):
         _trainer(tmp_path / "bad", "algo.overlap=sometimes")
+
+
+def test_a_concurrent_run_stopped_and_resumed_ends_as_one_never_stopped(tmp_path):
+    """The checkpoint of step 2 waits for batch 3, sampled beside update 2, and records it
+    as the sequential schedule would: the resumed run trains it and ends with the same
+    weights and batches as a run never stopped."""
+    common = ["trainer.steps=4", "trainer.save_every=2", "algo.overlap=thread"]
+    straight = _trainer(tmp_path / "straight", *common)
+    straight.fit()
+    stopped = _trainer(tmp_path / "run", *common)
+    take_step = stopped.train_step
+
+    def stop_before_step_3():
+        if stopped.step == 2:
+            raise RuntimeError("stop")
+        return take_step()
+
+    stopped.train_step = stop_before_step_3
+    with pytest.raises(RuntimeError, match="stop"):
+        stopped.fit()
+    assert (tmp_path / "run" / "buffer" / "batch_000003.parquet").is_file()
+    resumed = _trainer(tmp_path / "run", *common, "trainer.resume=true")
+    resumed.fit()
+    expected = straight.actor.model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in resumed.actor.model.state_dict().items())
+    assert _batches(tmp_path / "run") == _batches(tmp_path / "straight")

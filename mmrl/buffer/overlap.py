@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmrl.buffer import schedule
-from mmrl.buffer.schedule import BufferedSteps, batch_seed, buffer_for, rebuild_for, sampler_log_probs
+from mmrl.buffer.schedule import (BufferedSteps, batch_seed, buffer_for, check_sampler_log_probs, rebuild_for,
+                                  sampler_log_probs)
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer
 from mmrl.config import Recipe, RecipeError
 from mmrl.recipe_checks import overlap_problem
@@ -64,6 +65,7 @@ from mmrl.rollout.inference_copy import InferenceCopy
 
 if TYPE_CHECKING:
     from mmrl.trainer import Trainer
+
 
 def overlap_mode(recipe: Recipe, device: torch.device, backend: str) -> str:
     """`algo.overlap` as this run takes it, "thread" or "off" ("auto": the thread on a GPU
@@ -198,6 +200,7 @@ class ConcurrentSteps(BufferedSteps):
         options = rollout_options(recipe.rollout, "hf_compiled", settled.rollout_decode)
         processing = copying.deepcopy(trainer.processing)
         side = RolloutSide(trainer, CopyRollout(trainer.actor, processing, **options), processing)
+        check_sampler_log_probs(side.rollout, recipe)  # its raw log-probs: rollout.temperature 1 (or 0)
         seed, rank = recipe.trainer.seed, trainer.dist.dp_rank
 
         def roll_out(version: int, number: int) -> RolloutBatch:
@@ -241,7 +244,14 @@ class ConcurrentSteps(BufferedSteps):
                 return
 
     def _inline(self) -> RolloutBatch:
-        return self.roll_out(self._done, self.buffer.produced + 1)
+        batch = self.roll_out(self._done, self.buffer.produced + 1)
+        self._move_timings()
+        return batch
+
+    def _move_timings(self) -> None:
+        """The rollout's seconds (`time/rollout`, ...) onto the trainer's clock (main thread)."""
+        for key in list(self.side_timings):
+            self.timings[key] += self.side_timings.pop(key)
 
     def _behaved(self, batch: RolloutBatch) -> RolloutBatch:
         if batch.behaviour_logp is None:
@@ -300,9 +310,7 @@ class ConcurrentSteps(BufferedSteps):
         self._metrics["overlap/waited_for_rollout_s"] = now - waited
         self._metrics["overlap/waited_for_update_s"] = max(0.0, waited - job.finished_at)
         self._metrics["overlap/rollout_s"] = job.busy
-        for key, seconds in list(self.side_timings.items()):
-            self.timings[key] += seconds
-            self.side_timings.pop(key)
+        self._move_timings()
         if job.error is not None:
             job.error.add_note(f"raised in the rollout thread (algo.overlap=thread), sampling batch {job.number} "
                                f"with the weights of step {job.version}")

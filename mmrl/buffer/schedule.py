@@ -188,7 +188,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
     temperature = recipe.rollout.temperature or 1.0
     sampler = recipe.algo.behaviour == "sampler"
     if recipe.algo.max_staleness or partial:  # the only runs that take behaviour log-probs
-        _check_sampler_log_probs(trainer.rollout, recipe)
+        check_sampler_log_probs(trainer.rollout, recipe)
 
     def recompute(conversations: list | None, result: RolloutResult) -> torch.Tensor:
         with trainer._timed("logprob"):
@@ -218,7 +218,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
                          rebuild=rebuild_for(trainer))
 
 
-def _check_sampler_log_probs(rollout, recipe) -> None:
+def check_sampler_log_probs(rollout, recipe) -> None:
     """`algo.behaviour: sampler` needs the sampler's log-probs at the rollout temperature:
     every backend gives them at temperature 1, only those that say so at another."""
     temperature = recipe.rollout.temperature
