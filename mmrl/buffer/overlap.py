@@ -185,7 +185,9 @@ class ConcurrentSteps(BufferedSteps):
         self.device = device
         self.side_timings = side_timings
         self.timings = timings
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # High priority: a decode step is a short kernel chain each token waits for; the
+        # update's long kernels fill the device around it.
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.in_flight: _InFlight | None = None
         self.copy_version: int | None = None  # the weights version the copy holds
         self._done = 0
