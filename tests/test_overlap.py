@@ -17,6 +17,8 @@ from mmrl.config import RecipeError, load_recipe
 from mmrl.trainer import Trainer
 from test_trainer import TEXT
 
+REPO = Path(__file__).resolve().parents[1]
+
 ONE_STEP_OFF = [*TEXT, "data.eval=null", "trainer.export=false", "reward.name=test_buffer:length_reward",
                 "rollout.backend=hf_compiled", "algo.max_staleness=1", "algo.behaviour=sampler", "optim.lr=1e-2"]
 
@@ -175,3 +177,25 @@ def test_a_concurrent_run_stopped_and_resumed_ends_as_one_never_stopped(tmp_path
     expected = straight.actor.model.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in resumed.actor.model.state_dict().items())
     assert _batches(tmp_path / "run") == _batches(tmp_path / "straight")
+
+
+def test_a_vision_run_concurrent_equals_sequential_and_its_media_check_reads_the_training_path(tmp_path, capfd):
+    """Images by dataset row through the thread's own processing and inference copy: the
+    same metrics and weights; the step-0 media check does not hook the copy (the thread
+    samples there), so it raises no false alarm about the actor's vision tower."""
+    vlm = ["trainer.eval_every=0", "data.eval=null", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+           "trainer.progress=false", "trainer.export=false", "trainer.summary=false", "trainer.steps=3",
+           "rollout.backend=hf_compiled", "algo.max_staleness=1", "algo.behaviour=sampler"]
+
+    def run(name, *extra):
+        trainer = Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml",
+                                      [*vlm, f"trainer.output_dir={tmp_path / name}", *extra]))
+        trainer.fit()
+        return trainer
+
+    sequential, concurrent = run("sequential"), run("concurrent", "algo.overlap=thread")
+    assert isinstance(concurrent.trajectories, ConcurrentSteps)
+    assert _untimed(_rows(tmp_path / "concurrent")) == _untimed(_rows(tmp_path / "sequential"))
+    expected = sequential.actor.model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in concurrent.actor.model.state_dict().items())
+    assert "media check" not in capfd.readouterr().err
