@@ -110,25 +110,39 @@ def test_an_error_in_the_rollout_thread_is_raised_in_the_main_thread_with_its_tr
     assert not _rollout_threads()
 
 
+_RELEASE = threading.Event()
+
+
+def _waits_in_the_thread(completions, answers, **fields):
+    """A reward that, scored in the rollout thread, waits until the test releases it."""
+    if threading.current_thread() is not threading.main_thread():
+        _RELEASE.wait(timeout=300)
+    return [len(c) / 3 for c in completions]
+
+
 def test_a_run_that_fails_beside_a_rollout_does_not_wait_for_it(tmp_path):
-    """The update of step 2 fails while batch 3 is sampled: the error reaches the caller
-    at once; the thread, a daemon, ends with its batch and keeps no process alive."""
-    trainer = _trainer(tmp_path / "run", "trainer.steps=4", "algo.overlap=thread")
+    """The update of step 2 fails while batch 3 is still being scored: the error reaches
+    the caller while the thread, a daemon (it keeps no process alive), is still busy;
+    released, it ends with its batch."""
+    trainer = _trainer(tmp_path / "run", "trainer.steps=4", "algo.overlap=thread",
+                       "reward.name=test_overlap:_waits_in_the_thread")
     update = trainer.update.run
-    seen = []
 
     def failing_update(plan):
         if trainer.step == 2:
-            seen.extend(_rollout_threads())
             raise RuntimeError("update failed")
         return update(plan)
 
     trainer.update.run = failing_update
-    with pytest.raises(RuntimeError, match="update failed"):
-        trainer.fit()
-    assert seen and all(thread.daemon for thread in seen)
-    for thread in seen:
-        thread.join()  # bounded: one batch
+    _RELEASE.clear()
+    try:
+        with pytest.raises(RuntimeError, match="update failed"):
+            trainer.fit()
+        busy = [thread for thread in _rollout_threads() if thread.is_alive()]
+        assert len(busy) == 1 and busy[0].daemon
+    finally:
+        _RELEASE.set()
+    busy[0].join()  # bounded: the rest of one batch
     assert not _rollout_threads()
 
 

@@ -163,7 +163,7 @@ class _InFlight:
         self.error: BaseException | None = None
         self.busy = 0.0  # seconds the thread sampled and scored
         self.finished_at: float | None = None
-        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
         self.event = None  # a CUDA event recorded on the thread's stream after its last kernel
 
 
@@ -276,10 +276,10 @@ class ConcurrentSteps(BufferedSteps):
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()  # after the copy's refresh on the main stream
-        thread = threading.Thread(target=self._work, args=(job, ready), daemon=True,
-                                  name=f"mmrl-rollout-batch-{job.number}")
+        job.thread = threading.Thread(target=self._work, args=(job, ready), daemon=True,
+                                      name=f"mmrl-rollout-batch-{job.number}")
         self.in_flight = job
-        thread.start()
+        job.thread.start()
 
     def _work(self, job: _InFlight, ready) -> None:
         started = time.perf_counter()
@@ -297,7 +297,6 @@ class ConcurrentSteps(BufferedSteps):
         finally:
             job.finished_at = time.perf_counter()
             job.busy = job.finished_at - started
-            job.done.set()
 
     def _collect(self) -> None:
         """Wait for the batch being sampled, if any, and put it in the buffer (main thread);
@@ -306,7 +305,7 @@ class ConcurrentSteps(BufferedSteps):
         if job is None:
             return
         waited = time.perf_counter()
-        job.done.wait()
+        job.thread.join()
         now = time.perf_counter()
         self.in_flight = None
         self._metrics["overlap/waited_for_rollout_s"] = now - waited
