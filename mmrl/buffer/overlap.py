@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mmrl.buffer import schedule
 from mmrl.buffer.schedule import (BufferedSteps, batch_seed, buffer_for, check_sampler_log_probs, rebuild_for,
                                   sampler_log_probs)
+from mmrl.buffer.schedule import steps_for as sequential_steps_for
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer
 from mmrl.config import Recipe, RecipeError
 from mmrl.recipe_checks import overlap_problem
@@ -90,7 +90,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
     thread, else the sequential one (`mmrl.buffer.schedule.steps_for`)."""
     mode = overlap_mode(trainer.recipe, trainer.dist.device, trainer.settled.rollout_backend)
     if mode == "off":
-        return schedule.steps_for(trainer)
+        return sequential_steps_for(trainer)
     return ConcurrentSteps.for_trainer(trainer)
 
 
