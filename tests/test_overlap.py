@@ -1,7 +1,8 @@
 """The concurrent one-step-off schedule (mmrl/buffer/overlap.py, `algo.overlap: thread`):
 the same batches, behaviour log-probs, metrics and weights as the sequential schedule bit
 for bit, an error in the rollout thread raised in the main thread with its traceback, a
-failed run not waiting on the thread, and the recipe's one-line refusals."""
+failed run not waiting on the thread, the recipe's one-line refusals, and the compiled
+rollout's own generator (`SamplingParams.generator_seed`)."""
 
 import json
 import threading
@@ -213,3 +214,28 @@ def test_a_vision_run_concurrent_equals_sequential_and_its_media_check_reads_the
     expected = sequential.actor.model.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in concurrent.actor.model.state_dict().items())
     assert "media check" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("decode", ["graphs", "compiled"])
+def test_a_generator_seed_fixes_the_compiled_rollouts_samples_whatever_the_default_generator(decode):
+    """`SamplingParams.generator_seed`: the draws come from a generator of the rollout's
+    own (each decode step's noise an input of the step, recorded or compiled), so the
+    default generator's state changes nothing and another seed changes the samples."""
+    from widened_models import prompt_conversations, widened_engine
+
+    from mmrl.rollout import SamplingParams, make_rollout
+
+    built, engine = widened_engine("qwen2")
+    conversations = prompt_conversations(built)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, decode=decode)
+
+    def sample(default_seed: int, generator_seed: int):
+        torch.manual_seed(default_seed)
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, logprobs=True, generator_seed=generator_seed)
+        return rollout.generate(conversations, params)
+
+    first, second, other = sample(0, 7), sample(1, 7), sample(0, 8)
+    assert rollout.fallback_reason is None
+    assert torch.equal(first.response_ids, second.response_ids)
+    assert torch.equal(first.logprobs, second.logprobs)
+    assert not torch.equal(first.response_ids, other.response_ids)
