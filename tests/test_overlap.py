@@ -15,6 +15,7 @@ import torch
 from mmrl.buffer import ConcurrentSteps
 from mmrl.buffer.store import read_batch
 from mmrl.config import RecipeError, load_recipe
+from mmrl.summary import run_summary
 from mmrl.trainer import Trainer
 from test_trainer import TEXT
 
@@ -76,6 +77,10 @@ def test_concurrent_one_step_off_equals_the_sequential_schedule_bit_for_bit(tmp_
     concurrent.fit()
     assert isinstance(concurrent.trajectories, ConcurrentSteps)
     assert not isinstance(sequential.trajectories, ConcurrentSteps)
+    assert [line for line in run_summary(concurrent) if line.startswith("overlap ")] == [
+        "overlap   thread (algo.overlap=thread): the next batch sampled beside the update on an inference copy "
+        "0.3 MiB in float32, kept between rollouts"]
+    assert not [line for line in run_summary(sequential) if line.startswith("overlap ")]
     rows = _rows(tmp_path / "concurrent")
     assert _untimed(rows) == _untimed(_rows(tmp_path / "sequential"))
     # Steps 3 to 5 collected a batch sampled beside the previous update.

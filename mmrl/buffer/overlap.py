@@ -61,7 +61,7 @@ from mmrl.config import Recipe, RecipeError
 from mmrl.recipe_checks import overlap_problem
 from mmrl.rollout import rollout_options
 from mmrl.rollout.compiled import CompiledHFRollout
-from mmrl.rollout.inference_copy import InferenceCopy
+from mmrl.rollout.inference_copy import InferenceCopy, describe
 
 if TYPE_CHECKING:
     from mmrl.trainer import Trainer
@@ -177,11 +177,12 @@ class ConcurrentSteps(BufferedSteps):
     def __init__(self, buffer: TrajectoryBuffer, *, max_staleness: int, total_steps: Callable[[], int],
                  roll_out: Callable[[int, int], RolloutBatch], refresh: Callable[[], None],
                  device: torch.device, side_timings: dict[str, float],
-                 timings: dict[str, float], rebuild: Callable | None = None):
+                 timings: dict[str, float], rebuild: Callable | None = None, summary: str = ""):
         super().__init__(buffer, max_staleness=max_staleness, total_steps=total_steps, produce=self._inline,
                          behaviour=sampler_log_probs, rebuild=rebuild)
         self.roll_out = roll_out
         self.refresh = refresh
+        self.summary = summary  # the run summary's line on it (`mmrl.summary`)
         self.device = device
         self.side_timings = side_timings
         self.timings = timings
@@ -214,7 +215,9 @@ class ConcurrentSteps(BufferedSteps):
         return cls(buffer_for(trainer), max_staleness=recipe.algo.max_staleness,
                    total_steps=lambda: trainer.recipe.trainer.steps, roll_out=roll_out, refresh=side.rollout.refresh,
                    device=trainer.dist.device, side_timings=side.timings, timings=trainer.timings,
-                   rebuild=rebuild_for(trainer))
+                   rebuild=rebuild_for(trainer),
+                   summary=f"thread (algo.overlap={recipe.algo.overlap}): the next batch sampled beside the update "
+                           f"on an {describe(side.rollout.copy)}")
 
     # -- the schedule ---------------------------------------------------------------------------
     def next(self, done: int) -> tuple[RolloutBatch, dict[str, float]]:
