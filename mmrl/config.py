@@ -269,6 +269,16 @@ class AlgoConfig(_Section):
     # Where a stale token's behaviour log-prob comes from: the trainer's forward under the
     # sampling weights ("recomputed", one more forward pass) or the sampler's own (docs/async.md).
     behaviour: Literal["recomputed", "sampler"] = "recomputed"
+    # One-step-off on one device: "thread" samples the next batch beside the update, on an
+    # inference copy (needs max_staleness >= 1 and behaviour sampler); "auto" takes the
+    # thread on a GPU where the recipe allows it; "off": one after the other (docs/async.md).
+    overlap: Literal["off", "thread", "auto"] = "off"
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `off` as false: `overlap: off` means "off"."""
+        return "off" if value is False else value
 
 
 class RewardConfig(_Section):

@@ -283,8 +283,9 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     ids, mask = responses
 
     # The rollout path is hooked where it runs the engine's own model (the HF backends);
-    # a backend with its own copy (vLLM) scores the same response tokens itself.
-    hooked = isinstance(rollout, HFRollout)
+    # a backend with its own copy (vLLM) scores the same response tokens itself; the
+    # one-step-off thread's inference copy (mmrl/buffer/overlap.py) is left unchecked.
+    hooked = isinstance(rollout, HFRollout) and rollout.sampling_model() is engine.model
     scored = not hooked and callable(getattr(rollout, "log_probs", None))
     if scored:
         reading.pixels_unchecked = (f"{type(rollout).__name__} runs its own copy of the model (no hooks there); "

@@ -62,6 +62,35 @@ def check_before_build(recipe: Recipe, *, reward=None, loaded: dict | None = Non
     check_reward_and_data(recipe, reward=reward, loaded=loaded)
     _check_strict_media(recipe)
     _check_pack(recipe)
+    if recipe.algo.overlap == "thread" and (problem := overlap_problem(recipe)):
+        raise RecipeError(problem)
+
+
+def overlap_problem(recipe: Recipe) -> str | None:
+    """Why `algo.overlap: thread` cannot run this recipe (a one-line message naming the
+    field), or None. `auto` takes the thread exactly where this says nothing and the run
+    has a GPU (`mmrl.buffer.overlap.overlap_mode`)."""
+    algo, rollout, parallel = recipe.algo, recipe.rollout, recipe.parallel
+    if algo.max_staleness < 1:
+        return ("algo.overlap=thread samples the next batch while the update runs, which needs "
+                "algo.max_staleness >= 1, got 0")
+    if algo.behaviour != "sampler":
+        return ("algo.overlap=thread needs algo.behaviour=sampler: the update changes the actor's weights while the "
+                "next batch is sampled, so its behaviour log-probs cannot be recomputed on them")
+    if rollout.backend not in ("auto", "hf_compiled"):
+        return (f"algo.overlap=thread samples with the compiled rollout on an inference copy; rollout.backend "
+                f"{rollout.backend!r} is not it: set rollout.backend=hf_compiled (or auto on a GPU)")
+    if rollout.partial_tokens:
+        return f"algo.overlap=thread and rollout.partial_tokens={rollout.partial_tokens} cannot be combined yet"
+    if parallel.rollout_ranks:
+        return (f"algo.overlap=thread and parallel.rollout_ranks={parallel.rollout_ranks} cannot be combined: "
+                "rollout ranks already sample beside the update")
+    if parallel.sequence_parallel > 1:
+        return (f"algo.overlap=thread and parallel.sequence_parallel={parallel.sequence_parallel} cannot be "
+                "combined: a sequence-parallel group shares its rollout through a collective")
+    if rollout.env is not None:
+        return "algo.overlap=thread samples single-turn rollouts only; a multi-turn rollout (rollout.env) needs off"
+    return None
 
 
 def _check_pack(recipe: Recipe) -> None:

@@ -62,6 +62,8 @@ def run_summary(trainer) -> list[str]:
         f"sequences; {r.algo.mini_batches} mini-batch{'es' if r.algo.mini_batches != 1 else ''}, {micro}",
         *(f"settled   {line}" for line in trainer.settled.lines()),
         *rollout,
+        # The one-step-off rollout beside the update (mmrl/buffer/overlap.py).
+        *([f"overlap   {trainer.trajectories.summary}"] if getattr(trainer.trajectories, "summary", "") else []),
         f"output    {trainer.output_dir}",
     ]
 

@@ -268,10 +268,12 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def _roll_out(self, prompts: tuple[list[dict], list[int]] | None = None) -> RolloutBatch:
+    def _roll_out(self, prompts: tuple[list[dict], list[int]] | None = None,
+                  generator_seed: int | None = None) -> RolloutBatch:
         """The next prompts' rollout, scored: what a step trains on, now or (one step off,
         `algo.max_staleness`) later. `prompts`: the samples and their source rows, chosen
-        by the caller (a rollout rank, `mmrl.buffer.disaggregated`)."""
+        by the caller (a rollout rank, `mmrl.buffer.disaggregated`); `generator_seed`:
+        `SamplingParams.generator_seed` (mmrl/buffer)."""
         r = self.recipe
         where = f"step {self.step + 1}"
         samples, source_rows = prompts if prompts is not None else self._next_prompts()
@@ -282,7 +284,7 @@ class Trainer:
         sampler = r.algo.behaviour == "sampler" and r.algo.max_staleness > 0
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p, logprobs=sampler,
-                                logprobs_temperature=r.rollout.temperature or 1.0)
+                                logprobs_temperature=r.rollout.temperature or 1.0, generator_seed=generator_seed)
         with self._timed("rollout"):
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)
@@ -614,6 +616,7 @@ class Trainer:
         return f"{self.output_dir.name}: {r.algo.advantage}, {reward_name(self.reward_fn)} reward, {self.step} steps"
 
     def _close(self) -> None:
+        self.trajectories.drain()  # a rollout still running beside the last step (mmrl/buffer/overlap.py)
         self.log.close()
 
     def finish(self, history: list[dict[str, Any]], train_seconds: float) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(graphs, "_sync_raises", contextlib.nullcontext)  # CUDA's sync debug mode needs a GPU
 
     def run(fail_through_layers: bool = False):
-        monkeypatch.setattr(torch.cuda, "graph", lambda graph: capture(graph, fail_through_layers))
+        monkeypatch.setattr(torch.cuda, "graph", lambda graph, **options: capture(graph, fail_through_layers))
         built, engine = widened_engine("qwen2")
         conversations = prompt_conversations(built, count=2)
         params = SamplingParams(n=2, max_new_tokens=2, temperature=0, logprobs=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mmrl.buffer import TrajectoryBuffer
-from mmrl.buffer.schedule import _check_partial, _check_sampler_log_probs
+from mmrl.buffer.schedule import _check_partial, check_sampler_log_probs
 from mmrl.buffer.show import summarize
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, read_batch, read_in_flight, write_in_flight
 from mmrl.config import RecipeError, load_recipe
@@ -342,8 +342,8 @@ def test_what_partial_rollouts_and_sampler_behaviour_need_is_said_in_one_line(tm
 
     with pytest.raises(RecipeError, match=r"^algo\.behaviour=sampler: rollout backend 'vllm' gives log-probs at "
                                           r"temperature 1 only, not at rollout\.temperature 0\.7"):
-        _check_sampler_log_probs(RawOnly(), recipe)
-    _check_sampler_log_probs(RawOnly(), _recipe(tmp_path, "algo.behaviour=sampler"))  # temperature 1: raw is right
+        check_sampler_log_probs(RawOnly(), recipe)
+    check_sampler_log_probs(RawOnly(), _recipe(tmp_path, "algo.behaviour=sampler"))  # temperature 1: raw is right
     with pytest.raises(RecipeError, match=r"^rollout\.partial_tokens=2: rollout backend 'vllm' cannot continue a "
                                           r"sample from its tokens so far; use rollout\.backend=hf or hf_compiled"):
         _check_partial(RawOnly(), _dist(1), _recipe(tmp_path, "rollout.partial_tokens=2"))

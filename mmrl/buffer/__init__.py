@@ -4,7 +4,8 @@ Every step's rollout goes into the buffer and the step trains on what it takes o
 (`mmrl.buffer.schedule`): with `algo.max_staleness: 0` that is the rollout just made, the
 synchronous loop bit for bit; with N > 0 the buffer is kept N batches ahead, so the batch
 a step trains on was sampled by weights N updates older (one-step-off for N = 1, run
-sequentially here), its tokens reweighted against the log-probs those weights gave them
+sequentially, or with `algo.overlap: thread` the next rollout beside the update:
+`mmrl.buffer.overlap`), its tokens reweighted against the log-probs those weights gave them
 (`algo.off_policy`, mmrl/algos/off_policy.py).
 
     store = TrajectoryBuffer(run / "buffer")
@@ -25,9 +26,10 @@ the unfinished ones kept in the buffer (and its files) for the next step's round
 docs/async.md explains the settings.
 """
 
+from mmrl.buffer.overlap import ConcurrentSteps, steps_for
 from mmrl.buffer.partial import PartialRollouts
-from mmrl.buffer.schedule import BufferedSteps, attach_behaviour, behaviour_log_probs, steps_for
+from mmrl.buffer.schedule import BufferedSteps, attach_behaviour, behaviour_log_probs
 from mmrl.buffer.store import BufferError, RolloutBatch, TrajectoryBuffer
 
-__all__ = ["BufferError", "BufferedSteps", "PartialRollouts", "RolloutBatch", "TrajectoryBuffer", "attach_behaviour",
-           "behaviour_log_probs", "steps_for"]
+__all__ = ["BufferError", "BufferedSteps", "ConcurrentSteps", "PartialRollouts", "RolloutBatch", "TrajectoryBuffer",
+           "attach_behaviour", "behaviour_log_probs", "steps_for"]

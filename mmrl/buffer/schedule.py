@@ -11,8 +11,10 @@ without the buffer bit for bit (tests/test_buffer.py). With 1 the first step sam
 batches and trains on the first; from then on each step samples the batch of the step
 after it before updating, so every later batch is trained on by weights one update newer
 than the ones that sampled it: the one-step-off schedule, run one after the other on one
-device (its truly concurrent form, rollout beside update, is later work: issue 33). No
-batch is produced for a step past `trainer.steps`.
+device (`algo.overlap: thread` runs that rollout beside the update: mmrl/buffer/overlap.py).
+No batch is produced for a step past `trainer.steps`. A compiled rollout samples each such
+batch from a generator of its own, seeded by the batch's number (`batch_seed`), so the
+sequential and concurrent forms draw alike.
 
 A batch that may be trained on stale records its behaviour log-probs when it is made:
 with `algo.behaviour: recomputed` (the default) the trainer's own forward of the sampled
@@ -96,6 +98,9 @@ class BufferedSteps:
                 batch.behaviour_logp = self.behaviour(batch)
             self.buffer.put(batch)
 
+    def drain(self) -> None:
+        """At a run's end: nothing is left running here (the concurrent schedule waits for its thread)."""
+
     def state(self) -> dict[str, int]:
         """What a checkpoint records (`TrajectoryBuffer.state`)."""
         return self.buffer.state()
@@ -152,19 +157,38 @@ def attach_behaviour(micro_batches: list, batch: RolloutBatch) -> None:
         seqs.extras["behaviour_logp"] = batch.behaviour_logp[rows, :width].to(seqs.response_ids.device)
 
 
+def buffer_for(trainer: Trainer) -> TrajectoryBuffer:
+    """The trainer's trajectory buffer, in its run folder."""
+    dist = trainer.dist
+    return TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
+                            main=dist.is_main, writer=dist.sp_rank == 0,
+                            partial=trainer.recipe.rollout.partial_tokens > 0)
+
+
+def batch_seed(seed: int, rank: int, number: int) -> int:
+    """The seed of the generator that samples batch `number` (1, 2, ... in the order the
+    buffer receives them) on data-parallel rank `rank` of a run seeded `seed`: a one-step-off
+    batch is sampled alike whether it is made before the update or beside it
+    (mmrl/buffer/overlap.py)."""
+    return ((seed * 1_000_003 + number) * 65_537 + rank) % (1 << 62)
+
+
 def steps_for(trainer: Trainer) -> BufferedSteps:
-    """The trainer's schedule: its rollouts (`Trainer._roll_out`) through a buffer in its
-    run folder, under its recipe's `algo.max_staleness`."""
+    """The trainer's schedule, run sequentially: its rollouts (`Trainer._roll_out`) through
+    a buffer in its run folder, under its recipe's `algo.max_staleness`. (The concurrent
+    form: `mmrl.buffer.overlap.steps_for`.)"""
     dist, recipe = trainer.dist, trainer.recipe
     partial = recipe.rollout.partial_tokens > 0
-    buffer = TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
-                              main=dist.is_main, writer=dist.sp_rank == 0, partial=partial)
+    buffer = buffer_for(trainer)
     index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}
     name = getattr(trainer.train_set, "name", "") or ""
+    # One-step-off batches from a rollout that samples from a generator of its own: each
+    # batch's draws are fixed by its number, as the concurrent form draws them.
+    seeded = recipe.algo.max_staleness > 0 and getattr(trainer.rollout, "takes_generator_seed", False)
     temperature = recipe.rollout.temperature or 1.0
     sampler = recipe.algo.behaviour == "sampler"
     if recipe.algo.max_staleness or partial:  # the only runs that take behaviour log-probs
-        _check_sampler_log_probs(trainer.rollout, recipe)
+        check_sampler_log_probs(trainer.rollout, recipe)
 
     def recompute(conversations: list | None, result: RolloutResult) -> torch.Tensor:
         with trainer._timed("logprob"):
@@ -183,7 +207,8 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
             return batch
     else:
         def produce() -> RolloutBatch:
-            batch = trainer._roll_out()
+            seed = batch_seed(recipe.trainer.seed, dist.dp_rank, buffer.produced + 1) if seeded else None
+            batch = trainer._roll_out(generator_seed=seed)
             batch.indices = [index_of[row] for row in batch.rows]
             batch.dataset = name
             return batch
@@ -193,7 +218,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
                          rebuild=rebuild_for(trainer))
 
 
-def _check_sampler_log_probs(rollout, recipe) -> None:
+def check_sampler_log_probs(rollout, recipe) -> None:
     """`algo.behaviour: sampler` needs the sampler's log-probs at the rollout temperature:
     every backend gives them at temperature 1, only those that say so at another."""
     temperature = recipe.rollout.temperature

@@ -41,6 +41,10 @@ class SamplingParams:
     # the rollout's own temperature makes them the sampling policy's (`algo.behaviour:
     # sampler`). Backends without `tempered_logprobs = True` give raw log-probs only.
     logprobs_temperature: float = 1.0
+    # The compiled rollout draws its samples from a generator of its own seeded with this
+    # (None: the default generator): a one-step-off batch is sampled alike whether it is
+    # made beside the update, in another thread, or before it (mmrl/buffer/overlap.py).
+    generator_seed: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -94,13 +94,15 @@ class Unsupported(Exception):
 
 
 def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: float, top_p: float,
-                  want_logprobs: bool, seen=None, penalty: float = 1.0):
+                  want_logprobs: bool, seen=None, penalty: float = 1.0, noise=None):
     """One token per row from its last logits (float32), as `generate`'s processors
     choose it: the repetition penalty on tokens already in the row (`seen`, a (B, V)
     mask, where the generation config sets one), blocked tokens removed, then
     temperature and top-p, then a sample (greedy at temperature 0). Finished rows get
     `pad_id`. Returns the tokens, their log-probs under the raw logits (or None), which
-    rows are still running, and `seen` with the new tokens (None without a penalty)."""
+    rows are still running, and `seen` with the new tokens (None without a penalty).
+    `noise`: the sample's Exp(1) draws (B, V), drawn by the caller from a generator of its
+    own (`SamplingParams.seed`); None draws them here from the default generator."""
     scores = logits
     if seen is not None:
         scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
@@ -115,7 +117,9 @@ def choose_tokens(logits, unfinished, blocked, stops, pad_id: int, temperature: 
             scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         probs = scores.softmax(-1)
         # probs / Exp(1) noise: its argmax is a draw from probs (no host sync, graph-safe).
-        tokens = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+        if noise is None:
+            noise = torch.empty_like(probs).exponential_()
+        tokens = (probs / noise).argmax(-1)
     else:
         tokens = scores.argmax(-1)
     tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_id))
@@ -139,6 +143,15 @@ class DecodeRun:
     keep_last: dict
     dtype: torch.dtype | None
     device: torch.device
+    # Draws the samples' noise where `SamplingParams.generator_seed` is set (None: the
+    # default generator, inside the step).
+    generator: torch.Generator | None = None
+
+    def noise(self, rows: int, vocabulary: int) -> torch.Tensor | None:
+        """The Exp(1) draws of one step's samples (`choose_tokens`' `noise`), or None."""
+        if self.generator is None:
+            return None
+        return torch.empty(rows, vocabulary, device=self.device).exponential_(generator=self.generator)
 
     @property
     def penalty(self) -> float:
@@ -176,6 +189,7 @@ class CompiledHFRollout(HFRollout):
 
     backend = "hf_compiled"
     copy: InferenceCopy | None = None  # the sharded engine's inference copy (None: one process)
+    takes_generator_seed = True  # `SamplingParams.generator_seed` (not where it gave up: plain generate)
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
@@ -319,11 +333,14 @@ class CompiledHFRollout(HFRollout):
                     top_p=params.top_p, want_logprobs=params.logprobs, penalty=penalty)
         keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         stops = torch.tensor(self.processing.stop_token_ids, device=device)
+        generator = None
+        if params.generator_seed is not None and not params.greedy:
+            generator = torch.Generator(device).manual_seed(params.generator_seed)
         with self.engine.autocast(), contextlib.ExitStack() as stack:
             computes_in = _autocast_dtype()
             if self.half_weights and computes_in is not None:
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
-            yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device)
+            yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device, generator)
 
     def _prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
         """One eager forward of `inputs` (token ids, their attention mask over the cache,
@@ -354,7 +371,9 @@ class CompiledHFRollout(HFRollout):
         if run.penalty != 1.0:
             seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device)
             seen.scatter_(1, prompt_ids.clamp(max=logits.shape[-1] - 1), True)
-        token, logprob, running, seen = choose_tokens(logits, running, blocked, run.stops, seen=seen, **pick)
+        vocabulary = logits.shape[-1]
+        token, logprob, running, seen = choose_tokens(logits, running, blocked, run.stops, seen=seen,
+                                                      noise=run.noise(rows, vocabulary), **pick)
         tokens = torch.full((rows, new_tokens), pick["pad_id"], dtype=torch.long, device=device)
         logprobs = torch.zeros(rows, new_tokens, device=device) if params.logprobs else None
         tokens[:, 0] = token
@@ -387,10 +406,11 @@ class CompiledHFRollout(HFRollout):
                 if self.compile and device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()
                 ids = token[:, None]
+                noise = run.noise(len(index), vocabulary)
                 if self.compile:
-                    _mark_dynamic_sizes(ids, place, mask, running, seen, cache)
+                    _mark_dynamic_sizes(ids, place, mask, running, seen, cache, noise)
                 token, logprob, running, seen = step(run.model, ids, place, mask, cache, running, blocked,
-                                                     run.stops, seen, **pick)
+                                                     run.stops, seen, noise=noise, **pick)
                 # The graph's outputs are overwritten by its next replay: keep copies.
                 token, running = token.clone(), running.clone()
                 seen = None if seen is None else seen.clone()
@@ -473,10 +493,11 @@ class CompiledHFRollout(HFRollout):
         return smaller
 
 
-def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, **pick):
+def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None,
+                 **pick):
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
-    return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
+    return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, noise=noise, **pick)
 
 
 def _write_back(home, cache, index: torch.Tensor) -> None:
@@ -499,14 +520,14 @@ def _unguarded(cache) -> None:
                 torch._dynamo.mark_static_address(tensor, guard=False)
 
 
-def _mark_dynamic_sizes(ids, place, mask, running, seen, cache) -> None:
+def _mark_dynamic_sizes(ids, place, mask, running, seen, cache, noise=None) -> None:
     """Mark the batch width and the cache length as dynamic before the step is traced, so
     the first compile already serves every width the loop moves rows into and every cache
     length bucket: without it, dynamo compiles the first shape static and recompiles once per
     dimension that later changes (each compile of a real model is tens of seconds on a GPU).
     `maybe_mark_dynamic`: where a family's code does fix a size, it stays static silently."""
     mark = torch._dynamo.maybe_mark_dynamic
-    for tensor in (ids, running, seen):
+    for tensor in (ids, running, seen, noise):
         if tensor is not None:
             mark(tensor, 0)
     mark(place, place.dim() - 2)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 import warnings
 import weakref
@@ -60,7 +61,7 @@ def layer_kinds(model) -> set[str]:
     return set(getattr(config, "layer_types", None) or ["full_attention"])
 
 
-def graph_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, *,
+def graph_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None, *,
                slot: torch.Tensor, choose: Callable, takes_cache_position: bool, **pick):
     """One decode step with everything the model would derive on the host given to it:
     the mask of each row's visible cache slots (its prompt's real tokens and every slot up
@@ -72,7 +73,7 @@ def graph_step(model, input_ids, position_ids, attention_mask, cache, running, b
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=visible[:, None, None],
                 past_key_values=cache, use_cache=True, **extra)
     slot.add_(1)
-    return choose(out.logits[:, -1].float(), running, blocked, stops, seen=seen, **pick)
+    return choose(out.logits[:, -1].float(), running, blocked, stops, seen=seen, noise=noise, **pick)
 
 
 class _Recorded:
@@ -129,19 +130,19 @@ class GraphedStep:
         if self._takes_cache_position is None:
             self._takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
 
-    def __call__(self, model, ids, place, mask, cache, running, blocked, stops, seen, **pick):
+    def __call__(self, model, ids, place, mask, cache, running, blocked, stops, seen, noise=None, **pick):
         if self.fallback is None and not self._checked:
             self._checked = True
             reason = self._unrecordable(model)
             if reason:
                 self._give_up(reason)
         if self.fallback is not None:
-            return self.fallback(model, ids, place, mask, cache, running, blocked, stops, seen, **pick)
+            return self.fallback(model, ids, place, mask, cache, running, blocked, stops, seen, noise=noise, **pick)
         if self.slot is None:
             raise RuntimeError("GraphedStep.start was not called before the first step")
         run = dict(slot=self.slot, choose=self.choose, takes_cache_position=self._takes_cache_position, **pick)
         inputs = {"ids": ids, "place": place, "mask": mask, "running": running, "blocked": blocked,
-                  "stops": stops, "seen": seen}
+                  "stops": stops, "seen": seen, "noise": noise}
         if not self.capture:
             if not self._tried:  # the first step tries the model as the GPU's first step does
                 self._tried = True
@@ -149,7 +150,7 @@ class GraphedStep:
             self._eager_update(cache)
             with self._compiled_layers():
                 return graph_step(model, *_args(inputs, cache), **run)
-        key = (id(cache), ids.shape[0], mask.shape[1], place.shape, seen is None,
+        key = (id(cache), ids.shape[0], mask.shape[1], place.shape, seen is None, noise is None,
                tuple(sorted((k, v) for k, v in pick.items())))
         recorded = self._recorded.get(key)
         if recorded is None:
@@ -166,7 +167,9 @@ class GraphedStep:
         for the next step. The second run's effects (cache counters, `slot`, the random
         state) are undone; the keys and values it writes are the first run's again."""
         self._eager_update(cache)
-        state = _State(cache, self.slot)
+        # A step given its noise draws nothing from the device's generator.
+        rng = inputs["noise"] is None
+        state = _State(cache, self.slot, rng)
         try:
             result = self._try(model, cache, inputs, run)
         except Exception as error:  # noqa: BLE001 - the fallback step runs it instead
@@ -178,9 +181,9 @@ class GraphedStep:
             # copies, so the recording meets the compiled layers' guards as that run left
             # them and nothing compiles while the stream is captured.
             static = {name: None if value is None else value.clone() for name, value in inputs.items()}
-            state = _State(cache, self.slot)
+            state = _State(cache, self.slot, rng)
             try:
-                with _sync_raises():
+                with _sync_raises() if self._may_check_syncs() else contextlib.nullcontext():
                     self._try(model, cache, static, run)
             except Exception as error:  # noqa: BLE001
                 self._give_up(f"the eager step reads back to the host ({one_line(error)[:160]})")
@@ -189,6 +192,13 @@ class GraphedStep:
                 state.restore()
             self._record(key, model, cache, static, run)
         return result
+
+    def _may_check_syncs(self) -> bool:
+        """Whether the sync check may run now: CUDA's sync debug mode is the process's, so
+        in a thread beside another (the concurrent one-step-off rollout, mmrl/buffer/overlap.py)
+        it would fail that thread's own reads; there the check made by the first recording
+        (in the main thread) stands for the model's later widths and caches."""
+        return threading.current_thread() is threading.main_thread() or not self.recordings
 
     def _try(self, model, cache, inputs: dict, run: dict):
         """The eager step, through the engine's compiled layers where it compiles them; a
@@ -267,14 +277,16 @@ class GraphedStep:
         step left them, and the graph's in-place additions act on them at each replay."""
         graph = torch.cuda.CUDAGraph()
         layers = self._compiled_layers if through_layers else contextlib.nullcontext
-        with _uncached_autocast(), layers(), torch.cuda.graph(graph):
+        # "thread_local": another thread (the update beside a concurrent rollout) may go on
+        # launching and allocating while this one records.
+        with _uncached_autocast(), layers(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = graph_step(model, *_args(static, cache), **run)
         return graph, outputs
 
 
 def _args(inputs: dict, cache) -> tuple:
     return (inputs["ids"], inputs["place"], inputs["mask"], cache, inputs["running"], inputs["blocked"],
-            inputs["stops"], inputs["seen"])
+            inputs["stops"], inputs["seen"], inputs["noise"])
 
 
 def _pick(run: dict) -> dict:
@@ -283,12 +295,12 @@ def _pick(run: dict) -> dict:
 
 class _State:
     """What a step advances besides the cache contents, to put back: the layers' fill
-    counters, `slot` and the device's random state."""
+    counters, `slot` and (`rng`: where the step draws from it) the device's random state."""
 
-    def __init__(self, cache, slot: torch.Tensor):
+    def __init__(self, cache, slot: torch.Tensor, rng: bool = True):
         self.tensors = [*_fill_counters(cache), slot]
         self.values = [t.clone() for t in self.tensors]
-        self.rng = torch.cuda.get_rng_state(slot.device) if slot.is_cuda else None
+        self.rng = torch.cuda.get_rng_state(slot.device) if slot.is_cuda and rng else None
 
     def restore(self) -> None:
         for tensor, value in zip(self.tensors, self.values, strict=True):

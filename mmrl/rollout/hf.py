@@ -56,7 +56,7 @@ class HFRollout:
         """Generate from the processed (left-padded) prompt batch: the responses, trimmed at their stop tokens."""
         batch = {k: v.to(self.engine.dist.device) if isinstance(v, torch.Tensor) else v
                  for k, v in prompt_inputs.items()}
-        model = self.engine.model
+        model = self.sampling_model()
         was_training = model.training
         model.eval()
         try:
@@ -70,6 +70,10 @@ class HFRollout:
         return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                              prompt_index=prompt_index, logprobs=logprobs, prompt_inputs=prompt_inputs,
                              shared_media=shared)
+
+    def sampling_model(self) -> torch.nn.Module:
+        """The module whose weights the samples come from (set to eval mode while sampling)."""
+        return self.engine.model
 
     def _sample(self, batch: dict, shared, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Generated tokens (B, R) on the CPU, and with `params.logprobs` each token's
