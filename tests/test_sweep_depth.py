@@ -108,9 +108,13 @@ def test_a_sequence_parallel_limit_gets_its_own_gap_line_not_the_generic_one():
 
     generic = TO_WRITE["sequence_parallel"]
     cases = {
-        "ValueError: sequence parallelism runs on the text decoder's sdpa attention, not 'eager' (set "
-        "model.attn_implementation: sdpa)": "runs eager attention only",
-        "ValueError: sequence-parallel attention does not support attention logit soft-capping": "soft-capping",
+        "ValueError: sequence parallelism runs on the text decoder's sdpa or eager attention, not 'flex_attention' "
+        "(set model.attn_implementation: sdpa)": "runs flex_attention attention only",
+        "ValueError: sequence-parallel attention does not support position biases or attention sinks on sdpa (set "
+        "model.attn_implementation: eager)": "model.attn_implementation: eager",
+        "ValueError: sequence parallelism (Ulysses) splits the attention heads of the text decoder over the "
+        "processes, in transformers' attention interface, which no layer of this decoder calls: its layers "
+        "(BloomBlock: BloomAttention, BloomMLP) h...": "keep sequence_parallel=False: mmrl's Ulysses splits",
         "ValueError: sequence parallelism needs keyword arguments for GPT2Model": "GPT2Model with positional",
         "ValueError: the decoder gets visual_pos_masks (4, 93) over the whole sequence, which sequence parallelism "
         "does not know how to cut": "masked_inputs=(('visual_pos_masks'",

@@ -81,14 +81,16 @@ LIMITS = {
     ),
     "sequence_parallel": (
         _OUT_OF_TIME,
-        (r"sdpa attention, not '([^']+)'",
-         "keep sequence_parallel=False: Ulysses splits the heads of sdpa attention, and this decoder runs {0} "
-         "attention only (or has none: recurrent layers)"),
-        (r"soft-capping",
-         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) has no attention logit soft-capping, which "
-         "this type's own attention applies"),
+        (r"which no layer of this decoder calls|no attention heads to split",
+         "keep sequence_parallel=False: mmrl's Ulysses splits attention heads where a layer calls transformers' "
+         "attention interface, and no layer of this decoder does (recurrent, state-space or convolution layers, "
+         "or attention written its own way); no adapter line changes that"),
+        (r"sdpa(?: or eager)? attention, not '([^']+)'",
+         "keep sequence_parallel=False: Ulysses wraps sdpa or eager attention, and this decoder runs {0} "
+         "attention only"),
         (r"position biases or attention sinks",
-         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) takes no position bias or attention sinks"),
+         "keep sequence_parallel=False, or build the family on eager attention (model.attn_implementation: eager): "
+         "there Ulysses runs the family's own eager function, which applies them"),
         (r"needs keyword arguments for (\w+)",
          "keep sequence_parallel=False: the model calls its decoder stack {0} with positional arguments, which "
          "mmrl's Ulysses hook (mmrl/parallel/ulysses.py) does not cut"),
