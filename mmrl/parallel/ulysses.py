@@ -65,6 +65,9 @@ class _Context:
     # Set by the pre-hook: packed-sequence ids of the whole (padded) batch, when the
     # decoder gets no attention mask and its positions restart within a row.
     packed: torch.Tensor | None = None
+    # Set by gathered mode's first-layer hook (mmrl.parallel.gathered): the whole
+    # sequence's length, which its mixers gather to.
+    length: int | None = None
 
     def padded(self, length: int) -> int:
         return -(-length // self.size) * self.size
