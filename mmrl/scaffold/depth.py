@@ -194,7 +194,7 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
         with scratch_family(d, layout, claimed, hidden) as subject:
             for column in first:
                 _run(column, subject, depth)
-        if "sequence_parallel" in first and not depth.capabilities.sequence_parallel:
+        if "sequence_parallel" in depth.decided and not depth.capabilities.sequence_parallel:
             gather_mixers(d, layout, depth, hidden)
     if "multi_turn" in columns:
         with scratch_family(d, layout, dataclasses.replace(depth.capabilities, multi_turn=True), hidden) as subject:
@@ -208,8 +208,8 @@ def gather_mixers(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None
     from mmrl.adapter import SequenceParallel
     from mmrl.probes import Status, probe
 
-    gap = next(g for g in reversed(depth.gaps) if g.column == "sequence_parallel")
-    if re.search(_OUT_OF_TIME[0], gap.cause):
+    gap = next((g for g in reversed(depth.gaps) if g.column == "sequence_parallel"), None)
+    if gap is None or re.search(_OUT_OF_TIME[0], gap.cause):
         return
     ulysses_spec, d.sequence_parallel = d.sequence_parallel, SequenceParallel(gather_mixers=True)
     depth.running = "sequence_parallel"
