@@ -161,7 +161,7 @@ def test_an_attention_free_decoder_is_told_that_ulysses_needs_attention_heads():
         ulysses.install(model, _scaffold_like_adapter("MambaBlock", "backbone"))
     message = str(error.value)
     assert "no attention heads to split" in message and "(MambaBlock: MambaMixer)" in message
-    assert "keep sequence_parallel = None" in message
+    assert "keep sequence_parallel = None" in message and "SequenceParallel(gather_mixers=True)" in message
     assert "sdpa" not in message
 
 

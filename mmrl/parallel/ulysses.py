@@ -375,7 +375,8 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
             raise ValueError(f"sequence parallelism (Ulysses) splits the attention heads of the text decoder over "
                              f"the processes, in transformers' attention interface, which no layer of this decoder "
                              f"calls: its layers ({attention_free}) have no attention heads to split (recurrent, "
-                             "state-space or convolution layers) or compute attention their own way; keep "
+                             "state-space or convolution layers) or compute attention their own way; declare "
+                             "SequenceParallel(gather_mixers=True) (mmrl/parallel/gathered.py) or keep "
                              "sequence_parallel = None for this family")
         names = {base: name for name, base in BASES.items()}
         if current_name not in names:
