@@ -2,7 +2,8 @@
 cannot split by heads: 2 processes under torchrun (gloo) against one process, on tiny
 transformers models built from configs (attention outside transformers' attention
 interface with ALiBi or local windows, and a state-space decoder); then which modules
-count as mixers, and the recipe check that skips the heads rule.
+count as mixers, the recipe check that skips the heads rule, and the line a crashed
+probe launch is reported by (the rows of the coverage sweep quote it).
 """
 
 import json
@@ -152,3 +153,18 @@ def test_gathered_mixers_skip_the_heads_rule(tmp_path):
         _check_sequence_parallel(recipe)  # 3 divides none of 4 heads; no error
     finally:
         checks._built_config = original
+
+
+def test_a_crashed_launch_is_told_by_the_ranks_exception_not_torchruns_summary():
+    from mmrl.probes.launcher import crash_line
+
+    stderr = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: RuntimeError: shape '[-1, 9, 32]' is invalid for input of size 320",
+        "[rank0]: RuntimeError: Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+    ])
+    assert crash_line(stderr) == "[rank1]: RuntimeError: shape '[-1, 9, 32]' is invalid for input of size 320"
+    assert crash_line("some error happened\nlast line") == "some error happened"
+    assert crash_line("") == ""
