@@ -168,3 +168,18 @@ def test_a_crashed_launch_is_told_by_the_ranks_exception_not_torchruns_summary()
     assert crash_line(stderr) == "[rank1]: RuntimeError: shape '[-1, 9, 32]' is invalid for input of size 320"
     assert crash_line("some error happened\nlast line") == "some error happened"
     assert crash_line("") == ""
+
+
+def test_position_wise_children_get_their_per_position_inputs_cut():
+    """Rank 1 of 2 over 9 positions owns 5..9 (9 is padding): token ids a router reads
+    beside the hidden states are cut to those (the last id repeats), floats pad with 0."""
+    from mmrl.parallel import gathered, ulysses
+
+    ids = torch.arange(18).reshape(2, 9)
+    hidden = torch.randn(2, 5, 4)
+    with ulysses.active(None, rank=1, size=2) as ctx:
+        ctx.length = 9
+        args, kwargs = gathered._cut_position_inputs(None, (hidden,), {"input_ids": ids, "scale": torch.ones(2, 9)})
+    assert args[0] is hidden
+    assert kwargs["input_ids"].tolist() == [[5, 6, 7, 8, 8], [14, 15, 16, 17, 17]]
+    assert kwargs["scale"].tolist() == [[1, 1, 1, 1, 0]] * 2

@@ -18,7 +18,9 @@ or convolution layers, which carry a state along the sequence. A family opts in 
   cache or a state: read from its signature, `is_mixer`) all-gathers its inputs that are
   along this rank's positions, runs on the whole sequence with the preamble's
   whole-sequence arguments, and keeps this rank's positions of its output. So each mixer
-  computes exactly what it computes in one process.
+  computes exactly what it computes in one process. The layer's other children get their
+  per-position inputs beside the hidden states (e.g. token ids a router reads) cut to
+  this rank's positions.
 - Backward: the gather's gradient is summed over the group and cut to this rank's
   positions; each rank's mixer parameters get the gradient of its own positions' outputs,
   a partial sum that FSDP's reduction completes, as under Ulysses.
@@ -35,7 +37,6 @@ import re
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 
 from mmrl.parallel.ulysses import current, owned_range
 from mmrl.parts import decoder_layers, decoder_stack
@@ -82,6 +83,10 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
         for module in found:
             module.register_forward_pre_hook(_gather_inputs, with_kwargs=True)
             module.register_forward_hook(_keep_own_positions)
+        for layer in layers:
+            for child in layer.children():
+                if not is_mixer(child):
+                    child.register_forward_pre_hook(_cut_position_inputs, with_kwargs=True)
         layers[-1].register_forward_hook(_gather_output)
         stack.register_forward_hook(_cut_stack_output)
         stack._mmrl_gathered_hooked = True
@@ -93,6 +98,29 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _own_positions(value, ctx):
+    """A (B, S, ...) tensor over the whole sequence -> this rank's positions (the sequence
+    padded to a multiple of P: zeros, or the last id for integer tensors); else `value`."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != ctx.length:
+        return value
+    start, stop = owned_range(ctx.length, ctx.rank, ctx.size)
+    extra = ctx.padded(ctx.length) - ctx.length
+    if extra:
+        tail = (value.new_zeros if value.is_floating_point() else lambda shape: value[:, -1:].expand(shape))(
+            (value.shape[0], extra, *value.shape[2:]))
+        value = torch.cat([value, tail], dim=1)
+    return value.narrow(1, start, stop - start)
+
+
+def _cut_position_inputs(module, args, kwargs):
+    """A position-wise child of a layer (not a mixer): its inputs over the whole sequence
+    beside the hidden states -> this rank's positions."""
+    ctx = current()
+    if ctx is None or ctx.length is None or ctx.padded(ctx.length) // ctx.size == ctx.length:
+        return None
+    return tuple(_own_positions(a, ctx) for a in args), {k: _own_positions(v, ctx) for k, v in kwargs.items()}
+
+
 def _cut_first_layer(module, args, kwargs):
     ctx = current()
     if ctx is None:
@@ -100,10 +128,8 @@ def _cut_first_layer(module, args, kwargs):
     hidden = _hidden(args, kwargs)
     if hidden is None:
         raise ValueError(f"sequence parallelism (gathered mixers) needs the hidden states of {type(module).__name__}")
-    length = hidden.shape[1]
-    ctx.length = length
-    start, stop = owned_range(length, ctx.rank, ctx.size)
-    mine = F.pad(hidden, (0, 0) * (hidden.dim() - 2) + (0, ctx.padded(length) - length)).narrow(1, start, stop - start)
+    ctx.length = hidden.shape[1]
+    mine = _own_positions(hidden, ctx)
     if args:
         return (mine, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": mine}
@@ -153,9 +179,7 @@ def _keep_own_positions(module, args, output):
     if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.shape[1] != ctx.length:
         raise ValueError(f"sequence parallelism (gathered mixers): {type(module).__name__} returned no hidden states "
                          f"over the whole sequence ({ctx.length} positions)")
-    start, stop = owned_range(ctx.length, ctx.rank, ctx.size)
-    padded = ctx.padded(ctx.length) - ctx.length
-    mine = F.pad(first, (0, 0) * (first.dim() - 2) + (0, padded)).narrow(1, start, stop - start)
+    mine = _own_positions(first, ctx)
     if isinstance(output, (tuple, list)):
         return type(output)((mine, *output[1:]))
     return mine
@@ -177,13 +201,9 @@ def _cut_stack_output(module, args, output):
     ctx = current()
     if ctx is None:
         return None
-    start, stop = owned_range(ctx.length, ctx.rank, ctx.size)
 
     def mine(value):
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != ctx.length:
-            return value
-        padded = F.pad(value, (0, 0) * (value.dim() - 2) + (0, ctx.padded(ctx.length) - ctx.length))
-        return padded.narrow(1, start, stop - start)
+        return _own_positions(value, ctx)
 
     if isinstance(output, tuple):
         return tuple(mine(v) if i == 0 else v for i, v in enumerate(output))
