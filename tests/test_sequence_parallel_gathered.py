@@ -65,8 +65,13 @@ ids, mask = inputs()
 length = ids.shape[1]
 weights = torch.randn(2, length, generator=torch.Generator().manual_seed(2)) * mask
 results = {}
-for kind in sys.argv[2].split(","):
+for name in sys.argv[2].split(","):
+    kind, _, checkpointed = name.partition("+")
     model = tiny(kind)
+    if checkpointed:  # layers recomputed in backward, outside the forward's context
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": ulysses.checkpoint_context})
+        model.train()
     reference = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, -1)
     reference = reference.gather(-1, ids[..., None])[..., 0]
     (reference * weights).sum().backward()
@@ -81,13 +86,13 @@ for kind in sys.argv[2].split(","):
     split = ulysses.gather_columns(local, widths, rank, dist.group.WORLD)
     (split * weights).sum().backward()
     gaps = []
-    for name, parameter in model.named_parameters():
+    for parameter_name, parameter in model.named_parameters():
         if parameter.grad is None:
             continue
         grad = parameter.grad.clone()
         dist.all_reduce(grad)  # each rank's gradient is a partial sum over the group
-        gaps.append((grad - expected[name]).abs().max().item())
-    results[kind] = {"logprob_gap": (split - reference).detach()[mask.bool()].abs().max().item(),
+        gaps.append((grad - expected[parameter_name]).abs().max().item())
+    results[name] = {"logprob_gap": (split - reference).detach()[mask.bool()].abs().max().item(),
                      "grad_gap": max(gaps), "grads": len(gaps), "expected_grads": len(expected),
                      "local_logits": out.logits.shape[1]}
 if rank == 0:
@@ -100,12 +105,14 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_two_process_gathered_mixers_equal_one_process(tmp_path):
     """Log-probs and every gradient of 2 ranks equal one process, each rank's logits
-    covering its own positions only: ALiBi, local windows, rotary, a state-space scan."""
+    covering its own positions only: ALiBi, local windows, rotary, a state-space scan; and
+    one with activation checkpointing (the gathers run again in the recompute)."""
     script, out = tmp_path / "gathered.py", tmp_path / "gathered.json"
     script.write_text(SCRIPT)
-    run(torchrun(2, script, out, ",".join(MODELS), Path(__file__).parent), timeout=400)
+    names = [*MODELS, "alibi+checkpointed"]
+    run(torchrun(2, script, out, ",".join(names), Path(__file__).parent), timeout=400)
     results = json.loads(out.read_text())
-    assert set(results) == set(MODELS)
+    assert set(results) == set(names)
     for kind, record in results.items():
         assert record["grads"] == record["expected_grads"] > 0, (kind, record)
         assert record["logprob_gap"] <= 1e-5 and record["grad_gap"] <= 1e-5, (kind, record)
