@@ -190,3 +190,17 @@ def test_position_wise_children_get_their_per_position_inputs_cut():
     assert args[0] is hidden
     assert kwargs["input_ids"].tolist() == [[5, 6, 7, 8, 8], [14, 15, 16, 17, 17]]
     assert kwargs["scale"].tolist() == [[1, 1, 1, 1, 0]] * 2
+
+
+def test_mixers_held_in_a_module_list_are_found_one_by_one():
+    from mmrl.parallel.gathered import is_mixer, layer_children
+
+    class Attention(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask=None, position_embeddings=None):
+            return hidden_states
+
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.ModuleList([Attention(), Attention()])
+    layer.mlps = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    children = layer_children(layer)
+    assert len(children) == 4 and [is_mixer(c) for c in children] == [True, True, False, False]

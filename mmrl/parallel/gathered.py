@@ -58,9 +58,18 @@ def is_mixer(module: torch.nn.Module) -> bool:
     return any(_MIXER_ARGUMENT.search(name) for name in names)
 
 
+def layer_children(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's children, those held in a ModuleList or ModuleDict (a layer with
+    two attention blocks) taken one by one."""
+    found = []
+    for child in layer.children():
+        found += list(child.children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [child]
+    return found
+
+
 def mixers(model: torch.nn.Module, adapter) -> list[torch.nn.Module]:
     """The sequence-mixing children of the text decoder's layers."""
-    return [child for layer in decoder_layers(model, adapter) for child in layer.children() if is_mixer(child)]
+    return [child for layer in decoder_layers(model, adapter) for child in layer_children(layer) if is_mixer(child)]
 
 
 def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
@@ -84,7 +93,7 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
             module.register_forward_pre_hook(_gather_inputs, with_kwargs=True)
             module.register_forward_hook(_keep_own_positions)
         for layer in layers:
-            for child in layer.children():
+            for child in layer_children(layer):
                 if not is_mixer(child):
                     child.register_forward_pre_hook(_cut_position_inputs, with_kwargs=True)
         layers[-1].register_forward_hook(_gather_output)
@@ -213,4 +222,4 @@ def _cut_stack_output(module, args, output):
     return output
 
 
-__all__ = ["install", "is_mixer", "mixers"]
+__all__ = ["install", "is_mixer", "layer_children", "mixers"]
