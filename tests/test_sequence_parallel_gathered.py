@@ -204,3 +204,14 @@ def test_mixers_held_in_a_module_list_are_found_one_by_one():
     layer.mlps = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
     children = layer_children(layer)
     assert len(children) == 4 and [is_mixer(c) for c in children] == [True, True, False, False]
+
+
+def test_cut_positions_are_contiguous():
+    """A model may .view() what it gets back (a narrow along the sequence is not contiguous)."""
+    from mmrl.parallel import gathered, ulysses
+
+    with ulysses.active(None, rank=0, size=2) as ctx:
+        ctx.length = 9
+        mine = gathered._own_positions(torch.randn(2, 9, 4), ctx)
+    assert mine.shape == (2, 5, 4) and mine.is_contiguous()
+    mine.view(10, 4)

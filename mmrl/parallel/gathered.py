@@ -118,7 +118,7 @@ def _own_positions(value, ctx):
         tail = (value.new_zeros if value.is_floating_point() else lambda shape: value[:, -1:].expand(shape))(
             (value.shape[0], extra, *value.shape[2:]))
         value = torch.cat([value, tail], dim=1)
-    return value.narrow(1, start, stop - start)
+    return value.narrow(1, start, stop - start).contiguous()  # a model may .view() it
 
 
 def _cut_position_inputs(module, args, kwargs):
@@ -174,7 +174,7 @@ def _gather_inputs(module, args, kwargs):
 
     def whole(value):
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == local:
-            return _GatherSequence.apply(value, ctx.rank, ctx.size, ctx.group)[:, :ctx.length]
+            return _GatherSequence.apply(value, ctx.rank, ctx.size, ctx.group)[:, :ctx.length].contiguous()
         return value
 
     return tuple(whole(a) for a in args), {name: whole(value) for name, value in kwargs.items()}
@@ -200,7 +200,7 @@ def _gather_output(module, args, output):
     if ctx is None:
         return None
     first = output[0] if isinstance(output, (tuple, list)) else output
-    whole = _GatherSequence.apply(first, ctx.rank, ctx.size, ctx.group)[:, :ctx.length]
+    whole = _GatherSequence.apply(first, ctx.rank, ctx.size, ctx.group)[:, :ctx.length].contiguous()
     return type(output)((whole, *output[1:])) if isinstance(output, (tuple, list)) else whole
 
 
