@@ -98,11 +98,16 @@ class SequenceParallel:
     `masked_inputs` pairs a (B, S) boolean mask the decoder gets with the inputs that hold
     one row per True position (row-major order; a tensor or a list of tensors): the mask
     is cut like the sequence, and those inputs keep the rows of this rank's positions.
+    `gather_mixers` (for decoders Ulysses cannot split by heads: recurrent, state-space or
+    convolution layers, attention outside transformers' attention interface): no head
+    split; each sequence-mixing module runs on the gathered sequence and everything else
+    on this rank's positions (mmrl.parallel.gathered); the other fields then do not apply.
     """
 
     heads_attrs: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads")
     split_inputs: tuple[str, ...] = ("input_ids", "position_ids", "labels")
     masked_inputs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    gather_mixers: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,6 +177,8 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
     if adapter.sequence_parallel is None:
         raise RecipeError(f"parallel.sequence_parallel: {size} is set, but the {adapter.family} adapter opts out "
                           "of sequence parallelism")
+    if adapter.sequence_parallel.gather_mixers:  # no head split: any number of heads
+        return
     from mmrl.parallel.ulysses import heads_problem  # the compute layer, reached only when asked
 
     problem = heads_problem(config.get_text_config(), adapter.sequence_parallel.heads_attrs, size)

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mmrl.scaffold import COLUMNS
 from mmrl.scaffold import sweep
 from mmrl.scaffold.sweep import Row, run_sweep, sweep_one, write_document
@@ -109,9 +111,13 @@ def test_a_sequence_parallel_limit_gets_its_own_gap_line_not_the_generic_one():
 
     generic = TO_WRITE["sequence_parallel"]
     cases = {
-        "ValueError: sequence parallelism runs on the text decoder's sdpa attention, not 'eager' (set "
-        "model.attn_implementation: sdpa)": "runs eager attention only",
-        "ValueError: sequence-parallel attention does not support attention logit soft-capping": "soft-capping",
+        "ValueError: sequence parallelism runs on the text decoder's sdpa or eager attention, not 'flex_attention' "
+        "(set model.attn_implementation: sdpa)": "runs flex_attention attention only",
+        "ValueError: sequence-parallel attention does not support position biases or attention sinks on sdpa (set "
+        "model.attn_implementation: eager)": "model.attn_implementation: eager",
+        "ValueError: sequence parallelism (Ulysses) splits the attention heads of the text decoder over the "
+        "processes, in transformers' attention interface, which no layer of this decoder calls: its layers "
+        "(BloomBlock: BloomAttention, BloomMLP) h...": "keep sequence_parallel=False: mmrl's Ulysses splits",
         "ValueError: sequence parallelism needs keyword arguments for GPT2Model": "GPT2Model with positional",
         "ValueError: the decoder gets visual_pos_masks (4, 93) over the whole sequence, which sequence parallelism "
         "does not know how to cut": "masked_inputs=(('visual_pos_masks'",
@@ -202,3 +208,77 @@ def test_depth_only_with_fresh_is_refused_in_one_line(tmp_path):
                                       str(tmp_path / "coverage.json"), "--no-progress"])
     assert result.exit_code == 2 and "--depth-only" in result.output and "--fresh" in result.output
     assert not (tmp_path / "coverage.json").exists()
+
+
+def test_the_scaffold_writes_gathered_mixers():
+    import ast
+
+    from mmrl.adapter import SequenceParallel
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import layout_for
+    from mmrl.scaffold.render import base_capabilities, render_adapter
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    resolved = resolve("gpt2")
+    with quiet_transformers():
+        found = inspect_family(resolved, "sp_gathered", tiny_model_inputs(resolved))
+    found.sequence_parallel = SequenceParallel(gather_mixers=True)
+    source = render_adapter(found, layout_for(found, None), base_capabilities(found))
+    ast.parse(source)
+    assert "    sequence_parallel = SequenceParallel(gather_mixers=True)" in source.splitlines()
+
+
+def _sequence_parallel_failed(depth_module, cause):
+    from mmrl.adapter import Capabilities
+
+    depth = depth_module.Depth(Capabilities())
+    depth.decide("sequence_parallel", False, cause)
+    return depth
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_failed_ulysses_probe_is_run_again_with_gathered_mixers(monkeypatch, verified):
+    """Declared with SequenceParallel(gather_mixers=True) where that verifies (the gap
+    goes); else the Ulysses spec stays and the gap gives both causes."""
+    from types import SimpleNamespace
+
+    import mmrl.probes as probes
+    from mmrl.probes import Status
+    from mmrl.scaffold import depth as depth_module
+
+    ran = []
+
+    class Probe:
+        def run(self, subject):
+            ran.append(found.sequence_parallel)
+            return SimpleNamespace(status=Status.VERIFIED if verified else Status.FAILED,
+                                   reason="" if verified else "log-probs differ from one process by 1e-03")
+
+    monkeypatch.setattr(depth_module, "scratch_family", lambda *args: __import__("contextlib").nullcontext("subject"))
+    monkeypatch.setattr(probes, "probe", lambda column: Probe())
+    found = SimpleNamespace(sequence_parallel=None)
+    depth = _sequence_parallel_failed(depth_module, "ValueError: sequence parallelism (Ulysses) splits the attention "
+                                      "heads of the text decoder over the processes, in transformers' attention "
+                                      "interface, which no layer of this decoder calls")
+    depth_module.gather_mixers(found, None, depth)
+    assert len(ran) == 1 and ran[0].gather_mixers
+    assert depth.capabilities.sequence_parallel is verified
+    if verified:
+        assert depth.gaps == [] and found.sequence_parallel.gather_mixers
+    else:
+        assert found.sequence_parallel is None
+        (gap,) = depth.gaps
+        assert "which no layer of this decoder calls; gathered mixers: log-probs differ" in gap.cause
+        assert gap.write.startswith("keep sequence_parallel=False: mmrl's Ulysses splits")
+
+
+def test_a_ulysses_probe_out_of_time_is_not_run_again(monkeypatch):
+    import mmrl.probes as probes
+    from mmrl.scaffold import depth as depth_module
+
+    monkeypatch.setattr(probes, "probe", lambda column: (_ for _ in ()).throw(AssertionError("ran again")))
+    depth = _sequence_parallel_failed(depth_module, "ScaffoldError: stage 'depth' ran past its 540 s limit")
+    depth_module.gather_mixers(object(), None, depth)
+    assert not depth.capabilities.sequence_parallel and len(depth.gaps) == 1

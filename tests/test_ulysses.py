@@ -161,15 +161,17 @@ def test_an_attention_free_decoder_is_told_that_ulysses_needs_attention_heads():
         ulysses.install(model, _scaffold_like_adapter("MambaBlock", "backbone"))
     message = str(error.value)
     assert "no attention heads to split" in message and "(MambaBlock: MambaMixer)" in message
-    assert "keep sequence_parallel = None" in message
+    assert "keep sequence_parallel = None" in message and "SequenceParallel(gather_mixers=True)" in message
     assert "sdpa" not in message
 
 
-def test_an_eager_attention_decoder_is_told_to_set_sdpa():
+def test_a_decoder_on_another_attention_is_told_to_set_sdpa():
+    """Ulysses wraps sdpa or eager (tests/test_ulysses_eager.py); any other is refused."""
     from mmrl import build_model
 
-    built = build_model("qwen2", random_init=True, seed=0, attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"not 'eager' \(set model.attn_implementation: sdpa\)"):
+    built = build_model("qwen2", random_init=True, seed=0)
+    built.model.config.get_text_config()._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"not 'flash_attention_2' \(set model.attn_implementation: sdpa\)"):
         ulysses.install(built.model, built.adapter)
 
 

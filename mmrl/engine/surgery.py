@@ -9,7 +9,8 @@ installed; `Changes` records it):
 2. `apply_dropout_off`: every dropout probability set to 0 (`disable_dropout` says why),
    unless the engine keeps dropout (`dropout=True`).
 3. `apply_ulysses`: Ulysses sequence parallelism's attention and input splitting
-   (`mmrl.parallel.ulysses`), with `dist.sequence_parallel` > 1.
+   (`mmrl.parallel.ulysses`; `mmrl.parallel.gathered` where the family gathers its
+   mixers), with `dist.sequence_parallel` > 1.
 4. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
    "auto" on sharded GPU ranks: `mmrl.settle.checkpointing_choice`); `enable_checkpointing`
    turns it on later too (after an out-of-memory update, `after_oom`).
@@ -42,7 +43,7 @@ import mmrl.engine.varlen as varlen
 import mmrl.engine.vision_attention as vision_attention
 from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.master_weights import HALF_DTYPES, needs_master
-from mmrl.parallel import Dist, ulysses
+from mmrl.parallel import Dist, gathered, ulysses
 from mmrl.parts import decoder_layers as find_decoder_layers
 from mmrl.settle import AFTER_OOM, checkpointing_choice, compile_layers_choice
 
@@ -179,10 +180,14 @@ def apply_dropout_off(model: torch.nn.Module, settings: Settings) -> list[str]:
 
 
 def apply_ulysses(model: torch.nn.Module, settings: Settings) -> bool:
-    """Ulysses sequence parallelism over the ranks of dist's SP group (1: off)."""
+    """Ulysses sequence parallelism over the ranks of dist's SP group (1: off), or gathered
+    mixers where the family asks for them (`SequenceParallel.gather_mixers`)."""
     if settings.sequence_parallel == 1:
         return False
-    ulysses.install(model, settings.adapter)
+    if settings.adapter.sequence_parallel is not None and settings.adapter.sequence_parallel.gather_mixers:
+        gathered.install(model, settings.adapter)
+    else:
+        ulysses.install(model, settings.adapter)
     return True
 
 

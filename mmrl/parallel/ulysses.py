@@ -10,8 +10,15 @@ DeepSpeed-Ulysses, for any HF decoder through transformers' registration APIs:
   transformers' `AttentionInterface` / `AttentionMaskInterface`, selects it for the text
   decoder only (`config.get_text_config()`; a vision tower keeps its own attention), and
   adds a forward pre-hook to the module that runs the decoder layers. Outside `active`
-  both functions hand over to the implementation the model had ("sdpa"), so
-  HF generate with a KV cache runs on the same model unchanged.
+  both functions hand over to the implementation the model had, so HF generate with a
+  KV cache runs on the same model unchanged.
+- The model had "sdpa" or "eager" (a class without SDPA, or one built eager). On "eager"
+  the name is "mmrl_ulysses_eager", and inside `active` each rank runs the family's own
+  `eager_attention_forward` (transformers' convention: a function of the attention
+  class's module) on its heads, so what that function adds to the scores (soft-capping,
+  attention sinks) holds under Ulysses too; per-head parameters of the attention module
+  (sinks) are cut to the rank's heads. On "sdpa" it runs torch's SDPA as transformers'
+  sdpa function does (which, like it, applies no soft-capping).
 - Inside `active`, the hook cuts `inputs_embeds` / `input_ids` and the adapter's
   `sequence_parallel.split_inputs` (position ids along their last dimension, which
   covers 3-D mrope ids) to this rank's slice, after padding the sequence to a multiple
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +50,11 @@ import torch.nn.functional as F
 from mmrl.parts import decoder_layers, decoder_stack
 
 NAME = "mmrl_ulysses"
-# What the text decoder runs when no sequence-parallel forward is active. Only "sdpa":
-# families keep their own eager functions (soft-capping, sinks), which delegation from a
-# registered name could not reach.
-BASE = "sdpa"
+EAGER_NAME = "mmrl_ulysses_eager"
+# What the text decoder runs when no sequence-parallel forward is active, by the name
+# Ulysses is registered under: the implementation the model was built with.
+BASES = {NAME: "sdpa", EAGER_NAME: "eager"}
+BASE = BASES[NAME]
 
 
 @dataclass
@@ -56,6 +65,9 @@ class _Context:
     # Set by the pre-hook: packed-sequence ids of the whole (padded) batch, when the
     # decoder gets no attention mask and its positions restart within a row.
     packed: torch.Tensor | None = None
+    # Set by gathered mode's first-layer hook (mmrl.parallel.gathered): the whole
+    # sequence's length, which its mixers gather to.
+    length: int | None = None
 
     def padded(self, length: int) -> int:
         return -(-length // self.size) * self.size
@@ -180,45 +192,123 @@ def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
 
 # -- the attention and mask functions -----------------------------------------------------------
 def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The registered attention function: Ulysses inside `active`, else the base one."""
+    """The attention function registered as NAME: Ulysses inside `active` around torch's
+    SDPA, else transformers' sdpa function."""
+    return _attention("sdpa", module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def ulysses_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The attention function registered as EAGER_NAME: Ulysses inside `active` around the
+    family's own eager function, else that function."""
+    return _attention("eager", module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def family_eager_attention(module):
+    """The eager attention function of `module`'s family: `eager_attention_forward` of the
+    Python module that defines its class (transformers' convention), or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _eager_or_fail(module):
+    function = family_eager_attention(module)
+    if function is None:
+        raise ValueError(f"sequence parallelism on eager attention runs the family's own eager_attention_forward, "
+                         f"which {type(module).__module__} does not define (set model.attn_implementation: sdpa)")
+    return function
+
+
+class _RankHeads:
+    """The attention module as the family's eager function sees it on one rank: its heads
+    are this rank's group (KV heads repeated to match, so no further grouping), and its
+    per-head parameters (e.g. attention sinks) are cut to that group. Everything else
+    reads through to the module."""
+
+    def __init__(self, module, per_head: dict):
+        self._module = module
+        self.num_key_value_groups = 1
+        self.__dict__.update(per_head)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _rank_heads(value, heads: int, start: int, stop: int):
+    """`value` cut to heads [start, stop) where it holds one float per head, else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == heads and value.is_floating_point():
+        return value[start:stop]
+    return value
+
+
+def _attention(base, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     ctx = _CONTEXT
     if ctx is None:
+        if base == "eager":
+            return _eager_or_fail(module)(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        return ALL_ATTENTION_FUNCTIONS[BASE](module, query, key, value, attention_mask, dropout=dropout,
+        return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
     size = ctx.size
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % size:
         raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size}, "
                          f"got {heads}")
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        raise ValueError("sequence-parallel attention does not support position biases or attention sinks")
-    if getattr(module, "attn_logit_softcapping", None) or getattr(
-            getattr(module, "config", None), "attn_logit_softcapping", None):
-        raise ValueError("sequence-parallel attention does not support attention logit soft-capping")
+    eager = _eager_or_fail(module) if base == "eager" else None
+    if eager is None and (kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None):
+        raise ValueError("sequence-parallel attention does not support position biases or attention sinks on sdpa "
+                         "(set model.attn_implementation: eager)")
     length = query.shape[2] * size
     mask = attention_mask
     if mask is not None and tuple(mask.shape[-2:]) != (length, length):
         raise ValueError(f"sequence-parallel attention got a mask of shape {tuple(mask.shape)}, not one over the "
                          f"whole sequence ({length}); was it made by another attention implementation?")
-    if kv_heads % size:  # e.g. one KV head: give every rank its copy
+    if kv_heads % size or eager is not None:  # e.g. one KV head: give every rank its copy
         key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
     query, key, value = (_AllToAll.apply(t, ctx.group, size, True) for t in (query, key, value))
-    groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
-    is_causal = mask is None and getattr(module, "is_causal", True)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=is_causal)
-    out = _AllToAll.apply(out, ctx.group, size, False)
+    if eager is not None:
+        local = heads // size
+        start, stop = ctx.rank * local, (ctx.rank + 1) * local
+        per_head = {name: _rank_heads(p, heads, start, stop) for name, p in module.named_parameters(recurse=False)
+                    if _rank_heads(p, heads, start, stop) is not p}
+        kwargs = {name: _rank_heads(v, heads, start, stop) for name, v in kwargs.items()}
+        if mask is None and getattr(module, "is_causal", True):
+            mask = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()[None, None]
+        if mask is not None and mask.dtype == torch.bool:  # eager functions add the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min)
+        out, _ = eager(_RankHeads(module, per_head), query, key, value, mask, dropout=dropout, scaling=scaling,
+                       **kwargs)
+        out = out.transpose(1, 2)  # eager functions return (B, S, H, D)
+    else:
+        groups = query.shape[1] // key.shape[1]
+        key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+        is_causal = mask is None and getattr(module, "is_causal", True)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                             scale=scaling, is_causal=is_causal)
+    out = _AllToAll.apply(out.contiguous(), ctx.group, size, False)
     return out.transpose(1, 2).contiguous(), None
 
 
 def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, config=None, **kwargs):
-    """The registered mask function: inside `active`, a boolean (B, 1, S, S) mask over
-    the whole sequence padded to a multiple of P (the rows of padding attend to
-    themselves only, so no row is empty); else the base implementation's mask."""
+    """The mask function registered as NAME: inside `active`, a boolean (B, 1, S, S) mask
+    over the whole sequence padded to a multiple of P (the rows of padding attend to
+    themselves only, so no row is empty); else sdpa's mask."""
+    return _mask("sdpa", batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                 config, **kwargs)
+
+
+def ulysses_eager_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                       attention_mask=None, config=None, **kwargs):
+    """The mask function registered as EAGER_NAME: `ulysses_mask`'s inside `active` (the
+    eager attention makes it additive), else eager's mask."""
+    return _mask("eager", batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                 config, **kwargs)
+
+
+def _mask(base, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
+          **kwargs):
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
         and_masks,
@@ -230,7 +320,7 @@ def ulysses_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     mask_function = mask_function or causal_mask_function
     ctx = _CONTEXT
     if ctx is None:
-        return ALL_MASK_ATTENTION_FUNCTIONS[BASE](
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             mask_function=mask_function, attention_mask=attention_mask, config=config, **kwargs)
     if q_offset or kv_offset:
@@ -263,6 +353,8 @@ def _register() -> None:
 
     AttentionInterface.register(NAME, ulysses_attention)
     AttentionMaskInterface.register(NAME, ulysses_mask)
+    AttentionInterface.register(EAGER_NAME, ulysses_eager_attention)
+    AttentionMaskInterface.register(EAGER_NAME, ulysses_eager_mask)
 
 
 # -- installing on a model ----------------------------------------------------------------------
@@ -277,19 +369,21 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     text_config = base.config.get_text_config()
     current_name = text_config._attn_implementation
     stack = decoder_stack(model, adapter)
-    if current_name != NAME:
+    if current_name not in BASES:
         attention_free = _attention_free_layer_kinds(model, adapter, stack)
         if attention_free is not None:
             raise ValueError(f"sequence parallelism (Ulysses) splits the attention heads of the text decoder over "
                              f"the processes, in transformers' attention interface, which no layer of this decoder "
                              f"calls: its layers ({attention_free}) have no attention heads to split (recurrent, "
-                             "state-space or convolution layers) or compute attention their own way; keep "
+                             "state-space or convolution layers) or compute attention their own way; declare "
+                             "SequenceParallel(gather_mixers=True) (mmrl/parallel/gathered.py) or keep "
                              "sequence_parallel = None for this family")
-        if current_name != BASE:
-            raise ValueError(f"sequence parallelism runs on the text decoder's {BASE} attention, not "
-                             f"{current_name!r} (set model.attn_implementation: {BASE})")
-        text_config._attn_implementation = NAME
-    if getattr(stack.config, "_attn_implementation", NAME) != NAME:
+        names = {base: name for name, base in BASES.items()}
+        if current_name not in names:
+            raise ValueError(f"sequence parallelism runs on the text decoder's sdpa or eager attention, not "
+                             f"{current_name!r} (set model.attn_implementation: sdpa)")
+        text_config._attn_implementation = names[current_name]
+    if getattr(stack.config, "_attn_implementation", NAME) not in BASES:
         raise ValueError(f"{type(stack).__name__} does not read its attention from the text config")
     if not getattr(stack, "_mmrl_ulysses_hooked", False):
         stack.register_forward_pre_hook(_splitter(adapter.sequence_parallel), with_kwargs=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,8 +70,17 @@ def launch(module: str, subjects: list[Subject], out: Path, timeout: float, proc
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout:.0f} s"
-    errors = [line.strip() for line in done.stderr.splitlines() if "Error" in line or "error" in line]
-    return done.returncode, (errors[-1] if errors else (done.stderr.strip().splitlines() or [""])[-1])[:300]
+    return done.returncode, crash_line(done.stderr)
+
+
+def crash_line(stderr: str) -> str:
+    """The line of a failed launch's stderr that says why: the first exception a rank
+    raised (`[rank1]: RuntimeError: ...`), not torchrun's own summary (a ChildFailedError
+    and its "To enable traceback see ...errors.html"), else the last line naming an error."""
+    lines = [line.strip() for line in stderr.splitlines()]
+    raised = [line for line in lines if re.search(r"\w(Error|Exception): \S", line) and "ChildFailedError" not in line]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (raised[0] if raised else errors[-1] if errors else (lines or [""])[-1])[:300]
 
 
 def torchrun_many(

@@ -233,7 +233,7 @@ def _plain_attention(config) -> None:
     stand in for, config by config: transformers builds no model on an unknown name, and
     the copy's modules carry none of the surgery's hooks (each rank decodes whole
     sequences of its own)."""
-    replaced = {varlen.NAME: varlen.BASE, vision_attention.NAME: vision_attention.BASE, ulysses.NAME: ulysses.BASE}
+    replaced = {varlen.NAME: varlen.BASE, vision_attention.NAME: vision_attention.BASE, **ulysses.BASES}
     pending = [config]
     while pending:
         current = pending.pop()

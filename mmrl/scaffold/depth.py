@@ -5,7 +5,10 @@ only where its probe verified it:
 - `video`: a 4-frame clip processed and generated from, alone and beside image prompts
   (vision-language types whose processor takes video);
 - `sequence_parallel`: Ulysses over 2 gloo processes equals one process (log-probs,
-  gradients, the AdamW step);
+  gradients, the AdamW step); where Ulysses fails (a decoder it cannot split by heads:
+  recurrent or convolution layers, attention outside transformers' interface), the same
+  probe again with gathered mixers (`SequenceParallel(gather_mixers=True)`,
+  mmrl.parallel.gathered), declared where that verifies;
 - `multi_turn`: an image (and a clip, where `video` verified) arriving in turn 3 of the
   agent loop trains as the final conversation processed in one go, under the
   optimizations verified before it (vision-language types).
@@ -81,14 +84,16 @@ LIMITS = {
     ),
     "sequence_parallel": (
         _OUT_OF_TIME,
-        (r"sdpa attention, not '([^']+)'",
-         "keep sequence_parallel=False: Ulysses splits the heads of sdpa attention, and this decoder runs {0} "
-         "attention only (or has none: recurrent layers)"),
-        (r"soft-capping",
-         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) has no attention logit soft-capping, which "
-         "this type's own attention applies"),
+        (r"which no layer of this decoder calls|no attention heads to split",
+         "keep sequence_parallel=False: mmrl's Ulysses splits attention heads where a layer calls transformers' "
+         "attention interface, and no layer of this decoder does (recurrent, state-space or convolution layers, "
+         "or attention written its own way); no adapter line changes that"),
+        (r"sdpa(?: or eager)? attention, not '([^']+)'",
+         "keep sequence_parallel=False: Ulysses wraps sdpa or eager attention, and this decoder runs {0} "
+         "attention only"),
         (r"position biases or attention sinks",
-         "keep sequence_parallel=False: mmrl's Ulysses attention (sdpa) takes no position bias or attention sinks"),
+         "keep sequence_parallel=False, or build the family on eager attention (model.attn_implementation: eager): "
+         "there Ulysses runs the family's own eager function, which applies them"),
         (r"needs keyword arguments for (\w+)",
          "keep sequence_parallel=False: the model calls its decoder stack {0} with positional arguments, which "
          "mmrl's Ulysses hook (mmrl/parallel/ulysses.py) does not cut"),
@@ -189,9 +194,36 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
         with scratch_family(d, layout, claimed, hidden) as subject:
             for column in first:
                 _run(column, subject, depth)
+        if "sequence_parallel" in depth.decided and not depth.capabilities.sequence_parallel:
+            gather_mixers(d, layout, depth, hidden)
     if "multi_turn" in columns:
         with scratch_family(d, layout, dataclasses.replace(depth.capabilities, multi_turn=True), hidden) as subject:
             _run("multi_turn", subject, depth)
+
+
+def gather_mixers(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
+    """Where the sequence-parallel probe failed on Ulysses: the probe again on the adapter
+    declaring `SequenceParallel(gather_mixers=True)`. Declared where it verifies (the gap
+    goes); else the adapter keeps its Ulysses spec and the gap gives both causes."""
+    from mmrl.adapter import SequenceParallel
+    from mmrl.probes import Status, probe
+
+    gap = next((g for g in reversed(depth.gaps) if g.column == "sequence_parallel"), None)
+    if gap is None or re.search(_OUT_OF_TIME[0], gap.cause):
+        return
+    ulysses_spec, d.sequence_parallel = d.sequence_parallel, SequenceParallel(gather_mixers=True)
+    depth.running = "sequence_parallel"
+    claimed = dataclasses.replace(depth.capabilities, sequence_parallel=True)
+    with scratch_family(d, layout, claimed, hidden) as subject:
+        result = probe("sequence_parallel").run(subject)
+    depth.running = None
+    if result.status is Status.VERIFIED:
+        depth.capabilities = claimed
+        depth.gaps.remove(gap)
+        return
+    d.sequence_parallel = ulysses_spec
+    cause = errors.one_line(f"{gap.cause}; gathered mixers: {result.reason}", 400, whole=True)
+    depth.gaps[depth.gaps.index(gap)] = dataclasses.replace(gap, cause=cause)
 
 
 # What the Ulysses hook cuts or leaves whole without being told (mmrl.parallel.ulysses).
@@ -312,4 +344,4 @@ def scratch_family(d: Discovery, layout: Layout, capabilities: Capabilities, hid
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["LIMITS", "TO_WRITE", "Depth", "sequence_inputs", "stateful_layers", "to_write", "applicable", "scratch_family", "takes_video", "verify_depth"]
+__all__ = ["LIMITS", "TO_WRITE", "Depth", "gather_mixers", "sequence_inputs", "stateful_layers", "to_write", "applicable", "scratch_family", "takes_video", "verify_depth"]

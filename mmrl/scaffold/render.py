@@ -148,9 +148,14 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         spec = d.sequence_parallel
         masked = "(" + ", ".join(f"({_str(m)}, {_tuple(rows)})" for m, rows in spec.masked_inputs) + \
             ("," if len(spec.masked_inputs) == 1 else "") + ")"
-        lines += ["    # The decoder gets these along the sequence too (found by running it): Ulysses cuts them.",
-                  "    sequence_parallel = " + _call("SequenceParallel", [f"split_inputs={_tuple(spec.split_inputs)}",
-                                                                        f"masked_inputs={masked}"])]
+        if spec.gather_mixers:
+            lines += ["    # Ulysses cannot split this decoder's sequence mixing by heads (its probe failed): each",
+                      "    # mixing module runs on the gathered sequence, the rest on each rank's positions.",
+                      "    sequence_parallel = SequenceParallel(gather_mixers=True)"]
+        else:
+            lines += ["    # The decoder gets these along the sequence too (found by running it): Ulysses cuts them.",
+                      "    sequence_parallel = " + _call("SequenceParallel", [
+                          f"split_inputs={_tuple(spec.split_inputs)}", f"masked_inputs={masked}"])]
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
     if not d.left_padding:
