@@ -98,6 +98,9 @@ for name in sys.argv[2].split(","):
 if rank == 0:
     open(sys.argv[1], "w").write(json.dumps(results))
 dist.destroy_process_group()
+# gloo's threads can abort a finished process at interpreter teardown (exit -6)
+from mmrl.probes.launcher import exit_cleanly
+exit_cleanly()
 '''
 
 
