@@ -203,9 +203,10 @@ class RolloutConfig(_Section):
     inference_copy: Literal["auto", "keep", "free"] = "auto"
     # hf_compiled on a GPU: how the decode step runs fast. "graphs" records the eager step as
     # CUDA graphs (a fraction of a second each), "compiled" compiles it with torch.compile
-    # (tens of seconds at a run's first steps, faster steps after); "auto": graphs for a run
-    # of at most 40,000 decode steps (steps x max_new_tokens x turns), compiled past that
-    # (`mmrl.settle.decode_choice`; the figures: docs/performance.md).
+    # (tens of seconds at a run's first steps); "auto": graphs where the engine compiles its
+    # decoder layers (the recording replays their kernels: a step as fast as the compiled
+    # one), else graphs for a run of at most 40,000 decode steps (steps x max_new_tokens x
+    # turns) and compiled past that (`mmrl.settle.decode_choice`; docs/performance.md).
     decode: Literal["auto", "graphs", "compiled"] = "auto"
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and

@@ -176,18 +176,25 @@ def backend_choice(backend: str, adapter, dist: Dist) -> Choice:
 
 
 # Decode steps in a run (steps x new tokens per turn x turns) up to which recording the decode
-# step as CUDA graphs beats compiling it: the compile's first-step cost over what it saves per
-# decode step after (docs/performance.md, "Recording the decode step instead of compiling it").
+# step as CUDA graphs beats compiling it where the recording runs the eager layers (no compiled
+# layers in this process): the compile's first-step cost over what it saves per decode step
+# after (docs/performance.md, "Recording the decode step instead of compiling it").
 GRAPHS_UP_TO = 40_000
 
 
-def decode_choice(decode: str, backend: str, recipe: Recipe) -> Choice:
-    """`rollout.decode`; "auto": the decode step recorded as CUDA graphs for a run of at
-    most GRAPHS_UP_TO decode steps, compiled for a longer one (its compile then pays off)."""
+def decode_choice(decode: str, backend: str, recipe: Recipe, compiled_layers: bool = False) -> Choice:
+    """`rollout.decode`; "auto": the decode step recorded as CUDA graphs. Where the engine
+    compiles its decoder layers (`compiled_layers`, as settled), the recording replays their
+    kernels, and a step costs what the compiled one does (bench/results/decode_profile_gpu.json)
+    for a fraction of its compile: graphs for any run length. Otherwise the recorded step runs
+    the eager layers, and the compiled step pays its compile back past GRAPHS_UP_TO decode
+    steps."""
     if decode != "auto":
         return Choice(decode, SET_IN_RECIPE)
     if backend != "hf_compiled":
         return Choice("graphs", f"auto: unused by rollout.backend {backend}")
+    if compiled_layers:
+        return Choice("graphs", "auto: recorded through the engine's compiled layers")
     r = recipe.rollout
     steps = recipe.trainer.steps * r.max_new_tokens * (r.max_turns if r.env else 1)
     if steps <= GRAPHS_UP_TO:
@@ -291,10 +298,11 @@ def resolve(recipe: Recipe, dist: Dist, adapter=None) -> Settled:
         "model.attn_implementation": (m.attn_implementation, lambda value: attention_choice(value, adapter)),
         "rollout.backend": (recipe.rollout.backend, lambda value: backend_choice(value, adapter, dist)),
         "rollout.decode": (recipe.rollout.decode,
-                           lambda value: decode_choice(value, choices["rollout.backend"].value, recipe)),
+                           lambda value: decode_choice(value, choices["rollout.backend"].value, recipe,
+                                                      choices["model.compile_layers"].value is True)),
     }
     choices: dict[str, Choice] = {}
-    for field in SETTLED_FIELDS:  # in order: the decode rule reads the settled backend
+    for field in SETTLED_FIELDS:  # in order: the decode rule reads the settled backend and layers
         choices[field] = settle(field, *rules[field])
     return Settled(choices, compile_layers_required=m.compile_layers is True)
 

@@ -155,19 +155,28 @@ def test_a_run_records_what_it_settled_and_a_run_of_its_recipe_keeps_it(tmp_path
         again.folder.release()
 
 
-def test_the_decode_step_is_recorded_for_short_runs_and_compiled_for_long_ones():
-    """`rollout.decode: auto` on a GPU: CUDA graphs recorded without compiling while the
-    run's decode steps stay within GRAPHS_UP_TO, the compiled step past it (where its
-    compile pays off); turns of a multi-turn run count; the recipe's own value is kept."""
-    def settled(*overrides):
-        return resolve(_recipe(*overrides), _dist("cuda"), TEXT)
+def test_the_decode_step_is_recorded_always_through_compiled_layers_and_else_for_short_runs():
+    """`rollout.decode: auto` on a GPU: CUDA graphs recorded without compiling the decode
+    step. Where the engine compiles its layers (one GPU process), the recording replays them,
+    so graphs for any run length; where it does not (several ranks, or compile_layers off),
+    graphs while the run's decode steps stay within GRAPHS_UP_TO and the compiled step past
+    it (where its compile pays off); turns of a multi-turn run count; the recipe's own value
+    is kept."""
+    def settled(*overrides, world=1):
+        return resolve(_recipe(*overrides), _dist("cuda", world), TEXT)
 
-    short = settled("trainer.steps=50", "rollout.max_new_tokens=256")
+    long = settled("trainer.steps=500", "rollout.max_new_tokens=256")
+    assert long.compile_layers and long.rollout_decode == "graphs"
+    assert "compiled layers" in long.reasons()["rollout.decode"]
+    short = settled("trainer.steps=50", "rollout.max_new_tokens=256", "model.compile_layers=false")
     assert short.rollout_decode == "graphs"
     assert "at most 12,800 decode steps" in short.reasons()["rollout.decode"]
-    long = settled("trainer.steps=500", "rollout.max_new_tokens=256")
-    assert long.rollout_decode == "compiled" and f"{GRAPHS_UP_TO:,}" in long.reasons()["rollout.decode"]
-    turns = settled("trainer.steps=50", "rollout.max_new_tokens=256", "rollout.env=tools", "rollout.max_turns=4")
+    eager_long = settled("trainer.steps=500", "rollout.max_new_tokens=256", "model.compile_layers=false")
+    assert eager_long.rollout_decode == "compiled" and f"{GRAPHS_UP_TO:,}" in eager_long.reasons()["rollout.decode"]
+    sharded = settled("trainer.steps=500", "rollout.max_new_tokens=256", world=2)
+    assert not sharded.compile_layers and sharded.rollout_decode == "compiled"
+    turns = settled("trainer.steps=50", "rollout.max_new_tokens=256", "rollout.env=tools", "rollout.max_turns=4",
+                    "model.compile_layers=false")
     assert turns.rollout_decode == "compiled"  # 51,200 decode steps
-    assert settled("trainer.steps=500", "rollout.decode=graphs").rollout_decode == "graphs"
+    assert settled("trainer.steps=500", "rollout.decode=graphs", "model.compile_layers=false").rollout_decode == "graphs"
     assert "unused" in resolve(_recipe("rollout.backend=vllm"), _dist("cuda"), TEXT).reasons()["rollout.decode"]
