@@ -114,7 +114,7 @@ def decode_paths(trainer) -> dict[str, str]:
     """How the main thread's rollout and the overlap thread's decoded."""
     paths = {}
     for where, rollout in (("main", trainer.rollout), ("thread", getattr(trainer.trajectories, "sampler", None))):
-        if hasattr(rollout, "decode_path"):
+        if hasattr(rollout, "decode_path") and not rollout.decode_path().startswith("not decoded"):
             paths[where] = rollout.decode_path()
     return paths
 
