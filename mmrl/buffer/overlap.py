@@ -82,7 +82,7 @@ PHASE_METRICS = {
     "overlap/generate_s": "the rollout's generate call (time/rollout)",
     "overlap/generate_host_s": "generate less the compiled loop: tokenizing prompts, trimming responses",
     "overlap/setup_s": "the loop's setup before the prefill (caches, positions)",
-    "overlap/prefill_s": "launching the prompts' forward (its device time falls in the decode's first wait)",
+    "overlap/prefill_s": "the prompts' forward until the device finished it (after the copy's refresh)",
     "overlap/decode_s": "the decode loop",
     "overlap/decode_wait_s": "the decode loop's host waits for the device",
     "overlap/decode_host_s": "the decode loop less its waits: launching, Python, the GIL",
