@@ -125,7 +125,7 @@ def loop_stats(rollout) -> dict[str, float]:
     """The main-thread rollout's last loop phases (`loop/*`), with ms per decode step."""
     stats = getattr(rollout, "stats", None) or {}
     out = {f"loop/{key}": float(stats[key]) for key in LOOP_STATS if key in stats}
-    if stats.get("steps"):
+    if stats.get("steps") and "decode_s" in stats:  # a multi-turn session's stats have no phases
         out["loop/decode_host_s"] = out["loop/decode_s"] - out["loop/decode_wait_s"]
         out["loop/decode_step_ms"] = 1000 * out["loop/decode_s"] / out["loop/steps"]
     return out
