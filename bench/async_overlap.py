@@ -2,8 +2,8 @@
 
     python bench/async_overlap.py --shape 0.5b --out $OUT/async_overlap_0.5b_gpu.json   # on the GPU
     python bench/async_overlap.py --shape vl3b --out $OUT/async_overlap_vl3b_gpu.json   # on the GPU
-    python bench/async_overlap.py --shape 0.5b --steps 12 --run-timeout 90 --runs sync concurrent \
-        concurrent_idle concurrent_switch concurrent_eager_layers --out $OUT/async_overlap_diag.json  # why (~330 s)
+    timeout 395 python bench/async_overlap.py --shape 0.5b --steps 12 --run-timeout 90 --runs sync concurrent \
+        concurrent_idle concurrent_eager_layers concurrent_switch --out $OUT/async_overlap_diag.json  # why (~350 s)
     python bench/async_overlap.py --device cpu --shape tiny --steps 2 --new-tokens 4 --prompts 2 --samples 2 \
         --prompt-words 5 10 --set model.dtype=float32 --out /tmp/async_overlap.json      # smoke run on CPU
 
