@@ -5,6 +5,7 @@ failed run not waiting on the thread, the recipe's one-line refusals, and the co
 rollout's own generator (`SamplingParams.generator_seed`)."""
 
 import json
+import sys
 import threading
 import traceback
 from pathlib import Path
@@ -13,8 +14,11 @@ import pytest
 import torch
 
 from mmrl.buffer import ConcurrentSteps
+from mmrl.buffer.overlap import PHASE_METRICS
 from mmrl.buffer.store import read_batch
 from mmrl.config import RecipeError, load_recipe
+from mmrl.engine.compiled_layers import CompiledLayers
+from mmrl.engine.surgery import decoder_layers
 from mmrl.summary import run_summary
 from mmrl.trainer import Trainer
 from test_trainer import TEXT
@@ -244,3 +248,53 @@ def test_a_generator_seed_fixes_the_compiled_rollouts_samples_whatever_the_defau
     assert torch.equal(first.response_ids, second.response_ids)
     assert torch.equal(first.logprobs, second.logprobs)
     assert not torch.equal(first.response_ids, other.response_ids)
+
+
+_SWITCH_SEEN: list[float] = []
+
+
+def _notes_the_switch_interval(completions, answers, **fields):
+    """A reward that notes Python's switch interval where it is scored in the rollout thread."""
+    if threading.current_thread() is not threading.main_thread():
+        _SWITCH_SEEN.append(sys.getswitchinterval())
+    return [len(c) / 3 for c in completions]
+
+
+def test_the_thread_samples_under_the_switch_interval_asked_and_reports_where_its_time_went(tmp_path):
+    """`algo.overlap_switch_interval_ms` holds while the thread samples (batches 3 and 4)
+    and Python's own is back after; each step reports the thread's phases (0 in steps that
+    collected no batch)."""
+    before = sys.getswitchinterval()
+    _SWITCH_SEEN.clear()
+    trainer = _trainer(tmp_path / "run", "trainer.steps=4", "algo.overlap=thread",
+                       "algo.overlap_switch_interval_ms=0.5", "reward.name=test_overlap:_notes_the_switch_interval")
+    trainer.fit()
+    assert _SWITCH_SEEN == [0.0005, 0.0005]
+    assert sys.getswitchinterval() == before
+    rows = [r for r in _rows(tmp_path / "run") if not r.get("final")]
+    assert all(set(PHASE_METRICS) <= set(r) for r in rows)
+    assert all(r["overlap/decode_s"] == 0 and r["overlap/switch_interval_ms"] == 0 for r in rows[:2])
+    for r in rows[2:]:
+        assert r["overlap/switch_interval_ms"] == 0.5
+        assert r["overlap/decode_steps"] >= 1 and r["overlap/decode_s"] > 0 and r["overlap/score_s"] > 0
+        assert r["overlap/decode_host_s"] + r["overlap/decode_wait_s"] == pytest.approx(r["overlap/decode_s"])
+        assert r["overlap/decode_s"] + r["overlap/prefill_s"] <= r["overlap/generate_s"] <= r["overlap/rollout_s"]
+        assert r["overlap/decode_graphs"] == 0 and r["overlap/graphs_recorded"] == 0  # CPU: nothing recorded
+    with pytest.raises(RecipeError, match="overlap_switch_interval_ms"):
+        load_recipe(None, [*ONE_STEP_OFF, "algo.overlap_switch_interval_ms=0"])
+
+
+def test_the_threads_copy_decodes_through_compiled_layers_of_its_own(tmp_path):
+    """Where the engine compiles its decoder layers, the thread's recorded decode step runs
+    through the inference copy's layers compiled the same way (its graphs replayed the
+    copy's eager kernels before): never the engine's layers, which the update runs."""
+    trainer = _trainer(tmp_path / "run", "trainer.steps=2", "algo.overlap=thread", "rollout.decode=graphs")
+    sampler = trainer.trajectories.sampler
+    assert sampler._step_layers() is None  # the engine compiles none on the CPU
+    trainer.actor.compiled_layers = CompiledLayers(decoder_layers(trainer.actor.model, trainer.actor.adapter))
+    layers = sampler._step_layers()
+    assert [id(layer) for layer in layers.layers] == [
+        id(layer) for layer in decoder_layers(sampler.copy.model, trainer.actor.adapter)]
+    assert not {id(layer) for layer in layers.layers} & {id(layer) for layer in trainer.actor.compiled_layers.layers}
+    assert sampler._step_layers() is layers and sampler._compiled_step().layers is layers
+    assert sampler.decode_path() == "eager step (no capture) through compiled layers, 0 recorded"

@@ -39,12 +39,19 @@ is sampling (a daemon thread: the process can exit while it runs).
 Metrics (per step): `overlap/waited_for_rollout_s` (the main thread blocked on the
 thread's batch), `overlap/waited_for_update_s` (the thread done, waiting for the step to
 end), `overlap/rollout_s` (the thread's sampling and scoring), `overlap/refresh_s` (the
-copy's refresh). `bench/async_overlap.py` measures the synchronous and concurrent runs.
+copy's refresh), and where the thread's batch spent its time (`PHASE_METRICS`: the
+prefill, the decode loop split into the host's launching and its waits for the device,
+scoring, host work around them; the decode path the thread took), so one GPU run shows
+whether the thread's decode is slower than the main thread's for its own reasons (host
+time: the GIL, Python; device time: sharing the GPU). `algo.overlap_switch_interval_ms`
+lowers Python's switch interval while the thread samples. `bench/async_overlap.py`
+measures the synchronous and concurrent runs and variants that isolate those causes.
 """
 
 from __future__ import annotations
 
 import copy as copying
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -65,6 +72,30 @@ from mmrl.rollout.inference_copy import InferenceCopy, describe
 
 if TYPE_CHECKING:
     from mmrl.trainer import Trainer
+
+# Where the thread's batch spent its seconds, per step (0 in steps that collected none).
+# Host clock; the decode loop's looks at the running rows (every few steps) wait for the
+# device, so `decode_wait_s` is device time the host did not cover with launches and
+# `decode_host_s` the host's own: launching steps, and waiting for the GIL.
+PHASE_METRICS = {
+    "overlap/start_lag_s": "from the thread's start to its first line (the GIL, thread start-up)",
+    "overlap/generate_s": "the rollout's generate call (time/rollout)",
+    "overlap/generate_host_s": "generate less the compiled loop: tokenizing prompts, trimming responses",
+    "overlap/setup_s": "the loop's setup before the prefill (caches, positions)",
+    "overlap/prefill_s": "the prompts' forward until the device finished it (after the copy's refresh)",
+    "overlap/decode_s": "the decode loop",
+    "overlap/decode_wait_s": "the decode loop's host waits for the device",
+    "overlap/decode_host_s": "the decode loop less its waits: launching, Python, the GIL",
+    "overlap/decode_step_ms": "the decode loop per step",
+    "overlap/decode_steps": "decode steps",
+    "overlap/trim_s": "the tokens' copy to the host after the loop (the last steps' device time)",
+    "overlap/score_s": "the rewards",
+    "overlap/host_other_s": "the rest of the thread's batch: choosing prompts, building the batch",
+    "overlap/graphs_recorded": "CUDA graphs the decode step recorded during the batch",
+    "overlap/decode_graphs": "1 where the decode step replayed CUDA graphs",
+    "overlap/decode_compiled_layers": "1 where those graphs run the compiled decoder layers",
+    "overlap/switch_interval_ms": "Python's switch interval while the thread sampled",
+}
 
 
 def overlap_mode(recipe: Recipe, device: torch.device, backend: str) -> str:
@@ -136,6 +167,7 @@ class RolloutSide:
         self.processing = processing
         self.step = 0
         self.timings: dict[str, float] = defaultdict(float)
+        self.phases: dict[str, float] = {}  # the last batch's (`batch_phases`)
 
     def __getattr__(self, name: str):
         return getattr(self._trainer, name)
@@ -145,13 +177,36 @@ class RolloutSide:
         return type(self._trainer)._timed(self, name)
 
     def _score(self, *args, **kwargs):
-        return type(self._trainer)._score(self, *args, **kwargs)
+        began = time.perf_counter()
+        try:
+            return type(self._trainer)._score(self, *args, **kwargs)
+        finally:
+            self.phases["score_s"] = time.perf_counter() - began
 
     def roll_out(self, version: int, seed: int) -> RolloutBatch:
         """The next prompts' scored rollout, sampled by weights version `version` from a
         generator seeded `seed`."""
         self.step = version
-        return type(self._trainer)._roll_out(self, generator_seed=seed)
+        self.phases = {}
+        generating = self.timings.get("rollout", 0.0)
+        batch = type(self._trainer)._roll_out(self, generator_seed=seed)
+        self.phases["generate_s"] = self.timings.get("rollout", 0.0) - generating
+        return batch
+
+    def batch_phases(self) -> dict[str, float]:
+        """Where the last batch's seconds went (`PHASE_METRICS`, without the prefix), and
+        the decode path it took."""
+        stats, phases = self.rollout.stats, self.phases
+        out = {key: float(stats.get(key, 0.0)) for key in
+               ("setup_s", "prefill_s", "decode_s", "decode_wait_s", "trim_s", "graphs_recorded",
+                "decode_graphs", "decode_compiled_layers")}
+        steps = float(stats.get("steps", 0))
+        out.update(generate_s=phases.get("generate_s", 0.0), score_s=phases.get("score_s", 0.0), decode_steps=steps,
+                   decode_host_s=out["decode_s"] - out["decode_wait_s"],
+                   decode_step_ms=1000 * out["decode_s"] / steps if steps else 0.0)
+        loop = out["setup_s"] + out["prefill_s"] + out["decode_s"] + out["trim_s"]
+        out["generate_host_s"] = max(0.0, out["generate_s"] - loop) if steps else 0.0
+        return out
 
 
 class _InFlight:
@@ -162,7 +217,12 @@ class _InFlight:
         self.batch: RolloutBatch | None = None
         self.error: BaseException | None = None
         self.busy = 0.0  # seconds the thread sampled and scored
+        self.launched_at = time.perf_counter()
+        self.started_at: float | None = None
         self.finished_at: float | None = None
+        self.phases: dict[str, float] = {}  # where its seconds went (`RolloutSide.batch_phases`)
+        self.switch_interval = sys.getswitchinterval()  # in force while it sampled
+        self.switch_before: float | None = None  # Python's own, restored when it is done
         self.thread: threading.Thread | None = None
         self.event = None  # a CUDA event recorded on the thread's stream after its last kernel
 
@@ -172,12 +232,17 @@ class ConcurrentSteps(BufferedSteps):
     update runs (module docstring). `roll_out(version, number)` samples and scores batch
     `number` (any thread); `refresh()` copies the current weights into the rollout's copy (main
     thread, no rollout running); `timings` is the trainer's clock, which gets the thread's
-    rollout seconds when its batch is collected."""
+    rollout seconds when its batch is collected. `phases()`: where the batch just sampled
+    spent its time (`RolloutSide.batch_phases`); `switch_interval_ms`: Python's switch
+    interval while the thread samples (None: left as it is); `sampler`: the thread's
+    rollout, for benches to read (`CompiledHFRollout.decode_path`)."""
 
     def __init__(self, buffer: TrajectoryBuffer, *, max_staleness: int, total_steps: Callable[[], int],
                  roll_out: Callable[[int, int], RolloutBatch], refresh: Callable[[], None],
                  device: torch.device, side_timings: dict[str, float],
-                 timings: dict[str, float], rebuild: Callable | None = None, summary: str = ""):
+                 timings: dict[str, float], rebuild: Callable | None = None, summary: str = "",
+                 phases: Callable[[], dict[str, float]] | None = None, switch_interval_ms: float | None = None,
+                 sampler: CopyRollout | None = None):
         super().__init__(buffer, max_staleness=max_staleness, total_steps=total_steps, produce=self._inline,
                          behaviour=sampler_log_probs, rebuild=rebuild)
         self.roll_out = roll_out
@@ -186,6 +251,9 @@ class ConcurrentSteps(BufferedSteps):
         self.device = device
         self.side_timings = side_timings
         self.timings = timings
+        self.phases = phases
+        self.switch_interval = None if switch_interval_ms is None else switch_interval_ms / 1000
+        self.sampler = sampler
         # High priority: a decode step is a short kernel chain each token waits for; the
         # update's long kernels fill the device around it.
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -202,7 +270,8 @@ class ConcurrentSteps(BufferedSteps):
         name = getattr(trainer.train_set, "name", "") or ""
         options = rollout_options(recipe.rollout, "hf_compiled", settled.rollout_decode)
         processing = copying.deepcopy(trainer.processing)
-        side = RolloutSide(trainer, CopyRollout(trainer.actor, processing, **options), processing)
+        sampler = CopyRollout(trainer.actor, processing, **options)
+        side = RolloutSide(trainer, sampler, processing)
         check_sampler_log_probs(side.rollout, recipe)  # its raw log-probs: rollout.temperature 1 (or 0)
         seed, rank = recipe.trainer.seed, trainer.dist.dp_rank
 
@@ -215,7 +284,8 @@ class ConcurrentSteps(BufferedSteps):
         return cls(buffer_for(trainer), max_staleness=recipe.algo.max_staleness,
                    total_steps=lambda: trainer.recipe.trainer.steps, roll_out=roll_out, refresh=side.rollout.refresh,
                    device=trainer.dist.device, side_timings=side.timings, timings=trainer.timings,
-                   rebuild=rebuild_for(trainer),
+                   rebuild=rebuild_for(trainer), phases=side.batch_phases,
+                   switch_interval_ms=recipe.algo.overlap_switch_interval_ms, sampler=sampler,
                    summary=f"thread (algo.overlap={recipe.algo.overlap}): the next batch sampled beside the update "
                            f"on an {describe(side.rollout.copy)}")
 
@@ -223,7 +293,7 @@ class ConcurrentSteps(BufferedSteps):
     def next(self, done: int) -> tuple[RolloutBatch, dict[str, float]]:
         self._done = done
         self._metrics = {"overlap/waited_for_rollout_s": 0.0, "overlap/waited_for_update_s": 0.0,
-                         "overlap/rollout_s": 0.0, "overlap/refresh_s": 0.0}
+                         "overlap/rollout_s": 0.0, "overlap/refresh_s": 0.0, **dict.fromkeys(PHASE_METRICS, 0.0)}
         self._collect()
         self._refresh(done)
         batch, metrics = super().next(done)
@@ -275,6 +345,12 @@ class ConcurrentSteps(BufferedSteps):
     # -- the thread -----------------------------------------------------------------------------
     def _start(self, version: int) -> None:
         job = _InFlight(self.buffer.produced + 1, version)
+        if self.switch_interval is not None:
+            # Each time the thread wants the GIL while the main thread runs Python, it waits
+            # up to the interval (Python's 5 ms) before the main thread is made to let go.
+            job.switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
+            job.switch_interval = self.switch_interval
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
@@ -285,7 +361,7 @@ class ConcurrentSteps(BufferedSteps):
         job.thread.start()
 
     def _work(self, job: _InFlight, ready) -> None:
-        started = time.perf_counter()
+        started = job.started_at = time.perf_counter()
         try:
             if self.stream is None:
                 job.batch = self.roll_out(job.version, job.number)
@@ -295,9 +371,13 @@ class ConcurrentSteps(BufferedSteps):
                     job.batch = self.roll_out(job.version, job.number)
                     job.event = torch.cuda.Event()
                     job.event.record(self.stream)
+            if self.phases is not None:
+                job.phases = self.phases()
         except BaseException as error:  # noqa: BLE001 - raised again in the main thread
             job.error = error
         finally:
+            if job.switch_before is not None:  # nothing competes for the GIL from here on
+                sys.setswitchinterval(job.switch_before)
             job.finished_at = time.perf_counter()
             job.busy = job.finished_at - started
 
@@ -314,6 +394,7 @@ class ConcurrentSteps(BufferedSteps):
         self._metrics["overlap/waited_for_rollout_s"] = now - waited
         self._metrics["overlap/waited_for_update_s"] = max(0.0, waited - job.finished_at)
         self._metrics["overlap/rollout_s"] = job.busy
+        self._metrics.update(_phase_metrics(job))
         self._move_timings()
         if job.error is not None:
             job.error.add_note(f"raised in the rollout thread (algo.overlap=thread), sampling batch {job.number} "
@@ -332,4 +413,15 @@ class ConcurrentSteps(BufferedSteps):
         self._metrics["overlap/refresh_s"] = time.perf_counter() - started
 
 
-__all__ = ["ConcurrentSteps", "CopyRollout", "RolloutSide", "overlap_mode", "steps_for"]
+def _phase_metrics(job: _InFlight) -> dict[str, float]:
+    """`PHASE_METRICS` of a finished batch."""
+    out = {f"overlap/{key}": value for key, value in job.phases.items() if f"overlap/{key}" in PHASE_METRICS}
+    out["overlap/start_lag_s"] = (job.started_at or job.launched_at) - job.launched_at
+    out["overlap/switch_interval_ms"] = 1000 * job.switch_interval
+    if job.phases:
+        counted = job.phases.get("generate_s", 0.0) + job.phases.get("score_s", 0.0)
+        out["overlap/host_other_s"] = max(0.0, job.busy - counted)
+    return out
+
+
+__all__ = ["PHASE_METRICS", "ConcurrentSteps", "CopyRollout", "RolloutSide", "overlap_mode", "steps_for"]

@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.media import sharing
+from mmrl.engine.surgery import decoder_layers
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
@@ -161,12 +164,15 @@ class DecodeRun:
 @dataclass
 class Decoded:
     """A decode loop's output: tokens (rows, max_new_tokens), right-padded, their
-    log-probs (or None), the steps it ran and the rows still in its batch at the end."""
+    log-probs (or None), the steps it ran, the rows still in its batch at the end, and the
+    seconds the host waited for the device when it looked at the running rows (the rest
+    of the loop's time the host spent launching steps)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
     steps: int
     final_rows: int
+    waited_s: float = 0.0
 
     def trimmed(self, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens and log-probs on the CPU, cut where `generate` ends its loop."""
@@ -215,8 +221,13 @@ class CompiledHFRollout(HFRollout):
         self._longest_cache = 0
         self.fallback_reason: str | None = None  # set once the compiled path is given up
         self._step = None
+        # The inference copy's decoder layers, compiled as the engine compiles its own
+        # (`_step_layers`); built at the first recording that uses them.
+        self._copy_layers: CompiledLayers | None = None
         self._caches: dict[tuple[int, int], object] = {}
-        self.stats: dict[str, int] = {}
+        # What the last call did: its decode steps and final batch width, and where its
+        # seconds went (host clock; the loop's looks at the running rows wait for the device).
+        self.stats: dict[str, float] = {}
 
     # -- the switch --------------------------------------------------------------------------
     def _sample(self, batch, shared, params: SamplingParams):
@@ -296,6 +307,8 @@ class CompiledHFRollout(HFRollout):
     # -- the loop ----------------------------------------------------------------------------
     def _fast_sample(self, batch, shared, params: SamplingParams):
         self._check(params)
+        began = time.perf_counter()
+        recordings = self._recordings()
         model = self._decoder()
         if self.copy is not None:
             # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
@@ -307,15 +320,28 @@ class CompiledHFRollout(HFRollout):
         with self._decoding(model, params) as run:
             cache = self._cache(rows, length, run.dtype)
             device = self.engine.dist.device
+            prefill_began = time.perf_counter()
             with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
                 logits = self._prefill(run, cache, batch, positions)
+            if device.type == "cuda":
+                # The prefill's device time counted as the prefill's (`stats`), not as the
+                # decode's first wait; this stream only, and the device idles a few launches.
+                torch.cuda.current_stream(device).synchronize()
             prompt_mask = batch["attention_mask"]
             mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - prompt_length)], 1)
+            decode_began = time.perf_counter()
             decoded = self._decode(run, cache, logits, mask, next_positions(positions, prompt_mask),
                                    batch["input_ids"], length, prompt_length)
-        # What the last call did (tests and the benchmark read it).
-        self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
-        return decoded.trimmed(run.stops)
+        decode_ended = time.perf_counter()
+        out = decoded.trimmed(run.stops)  # waits for the device's last steps
+        ended = time.perf_counter()
+        # What the last call did (tests, benches and the overlap metrics read it).
+        self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows,
+                      "setup_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
+                      "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
+                      "trim_s": ended - decode_ended, "graphs_recorded": self._recordings() - recordings,
+                      **self._decode_flags()}
+        return out
 
     def _positions(self, model, batch) -> torch.Tensor:
         positions = self.engine.adapter.position_ids(model, batch)
@@ -387,10 +413,13 @@ class CompiledHFRollout(HFRollout):
         if start is not None:
             start(run.model, fill, self._caches.values())
         steps = 1
+        waited = 0.0
         with _decode_attention(run.model):
             for t in range(1, new_tokens):
                 if t % self.check_every == 0:
+                    looked = time.perf_counter()
                     alive = int(running.sum())
+                    waited += time.perf_counter() - looked
                     if alive == 0:
                         break
                     width = len(index)
@@ -420,7 +449,7 @@ class CompiledHFRollout(HFRollout):
                 steps += 1
         if home is not None and cache is not home:
             _write_back(home, cache, index)
-        return Decoded(tokens, logprobs, steps, len(index))
+        return Decoded(tokens, logprobs, steps, len(index), waited)
 
     # -- pieces ------------------------------------------------------------------------------
     def _cache_length(self, needed: int) -> int:
@@ -445,10 +474,55 @@ class CompiledHFRollout(HFRollout):
                 capture = self.compile and self.engine.dist.device.type == "cuda"
                 self._step = GraphedStep(choose_tokens, capture=capture, fallback=compiled,
                                          attention=DECODE_ATTENTION, on_record=watch().record,
-                                         layers=self.engine.compiled_layers if self.copy is None else None)
+                                         layers=self._step_layers())
             else:
                 self._step = compiled()
         return self._step
+
+    def _step_layers(self) -> CompiledLayers | None:
+        """The compiled decoder layers the recorded decode step runs through, where the
+        engine compiles its own: the engine's when the loop decodes the engine's model; on
+        an inference copy, the copy's layers compiled the same way. Without them a copy's
+        recorded step replays the layers' eager kernels, dozens of small ones per layer
+        (docs/performance.md, "Recording the decode step instead of compiling it"): the
+        concurrent one-step-off rollout (mmrl/buffer/overlap.py) decoded that much slower
+        than the sequential one on the engine's model."""
+        if self.engine.compiled_layers is None:
+            return None
+        if self.copy is None:
+            return self.engine.compiled_layers
+        if self._copy_layers is None:
+            layers = decoder_layers(self.copy.model, self.engine.adapter)
+            self._copy_layers = CompiledLayers(layers) if layers else None
+        return self._copy_layers
+
+    def _recordings(self) -> int:
+        """CUDA graphs the recorded decode step has recorded so far (0 for other steps)."""
+        return self._step.recordings if isinstance(self._step, GraphedStep) else 0
+
+    def _decode_flags(self) -> dict[str, float]:
+        """Whether the decode step replays CUDA graphs, and through compiled layers (1 or 0)."""
+        step = self._step
+        graphs = isinstance(step, GraphedStep) and step.capture and step.fallback is None
+        layers = graphs and step.layers is not None and not step.layers.failed
+        return {"decode_graphs": float(graphs), "decode_compiled_layers": float(layers)}
+
+    def decode_path(self) -> str:
+        """How this rollout's decode steps run, in a few words (benches, the overlap
+        metrics): plain generate, the eager or compiled step, or CUDA graphs through the
+        compiled or the eager decoder layers."""
+        if self.fallback_reason is not None:
+            return f"plain generate ({self.fallback_reason})"
+        step = self._step
+        if step is None:
+            return f"not decoded yet (rollout.decode={self.decode})"
+        if isinstance(step, GraphedStep):
+            if step.fallback is not None:
+                return f"compiled step (graphs gave up: {step.fallback_reason})"
+            layers = "compiled layers" if step.layers is not None and not step.layers.failed else "eager layers"
+            return f"{'CUDA graphs' if step.capture else 'eager step (no capture)'} through {layers}, " \
+                   f"{step.recordings} recorded"
+        return "torch.compile step" if self.compile else "eager step"
 
     def _cache(self, rows: int, length: int, dtype: torch.dtype | None = None):
         """A reset static cache for `rows` x `length`, kept between calls: a compiled graph
