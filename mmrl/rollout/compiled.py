@@ -50,13 +50,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mmrl.engine.media import sharing
+from mmrl.engine.media import placeholder_tokens, sharing
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.graphs import GraphedStep
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
+from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
 # same whatever the width. The widths the loop moves rows into are powers of two from here
@@ -193,7 +194,8 @@ class CompiledHFRollout(HFRollout):
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
-                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto"):
+                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto",
+                 prefill_once: bool = True):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -216,6 +218,9 @@ class CompiledHFRollout(HFRollout):
         self.fallback_reason: str | None = None  # set once the compiled path is given up
         self._step = None
         self._caches: dict[tuple[int, int], object] = {}
+        # Rows that repeat a prompt (GRPO's n samples) are prefilled once per distinct prompt
+        # (`mmrl.rollout.prefix`); False prefills every row (what the bench compares against).
+        self.prefill_once = prefill_once
         self.stats: dict[str, int] = {}
 
     # -- the switch --------------------------------------------------------------------------
@@ -304,17 +309,24 @@ class CompiledHFRollout(HFRollout):
         positions = self._positions(model, batch)
         rows, prompt_length = batch["input_ids"].shape
         length = self._cache_length(prompt_length + params.max_new_tokens)
+        device = self.engine.dist.device
         with self._decoding(model, params) as run:
-            cache = self._cache(rows, length, run.dtype)
-            device = self.engine.dist.device
-            with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
-                logits = self._prefill(run, cache, batch, positions)
+            distinct = None
+            if self.prefill_once:
+                distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
+            if distinct is not None:
+                cache, logits = self._prefill_distinct(run, distinct, positions, length)
+            else:
+                cache = self._cache(rows, length, run.dtype)
+                with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
+                    logits = self._prefill(run, cache, batch, positions)
             prompt_mask = batch["attention_mask"]
             mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - prompt_length)], 1)
             decoded = self._decode(run, cache, logits, mask, next_positions(positions, prompt_mask),
                                    batch["input_ids"], length, prompt_length)
         # What the last call did (tests and the benchmark read it).
-        self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
+        self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows,
+                      "prefill_rows": rows if distinct is None else distinct.count}
         return decoded.trimmed(run.stops)
 
     def _positions(self, model, batch) -> torch.Tensor:
@@ -349,6 +361,14 @@ class CompiledHFRollout(HFRollout):
         out = run.model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, **run.keep_last)
         _unguarded(cache)
         return out.logits[:, -1].float()
+
+    def _prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
+        """The prefill of each distinct prompt once (`mmrl.rollout.prefix`), into a cache of
+        its rows, then copied out to every row that repeats it: the wide cache and the last
+        position's logits `_prefill` gives for the whole batch."""
+        narrow = self._cache(distinct.count, length, run.dtype)
+        logits = self._prefill(run, narrow, distinct.batch, distinct.positions(positions))
+        return self._moved(narrow, distinct.owners, length), logits.index_select(0, distinct.owners)
 
     def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
                 prompt_ids: torch.Tensor, length: int, fill: int, home=None) -> Decoded:
