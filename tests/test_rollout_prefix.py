@@ -112,3 +112,15 @@ def test_a_sharing_record_whose_rows_differ_in_tokens_or_layout_is_not_trusted(f
     changed = dict(batch, pixel_values=batch["pixel_values"] + 1)
     assert distinct_prompts(changed, shared, placeholders) is None
 
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_the_recipes_switch_reaches_the_compiled_rollout(once):
+    """`rollout.prefill_once` (default true) is the `CompiledHFRollout` option of that name."""
+    from mmrl.config import RolloutConfig
+    from mmrl.rollout import rollout_options
+
+    assert RolloutConfig().prefill_once is True
+    built, engine = _engine("qwen2")
+    options = rollout_options(RolloutConfig(prefill_once=once), "hf_compiled")
+    assert make_rollout("hf_compiled", engine, built.processing, **options).prefill_once is once

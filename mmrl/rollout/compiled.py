@@ -7,7 +7,9 @@ The same prompts, tokens and log-probs as the `hf` backend (greedy output is ide
 plain `generate`), sampled by a decode loop of our own over `model.forward`:
 
 - the prompt batch (with its images) runs once, eagerly, into a transformers
-  `StaticCache`; every later step feeds one text token per row, so its shapes never
+  `StaticCache`, each distinct prompt once where samples repeat it (`mmrl.rollout.prefix`:
+  its cache rows are copied out to its samples'; `prefill_once=False` prefills every row);
+  every later step feeds one text token per row, so its shapes never
   change and `torch.compile(mode="reduce-overhead")` replays it as a CUDA graph;
 - in those steps the text decoder's SDPA attention runs as two batched matmuls per
   layer, one query per row against its key/value heads (`decode_attention`): SDPA
