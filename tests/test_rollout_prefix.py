@@ -84,8 +84,8 @@ def test_text_rows_are_grouped_by_equal_tokens_in_order_of_first_row():
     assert distinct.owners.tolist() == [0, 1, 0, 1, 2]
     assert torch.equal(distinct.batch["input_ids"], ids[[0, 1, 4]])
     # mrope positions (axes, rows, S): the rows' dimension is the middle one.
-    positions = torch.arange(3 * 5 * 3).view(3, 5, 3)
-    assert torch.equal(distinct.positions(positions), positions[:, [0, 1, 4]])
+    positions = torch.arange(3 * 3 * 3).view(3, 3, 3)
+    assert torch.equal(distinct.expand(positions), positions[:, [0, 1, 0, 1, 2]])
     # Equal ids under another mask are another prompt; no repeat at all: nothing to share.
     assert distinct_prompts({"input_ids": ids[:2], "attention_mask": mask[:2]}, None) is None
     other_mask = mask.clone()
@@ -106,6 +106,10 @@ def test_a_sharing_record_whose_rows_differ_in_tokens_or_layout_is_not_trusted(f
     distinct = distinct_prompts(batch, shared, placeholders)
     assert distinct.first.tolist() == [0, 2] and distinct.owners.tolist() == [0, 0, 1, 1]
     assert all(torch.equal(distinct.batch[k], v) for k, v in dict(built.processing(conversations)).items())
+    # The rollout computes the prompts' positions and copies them out to their rows.
+    adapter = built.adapter
+    assert torch.equal(distinct.expand(adapter.position_ids(built.model, distinct.batch)),
+                       adapter.position_ids(built.model, batch))
     # A record that calls rows 1 and 2 one prompt: their tokens differ.
     assert distinct_prompts(batch, SharedMedia(shared.owners[:1] + [1, 0, 1], shared.singles), placeholders) is None
     # Media that are not the record's prompts' (another image in the batch).

@@ -308,16 +308,18 @@ class CompiledHFRollout(HFRollout):
             # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
             batch = {k: v.to(self.copy.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in batch.items()}
-        positions = self._positions(model, batch)
+        device = self.engine.dist.device
+        distinct = None
+        if self.prefill_once:
+            distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
+        # A row's positions depend on that row alone: the distinct prompts' are computed.
+        positions = self._positions(model, batch if distinct is None else distinct.batch)
         rows, prompt_length = batch["input_ids"].shape
         length = self._cache_length(prompt_length + params.max_new_tokens)
-        device = self.engine.dist.device
         with self._decoding(model, params) as run:
-            distinct = None
-            if self.prefill_once:
-                distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
             if distinct is not None:
                 cache, logits = self._prefill_distinct(run, distinct, positions, length)
+                positions = distinct.expand(positions)
             else:
                 cache = self._cache(rows, length, run.dtype)
                 with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
@@ -365,11 +367,11 @@ class CompiledHFRollout(HFRollout):
         return out.logits[:, -1].float()
 
     def _prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
-        """The prefill of each distinct prompt once (`mmrl.rollout.prefix`), into a cache of
-        its rows, then copied out to every row that repeats it: the wide cache and the last
-        position's logits `_prefill` gives for the whole batch."""
+        """The prefill of each distinct prompt once (`mmrl.rollout.prefix`; `positions`:
+        theirs), into a cache of their rows, then copied out to every row that repeats one:
+        the wide cache and the last position's logits `_prefill` gives for the whole batch."""
         narrow = self._cache(distinct.count, length, run.dtype)
-        logits = self._prefill(run, narrow, distinct.batch, distinct.positions(positions))
+        logits = self._prefill(run, narrow, distinct.batch, positions)
         return self._moved(narrow, distinct.owners, length), logits.index_select(0, distinct.owners)
 
     def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,

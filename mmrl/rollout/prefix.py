@@ -8,7 +8,7 @@ the decode loop runs on; the rows part ways only through what they sample.
 
     distinct = distinct_prompts(batch, shared, placeholder_tokens(model))
     if distinct is not None:
-        logits = prefill(distinct.batch, distinct.positions(positions))  # u rows, not all
+        logits = prefill(distinct.batch)  # u rows, not all
         logits = logits.index_select(0, distinct.owners)
 
 Which rows repeat which prompt:
@@ -47,10 +47,10 @@ class DistinctPrompts:
     def count(self) -> int:
         return len(self.first)
 
-    def positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """The prompts' rows of the full batch's position ids ((rows, S), or (axes, rows, S)
-        for mrope)."""
-        return positions.index_select(positions.dim() - 2, self.first)
+    def expand(self, positions: torch.Tensor) -> torch.Tensor:
+        """The full batch's position ids from the prompts' ((u, S), or (axes, u, S) for
+        mrope): each row its prompt's."""
+        return positions.index_select(positions.dim() - 2, self.owners)
 
 
 def distinct_prompts(batch: dict, shared: SharedMedia | None,
