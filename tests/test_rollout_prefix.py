@@ -1,14 +1,15 @@
 """The compiled rollout prefills each distinct prompt once (mmrl/rollout/prefix.py, issue
-28): on tiny fp32 models on CPU (the decode loop eager), a text family, an mrope VLM and
-VLMs that lay their images out per image (llava_onevision) and per row (idefics3) give the
-same greedy and seeded-sampled tokens and log-probs with the shared prefill as with every
-row prefilled (`prefill_once=False`), and the prefill's forward sees one row per prompt.
-Batches whose repeats cannot be proven equal prefill every row.
+28): on tiny fp32 models on CPU (the decode loop eager), every zoo family (greedy; the VLMs'
+images laid out per image or per row) and a text family, an mrope VLM and VLMs without
+mrope (seeded sampling) give the same tokens and log-probs with the shared prefill as with
+every row prefilled (`prefill_once=False`), and the prefill's forward sees one row per
+prompt. Batches whose repeats cannot be proven equal prefill every row.
 """
 
 import pytest
 import torch
 from test_rollout_fast import _assert_same
+from test_rollout_zoo import ZOO
 from widened_models import prompt_conversations, widened_model
 
 from mmrl.engine import Engine
@@ -16,9 +17,6 @@ from mmrl.engine.media import SharedMedia, placeholder_tokens
 from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout.prefix import distinct_prompts
-
-FAMILIES = ["qwen2", "qwen2_5_vl", "llava_onevision", "idefics3"]
-
 
 def _engine(family: str):
     """The widened model's fp32 engine with media sharing on (the rollout then records
@@ -46,7 +44,7 @@ def _both(family: str, params: SamplingParams, prompts: int = 3):
     return results, prefilled
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ZOO)
 def test_greedy_tokens_and_logprobs_equal_every_row_prefilled(family):
     params = SamplingParams(n=3, max_new_tokens=10, temperature=0, logprobs=True)
     (shared, plain), (once, every) = _both(family, params)
