@@ -18,21 +18,22 @@ from mmrl.parallel import init_distributed
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout.prefix import distinct_prompts
 
-def _engine(family: str):
+def _engine(family: str, device: str = "cpu"):
     """The widened model's fp32 engine with media sharing on (the rollout then records
     which rows repeat which prompt, `SharedMedia`)."""
-    built = widened_model(family)
-    return built, Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=True)
+    built = widened_model(family, device)
+    return built, Engine(built, init_distributed(device), mixed_precision=False, share_media=True)
 
 
-def _both(family: str, params: SamplingParams, prompts: int = 3):
+def _both(family: str, params: SamplingParams, prompts: int = 3, device: str = "cpu", **options):
     """The rollout of `prompts` prompts with the shared prefill and without, and the rows
     each one's prefill forwards ran."""
-    built, engine = _engine(family)
+    built, engine = _engine(family, device)
     conversations = prompt_conversations(built, count=prompts)
     results, prefilled = [], []
+    options = {"compile": False, **options}
     for once in (True, False):
-        rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, prefill_once=once)
+        rollout = make_rollout("hf_compiled", engine, built.processing, prefill_once=once, **options)
         seen = []
         prefill = rollout._prefill
         rollout._prefill = lambda run, cache, inputs, positions: (
@@ -60,6 +61,16 @@ def test_seeded_samples_equal_every_row_prefilled(family):
     assert once == [2] and every == [8]
     # The samples of one prompt part ways although their prefill was one row.
     assert len({tuple(row) for row in plain.response_ids[:4].tolist()}) > 1
+    _assert_same(plain, shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "idefics3"])
+def test_on_cuda_the_recorded_decode_after_a_shared_prefill_equals_every_row_prefilled(family):
+    params = SamplingParams(n=4, max_new_tokens=10, temperature=0, logprobs=True)
+    (shared, plain), (once, every) = _both(family, params, device="cuda", compile=True, decode="graphs")
+    assert once == [3] and every == [12]
     _assert_same(plain, shared)
 
 
