@@ -62,6 +62,13 @@ its zoo beside its package (`git archive <commit> models processors | tar -x -C 
 otherwise the editable install's `mmrl.models` is this tree's zoo, which need not fit the old
 package), and `PYTHONPATH=old python bench/recipe_steps.py old/recipes/... --out $OUT/old.json`.
 
+Each distinct prompt prefilled once against every sample's row prefilled
+(`rollout.prefill_once`, mmrl/rollout/prefix.py) at Qwen2.5-VL-3B's shape, 8 prompts x 8
+samples, in one call (`rollout_stats.prefill_rows` gives the rows each prefill ran):
+
+    python bench/recipe_steps.py recipes/qwen2_5_vl_3b_shape.yaml --steps 5 \
+        --out $OUT/recipe_steps_prefill_once_vl3b_gpu.json --variant once --variant every rollout.prefill_once=false
+
 `--same-start DIR` makes runs (two trees, or two variants) learn from the same start, so
 that their first steps can be compared (`bench/same_learning.py`): the first variant to
 run saves its actor's initial weights to DIR/actor.safetensors, every later one loads
@@ -518,6 +525,8 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
         "gradient_checkpointing": trainer.actor.checkpointing,
         "rollout_backend": getattr(getattr(trainer, "rollout", None), "backend", None),
         "rollout_fallback": getattr(getattr(trainer, "rollout", None), "fallback_reason", None),
+        # The last rollout's loop (hf_compiled): its decode steps and the rows its prefill ran.
+        "rollout_stats": dict(getattr(getattr(trainer, "rollout", None), "stats", None) or {}),
         **throughput(records, calls, warmup, dense_parameters(trainer.actor.model, trainer.actor.adapter),
                      trainer.actor.model.config.get_text_config(), trainer.recipe.algo.epochs_per_rollout,
                      trainer.dist.world_size, peak_flops),

@@ -208,6 +208,9 @@ class RolloutConfig(_Section):
     # one), else graphs for a run of at most 40,000 decode steps (steps x max_new_tokens x
     # turns) and compiled past that (`mmrl.settle.decode_choice`; docs/performance.md).
     decode: Literal["auto", "graphs", "compiled"] = "auto"
+    # hf_compiled: prefill each distinct prompt once and copy its cache rows out to the
+    # samples that repeat it (`mmrl.rollout.prefix`); false prefills every sample's row.
+    prefill_once: bool = True
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

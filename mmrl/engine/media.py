@@ -136,6 +136,24 @@ class SharedMedia:
             return dict(processing(list(conversations)))
         return processing.collate_rows([self.singles[o] for o in self.owners], list(conversations))
 
+    def prompts_media(self, batch: dict, placeholders: Sequence[int]) -> dict[str, torch.Tensor] | None:
+        """The media tensors of a batch of the distinct prompts alone (one row each, in
+        `singles`' order), laid out the way `batch`'s are (the rows' batch these owners
+        describe): stacked, or joined per row. None where `batch`'s media are not the
+        prompts' laid out either way (`_lays_out`), or for a sharing of pieces."""
+        if self.parts is not None or not _lays_out(self, batch, placeholders):
+            return None
+        media, out = self.media, {}
+        for key in self.keys:
+            reference = batch[key]
+            flat = stack_media([media[o][key] for o in self.owners if key in media[o]])
+            if _equal(flat, reference):
+                laid_out = stack_media([m[key] for m in media if key in m])
+            else:
+                laid_out = _stack_per_row([[m[key]] for m in media], len(media))
+            out[key] = laid_out.to(device=reference.device, dtype=reference.dtype)
+        return out
+
     @property
     def collatable(self) -> bool:
         """Whether every distinct prompt's batch holds the same keys."""

@@ -24,7 +24,7 @@ def rollout_options(rollout, backend: str, decode: str | None = None) -> dict:
         return {"config": rollout}
     if backend == "hf_compiled":
         return {"half_weights": rollout.half_weights, "inference_copy": rollout.inference_copy,
-                "decode": decode or rollout.decode}
+                "decode": decode or rollout.decode, "prefill_once": rollout.prefill_once}
     return {}
 
 

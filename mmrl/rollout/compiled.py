@@ -7,7 +7,9 @@ The same prompts, tokens and log-probs as the `hf` backend (greedy output is ide
 plain `generate`), sampled by a decode loop of our own over `model.forward`:
 
 - the prompt batch (with its images) runs once, eagerly, into a transformers
-  `StaticCache`; every later step feeds one text token per row, so its shapes never
+  `StaticCache`, each distinct prompt once where samples repeat it (`mmrl.rollout.prefix`:
+  its cache rows are copied out to its samples'; `prefill_once=False` prefills every row);
+  every later step feeds one text token per row, so its shapes never
   change and `torch.compile(mode="reduce-overhead")` replays it as a CUDA graph;
 - in those steps the text decoder's SDPA attention runs as two batched matmuls per
   layer, one query per row against its key/value heads (`decode_attention`): SDPA
@@ -52,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from mmrl.engine.compiled_layers import CompiledLayers
-from mmrl.engine.media import sharing
+from mmrl.engine.media import placeholder_tokens, sharing
 from mmrl.engine.surgery import decoder_layers
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
@@ -60,6 +62,7 @@ from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.graphs import GraphedStep
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
+from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
 # same whatever the width. The widths the loop moves rows into are powers of two from here
@@ -199,7 +202,8 @@ class CompiledHFRollout(HFRollout):
 
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
-                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto"):
+                 half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto",
+                 prefill_once: bool = True):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -225,6 +229,9 @@ class CompiledHFRollout(HFRollout):
         # (`_step_layers`); built at the first recording that uses them.
         self._copy_layers: CompiledLayers | None = None
         self._caches: dict[tuple[int, int], object] = {}
+        # Rows that repeat a prompt (GRPO's n samples) are prefilled once per distinct prompt
+        # (`mmrl.rollout.prefix`); False prefills every row (what the bench compares against).
+        self.prefill_once = prefill_once
         # What the last call did: its decode steps and final batch width, and where its
         # seconds went (host clock; the loop's looks at the running rows wait for the device).
         self.stats: dict[str, float] = {}
@@ -314,15 +321,23 @@ class CompiledHFRollout(HFRollout):
             # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
             batch = {k: v.to(self.copy.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in batch.items()}
-        positions = self._positions(model, batch)
+        device = self.engine.dist.device
+        distinct = None
+        if self.prefill_once:
+            distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
+        # A row's positions depend on that row alone: the distinct prompts' are computed.
+        positions = self._positions(model, batch if distinct is None else distinct.batch)
         rows, prompt_length = batch["input_ids"].shape
         length = self._cache_length(prompt_length + params.max_new_tokens)
         with self._decoding(model, params) as run:
-            cache = self._cache(rows, length, run.dtype)
-            device = self.engine.dist.device
             prefill_began = time.perf_counter()
-            with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
-                logits = self._prefill(run, cache, batch, positions)
+            if distinct is not None:
+                cache, logits = self._prefill_distinct(run, distinct, positions, length)
+                positions = distinct.expand(positions)
+            else:
+                cache = self._cache(rows, length, run.dtype)
+                with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
+                    logits = self._prefill(run, cache, batch, positions)
             if device.type == "cuda":
                 # The prefill's device time counted as the prefill's (`stats`), not as the
                 # decode's first wait; this stream only, and the device idles a few launches.
@@ -337,6 +352,7 @@ class CompiledHFRollout(HFRollout):
         ended = time.perf_counter()
         # What the last call did (tests, benches and the overlap metrics read it).
         self.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows,
+                      "prefill_rows": rows if distinct is None else distinct.count,
                       "setup_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
                       "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
                       "trim_s": ended - decode_ended, "graphs_recorded": self._recordings() - recordings,
@@ -375,6 +391,14 @@ class CompiledHFRollout(HFRollout):
         out = run.model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, **run.keep_last)
         _unguarded(cache)
         return out.logits[:, -1].float()
+
+    def _prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
+        """The prefill of each distinct prompt once (`mmrl.rollout.prefix`; `positions`:
+        theirs), into a cache of their rows, then copied out to every row that repeats one:
+        the wide cache and the last position's logits `_prefill` gives for the whole batch."""
+        narrow = self._cache(distinct.count, length, run.dtype)
+        logits = self._prefill(run, narrow, distinct.batch, positions)
+        return self._moved(narrow, distinct.owners, length), logits.index_select(0, distinct.owners)
 
     def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
                 prompt_ids: torch.Tensor, length: int, fill: int, home=None) -> Decoded:
