@@ -3,16 +3,14 @@ recipes in one call, and the JSON the GPU run is read from."""
 
 import json
 
-from bench_scripts import bench_on_path
+BENCH_SCRIPT = "async_overlap"
 
 
-def test_async_overlap_bench_runs_both_recipes_and_writes_their_ratio(tmp_path):
+def test_async_overlap_bench_runs_both_recipes_and_writes_their_ratio(bench, tmp_path):
     out = tmp_path / "async_overlap.json"
-    with bench_on_path("async_overlap") as bench:
-        report = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--new-tokens", "4",
-                             "--prompts", "2", "--samples", "2", "--prompt-words", "5", "10",
-                             "--runs", "sync", "concurrent", "--set", "model.dtype=float32",
-                             "--run-timeout", "600", "--out", str(out)])
+    report = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "2", "--new-tokens", "4", "--prompts", "2",
+                         "--samples", "2", "--prompt-words", "5", "10", "--runs", "sync", "concurrent", "--set",
+                         "model.dtype=float32", "--run-timeout", "600", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     runs = report["runs"]
     assert set(runs) == {"sync", "concurrent"}
