@@ -199,6 +199,7 @@ _TRAIN = ("import sys; from mmrl.config import load_recipe; from mmrl.trainer im
           "train(load_recipe(None, sys.argv[1:]))")
 
 
+@pytest.mark.slow  # a training process started and killed, then two 6-step runs: out of the quick tier
 def test_sigkill_then_resume_trains_every_batch_once_on_the_uninterrupted_runs_data(tmp_path):
     """One-step-off, a checkpoint every 2 steps, SIGKILL while step 4 scores its lookahead
     batch 5: batch 3 waited at the checkpoint and was trained at step 3 (that update is
