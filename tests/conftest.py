@@ -45,7 +45,10 @@ def bench(request):
     """bench/<BENCH_SCRIPT>.py of the test module (`BENCH_SCRIPT = "decode_bound"`),
     imported with bench/ on the import path while the module's tests run, as when the
     script runs (it imports its neighbours)."""
-    with bench_on_path(request.module.BENCH_SCRIPT) as script:
+    name = getattr(request.module, "BENCH_SCRIPT", None)
+    if name is None:
+        pytest.fail(f"{request.module.__name__} takes the bench fixture without naming BENCH_SCRIPT")
+    with bench_on_path(name) as script:
         yield script
 
 
