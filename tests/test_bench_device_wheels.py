@@ -48,3 +48,11 @@ def test_sourced_it_installs_the_carried_wheels_and_mmrl_when_a_module_is_missin
 def test_nothing_is_installed_when_the_modules_import(tmp_path):
     done = _install(tmp_path, True, "pydantic")
     assert done.returncode == 0 and not (tmp_path / "calls.txt").exists()
+
+
+def test_the_device_scripts_install_through_it_only():
+    """No bench script keeps its own copy of the install: the ones that install source this one."""
+    scripts = {p.name: p.read_text() for p in (REPO / "bench").glob("*.sh") if p.name != "device_wheels.sh"}
+    assert not [name for name, text in scripts.items() if "pip install" in text]
+    sourcing = sorted(name for name, text in scripts.items() if "source bench/device_wheels.sh" in text)
+    assert sourcing == ["decode_ab.sh", "device_ab.sh", "first_steps.sh", "gpu_checks.sh"]
