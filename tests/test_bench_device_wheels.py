@@ -54,5 +54,5 @@ def test_the_device_scripts_install_through_it_only():
     """No bench script keeps its own copy of the install: the ones that install source this one."""
     scripts = {p.name: p.read_text() for p in (REPO / "bench").glob("*.sh") if p.name != "device_wheels.sh"}
     assert not [name for name, text in scripts.items() if "pip install" in text]
-    sourcing = sorted(name for name, text in scripts.items() if "source bench/device_wheels.sh" in text)
-    assert sourcing == ["decode_ab.sh", "device_ab.sh", "first_steps.sh", "gpu_checks.sh"]
+    sourcing = {name for name, text in scripts.items() if "source bench/device_wheels.sh" in text}
+    assert sourcing >= {"decode_ab.sh", "device_ab.sh", "first_steps.sh", "gpu_checks.sh"}
