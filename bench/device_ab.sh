@@ -27,10 +27,8 @@ for side in "${sides[@]}"; do
     echo "device_ab.sh: no $trees/$side/mmrl (see the comment at the top)"; exit 2
   fi
 done
-if ! "$py" -c "import pydantic" 2>/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e .
-fi
+source bench/device_wheels.sh
+install_device_wheels "$py" pydantic || exit 2
 for i in $(seq "$rounds"); do
   for side in "${sides[@]}"; do
     path=""; [[ $side != main ]] && path=$trees/$side

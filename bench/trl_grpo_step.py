@@ -757,14 +757,18 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
 FORWARDED = ("device", "shape", "steps", "new_tokens", "prompts", "samples", "lr", "seed", "vocabulary", "micro_batch")
 
 
-def child(args, worker: str, tmp: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
-    """Run `worker` in a fresh process; its result (None if it left none) and an error line."""
+def child(args, worker: str, tmp: Path, spec: dict | None = None, *, script: Path = Path(__file__),
+          extra: list[str] | None = None) -> tuple[dict | None, str | None]:
+    """Run `worker` in a fresh process of `script` (this one, or a bench that takes the same
+    worker options and adds `extra`, as bench/async_overlap.py its `--overrides`); its result
+    (None if it left none) and an error line."""
     result = tmp / f"{worker}.json"
     log = (args.log_dir or tmp) / f"{worker}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
+    cmd = [sys.executable, str(script.resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
-           *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]]
+           *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))],
+           *(extra or [])]
     if spec is not None and "steps" in spec:  # --steps-for: this run's own step count (the last --steps wins)
         cmd += ["--steps", str(spec["steps"])]
     if spec is not None:

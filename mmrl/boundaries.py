@@ -1,6 +1,6 @@
 """Which packed models keep their samples apart: layers that carry a state along the sequence.
 
-A convolution's window, a linear-attention or a recurrent (mamba) state runs on from one
+A convolution's window, a linear-attention or a recurrent (state-space) state runs on from one
 packed sample into the next unless the layer is told where each sample starts; attention
 is kept apart by the position ids alone. A family's `padding_free` claim is verified on
 its tiny model (the padding-free probe's boundary case, `mmrl.checks.packed_boundary_gap`),
@@ -17,19 +17,24 @@ interleave short convolutions): packing it was never verified, and the engine re
 from __future__ import annotations
 
 # transformers' names for the kinds of layer that hold a state along the sequence
-# (`configuration_utils.ALLOWED_ATTN_LAYER_TYPES`; "mamba" is the legacy name of
-# "linear_attention").
-STATEFUL_LAYER_KINDS = frozenset({"conv", "linear_attention", "mamba", "hybrid", "hybrid_sliding"})
+# (among `configuration_utils.ALLOWED_ATTN_LAYER_TYPES`). Older names in a config are read
+# as transformers reads them (`remap_legacy_layer_types`: a state-space layer's legacy
+# name is "linear_attention" today).
+STATEFUL_LAYER_KINDS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
 
 
 def stateful_layer_kinds(config) -> set[str]:
-    """The stateful kinds among a config's `layer_types` (of its text config), if it lists any."""
+    """The stateful kinds among a config's `layer_types` (of its text config), if it lists
+    any, by transformers' current names."""
+    from transformers.configuration_utils import remap_legacy_layer_types
+
     configs = [config]
     if hasattr(config, "get_text_config"):
         configs.append(config.get_text_config())
     kinds = set()
     for each in configs:
-        kinds.update(k for k in (getattr(each, "layer_types", None) or ()) if k in STATEFUL_LAYER_KINDS)
+        layer_types = list(getattr(each, "layer_types", None) or ())
+        kinds.update(k for k in remap_legacy_layer_types(layer_types) if k in STATEFUL_LAYER_KINDS)
     return kinds
 
 

@@ -4,10 +4,15 @@ package: each script imports its neighbours from its own folder).
     packing = load_bench("packing")
     with bench_on_path("decode_bound") as bench:   # a script that imports its neighbours
         bench.main([...])
+
+A bench test module names its script, `BENCH_SCRIPT = "decode_bound"`, and takes the
+`bench` fixture (tests/conftest.py: the script with bench/ on the path for the module);
+`bench_report(bench, tmp_path_factory, [...])` runs it once and reads its JSON.
 """
 
 import contextlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -31,3 +36,10 @@ def bench_on_path(name: str):
         yield load_bench(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def bench_report(bench, tmp_path_factory, args: list[str]) -> dict:
+    """The report the bench's `main(args)` writes, to `--out` in a fresh folder."""
+    out = tmp_path_factory.mktemp(bench.__name__) / f"{bench.__name__}.json"
+    bench.main([*args, "--out", str(out)])
+    return json.loads(out.read_text())

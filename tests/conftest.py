@@ -1,5 +1,6 @@
-"""Shared fixtures: the registered families and fresh tiny builds of each; the torch
-threads of each test process; the order the tests are queued in (the longest first).
+"""Shared fixtures: the registered families and fresh tiny builds of each; the bench
+script a bench test module runs; the torch threads of each test process; the order the
+tests are queued in (the longest first).
 
 Under pytest-xdist (`-n auto`: README.md's test command) every worker gets its share of
 the cores, one thread on a machine with as many cores as workers, and the processes it
@@ -27,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(THREADS)
 
+from bench_scripts import bench_on_path  # noqa: E402
 from mmrl.registry import families  # noqa: E402
 
 FAMILIES = [a.family for a in families()]
@@ -36,6 +38,18 @@ VLM_FAMILIES = [a.family for a in families() if a.is_multimodal]
 @pytest.fixture
 def tmp_ckpt(tmp_path):
     return tmp_path / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def bench(request):
+    """bench/<BENCH_SCRIPT>.py of the test module (`BENCH_SCRIPT = "decode_bound"`),
+    imported with bench/ on the import path while the module's tests run, as when the
+    script runs (it imports its neighbours)."""
+    name = getattr(request.module, "BENCH_SCRIPT", None)
+    if name is None:
+        pytest.fail(f"{request.module.__name__} takes the bench fixture without naming BENCH_SCRIPT")
+    with bench_on_path(name) as script:
+        yield script
 
 
 @pytest.fixture

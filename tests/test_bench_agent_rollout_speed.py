@@ -6,26 +6,18 @@ on both backends) and the report do.
     .venv/bin/python -m pytest -q tests/test_bench_agent_rollout_speed.py
 """
 
-import json
-
 import pytest
 
-from bench_scripts import bench_on_path
+from bench_scripts import bench_report
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with bench_on_path("agent_rollout_speed") as bench:  # bench/ on the path, as when run
-        yield bench
+BENCH_SCRIPT = "agent_rollout_speed"
 
 
 @pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    out = tmp_path_factory.mktemp("agent_rollout_speed") / "report.json"
-    bench.main(["--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--repeats", "1",
-                "--rollout-options", "compile=false", "--agent-options", "max_tokens=400", "--out", str(out),
-                "rollout.temperature=1.0"])
-    return json.loads(out.read_text())
+    return bench_report(bench, tmp_path_factory, [
+        "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--rollout-options",
+        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "rollout.temperature=1.0"])
 
 
 @pytest.mark.slow

@@ -5,17 +5,16 @@ read from."""
 
 import json
 
-from bench_scripts import bench_on_path
+BENCH_SCRIPT = "async_overlap"
 
 
-def test_async_overlap_bench_runs_its_recipes_and_writes_their_ratio(tmp_path):
+def test_async_overlap_bench_runs_its_recipes_and_writes_their_ratio(bench, tmp_path):
     out = tmp_path / "async_overlap.json"
     runs_asked = ["sync", "concurrent", "concurrent_idle", "concurrent_switch"]
-    with bench_on_path("async_overlap") as bench:
-        report = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "3", "--new-tokens", "4",
-                             "--prompts", "2", "--samples", "2", "--prompt-words", "5", "10",
-                             "--runs", *runs_asked, "--set", "model.dtype=float32", "--switch-ms", "0.25",
-                             "--run-timeout", "600", "--out", str(out)])
+    report = bench.main(["--device", "cpu", "--shape", "tiny", "--steps", "3", "--new-tokens", "4",
+                         "--prompts", "2", "--samples", "2", "--prompt-words", "5", "10",
+                         "--runs", *runs_asked, "--set", "model.dtype=float32", "--switch-ms", "0.25",
+                         "--run-timeout", "600", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     runs = report["runs"]
     assert set(runs) == set(runs_asked)

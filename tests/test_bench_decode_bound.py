@@ -4,26 +4,18 @@ timings mean nothing here; the report's fields and the bound's arithmetic do.
     .venv/bin/python -m pytest -q tests/test_bench_decode_bound.py
 """
 
-import json
-
 import pytest
 
-from bench_scripts import bench_on_path
+from bench_scripts import bench_report
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with bench_on_path("decode_bound") as bench:  # bench/ on the path, as when run
-        yield bench
+BENCH_SCRIPT = "decode_bound"
 
 
 @pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    out = tmp_path_factory.mktemp("decode_bound") / "decode_bound.json"
-    bench.main(["--device", "cpu", "--shapes", "tiny", "tiny_vl", "--batch", "4", "--cache-length", "256",
-                "--steps", "3", "--no-compile", "--bandwidth-gbs", "1000", "--rollout-options", "check_every=4",
-                "--out", str(out)])
-    return json.loads(out.read_text())
+    return bench_report(bench, tmp_path_factory, [
+        "--device", "cpu", "--shapes", "tiny", "tiny_vl", "--batch", "4", "--cache-length", "256", "--steps", "3",
+        "--no-compile", "--bandwidth-gbs", "1000", "--rollout-options", "check_every=4"])
 
 
 def test_the_report_holds_each_shapes_step_time_and_bound(report):

@@ -6,27 +6,20 @@ kernel-name groups do.
     .venv/bin/python -m pytest -q tests/test_bench_decode_profile.py
 """
 
-import json
-
 import pytest
 import torch
 
-from bench_scripts import bench_on_path
+from bench_scripts import bench_report
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with bench_on_path("decode_profile") as bench:  # bench/ on the path, as when run
-        yield bench
+BENCH_SCRIPT = "decode_profile"
 
 
 @pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    out = tmp_path_factory.mktemp("decode_profile") / "decode_profile.json"
-    bench.main(["--shape", "tiny", "--device", "cpu", "--no-compile", "--modes", "eager", "graphs", "--prompts", "2",
-                "--samples", "2", "--new-tokens", "12", "--prompt-words", "5", "10", "--profile-from", "4",
-                "--profile-steps", "3", "--top", "5", "--out", str(out)])
-    return json.loads(out.read_text())
+    return bench_report(bench, tmp_path_factory, [
+        "--shape", "tiny", "--device", "cpu", "--no-compile", "--modes", "eager", "graphs", "--prompts", "2",
+        "--samples", "2", "--new-tokens", "12", "--prompt-words", "5", "10", "--profile-from", "4",
+        "--profile-steps", "3", "--top", "5"])
 
 
 def test_each_mode_is_timed_profiled_and_described(report):

@@ -16,15 +16,11 @@ from bench_scripts import load_bench
 
 pytestmark = pytest.mark.slow  # its module fixtures run the bench's training runs
 
+BENCH_SCRIPT = "recipe_steps"
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "recipes" / "tiny_vlm_count.yaml")
 # A KL term, so the trainer holds a reference model that the start is loaded into too.
 WITH_REFERENCE = "algo.kl_coef=0.01"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("recipe_steps")
 
 
 @pytest.fixture(scope="module")

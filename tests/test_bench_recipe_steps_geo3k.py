@@ -6,13 +6,14 @@ template that gives a shape Qwen's real vocabulary.
     .venv/bin/python -m pytest -q tests/test_bench_recipe_steps_geo3k.py
 """
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from bench_scripts import bench_on_path
+from bench_scripts import bench_report
+
+BENCH_SCRIPT = "recipe_steps"
 
 REPO = Path(__file__).resolve().parents[1]
 GEO3K_LORA = str(REPO / "recipes" / "qwen2_5_vl_7b_geo3k_lora.yaml")
@@ -21,17 +22,10 @@ CHEAP = ["model.min_pixels=3136", "model.max_pixels=3136", "rollout.samples_per_
 
 
 @pytest.fixture(scope="module")
-def bench():
-    with bench_on_path("recipe_steps") as bench:  # bench/ on the path, as when run
-        yield bench
-
-
-@pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    out = tmp_path_factory.mktemp("geo3k") / "geo3k.json"
-    bench.main([GEO3K_LORA, "--shape-of", "tiny_vl", "--prompts", "6", "--max-new-tokens", "4", "--steps", "2",
-                "--warmup", "1", "--device", "cpu", "--out", str(out), "--variant", "geo3k", *CHEAP])
-    return json.loads(out.read_text())
+    return bench_report(bench, tmp_path_factory, [
+        GEO3K_LORA, "--shape-of", "tiny_vl", "--prompts", "6", "--max-new-tokens", "4", "--steps", "2", "--warmup",
+        "1", "--device", "cpu", "--variant", "geo3k", *CHEAP])
 
 
 @pytest.mark.slow

@@ -6,12 +6,7 @@ import json
 
 import pytest
 
-from bench_scripts import BENCH, load_bench
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_bench("trl_grpo_step")
+BENCH_SCRIPT = "trl_grpo_step"
 
 
 def test_reward_counts_ascii_letters(bench):
@@ -34,8 +29,8 @@ def test_ratios_are_against_the_fastest_trl_run(bench):
     assert comparison["best_learning_mmrl"] == "mmrl_compiled_fp32"  # mmrl_fast's updates barely moved it
 
 
-def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # the recipe names the reward trl_grpo_step:letters_share
+def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path):
+    # The recipe names the reward trl_grpo_step:letters_share: the `bench` fixture holds bench/ on the path.
     args = argparse.Namespace(device="cpu", shape="tiny", vocabulary="auto", steps=1, new_tokens=4, prompts=2,
                               samples=4, prompt_words=[5, 10], lr=1e-6, seed=0, worker="mmrl_plain")
     start = bench.build_start(tmp_path / "model", args)

@@ -20,6 +20,7 @@ from mmrl.buffer.store import read_batch, rebuild_batch, write_batch
 from mmrl.config import RecipeError, load_recipe
 from mmrl.rollout.base import RolloutResult
 from mmrl.trainer import Trainer
+from stopped_runs import interrupted_before
 from test_trainer import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,6 +199,7 @@ _TRAIN = ("import sys; from mmrl.config import load_recipe; from mmrl.trainer im
           "train(load_recipe(None, sys.argv[1:]))")
 
 
+@pytest.mark.slow  # a training process started and killed, then two 6-step runs: out of the quick tier
 def test_sigkill_then_resume_trains_every_batch_once_on_the_uninterrupted_runs_data(tmp_path):
     """One-step-off, a checkpoint every 2 steps, SIGKILL while step 4 scores its lookahead
     batch 5: batch 3 waited at the checkpoint and was trained at step 3 (that update is
@@ -239,17 +241,7 @@ def test_a_vision_run_resumed_with_a_waiting_batch_ends_as_one_never_stopped(tmp
 
     straight = trainer(tmp_path / "straight")
     straight.fit()
-    stopped = trainer(tmp_path / "run")
-    take_step = stopped.train_step
-
-    def stop_before_step_3():
-        if stopped.step == 2:
-            raise RuntimeError("stop")
-        return take_step()
-
-    stopped.train_step = stop_before_step_3
-    with pytest.raises(RuntimeError, match="stop"):
-        stopped.fit()
+    interrupted_before(trainer(tmp_path / "run"), 3)
     assert [b for _, b, _, _ in _trained_data(tmp_path / "run")] == [1, 2]  # batch 3 waits in its file
     resumed = trainer(tmp_path / "run", "trainer.resume=true")
     resumed.fit()

@@ -183,6 +183,8 @@ def _mmrl_imports(name: str, path: Path, modules: dict[str, Path]):
 
 
 def _import_graph() -> dict[str, set[str]]:
+    """Which mmrl modules each one imports. Importing mmrl.a.b runs mmrl/a/__init__.py
+    first, so a module also imports the packages above its target (not its own)."""
     modules = _mmrl_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
@@ -191,7 +193,15 @@ def _import_graph() -> dict[str, set[str]]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 graph[name].add(target)
+                graph[name].update(package for package in _packages_above(target)
+                                   if package != name and not name.startswith(package + "."))
     return graph
+
+
+def _packages_above(module: str) -> list[str]:
+    """mmrl.a.b.c -> [mmrl, mmrl.a, mmrl.a.b]."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -21,6 +21,7 @@ from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.surgery import decoder_layers
 from mmrl.summary import run_summary
 from mmrl.trainer import Trainer
+from stopped_runs import interrupted_before
 from test_trainer import TEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,17 +185,7 @@ def test_a_concurrent_run_stopped_and_resumed_ends_as_one_never_stopped(tmp_path
     common = ["trainer.steps=4", "trainer.save_every=2", "algo.overlap=thread"]
     straight = _trainer(tmp_path / "straight", *common)
     straight.fit()
-    stopped = _trainer(tmp_path / "run", *common)
-    take_step = stopped.train_step
-
-    def stop_before_step_3():
-        if stopped.step == 2:
-            raise RuntimeError("stop")
-        return take_step()
-
-    stopped.train_step = stop_before_step_3
-    with pytest.raises(RuntimeError, match="stop"):
-        stopped.fit()
+    interrupted_before(_trainer(tmp_path / "run", *common), 3)
     assert (tmp_path / "run" / "buffer" / "batch_000003.parquet").is_file()
     resumed = _trainer(tmp_path / "run", *common, "trainer.resume=true")
     resumed.fit()

@@ -139,3 +139,15 @@ def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(at
     with pytest.raises(RecipeError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
         _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack=True)))
     _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack="auto")))
+
+
+def test_stateful_layer_kinds_read_legacy_names_as_transformers_does():
+    """A config that still lists a state-space layer by its legacy name (set after the
+    config was built, or an older writer's) counts it, under transformers' current name;
+    attention layers, in old or new names, are no stateful kind."""
+    from mmrl.boundaries import stateful_layer_kinds
+
+    legacy = SimpleNamespace(layer_types=["mamba", "attention", "full_attention"])
+    assert stateful_layer_kinds(legacy) == {"linear_attention"}
+    assert stateful_layer_kinds(SimpleNamespace(layer_types=["conv", "sliding_attention"])) == {"conv"}
+    assert stateful_layer_kinds(SimpleNamespace(layer_types=None)) == set()

@@ -279,6 +279,7 @@ def test_partial_tokens_zero_is_the_loop_without_them_bit_for_bit(tmp_path, sett
 
 
 # -- kill and resume -------------------------------------------------------------------------------------
+@pytest.mark.slow  # a training process started and killed, then two 6-step runs: out of the quick tier
 def test_samples_in_flight_survive_sigkill_and_resume_neither_lost_nor_duplicated(tmp_path):
     """A checkpoint at step 2 with samples in flight, SIGKILL while step 4 scores its batch
     (batch 3 trained, batch 4 never written): the resumed run reads the samples in flight

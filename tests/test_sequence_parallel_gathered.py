@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpu_processes import run, torchrun
+from cpu_processes import padded_rows, run, torchrun
 
 MODELS = {
     "alibi": ("BloomConfig", dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
@@ -43,27 +43,20 @@ def adapter_of(model):
                            shard_layers=(type(layers[0]).__name__,), parts=Parts(language=name.rsplit(".", 1)[0]))
 
 
-def inputs(length: int = 9):
-    """Two rows of odd length (padded to split over 2 ranks), the second left-padded."""
-    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[1, :3] = 0
-    return ids, mask
-
-
 SCRIPT = '''
-import json, sys, torch
-import torch.distributed as dist
+import sys
 sys.path.insert(0, sys.argv[3])
-from test_sequence_parallel_gathered import adapter_of, inputs, tiny
+import torch
+import torch.distributed as dist
+from cpu_processes import (join_gloo_group, leave_gloo_group, one_process_reference, padded_rows,
+                           summed_gradient_gaps, token_weights)
+from test_sequence_parallel_gathered import adapter_of, tiny
 from mmrl.parallel import gathered, ulysses
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, size = dist.get_rank(), dist.get_world_size()
-ids, mask = inputs()
+rank, size = join_gloo_group()
+ids, mask = padded_rows()
 length = ids.shape[1]
-weights = torch.randn(2, length, generator=torch.Generator().manual_seed(2)) * mask
+weights = token_weights(mask)
 results = {}
 for name in sys.argv[2].split(","):
     kind, _, checkpointed = name.partition("+")
@@ -72,11 +65,7 @@ for name in sys.argv[2].split(","):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
             "use_reentrant": False, "context_fn": ulysses.checkpoint_context})
         model.train()
-    reference = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, -1)
-    reference = reference.gather(-1, ids[..., None])[..., 0]
-    (reference * weights).sum().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    reference, expected = one_process_reference(model, ids, mask, weights)
     gathered.install(model, adapter_of(model))
     columns, widths = ulysses.local_columns(length, 0, length, rank, size)
     start, _ = ulysses.owned_range(length, rank, size)
@@ -85,22 +74,11 @@ for name in sys.argv[2].split(","):
     local = torch.log_softmax(out.logits, -1).gather(-1, ids[:, start + columns][..., None])[..., 0]
     split = ulysses.gather_columns(local, widths, rank, dist.group.WORLD)
     (split * weights).sum().backward()
-    gaps = []
-    for parameter_name, parameter in model.named_parameters():
-        if parameter.grad is None:
-            continue
-        grad = parameter.grad.clone()
-        dist.all_reduce(grad)  # each rank's gradient is a partial sum over the group
-        gaps.append((grad - expected[parameter_name]).abs().max().item())
+    gaps = summed_gradient_gaps(model, expected)
     results[name] = {"logprob_gap": (split - reference).detach()[mask.bool()].abs().max().item(),
                      "grad_gap": max(gaps), "grads": len(gaps), "expected_grads": len(expected),
                      "local_logits": out.logits.shape[1]}
-if rank == 0:
-    open(sys.argv[1], "w").write(json.dumps(results))
-dist.destroy_process_group()
-# gloo's threads can abort a finished process at interpreter teardown (exit -6)
-from mmrl.probes.launcher import exit_cleanly
-exit_cleanly()
+leave_gloo_group(results, sys.argv[1])
 '''
 
 
@@ -138,7 +116,7 @@ def test_outside_a_sequence_parallel_forward_nothing_changes():
     from mmrl.parallel import gathered
 
     model = tiny("alibi")
-    ids, mask = inputs()
+    ids, mask = padded_rows()
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
         gathered.install(model, adapter_of(model))

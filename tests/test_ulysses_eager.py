@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmrl.parallel import ulysses
-from cpu_processes import run, torchrun
+from cpu_processes import padded_rows, run, torchrun
 
 # Tiny decoders whose eager attention does more than sdpa's: per-head sinks (a parameter
 # of the attention module, cut to each rank's heads), logit soft-capping, and a plain
@@ -48,36 +48,24 @@ def adapter_of(model):
                            parts=Parts(language="model"))
 
 
-def inputs(length: int = 9):
-    """Two rows of odd length (padded to split over 2 ranks), the second left-padded."""
-    ids = torch.randint(1, 64, (2, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[1, :3] = 0
-    return ids, mask
-
-
 SCRIPT = '''
-import json, sys, torch
-import torch.distributed as dist
+import sys
 sys.path.insert(0, sys.argv[3])
-from test_ulysses_eager import adapter_of, inputs, tiny
+import torch
+import torch.distributed as dist
+from cpu_processes import (join_gloo_group, leave_gloo_group, one_process_reference, padded_rows,
+                           summed_gradient_gaps, token_weights)
+from test_ulysses_eager import adapter_of, tiny
 from mmrl.parallel import ulysses
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, size = dist.get_rank(), dist.get_world_size()
-ids, mask = inputs()
+rank, size = join_gloo_group()
+ids, mask = padded_rows()
 length = ids.shape[1]
-weights = torch.randn(2, length, generator=torch.Generator().manual_seed(2)) * mask
-
+weights = token_weights(mask)
 results = {}
 for kind in sys.argv[2].split(","):
     model = tiny(kind)
-    reference = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, -1)
-    reference = reference.gather(-1, ids[..., None])[..., 0]
-    (reference * weights).sum().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    reference, expected = one_process_reference(model, ids, mask, weights)
     ulysses.install(model, adapter_of(model))
     columns, widths = ulysses.local_columns(length, 0, length, rank, size)
     start, _ = ulysses.owned_range(length, rank, size)
@@ -87,23 +75,11 @@ for kind in sys.argv[2].split(","):
     local = torch.log_softmax(logits, -1).gather(-1, local_ids[..., None])[..., 0]
     split = ulysses.gather_columns(local, widths, rank, dist.group.WORLD)
     (split * weights).sum().backward()
-    gaps = []
-    for name, parameter in model.named_parameters():
-        if parameter.grad is None:
-            continue
-        grad = parameter.grad.clone()
-        dist.all_reduce(grad)  # each rank's gradient is a partial sum over the group
-        gaps.append((grad - expected[name]).abs().max().item())
-    real = mask.bool()
-    results[kind] = {"logprob_gap": (split - reference).detach()[real].abs().max().item(),
+    gaps = summed_gradient_gaps(model, expected)
+    results[kind] = {"logprob_gap": (split - reference).detach()[mask.bool()].abs().max().item(),
                      "grad_gap": max(gaps), "grads": len(gaps), "implementation":
                      model.config._attn_implementation}
-if rank == 0:
-    open(sys.argv[1], "w").write(json.dumps(results))
-dist.destroy_process_group()
-# gloo's threads can abort a finished process at interpreter teardown (exit -6)
-from mmrl.probes.launcher import exit_cleanly
-exit_cleanly()
+leave_gloo_group(results, sys.argv[1])
 '''
 
 
@@ -130,7 +106,7 @@ def test_eager_attention_outside_a_sequence_parallel_forward_is_unchanged():
     eager function and eager mask run as before (sinks and soft-capping kept)."""
     for kind in ("sinks", "softcap"):
         model = tiny(kind)
-        ids, mask = inputs()
+        ids, mask = padded_rows()
         with torch.no_grad():
             before = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             ulysses.install(model, adapter_of(model))
@@ -148,7 +124,7 @@ def test_eager_attention_in_one_rank_group_equals_eager(tmp_path):
     try:
         for kind in MODELS:
             model = tiny(kind)
-            ids, mask = inputs()
+            ids, mask = padded_rows()
             with torch.no_grad():
                 before = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 ulysses.install(model, adapter_of(model))
