@@ -197,3 +197,16 @@ def test_marked_dims_are_the_rows_and_lengths_not_the_model_constants():
     single = torch.randn(1, 7, hidden)  # one packed row: its row dim stays dynamo's (specialized)
     mark_varying_dims((), {"hidden_states": single})
     assert marked(single) == {1}
+
+
+def test_the_longest_document_is_a_dynamic_source_in_the_layer_calls_only():
+    """Within the compiled layers' block the packed segments' longest document is a dynamic
+    source, beside the user's own; around it, the user's setting stands."""
+    from mmrl.engine.compiled_layers import LONGEST_SEGMENT_SOURCES, CompiledLayers
+
+    with torch.compiler.config.patch(dynamic_sources="L['x']"):
+        layers = CompiledLayers([torch.nn.Linear(2, 2)])
+        with layers.active():
+            inside = torch.compiler.config.dynamic_sources
+        assert torch.compiler.config.dynamic_sources == "L['x']"
+    assert inside == ",".join(("L['x']", *LONGEST_SEGMENT_SOURCES))
