@@ -19,18 +19,17 @@ compile that fails warns once and leaves every layer eager.
 
 Micro-batches differ in rows and length (and packed ones in their documents). Left to
 dynamo, the first call compiles for its exact shapes, the first new length recompiles with
-the length dynamic, and the first new row count (or document count, or longest document)
-once more: an H200 GRPO run compiled the layer again at steps 2 and 4, each 6-7 s
-(bench/results/decode_graphs_vl3b_gpu_raw.json). So every call marks, before the compiled
-function runs, the dims that vary (`mark_varying_dims`: rows and length wherever they
-occur, the packed documents' cumulative lengths), and the longest packed document (an int
-in `mmrl.engine.varlen`'s segments) is a dynamic source (`LONGEST_SEGMENT_SOURCES`): the
-first compile of each grad mode serves every later micro-batch. Still new graphs: a first
-call with gradients (or without), one row after several (size 1 is specialized), a batch
-without padding (transformers passes no mask then). Dims of model constants (hidden size,
-heads, head dim) are not marked: the weights they meet would specialize them again, and a
-length that happened to equal one would be tied to it and specialized with it (dynamo gives
-equal sizes one symbol).
+the length dynamic, and the first change of another size (rows, documents, the longest
+document) once more, seconds each on a GPU, in the middle of a run (issue 28). So every
+call marks, before the compiled function runs, the dims that vary (`mark_varying_dims`:
+rows and length wherever they occur, the packed documents' cumulative lengths), and the
+longest packed document (an int in `mmrl.engine.varlen`'s segments) is a dynamic source
+(`LONGEST_SEGMENT_SOURCES`): the first compile of each grad mode serves every later
+micro-batch. Still new graphs: the first call with gradients (or without), one row after
+several (size 1 is specialized), a padded batch without any padding (transformers then
+passes no mask). Dims of model constants (hidden size, heads, head dim) are not marked:
+the weights they meet would specialize them again, and a length that happened to equal
+one would be tied to it and specialized with it (dynamo gives equal sizes one symbol).
 tests/test_compiled_layers_shapes.py counts the graphs over varied micro-batches.
 """
 
@@ -162,7 +161,8 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
-            mark_varying_dims(args, kwargs)
+            if not torch.compiler.is_compiling():  # inside an outer compile, dynamo sizes them
+                mark_varying_dims(args, kwargs)
             try:
                 out = compiled(*args, **kwargs)
             except _compile_errors() as error:
