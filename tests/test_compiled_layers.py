@@ -191,14 +191,16 @@ def test_reaching_the_recompile_limit_warns_and_leaves_the_layers_eager(monkeypa
     layer = torch.nn.Linear(3, 3)
     eager = torch.nn.Linear(3, 3)
     eager.load_state_dict(layer.state_dict())
-    inputs = [torch.randn(2, 3), torch.randn(5, 3)]  # a new shape: a second graph
+    inputs = [torch.randn(2, 3), torch.randn(5, 3)]
     # (torch's own patch: monkeypatch's restore would delete the aliased config name; the
     # engine reads the settings when it is built)
     with torch._dynamo.config.patch(**{name: 1}), warnings.catch_warnings(record=True) as caught:
         layers = CompiledLayers([layer])
         warnings.simplefilter("always")
-        with layers.active():
-            outs = [layer(x) for x in inputs]
+        with layers.active():  # the second without gradients: a second graph (rows are dynamic)
+            outs = [layer(x) for x in inputs[:1]]
+            with torch.no_grad():
+                outs.append(layer(inputs[1]))
     assert layers.compiled_calls == 1 and layers.failed
     assert [str(w.message) for w in caught if "compiled decoder layers" in str(w.message)] == [
         f"compiled decoder layers: off, eager from now on ({layers.failed})"[:300]]

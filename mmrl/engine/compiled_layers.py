@@ -16,6 +16,21 @@ data-dependent setup happens before the compiled graph and nothing breaks it. Ou
 `active()`, e.g. in generation, whose growing caches would recompile at every step, the
 eager forward runs; the engine also keeps them eager under activation checkpointing. A
 compile that fails warns once and leaves every layer eager.
+
+Micro-batches differ in rows and length (and packed ones in their documents). Left to
+dynamo, the first call compiles for its exact shapes, the first new length recompiles with
+the length dynamic, and the first change of another size (rows, documents, the longest
+document) once more, seconds each on a GPU, in the middle of a run (issue 28). So every
+call marks, before the compiled function runs, the dims that vary (`mark_varying_dims`:
+rows and length wherever they occur, the packed documents' cumulative lengths), and the
+longest packed document (an int in `mmrl.engine.varlen`'s segments) is a dynamic source
+(`LONGEST_SEGMENT_SOURCES`): the first compile of each grad mode serves every later
+micro-batch. Still new graphs: the first call with gradients (or without), one row after
+several (size 1 is specialized), a padded batch without any padding (transformers then
+passes no mask). Dims of model constants (hidden size, heads, head dim) are not marked:
+the weights they meet would specialize them again, and a length that happened to equal
+one would be tied to it and specialized with it (dynamo gives equal sizes one symbol).
+tests/test_compiled_layers_shapes.py counts the graphs over varied micro-batches.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
+from mmrl.engine.varlen import SEGMENTS
 from mmrl.errors import one_line
 
 
@@ -62,6 +78,69 @@ def _recompile_limit() -> dict[str, int | bool]:
     return {name: max(RECOMPILE_LIMIT, getattr(config, name)), **fail}
 
 
+def _tensors(value) -> Iterator[torch.Tensor]:
+    """The tensors in a layer call's argument, through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def mark_varying_dims(args: tuple, kwargs: dict) -> None:
+    """Mark the dims of a decoder layer call's tensors that change between micro-batches
+    as dynamic (`torch._dynamo.maybe_mark_dynamic`), so that the layer's first compile
+    already serves every micro-batch (the module docstring says why).
+
+    The hidden states (the first positional tensor, or `hidden_states`) are (rows, length,
+    hidden). A dim of any tensor of the call whose size is those rows or that length varies
+    with them: masks (rows, 1, length, length), rotary cos/sin (rows, length, dim) or
+    (3, rows, length, dim), position ids (rows, length) or (3, rows, length), cache positions
+    (length,). So does the length of a 1-D integer tensor (the cumulative lengths of packed
+    documents). The last dim of a floating-point tensor is a feature (hidden size, rotary or
+    head dim), a model constant, unless the tensor is a 4-D mask square in its last two dims
+    (an additive mask), so a length that happens to equal a feature size does not tie the
+    two. Sizes 0 and 1 are left alone (dynamo specializes them anyway). A tensor already
+    marked (the mask and cos/sin, shared by all layers of a forward) is passed over."""
+    hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        return
+    varying = {size for size in hidden.shape[:-1] if size > 1}
+    for tensor in _tensors((args, kwargs)):
+        if hasattr(tensor, "_dynamo_weak_dynamic_indices"):  # marked at an earlier layer's call
+            continue
+        shape = tensor.shape
+        if tensor.dim() == 1 and not tensor.is_floating_point():
+            dims = [0] if shape[0] > 1 else []
+        else:
+            mask = tensor.dim() == 4 and shape[-1] == shape[-2]  # (rows, 1, length, length)
+            features = tensor.is_floating_point() and not mask
+            dims = [dim for dim, size in enumerate(shape[:-1] if features else shape) if size in varying]
+        if dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+
+
+# Where dynamo finds the longest packed document of a layer call (`mmrl.engine.varlen`'s
+# segments keyword, (cu_seqlens, longest)): a python int, which no mark can reach. The exact
+# name is the one transformers' layers give it (`**kwargs`); the pattern, where this torch
+# takes patterns, also covers another name for the layer's keywords.
+LONGEST_SEGMENT_SOURCES = (f"L['kwargs']['{SEGMENTS}'][1]", rf".*\['{SEGMENTS}'\]\[1\]")
+
+
+def _dynamic_sources() -> dict[str, str]:
+    """torch.compiler.config's `dynamic_sources` for a compiled layer call: the user's, plus
+    `LONGEST_SEGMENT_SOURCES`, so the packed rows' longest document is a symbol from the first
+    compile (it changes with nearly every packed micro-batch); nothing where this torch has
+    no such setting (then it is a constant, and its first change recompiles once)."""
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return {}
+    return {"dynamic_sources": ",".join(filter(None, (config.dynamic_sources, *LONGEST_SEGMENT_SOURCES)))}
+
+
 class CompiledLayers:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = list(layers)
@@ -70,6 +149,8 @@ class CompiledLayers:
         self.compiled_calls = 0  # layer calls that went through the compiled forward
         self._active = False
         self._limits = torch._dynamo.config.patch(**_recompile_limit())
+        sources = _dynamic_sources()
+        self._sources = torch.compiler.config.patch(**sources) if sources else contextlib.nullcontext()
         for layer in self.layers:
             self._wrap(layer)
 
@@ -80,6 +161,8 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
+            if not torch.compiler.is_compiling():  # inside an outer compile, dynamo sizes them
+                mark_varying_dims(args, kwargs)
             try:
                 out = compiled(*args, **kwargs)
             except _compile_errors() as error:
@@ -99,7 +182,7 @@ class CompiledLayers:
             return
         self._active = True
         try:
-            with self._limits:
+            with self._limits, self._sources:
                 yield
         finally:
             self._active = False
