@@ -5,6 +5,8 @@ bench report's writer, and one ChatML-with-media template builder."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +46,49 @@ def test_error_presets():
     assert errors.whole_cause(exc, 12) == "ValueErro..."
     assert errors.raised(exc) == "ValueError: first"
     assert errors.raised(KeyError()) == "KeyError: (no message)"
+
+
+# Hand-written one-line forms of an exception that `mmrl.errors` names: the first line of its
+# message (`str(exc).splitlines()[0]`, an IndexError when the message is blank), the whole
+# message squeezed (`" ".join(str(exc).split())`), and `Type: message` spelled out.
+HAND_WRITTEN_ONE_LINE = re.compile(
+    r"str\((exc|e|err|error)\)(\.strip\(\))?\.splitlines\(\)\[0\]"
+    r"|\" \"\.join\(str\((exc|e|err|error)\)\.split\(\)\)"
+    r"|type\((exc|e|err|error)\)\.__name__\}: \{(exc|e|err|error)\}\"")
+
+
+def test_no_module_writes_an_exceptions_one_line_form_by_hand():
+    repo = Path(__file__).resolve().parents[1]
+    found = [f"{path.relative_to(repo)}:{number}: {line.strip()}"
+             for folder in ("mmrl", "models", "processors") for path in sorted((repo / folder).rglob("*.py"))
+             if path != repo / "mmrl" / "errors.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if HAND_WRITTEN_ONE_LINE.search(line)]
+    assert not found, "use mmrl.errors (one_line, whole_cause, raised) instead:\n" + "\n".join(found)
+
+
+def test_the_hand_written_forms_are_seen():
+    assert HAND_WRITTEN_ONE_LINE.search("({str(exc).splitlines()[0]})")
+    assert HAND_WRITTEN_ONE_LINE.search('message = " ".join(str(exc).split())[:300]')
+    assert HAND_WRITTEN_ONE_LINE.search('f"template: {type(exc).__name__}: {exc}")')
+    assert not HAND_WRITTEN_ONE_LINE.search("one_line(exc, typed=True)")
+
+
+def test_a_yaml_error_without_a_message_still_reads_as_one_line():
+    import yaml
+
+    from mmrl.config import _yaml_problem
+
+    assert _yaml_problem(yaml.YAMLError()) == "YAMLError"
+
+
+def test_a_failed_scaffold_stage_quotes_its_cause_on_one_line():
+    from mmrl.scaffold import STAGE_SECONDS, ScaffoldError, stage_limit
+
+    with pytest.raises(ScaffoldError) as error, stage_limit(next(iter(STAGE_SECONDS))):
+        raise ValueError("first\n  second " + "x" * 300)
+    cause = str(error.value).split(" failed: ", 1)[1]
+    assert cause.startswith("ValueError: first second xx") and "\n" not in cause
+    assert cause.split(" (at ")[0].endswith("...") and len(cause.split(" (at ")[0]) == 240
 
 
 def test_platform_record_and_report(tmp_path, capsys):

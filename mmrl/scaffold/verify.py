@@ -112,7 +112,7 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         try:
             ok, detail = run()
         except Exception as exc:  # a failing check is a finding, not a crash
-            ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ok, detail = False, errors.one_line(exc, typed=True)
         verified[capability] = ok
         if not ok:
             notes.append(f"{capability} not declared: {detail}")
@@ -126,10 +126,9 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         conversations = sample_conversations(built.adapter)
         gap = padded_vs_single(built, conversations)
     except Exception as exc:  # the tiny model itself does not run: nothing can be verified
-        message = " ".join(str(exc).split())[:300]
         hint = ("the processor's arguments (image size, tokens per image, special tokens) must agree with the "
                 "config" if d.resolved.is_vision_language else "the shrunk config values must fit the model code")
-        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({type(exc).__name__}: {message}); "
+        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({errors.whole_cause(exc, 320)}); "
                          f"{hint}; then run the family's tests")
         return None
     if gap >= TOLERANCE:
