@@ -33,6 +33,30 @@ def test_adapter_import_object_names_what_the_module_lacks():
         adapter.import_object("collections:NoSuchClass")
 
 
+def test_one_module_runs_a_file_as_a_module(tmp_path):
+    """`mmrl.imports.load_module` is the one place a file runs as a module: a spec's user
+    file and the scaffold's rendered adapter both go through it."""
+    import sys
+
+    from mmrl.imports import load_module
+
+    repo = Path(__file__).resolve().parents[1]
+    runners = [str(path.relative_to(repo)) for folder in ("mmrl", "models", "processors")
+               for path in sorted((repo / folder).rglob("*.py")) if "spec_from_file_location" in path.read_text()]
+    assert runners == ["mmrl/imports.py"], runners
+
+    (tmp_path / "good.py").write_text("VALUE = 3\n")
+    (tmp_path / "bad.py").write_text("raise KeyError('no')\n")
+    try:
+        assert load_module("_mmrl_twins_good", tmp_path / "good.py").VALUE == 3
+        assert sys.modules["_mmrl_twins_good"].VALUE == 3
+        with pytest.raises(KeyError):
+            load_module("_mmrl_twins_bad", tmp_path / "bad.py")
+        assert "_mmrl_twins_bad" not in sys.modules
+    finally:
+        sys.modules.pop("_mmrl_twins_good", None)
+
+
 def test_reward_metric_names_come_from_the_spec_reader():
     from mmrl.rewards import _part_names
 
