@@ -153,3 +153,32 @@ def test_chatml_with_media_quotes_placeholders():
     from mmrl.processors.templates import chatml_with_media
 
     assert _render(chatml_with_media("it's\\"), [{"type": "image"}]).startswith("<|im_start|>user\nit's\\<|im_end|>")
+
+
+@pytest.mark.slow  # the scaffold inspects a type's classes (seconds)
+def test_the_scaffold_renders_its_template_through_chatml_with_media():
+    """A scaffolded vision-language adapter names its placeholders and calls
+    `chatml_with_media` instead of spelling a fourth ChatML template out."""
+    import ast
+
+    from mmrl.processors.templates import chatml_with_media
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import layout_for
+    from mmrl.scaffold.render import _text_expression, base_capabilities, render_adapter
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    resolved = resolve("qwen3_vl")
+    with quiet_transformers():
+        found = inspect_family(resolved, "chatml_twin", tiny_model_inputs(resolved))
+    source = render_adapter(found, layout_for(found, None), base_capabilities(found))
+    assignment = next(node for node in ast.parse(source).body if isinstance(node, ast.Assign)
+                      and getattr(node.targets[0], "id", None) == "CHAT_TEMPLATE")
+    assert ast.unparse(assignment.value).startswith("chatml_with_media(") and "im_start" not in source
+    expression = compile(ast.Expression(assignment.value), "adapter", "eval")
+    template = eval(expression, {"chatml_with_media": chatml_with_media})
+    content = [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"}]
+    assert _render(template, content) == ("<|im_start|>user\na<|image_pad|><|video_pad|><|im_end|>\n"
+                                          "<|im_start|>assistant\n")
+    assert _text_expression("<image>" * 64) == '"<image>" * 64' and _text_expression("<i>") == '"<i>"'
