@@ -128,6 +128,28 @@ def test_platform_record_and_report(tmp_path, capsys):
     assert base.versions is platform_info.versions and base.device_name is platform_info.device_name
 
 
+# bench/async_overlap.py was being rewritten on another branch when the benches were folded
+# onto write_report; it joins them when that lands (drop it from this set then).
+BENCHES_NOT_YET_FOLDED = {"async_overlap.py"}
+
+
+def test_every_bench_writes_its_report_through_write_report():
+    """A bench's report (its --out file or a file in bench/results/) is written by
+    `mmrl.platform_info.write_report`; the files a bench hands between its own processes
+    (a worker's result, a replay) are not reports."""
+    repo = Path(__file__).resolve().parents[1]
+    by_hand, unfolded = [], []
+    for path in sorted((repo / "bench").glob("*.py")):
+        if path.name in BENCHES_NOT_YET_FOLDED:
+            continue
+        source = path.read_text()
+        by_hand += [f"{path.name}:{number}" for number, line in enumerate(source.splitlines(), 1)
+                    if re.search(r"(\bout\b|RESULTS).*\.write_text\(json\.dumps", line)]
+        if re.search(r"\"--out\"|bench/results/|RESULTS /", source) and "write_report" not in source:
+            unfolded.append(path.name)
+    assert not by_hand and not unfolded, f"reports written by hand: {by_hand}; benches without write_report: {unfolded}"
+
+
 def _render(template: str, content) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
