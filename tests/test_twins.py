@@ -126,6 +126,11 @@ def test_platform_record_and_report(tmp_path, capsys):
 
     from mmrl.probes import base  # the probes record the same platform
     assert base.versions is platform_info.versions and base.device_name is platform_info.device_name
+    repo = Path(__file__).resolve().parents[1]
+    elsewhere = [str(path.relative_to(repo)) for folder in ("mmrl", "models", "processors")
+                 for path in sorted((repo / folder).rglob("*.py"))
+                 if path.name != "platform_info.py" and "get_device_name" in path.read_text()]
+    assert not elsewhere, f"name the device through mmrl.platform_info.device_name: {elsewhere}"
 
 
 # bench/async_overlap.py was being rewritten on another branch when the benches were folded
