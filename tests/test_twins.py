@@ -209,3 +209,26 @@ def test_the_scaffold_renders_its_template_through_chatml_with_media():
     assert _render(template, content) == ("<|im_start|>user\na<|image_pad|><|video_pad|><|im_end|>\n"
                                           "<|im_start|>assistant\n")
     assert _text_expression("<image>" * 64) == '"<image>" * 64' and _text_expression("<i>") == '"<i>"'
+
+
+@pytest.mark.parametrize(("keywords", "grouped", "causal", "options"), [
+    ({"scale", "window_size", "enable_gqa"}, True, True, {"window_size": (-1, 0), "enable_gqa": True}),
+    ({"scale", "window_size", "enable_gqa"}, False, False, {}),
+    ({"scale", "window_size", "enable_gqa"}, True, False, {"enable_gqa": True}),
+    ({"scale", "is_causal"}, True, True, {"is_causal": True}),  # torch 2.11: no window, no flag
+    ({"scale", "is_causal"}, True, False, {}),
+])
+def test_one_reading_of_the_varlen_kernels_options(monkeypatch, keywords, grouped, causal, options):
+    """The decoder's and the vision tower's varlen calls take their options from
+    `mmrl.engine.varlen.kernel_options`: a torch whose kernel lacks `enable_gqa` is not
+    handed it by either, and `kernel_dtype` is one function."""
+    from mmrl.engine import varlen, vision_attention
+
+    monkeypatch.setattr(varlen, "_OPTIONS", [frozenset(keywords)])
+    assert varlen.kernel_options(grouped, causal=causal) == options
+    assert vision_attention.kernel_options is varlen.kernel_options
+    assert vision_attention.kernel_dtype is varlen.kernel_dtype
+    repo = Path(__file__).resolve().parents[1]
+    readers = [str(path.relative_to(repo)) for path in sorted((repo / "mmrl").rglob("*.py"))
+               if '"enable_gqa"' in path.read_text() or "window_size" in path.read_text()]
+    assert readers == ["mmrl/engine/varlen.py"], readers
