@@ -240,7 +240,8 @@ def kernel_options(grouped: bool, *, causal: bool) -> dict[str, object]:
         extra.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
     # Without the flag this torch hands key and value to the flash kernel as they are, and the
     # kernel shares each key/value head among its query heads itself: the same output and
-    # gradients as with the heads repeated, and faster (an H200 run: commit 4b4ca48's message).
+    # gradients as with the heads repeated, and faster (docs/performance.md, "Packing and
+    # compiled layers").
     if grouped and "enable_gqa" in keywords:
         extra["enable_gqa"] = True
     return extra
