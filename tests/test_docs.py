@@ -145,6 +145,17 @@ def test_readme_parameter_count_is_the_recipes_model():
     assert f"model of {count:,} parameters" in README, f"the recipe's model has {count:,} parameters"
 
 
+def test_every_results_file_the_docs_cite_exists():
+    """A figure the README or a page under docs/ quotes from `bench/results/X.json` can be
+    checked there: the file exists (a path after `--out` is where a bench is told to write,
+    not a citation)."""
+    cited = {(doc.name, match.group(1))
+             for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+             for match in re.finditer(r"(?<!--out )(bench/results/[\w.-]+\.json)", doc.read_text())}
+    missing = sorted(f"{doc}: {path}" for doc, path in cited if not (REPO / path).exists())
+    assert cited and not missing, f"results files cited but not in bench/results/: {missing}"
+
+
 def test_shared_media_figures_are_their_results_files():
     """Each row of docs/performance.md's shared-media table quotes the results file it names
     (written by bench/media_sharing.py), to the digits it shows."""
