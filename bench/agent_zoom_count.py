@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmrl.platform_info import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/agent_zoom_count.yaml"
 GOAL = 0.9
@@ -90,8 +92,7 @@ def main() -> None:
     }
     result = {"recipe": RECIPE, "overrides": args.overrides, "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
               "summary": summary, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, result)
     print(f"{'seed':>4} {'tool':>5} {'to 0.9 (s)':>10} {'steps':>6} {'eval':>5} {'calls start/goal/end':>22} {'load':>11}")
     for r in runs:
         goal = r["reached_goal"]["train_seconds"] if r["reached_goal"] else "-"

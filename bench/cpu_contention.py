@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from mmrl.platform_info import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True: pass"
 
@@ -95,9 +97,7 @@ def main() -> None:
                   flush=True)
     document = {"machine": platform.platform(), "cpus": len(os.sched_getaffinity(0)),
                 "load_average_before": load_before, "steps_per_median": args.steps, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, document)
 
 
 if __name__ == "__main__":

@@ -193,11 +193,11 @@ def measure(name: str, args, dist, options: dict) -> dict:
         rollout._sample(batch, None, params)
     milliseconds = timer.milliseconds()
     full = [ms for ms, width in zip(milliseconds, timer.widths) if width == args.batch]
-    cache = next((c for (rows, length, _), c in rollout._caches.items()
+    cache = next((c for (rows, length, _), c in rollout.caches.items()
                   if rows == args.batch and length == args.cache_length), None)
     if cache is None:
         raise RuntimeError(f"{name}: no cache of {args.batch} rows x {args.cache_length} positions after the run "
-                           f"(caches: {sorted(k[:2] for k in rollout._caches)})")
+                           f"(caches: {sorted(k[:2] for k in rollout.caches)})")
     weights, kv = weight_bytes_read(engine.model, engine.adapter), kv_cache_bytes(cache)
     bound_ms = bound(weights, kv, args.bandwidth_gbs)
     ms_per_step = statistics.median(full)

@@ -342,7 +342,7 @@ def measure(mode: str, trainer, conversations, params, args, device) -> dict:
     timings = probe.timings()
     profile = kernel_table(probe.profiler, device, probe.profiled_steps, args.top) if probe.profiler else None
     # The full batch's cache (rows that run on move to narrower ones).
-    rows, cache_length, _ = max(rollout._caches, key=lambda key: key[0])
+    rows, cache_length, _ = max(rollout.caches, key=lambda key: key[0])
     prompt_length = result.prompt_inputs["input_ids"].shape[1]
     needed = prompt_length + params.max_new_tokens
     # One decode step of the mode's Python, eagerly, under the operator census.

@@ -13,6 +13,8 @@ import datetime
 import json
 from pathlib import Path
 
+from mmrl.platform_info import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s, the H200's specification
@@ -346,7 +348,7 @@ def main() -> None:
         "device": packing["device"] if packing else None, "versions": packing["versions"] if packing else None,
         "date": datetime.date.today().isoformat(), "targets": targets,
     }
-    (RESULTS / "gpu_targets.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_report(RESULTS / "gpu_targets.json", summary)
     write_readme_table(summary)
     for t in targets:
         measured = "-" if t["measured"] is None else f"{t['measured']:.3g}"

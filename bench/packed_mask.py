@@ -18,7 +18,6 @@ Modes, per micro-batch (each synchronized, median of `--repeats`):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ def main() -> None:
 
     from mmrl.engine import varlen
     from mmrl.engine.packing import bins_by_tokens
-    from mmrl.platform_info import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
     from packing import lengths as rl_lengths  # bench/packing.py's RL lengths
 
     device = torch.device(args.device)
@@ -119,9 +118,8 @@ def main() -> None:
               "micro_batches": report_batches, "total_ms_per_step": totals,
               "speedup_vs_plain": {name: totals["plain"] / totals[name] for name in modes},
               "all_equal": all(m["equal_to_plain"] for b in report_batches for m in b["modes"].values())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print("per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in totals.items()) + f"; wrote {args.out}")
+    print("per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in totals.items()))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

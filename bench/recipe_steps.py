@@ -97,7 +97,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import random
 import statistics
 import sys
@@ -107,6 +106,7 @@ from pathlib import Path
 
 import torch
 
+from mmrl.platform_info import device_name, today, versions, write_report
 from mmrl.runs import replacing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -545,26 +545,20 @@ def run_variant(values: dict, overrides: list[str], steps: int, device: str, out
     return report
 
 
-def write_report(args, results: dict, errors: dict) -> dict:
-    import transformers
-
+def write_results(args, results: dict, errors: dict) -> dict:
     first = next(iter(results.values()), None)
     ratios = {name: first["median_s"]["step"] / r["median_s"]["step"] for name, r in results.items()} if first else {}
     report = {
         "command": " ".join(args.argv), "recipe": str(args.recipe), "shape_of": str(args.shape_of or ""),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__.split("+")[0],
-                     "transformers": transformers.__version__},
-        "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup,
-        "prompts": args.prompts, "vocabulary": args.vocabulary,
+        "device": device_name(args.device), "versions": versions(), "date": today(),
+        "steps": args.steps, "warmup": args.warmup, "prompts": args.prompts, "vocabulary": args.vocabulary,
         "variants": results, "errors": errors,
         "speedup_vs_first": ratios,
     }
     if str(args.shape_of) in NAMED_SHAPES:  # the 7B geometry3k run (tiny_vl: its CPU stand-in)
         report["easyr1"] = {**EASYR1, "ratio": {name: r["tokens_per_s_per_gpu"] / EASYR1["tokens_per_s_per_gpu"]
                                                 for name, r in results.items() if "tokens_per_s_per_gpu" in r}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return ratios
 
 
@@ -605,13 +599,13 @@ def main(argv: list[str] | None = None) -> None:
                 errors[name] = f"{type(exc).__name__}: {exc}"[:500]
                 print(f"{name}: {errors[name]}", file=sys.stderr, flush=True)
                 gc.collect()
-        write_report(args, results, errors)  # after each variant: a later one may run out of time
+        write_results(args, results, errors)  # after each variant: a later one may run out of time
         if name in results:
             r = results[name]
             split = " ".join(f"{k} {v:.2f}" for k, v in r["median_s"].items())
             print(f"{name}: median {split} s; first {r['first_step_s']:.2f} s; build {r['build_s']:.0f} s; "
                   f"peak {r.get('peak_allocated_gib', 0):.1f} GiB", flush=True)
-    ratios = write_report(args, results, errors)
+    ratios = write_results(args, results, errors)
     inputs.cleanup()
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x the step of {next(iter(results))}")

@@ -18,7 +18,6 @@ both are compared row by row on every run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -59,7 +58,7 @@ def main() -> None:
     from mmrl import build_model
     from mmrl.engine import Engine
     from mmrl.parallel import init_distributed
-    from mmrl.platform_info import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.compiled import CompiledHFRollout
     from mmrl.rollout.hf import HFRollout
@@ -113,8 +112,7 @@ def main() -> None:
         print(f"{dtype}: plain {run['tokens_per_s']['plain']:.0f} tok/s, compiled "
               f"{run['tokens_per_s']['compiled']:.0f} tok/s ({run['speedup']:.2f}x), warm-up {warm_up:.1f} s, "
               f"identical greedy rows {identical}, fallback {fast.fallback_reason}", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
         del engine, built, plain, fast
         if device.type == "cuda":
             torch.cuda.empty_cache()

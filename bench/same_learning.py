@@ -34,6 +34,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmrl.platform_info import write_report
+
 REWARD_TOLERANCE = 1e-6
 # bf16 keeps 8 significant bits (relative rounding 2**-9, about 2e-3); a log-prob summed
 # through a few dozen bf16 layers drifts by several roundings, so 2e-2 relative leaves
@@ -169,8 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.get("same_start") != b.get("same_start"):
         print(f"note: the runs name different starts ({a.get('same_start')} and {b.get('same_start')})")
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, result)
     return result
 
 

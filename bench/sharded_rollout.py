@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from mmrl.platform_info import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -137,8 +139,7 @@ def worker(args) -> None:
             "copy_kept": fast.copy.keep, "greedy_rows_identical_by_rank": identical,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
     dist.barrier()
     torch.distributed.destroy_process_group()
 
@@ -158,7 +159,7 @@ def main(args) -> None:
                          f"{(done.stderr or done.stdout)[-3000:]}")
     report = json.loads(args.out.read_text())
     report["command"] = "python bench/sharded_rollout.py " + " ".join(options[:-2] + ["--nproc", str(args.nproc)])
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     rate = report["tokens_per_s_per_rank"]
     print(f"{report['world_size']} rank(s), FSDP2: plain generate {rate['plain']:.0f} tok/s/rank, compiled on the "
           f"copy {rate['compiled']:.0f} tok/s/rank ({report['speedup']:.2f}x); gather {report['median_s']['gather']:.2f}"

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmrl.platform_info import write_report
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,9 +54,8 @@ def main() -> None:
         print(f"{r['seed']:>4} {r['wall_s']:>7} {r['steps']:>6} {r['eval/accuracy']:>6.3f} "
               f"{r['eval/majority_baseline']:>9.3f} {r['eval/shuffled_images_accuracy']:>9.3f}")
     print(summary)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.platform(), "processor": platform.processor(),
-                                    "runs": runs, "summary": summary}, indent=2))
+    write_report(args.out, {"machine": platform.platform(), "processor": platform.processor(),
+                            "runs": runs, "summary": summary})
 
 
 if __name__ == "__main__":

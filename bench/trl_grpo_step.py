@@ -58,7 +58,6 @@ import argparse
 import base64
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -68,6 +67,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from mmrl.platform_info import device_name, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -392,13 +393,12 @@ def build_start(model_dir: Path, args) -> dict[str, Any]:
     first = next(load_prompts(prompts_file).batches(args.prompts, seed=0)).samples
     batch = built.processing([to_conversation(s) for s in first])
     first_ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return {"family": "qwen2", "shape": args.shape, "vocabulary": vocabulary, "tokenizer_size": len(tokenizer),
             "vocab_rows": shape["vocab_size"], "parameters": sum(p.numel() for p in built.model.parameters()),
             "tokenizer_s": round(tokenizer_s, 1), "build_and_save_s": round(build_s, 1),
             "prompt_words": lengths, "first_step_prompt_tokens": [len(ids) for ids in first_ids],
             "first_prompt_ids": first_ids, "blocked_token_ids": built.processing.blocked_token_ids,
-            "device": device_name}
+            "device": device_name(str(device))}
 
 
 def vl_shape(name: str) -> dict[str, Any]:
@@ -456,14 +456,13 @@ def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
     first = next(load_prompts(prompts_file).batches(args.prompts, seed=0)).samples
     batch = built.processing([to_conversation(s) for s in first])
     first_ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return {"family": "qwen2_5_vl", "shape": args.shape, "vocabulary": "qwen", "tokenizer_size": len(tokenizer),
             "vocab_rows": QWEN_VOCAB_ROWS, "parameters": sum(p.numel() for p in built.model.parameters()),
             "image_side": shape["image"], "processor": type(built.processor).__name__,
             "tokenizer_s": round(tokenizer_s, 1), "build_and_save_s": round(build_s, 1),
             "prompt_words": lengths, "first_step_prompt_tokens": [len(ids) for ids in first_ids],
             "first_prompt_ids": first_ids, "blocked_token_ids": built.processing.blocked_token_ids,
-            "device": device_name}
+            "device": device_name(str(device))}
 
 
 def mmrl_recipe(model_dir: Path, args, overrides: list[str], out_dir: Path):
@@ -877,8 +876,7 @@ def main() -> None:
 
     def write() -> None:
         report["comparison"] = compare(report["runs"], specs)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
 
     with tempfile.TemporaryDirectory(prefix="trl_grpo_step_") as folder:
         tmp = Path(folder)

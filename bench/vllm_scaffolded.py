@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmrl.platform_info import versions, write_report
+
 REPO = Path(__file__).resolve().parents[1]
 COVERAGE = REPO / "support_matrix" / "coverage.json"
 MAPPINGS = {"causal_lm": "_TEXT_GENERATION_MODELS", "image_text_to_text": "_MULTIMODAL_MODELS"}
@@ -161,8 +163,7 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    import transformers
-    import vllm
+    import vllm  # noqa: F401 - where vLLM is missing, fail before the first type runs
 
     picked = candidates()
     if args.types:
@@ -183,14 +184,12 @@ def main() -> None:
               f"{row['reason'][:110]}", flush=True)
         order = {m: i for i, m in enumerate(MAPPINGS)}
         rows.sort(key=lambda r: (order[r["mapping"]], r["model_type"]))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "vllm": vllm.__version__, "transformers": transformers.__version__,
-            "torch": __import__("torch").__version__, "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        write_report(args.out, {
+            **versions(("vllm", "transformers", "torch")), "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/vllm_scaffolded.py", *sys.argv[1:]]),
             "rule": __doc__.split("Which types, by rule (nothing picked by hand): ")[1].split("\n\n")[0].replace("\n", " "),
             "summary": summary(rows), "types": rows,
-        }, indent=1) + "\n")
+        })
     print(json.dumps(summary(rows)))
 
 

@@ -144,7 +144,7 @@ def models(
                                "and what the support matrix verified for it.", metavar="ID_OR_PATH"),
 ) -> None:
     """List registered model families with their modalities and declared capabilities."""
-    from mmrl.probes import PROBES
+    from mmrl.probes import declared_not_applicable
     from mmrl.registry import RegistryError, families
 
     if target is not None:
@@ -157,12 +157,6 @@ def models(
         typer.echo(json.dumps(described, indent=2) if as_json else format_description(described))
         return
 
-    def not_applicable(adapter) -> list[str]:
-        """Declared capabilities whose probe does not apply to the family (e.g. media
-        sharing in a text family): shown apart, as the support matrix shows them n/a."""
-        declared = adapter.capabilities.declared()
-        return [p.capability for p in PROBES if p.capability in declared and p.inapplicable(adapter)]
-
     rows = [
         {
             "family": a.family,
@@ -170,7 +164,7 @@ def models(
             "hf_class": a.hf_class,
             "modalities": list(a.modalities),
             "capabilities": a.capabilities.declared(),
-            "declared_not_applicable": not_applicable(a),
+            "declared_not_applicable": declared_not_applicable(a),
             "vllm_architecture": a.rollout.vllm_architecture,
             "module": type(a).__module__,
         }
@@ -260,7 +254,7 @@ def evaluate(
         metrics = evaluate_checkpoint(config, checkpoint, split=split)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
-    if int(__import__("os").environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return
     if out is not None:
         from mmrl.atomic import atomic_write_text
@@ -302,7 +296,6 @@ def support_matrix(
 ) -> None:
     """Run every probe on every registered family and write the support matrix."""
     import time
-    from pathlib import Path
 
     from mmrl.probes import FEATURES
     from mmrl.probes import matrix as sm
@@ -458,8 +451,6 @@ def export(
                                       help="A LoRA run's adapter alone, for PEFT (default: merged weights)."),
 ) -> None:
     """Convert a step checkpoint to a HF folder that loads in transformers (or PEFT) and decodes as trained."""
-    from pathlib import Path
-
     from mmrl.config import RecipeError
     from mmrl.export import ExportError, export_checkpoint
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from mmrl.platform_info import device_name
+
 
 class CompileWatch:
     """Seconds spent in dynamo/inductor compiles and the number of compiles, by callbacks
@@ -112,7 +114,7 @@ def persistent_cache(device: torch.device | str | None = None) -> Path | None:
     device = torch.device(device) if device is not None else None
     tag = f"torch-{torch.__version__}"
     if device is not None and device.type == "cuda":
-        name = torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+        name = device_name(str(device)).replace(" ", "_").replace("/", "_")
         tag += f"-{name}"
     folder = cache_root() / tag
     try:

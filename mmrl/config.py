@@ -28,6 +28,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from mmrl.data.layouts import DataSource, DataSpec
+from mmrl.errors import one_line
 
 # What a data field reads when `mmrl.train` was given that dataset in memory (mmrl/api.py).
 IN_MEMORY = "memory:"
@@ -743,7 +744,7 @@ def validate_recipe(values: dict[str, Any], *, where: str | Path | None = None,
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """`line L, column C: problem` of a YAML error (1-based, as editors count)."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    problem = getattr(exc, "problem", None) or one_line(exc)
     if mark is None:
         return problem
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"

@@ -102,16 +102,24 @@ def _load_file(path: Path, spec: str, what: str):
         if name in sys.modules:
             return sys.modules[name]
     _append_to_path(path.parent)
+    try:
+        return load_module(name, path)
+    except Exception as exc:
+        raise ValueError(f"{what} {spec!r}: importing {path} raised {raised(exc)}") from exc
+
+
+def load_module(name: str, path: Path):
+    """Run the Python file at `path` as the module `name` (registered in `sys.modules`,
+    taken out again when the file raises): user files named by a spec, and the files the
+    add-model scaffold renders before it verifies them."""
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except BaseException as exc:
+    except BaseException:
         del sys.modules[name]
-        if not isinstance(exc, Exception):
-            raise
-        raise ValueError(f"{what} {spec!r}: importing {path} raised {raised(exc)}") from exc
+        raise
     return module
 
 
@@ -150,4 +158,4 @@ def _defined_names(module, limit: int = 8) -> list[str]:
     return names[:limit] + (["..."] if len(names) > limit else [])
 
 
-__all__ = ["import_object", "is_file_spec", "split_spec"]
+__all__ = ["import_object", "is_file_spec", "load_module", "split_spec"]

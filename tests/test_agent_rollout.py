@@ -195,7 +195,7 @@ def test_a_sampled_turn_renders_back_to_its_tokens(family, text):
     processing = built.processing
     agent = AgentRollout(make_rollout("hf", engine, processing), processing, ImageReplies, max_turns=2)
     messages = ImageReplies().reset(_rows()[0])
-    assert agent._inserted_before_content(messages) == ""
+    assert agent.inserted_before_content(messages) == ""
     prompt = processing([messages])["input_ids"][0].tolist()
     sampled = processing.tokenizer(text, add_special_tokens=False)["input_ids"] + processing.stop_token_ids[:1]
     content = agent._content(messages, sampled)

@@ -1,6 +1,7 @@
 """Benchmark figures live in bench/results/ and docs/performance.md; a comment or a
 docstring in mmrl/ names the bench or doc that holds one instead of quoting it, so a
-re-measurement changes one place and no comment goes stale (issue 29)."""
+re-measurement changes one place and no comment goes stale (issue 29); nor does it send the
+reader to a commit message for one."""
 
 from __future__ import annotations
 
@@ -45,3 +46,20 @@ def test_the_pattern_finds_a_quoted_figure():
     assert FIGURE.search("2.46x the padded update") and FIGURE.search("79.9k tok/s")
     assert FIGURE.search("the 2-thread step 9-18x faster with it")
     assert not FIGURE.search("2^27 is 1.5 GiB of them") and not FIGURE.search("4x the chunk")
+
+
+# A commit message is no place a reader can find a figure from the code: the bench result or
+# the doc that quotes it is.
+COMMIT = re.compile(r"\bcommit [0-9a-f]{7,40}\b")
+
+
+def test_no_comment_in_mmrl_sends_the_reader_to_a_commit_message():
+    pointing = [f"{path.relative_to(MMRL.parent)}:{line + offset}: {row.strip()[:100]}"
+                for path in sorted(MMRL.rglob("*.py")) for line, text in _prose(path.read_text())
+                for offset, row in enumerate(text.splitlines()) if COMMIT.search(row)]
+    assert not pointing, "name the bench result or doc that holds it instead:\n" + "\n".join(pointing)
+
+
+def test_the_pattern_finds_a_commit_named_as_the_source():
+    assert COMMIT.search("and faster (an H200 run: commit 4b4ca48's message)")
+    assert not COMMIT.search("commit the run folder") and not COMMIT.search("RGB images")

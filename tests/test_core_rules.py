@@ -260,3 +260,53 @@ def test_no_private_name_is_imported_across_files():
             if modules.get(target) != path:
                 crossing.append(f"{path.relative_to(REPO)}:{line}: {imported} from {target}")
     assert not crossing, "private names imported across files:\n" + "\n".join(crossing)
+
+
+# Private members of the trainer that the buffer's schedules still reach from their own files
+# (they drive the trainer's step through them). mmrl/buffer/overlap.py was being reworked on
+# another branch when the rest were made public: make these public (or pass what they need)
+# and drop them here. Nothing may join this set.
+REACHED_ACROSS_FILES = {
+    "mmrl/buffer/disaggregated.py: trainer._roll_out", "mmrl/buffer/overlap.py: type(self._trainer)._roll_out",
+    "mmrl/buffer/partial.py: self.trainer._next_prompts", "mmrl/buffer/partial.py: trainer._score",
+    "mmrl/buffer/partial.py: self.trainer._timed", "mmrl/buffer/schedule.py: trainer._timed",
+    "mmrl/buffer/schedule.py: trainer._roll_out",
+}
+
+
+def _private_members_by_file(modules: dict[str, Path]) -> dict[str, set[Path]]:
+    """`_name` -> the files whose classes define it (a method, a class attribute, `self._name = ...`)."""
+    defined: dict[str, set[Path]] = {}
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.append(item.name)
+                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        names += [t.id for t in targets if isinstance(t, ast.Name)]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.append(node.attr)
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    defined.setdefault(name, set()).add(path)
+    return defined
+
+
+def test_no_private_member_is_reached_from_another_file():
+    """`other._name`, where only another file's class defines `_name`: that file's own
+    business. A member another file needs is public (`CompiledHFRollout.prefill`, not
+    `_prefill`, for the multi-turn sessions)."""
+    modules = _mmrl_modules()
+    defined = _private_members_by_file(modules)
+    reached = set()
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in defined and path not in defined[node.attr]
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reached.add(f"{path.relative_to(REPO)}: {ast.unparse(node)}")
+    new = sorted(reached - REACHED_ACROSS_FILES)
+    assert not new, "private members reached from another file:\n" + "\n".join(new)

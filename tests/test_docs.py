@@ -1,6 +1,7 @@
 """The figures and names README.md and docs/ state are the code's: the recipe's parameter
 count, the recipe keys of docs/training.md against mmrl/config.py, the synthetic tasks it
-lists, the metric names it documents, and the commands CI runs.
+lists, the metric names it documents, the commands CI runs, and the tables of
+docs/performance.md against the bench/results/ files they quote.
 
     .venv/bin/python -m pytest -q tests/test_docs.py
 """
@@ -143,6 +144,60 @@ def test_readme_parameter_count_is_the_recipes_model():
                         tiny_vocabulary=model.tiny_vocabulary)
     count = sum(p.numel() for p in built.model.parameters())
     assert f"model of {count:,} parameters" in README, f"the recipe's model has {count:,} parameters"
+
+
+def test_every_results_file_the_docs_cite_exists():
+    """A figure the README or a page under docs/ quotes from `bench/results/X.json` can be
+    checked there: the file exists (a path after `--out` is where a bench is told to write,
+    not a citation)."""
+    cited = {(doc.name, match.group(1))
+             for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+             for match in re.finditer(r"(?<!--out )(bench/results/[\w.-]+\.json)", doc.read_text())}
+    missing = sorted(f"{doc}: {path}" for doc, path in cited if not (REPO / path).exists())
+    assert cited and not missing, f"results files cited but not in bench/results/: {missing}"
+
+
+def _shown_equals(shown: str, value: float) -> bool:
+    """`shown` ("63.7", "0.97") is `value` rounded to the digits it shows (half a unit of the
+    last digit either way: 1.335 is shown 1.34 though it is stored a hair below)."""
+    digits = len(shown.partition(".")[2])
+    return abs(float(shown) - value) <= 0.5 * 10 ** -digits + 1e-9
+
+
+# docs/performance.md's timing tables and the results entries each row quotes, column by column.
+TIMING_TABLES = {
+    "bench/results/first_steps_gpu.json": (
+        "| run | 30 steps |", ("calls", "static_first_trace_8615612", "runs"),
+        {"empty compile cache": "new1", "second run": "new2"},
+        ("all_steps_s", "compile_total_s", "compile_graphs_total", "first_step_s", "median_step_s")),
+    "bench/results/decode_ab_text_gpu.json": (
+        "| decode step | 50 steps |", ("summary",),
+        {"graphs, empty cache": "mmrl_graphs", "compiled, empty cache": "mmrl_compiled",
+         "compiled, second run": "mmrl_compiled_warm", "graphs through the engine's": "mmrl_graphs_layers_triton_warm"},
+        ("whole_run_s", "first_step_s", "compile_or_record_s", "median_step_s")),
+}
+
+
+@pytest.mark.parametrize("results_file", sorted(TIMING_TABLES))
+def test_timing_tables_are_their_results_files(results_file):
+    """Each row of docs/performance.md's compile-cost and decode-step tables quotes its
+    entry of the results file, to the digits shown (written by bench/first_steps.sh and
+    bench/decode_ab.sh on the device)."""
+    import json
+
+    header, path, rows, keys = TIMING_TABLES[results_file]
+    entries = json.loads((REPO / results_file).read_text())
+    for key in path:
+        entries = entries[key]
+    table = PERFORMANCE[PERFORMANCE.index(header):].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == len(rows), table
+    for line, (label, entry) in zip(table, rows.items()):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[0].startswith(label), (cells[0], label)
+        shown = re.findall(r"\d+(?:\.\d+)?", " ".join(cells[1:]))
+        measured = [entries[entry][key] for key in keys]
+        assert len(shown) == len(measured) and all(_shown_equals(s, v) for s, v in zip(shown, measured)), (
+            f"{line} shows {shown}; {results_file} holds {measured}")
 
 
 def test_shared_media_figures_are_their_results_files():

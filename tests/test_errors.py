@@ -85,7 +85,7 @@ def test_the_compiled_rollout_names_why_it_fell_back(monkeypatch):
     for message, reason in [("graph break in step\n  at line 3", "RuntimeError: graph break in step"),
                             ("z" * 400, ("RuntimeError: " + "z" * 400)[:300])]:
         rollout = object.__new__(CompiledHFRollout)
-        rollout.fallback_reason, rollout._caches, rollout._fast_sample = None, {}, fails
+        rollout.fallback_reason, rollout.caches, rollout._fast_sample = None, {}, fails
         with pytest.warns(UserWarning, match=r"hf_compiled: using plain generate \(RuntimeError: "):
             assert rollout._sample(None, None, None) == "plain"
         assert rollout.fallback_reason == reason

@@ -168,7 +168,7 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
     fast = agent.generate(_rows(), params)
     assert [t.turns for t in fast.trajectories] == [1, 2, 3, 1, 2, 3]
     assert agent.backend.fallback_reason is None and agent.session.stats["cache_rows"] == [6, 4, 2]
-    assert agent.backend._caches and {rows for rows, *_ in agent.backend._caches} <= {2, 4, 6}
+    assert agent.backend.caches and {rows for rows, *_ in agent.backend.caches} <= {2, 4, 6}
     assert agent.session.cache is None  # let go when the rollout ended
     _assert_same(fast, plain)
 
@@ -231,8 +231,8 @@ def test_rows_survive_the_moves_inside_and_between_turns(monkeypatch):
                         lambda backend, reserve=0: sessions.DecodeSession(backend, reserve=0))
     agent = _agent(built, engine, "hf_compiled", compile=False, min_compact_rows=2, check_every=2)
     moved = []
-    moved_rows = agent.backend._moved
-    monkeypatch.setattr(agent.backend, "_moved", lambda cache, keep, length: moved.append(len(keep))
+    moved_rows = agent.backend.moved
+    monkeypatch.setattr(agent.backend, "moved", lambda cache, keep, length: moved.append(len(keep))
                         or moved_rows(cache, keep, length))
     fast = agent.generate(_rows(), params)
     assert made_room and moved
@@ -249,7 +249,7 @@ def test_making_room_moves_each_rows_real_slots_to_the_front_in_order():
     built, engine = _setup("qwen2")
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
     session = sessions.DecodeSession(rollout)
-    cache = rollout._cache(3, 16)
+    cache = rollout.static_cache(3, 16)
     numbered = (torch.arange(16.).view(1, 1, 16, 1) + 100 * torch.arange(3.).view(3, 1, 1, 1)).expand(3, 2, 16, 4)
     for layer in cache.layers:
         layer.lazy_initialization(numbered, numbered)

@@ -238,7 +238,7 @@ def test_the_kept_cache_survives_another_rollout_call_between_rounds(tmp_path):
     prefixes = [first.response_ids[i, :ROUND].tolist() for i in carried]
     asked = [conversations[i] for i in carried]
     held = session.cache
-    assert all(cache is not held for cache in rollout._caches.values())
+    assert all(cache is not held for cache in rollout.caches.values())
     # Same rows and cache length as the session's cache: the pool would hand that one out.
     rollout.generate(conversations, _greedy(ROUND))
     kept = session.generate(carried, asked, _greedy(ROUND), prefixes=prefixes)

@@ -72,6 +72,18 @@ def test_not_applicable_is_decided_before_running():
     assert result.status is Status.NOT_APPLICABLE and result.reason == "text-only family" and not ran
 
 
+def test_declared_capabilities_whose_probe_does_not_apply_are_named_apart():
+    """What `mmrl models` lists apart: declared, but n/a for the family (media sharing in a
+    text family), decided by the probes' own `inapplicable`, not by the command line."""
+    from mmrl.probes import declared_not_applicable
+    from mmrl.registry import families
+
+    text = next(a for a in families() if a.modalities == ("text",) and a.capabilities.media_sharing)
+    vision = next(a for a in families() if "image" in a.modalities and a.capabilities.media_sharing)
+    assert declared_not_applicable(text) == ["media_sharing"]
+    assert declared_not_applicable(vision) == []
+
+
 def test_every_feature_of_the_issue_has_a_probe():
     wanted = {"random_init", "save_reload", "rope", "forward_backward", "generation", "padding_free", "freeze",
               "lora_language", "lora_vision", "gradient_checkpointing", "fsdp2", "sequence_parallel", "vllm",

@@ -102,7 +102,7 @@ def test_fp32_weights_under_bf16_autocast_take_the_compiled_path(family):
         warnings.simplefilter("error")  # a fallback would warn
         fast = rollout.generate(conversations, params)
     assert rollout.fallback_reason is None
-    cache = next(iter(rollout._caches.values()))
+    cache = next(iter(rollout.caches.values()))
     assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16}
     # bf16 attention kernels round differently (one unit in the last place), and this
     # widened tiny model turns that into another token after a few steps: compare each
@@ -319,8 +319,8 @@ def test_a_spread_of_prompt_lengths_and_widths_compiles_at_most_two_graphs(monke
     rollout = make_rollout("hf_compiled", engine, built.processing, min_compact_rows=2, check_every=2,
                            compile_options={"backend": "eager", "fullgraph": True})
     shapes = []
-    cache = rollout._cache
-    monkeypatch.setattr(rollout, "_cache", lambda rows, length, dtype=None: shapes.append((rows, length))
+    cache = rollout.static_cache
+    monkeypatch.setattr(rollout, "static_cache", lambda rows, length, dtype=None: shapes.append((rows, length))
                         or cache(rows, length, dtype))
     torch._dynamo.reset()  # no shapes remembered from earlier tests' traces of the same step
     w = watch()
@@ -352,8 +352,8 @@ def test_a_shorter_batch_reuses_the_longest_compiled_cache():
     rollout = make_rollout("hf_compiled", engine, built.processing,
                            compile_options={"backend": "eager", "fullgraph": True})
     lengths = []
-    cache = rollout._cache
-    rollout._cache = lambda rows, length, dtype=None: lengths.append(length) or cache(rows, length, dtype)
+    cache = rollout.static_cache
+    rollout.static_cache = lambda rows, length, dtype=None: lengths.append(length) or cache(rows, length, dtype)
     torch._dynamo.reset()
     w = watch()
     w.take()

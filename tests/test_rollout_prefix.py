@@ -35,8 +35,8 @@ def _both(family: str, params: SamplingParams, prompts: int = 3, device: str = "
     for once in (True, False):
         rollout = make_rollout("hf_compiled", engine, built.processing, prefill_once=once, **options)
         seen = []
-        prefill = rollout._prefill
-        rollout._prefill = lambda run, cache, inputs, positions: (
+        prefill = rollout.prefill
+        rollout.prefill = lambda run, cache, inputs, positions: (
             seen.append(len(inputs["input_ids"])) or prefill(run, cache, inputs, positions))
         results.append(rollout.generate(conversations, params))
         assert rollout.fallback_reason is None, rollout.fallback_reason

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from mmrl.atomic import atomic_write_text, replacing
+from mmrl.errors import one_line
 from mmrl.rollout.base import RolloutResult
 
 STATE_FILE = "state.json"
@@ -368,7 +369,7 @@ def read_batch(path: Path):
     try:
         table = pq.read_table(str(path))
     except (OSError, pa.ArrowException) as exc:
-        raise BufferError(f"{path}: not a readable buffer file ({str(exc).splitlines()[0]})") from None
+        raise BufferError(f"{path}: not a readable buffer file ({one_line(exc)})") from None
     raw = (table.schema.metadata or {}).get(_METADATA_KEY)
     if raw is None:
         raise BufferError(f"{path}: not a buffer file (no {_METADATA_KEY.decode()} metadata)")

@@ -48,6 +48,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from mmrl.data.schema import ANSWER, IMAGES, PROMPT, VIDEOS, Sample, check_row_lengths
+from mmrl.errors import one_line, raised
 from mmrl.hub import download_command, unreachable_reason
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -208,7 +209,7 @@ def render_template(template, variables: Mapping[str, Any], index: int) -> str:
     except LayoutError as exc:
         raise LayoutError(f"row {index}: {exc}") from None
     except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as exc:
-        raise LayoutError(f"row {index}: template: {type(exc).__name__}: {exc}") from None
+        raise LayoutError(f"row {index}: template: {raised(exc)}") from None
     if len(text) > TEMPLATE_MAX_CHARS:
         raise LayoutError(f"row {index}: template: the rendered prompt has {len(text):,} characters, "
                           f"more than {TEMPLATE_MAX_CHARS:,}")
@@ -332,7 +333,7 @@ def read_source(source: DataSource, split: str = "train") -> tuple[Any, Path | N
                                         data_files=source.data_files, split=split)
     except ValueError as exc:
         if "split" in str(exc).lower():
-            raise LayoutError(f"{source.path}: no split {split!r} ({str(exc).splitlines()[0]})") from None
+            raise LayoutError(f"{source.path}: no split {split!r} ({one_line(exc)})") from None
         raise
     except ConnectionError:  # offline, and not in the datasets cache
         why = offline or "the hub cannot be reached"

@@ -46,6 +46,7 @@ import numpy as np
 from mmrl.data.layouts import DataSource, LayoutError, MappedRows, data_source, read_source
 from mmrl.data.schema import (ANSWER, MEDIA_COLUMNS, Sample, check_row_lengths, resolve_paths, to_conversation,
                                validate_sample)
+from mmrl.errors import one_line
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SYNTHETIC_PREFIX = "synthetic:"
@@ -243,8 +244,7 @@ def _load_file(path: Path) -> Any:
         with _datasets_logs_off():
             return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets' errors: pyarrow, its own, JSON; none names the file
-        text = str(exc).strip().splitlines()
-        raise ValueError(f"{path}: cannot be read as {builder} ({text[0] if text else type(exc).__name__})") from None
+        raise ValueError(f"{path}: cannot be read as {builder} ({one_line(exc)})") from None
 
 
 @contextmanager

@@ -220,9 +220,9 @@ def segments_hook(module, args, kwargs):
 _OPTIONS: list[frozenset[str]] = []
 
 
-def _options() -> frozenset[str]:
-    """The keyword options of this torch's `varlen_attn`. `install` reads them eagerly, so a
-    compiled layer finds a plain value here (dynamo warns about `functools.cache` wrappers)."""
+def kernel_keywords() -> frozenset[str]:
+    """The keyword options of this torch's `varlen_attn`. Each `install` reads them eagerly,
+    so a compiled layer finds a plain value here (dynamo warns about `functools.cache` wrappers)."""
     if not _OPTIONS:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -230,9 +230,27 @@ def _options() -> frozenset[str]:
     return _OPTIONS[0]
 
 
-def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
+def kernel_options(grouped: bool, *, causal: bool) -> dict[str, object]:
+    """The keyword options this torch's `varlen_attn` needs for causal (decoder) or
+    bidirectional (vision) attention, over `grouped` key/value heads or one per query head:
+    the one reading of the kernel's signature, which changed between torch versions."""
+    keywords = kernel_keywords()
+    extra: dict[str, object] = {}
+    if causal:
+        extra.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+    # Without the flag this torch hands key and value to the flash kernel as they are, and the
+    # kernel shares each key/value head among its query heads itself: the same output and
+    # gradients as with the heads repeated, and faster (docs/performance.md, "Packing and
+    # compiled layers").
+    if grouped and "enable_gqa" in keywords:
+        extra["enable_gqa"] = True
+    return extra
+
+
+def kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
     """The half precision the kernel runs in: the inputs', or autocast's where fp32 inputs
-    come from rotary embeddings applied in fp32 (fp32 weights under autocast); None: fp32."""
+    come from rotary embeddings applied in fp32 (fp32 weights under autocast); None: fp32
+    (no kernel)."""
     if query.dtype in (torch.bfloat16, torch.float16):
         return query.dtype
     if torch.is_autocast_enabled(query.device.type):
@@ -241,7 +259,7 @@ def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
 
 
 def _usable(module, query, key, attention_mask, dropout, kwargs) -> bool:
-    if attention_mask is None or not query.is_cuda or _kernel_dtype(query) is None:
+    if attention_mask is None or not query.is_cuda or kernel_dtype(query) is None:
         return False
     if dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return False
@@ -275,20 +293,8 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     _count("varlen")
     cu_seqlens, longest = segments
     rows, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    options = _options()
-    extra = {"scale": scaling}
-    if "window_size" in options:
-        extra["window_size"] = (-1, 0)
-    else:
-        extra["is_causal"] = True
-    if kv_heads != heads and "enable_gqa" in options:
-        extra["enable_gqa"] = True
-    # Otherwise this torch hands key and value to the flash kernel as they are, and the
-    # kernel shares each key/value head among its query heads itself: the same output and
-    # gradients as with the heads repeated, and faster (an H200 run: commit 4b4ca48's message).
-
-    dtype = _kernel_dtype(query)
+    extra = {"scale": scaling, **kernel_options(key.shape[1] != heads, causal=True)}
+    dtype = kernel_dtype(query)
 
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).transpose(1, 2).reshape(rows * length, t.shape[1], dim)
@@ -323,7 +329,7 @@ def install(model: torch.nn.Module, layers=()) -> bool:
     if text_config._attn_implementation not in (BASE, NAME):
         return False
     if available():
-        _options()
+        kernel_keywords()
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, packed_mask)  # the same masks SDPA gets
     text_config._attn_implementation = NAME

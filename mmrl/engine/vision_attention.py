@@ -33,7 +33,7 @@ import re
 
 import torch
 
-from mmrl.engine.varlen import available as varlen_available
+from mmrl.engine.varlen import available as varlen_available, kernel_dtype, kernel_keywords, kernel_options
 
 NAME = "mmrl_flash_vision"  # "flash" selects the model code's cu_seqlens branch; no digit after it
 BASE = "sdpa"
@@ -102,6 +102,8 @@ def install(model: torch.nn.Module, use_varlen: bool = True) -> bool:
               if c._attn_implementation in (BASE, NAME) and applies_to(base, c)]
     if not chosen:
         return False
+    if use_varlen and varlen_available():
+        kernel_keywords()  # read eagerly, as `mmrl.engine.varlen.install` does
     AttentionInterface.register(NAME, vision_attention)
     for config in chosen:
         # The dict form leaves the config's own sub-configs (if any) as they are.
@@ -118,19 +120,9 @@ def calls() -> dict[str, int]:
     return dict(_CALLS)
 
 
-def _kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
-    """The half precision the varlen kernel runs in: the inputs', or autocast's for fp32
-    inputs under autocast (what SDPA would compute in); None: fp32, no kernel."""
-    if query.dtype in (torch.bfloat16, torch.float16):
-        return query.dtype
-    if torch.is_autocast_enabled(query.device.type):
-        return torch.get_autocast_dtype(query.device.type)
-    return None
-
-
 def _varlen_usable(module, query, dropout) -> bool:
     return (getattr(module, "_mmrl_vision_varlen", True) and query.is_cuda and not dropout
-            and query.shape[-1] <= 256 and query.shape[-1] % 8 == 0 and _kernel_dtype(query) is not None
+            and query.shape[-1] <= 256 and query.shape[-1] % 8 == 0 and kernel_dtype(query) is not None
             and varlen_available())
 
 
@@ -201,9 +193,9 @@ def vision_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         from torch.nn.attention.varlen import varlen_attn
 
         _CALLS["varlen"] += 1
-        dtype = _kernel_dtype(query)
+        dtype = kernel_dtype(query)
         q, k, v = (t.to(dtype).contiguous() for t in flat)
-        extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        extra = kernel_options(k.shape[1] != q.shape[1], causal=False)
         cu = cu_seqlens.to(torch.int32)
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
     else:

@@ -131,6 +131,13 @@ PROBES: tuple[Probe, ...] = (
 FEATURES: tuple[str, ...] = tuple(p.feature for p in PROBES)
 
 
+def declared_not_applicable(adapter) -> list[str]:
+    """The capabilities `adapter` declares whose probe does not apply to it (media sharing
+    in a text family): `mmrl models` lists them apart, as the support matrix shows them n/a."""
+    declared = adapter.capabilities.declared()
+    return [p.capability for p in PROBES if p.capability in declared and p.inapplicable(adapter)]
+
+
 def probe(feature: str) -> Probe:
     """The probe for `feature` (KeyError names the known features)."""
     for p in PROBES:
@@ -141,5 +148,5 @@ def probe(feature: str) -> Probe:
 
 __all__ = [
     "FEATURES", "PROBES", "TOLERANCE", "CheckFailed", "NotRunHere", "Probe", "ProbeResult", "Status", "Subject",
-    "Verified", "probe",
+    "Verified", "declared_not_applicable", "probe",
 ]

@@ -99,7 +99,7 @@ def _prefix_rule_breaks(agent, processing, opening: list[dict], reply: list[dict
         changed = sum(a != b for a, b in zip(alone, after)) + max(0, len(alone) - len(after))
         return ("the opening turn is processed into other tokens once the reply image is in the conversation "
                 f"({changed} of {len(alone)} differ): the prefix rule cannot hold, so samples end before the reply")
-    inserted = agent._inserted_before_content(opening)
+    inserted = agent.inserted_before_content(opening)
     if inserted:
         return (f"the chat template writes {inserted!r} before the assistant's text: a sampled turn that does not "
                 "begin with it re-renders to other tokens and ends the sample, so the prefix rule holds for some "

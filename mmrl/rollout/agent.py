@@ -190,10 +190,12 @@ class AgentRollout:
         if sampled and sampled[-1] in stops:
             sampled = sampled[:-1]
         text = self.processing.tokenizer.decode(sampled, skip_special_tokens=False)
-        inserted = self._inserted_before_content(messages)
+        inserted = self.inserted_before_content(messages)
         return text[len(inserted):] if inserted and text.startswith(inserted) else text
 
-    def _inserted_before_content(self, messages: list[dict]) -> str:
+    def inserted_before_content(self, messages: list[dict]) -> str:
+        """The text the chat template writes between the generation prompt and an
+        assistant's content ("" where it writes none, or will not say)."""
         marker = "\u2063MMRL\u2063"
         try:
             prompt = self.processing.render(messages, add_generation_prompt=True)

@@ -27,7 +27,7 @@ plain `generate`), sampled by a decode loop of our own over `model.forward`:
   are, and when half of them have finished it moves the running rows (and their cache)
   into a batch half as wide, so finished rows stop costing compute.
 
-The prefill (`_prefill`) and the decode loop (`_decode`) are pieces a caller can run on a
+The prefill (`prefill`) and the decode loop (`decode_tokens`) are pieces a caller can run on a
 cache it keeps: a multi-turn session (`mmrl.rollout.sessions`, what the agent loop opens
 on this backend) prefills only a turn's new tokens and images into each sample's kept
 row, and the loop writes the rows it moves out back into that cache.
@@ -221,14 +221,14 @@ class CompiledHFRollout(HFRollout):
             raise ValueError(f"rollout.decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
         self.decode = AUTO_DECODE if decode == "auto" else decode
         # The longest cache a compiled step has run on: shorter prompts reuse it (see
-        # `_cache_length`).
+        # `cache_length`).
         self._longest_cache = 0
         self.fallback_reason: str | None = None  # set once the compiled path is given up
         self._step = None
         # The inference copy's decoder layers, compiled as the engine compiles its own
         # (`_step_layers`); built at the first recording that uses them.
         self._copy_layers: CompiledLayers | None = None
-        self._caches: dict[tuple[int, int], object] = {}
+        self.caches: dict[tuple[int, int], object] = {}
         # Rows that repeat a prompt (GRPO's n samples) are prefilled once per distinct prompt
         # (`mmrl.rollout.prefix`); False prefills every row (what the bench compares against).
         self.prefill_once = prefill_once
@@ -251,7 +251,7 @@ class CompiledHFRollout(HFRollout):
                 if self.copy is not None and not self.copy.keep:
                     # Memory is short: the update gets the copy's and the caches' memory.
                     self.copy.release()
-                    self._caches.clear()
+                    self.caches.clear()
             if self.copy is not None:
                 # The ranks decode apart but fall back together: plain generate is collective.
                 others = [f for f in self.engine.dist.all_gather_objects(failure) if f]
@@ -264,7 +264,7 @@ class CompiledHFRollout(HFRollout):
     def give_up(self, reason: str) -> None:
         """Plain `generate` from now on, said once (`reason`: why the compiled path failed)."""
         self.fallback_reason = reason
-        self._caches.clear()
+        self.caches.clear()
         if self.copy is not None:
             self.copy.keep = False
             self.copy.release()
@@ -295,11 +295,12 @@ class CompiledHFRollout(HFRollout):
         if self.copy.keep:
             self.copy.refresh(engine)
 
-    def _decoder(self) -> torch.nn.Module:
+    def decoder_model(self) -> torch.nn.Module:
         """The model the loop runs: the engine's, or under FSDP2 the refreshed inference copy."""
         return self.engine.model if self.copy is None else self.copy.refresh(self.engine)
 
-    def _check(self, params: SamplingParams) -> None:
+    def check_supported(self, params: SamplingParams) -> None:
+        """Raise `Unsupported` where this loop cannot sample as plain `generate` would."""
         if not self.engine.adapter.left_padding:
             raise Unsupported("the family cannot take left padding (left_padding=False)")
         config = self.engine.model.generation_config
@@ -313,10 +314,10 @@ class CompiledHFRollout(HFRollout):
 
     # -- the loop ----------------------------------------------------------------------------
     def _fast_sample(self, batch, shared, params: SamplingParams):
-        self._check(params)
+        self.check_supported(params)
         began = time.perf_counter()
         recordings = self._recordings()
-        model = self._decoder()
+        model = self.decoder_model()
         if self.copy is not None:
             # What FSDP2 does to the root's floating inputs (pixels) under mixed precision.
             batch = {k: v.to(self.copy.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
@@ -326,18 +327,18 @@ class CompiledHFRollout(HFRollout):
         if self.prefill_once:
             distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
         # A row's positions depend on that row alone: the distinct prompts' are computed.
-        positions = self._positions(model, batch if distinct is None else distinct.batch)
+        positions = self.position_ids(model, batch if distinct is None else distinct.batch)
         rows, prompt_length = batch["input_ids"].shape
-        length = self._cache_length(prompt_length + params.max_new_tokens)
-        with self._decoding(model, params) as run:
+        length = self.cache_length(prompt_length + params.max_new_tokens)
+        with self.decoding(model, params) as run:
             prefill_began = time.perf_counter()
             if distinct is not None:
                 cache, logits = self._prefill_distinct(run, distinct, positions, length)
                 positions = distinct.expand(positions)
             else:
-                cache = self._cache(rows, length, run.dtype)
+                cache = self.static_cache(rows, length, run.dtype)
                 with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
-                    logits = self._prefill(run, cache, batch, positions)
+                    logits = self.prefill(run, cache, batch, positions)
             if device.type == "cuda":
                 # The prefill's device time counted as the prefill's (`stats`), not as the
                 # decode's first wait; this stream only, and the device idles a few launches.
@@ -345,7 +346,7 @@ class CompiledHFRollout(HFRollout):
             prompt_mask = batch["attention_mask"]
             mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - prompt_length)], 1)
             decode_began = time.perf_counter()
-            decoded = self._decode(run, cache, logits, mask, next_positions(positions, prompt_mask),
+            decoded = self.decode_tokens(run, cache, logits, mask, next_positions(positions, prompt_mask),
                                    batch["input_ids"], length, prompt_length)
         decode_ended = time.perf_counter()
         out = decoded.trimmed(run.stops)  # waits for the device's last steps
@@ -359,14 +360,15 @@ class CompiledHFRollout(HFRollout):
                       **self._decode_flags()}
         return out
 
-    def _positions(self, model, batch) -> torch.Tensor:
+    def position_ids(self, model, batch) -> torch.Tensor:
+        """The adapter's position ids of `batch` (3-D for mrope); `Unsupported` where the family computes its own."""
         positions = self.engine.adapter.position_ids(model, batch)
         if positions is None:
             raise Unsupported("the family computes its own position ids")
         return positions
 
     @contextlib.contextmanager
-    def _decoding(self, model, params: SamplingParams):
+    def decoding(self, model, params: SamplingParams):
         """The settings one rollout call decodes `model` with (a `DecodeRun`), inside the
         engine's autocast and, where it applies, with the linear layers' half copies."""
         device = self.engine.dist.device
@@ -384,7 +386,7 @@ class CompiledHFRollout(HFRollout):
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
             yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device, generator)
 
-    def _prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
         """One eager forward of `inputs` (token ids, their attention mask over the cache,
         media, per-token entries) into `cache` at its fill: the last position's logits,
         float32, (rows, vocab)."""
@@ -395,19 +397,19 @@ class CompiledHFRollout(HFRollout):
     def _prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
         """The prefill of each distinct prompt once (`mmrl.rollout.prefix`; `positions`:
         theirs), into a cache of their rows, then copied out to every row that repeats one:
-        the wide cache and the last position's logits `_prefill` gives for the whole batch."""
-        narrow = self._cache(distinct.count, length, run.dtype)
-        logits = self._prefill(run, narrow, distinct.batch, positions)
-        return self._moved(narrow, distinct.owners, length), logits.index_select(0, distinct.owners)
+        the wide cache and the last position's logits `prefill` gives for the whole batch."""
+        narrow = self.static_cache(distinct.count, length, run.dtype)
+        logits = self.prefill(run, narrow, distinct.batch, positions)
+        return self.moved(narrow, distinct.owners, length), logits.index_select(0, distinct.owners)
 
-    def _decode(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
+    def decode_tokens(self, run: DecodeRun, cache, logits: torch.Tensor, mask: torch.Tensor, last: torch.Tensor,
                 prompt_ids: torch.Tensor, length: int, fill: int, home=None) -> Decoded:
         """Tokens from `logits` (the prefill's) on: the first chosen from them, then one
         decode step per token on `cache` (length `length`, its first `fill` slots written)
         until every row stopped or `max_new_tokens` are out. `mask` (rows, length) covers
         the cache's slots, the steps' included; `last` is each row's largest position so far (per axis);
         `prompt_ids` seed the repetition penalty. Rows that finished leave for a narrower
-        cache (`_moved`) when half of them have; with `home` (the cache a session keeps,
+        cache (`moved`) when half of them have; with `home` (the cache a session keeps,
         `mmrl.rollout.sessions`), the rows' slots are written back into it before each
         move and at the end, so every row's cache survives the turn."""
         params, device, pick = run.params, run.device, run.pick
@@ -435,7 +437,7 @@ class CompiledHFRollout(HFRollout):
         # one: bench/decode_profile.py) starts each rollout here.
         start = getattr(step, "start", None)
         if start is not None:
-            start(run.model, fill, self._caches.values())
+            start(run.model, fill, self.caches.values())
         steps = 1
         waited = 0.0
         with _decode_attention(run.model):
@@ -451,7 +453,7 @@ class CompiledHFRollout(HFRollout):
                         keep = _compact_rows(running, max(self.min_compact_rows, 1 << (alive - 1).bit_length()))
                         if home is not None and cache is not home:
                             _write_back(home, cache, index)
-                        cache = self._moved(cache, keep, length)
+                        cache = self.moved(cache, keep, length)
                         index, token, running, mask = (x[keep] for x in (index, token, running, mask))
                         seen = None if seen is None else seen[keep]
                         last = last[..., keep]
@@ -476,7 +478,7 @@ class CompiledHFRollout(HFRollout):
         return Decoded(tokens, logprobs, steps, len(index), waited)
 
     # -- pieces ------------------------------------------------------------------------------
-    def _cache_length(self, needed: int) -> int:
+    def cache_length(self, needed: int) -> int:
         """The cache length for `needed` positions: rounded up to CACHE_LENGTH_STEP and, when
         compiling, never shorter than the longest cache so far. The cache length is a python
         int inside transformers' StaticCache, so dynamo compiles the step again for the first
@@ -548,22 +550,22 @@ class CompiledHFRollout(HFRollout):
                    f"{step.recordings} recorded"
         return "torch.compile step" if self.compile else "eager step"
 
-    def _cache(self, rows: int, length: int, dtype: torch.dtype | None = None):
+    def static_cache(self, rows: int, length: int, dtype: torch.dtype | None = None):
         """A reset static cache for `rows` x `length`, kept between calls: a compiled graph
         replays on the same cache tensors. With `dtype` (autocast's), every layer stores its
         keys and values in it: under autocast a family's keys may leave rope in fp32 while
         its values are bf16, and attention reads both in autocast's dtype anyway."""
         from transformers import StaticCache
 
-        if any(key[1:] != (length, dtype) for key in self._caches):
-            self._caches = {key: c for key, c in self._caches.items() if key[1:] == (length, dtype)}
-        cache = self._caches.get((rows, length, dtype))
+        if any(key[1:] != (length, dtype) for key in self.caches):
+            self.caches = {key: c for key, c in self.caches.items() if key[1:] == (length, dtype)}
+        cache = self.caches.get((rows, length, dtype))
         if cache is None:
             cache = StaticCache(config=self._decoder_config(), max_cache_len=length)
             if dtype is not None:
                 for layer in cache.layers:
                     layer.update = _casting(layer.update, dtype)
-            self._caches[(rows, length, dtype)] = cache
+            self.caches[(rows, length, dtype)] = cache
         else:
             cache.reset()
         return cache
@@ -571,9 +573,9 @@ class CompiledHFRollout(HFRollout):
     def _decoder_config(self):
         return (self.engine.model if self.copy is None else self.copy.model).config
 
-    def _moved(self, cache, keep: torch.Tensor, length: int):
+    def moved(self, cache, keep: torch.Tensor, length: int):
         """The cache rows `keep` in a (kept) cache of len(keep) rows."""
-        smaller = self._cache(len(keep), length, _autocast_dtype())
+        smaller = self.static_cache(len(keep), length, _autocast_dtype())
         for old, new in zip(cache.layers, smaller.layers, strict=True):
             keys, values = old.keys.index_select(0, keep), old.values.index_select(0, keep)
             if not new.is_initialized:

@@ -173,7 +173,7 @@ class DecodeSession:
         """Between calls the kept cache is the session's alone: the rollout reuses (and
         resets) the caches of its pool for any other call, such as a validation between
         two rounds of a partial rollout."""
-        pool = self.rollout._caches
+        pool = self.rollout.caches
         self._pool_key = next((key for key, cache in pool.items() if cache is self.cache), None)
         if self._pool_key is not None:
             del pool[self._pool_key]
@@ -182,23 +182,23 @@ class DecodeSession:
         """The kept cache back in the rollout's pool for this call, where the decode loop
         and its recorded graphs (`GraphedStep.start`) count it as live."""
         if self.cache is not None and self._pool_key is not None:
-            self.rollout._caches[self._pool_key] = self.cache
+            self.rollout.caches[self._pool_key] = self.cache
         self._pool_key = None
 
     # -- a turn ------------------------------------------------------------------------------
     def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams):
         rollout = self.rollout
-        rollout._check(params)
-        model = rollout._decoder()
+        rollout.check_supported(params)
+        model = rollout.decoder_model()
         device = rollout.engine.dist.device
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        positions = rollout._positions(model, inputs)
+        positions = rollout.position_ids(model, inputs)
         real = inputs["attention_mask"].bool()
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
         was_training = model.training
         model.eval()
         try:
-            with rollout._decoding(model, params) as run:
+            with rollout.decoding(model, params) as run:
                 starts = media = None
                 if self.cache is not None:
                     try:
@@ -209,7 +209,7 @@ class DecodeSession:
                     logits, end = self._prefill_whole(run, inputs, positions, params)
                 else:
                     logits, end = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
-                decoded = rollout._decode(run, self.cache, logits, self.mask, next_positions(positions, real),
+                decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, next_positions(positions, real),
                                           inputs["input_ids"], self.length, end, home=self.cache)
         finally:
             model.train(was_training)
@@ -227,11 +227,11 @@ class DecodeSession:
     def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams):
         """Every conversation into a fresh cache, as the one-turn loop does."""
         rows, width = inputs["input_ids"].shape
-        self.length = self.rollout._cache_length(width + max(params.max_new_tokens, self.reserve))
-        self.cache = self.rollout._cache(rows, self.length, run.dtype)
+        self.length = self.rollout.cache_length(width + max(params.max_new_tokens, self.reserve))
+        self.cache = self.rollout.static_cache(rows, self.length, run.dtype)
         mask = inputs["attention_mask"]
         self.mask = torch.cat([mask, mask.new_ones(rows, self.length - width)], 1)
-        logits = self.rollout._prefill(run, self.cache, inputs, positions)
+        logits = self.rollout.prefill(run, self.cache, inputs, positions)
         self.fill = width
         self.stats["prefill_tokens"] += int(mask.sum())
         return logits, width
@@ -261,7 +261,7 @@ class DecodeSession:
             suffix_mask[row, width - count:] = 1
         self.mask[:, self.fill:self.fill + width] = suffix_mask
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
-        logits = self.rollout._prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
+        logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
         return logits, self.fill
@@ -316,7 +316,7 @@ class DecodeSession:
             raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
         if not media_keys:
             return {}
-        placeholders = placeholder_tokens(self.rollout._decoder())
+        placeholders = placeholder_tokens(self.rollout.decoder_model())
         before, new = [], []
         for key, conversation, row_ids, start in zip(keys, conversations, ids, starts):
             row = self.samples.get(key)
@@ -371,7 +371,7 @@ class DecodeSession:
             return
         chosen = torch.tensor(index, device=run.device)
         if len(index) != len(self.rows):
-            self.cache = self.rollout._moved(self.cache, chosen, self.length)
+            self.cache = self.rollout.moved(self.cache, chosen, self.length)
         else:  # as many rows (rearranged): the rollout keeps one cache per width, this one
             for layer in self.cache.layers:
                 layer.keys.copy_(layer.keys.index_select(0, chosen))
@@ -383,10 +383,10 @@ class DecodeSession:
         right-aligned to the longest row), in a longer cache only where that is not enough."""
         real = self.mask != 0
         rows, filled = len(real), int(real.sum(-1).max())
-        length = self.length if filled + needed <= self.length else self.rollout._cache_length(filled + needed)
+        length = self.length if filled + needed <= self.length else self.rollout.cache_length(filled + needed)
         # Per row: its holes first, then its real slots in order; the last `filled` of them.
         order = torch.sort(real.int(), dim=1, stable=True).indices[:, self.length - filled:]
-        target = self.cache if length == self.length else self.rollout._cache(rows, length, run.dtype)
+        target = self.cache if length == self.length else self.rollout.static_cache(rows, length, run.dtype)
         for old, new in zip(self.cache.layers, target.layers, strict=True):
             moved = [t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                      for t in (old.keys, old.values)]

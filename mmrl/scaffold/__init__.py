@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from mmrl.errors import whole_cause
 from mmrl.scaffold.base import (
     CHECKED, COLUMNS, DEPTH, TOLERANCE, VISION_ONLY, Discovery, Gap, Layout, Resolved, Result, ScaffoldError,
 )
@@ -75,9 +76,8 @@ def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Ite
         import traceback
 
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
-        raise ScaffoldError(f"stage {name!r} failed: {text} (at {Path(where.filename).name}:{where.lineno}); "
-                            "write this part of the adapter by hand", category=name) from exc
+        raise ScaffoldError(f"stage {name!r} failed: {whole_cause(exc, 240)} (at {Path(where.filename).name}:"
+                            f"{where.lineno}); write this part of the adapter by hand", category=name) from exc
     finally:
         if usable:
             signal.alarm(0)

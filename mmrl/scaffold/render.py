@@ -189,7 +189,7 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     line = "from mmrl.adapter import " + ", ".join(names)
     imports.append(line if len(line) <= 116 else _call("from mmrl.adapter import ", names, indent=""))
     if vlm:
-        imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS")
+        imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media")
         imports.append("from mmrl.registry import register_model")
         imports.append("from mmrl.tiny import as_loaded, char_tokenizer, sized_config")
     else:
@@ -239,38 +239,29 @@ def _keyword_args(values: dict[str, Any]) -> list[str]:
     return args + ([f"**{_literal_dict(odd)}"] if odd else [])
 
 
-def _jinja_text(text: str) -> str:
-    """A Jinja string expression for `text`: one token written N times (a template that
-    spells out every image feature) as `'token' * N`, else the quoted text."""
+def _text_expression(text: str) -> str:
+    """A Python expression for `text`: one token written N times (a template that spells
+    out every image feature) as `"token" * N`, else the quoted text."""
     for size in range(1, len(text) // 2 + 1):
         unit, count = text[:size], len(text) // size
         if count >= 8 and unit * count == text:
-            return f"'{unit}' * {count}"
-    return f"'{text}'"
+            return f"{_str(unit)} * {count}"
+    return _str(text)
 
 
 def _vision_template_source(d: Discovery) -> str:
     plan = d.tiny.media
     named = _literal_dict({k: _Raw(_str(v)) for k, v in plan.named_tokens.items()})
-    video = plan.video_placeholder
-    video_branch = (f"\"{{% elif part['type'] == 'video' %}}{{{{ '{video}' }}}}\"\n    " if video else "")
-    return textwrap.dedent(f"""\
-        # The tokens the processor and config name, each one atomic token of the tiny tokenizer.
-        NAMED_TOKENS = {named}
-        EXTRA_TOKENS = {_tuple(plan.literals)}
-        # ChatML with the processor's placeholder where an image (or video) part stands.
-        CHAT_TEMPLATE = (
-            "{{% for message in messages %}}"
-            "{{{{ '<|im_start|>' + message['role'] + '\\\\n' }}}}"
-            "{{% if message['content'] is string %}}{{{{ message['content'] }}}}"
-            "{{% else %}}{{% for part in message['content'] %}}"
-            "{{% if part['type'] == 'text' %}}{{{{ part['text'] }}}}"
-            "{{% elif part['type'] == 'image' %}}{{{{ {_jinja_text(plan.image_placeholder)} }}}}"
-            @VIDEO@"{{% endif %}}{{% endfor %}}{{% endif %}}"
-            "{{{{ '<|im_end|>\\\\n' }}}}"
-            "{{% endfor %}}"
-            "{{% if add_generation_prompt %}}{{{{ '<|im_start|>assistant\\\\n' }}}}{{% endif %}}"
-        )""").replace("@VIDEO@", video_branch)
+    media = [_text_expression(plan.image_placeholder)]
+    if plan.video_placeholder:
+        media.append(_text_expression(plan.video_placeholder))
+    return "\n".join([
+        "# The tokens the processor and config name, each one atomic token of the tiny tokenizer.",
+        f"NAMED_TOKENS = {named}",
+        f"EXTRA_TOKENS = {_tuple(plan.literals)}",
+        "# ChatML with the processor's placeholder where an image (or video) part stands.",
+        _call("CHAT_TEMPLATE = chatml_with_media", media, indent=""),
+    ])
 
 
 class _Raw(str):

@@ -3,7 +3,6 @@ zoo's quick checks on its tiny model and keep the capabilities that passed."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import tempfile
@@ -11,21 +10,10 @@ from pathlib import Path
 
 from mmrl import errors
 from mmrl.adapter import Capabilities
+from mmrl.imports import load_module
 from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Gap, Layout
 from mmrl.scaffold.depth import TO_WRITE
 from mmrl.scaffold.render import base_capabilities, render_adapter, render_processing
-
-
-def _load_file(module_name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
 
 
 _POSITIONS = "position_ids: "
@@ -86,12 +74,12 @@ def _verify_once(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap]
         if layout.processing is not None:
             (scratch / "processing.py").write_text(render_processing(d))
             name = f"_mmrl_scaffold_processing_{d.family}"
-            _load_file(name, scratch / "processing.py")
+            load_module(name, scratch / "processing.py")
             names.append(name)
             processing_ref = f"{name}:{d.class_name}Processing"
         (scratch / "adapter.py").write_text(render_adapter(d, layout, base_capabilities(d), processing_ref))
         name = f"_mmrl_scaffold_adapter_{d.family}"
-        _load_file(name, scratch / "adapter.py")
+        load_module(name, scratch / "adapter.py")
         names.append(name)
         try:
             return _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference,
@@ -112,7 +100,7 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         try:
             ok, detail = run()
         except Exception as exc:  # a failing check is a finding, not a crash
-            ok, detail = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ok, detail = False, errors.one_line(exc, typed=True)
         verified[capability] = ok
         if not ok:
             notes.append(f"{capability} not declared: {detail}")
@@ -126,10 +114,9 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         conversations = sample_conversations(built.adapter)
         gap = padded_vs_single(built, conversations)
     except Exception as exc:  # the tiny model itself does not run: nothing can be verified
-        message = " ".join(str(exc).split())[:300]
         hint = ("the processor's arguments (image size, tokens per image, special tokens) must agree with the "
                 "config" if d.resolved.is_vision_language else "the shrunk config values must fit the model code")
-        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({type(exc).__name__}: {message}); "
+        d.fill_in.append(f"tiny(): the scaffolded tiny model does not run ({errors.whole_cause(exc, 320)}); "
                          f"{hint}; then run the family's tests")
         return None
     if gap >= TOLERANCE:
