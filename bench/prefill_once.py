@@ -22,7 +22,6 @@ rollout.prefill_once=false`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from mmrl.config import load_recipe
     from mmrl.evaluation import conversations_of
-    from mmrl.platform_info import device_name, versions
+    from mmrl.platform_info import device_name, versions, write_report
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.compiled import CompiledHFRollout
     from mmrl.trainer import Trainer
@@ -105,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "greedy_rows_identical": agree, "fallback": rollout.fallback_reason,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for name in MODES:
         print(f"{name}: rollout {median[name]['rollout']:.3f} s, prefill alone {median[name]['prefill']:.3f} s, "
               f"prefill rows {stats[name].get('prefill_rows')}", flush=True)

@@ -279,7 +279,7 @@ class AlgoConfig(_Section):
     # thread on a GPU where the recipe allows it; "off": one after the other (docs/async.md).
     overlap: Literal["off", "thread", "auto"] = "off"
     # Python's thread switch interval (`sys.setswitchinterval`), in milliseconds, while the
-    # overlap thread samples (restored when its batch is done); None: Python's own (5 ms). A
+    # overlap thread samples (restored when its batch is done); None: Python's own. A
     # thread that wants the GIL may wait that long each time the other holds it
     # (docs/async.md, "Where the rollout thread's time goes").
     overlap_switch_interval_ms: float | None = Field(None, gt=0)

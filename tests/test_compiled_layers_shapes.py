@@ -109,7 +109,7 @@ def _cpu_varlen(monkeypatch):
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", varlen_attn, raising=False)
     monkeypatch.setattr(varlen, "_OPTIONS", [frozenset({"scale", "is_causal", "enable_gqa"})])
-    monkeypatch.setattr(varlen, "_kernel_dtype", lambda query: query.dtype)
+    monkeypatch.setattr(varlen, "kernel_dtype", lambda query: query.dtype)
     monkeypatch.setattr(varlen, "_usable", lambda module, query, key, attention_mask, dropout, kwargs:
                         attention_mask is not None and attention_mask.shape[-1] == key.shape[2])
 

@@ -173,7 +173,8 @@ TIMING_TABLES = {
     "bench/results/decode_ab_text_gpu.json": (
         "| decode step | 50 steps |", ("summary",),
         {"graphs, empty cache": "mmrl_graphs", "compiled, empty cache": "mmrl_compiled",
-         "compiled, second run": "mmrl_compiled_warm", "graphs through the engine's": "mmrl_graphs_layers_triton_warm"},
+         "compiled, second run": "mmrl_compiled_warm", "graphs through the engine's": "mmrl_graphs_layers_triton_warm",
+         "graphs recorded through": "mmrl_graphs_recorded_through_layers"},
         ("whole_run_s", "first_step_s", "compile_or_record_s", "median_step_s")),
 }
 

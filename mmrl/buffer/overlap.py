@@ -347,7 +347,7 @@ class ConcurrentSteps(BufferedSteps):
         job = _InFlight(self.buffer.produced + 1, version)
         if self.switch_interval is not None:
             # Each time the thread wants the GIL while the main thread runs Python, it waits
-            # up to the interval (Python's 5 ms) before the main thread is made to let go.
+            # up to the interval (`sys.getswitchinterval()`) before the main thread is made to let go.
             job.switch_before = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval)
             job.switch_interval = self.switch_interval
