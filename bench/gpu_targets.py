@@ -284,6 +284,9 @@ def write_readme_table(summary: dict) -> None:
 
 
 SCALING_TARGET = "FSDP2 actor update on 2 GPUs: scaling efficiency (real tokens/s vs 2x one GPU)"
+MULTI_TURN_TARGET = "multi-turn agent rollout (VL-3B, 2 turns, image reply): compiled vs plain generate"
+OVERLAP_TARGET = "one-step-off beside the update on one GPU (0.5B text): median step vs synchronous"
+RECHECK_TARGET = "packed 0.5B update after the engine split: real tokens/s vs the recorded run"
 
 
 def scaling_entry(path: Path = RESULTS / "fsdp_scaling_gpu.json") -> dict | None:
@@ -299,6 +302,64 @@ def scaling_entry(path: Path = RESULTS / "fsdp_scaling_gpu.json") -> dict | None
         "note": f"{report['processes']} processes {many['median_step_s']:.3f} s a step "
                 f"({many['real_tokens_per_s']:.0f} real tok/s) against one process {one['median_step_s']:.3f} s "
                 f"({one['real_tokens_per_s']:.0f}), {report['sequences_per_rank']} sequences per rank",
+    }
+
+
+def multi_turn_entry(path: Path = RESULTS / "agent_rollout_speed_gpu.json") -> dict | None:
+    """Issue 28's multi-turn target: the compiled agent rollout (sessions keep each sample's
+    cache) against plain `generate`, same prompts and weights, one process
+    (bench/agent_rollout_speed.py); None before it has run."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    plain, fast = report["runs"]["plain"], report["runs"]["compiled"]
+    ratio = plain["median_s"] / fast["median_s"]
+    return {
+        "name": MULTI_TURN_TARGET, "measured": fast["median_s"], "baseline": plain["median_s"], "ratio": ratio,
+        "target": 5.0, "met": ratio >= 5.0, "command": report["command"],
+        "note": f"{report['shape']} shape, {report['prompts']} prompts x {report['samples_per_prompt']} samples, "
+                f"{report['policy_turns']} policy turns of {report['new_tokens_per_turn']} tokens, "
+                f"{report['image_replies']} image reply; seconds a rollout, median of {report['repeats']}; "
+                f"compiled warm-up {fast['warm_up_s']:.1f} s",
+    }
+
+
+def overlap_entry(path: Path = RESULTS / "async_overlap_diag_0.5b_gpu.json") -> dict | None:
+    """Issue 33's one-GPU target: the one-step-off rollout beside the update
+    (`algo.overlap: thread`) against the synchronous step, same recipe, one call
+    (bench/async_overlap.py); None before it has run."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    sync, concurrent = report["runs"]["sync"], report["runs"]["concurrent"]
+    ratio = sync["median_step_s"] / concurrent["median_step_s"]
+    return {
+        "name": OVERLAP_TARGET, "measured": concurrent["median_step_s"], "baseline": sync["median_step_s"],
+        "ratio": ratio, "target": 1.3, "met": ratio >= 1.3, "command": report.get("command"),
+        "note": f"median step of steps 2-{sync['steps_done']}, seconds; sync rollout "
+                f"{sync['median_phase_s']['rollout_s']:.2f} s and update {sync['median_phase_s']['update_s']:.2f} s "
+                "one after the other; docs/async.md, 'Where the rollout thread's time goes'",
+    }
+
+
+def recheck_entry(path: Path = RESULTS / "packing_gpu_bf16_recheck.json",
+                  reference: Path = RESULTS / "packing_gpu_bf16.json") -> dict | None:
+    """Issue 29's check that the engine split kept the packed update's speed: the same
+    bench/packing.py run on a later main against the recorded one, within 5%."""
+    if not (path.is_file() and reference.is_file()):
+        return None
+    now, then = json.loads(path.read_text()), json.loads(reference.read_text())
+    mode = max((k for k in now["real_tokens_per_s"] if not k.startswith("padded")), key=now["real_tokens_per_s"].get)
+    if mode not in then["real_tokens_per_s"]:
+        return None
+    ratio = now["real_tokens_per_s"][mode] / then["real_tokens_per_s"][mode]
+    return {
+        "name": RECHECK_TARGET, "measured": now["real_tokens_per_s"][mode],
+        "baseline": then["real_tokens_per_s"][mode], "ratio": ratio, "target": 0.95, "met": ratio >= 0.95,
+        "mode": mode, "command": now.get("command") or "python bench/packing.py --dtype bfloat16 --micro-batch-tokens "
+                                                       "32768 --modes padded compiled_32768 --repeats 2",
+        "note": "real tokens/s of the packed, compiled 0.5B update on main after the engine split, against "
+                "packing_gpu_bf16.json (recorded before it); separate calls",
     }
 
 
@@ -339,7 +400,8 @@ def main() -> None:
     # Each reader's entry, or its target row unmeasured while its bench has not run.
     readers = ((baseline_commit_entry, BASELINE_TARGET, 2.0), (rollout_entry, ROLLOUT_TARGET, 10.0),
                (trl_entry, TRL_TARGET, 3.0), (logprob_entry, LOGPROB_TARGET, 5.0),
-               (scaling_entry, SCALING_TARGET, 0.85))
+               (scaling_entry, SCALING_TARGET, 0.85), (multi_turn_entry, MULTI_TURN_TARGET, 5.0),
+               (overlap_entry, OVERLAP_TARGET, 1.3), (recheck_entry, RECHECK_TARGET, 0.95))
     entries = [(read(), name, target) for read, name, target in readers]
     targets += [entry for entry, _, _ in entries if entry]
     targets += [{"name": name, "measured": None, "baseline": None, "ratio": None, "target": target, "met": False,
