@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import time
 import traceback
@@ -32,6 +33,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from mmrl import errors
+from mmrl.logs import PROBE_FAILURES
 from mmrl.platform_info import device_name, today, versions
 
 if TYPE_CHECKING:
@@ -197,11 +199,11 @@ class OnDevice:
     runs the wrapped processing as a run runs it: on CPU tensors, under the CPU default
     device, whatever default device the probe runs under. Processors convert tensors to
     numpy, and under a CUDA default `torch.tensor` puts part of a batch on the GPU: a
-    method that reached the processing past this wrapper once compared GPU rows with a
-    half-CPU batch, or handed numpy a CUDA tensor (the rollout_agreement probe of
-    idefics3, smolvlm and internvl on the H200, through `SharedMedia.rows`). Tensors the
-    calls return, alone or in a batch, move to `device`; other attributes (the tokenizer,
-    the processor, settings) are the wrapped processing's own."""
+    method that reached the processing past this wrapper (`collate_rows`, through the HF
+    rollout's `SharedMedia.rows` when prompts repeat) compared GPU rows with a half-CPU
+    batch, or handed numpy a CUDA tensor. Tensors the calls return, alone or in a batch,
+    move to `device`; other attributes (the tokenizer, the processor, settings) are the
+    wrapped processing's own."""
 
     def __init__(self, processing, device: str):
         self._processing = processing
@@ -340,6 +342,9 @@ class Probe:
             if outcome.unimplemented and declared:
                 return self.decide(subject, Status.FAILED, f"declared, but {outcome}", seconds)
             return self.decide(subject, Status.NOT_RUN, str(outcome), seconds)
+        # The whole traceback goes to the worker log (the evidence keeps the last frames).
+        logging.getLogger(PROBE_FAILURES).info("%s / %s failed: %s", subject.label, self.feature, one_line(outcome),
+                                               exc_info=outcome)
         evidence = {**getattr(outcome, "evidence", {}), "traceback": _short_traceback(outcome)}
         if declared is False:
             evidence["note"] = "fails, not declared: not a CI failure"
