@@ -293,6 +293,9 @@ def support_matrix(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     render_only: bool = typer.Option(False, "--render-only", help="Run no probe: re-render README.md and index.html "
                                      "from OUTPUT/results.json (after a change to mmrl/probes/render.py)."),
+    log_dir: str = typer.Option(None, "--log-dir", help="Write the probe workers' log (third-party output, the "
+                                "whole traceback of each failing probe) into DIR and keep it; default: $TMPDIR.",
+                                metavar="DIR"),
 ) -> None:
     """Run every probe on every registered family and write the support matrix."""
     import time
@@ -305,8 +308,9 @@ def support_matrix(
     if check and (family or feature or gpu_results or device != "cpu"):
         fail("--check regenerates every CPU cell; it takes no --family, --feature, --gpu-results or --device")
     if render_only:
-        if check or family or feature or gpu_results or device != "cpu":
-            fail("--render-only runs no probe; it takes no --check, --family, --feature, --gpu-results or --device")
+        if check or family or feature or gpu_results or device != "cpu" or log_dir:
+            fail("--render-only runs no probe; it takes no --check, --family, --feature, --gpu-results, --device or "
+                 "--log-dir")
         document = sm.load(Path(output) / sm.RESULTS_FILE)
         if document is None:
             fail(f"{Path(output) / sm.RESULTS_FILE} not found: run `mmrl support-matrix` first")
@@ -315,7 +319,10 @@ def support_matrix(
                       highlight=False)
         return
     workers = sm.default_workers(workers)
-    log = sm.WorkerLog("support-matrix", workers)
+    if log_dir and workers == 0:
+        fail("--log-dir holds the worker processes' log; with --workers 0 the probes run in this process, which "
+             "writes no log")
+    log = sm.WorkerLog("support-matrix", workers, Path(log_dir) if log_dir else None)
     if check:
         with log:
             problems, document, fresh = sm.check(Path(output), workers=workers, progress=progress)
@@ -329,7 +336,8 @@ def support_matrix(
                 highlight=False, soft_wrap=True)
             raise typer.Exit(code=1)
         console.print(f"support matrix is up to date: {len(document['cells'])} cells, no declared capability "
-                      f"fails on CPU ({elapsed:.0f} s)", highlight=False, soft_wrap=True)
+                      f"fails on CPU ({elapsed:.0f} s)" + (f" (worker logs in {kept})" if kept else ""),
+                      highlight=False, soft_wrap=True)
         _report_gpu_failures(document)
         return
     unknown = [f for f in feature if f not in FEATURES]

@@ -5,8 +5,11 @@ deprecations when vLLM imports, and transformers/vLLM draw progress bars for eve
 checkpoint they write or read. Around a one-line result (`mmrl support-matrix --check`)
 or a table (`mmrl doctor`) that is hundreds of lines of noise, so the CLI calls `quiet()`
 before anything imports those libraries, and probe worker processes send their own
-stdout/stderr to a log file (`redirect_to_log`); `doctor` and `support-matrix --check`
-remove it when they succeed and keep and name it when they fail (`close_worker_log`). `mmrl --verbose COMMAND` keeps it all:
+stdout/stderr to a log file (`redirect_to_log`), with the whole traceback of every probe
+that fails there (the results keep its last frames only: `PROBE_FAILURES`); `doctor` and
+`support-matrix --check` remove it when they succeed and keep and name it when they fail
+(`close_worker_log`), and `support-matrix --log-dir DIR` writes it into DIR and keeps it
+(a GPU machine returns only the files under the folder it is given). `mmrl --verbose COMMAND` keeps it all:
 
     mmrl --verbose doctor qwen2_vl
 
@@ -93,6 +96,28 @@ def quiet(*, is_verbose: bool | None = None) -> None:
         sys.modules["datasets"].disable_progress_bars()
 
 
+# The logger of probe failures: each failed check's traceback, at INFO. Probe worker
+# processes send it to their stderr (the worker log: `log_probe_failures`); elsewhere it
+# has no handler and its level stays below Python's last-resort WARNING, so a probe run in
+# process prints nothing more than its result.
+PROBE_FAILURES = "mmrl.probes.failures"
+
+
+def log_probe_failures() -> None:
+    """In a probe worker: the tracebacks of failing probes, and Python's own on a fatal
+    signal (a crash that kills the worker), to this process's stderr."""
+    import faulthandler
+
+    logger = logging.getLogger(PROBE_FAILURES)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    faulthandler.enable()
+
+
 def quiet_probe_worker() -> None:
     """In a probe worker: `quiet()`, plus transformers' warnings and progress bars off
     and Python warnings ignored (probes build odd tiny models on purpose), and the
@@ -113,12 +138,15 @@ def quiet_probe_worker() -> None:
         redirect_to_log(Path(log))
 
 
-def new_worker_log(command: str) -> Path | None:
+def new_worker_log(command: str, folder: Path | None = None) -> Path | None:
     """A fresh log file for the worker processes of `command` (named in the environment,
-    so spawned workers find it); None when verbose (workers print to the terminal)."""
+    so spawned workers find it), in `folder` (created) when given, else in $TMPDIR; None
+    when verbose (workers print to the terminal)."""
     if verbose():
         return None
-    handle, name = tempfile.mkstemp(prefix=f"mmrl-{command}-", suffix=".log")
+    if folder is not None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f"mmrl-{command}-", suffix=".log", dir=folder)
     os.close(handle)
     os.environ[WORKER_LOG_ENV] = name
     return Path(name)

@@ -69,6 +69,38 @@ def test_worker_log_is_removed_after_a_pass_and_kept_and_named_after_an_error(tm
 
 
 @pytest.mark.slow
+def test_support_matrix_log_dir_keeps_the_workers_log_with_a_failing_probes_traceback(tmp_path):
+    """`--log-dir DIR` (what a GPU machine needs: it returns only the files under the folder
+    it is given): the worker log lands in DIR, not $TMPDIR, and holds the whole traceback of
+    the probe that failed (the toy plugin family's checkpoint reloads as qwen2)."""
+    (tmp_path / "tmp").mkdir()
+    result = run(sys.executable, "-m", "mmrl.cli", "--plugin", "plugins.toy_family", "support-matrix",
+                 "--output", str(tmp_path / "out"), "--family", "toy", "--feature", "save_reload", "--no-progress",
+                 "--workers", "1", "--log-dir", str(tmp_path / "logs"), COLUMNS="300", TMPDIR=str(tmp_path / "tmp"),
+                 PYTHONPATH=str(REPO / "tests"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 failed" in result.stdout and "reloads as family" in result.stdout
+    logs = list((tmp_path / "logs").glob("mmrl-support-matrix-*.log"))
+    assert len(logs) == 1 and not list((tmp_path / "tmp").glob("mmrl-*.log")), list((tmp_path / "tmp").iterdir())
+    assert f"worker logs in {logs[0]}" in " ".join(result.stdout.split())
+    text = logs[0].read_text()
+    assert "toy / save_reload failed" in text and "Traceback (most recent call last)" in text, text[-2000:]
+    assert "mmrl/probes/" in text and "reloads as family 'qwen2'" in text.split("Traceback")[-1]
+
+
+def test_support_matrix_log_dir_needs_worker_processes(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    result = CliRunner().invoke(app, ["support-matrix", "--output", str(tmp_path), "--workers", "0",
+                                      "--log-dir", str(tmp_path / "logs")])
+    assert result.exit_code == 2
+    assert "error: --log-dir holds the worker processes' log; with --workers 0" in " ".join(result.output.split())
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
 def test_no_progress_means_no_save_bars(tmp_path):
     result = run(sys.executable, "-m", "mmrl.cli", "train", "recipes/tiny_vlm_count.yaml", "trainer.steps=1",
                  "trainer.eval_every=0", "data.eval=null", "data.validation=null", "trainer.progress=false",

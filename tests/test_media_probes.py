@@ -309,7 +309,7 @@ def test_strict_media_is_validated(tmp_path):
 # -- on a GPU: the bf16 figures -------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "gemma3", "smolvlm", "internvl"])
 def test_rollout_agreement_records_its_bf16_figure_on_a_gpu(family):
     result = probe("rollout_agreement").run(_subject(family, "cuda"))
     print(f"{family}: {result.status} {result.reason}")

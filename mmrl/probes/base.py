@@ -21,15 +21,19 @@ Status rules (the support matrix and `mmrl doctor` show these; CI gates on `gate
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from mmrl import errors
+from mmrl.logs import PROBE_FAILURES
 from mmrl.platform_info import device_name, today, versions
 
 if TYPE_CHECKING:
@@ -189,19 +193,58 @@ class Subject:
 
 
 class OnDevice:
-    """A processing object whose batches land on `device` (for probes run on a GPU)."""
+    """A processing object whose batches land on `device` (for probes run on a GPU).
+
+    Calling it, and calling any of its methods (`collate_rows`, `collate`, `decode`, ...),
+    runs the wrapped processing as a run runs it: on CPU tensors, under the CPU default
+    device, whatever default device the probe runs under. Processors convert tensors to
+    numpy, and under a CUDA default `torch.tensor` puts part of a batch on the GPU: a
+    method that reached the processing past this wrapper (`collate_rows`, through the HF
+    rollout's `SharedMedia.rows` when prompts repeat) compared GPU rows with a half-CPU
+    batch, or handed numpy a CUDA tensor. Tensors the calls return, alone or in a batch,
+    move to `device`; other attributes (the tokenizer, the processor, settings) are the
+    wrapped processing's own."""
 
     def __init__(self, processing, device: str):
         self._processing = processing
         self._device = device
 
     def __call__(self, *args, **kwargs):
-        with _on_cpu():  # processors convert tensors to numpy: they work on CPU
-            batch = self._processing(*args, **kwargs)
-        return {k: v.to(self._device) if hasattr(v, "to") and hasattr(v, "device") else v for k, v in batch.items()}
+        return self._run_on_cpu(self._processing, args, kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._processing, name)
+        value = getattr(self._processing, name)
+        if not inspect.ismethod(value):
+            return value
+
+        @functools.wraps(value)
+        def on_cpu(*args, **kwargs):
+            return self._run_on_cpu(value, args, kwargs)
+
+        return on_cpu
+
+    def _run_on_cpu(self, call, args: tuple, kwargs: dict):
+        with _on_cpu():
+            out = call(*_moved(args, "cpu"), **_moved(kwargs, "cpu"))
+        return _moved(out, self._device)
+
+
+def _moved(value, device):
+    """`value` with every tensor in it (alone, or in a mapping, list or tuple) on `device`;
+    a mapping that is not a plain dict (a processor's `BatchFeature`) becomes one, and a
+    container without tensors is returned as it is."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        moved = {key: _moved(item, device) for key, item in value.items()}
+        unchanged = type(value) is dict and all(moved[key] is value[key] for key in moved)
+        return value if unchanged else moved
+    if type(value) in (list, tuple):
+        items = [_moved(item, device) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    return value
 
 
 def missing_package(exc: Exception) -> str | None:
@@ -299,6 +342,9 @@ class Probe:
             if outcome.unimplemented and declared:
                 return self.decide(subject, Status.FAILED, f"declared, but {outcome}", seconds)
             return self.decide(subject, Status.NOT_RUN, str(outcome), seconds)
+        # The whole traceback goes to the worker log (the evidence keeps the last frames).
+        logging.getLogger(PROBE_FAILURES).info("%s / %s failed: %s", subject.label, self.feature, one_line(outcome),
+                                               exc_info=outcome)
         evidence = {**getattr(outcome, "evidence", {}), "traceback": _short_traceback(outcome)}
         if declared is False:
             evidence["note"] = "fails, not declared: not a CI failure"

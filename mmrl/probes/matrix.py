@@ -16,6 +16,7 @@ feature, platform, status, whether declared, and the reason with its numbers mas
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from mmrl.logs import close_worker_log, new_worker_log
+from mmrl.logs import PROBE_FAILURES, close_worker_log, log_probe_failures, new_worker_log
 from mmrl.probes.base import Probe, ProbeResult, Status, Subject
 
 SCHEMA_VERSION = 1
@@ -42,14 +43,15 @@ def platform_of(device: str) -> str:
 # -- running -----------------------------------------------------------------------------
 def _init_worker(modules: list[str]) -> None:
     """Spawned workers: one torch thread (the pool is the parallelism), third-party logs
-    and progress bars into the command's log file (`mmrl.logs`), and the modules that
-    registered the families being probed."""
+    and progress bars, and the tracebacks of failing probes, into the command's log file
+    (`mmrl.logs`), and the modules that registered the families being probed."""
     import importlib
 
     from mmrl.logs import quiet_probe_worker
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_probe_worker()
+    log_probe_failures()
     import torch
 
     torch.set_num_threads(1)
@@ -59,11 +61,18 @@ def _init_worker(modules: list[str]) -> None:
 
 
 def _run_task(feature: str, specs: list[dict]) -> list[dict]:
-    """In a worker: run one probe on the given subjects; results as dicts."""
+    """In a worker: run one probe on the given subjects; results as dicts. What escapes
+    the probe (a subject that cannot be rebuilt here) is logged before the parent records
+    it in one line."""
     from mmrl.probes import probe
 
-    subjects = [Subject.from_spec(spec) for spec in specs]
-    return [r.to_dict() for r in probe(feature).run_many(subjects)]
+    try:
+        subjects = [Subject.from_spec(spec) for spec in specs]
+        return [r.to_dict() for r in probe(feature).run_many(subjects)]
+    except Exception:
+        logging.getLogger(PROBE_FAILURES).exception("%s on %s: the task failed", feature,
+                                                    ", ".join(spec["source"] for spec in specs))
+        raise
 
 
 def _tasks(subjects: list[Subject], probes: Iterable[Probe]) -> list[tuple[Probe, list[Subject]]]:
@@ -282,18 +291,20 @@ def default_workers(workers: int | None) -> int:
 
 
 class WorkerLog:
-    """The third-party log of a probe command's worker processes (mmrl/logs.py): none when
-    the probes run in process. Leaving the `with` on an exception names the log on stderr
-    (it is kept); `close(failed=...)` keeps it and returns its path only for a command
-    that failed, so passing runs leave no `mmrl-*.log` behind in $TMPDIR.
+    """The log of a probe command's worker processes (mmrl/logs.py: third-party output and
+    the tracebacks of failing probes): none when the probes run in process. Leaving the
+    `with` on an exception names the log on stderr (it is kept); `close(failed=...)` keeps
+    it and returns its path only for a command that failed, so passing runs leave no
+    `mmrl-*.log` behind in $TMPDIR. A log in `folder` (`--log-dir`) is always kept.
 
         with WorkerLog("doctor", workers) as log:
             results = run_probes(...)
         kept = log.close(failed=bool(failures))   # None when removed
     """
 
-    def __init__(self, command: str, workers: int):
-        self.path = new_worker_log(command) if workers > 0 else None
+    def __init__(self, command: str, workers: int, folder: Path | None = None):
+        self.path = new_worker_log(command, folder) if workers > 0 else None
+        self.keep = folder is not None
 
     def __enter__(self) -> WorkerLog:
         return self
@@ -307,7 +318,7 @@ class WorkerLog:
         return False
 
     def close(self, *, failed: bool) -> Path | None:
-        self.path = close_worker_log(self.path, failed=failed)
+        self.path = close_worker_log(self.path, failed=failed or self.keep)
         return self.path
 
 
