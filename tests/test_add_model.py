@@ -537,11 +537,12 @@ def test_a_single_layer_index_stays_inside_the_shrunk_depth():
 
 
 def test_a_placeholder_spelled_out_per_feature_renders_as_a_repetition():
-    from mmrl.scaffold.render import _jinja_text
+    from mmrl.scaffold.render import _text_expression
 
-    assert _jinja_text("<image>" * 256) == "'<image>' * 256"
-    assert _jinja_text("<|vision_start|><|image_pad|><|vision_end|>") == "'<|vision_start|><|image_pad|><|vision_end|>'"
-    assert _jinja_text("<image>") == "'<image>'" and _jinja_text("") == "''"
+    assert _text_expression("<image>" * 256) == '"<image>" * 256'
+    assert _text_expression("<|vision_start|><|image_pad|><|vision_end|>") == '"<|vision_start|><|image_pad|><|vision_end|>"'
+    assert _text_expression("<image>") == '"<image>"' and _text_expression("") == '""'
+    assert eval(_text_expression("<image>" * 256)) == "<image>" * 256  # noqa: S307 - our own literal
 
 
 def test_an_unset_router_top_k_gets_a_tiny_value():
