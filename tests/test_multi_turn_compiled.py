@@ -90,12 +90,16 @@ def _assert_same(fast, plain):
     assert fast.texts == plain.texts
 
 
-def _suffix_tokens(trajectories):
-    """What prefilling only the new tokens feeds: each first prompt whole, then each later
-    prompt from the last token sampled before it (the one token a decode loop never feeds)."""
-    total = 0
+def _suffix_tokens(trajectories, shared_openings=True):
+    """What prefilling only the new tokens feeds: each first prompt whole (once per dataset
+    row where its samples share the opening's prefill: `DecodeSession`'s first call), then
+    each later prompt from the last token sampled before it (the one token a decode loop
+    never feeds)."""
+    total, opened = 0, set()
     for t in trajectories:
-        total += t.spans[0][0]
+        if not shared_openings or t.prompt not in opened:
+            total += t.spans[0][0]
+            opened.add(t.prompt)
         total += sum(start - (end - 1) for (_, end), (start, _) in zip(t.spans, t.spans[1:]))
     return total
 
@@ -119,8 +123,9 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     # The continuations are not one token repeated.
     assert len(set(fast.trajectories[0].last_ids)) > 2
     _assert_same(fast, plain)
-    # Only the new tokens went in: the turns' whole conversations hold far more.
-    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories)
+    # Only the new tokens went in: the turns' whole conversations hold far more; each
+    # row's two samples share their opening's prefill (GREEDY: n=2).
+    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) and stats["shared_openings"] == 2
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
 
@@ -285,7 +290,9 @@ def test_media_whose_part_is_not_found_prefill_whole(monkeypatch):
     fast = agent.generate(_rows(), GREEDY)
     stats = agent.session.stats
     assert agent.backend.fallback_reason is None
-    assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"]
+    # Every turn prefilled whole but the first, whose repeated openings were prefilled once.
+    repeated = _suffix_tokens(fast.trajectories, shared_openings=False) - _suffix_tokens(fast.trajectories)
+    assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"] - repeated
     _assert_same(fast, plain)
 
 

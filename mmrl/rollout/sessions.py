@@ -7,7 +7,14 @@
     session.stats    # tokens prefilled against re-prefilling whole, rows per turn, reasons
 
 `keys` name the samples (any hashable, one per conversation); a key's row of the static
-cache holds its conversation between calls. The agent loop (`mmrl.rollout.agent`) opens
+cache holds its conversation between calls. The first call (no cache kept yet) prefills
+each distinct opening once where samples repeat it (GRPO's n samples of a prompt:
+`mmrl.rollout.prefix`, as the one-turn rollout does) and copies its cache rows out to
+its samples'; openings count as repeats when their texts are equal and their images and
+videos are the same objects, and their processed tokens and media are checked as the
+one-turn path checks them. With `timed` (benches; off by default, so a run never waits
+for the device) each call appends where its seconds went to `stats["phases"]`, the
+device synchronized at each phase's end. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
 `RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
 rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
@@ -52,13 +59,16 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import time
+
 import torch
 
-from mmrl.engine.media import placeholder_tokens
+from mmrl.engine.media import SharedMedia, placeholder_tokens
 from mmrl.errors import one_line
 from mmrl.processing import text_aligned
 from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
 from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
+from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 MEDIA_TYPES = ("image", "video")
 
@@ -105,8 +115,11 @@ class _Reprefill(Exception):
 class DecodeSession:
     """The kept cache of one multi-turn rollout on a `CompiledHFRollout` (module docstring)."""
 
-    def __init__(self, rollout: CompiledHFRollout, reserve: int = 0):
+    def __init__(self, rollout: CompiledHFRollout, reserve: int = 0, timed: bool = False):
         self.rollout = rollout
+        # Per-phase seconds of each call in `stats["phases"]`, the device synchronized at
+        # each phase's end (benches only: the waits cost a run its overlap of host and device).
+        self.timed = timed
         self.processing = rollout.processing
         self.reserve = reserve
         self.cache = None  # the static cache: one row per key of `rows`
@@ -118,7 +131,7 @@ class DecodeSession:
         self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media identity -> chunk (and the parts, kept alive)
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
-                            "cache_rows": [], "reprefill_reason": None,
+                            "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
 
     def __enter__(self) -> DecodeSession:
@@ -147,12 +160,19 @@ class DecodeSession:
             raise ValueError("a decode session needs one distinct key per conversation")
         rollout = self.rollout
         if self.stats["turn_by_turn"] is None and rollout.fallback_reason is None:
-            batch = dict(self.processing(conversations))
+            began = self._clock()
+            # The first call's openings, each distinct one processed once (None: no repeats).
+            shared = self._opening_sharing(conversations) if self.cache is None and prefixes is None else None
+            if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
+                batch = shared.rows(self.processing, conversations)
+            else:
+                batch = dict(self.processing(conversations))
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
+            processed = self._clock()
             try:
                 self._rejoin_pool()
-                generated, logprobs = self._turn(list(keys), conversations, batch, params)
+                generated, logprobs, phases = self._turn(list(keys), conversations, batch, params, shared)
             except Exception as error:  # noqa: BLE001 - as the rollout's own path: plain generate, once, loudly
                 self.close()
                 rollout.give_up(one_line(error, typed=True)[:300])
@@ -160,6 +180,12 @@ class DecodeSession:
                 self._leave_pool()
                 stops, pad = self.processing.stop_token_ids, self.processing.tokenizer.pad_token_id
                 ids, mask, reasons = trim_responses(generated, stops, pad)
+                if self.timed:
+                    total = self._clock() - began
+                    phases = {"rows": len(keys), "process_s": processed - began, **phases, "total_s": total}
+                    phases["rest_s"] = total - sum(v for k, v in phases.items()
+                                                   if k.endswith("_s") and k not in ("total_s", "decode_wait_s"))
+                    self.stats["phases"].append(phases)
                 return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                                      prompt_index=torch.arange(len(conversations)),
                                      logprobs=None if logprobs is None else logprobs * mask,
@@ -168,6 +194,27 @@ class DecodeSession:
         if prefixes is not None:
             return rollout.continue_from(conversations, prefixes, params)
         return rollout.generate(conversations, params)
+
+    def _clock(self) -> float:
+        """The host clock; with `timed`, after the device finished what was queued."""
+        device = self.rollout.engine.dist.device
+        if self.timed and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    def _opening_sharing(self, conversations: list[list[dict]]) -> SharedMedia | bool | None:
+        """How the first call's repeated openings are shared: a `SharedMedia` of the
+        distinct ones where they hold media (each processed alone once), True where they
+        repeat without media (`distinct_prompts` then finds the equal rows by their
+        tokens), None where none repeats or the rollout prefills every row."""
+        if not self.rollout.prefill_once:
+            return None
+        owners = [_opening_key(conversation) for conversation in conversations]
+        if len(set(owners)) == len(owners):
+            return None
+        if not any(_media_parts(conversation) for conversation in conversations):
+            return True
+        return SharedMedia.of(self.processing, conversations, owners)
 
     def _leave_pool(self) -> None:
         """Between calls the kept cache is the session's alone: the rollout reuses (and
@@ -186,13 +233,24 @@ class DecodeSession:
         self._pool_key = None
 
     # -- a turn ------------------------------------------------------------------------------
-    def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams):
+    def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams, shared=None):
+        """One turn's tokens and log-probs, and (with `timed`) its phases' seconds.
+        `shared`: the first call's repeated openings (`_opening_sharing`)."""
         rollout = self.rollout
         rollout.check_supported(params)
+        began = self._clock()
         model = rollout.decoder_model()
         device = rollout.engine.dist.device
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        positions = rollout.position_ids(model, inputs)
+        distinct = None
+        if shared is not None:
+            media = shared.to(device) if isinstance(shared, SharedMedia) else None
+            distinct = distinct_prompts(inputs, media, placeholder_tokens(model))
+        if distinct is None:
+            positions = distinct_positions = rollout.position_ids(model, inputs)
+        else:  # a row's positions depend on that row alone
+            distinct_positions = rollout.position_ids(model, distinct.batch)
+            positions = distinct.expand(distinct_positions)
         real = inputs["attention_mask"].bool()
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
         was_training = model.training
@@ -205,12 +263,15 @@ class DecodeSession:
                         starts, media = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
+                prefill_began = self._clock()
                 if starts is None:
-                    logits, end = self._prefill_whole(run, inputs, positions, params)
+                    logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct, distinct_positions)
                 else:
-                    logits, end = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
+                    logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
+                decode_began = self._clock()
                 decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, next_positions(positions, real),
                                           inputs["input_ids"], self.length, end, home=self.cache)
+                decode_ended = self._clock()
         finally:
             model.train(was_training)
         generated, logprobs = decoded.trimmed(run.stops)
@@ -222,19 +283,36 @@ class DecodeSession:
         self.stats["turns"] += 1
         self.stats["whole_tokens"] += sum(map(len, ids))
         self.stats["cache_rows"].append(len(keys))
-        return generated, logprobs
+        # Host work before the prefill (positions, finding each row's suffix and its media),
+        # the prefill, the decode loop (`decode_wait_s` of it: the host waiting at its looks
+        # at the running rows) and what follows (tokens to the host, the rows' records).
+        phases = {"inputs_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
+                  "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
+                  "record_s": self._clock() - decode_ended, "prefill_rows": prefill_rows,
+                  "decode_steps": decoded.steps} if self.timed else {}
+        return generated, logprobs, phases
 
-    def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams):
-        """Every conversation into a fresh cache, as the one-turn loop does."""
+    def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams,
+                       distinct: DistinctPrompts | None = None, distinct_positions: torch.Tensor | None = None):
+        """Every conversation into a fresh cache, as the one-turn loop does: with `distinct`
+        (the rows' distinct openings, `distinct_positions` theirs), each one once, its cache
+        rows copied out to the rows that repeat it."""
         rows, width = inputs["input_ids"].shape
         self.length = self.rollout.cache_length(width + max(params.max_new_tokens, self.reserve))
-        self.cache = self.rollout.static_cache(rows, self.length, run.dtype)
         mask = inputs["attention_mask"]
         self.mask = torch.cat([mask, mask.new_ones(rows, self.length - width)], 1)
-        logits = self.rollout.prefill(run, self.cache, inputs, positions)
+        if distinct is None:
+            self.cache = self.rollout.static_cache(rows, self.length, run.dtype)
+            logits = self.rollout.prefill(run, self.cache, inputs, positions)
+            prefilled_rows = rows
+            self.stats["prefill_tokens"] += int(mask.sum())
+        else:
+            self.cache, logits = self.rollout.prefill_distinct(run, distinct, distinct_positions, self.length)
+            prefilled_rows = distinct.count
+            self.stats["prefill_tokens"] += int(distinct.batch["attention_mask"].sum())
+            self.stats["shared_openings"] += rows - distinct.count
         self.fill = width
-        self.stats["prefill_tokens"] += int(mask.sum())
-        return logits, width
+        return logits, width, prefilled_rows
 
     def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, ids: list[list[int]],
                         starts: list[int], media: dict, params: SamplingParams):
@@ -264,7 +342,7 @@ class DecodeSession:
         logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
-        return logits, self.fill
+        return logits, self.fill, rows
 
     def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
                 lengths: list[int], end: int, steps: int, starts: list[int] | None) -> None:
@@ -398,6 +476,21 @@ class DecodeSession:
         mask = self.mask.new_zeros(rows, length)
         mask[:, :filled] = self.mask.gather(1, order)
         self.cache, self.mask, self.length, self.fill = target, mask, length, filled
+
+
+def _opening_key(conversation: list[dict]) -> tuple:
+    """What makes two openings the same: their messages' texts and fields, their media by
+    identity (equal pixels in two objects are not looked at: such openings prefill apart)."""
+    def value(v):
+        return v if isinstance(v, (str, int, float, bool, type(None))) else ("object", id(v))
+
+    def part(p):
+        return tuple(sorted((k, value(v)) for k, v in p.items())) if isinstance(p, dict) else value(p)
+
+    return tuple((message.get("role"), message["content"] if isinstance(message.get("content"), str)
+                  else tuple(part(p) for p in message.get("content") or ()),
+                  tuple(sorted((k, value(v)) for k, v in message.items() if k not in ("role", "content"))))
+                 for message in conversation)
 
 
 def _media_parts(messages: Sequence[dict]) -> list[dict]:
