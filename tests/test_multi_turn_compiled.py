@@ -11,6 +11,7 @@ CUDA (`-m gpu`)."""
 
 import pytest
 import torch
+from PIL import Image
 from test_agent_rollout import ImageReplies, _rows
 
 from mmrl import build_model
@@ -128,6 +129,56 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) and stats["shared_openings"] == 2
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_repeated_openings_prefill_once_and_change_nothing(family):
+    """The first turn prefills each row's opening once for its two samples (mrope and plain
+    positions alike): the same tokens and log-probs over every turn as prefilling every
+    sample's opening (`prefill_once=False`), with one opening's tokens fewer per row."""
+    built, engine = _setup(family)
+    unshared = _agent(built, engine, "hf_compiled", compile=False, prefill_once=False)
+    reference = unshared.generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.backend.fallback_reason is None and unshared.backend.fallback_reason is None
+    _assert_same(fast, reference)
+    assert len(set(fast.trajectories[0].last_ids)) > 2
+    ours, theirs = agent.session.stats, unshared.session.stats
+    assert theirs["shared_openings"] == 0 and ours["shared_openings"] == 2
+    repeats = sum(t.spans[0][0] for t in fast.trajectories[1::2])  # each row's second sample's opening
+    assert repeats > 0 and ours["prefill_tokens"] == theirs["prefill_tokens"] - repeats
+    assert ours["whole_tokens"] == theirs["whole_tokens"]
+
+
+def test_openings_repeat_by_their_text_and_the_identity_of_their_media():
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+
+    def opening(picture, text="What is it?"):
+        return [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": text}]}]
+
+    key = sessions._opening_key
+    assert key(opening(image)) == key(opening(image))
+    assert key(opening(image)) != key(opening(image.copy()))  # equal pixels are not looked at
+    assert key(opening(image)) != key(opening(image, "And this?"))
+    assert key([{"role": "user", "content": "hi"}]) != key([{"role": "system", "content": "hi"}])
+
+
+def test_timed_turns_say_where_their_seconds_went():
+    built, engine = _setup("qwen2_5_vl")
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent.generate(_rows(), GREEDY)
+    assert agent.timings == [] and agent.session.stats["phases"] == []  # off by default
+    agent.timed = True
+    agent.generate(_rows(), GREEDY)
+    assert [t["turn"] for t in agent.timings] == [1, 2, 3] and all(t["rows"] == 4 for t in agent.timings)
+    phases = [t["session"] for t in agent.timings]
+    assert [p["prefill_rows"] for p in phases] == [2, 4, 4]  # the openings once per row, then every row
+    for turn, p in zip(agent.timings, phases):
+        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "prefill_s", "decode_s", "record_s"))
+        assert p["rest_s"] == pytest.approx(p["total_s"] - sum(p[k] for k in (
+            "process_s", "inputs_s", "prefill_s", "decode_s", "record_s")))
+        assert p["total_s"] <= turn["generate_s"] and turn["environment_s"] >= 0 and turn["agent_s"] >= 0
 
 
 def test_the_later_turns_read_the_kept_cache(monkeypatch):
