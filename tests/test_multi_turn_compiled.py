@@ -164,6 +164,30 @@ def test_openings_repeat_by_their_text_and_the_identity_of_their_media():
     assert key([{"role": "user", "content": "hi"}]) != key([{"role": "system", "content": "hi"}])
 
 
+def test_equal_images_in_distinct_objects_are_processed_once(monkeypatch):
+    """Each sample's environment makes its own image object, the same pixels for every
+    sample at a turn (as a tool's crop of the prompt's image): the session processes each
+    content alone once (the two openings' images, then one reply image per turn: 4 calls,
+    not one per sample and turn: 10), and still gives plain generate's tokens."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    alone = []
+    process = type(built.processing).__call__
+
+    def counting(self, conversations, *args, **kwargs):
+        if len(conversations) == 1 and all(part.get("type") == "image" for m in conversations[0]
+                                           for part in m["content"]):
+            alone.append(conversations[0])
+        return process(self, conversations, *args, **kwargs)
+
+    monkeypatch.setattr(type(built.processing), "__call__", counting)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.session.stats["reprefill_reason"] is None and agent.session.stats["reprefilled_samples"] == 0
+    _assert_same(fast, plain)
+    assert len(alone) == 4
+
+
 def test_timed_turns_say_where_their_seconds_went():
     built, engine = _setup("qwen2_5_vl")
     agent = _agent(built, engine, "hf_compiled", compile=False)

@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import hashlib
 import time
 
 import torch
@@ -128,7 +129,8 @@ class DecodeSession:
         self.fill = 0  # slots written so far (every row's; the mask says which are real)
         self.rows: list[Hashable] = []
         self.samples: dict[Hashable, _Row] = {}
-        self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media identity -> chunk (and the parts, kept alive)
+        self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media content -> chunk (and the parts, kept alive)
+        self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "phases": [],
@@ -144,7 +146,7 @@ class DecodeSession:
         """Let go of the cache (the rollout keeps it for reuse) and what the rows held."""
         self._rejoin_pool()
         self.cache = self.mask = None
-        self.rows, self.samples, self._chunks = [], {}, {}
+        self.rows, self.samples, self._chunks, self._digests = [], {}, {}, {}
 
     @torch.no_grad()
     def generate(self, keys: Sequence[Hashable], conversations: list[list[dict]],
@@ -414,20 +416,38 @@ class DecodeSession:
                 if any(key in chunk.tensors for chunk in new)}
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
-        """`parts` (media parts of a conversation) processed alone, once per session."""
-        identity = tuple((part.get("type"), id(part.get(part.get("type")))) for part in parts)
+        """`parts` (media parts of a conversation) processed alone, once per session and
+        content: the samples of one prompt often get equal images in distinct objects (a
+        tool's crop of the prompt's image), processed once for all of them. Its tensors
+        are kept on the device, where the batch's tensors they are checked against live."""
+        identity = tuple(tuple(sorted((k, self._content(v)) for k, v in part.items())) for part in parts)
         if identity not in self._chunks:
             if not parts:
                 chunk = _Chunk({}, {})
             else:
                 processed = dict(self.processing([[{"role": "user", "content": parts}]]))
-                tensors = {k: v for k, v in processed.items()
+                device = self.rollout.engine.dist.device
+                tensors = {k: v.to(device) for k, v in processed.items()
                            if k != "attention_mask" and isinstance(v, torch.Tensor)
                            and not text_aligned(k, v, processed)}
                 counted = processed["input_ids"][0]
                 chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()})
             self._chunks[identity] = (chunk, parts)
         return self._chunks[identity][0]
+
+    def _content(self, value) -> object:
+        """What a media part's field holds, comparable across objects: an image's mode,
+        size and a digest of its pixels (once per object), a text or number as it is,
+        anything else by identity."""
+        if isinstance(value, (str, int, float, bool, type(None))):
+            return value
+        if not all(hasattr(value, name) for name in ("tobytes", "mode", "size")):  # not a PIL image
+            return ("object", id(value))
+        known = self._digests.get(id(value))
+        if known is None or known[0] is not value:
+            digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+            known = self._digests[id(value)] = (value, (value.mode, tuple(value.size), digest))
+        return known[1]
 
     def _grown_media(self, row: _Row, conversation: list) -> dict[str, tuple[int, int | None]] | None:
         """A continued row's media sizes with the chunk its turn added (None where its
