@@ -188,6 +188,41 @@ def test_equal_images_in_distinct_objects_are_processed_once(monkeypatch):
     assert len(alone) == 4
 
 
+@pytest.mark.parametrize("axes", [None, 3])
+def test_suffixes_gathered_at_once_are_the_row_by_row_ones(axes):
+    """`_suffixes` (one gather) gives what the former loop over rows gave: each row's real
+    tokens from its start on, left-padded, with their per-token entries and positions;
+    real tokens anywhere in a row (left padding, holes), a row prefilled whole (start 0)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, length, width, pad = 5, 12, 9, 7
+    mask = (torch.rand(rows, length, generator=generator) > 0.3).long()
+    mask[0, :5] = 0
+    mask[:, -1] = 1
+    real_counts = mask.sum(1).tolist()
+    starts = [0 if r == 1 else max(real - width, 0) + r % 3 for r, real in enumerate(real_counts)]
+    starts = [min(s, real - 1) for s, real in zip(starts, real_counts)]
+    width = max(real - start for real, start in zip(real_counts, starts))
+    inputs = {"input_ids": torch.randint(10, 100, (rows, length), generator=generator), "attention_mask": mask,
+              "mm_token_type_ids": torch.randint(0, 3, (rows, length), generator=generator)}
+    shape = (rows, length) if axes is None else (axes, rows, length)
+    positions = torch.randint(0, 50, shape, generator=generator)
+    suffix, places, suffix_mask = sessions._suffixes(inputs, positions, starts, width, pad)
+
+    expected = {"input_ids": torch.full((rows, width), pad), "mm_token_type_ids": torch.zeros(rows, width).long()}
+    expected_places = positions.new_zeros((*positions.shape[:-2], rows, width))
+    expected_mask = torch.zeros(rows, width, dtype=torch.bool)
+    for row, start in enumerate(starts):
+        take = mask[row].bool().nonzero().squeeze(-1)[start:]
+        count = len(take)
+        for key in expected:
+            expected[key][row, width - count:] = inputs[key][row, take]
+        expected_places[..., row, width - count:] = positions[..., row, take]
+        expected_mask[row, width - count:] = True
+    assert suffix.keys() == expected.keys() and all(torch.equal(suffix[k], expected[k]) for k in expected)
+    assert torch.equal(places, expected_places) and torch.equal(suffix_mask, expected_mask)
+    assert int(suffix_mask[1].sum()) == real_counts[1]  # the whole row
+
+
 def test_timed_turns_say_where_their_seconds_went():
     built, engine = _setup("qwen2_5_vl")
     agent = _agent(built, engine, "hf_compiled", compile=False)

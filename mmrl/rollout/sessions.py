@@ -324,22 +324,9 @@ class DecodeSession:
         width = max(len(row) - start for row, start in zip(ids, starts))
         if self.fill + width + params.max_new_tokens > self.length:
             self._make_room(run, width + params.max_new_tokens)
-        pad = self.processing.tokenizer.pad_token_id
-        real = inputs["attention_mask"].bool()
-        aligned = [k for k, v in inputs.items()
-                   if k not in ("input_ids", "attention_mask") and text_aligned(k, v, inputs)]
-        suffix = {"input_ids": inputs["input_ids"].new_full((rows, width), pad),
-                  **{k: inputs[k].new_zeros(rows, width) for k in aligned}}
-        places = positions.new_zeros((*positions.shape[:-2], rows, width))
-        suffix_mask = self.mask.new_zeros(rows, width)
-        for row, start in enumerate(starts):
-            take = real[row].nonzero().squeeze(-1)[start:]
-            count = len(take)
-            for key in suffix:
-                suffix[key][row, width - count:] = inputs[key][row, take]
-            places[..., row, width - count:] = positions[..., row, take]
-            suffix_mask[row, width - count:] = 1
-        self.mask[:, self.fill:self.fill + width] = suffix_mask
+        suffix, places, suffix_mask = _suffixes(inputs, positions, starts, width,
+                                                self.processing.tokenizer.pad_token_id)
+        self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
         logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
@@ -351,8 +338,10 @@ class DecodeSession:
         """What each row holds after the turn: its prompt and sampled tokens, of which the
         last is not in the cache; slots after it (the stop token fed to a finished row,
         padding) leave the mask."""
+        # Per row, the slots from its last sampled token's on (one masked fill, not a write per row).
+        last = torch.tensor([end + length - 1 for length in lengths], device=self.mask.device)
+        self.mask.masked_fill_(torch.arange(self.mask.shape[1], device=self.mask.device) >= last[:, None], 0)
         for row, (key, length) in enumerate(zip(keys, lengths)):
-            self.mask[row, end + length - 1:] = 0
             previous = self.samples.get(key)
             continued = starts is not None and starts[row] > 0 and previous is not None
             self.samples[key] = _Row(tokens=ids[row] + generated[row, :length].tolist(),
@@ -496,6 +485,30 @@ class DecodeSession:
         mask = self.mask.new_zeros(rows, length)
         mask[:, :filled] = self.mask.gather(1, order)
         self.cache, self.mask, self.length, self.fill = target, mask, length, filled
+
+
+def _suffixes(inputs: dict, positions: torch.Tensor, starts: list[int], width: int, pad: int):
+    """Each row's real tokens from its `starts[row]`-th on, left-padded to `width`: the
+    token ids (`pad` where none), every other per-token entry (zeros), the positions
+    (`positions`: (rows, S) or (axes, rows, S)) and a mask of the real slots (bool); one
+    gather for all rows (a row's real tokens may lie anywhere in it, in order)."""
+    real = inputs["attention_mask"].bool()
+    rows = real.shape[0]
+    rank = real.long().cumsum(1) - 1  # each real token's place among its row's real tokens
+    begin = torch.tensor(starts, device=real.device)
+    take = real & (rank >= begin[:, None])
+    row, column = take.nonzero(as_tuple=True)
+    slot = width - take.sum(1)[row] + rank[row, column] - begin[row]
+    aligned = [k for k, v in inputs.items() if k not in ("input_ids", "attention_mask") and text_aligned(k, v, inputs)]
+    suffix = {"input_ids": inputs["input_ids"].new_full((rows, width), pad),
+              **{k: inputs[k].new_zeros(rows, width) for k in aligned}}
+    for key, value in suffix.items():
+        value[row, slot] = inputs[key][row, column]
+    places = positions.new_zeros((*positions.shape[:-2], rows, width))
+    places[..., row, slot] = positions[..., row, column]
+    mask = torch.zeros(rows, width, dtype=torch.bool, device=real.device)
+    mask[row, slot] = True
+    return suffix, places, mask
 
 
 def _opening_key(conversation: list[dict]) -> tuple:
