@@ -69,10 +69,14 @@ def _setup(family, device="cpu"):
     return built, engine
 
 
+def _environment_role(built):
+    return "tool" if built.adapter.family.startswith("qwen") else "user"  # the other templates have no tool role
+
+
 def _environment(built):
     if not built.adapter.is_multimodal:
         return TextReplies
-    role = "tool" if built.adapter.family.startswith("qwen") else "user"  # the other templates have no tool role
+    role = _environment_role(built)
     return lambda: ImageReplies(role)
 
 
@@ -221,6 +225,30 @@ def test_suffixes_gathered_at_once_are_the_row_by_row_ones(axes):
     assert suffix.keys() == expected.keys() and all(torch.equal(suffix[k], expected[k]) for k in expected)
     assert torch.equal(places, expected_places) and torch.equal(suffix_mask, expected_mask)
     assert int(suffix_mask[1].sum()) == real_counts[1]  # the whole row
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_later_turns_process_each_image_content_once(family):
+    """A later turn's conversations, each row processed alone with each image content's
+    processing done once and then collated, are the batch processing them together gives;
+    the image processor ran once per distinct list of images, not once per row."""
+    from mmrl.processing import batch_differences
+
+    built, engine = _setup(family)
+    session = sessions.DecodeSession(make_rollout("hf_compiled", engine, built.processing, compile=False))
+    conversations = []
+    for row in _rows():
+        for sample in range(3):
+            env = ImageReplies(_environment_role(built))
+            opening = env.reset(row)
+            reply, _, _ = env.step([*opening, {"role": "assistant", "content": f"it is {sample}"}])
+            conversations.append([*opening, {"role": "assistant", "content": f"it is {sample}"}, *reply])
+    assert len({id(c[-1]["content"][0]["image"]) for c in conversations}) == 6  # an object per sample
+    ours = session._process(conversations, per_row=True)
+    assert batch_differences(ours, dict(built.processing(conversations))) == []
+    assert session._image_memo.calls == 2  # a row's images: its opening's and the reply (equal in every row)
+    assert batch_differences(session._process(conversations, per_row=False),
+                             dict(built.processing(conversations))) == []
 
 
 def test_timed_turns_say_where_their_seconds_went():

@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import copy
 import hashlib
 import time
 
@@ -131,6 +132,7 @@ class DecodeSession:
         self.samples: dict[Hashable, _Row] = {}
         self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media content -> chunk (and the parts, kept alive)
         self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
+        self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "phases": [],
@@ -147,6 +149,7 @@ class DecodeSession:
         self._rejoin_pool()
         self.cache = self.mask = None
         self.rows, self.samples, self._chunks, self._digests = [], {}, {}, {}
+        self._image_memo = None
 
     @torch.no_grad()
     def generate(self, keys: Sequence[Hashable], conversations: list[list[dict]],
@@ -168,7 +171,7 @@ class DecodeSession:
             if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
                 batch = shared.rows(self.processing, conversations)
             else:
-                batch = dict(self.processing(conversations))
+                batch = self._process(conversations, per_row=self.cache is not None)
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             processed = self._clock()
@@ -217,6 +220,28 @@ class DecodeSession:
         if not any(_media_parts(conversation) for conversation in conversations):
             return True
         return SharedMedia.of(self.processing, conversations, owners)
+
+    def _process(self, conversations: list[list[dict]], per_row: bool) -> dict:
+        """The conversations processed whole, as plain `generate` gets them. With `per_row`
+        (later turns) and images: each row processed alone with each list of images processed once per
+        content (`_ImageMemo`: a tool's reply is often the same crop for every sample of a
+        prompt), then collated (`Processing.collate_rows`, checked once against processing
+        the rows together); one processor call over every row where that cannot be done."""
+        processor = getattr(self.processing, "processor", None)
+        images = getattr(processor, "image_processor", None)
+        if (not per_row or images is None or self.processing.collate_matches is False
+                or not any(_media_parts(conversation) for conversation in conversations)):
+            return dict(self.processing(conversations))
+        if self._image_memo is None or self._image_memo.inner is not images:
+            self._image_memo = _ImageMemo(images, self._content)
+        processor.image_processor = self._image_memo
+        try:
+            rows = [dict(self.processing([conversation])) for conversation in conversations]
+        finally:
+            processor.image_processor = images
+        if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
+            return dict(self.processing(conversations))
+        return self.processing.collate_rows(rows, conversations)
 
     def _leave_pool(self) -> None:
         """Between calls the kept cache is the session's alone: the rollout reuses (and
@@ -485,6 +510,43 @@ class DecodeSession:
         mask = self.mask.new_zeros(rows, length)
         mask[:, :filled] = self.mask.gather(1, order)
         self.cache, self.mask, self.length, self.fill = target, mask, length, filled
+
+
+class _ImageMemo:
+    """A processor's image processor that processes each list of images once by content
+    (`content`: a key per image) and keyword arguments; every other attribute is the
+    wrapped one's. A processor that calls another method of it processes as before."""
+
+    def __init__(self, inner, content):
+        self.inner, self.content = inner, content
+        self.outputs: dict[tuple, object] = {}
+        self.calls = 0  # the wrapped processor's calls (tests)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, images, *args, **kwargs):
+        flat, pending = [], [images]
+        while pending:  # images, or lists of them (per sample), in order
+            item = pending.pop(0)
+            if isinstance(item, (list, tuple)):
+                pending[:0] = list(item)
+            else:
+                flat.append(item)
+        key = (tuple(self.content(image) for image in flat), repr(args), repr(sorted(kwargs.items())),
+               repr(_nesting(images)))
+        if key not in self.outputs:
+            self.outputs[key] = self.inner(images, *args, **kwargs)
+            self.calls += 1
+        out = self.outputs[key]
+        # A fresh mapping each call, the first included: a processor may pop or add entries
+        # of what it gets (Idefics3 pops the images' rows and columns).
+        return copy.copy(out)  # UserDict (BatchFeature) and dict copy their mapping
+
+
+def _nesting(images) -> object:
+    """The list structure of `images` without the images (part of what a call is)."""
+    return [_nesting(item) for item in images] if isinstance(images, (list, tuple)) else None
 
 
 def _suffixes(inputs: dict, positions: torch.Tensor, starts: list[int], width: int, pad: int):
