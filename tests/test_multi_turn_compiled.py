@@ -251,6 +251,40 @@ def test_later_turns_process_each_image_content_once(family):
                              dict(built.processing(conversations))) == []
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_repeated_reply_images_are_encoded_once(family, monkeypatch):
+    """With media sharing on, a later turn's new images that repeat across rows (every
+    sample's reply image is the same at a turn) go through the vision encoder once per
+    content, and every turn still gives plain generate's tokens and log-probs."""
+    built, engine = _setup(family)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=True)
+    assert engine.shares_media
+    encoded = []
+    owner = next(m for m in engine.model.modules() if callable(getattr(m, "get_image_features", None))
+                 and not any(c is not m and callable(getattr(c, "get_image_features", None))
+                             for c in m.modules()))
+    original = type(owner).get_image_features
+
+    def counting(self, pixel_values, *args, **kwargs):
+        encoded.append(pixel_values.shape[:2])
+        return original(self, pixel_values, *args, **kwargs)
+
+    monkeypatch.setattr(type(owner), "get_image_features", counting)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    stats = agent.session.stats
+    assert agent.backend.fallback_reason is None and stats["reprefill_reason"] is None
+    _assert_same(fast, plain)
+    # Turns 2 and 3: four rows, one reply image each, the same in every row: the encoder
+    # took one reply image's pixels each time (ImageReplies' images of turns 2 and 3).
+    assert stats["shared_media_rows"] == 6
+    replies = [Image.new("RGB", (56, 56), (40, 215, 90)), Image.new("RGB", (28, 56), (80, 175, 90))]
+    alone = [built.processing([[{"role": "user", "content": [{"type": "image", "image": image}]}]])["pixel_values"]
+             for image in replies]
+    assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
+
+
 def test_timed_turns_say_where_their_seconds_went():
     built, engine = _setup("qwen2_5_vl")
     agent = _agent(built, engine, "hf_compiled", compile=False)

@@ -65,7 +65,7 @@ import time
 
 import torch
 
-from mmrl.engine.media import SharedMedia, placeholder_tokens
+from mmrl.engine.media import SharedMedia, placeholder_tokens, sharing
 from mmrl.errors import one_line
 from mmrl.processing import text_aligned
 from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
@@ -104,6 +104,7 @@ class _Chunk:
 
     tensors: dict[str, torch.Tensor]
     placeholders: dict[int, int]
+    processed: dict | None = None  # the parts' one-row batch (tensors on the device), for `SharedMedia`
 
     def sizes(self) -> dict[str, tuple[int, int | None]]:
         return {key: (t.shape[0], t.shape[1] if t.dim() > 1 and t.shape[0] == 1 else None)
@@ -135,7 +136,8 @@ class DecodeSession:
         self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
-                            "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "phases": [],
+                            "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
+                            "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
 
     def __enter__(self) -> DecodeSession:
@@ -284,17 +286,18 @@ class DecodeSession:
         model.eval()
         try:
             with rollout.decoding(model, params) as run:
-                starts = media = None
+                starts = media = chunks = None
                 if self.cache is not None:
                     try:
-                        starts, media = self._continuation(keys, conversations, inputs, ids, run)
+                        starts, media, chunks = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
                 prefill_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct, distinct_positions)
                 else:
-                    logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
+                    logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, chunks,
+                                                                        params)
                 decode_began = self._clock()
                 decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, next_positions(positions, real),
                                           inputs["input_ids"], self.length, end, home=self.cache)
@@ -342,9 +345,11 @@ class DecodeSession:
         return logits, width, prefilled_rows
 
     def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, ids: list[list[int]],
-                        starts: list[int], media: dict, params: SamplingParams):
+                        starts: list[int], media: dict, chunks: list[_Chunk], params: SamplingParams):
         """Each row's tokens from `starts[row]` on (its real tokens' order), left-padded
-        together, into the kept cache at its fill."""
+        together, into the kept cache at its fill. Where rows' new media repeat (`chunks`:
+        one per row, a chunk per content) and the family shares media, each distinct
+        chunk is encoded once (`mmrl.engine.media.sharing`)."""
         rows = len(ids)
         width = max(len(row) - start for row, start in zip(ids, starts))
         if self.fill + width + params.max_new_tokens > self.length:
@@ -353,10 +358,30 @@ class DecodeSession:
                                                 self.processing.tokenizer.pad_token_id)
         self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
-        logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
+        shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
+        with sharing(run.model, {**suffix, **media}, shared):
+            logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
         return logits, self.fill, rows
+
+    def _suffix_sharing(self, suffix: dict, chunks: list[_Chunk], model) -> SharedMedia | None:
+        """Each distinct chunk of the suffixes' new media as one piece (`SharedMedia.of_singles`,
+        which checks they lay out `suffix`'s media), where the family shares media and one repeats."""
+        if not self.rollout.engine.shares_media:
+            return None
+        distinct: dict[int, _Chunk] = {}
+        for chunk in chunks:
+            if chunk.tensors:
+                distinct.setdefault(id(chunk), chunk)
+        if len(distinct) == sum(1 for chunk in chunks if chunk.tensors):
+            return None  # no chunk repeats: nothing to share
+        index = {key: i for i, key in enumerate(distinct)}
+        parts = [[index[id(chunk)]] if chunk.tensors else [] for chunk in chunks]
+        shared = SharedMedia.of_singles([chunk.processed for chunk in distinct.values()], parts, suffix,
+                                        placeholder_tokens(model))
+        self.stats["shared_media_rows"] += 0 if shared is None else len(chunks) - len(distinct)
+        return shared
 
     def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
                 lengths: list[int], end: int, steps: int, starts: list[int] | None) -> None:
@@ -389,7 +414,7 @@ class DecodeSession:
         if not any(starts):
             raise _Reprefill("no sample's conversation continues the tokens its cache row holds")
         reprefilled = sum(1 for start in starts if start == 0)
-        media = self._suffix_media(keys, conversations, inputs, ids, starts)
+        media, chunks = self._suffix_media(keys, conversations, inputs, ids, starts)
         self._keep_rows([self.rows.index(key) if key in self.samples else 0 for key in keys], run)
         for row, start in enumerate(starts):
             if start == 0:
@@ -397,19 +422,20 @@ class DecodeSession:
         if reprefilled:
             self.stats["reprefilled_samples"] += reprefilled
             self.stats["reprefill_reason"] = "a conversation does not begin with its cache row's tokens"
-        return starts, media
+        return starts, media, chunks
 
     def _suffix_media(self, keys: list, conversations: list, inputs: dict, ids: list[list[int]],
-                      starts: list[int]) -> dict[str, torch.Tensor]:
+                      starts: list[int]) -> tuple[dict[str, torch.Tensor], list[_Chunk]]:
         """The media inputs of the rows' suffixes: the part of each media tensor of the whole
-        batch that belongs to the images each suffix holds."""
+        batch that belongs to the images each suffix holds; and per row, the chunk of media
+        its suffix holds (none where the batch has no media)."""
         media_keys = [k for k, v in inputs.items()
                       if k != "attention_mask" and isinstance(v, torch.Tensor) and not text_aligned(k, v, inputs)]
         others = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor) and v is not None]
         if others:
             raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
         if not media_keys:
-            return {}
+            return {}, []
         placeholders = placeholder_tokens(self.rollout.decoder_model())
         before, new = [], []
         for key, conversation, row_ids, start in zip(keys, conversations, ids, starts):
@@ -427,7 +453,7 @@ class DecodeSession:
                 if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
         return {key: _cut(key, inputs[key], before, new) for key in media_keys
-                if any(key in chunk.tensors for chunk in new)}
+                if any(key in chunk.tensors for chunk in new)}, new
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
         """`parts` (media parts of a conversation) processed alone, once per session and
@@ -445,7 +471,8 @@ class DecodeSession:
                            if k != "attention_mask" and isinstance(v, torch.Tensor)
                            and not text_aligned(k, v, processed)}
                 counted = processed["input_ids"][0]
-                chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()})
+                chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()},
+                               {**processed, **tensors})
             self._chunks[identity] = (chunk, parts)
         return self._chunks[identity][0]
 
