@@ -249,6 +249,18 @@ def test_later_turns_process_each_image_content_once(family):
     assert session._image_memo.calls == 2  # a row's images: its opening's and the reply (equal in every row)
     assert batch_differences(session._process(conversations, per_row=False),
                              dict(built.processing(conversations))) == []
+    # A processor that will not work through the wrapper: every row processed together,
+    # the processor's own image processor back in place.
+    class Raising(sessions._ImageMemo):
+        def __call__(self, *args, **kwargs):
+            raise TypeError("not this one")
+
+    images = built.processing.processor.image_processor
+    failing = sessions.DecodeSession(session.rollout)
+    failing._image_memo = Raising(images, failing._content)
+    assert batch_differences(failing._process(conversations, per_row=True),
+                             dict(built.processing(conversations))) == []
+    assert failing._per_row_failed and built.processing.processor.image_processor is images
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])

@@ -134,6 +134,7 @@ class DecodeSession:
         self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media content -> chunk (and the parts, kept alive)
         self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
         self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
+        self._per_row_failed = False  # processing rows alone raised once: every row together from then on
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
@@ -231,16 +232,21 @@ class DecodeSession:
         the rows together); one processor call over every row where that cannot be done."""
         processor = getattr(self.processing, "processor", None)
         images = getattr(processor, "image_processor", None)
-        if (not per_row or images is None or self.processing.collate_matches is False
+        if (not per_row or images is None or self.processing.collate_matches is False or self._per_row_failed
                 or not any(_media_parts(conversation) for conversation in conversations)):
             return dict(self.processing(conversations))
         if self._image_memo is None or self._image_memo.inner is not images:
             self._image_memo = _ImageMemo(images, self._content)
-        processor.image_processor = self._image_memo
+        rows = None
         try:
+            processor.image_processor = self._image_memo
             rows = [dict(self.processing([conversation])) for conversation in conversations]
+        except Exception:  # noqa: BLE001 - a processor that will not take the wrapper: process as before
+            self._per_row_failed = True
         finally:
             processor.image_processor = images
+        if rows is None:
+            return dict(self.processing(conversations))
         if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
             return dict(self.processing(conversations))
         return self.processing.collate_rows(rows, conversations)
