@@ -56,12 +56,11 @@ layers) serves each turn by its own `generate`, the reason in `stats` too.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-
 import copy
 import hashlib
 import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -300,7 +299,8 @@ class DecodeSession:
                         self.stats["reprefill_reason"] = str(reason)
                 prefill_began = self._clock()
                 if starts is None:
-                    logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct, distinct_positions)
+                    logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
+                                                                    distinct_positions)
                 else:
                     logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, chunks,
                                                                         params)
@@ -332,7 +332,8 @@ class DecodeSession:
                        distinct: DistinctPrompts | None = None, distinct_positions: torch.Tensor | None = None):
         """Every conversation into a fresh cache, as the one-turn loop does: with `distinct`
         (the rows' distinct openings, `distinct_positions` theirs), each one once, its cache
-        rows copied out to the rows that repeat it."""
+        rows copied out to the rows that repeat it. Returns the last logits, the fill and
+        the rows prefilled."""
         rows, width = inputs["input_ids"].shape
         self.length = self.rollout.cache_length(width + max(params.max_new_tokens, self.reserve))
         mask = inputs["attention_mask"]
@@ -355,7 +356,8 @@ class DecodeSession:
         """Each row's tokens from `starts[row]` on (its real tokens' order), left-padded
         together, into the kept cache at its fill. Where rows' new media repeat (`chunks`:
         one per row, a chunk per content) and the family shares media, each distinct
-        chunk is encoded once (`mmrl.engine.media.sharing`)."""
+        chunk is encoded once (`mmrl.engine.media.sharing`). Returns the last logits, the
+        fill and the rows prefilled."""
         rows = len(ids)
         width = max(len(row) - start for row, start in zip(ids, starts))
         if self.fill + width + params.max_new_tokens > self.length:
