@@ -27,7 +27,8 @@ and rejoins it for the session's next call.
 
 What a later turn does, per sample:
 - its conversation is processed whole, as plain `generate` would get it: token ids, the
-  adapter's positions (3-D for mrope), media tensors of every image so far;
+  adapter's positions (3-D for mrope), media tensors of every image so far (each row
+  processed alone, each list of images once per content, then collated: `_process`);
 - when those tokens begin with the ones its row holds (the previous prompt and what was
   sampled from it: the agent's prefix rule), only the rest is prefilled: the last sampled
   token (the decode loop samples it but never feeds it), the environment's reply, the
@@ -49,7 +50,10 @@ move to the front, in order, and the cache grows only if that is not enough.
 Where the new images' part of the media tensors cannot be found exactly (each new
 chunk's images are processed alone for their sizes and checked against the whole
 conversation's tensors: joined along the first dimension, or per row) the whole batch is
-prefilled anew (`stats["reprefill_reason"]` says why). A backend that cannot keep a cache
+prefilled anew (`stats["reprefill_reason"]` says why). New images whose content repeats
+across rows (a tool's same crop for every sample of a prompt; processed alone once per
+content) go through the encoder once, where the family shares media
+(`mmrl.engine.media.sharing`; `stats["shared_media_rows"]`). A backend that cannot keep a cache
 between turns (sharded weights decoding on an inference copy, sliding-window cache
 layers) serves each turn by its own `generate`, the reason in `stats` too.
 """
