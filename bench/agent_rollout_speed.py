@@ -31,6 +31,16 @@ Both agents run once to warm up (the compiled one compiles), then `--repeats` al
 rounds (bench/timing.py); per backend the median seconds per rollout, policy tokens/s
 (the sampled tokens of every turn) and the trajectories' turns, image replies and finish
 reasons, checked equal between the two; `speedup` is plain's seconds over compiled's.
+
+After the timed rounds each agent runs once more with `timed=True` (mmrl/rollout/agent.py;
+the session synchronizes the device at each phase's end, so these rounds are not in the
+medians): `runs[name]["phases"]` lists per turn the rows, the backend call's seconds, the
+environment's (`environment_s`) and the agent loop's own (`agent_s`), and on the compiled
+side the session's phases: `process_s` (the conversations processed on the host:
+templates, tokens, images), `inputs_s` (positions, each row's suffix and its media cut out),
+`prefill_s` (device), `decode_s` (the decode loop, device and host; `decode_wait_s` of it the
+host waiting at its looks), `record_s` (tokens to the host, the rows' records) and `rest_s`.
+A table of them is printed.
 """
 
 from __future__ import annotations
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer.actor.model.eval()
     seconds, medians, peaks, failed = alternate(list(agents), step, args.repeats, device, free=lambda: None)
+    phases = {name: timed_phases(agent, samples, params) for name, agent in agents.items() if name not in failed}
     runs = {}
     for name in agents:
         if name not in medians:
@@ -214,14 +225,15 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = statistics.median(s["policy_tokens"] for s in timed)
         runs[name] = {"median_s": medians[name], "seconds": seconds[name], "warm_up_s": warm_up[name],
                       "policy_tokens": tokens, "tokens_per_s": tokens / medians[name], "trajectories": timed[-1],
-                      "peak_allocated_gib": peaks.get(name)}
+                      "peak_allocated_gib": peaks.get(name), "phases": phases.get(name)}
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
     # The last rollout's kept cache (mmrl/rollout/sessions.py; None with --agent-options
     # keep_cache=false): tokens prefilled against processing every turn whole.
     session = getattr(compiled, "session", None)
     runs["compiled"]["kept_cache"] = None if session is None else {
         key: session.stats[key] for key in ("prefill_tokens", "whole_tokens", "reprefilled_samples",
-                                            "reprefill_reason", "turn_by_turn")}
+                                            "reprefill_reason", "turn_by_turn", "shared_openings",
+                                            "shared_media_rows")}
     report = {
         "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": device_name(str(device)), "versions": versions(), "date": today(),
@@ -241,8 +253,37 @@ def main(argv: list[str] | None = None) -> dict:
               f"compiled {runs['compiled']['median_s']:.2f} s ({runs['compiled']['tokens_per_s']:.0f} tokens/s): "
               f"{report['speedup']:.2f}x; compiled warm-up {runs['compiled']['warm_up_s']:.1f} s, "
               f"fallback {runs['compiled']['fallback']}", flush=True)
+    for name in runs:
+        print_phases(name, runs[name]["phases"])
     write_report(args.out, report)
     return report
+
+
+def timed_phases(agent, samples: list, params) -> list[dict]:
+    """One more rollout of `agent` with per-turn timings (`AgentRollout.timed`), then
+    timing off again."""
+    agent.timed = True
+    try:
+        with torch.no_grad():
+            agent.generate(samples, params)
+        return agent.timings
+    finally:
+        agent.timed = False
+
+
+PHASE_COLUMNS = ("generate_s", "process_s", "inputs_s", "prefill_s", "decode_s", "decode_wait_s", "record_s",
+                 "rest_s", "environment_s", "agent_s")
+
+
+def print_phases(name: str, turns: list[dict]) -> None:
+    """A line per turn: rows, then each phase's milliseconds (- where the turn has none)."""
+    print(f"{name}: per turn, ms   rows  " + "  ".join(c[:-2] for c in PHASE_COLUMNS), flush=True)
+    for turn in turns:
+        values = {**turn.get("session", {}), **turn}
+        cells = [f"{1000 * values[c]:.0f}" if isinstance(values.get(c), float) else "-" for c in PHASE_COLUMNS]
+        prefill = turn.get("session", {}).get("prefill_rows")
+        rows = f"{turn['rows']}" + (f" ({prefill} prefilled)" if prefill is not None else "")
+        print(f"  turn {turn['turn']}: {rows}  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

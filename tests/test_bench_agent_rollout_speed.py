@@ -34,6 +34,15 @@ def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
         assert run["policy_tokens"] == 4 * 2 * 4  # every turn runs to its 4 tokens
         assert run["tokens_per_s"] == pytest.approx(run["policy_tokens"] / run["median_s"])
     assert report["runs"]["compiled"]["fallback"] is None  # the compiled backend's own loop ran
+    # One timed rollout per agent after the medians: a line per policy turn; the compiled
+    # side's with the session's phases, the first turn prefilled once per distinct opening.
+    for name in ("plain", "compiled"):
+        turns = report["runs"][name]["phases"]
+        assert [t["turn"] for t in turns] == [1, 2] and all(t["generate_s"] > 0 and t["rows"] == 4 for t in turns)
+    first, second = (t["session"] for t in report["runs"]["compiled"]["phases"])
+    assert all(p["prefill_s"] > 0 and p["decode_s"] > 0 and p["process_s"] > 0 for p in (first, second))
+    assert first["prefill_rows"] < 4 and second["prefill_rows"] == 4
+    assert report["runs"]["compiled"]["kept_cache"]["shared_openings"] > 0
     assert report["speedup"] == pytest.approx(report["runs"]["plain"]["median_s"]
                                               / report["runs"]["compiled"]["median_s"])
 

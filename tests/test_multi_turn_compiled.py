@@ -11,6 +11,7 @@ CUDA (`-m gpu`)."""
 
 import pytest
 import torch
+from PIL import Image
 from test_agent_rollout import ImageReplies, _rows
 
 from mmrl import build_model
@@ -68,10 +69,14 @@ def _setup(family, device="cpu"):
     return built, engine
 
 
+def _environment_role(built):
+    return "tool" if built.adapter.family.startswith("qwen") else "user"  # the other templates have no tool role
+
+
 def _environment(built):
     if not built.adapter.is_multimodal:
         return TextReplies
-    role = "tool" if built.adapter.family.startswith("qwen") else "user"  # the other templates have no tool role
+    role = _environment_role(built)
     return lambda: ImageReplies(role)
 
 
@@ -90,12 +95,16 @@ def _assert_same(fast, plain):
     assert fast.texts == plain.texts
 
 
-def _suffix_tokens(trajectories):
-    """What prefilling only the new tokens feeds: each first prompt whole, then each later
-    prompt from the last token sampled before it (the one token a decode loop never feeds)."""
-    total = 0
+def _suffix_tokens(trajectories, shared_openings=True):
+    """What prefilling only the new tokens feeds: each first prompt whole (once per dataset
+    row where its samples share the opening's prefill: `DecodeSession`'s first call), then
+    each later prompt from the last token sampled before it (the one token a decode loop
+    never feeds)."""
+    total, opened = 0, set()
     for t in trajectories:
-        total += t.spans[0][0]
+        if not shared_openings or t.prompt not in opened:
+            total += t.spans[0][0]
+            opened.add(t.prompt)
         total += sum(start - (end - 1) for (_, end), (start, _) in zip(t.spans, t.spans[1:]))
     return total
 
@@ -119,10 +128,190 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     # The continuations are not one token repeated.
     assert len(set(fast.trajectories[0].last_ids)) > 2
     _assert_same(fast, plain)
-    # Only the new tokens went in: the turns' whole conversations hold far more.
-    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories)
+    # Only the new tokens went in: the turns' whole conversations hold far more; each
+    # row's two samples share their opening's prefill (GREEDY: n=2).
+    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) and stats["shared_openings"] == 2
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_repeated_openings_prefill_once_and_change_nothing(family):
+    """The first turn prefills each row's opening once for its two samples (mrope and plain
+    positions alike): the same tokens and log-probs over every turn as prefilling every
+    sample's opening (`prefill_once=False`), with one opening's tokens fewer per row."""
+    built, engine = _setup(family)
+    unshared = _agent(built, engine, "hf_compiled", compile=False, prefill_once=False)
+    reference = unshared.generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.backend.fallback_reason is None and unshared.backend.fallback_reason is None
+    _assert_same(fast, reference)
+    assert len(set(fast.trajectories[0].last_ids)) > 2
+    ours, theirs = agent.session.stats, unshared.session.stats
+    assert theirs["shared_openings"] == 0 and ours["shared_openings"] == 2
+    repeats = sum(t.spans[0][0] for t in fast.trajectories[1::2])  # each row's second sample's opening
+    assert repeats > 0 and ours["prefill_tokens"] == theirs["prefill_tokens"] - repeats
+    assert ours["whole_tokens"] == theirs["whole_tokens"]
+
+
+def test_openings_repeat_by_their_text_and_the_identity_of_their_media():
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+
+    def opening(picture, text="What is it?"):
+        return [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": text}]}]
+
+    key = sessions._opening_key
+    assert key(opening(image)) == key(opening(image))
+    assert key(opening(image)) != key(opening(image.copy()))  # equal pixels are not looked at
+    assert key(opening(image)) != key(opening(image, "And this?"))
+    assert key([{"role": "user", "content": "hi"}]) != key([{"role": "system", "content": "hi"}])
+
+
+def test_equal_images_in_distinct_objects_are_processed_once(monkeypatch):
+    """Each sample's environment makes its own image object, the same pixels for every
+    sample at a turn (as a tool's crop of the prompt's image): the session processes each
+    content alone once (the two openings' images, then one reply image per turn: 4 calls,
+    not one per sample and turn: 10), and still gives plain generate's tokens."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    alone = []
+    process = type(built.processing).__call__
+
+    def counting(self, conversations, *args, **kwargs):
+        if len(conversations) == 1 and all(part.get("type") == "image" for m in conversations[0]
+                                           for part in m["content"]):
+            alone.append(conversations[0])
+        return process(self, conversations, *args, **kwargs)
+
+    monkeypatch.setattr(type(built.processing), "__call__", counting)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    assert agent.session.stats["reprefill_reason"] is None and agent.session.stats["reprefilled_samples"] == 0
+    _assert_same(fast, plain)
+    assert len(alone) == 4
+
+
+@pytest.mark.parametrize("axes", [None, 3])
+def test_suffixes_gathered_at_once_are_the_row_by_row_ones(axes):
+    """`_suffixes` (one gather) gives what the former loop over rows gave: each row's real
+    tokens from its start on, left-padded, with their per-token entries and positions;
+    real tokens anywhere in a row (left padding, holes), a row prefilled whole (start 0)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, length, width, pad = 5, 12, 9, 7
+    mask = (torch.rand(rows, length, generator=generator) > 0.3).long()
+    mask[0, :5] = 0
+    mask[:, -1] = 1
+    real_counts = mask.sum(1).tolist()
+    starts = [0 if r == 1 else max(real - width, 0) + r % 3 for r, real in enumerate(real_counts)]
+    starts = [min(s, real - 1) for s, real in zip(starts, real_counts)]
+    width = max(real - start for real, start in zip(real_counts, starts))
+    inputs = {"input_ids": torch.randint(10, 100, (rows, length), generator=generator), "attention_mask": mask,
+              "mm_token_type_ids": torch.randint(0, 3, (rows, length), generator=generator)}
+    shape = (rows, length) if axes is None else (axes, rows, length)
+    positions = torch.randint(0, 50, shape, generator=generator)
+    suffix, places, suffix_mask = sessions._suffixes(inputs, positions, starts, width, pad)
+
+    expected = {"input_ids": torch.full((rows, width), pad), "mm_token_type_ids": torch.zeros(rows, width).long()}
+    expected_places = positions.new_zeros((*positions.shape[:-2], rows, width))
+    expected_mask = torch.zeros(rows, width, dtype=torch.bool)
+    for row, start in enumerate(starts):
+        take = mask[row].bool().nonzero().squeeze(-1)[start:]
+        count = len(take)
+        for key in expected:
+            expected[key][row, width - count:] = inputs[key][row, take]
+        expected_places[..., row, width - count:] = positions[..., row, take]
+        expected_mask[row, width - count:] = True
+    assert suffix.keys() == expected.keys() and all(torch.equal(suffix[k], expected[k]) for k in expected)
+    assert torch.equal(places, expected_places) and torch.equal(suffix_mask, expected_mask)
+    assert int(suffix_mask[1].sum()) == real_counts[1]  # the whole row
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_later_turns_process_each_image_content_once(family):
+    """A later turn's conversations, each row processed alone with each image content's
+    processing done once and then collated, are the batch processing them together gives;
+    the image processor ran once per distinct list of images, not once per row."""
+    from mmrl.processing import batch_differences
+
+    built, engine = _setup(family)
+    session = sessions.DecodeSession(make_rollout("hf_compiled", engine, built.processing, compile=False))
+    conversations = []
+    for row in _rows():
+        for sample in range(3):
+            env = ImageReplies(_environment_role(built))
+            opening = env.reset(row)
+            reply, _, _ = env.step([*opening, {"role": "assistant", "content": f"it is {sample}"}])
+            conversations.append([*opening, {"role": "assistant", "content": f"it is {sample}"}, *reply])
+    assert len({id(c[-1]["content"][0]["image"]) for c in conversations}) == 6  # an object per sample
+    ours = session._process(conversations, per_row=True)
+    assert batch_differences(ours, dict(built.processing(conversations))) == []
+    assert session._image_memo.calls == 2  # a row's images: its opening's and the reply (equal in every row)
+    assert batch_differences(session._process(conversations, per_row=False),
+                             dict(built.processing(conversations))) == []
+    # A processor that will not work through the wrapper: every row processed together,
+    # the processor's own image processor back in place.
+    class Raising(sessions._ImageMemo):
+        def __call__(self, *args, **kwargs):
+            raise TypeError("not this one")
+
+    images = built.processing.processor.image_processor
+    failing = sessions.DecodeSession(session.rollout)
+    failing._image_memo = Raising(images, failing._content)
+    assert batch_differences(failing._process(conversations, per_row=True),
+                             dict(built.processing(conversations))) == []
+    assert failing._per_row_failed and built.processing.processor.image_processor is images
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_repeated_reply_images_are_encoded_once(family, monkeypatch):
+    """With media sharing on, a later turn's new images that repeat across rows (every
+    sample's reply image is the same at a turn) go through the vision encoder once per
+    content, and every turn still gives plain generate's tokens and log-probs."""
+    built, engine = _setup(family)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=True)
+    assert engine.shares_media
+    encoded = []
+    owner = next(m for m in engine.model.modules() if callable(getattr(m, "get_image_features", None))
+                 and not any(c is not m and callable(getattr(c, "get_image_features", None))
+                             for c in m.modules()))
+    original = type(owner).get_image_features
+
+    def counting(self, pixel_values, *args, **kwargs):
+        encoded.append(pixel_values.shape[:2])
+        return original(self, pixel_values, *args, **kwargs)
+
+    monkeypatch.setattr(type(owner), "get_image_features", counting)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    fast = agent.generate(_rows(), GREEDY)
+    stats = agent.session.stats
+    assert agent.backend.fallback_reason is None and stats["reprefill_reason"] is None
+    _assert_same(fast, plain)
+    # Turns 2 and 3: four rows, one reply image each, the same in every row: the encoder
+    # took one reply image's pixels each time (ImageReplies' images of turns 2 and 3).
+    assert stats["shared_media_rows"] == 6
+    replies = [Image.new("RGB", (56, 56), (40, 215, 90)), Image.new("RGB", (28, 56), (80, 175, 90))]
+    alone = [built.processing([[{"role": "user", "content": [{"type": "image", "image": image}]}]])["pixel_values"]
+             for image in replies]
+    assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
+
+
+def test_timed_turns_say_where_their_seconds_went():
+    built, engine = _setup("qwen2_5_vl")
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent.generate(_rows(), GREEDY)
+    assert agent.timings == [] and agent.session.stats["phases"] == []  # off by default
+    agent.timed = True
+    agent.generate(_rows(), GREEDY)
+    assert [t["turn"] for t in agent.timings] == [1, 2, 3] and all(t["rows"] == 4 for t in agent.timings)
+    phases = [t["session"] for t in agent.timings]
+    assert [p["prefill_rows"] for p in phases] == [2, 4, 4]  # the openings once per row, then every row
+    for turn, p in zip(agent.timings, phases):
+        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "prefill_s", "decode_s", "record_s"))
+        assert p["rest_s"] == pytest.approx(p["total_s"] - sum(p[k] for k in (
+            "process_s", "inputs_s", "prefill_s", "decode_s", "record_s")))
+        assert p["total_s"] <= turn["generate_s"] and turn["environment_s"] >= 0 and turn["agent_s"] >= 0
 
 
 def test_the_later_turns_read_the_kept_cache(monkeypatch):
@@ -285,7 +474,9 @@ def test_media_whose_part_is_not_found_prefill_whole(monkeypatch):
     fast = agent.generate(_rows(), GREEDY)
     stats = agent.session.stats
     assert agent.backend.fallback_reason is None
-    assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"]
+    # Every turn prefilled whole but the first, whose repeated openings were prefilled once.
+    repeated = _suffix_tokens(fast.trajectories, shared_openings=False) - _suffix_tokens(fast.trajectories)
+    assert "pixel_values" in stats["reprefill_reason"] and stats["prefill_tokens"] == stats["whole_tokens"] - repeated
     _assert_same(fast, plain)
 
 

@@ -110,6 +110,20 @@ class SharedMedia:
             return None
         return shared
 
+    @classmethod
+    def of_singles(cls, singles: Sequence[dict], parts: Sequence[Sequence[int]], batch: dict,
+                   placeholders: Sequence[int]) -> SharedMedia | None:
+        """From pieces already processed alone (`singles`, one-row batches) and, per row of
+        `batch`, the pieces its media are in order (`parts`, indices into `singles`): as
+        `of_pieces` checks them, None where no piece repeats or they do not lay out
+        `batch`'s media tensors and placeholder counts (a multi-turn session's new images:
+        `mmrl.rollout.sessions`)."""
+        shared = cls(list(range(len(parts))), list(singles), [list(part) for part in parts])
+        used = [i for part in shared.parts for i in part]
+        if len(set(used)) == len(used) or not _lays_out(shared, batch, placeholders):
+            return None
+        return shared
+
     def row_parts(self) -> list[list[int]]:
         """Per row, the `singles` whose media make up the row's, in order."""
         return self.parts if self.parts is not None else [[owner] for owner in self.owners]

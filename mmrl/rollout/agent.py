@@ -33,11 +33,16 @@ turn prefills only what the prefix rule says is new (the environment's reply, te
 tokens, new images), at the positions and with the media tensors of the whole
 conversation, and finished samples free their rows. `keep_cache=False` (or any other
 backend) samples each turn from its whole conversation.
+
+`timed=True` (benches) records where each turn's seconds went in `agent.timings`: the
+backend's call (on a session, its phases: processing, prefill, decode, ...), the
+environment's steps, and the loop's own work on the turn's results.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +92,7 @@ class AgentRollout:
     per sample (`mmrl.envs.get_environment`)."""
 
     def __init__(self, backend, processing, env_factory: Callable[[], Any], *, max_turns: int = 4,
-                 max_tokens: int = 1024, keep_cache: bool = True):
+                 max_tokens: int = 1024, keep_cache: bool = True, timed: bool = False):
         if max_turns < 1:
             raise ValueError(f"rollout.max_turns must be >= 1, got {max_turns}")
         self.backend = backend
@@ -99,6 +104,9 @@ class AgentRollout:
         # (`mmrl.rollout.sessions`); False re-prefills every conversation whole each turn.
         self.keep_cache = keep_cache
         self.session = None  # the last rollout's session, where one ran (its `stats`)
+        # Per-turn seconds of the last rollout (`timed`; the session then syncs the device).
+        self.timed = timed
+        self.timings: list[dict] = []
 
     def sync(self, engine) -> None:
         self.backend.sync(engine)
@@ -126,6 +134,9 @@ class AgentRollout:
         # No room reserved for later turns: the cache grows when a turn needs it (a longer
         # cache costs every decode step), and the compiled rollout keeps its longest length.
         session = self.session = session_for(self.backend) if self.keep_cache else None
+        if session is not None:
+            session.timed = self.timed
+        self.timings = []
         try:
             self._turns(trajectories, envs, active, params, turn_params, session)
         finally:
@@ -139,11 +150,15 @@ class AgentRollout:
         each turn through `session` where there is one (samples no longer active leave its
         cache), else through the backend's `generate`."""
         while active:
+            began = time.perf_counter()
             conversations = [trajectories[i].messages for i in active]
+            timed_before = len(session.stats["phases"]) if session is not None else 0
             if session is not None:
                 result = session.generate(active, conversations, turn_params)
             else:
                 result = self.backend.generate(conversations, turn_params)
+            generated = time.perf_counter()
+            environment_s = 0.0
             prompts = self._prompt_ids(result, conversations)
             still = []
             for row, i in enumerate(active):
@@ -166,7 +181,9 @@ class AgentRollout:
                 t.last_reason = result.finish_reasons[row]
                 t.turns += 1
                 t.messages = [*t.messages, {"role": "assistant", "content": self._content(t.messages, sampled)}]
+                stepped = time.perf_counter()
                 new, done, reward = env.step(t.messages)
+                environment_s += time.perf_counter() - stepped
                 t.env_reward += float(reward or 0.0)
                 t.turn_rewards.append(float(reward or 0.0))
                 t.tool_calls = int(getattr(env, "tool_calls", 0))
@@ -178,6 +195,14 @@ class AgentRollout:
                 else:
                     t.messages = [*t.messages, *new]
                     still.append(i)
+            if self.timed:
+                ended = time.perf_counter()
+                # The session's phases where this turn ran on its cache (not turn by turn).
+                phases = session.stats["phases"][-1] if session is not None and len(
+                    session.stats["phases"]) > timed_before else {}
+                self.timings.append({"turn": len(self.timings) + 1, "rows": len(active),
+                                     "generate_s": generated - began, "session": phases,
+                                     "environment_s": environment_s, "agent_s": ended - generated - environment_s})
             active = still
 
     def _content(self, messages: list[dict], sampled: list[int]) -> str:

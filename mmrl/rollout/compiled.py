@@ -333,7 +333,7 @@ class CompiledHFRollout(HFRollout):
         with self.decoding(model, params) as run:
             prefill_began = time.perf_counter()
             if distinct is not None:
-                cache, logits = self._prefill_distinct(run, distinct, positions, length)
+                cache, logits = self.prefill_distinct(run, distinct, positions, length)
                 positions = distinct.expand(positions)
             else:
                 cache = self.static_cache(rows, length, run.dtype)
@@ -394,7 +394,7 @@ class CompiledHFRollout(HFRollout):
         _unguarded(cache)
         return out.logits[:, -1].float()
 
-    def _prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
+    def prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
         """The prefill of each distinct prompt once (`mmrl.rollout.prefix`; `positions`:
         theirs), into a cache of their rows, then copied out to every row that repeats one:
         the wide cache and the last position's logits `prefill` gives for the whole batch."""

@@ -7,7 +7,14 @@
     session.stats    # tokens prefilled against re-prefilling whole, rows per turn, reasons
 
 `keys` name the samples (any hashable, one per conversation); a key's row of the static
-cache holds its conversation between calls. The agent loop (`mmrl.rollout.agent`) opens
+cache holds its conversation between calls. The first call (no cache kept yet) prefills
+each distinct opening once where samples repeat it (GRPO's n samples of a prompt:
+`mmrl.rollout.prefix`, as the one-turn rollout does) and copies its cache rows out to
+its samples'; openings count as repeats when their texts are equal and their images and
+videos are the same objects, and their processed tokens and media are checked as the
+one-turn path checks them. With `timed` (benches; off by default, so a run never waits
+for the device) each call appends where its seconds went to `stats["phases"]`, the
+device synchronized at each phase's end. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
 `RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
 rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
@@ -20,7 +27,8 @@ and rejoins it for the session's next call.
 
 What a later turn does, per sample:
 - its conversation is processed whole, as plain `generate` would get it: token ids, the
-  adapter's positions (3-D for mrope), media tensors of every image so far;
+  adapter's positions (3-D for mrope), media tensors of every image so far (each row
+  processed alone, each list of images once per content, then collated: `_process`);
 - when those tokens begin with the ones its row holds (the previous prompt and what was
   sampled from it: the agent's prefix rule), only the rest is prefilled: the last sampled
   token (the decode loop samples it but never feeds it), the environment's reply, the
@@ -42,23 +50,30 @@ move to the front, in order, and the cache grows only if that is not enough.
 Where the new images' part of the media tensors cannot be found exactly (each new
 chunk's images are processed alone for their sizes and checked against the whole
 conversation's tensors: joined along the first dimension, or per row) the whole batch is
-prefilled anew (`stats["reprefill_reason"]` says why). A backend that cannot keep a cache
+prefilled anew (`stats["reprefill_reason"]` says why). New images whose content repeats
+across rows (a tool's same crop for every sample of a prompt; processed alone once per
+content) go through the encoder once, where the family shares media
+(`mmrl.engine.media.sharing`; `stats["shared_media_rows"]`). A backend that cannot keep a cache
 between turns (sharded weights decoding on an inference copy, sliding-window cache
 layers) serves each turn by its own `generate`, the reason in `stats` too.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mmrl.engine.media import placeholder_tokens
+from mmrl.engine.media import SharedMedia, placeholder_tokens, sharing
 from mmrl.errors import one_line
 from mmrl.processing import text_aligned
 from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
 from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
+from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 MEDIA_TYPES = ("image", "video")
 
@@ -92,6 +107,7 @@ class _Chunk:
 
     tensors: dict[str, torch.Tensor]
     placeholders: dict[int, int]
+    processed: dict | None = None  # the parts' one-row batch (tensors on the device), for `SharedMedia`
 
     def sizes(self) -> dict[str, tuple[int, int | None]]:
         return {key: (t.shape[0], t.shape[1] if t.dim() > 1 and t.shape[0] == 1 else None)
@@ -105,8 +121,11 @@ class _Reprefill(Exception):
 class DecodeSession:
     """The kept cache of one multi-turn rollout on a `CompiledHFRollout` (module docstring)."""
 
-    def __init__(self, rollout: CompiledHFRollout, reserve: int = 0):
+    def __init__(self, rollout: CompiledHFRollout, reserve: int = 0, timed: bool = False):
         self.rollout = rollout
+        # Per-phase seconds of each call in `stats["phases"]`, the device synchronized at
+        # each phase's end (benches only: the waits cost a run its overlap of host and device).
+        self.timed = timed
         self.processing = rollout.processing
         self.reserve = reserve
         self.cache = None  # the static cache: one row per key of `rows`
@@ -115,10 +134,14 @@ class DecodeSession:
         self.fill = 0  # slots written so far (every row's; the mask says which are real)
         self.rows: list[Hashable] = []
         self.samples: dict[Hashable, _Row] = {}
-        self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media identity -> chunk (and the parts, kept alive)
+        self._chunks: dict[tuple, tuple[_Chunk, list]] = {}  # media content -> chunk (and the parts, kept alive)
+        self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
+        self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
+        self._per_row_failed = False  # processing rows alone raised once: every row together from then on
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
-                            "cache_rows": [], "reprefill_reason": None,
+                            "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
+                            "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
 
     def __enter__(self) -> DecodeSession:
@@ -131,7 +154,8 @@ class DecodeSession:
         """Let go of the cache (the rollout keeps it for reuse) and what the rows held."""
         self._rejoin_pool()
         self.cache = self.mask = None
-        self.rows, self.samples, self._chunks = [], {}, {}
+        self.rows, self.samples, self._chunks, self._digests = [], {}, {}, {}
+        self._image_memo = None
 
     @torch.no_grad()
     def generate(self, keys: Sequence[Hashable], conversations: list[list[dict]],
@@ -147,12 +171,19 @@ class DecodeSession:
             raise ValueError("a decode session needs one distinct key per conversation")
         rollout = self.rollout
         if self.stats["turn_by_turn"] is None and rollout.fallback_reason is None:
-            batch = dict(self.processing(conversations))
+            began = self._clock()
+            # The first call's openings, each distinct one processed once (None: no repeats).
+            shared = self._opening_sharing(conversations) if self.cache is None and prefixes is None else None
+            if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
+                batch = shared.rows(self.processing, conversations)
+            else:
+                batch = self._process(conversations, per_row=self.cache is not None)
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
+            processed = self._clock()
             try:
                 self._rejoin_pool()
-                generated, logprobs = self._turn(list(keys), conversations, batch, params)
+                generated, logprobs, phases = self._turn(list(keys), conversations, batch, params, shared)
             except Exception as error:  # noqa: BLE001 - as the rollout's own path: plain generate, once, loudly
                 self.close()
                 rollout.give_up(one_line(error, typed=True)[:300])
@@ -160,6 +191,12 @@ class DecodeSession:
                 self._leave_pool()
                 stops, pad = self.processing.stop_token_ids, self.processing.tokenizer.pad_token_id
                 ids, mask, reasons = trim_responses(generated, stops, pad)
+                if self.timed:
+                    total = self._clock() - began
+                    phases = {"rows": len(keys), "process_s": processed - began, **phases, "total_s": total}
+                    phases["rest_s"] = total - sum(v for k, v in phases.items()
+                                                   if k.endswith("_s") and k not in ("total_s", "decode_wait_s"))
+                    self.stats["phases"].append(phases)
                 return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                                      prompt_index=torch.arange(len(conversations)),
                                      logprobs=None if logprobs is None else logprobs * mask,
@@ -168,6 +205,54 @@ class DecodeSession:
         if prefixes is not None:
             return rollout.continue_from(conversations, prefixes, params)
         return rollout.generate(conversations, params)
+
+    def _clock(self) -> float:
+        """The host clock; with `timed`, after the device finished what was queued."""
+        device = self.rollout.engine.dist.device
+        if self.timed and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    def _opening_sharing(self, conversations: list[list[dict]]) -> SharedMedia | bool | None:
+        """How the first call's repeated openings are shared: a `SharedMedia` of the
+        distinct ones where they hold media (each processed alone once), True where they
+        repeat without media (`distinct_prompts` then finds the equal rows by their
+        tokens), None where none repeats or the rollout prefills every row."""
+        if not self.rollout.prefill_once:
+            return None
+        owners = [_opening_key(conversation) for conversation in conversations]
+        if len(set(owners)) == len(owners):
+            return None
+        if not any(_media_parts(conversation) for conversation in conversations):
+            return True
+        return SharedMedia.of(self.processing, conversations, owners)
+
+    def _process(self, conversations: list[list[dict]], per_row: bool) -> dict:
+        """The conversations processed whole, as plain `generate` gets them. With `per_row`
+        (later turns) and images: each row processed alone with each list of images processed once per
+        content (`_ImageMemo`: a tool's reply is often the same crop for every sample of a
+        prompt), then collated (`Processing.collate_rows`, checked once against processing
+        the rows together); one processor call over every row where that cannot be done."""
+        processor = getattr(self.processing, "processor", None)
+        images = getattr(processor, "image_processor", None)
+        if (not per_row or images is None or self.processing.collate_matches is False or self._per_row_failed
+                or not any(_media_parts(conversation) for conversation in conversations)):
+            return dict(self.processing(conversations))
+        if self._image_memo is None or self._image_memo.inner is not images:
+            self._image_memo = _ImageMemo(images, self._content)
+        rows = None
+        try:
+            processor.image_processor = self._image_memo
+            rows = [dict(self.processing([conversation])) for conversation in conversations]
+        except Exception:  # noqa: BLE001 - a processor that will not take the wrapper: process as before
+            self._per_row_failed = True
+        finally:
+            processor.image_processor = images
+        if rows is None:
+            return dict(self.processing(conversations))
+        if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
+            return dict(self.processing(conversations))
+        return self.processing.collate_rows(rows, conversations)
 
     def _leave_pool(self) -> None:
         """Between calls the kept cache is the session's alone: the rollout reuses (and
@@ -186,31 +271,47 @@ class DecodeSession:
         self._pool_key = None
 
     # -- a turn ------------------------------------------------------------------------------
-    def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams):
+    def _turn(self, keys: list, conversations: list, batch: dict, params: SamplingParams, shared=None):
+        """One turn's tokens and log-probs, and (with `timed`) its phases' seconds.
+        `shared`: the first call's repeated openings (`_opening_sharing`)."""
         rollout = self.rollout
         rollout.check_supported(params)
+        began = self._clock()
         model = rollout.decoder_model()
         device = rollout.engine.dist.device
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        positions = rollout.position_ids(model, inputs)
+        distinct = None
+        if shared is not None:
+            media = shared.to(device) if isinstance(shared, SharedMedia) else None
+            distinct = distinct_prompts(inputs, media, placeholder_tokens(model))
+        if distinct is None:
+            positions = distinct_positions = rollout.position_ids(model, inputs)
+        else:  # a row's positions depend on that row alone
+            distinct_positions = rollout.position_ids(model, distinct.batch)
+            positions = distinct.expand(distinct_positions)
         real = inputs["attention_mask"].bool()
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
         was_training = model.training
         model.eval()
         try:
             with rollout.decoding(model, params) as run:
-                starts = media = None
+                starts = media = chunks = None
                 if self.cache is not None:
                     try:
-                        starts, media = self._continuation(keys, conversations, inputs, ids, run)
+                        starts, media, chunks = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
+                prefill_began = self._clock()
                 if starts is None:
-                    logits, end = self._prefill_whole(run, inputs, positions, params)
+                    logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
+                                                                    distinct_positions)
                 else:
-                    logits, end = self._prefill_suffix(run, inputs, positions, ids, starts, media, params)
+                    logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, chunks,
+                                                                        params)
+                decode_began = self._clock()
                 decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, next_positions(positions, real),
                                           inputs["input_ids"], self.length, end, home=self.cache)
+                decode_ended = self._clock()
         finally:
             model.train(was_training)
         generated, logprobs = decoded.trimmed(run.stops)
@@ -222,57 +323,87 @@ class DecodeSession:
         self.stats["turns"] += 1
         self.stats["whole_tokens"] += sum(map(len, ids))
         self.stats["cache_rows"].append(len(keys))
-        return generated, logprobs
+        # Host work before the prefill (positions, finding each row's suffix and its media),
+        # the prefill, the decode loop (`decode_wait_s` of it: the host waiting at its looks
+        # at the running rows) and what follows (tokens to the host, the rows' records).
+        phases = {"inputs_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
+                  "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
+                  "record_s": self._clock() - decode_ended, "prefill_rows": prefill_rows,
+                  "decode_steps": decoded.steps} if self.timed else {}
+        return generated, logprobs, phases
 
-    def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams):
-        """Every conversation into a fresh cache, as the one-turn loop does."""
+    def _prefill_whole(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, params: SamplingParams,
+                       distinct: DistinctPrompts | None = None, distinct_positions: torch.Tensor | None = None):
+        """Every conversation into a fresh cache, as the one-turn loop does: with `distinct`
+        (the rows' distinct openings, `distinct_positions` theirs), each one once, its cache
+        rows copied out to the rows that repeat it. Returns the last logits, the fill and
+        the rows prefilled."""
         rows, width = inputs["input_ids"].shape
         self.length = self.rollout.cache_length(width + max(params.max_new_tokens, self.reserve))
-        self.cache = self.rollout.static_cache(rows, self.length, run.dtype)
         mask = inputs["attention_mask"]
         self.mask = torch.cat([mask, mask.new_ones(rows, self.length - width)], 1)
-        logits = self.rollout.prefill(run, self.cache, inputs, positions)
+        if distinct is None:
+            self.cache = self.rollout.static_cache(rows, self.length, run.dtype)
+            logits = self.rollout.prefill(run, self.cache, inputs, positions)
+            prefilled_rows = rows
+            self.stats["prefill_tokens"] += int(mask.sum())
+        else:
+            self.cache, logits = self.rollout.prefill_distinct(run, distinct, distinct_positions, self.length)
+            prefilled_rows = distinct.count
+            self.stats["prefill_tokens"] += int(distinct.batch["attention_mask"].sum())
+            self.stats["shared_openings"] += rows - distinct.count
         self.fill = width
-        self.stats["prefill_tokens"] += int(mask.sum())
-        return logits, width
+        return logits, width, prefilled_rows
 
     def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, ids: list[list[int]],
-                        starts: list[int], media: dict, params: SamplingParams):
+                        starts: list[int], media: dict, chunks: list[_Chunk], params: SamplingParams):
         """Each row's tokens from `starts[row]` on (its real tokens' order), left-padded
-        together, into the kept cache at its fill."""
+        together, into the kept cache at its fill. Where rows' new media repeat (`chunks`:
+        one per row, a chunk per content) and the family shares media, each distinct
+        chunk is encoded once (`mmrl.engine.media.sharing`). Returns the last logits, the
+        fill and the rows prefilled."""
         rows = len(ids)
         width = max(len(row) - start for row, start in zip(ids, starts))
         if self.fill + width + params.max_new_tokens > self.length:
             self._make_room(run, width + params.max_new_tokens)
-        pad = self.processing.tokenizer.pad_token_id
-        real = inputs["attention_mask"].bool()
-        aligned = [k for k, v in inputs.items()
-                   if k not in ("input_ids", "attention_mask") and text_aligned(k, v, inputs)]
-        suffix = {"input_ids": inputs["input_ids"].new_full((rows, width), pad),
-                  **{k: inputs[k].new_zeros(rows, width) for k in aligned}}
-        places = positions.new_zeros((*positions.shape[:-2], rows, width))
-        suffix_mask = self.mask.new_zeros(rows, width)
-        for row, start in enumerate(starts):
-            take = real[row].nonzero().squeeze(-1)[start:]
-            count = len(take)
-            for key in suffix:
-                suffix[key][row, width - count:] = inputs[key][row, take]
-            places[..., row, width - count:] = positions[..., row, take]
-            suffix_mask[row, width - count:] = 1
-        self.mask[:, self.fill:self.fill + width] = suffix_mask
+        suffix, places, suffix_mask = _suffixes(inputs, positions, starts, width,
+                                                self.processing.tokenizer.pad_token_id)
+        self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
-        logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
+        shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
+        with sharing(run.model, {**suffix, **media}, shared):
+            logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
-        return logits, self.fill
+        return logits, self.fill, rows
+
+    def _suffix_sharing(self, suffix: dict, chunks: list[_Chunk], model) -> SharedMedia | None:
+        """Each distinct chunk of the suffixes' new media as one piece (`SharedMedia.of_singles`,
+        which checks they lay out `suffix`'s media), where the family shares media and one repeats."""
+        if not self.rollout.engine.shares_media:
+            return None
+        distinct: dict[int, _Chunk] = {}
+        for chunk in chunks:
+            if chunk.tensors:
+                distinct.setdefault(id(chunk), chunk)
+        if len(distinct) == sum(1 for chunk in chunks if chunk.tensors):
+            return None  # no chunk repeats: nothing to share
+        index = {key: i for i, key in enumerate(distinct)}
+        parts = [[index[id(chunk)]] if chunk.tensors else [] for chunk in chunks]
+        shared = SharedMedia.of_singles([chunk.processed for chunk in distinct.values()], parts, suffix,
+                                        placeholder_tokens(model))
+        self.stats["shared_media_rows"] += 0 if shared is None else len(chunks) - len(distinct)
+        return shared
 
     def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
                 lengths: list[int], end: int, steps: int, starts: list[int] | None) -> None:
         """What each row holds after the turn: its prompt and sampled tokens, of which the
         last is not in the cache; slots after it (the stop token fed to a finished row,
         padding) leave the mask."""
+        # Per row, the slots from its last sampled token's on (one masked fill, not a write per row).
+        last = torch.tensor([end + length - 1 for length in lengths], device=self.mask.device)
+        self.mask.masked_fill_(torch.arange(self.mask.shape[1], device=self.mask.device) >= last[:, None], 0)
         for row, (key, length) in enumerate(zip(keys, lengths)):
-            self.mask[row, end + length - 1:] = 0
             previous = self.samples.get(key)
             continued = starts is not None and starts[row] > 0 and previous is not None
             self.samples[key] = _Row(tokens=ids[row] + generated[row, :length].tolist(),
@@ -295,7 +426,7 @@ class DecodeSession:
         if not any(starts):
             raise _Reprefill("no sample's conversation continues the tokens its cache row holds")
         reprefilled = sum(1 for start in starts if start == 0)
-        media = self._suffix_media(keys, conversations, inputs, ids, starts)
+        media, chunks = self._suffix_media(keys, conversations, inputs, ids, starts)
         self._keep_rows([self.rows.index(key) if key in self.samples else 0 for key in keys], run)
         for row, start in enumerate(starts):
             if start == 0:
@@ -303,19 +434,20 @@ class DecodeSession:
         if reprefilled:
             self.stats["reprefilled_samples"] += reprefilled
             self.stats["reprefill_reason"] = "a conversation does not begin with its cache row's tokens"
-        return starts, media
+        return starts, media, chunks
 
     def _suffix_media(self, keys: list, conversations: list, inputs: dict, ids: list[list[int]],
-                      starts: list[int]) -> dict[str, torch.Tensor]:
+                      starts: list[int]) -> tuple[dict[str, torch.Tensor], list[_Chunk]]:
         """The media inputs of the rows' suffixes: the part of each media tensor of the whole
-        batch that belongs to the images each suffix holds."""
+        batch that belongs to the images each suffix holds; and per row, the chunk of media
+        its suffix holds (none where the batch has no media)."""
         media_keys = [k for k, v in inputs.items()
                       if k != "attention_mask" and isinstance(v, torch.Tensor) and not text_aligned(k, v, inputs)]
         others = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor) and v is not None]
         if others:
             raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
         if not media_keys:
-            return {}
+            return {}, []
         placeholders = placeholder_tokens(self.rollout.decoder_model())
         before, new = [], []
         for key, conversation, row_ids, start in zip(keys, conversations, ids, starts):
@@ -333,23 +465,42 @@ class DecodeSession:
                 if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
         return {key: _cut(key, inputs[key], before, new) for key in media_keys
-                if any(key in chunk.tensors for chunk in new)}
+                if any(key in chunk.tensors for chunk in new)}, new
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
-        """`parts` (media parts of a conversation) processed alone, once per session."""
-        identity = tuple((part.get("type"), id(part.get(part.get("type")))) for part in parts)
+        """`parts` (media parts of a conversation) processed alone, once per session and
+        content: the samples of one prompt often get equal images in distinct objects (a
+        tool's crop of the prompt's image), processed once for all of them. Its tensors
+        are kept on the device, where the batch's tensors they are checked against live."""
+        identity = tuple(tuple(sorted((k, self._content(v)) for k, v in part.items())) for part in parts)
         if identity not in self._chunks:
             if not parts:
                 chunk = _Chunk({}, {})
             else:
                 processed = dict(self.processing([[{"role": "user", "content": parts}]]))
-                tensors = {k: v for k, v in processed.items()
+                device = self.rollout.engine.dist.device
+                tensors = {k: v.to(device) for k, v in processed.items()
                            if k != "attention_mask" and isinstance(v, torch.Tensor)
                            and not text_aligned(k, v, processed)}
                 counted = processed["input_ids"][0]
-                chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()})
+                chunk = _Chunk(tensors, {int(t): int((counted == t).sum()) for t in counted.unique()},
+                               {**processed, **tensors})
             self._chunks[identity] = (chunk, parts)
         return self._chunks[identity][0]
+
+    def _content(self, value) -> object:
+        """What a media part's field holds, comparable across objects: an image's mode,
+        size and a digest of its pixels (once per object), a text or number as it is,
+        anything else by identity."""
+        if isinstance(value, (str, int, float, bool, type(None))):
+            return value
+        if not all(hasattr(value, name) for name in ("tobytes", "mode", "size")):  # not a PIL image
+            return ("object", id(value))
+        known = self._digests.get(id(value))
+        if known is None or known[0] is not value:
+            digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+            known = self._digests[id(value)] = (value, (value.mode, tuple(value.size), digest))
+        return known[1]
 
     def _grown_media(self, row: _Row, conversation: list) -> dict[str, tuple[int, int | None]] | None:
         """A continued row's media sizes with the chunk its turn added (None where its
@@ -398,6 +549,82 @@ class DecodeSession:
         mask = self.mask.new_zeros(rows, length)
         mask[:, :filled] = self.mask.gather(1, order)
         self.cache, self.mask, self.length, self.fill = target, mask, length, filled
+
+
+class _ImageMemo:
+    """A processor's image processor that processes each list of images once by content
+    (`content`: a key per image) and keyword arguments; every other attribute is the
+    wrapped one's. A processor that calls another method of it processes as before."""
+
+    def __init__(self, inner, content):
+        self.inner, self.content = inner, content
+        self.outputs: dict[tuple, object] = {}
+        self.calls = 0  # the wrapped processor's calls (tests)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, images, *args, **kwargs):
+        flat, pending = [], [images]
+        while pending:  # images, or lists of them (per sample), in order
+            item = pending.pop(0)
+            if isinstance(item, (list, tuple)):
+                pending[:0] = list(item)
+            else:
+                flat.append(item)
+        key = (tuple(self.content(image) for image in flat), repr(args), repr(sorted(kwargs.items())),
+               repr(_nesting(images)))
+        if key not in self.outputs:
+            self.outputs[key] = self.inner(images, *args, **kwargs)
+            self.calls += 1
+        out = self.outputs[key]
+        # A fresh mapping each call, the first included: a processor may pop or add entries
+        # of what it gets (Idefics3 pops the images' rows and columns).
+        return copy.copy(out)  # UserDict (BatchFeature) and dict copy their mapping
+
+
+def _nesting(images) -> object:
+    """The list structure of `images` without the images (part of what a call is)."""
+    return [_nesting(item) for item in images] if isinstance(images, (list, tuple)) else None
+
+
+def _suffixes(inputs: dict, positions: torch.Tensor, starts: list[int], width: int, pad: int):
+    """Each row's real tokens from its `starts[row]`-th on, left-padded to `width`: the
+    token ids (`pad` where none), every other per-token entry (zeros), the positions
+    (`positions`: (rows, S) or (axes, rows, S)) and a mask of the real slots (bool); one
+    gather for all rows (a row's real tokens may lie anywhere in it, in order)."""
+    real = inputs["attention_mask"].bool()
+    rows = real.shape[0]
+    rank = real.long().cumsum(1) - 1  # each real token's place among its row's real tokens
+    begin = torch.tensor(starts, device=real.device)
+    take = real & (rank >= begin[:, None])
+    row, column = take.nonzero(as_tuple=True)
+    slot = width - take.sum(1)[row] + rank[row, column] - begin[row]
+    aligned = [k for k, v in inputs.items() if k not in ("input_ids", "attention_mask") and text_aligned(k, v, inputs)]
+    suffix = {"input_ids": inputs["input_ids"].new_full((rows, width), pad),
+              **{k: inputs[k].new_zeros(rows, width) for k in aligned}}
+    for key, value in suffix.items():
+        value[row, slot] = inputs[key][row, column]
+    places = positions.new_zeros((*positions.shape[:-2], rows, width))
+    places[..., row, slot] = positions[..., row, column]
+    mask = torch.zeros(rows, width, dtype=torch.bool, device=real.device)
+    mask[row, slot] = True
+    return suffix, places, mask
+
+
+def _opening_key(conversation: list[dict]) -> tuple:
+    """What makes two openings the same: their messages' texts and fields, their media by
+    identity (equal pixels in two objects are not looked at: such openings prefill apart)."""
+    def value(v):
+        return v if isinstance(v, (str, int, float, bool, type(None))) else ("object", id(v))
+
+    def part(p):
+        return tuple(sorted((k, value(v)) for k, v in p.items())) if isinstance(p, dict) else value(p)
+
+    return tuple((message.get("role"), message["content"] if isinstance(message.get("content"), str)
+                  else tuple(part(p) for p in message.get("content") or ()),
+                  tuple(sorted((k, value(v)) for k, v in message.items() if k not in ("role", "content"))))
+                 for message in conversation)
 
 
 def _media_parts(messages: Sequence[dict]) -> list[dict]:
