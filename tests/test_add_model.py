@@ -867,6 +867,7 @@ def test_a_depth_probe_that_fails_leaves_its_capability_undeclared_with_why(tmp_
     source = (tmp_path / f"mmrl_{TEXT_TYPE}" / f"{TEXT_TYPE}.py").read_text()
     assert "# Not declared: sequence_parallel (log-probs differ" in source
     assert "sequence_parallel=True" not in source
+    assert result.sequence_parallel_mode == "", "no mode where sequence_parallel is not declared"
 
 
 def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path):
@@ -883,7 +884,8 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
                    capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap]),
         "old": Row("old", "image_text_to_text", True, "green", "tests", "", capabilities=["generation", "single_image"]),
         "lm": Row("lm", "causal_lm", True, "green", "tests", "", capabilities=["generation", "sequence_parallel"],
-                  columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"}),
+                  columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"},
+                  sequence_parallel_mode="gathered"),
         "broken": Row("broken", "causal_lm", True, "model-init", "model", "it broke"),
     }
     assert [is_current(r) for r in rows.values()] == [True, False, True, True]
@@ -899,3 +901,9 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     assert new.count("✓") == len(COLUMNS) - 2 and "✗" in new and "–" in new
     assert "- `new` **multi_turn**: the opening turn is processed into other tokens; to claim it, fix it." in page
     assert "it broke" in next(line for line in page.splitlines() if line.startswith("| `broken` |"))
+    # the SP cell names the mode that verified ("new" predates the record: a bare mark)
+    assert "| ✓ gathered |" in next(line for line in page.splitlines() if line.startswith("| `lm` |"))
+    assert "gathered" not in new and "ulysses" not in new
+    assert document["summary"]["causal_lm"]["sequence_parallel_modes"] == {"gathered": 1}
+    assert vlm["sequence_parallel_modes"] == {"not recorded": 2}
+    assert "causal_lm 1 gathered; image_text_to_text 2 not recorded." in page

@@ -67,6 +67,10 @@ class Row:
     # row recorded before the columns existed, or one that stopped before verifying.
     columns: dict[str, str] = field(default_factory=dict)
     gaps: list[dict[str, str]] = field(default_factory=list)  # {"column", "cause", "write"}
+    # Where sequence_parallel is "yes": the mode that verified and the adapter declares,
+    # "ulysses" or "gathered" (SequenceParallel(gather_mixers=True)); "" where not
+    # recorded (a row from before the mode was recorded) or not declared.
+    sequence_parallel_mode: str = ""
     seconds: float = 0.0
     scope_rule: str | None = None
     runner: str = ""  # torch version and host the row was measured with (rows of several runs merge)
@@ -138,7 +142,8 @@ def scaffold_worker(model_type: str, out: str, report: str) -> None:
         record.update(status="written" if caps is not None else "tiny-model-fails",
                       reason=one_line("; ".join(result.notes)) if caps is None else "",
                       capabilities=[] if caps is None else caps.declared(),
-                      columns=columns_of(result), gaps=[asdict(gap) for gap in result.gaps])
+                      columns=columns_of(result), gaps=[asdict(gap) for gap in result.gaps],
+                      sequence_parallel_mode=result.sequence_parallel_mode)
     Path(report).write_text(json.dumps(record))
 
 
@@ -204,6 +209,7 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
         else:
             row.capabilities = record.get("capabilities", [])
             row.columns, row.gaps = record.get("columns", {}), record.get("gaps", [])
+            row.sequence_parallel_mode = record.get("sequence_parallel_mode", "")
             row.stage = "depth-only" if depth_only else "tests"
             if not depth_only:
                 _run_tests(row, out, model_type, tests_seconds, env)
@@ -333,15 +339,26 @@ def summarize(rows) -> dict:
         # rows were recorded with the columns (the rest predate them: re-run to fill in).
         greens = [r for r in scope if r.status == "green"]
         summary[mapping]["declared"] = {column: sum(column in r.capabilities for r in greens) for column in COLUMNS}
-        summary[mapping]["green_with_columns"] = sum(is_current(r) for r in greens)
+        summary[mapping]["green_with_columns"] = sum(has_columns(r) for r in greens)
+        # The mode each green type declaring sequence_parallel verified in ("" where the
+        # row predates the record: the page counts it as not recorded).
+        summary[mapping]["sequence_parallel_modes"] = dict(Counter(
+            r.sequence_parallel_mode or "not recorded" for r in greens if r.columns.get("sequence_parallel") == "yes"))
     return summary
 
 
-def is_current(row: Row) -> bool:
-    """Whether a row holds what this sweep records: a type the scaffold wrote has every
-    capability column (rows from before the columns existed are run again)."""
+def has_columns(row: Row) -> bool:
+    """Whether a type the scaffold wrote has every capability column (rows from before
+    the columns existed lack some)."""
     written = row.in_scope and row.status in ("green", "tests-fail")
     return not written or set(row.columns) == set(COLUMNS)
+
+
+def is_current(row: Row) -> bool:
+    """Whether a row holds what this sweep records: every capability column, and where it
+    declares sequence_parallel, the mode that verified; rows from before either was
+    recorded are run again."""
+    return has_columns(row) and (row.columns.get("sequence_parallel") != "yes" or bool(row.sequence_parallel_mode))
 
 
 # Short headers of the capability columns on the page, and the marks of their cells.
@@ -349,6 +366,8 @@ COLUMN_HEADERS = {"generation": "gen", "padding_free": "packed", "gradient_check
                   "lora_language": "LoRA", "lora_vision": "LoRA-v", "single_image": "image", "multi_image": "images",
                   "media_sharing": "shared", "video": "video", "sequence_parallel": "SP", "multi_turn": "turns"}
 MARKS = {"yes": "✓", "no": "✗", "n/a": "–"}
+# The sequence_parallel cell's mode, after its mark.
+SP_MODES = ("ulysses", "gathered")
 
 
 def render_page(document: dict, path: Path) -> None:
@@ -382,7 +401,11 @@ def render_page(document: dict, path: Path) -> None:
     lines += ["", "## Every type", "",
               f"{MARKS['yes']} declared (verified on the tiny model), {MARKS['no']} not declared (the gap below says "
               f"why), {MARKS['n/a']} does not apply; blank: not recorded (a row from before the column existed, or "
-              "a type that stopped before verifying).", "",
+              "a type that stopped before verifying). A declared SP cell names the mode that verified and the "
+              "adapter declares, which the trainer runs: `ulysses` (attention heads split over the processes) or "
+              "`gathered` (`SequenceParallel(gather_mixers=True)`: each sequence-mixing module runs on the gathered "
+              f"sequence); a {MARKS['yes']} without a mode is a row recorded before the mode was (its adapter "
+              "declares one of the two; `mmrl add-model --sweep --depth-only` records it).", "",
               f"| model type | table | status | stage | {' | '.join(headers)} | reason | s |",
               "|---|---|---|---|" + "---|" * len(headers) + "---|---|"]
     for row in document["types"]:
@@ -391,6 +414,9 @@ def render_page(document: dict, path: Path) -> None:
         if row["status"] == "green" and not columns:  # recorded before the columns: what it declared
             columns = {c: "yes" for c in row["capabilities"] if c in COLUMNS}
         cells = [MARKS.get(columns.get(c, ""), "") for c in COLUMNS]
+        mode = row.get("sequence_parallel_mode", "")
+        if mode and columns.get("sequence_parallel") == "yes":
+            cells[COLUMNS.index("sequence_parallel")] += f" {mode}"
         reason = "" if row["status"] == "green" else row["reason"].replace("|", "\\|")
         lines.append(f"| `{row['model_type']}` | {row['mapping']} | {status} | {row['stage']} | {' | '.join(cells)} | "
                      f"{reason} | {row['seconds']:g} |")
@@ -422,6 +448,13 @@ def _depth_lines(document: dict) -> list[str]:
     recorded = ", ".join(f"{m} {document['summary'][m].get('green_with_columns', 0)} of {document['summary'][m]['green']}"
                          for m in mappings)
     lines += ["", f"Green rows recorded with every column: {recorded}."]
+    modes = []
+    for mapping in mappings:
+        counted = document["summary"][mapping].get("sequence_parallel_modes", {})
+        parts = [f"{counted[m]} {m}" for m in (*SP_MODES, "not recorded") if counted.get(m)]
+        modes.append(f"{mapping} {', '.join(parts) or 'none'}")
+    lines += ["", "The mode `sequence_parallel` verified in and the adapter declares (`ulysses`: attention heads split; "
+              "`gathered`: `SequenceParallel(gather_mixers=True)`): " + "; ".join(modes) + "."]
     return lines
 
 
