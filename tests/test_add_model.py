@@ -6,6 +6,7 @@ nothing.
     .venv/bin/python -m pytest -q tests/test_add_model.py
 """
 
+import dataclasses
 import inspect
 import tomllib
 
@@ -610,6 +611,41 @@ def test_a_stack_left_all_linear_attention_gets_one_attention_layer_as_a_last_tr
     assert tiny.config.layers_block_type == ["linear_attention", "full_attention"]
 
 
+def test_a_default_listing_no_stateful_layer_gets_the_kinds_the_model_code_keys():
+    """Lfm2's default config is all attention, while its model code keys short
+    convolutions ("conv") and its checkpoints interleave them: the tiny config gets one
+    layer of each kind (its attention-index list follows), so the padding-free boundary
+    case and sequence parallelism run on a conv layer; lists that name a stateful kind
+    or only stateless ones the code keys are left as they were."""
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    lfm2 = tiny_text_values("Lfm2Config")
+    assert lfm2["layer_types"] == ["conv", "full_attention"] and lfm2["num_hidden_layers"] == 2
+    assert lfm2["full_attn_idxs"] == [1]
+    assert tiny_text_values("Lfm2MoeConfig")["layer_types"] == ["conv", "full_attention"]  # left None: as before
+    assert tiny_text_values("Gemma3TextConfig")["layer_types"] == ["sliding_attention", "full_attention"]
+    assert "layer_types" not in tiny_text_values("LlamaConfig")
+
+
+def test_a_packed_boundary_failure_says_why_no_position_ids_fix_it():
+    """The padding_free gap of a decoder whose state crosses a packed boundary names the
+    stateful layers and keeps padding_free=False, instead of the positions advice."""
+    import transformers
+
+    from mmrl.scaffold.depth import TO_WRITE, to_write
+
+    cause = ("state crosses a packed sequence boundary (a short sample behind a long neighbour differs from itself "
+             "alone by log-prob 1.6e-04 (tolerance 1e-05), last hidden state 4.1e-03 (tolerance 1e-04))")
+    config = transformers.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    line = to_write("padding_free", cause, config)
+    assert line.startswith("keep padding_free=False: the decoder has layers that carry a state along the sequence "
+                           "(conv)") and "model.pack: true" in line
+    assert "(linear_attention)" in to_write("padding_free", cause, transformers.Qwen3NextConfig())
+    assert to_write("padding_free", "packed and padded logits differ by 0.3") == TO_WRITE["padding_free"]
+    # no stateful layers (positions counted from the row's start leak instead): the positions advice
+    assert to_write("padding_free", cause, transformers.OPTConfig()) == TO_WRITE["padding_free"]
+
+
 def test_state_space_head_groups_shrink_with_the_heads():
     from mmrl.scaffold.shrink import tiny_text_values
 
@@ -881,7 +917,8 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     gap = {"column": "multi_turn", "cause": "the opening turn is processed into other tokens", "write": "fix it"}
     rows = {
         "new": Row("new", "image_text_to_text", True, "green", "tests", "",
-                   capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap]),
+                   capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap],
+                   sequence_parallel_mode="ulysses"),
         "old": Row("old", "image_text_to_text", True, "green", "tests", "", capabilities=["generation", "single_image"]),
         "lm": Row("lm", "causal_lm", True, "green", "tests", "", capabilities=["generation", "sequence_parallel"],
                   columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"},
@@ -901,9 +938,11 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     assert new.count("✓") == len(COLUMNS) - 2 and "✗" in new and "–" in new
     assert "- `new` **multi_turn**: the opening turn is processed into other tokens; to claim it, fix it." in page
     assert "it broke" in next(line for line in page.splitlines() if line.startswith("| `broken` |"))
-    # the SP cell names the mode that verified ("new" predates the record: a bare mark)
+    # the SP cell names the mode that verified and the adapter declares
     assert "| ✓ gathered |" in next(line for line in page.splitlines() if line.startswith("| `lm` |"))
-    assert "gathered" not in new and "ulysses" not in new
+    assert "| ✓ ulysses |" in new
     assert document["summary"]["causal_lm"]["sequence_parallel_modes"] == {"gathered": 1}
-    assert vlm["sequence_parallel_modes"] == {"not recorded": 2}
-    assert "causal_lm 1 gathered; image_text_to_text 2 not recorded." in page
+    assert vlm["sequence_parallel_modes"] == {"ulysses": 1}
+    assert "causal_lm 1 gathered; image_text_to_text 1 ulysses." in page
+    # a row declaring it without the mode (recorded before the mode was) is run again
+    assert not is_current(dataclasses.replace(rows["lm"], sequence_parallel_mode=""))

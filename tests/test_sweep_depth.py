@@ -90,10 +90,12 @@ def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
     path = tmp_path / "coverage.json"
     gap = {"column": "sequence_parallel", "cause": "log-probs differ from one process by 6.29e-04 (atol 1e-05)",
            "write": "the generic advice"}
+    packed = {"column": "padding_free", "write": "write packed positions",
+              "cause": "state crosses a packed sequence boundary (a short sample behind a long neighbour differs)"}
     rows = {"llama": Row("llama", "causal_lm", True, "green", "depth-only", "", capabilities=["generation"],
                          columns=ALL_COLUMNS),
             "qwen3_next": Row("qwen3_next", "causal_lm", True, "green", "tests", "", capabilities=["generation"],
-                              columns=ALL_COLUMNS | {"sequence_parallel": "no"}, gaps=[gap])}
+                              columns=ALL_COLUMNS | {"sequence_parallel": "no"}, gaps=[gap, packed])}
     write_document(path, rows, "5.19.0")
     page = path.with_suffix(".md")
     page.write_text("stale\n")
@@ -104,6 +106,7 @@ def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
     assert "| `llama` | causal_lm | green | depth-only |" in page.read_text()
     (written,) = [r for r in json.loads(path.read_text())["types"] if r["model_type"] == "qwen3_next"]
     assert "linear_attention" in written["gaps"][0]["write"] and "linear_attention" in page.read_text()
+    assert written["gaps"][1]["write"].startswith("keep padding_free=False: the decoder has layers that carry a state")
     done = subprocess.run([sys.executable, "-m", "mmrl.scaffold.sweep", "page", str(tmp_path / "none.json")],
                           capture_output=True, text=True)
     assert done.returncode == 1 and "none.json" in done.stderr and "\n" not in done.stderr.strip()

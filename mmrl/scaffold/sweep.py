@@ -517,15 +517,16 @@ def rewrite_page(path: Path) -> None:
     """Write the summary and coverage.md again from the rows of coverage.json at `path`
     (after a sweep was stopped mid-type, or the page's layout changed); runs nothing. Each
     depth gap's advice is derived again from its recorded cause (`depth.to_write`, with
-    the type's default config standing in for the tiny one), so rows recorded before an
-    advice was refined read as new ones do."""
+    the type's default config standing in for the tiny one; padding_free's too, whose
+    boundary failure has advice of its own), so rows recorded before an advice was
+    refined read as new ones do."""
     from mmrl.scaffold.depth import to_write
 
     document = json.loads(path.read_text())
     rows = {r["model_type"]: Row(**r) for r in document.get("types", [])}
     for row in rows.values():
         for gap in row.gaps:
-            if gap["column"] in DEPTH:
+            if gap["column"] in (*DEPTH, "padding_free"):
                 gap["write"] = to_write(gap["column"], gap["cause"], _default_config(row.model_type))
     document.update(summary=summarize(rows.values()), types=[asdict(rows[t]) for t in sorted(rows)])
     temp = path.with_suffix(".json.tmp")
