@@ -714,7 +714,8 @@ def test_fields_a_validator_relates_are_related_again_after_shrinking():
 def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
     """A default config that leaves `layer_types` None, under model code that keys its
     attention masks by layer kind: one layer of each kind, attention last; a default that
-    sets its own list is left to the per-layer shrink."""
+    sets its own list is left to the per-layer shrink, unless the list lacks every stateful
+    kind the code keys (Lfm2: below and in the test after the linear-attention one)."""
     import transformers
 
     from mmrl.scaffold.shrink import _unset_layer_kinds, tiny_text_values
@@ -723,7 +724,9 @@ def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
     # {"full_attention": ..., "conv": ...} names the kinds.
     values = tiny_text_values("Lfm2MoeConfig")
     assert values["layer_types"] == ["conv", "full_attention"] and values["num_hidden_layers"] == 2
-    assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {}) == {}
+    assert _unset_layer_kinds(transformers.Gemma3TextConfig, transformers.Gemma3TextConfig(), {}, {}) == {}
+    assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {})["layer_types"] == [
+        "conv", "full_attention"]
 
 
 def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
