@@ -41,6 +41,7 @@ import torch
 
 import mmrl.engine.varlen as varlen
 import mmrl.engine.vision_attention as vision_attention
+from mmrl.boundaries import unverified_layer_kinds, unverified_ulysses
 from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.master_weights import HALF_DTYPES, needs_master
 from mmrl.engine.shard_units import shard_groups
@@ -188,6 +189,8 @@ def apply_ulysses(model: torch.nn.Module, settings: Settings) -> bool:
     if settings.adapter.sequence_parallel is not None and settings.adapter.sequence_parallel.gather_mixers:
         gathered.install(model, settings.adapter)
     else:
+        if unverified := unverified_layer_kinds(settings.adapter, model.config):
+            raise ValueError(unverified_ulysses(settings.adapter, unverified))
         ulysses.install(model, settings.adapter)
     return True
 
