@@ -19,7 +19,9 @@ capability columns they lack existed, are run again.
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
 then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply. Most of a green type's time is the depth probes' two torchrun
+where it does not apply; where sequence_parallel is "yes", the row also records the mode that
+verified and the adapter declares ("ulysses" or "gathered"), and a row without it is run
+again. Most of a green type's time is the depth probes' two torchrun
 launches; docs/adding_a_model.md gives the measured times of the full and the depth-only
 sweep.
 """
