@@ -642,6 +642,10 @@ def test_a_packed_boundary_failure_says_why_no_position_ids_fix_it():
                            "(conv)") and "model.pack: true" in line
     assert "(linear_attention)" in to_write("padding_free", cause, transformers.Qwen3NextConfig())
     assert to_write("padding_free", "packed and padded logits differ by 0.3") == TO_WRITE["padding_free"]
+    # stopped before the boundary case (positions), on a decoder with stateful layers: both said
+    positions = "ValueError: packing needs the adapter's position ids (the model would count positions across sequences)"
+    line = to_write("padding_free", positions, transformers.Qwen3NextConfig())
+    assert line.startswith(TO_WRITE["padding_free"]) and "(linear_attention)" in line and line.endswith("padding_free=False")
     # no stateful layers (positions counted from the row's start leak instead): the positions advice
     assert to_write("padding_free", cause, transformers.OPTConfig()) == TO_WRITE["padding_free"]
 

@@ -146,6 +146,11 @@ def to_write(column: str, cause: str, config=None) -> str:
                     f"({', '.join(layers)}), and a packed sample behind a long neighbour read its state, which no "
                     "position ids change (mmrl hands such layers no packed sequence boundaries); the trainer refuses "
                     "model.pack: true for the family")
+    if column == "padding_free" and (layers := stateful_layers(config)):
+        # Failed before the boundary case ran: positions first, and the state would still leak.
+        return (f"{TO_WRITE[column]}; even with packed positions, the decoder's layers that carry a state along the "
+                f"sequence ({', '.join(layers)}) would read a packed neighbour's state, which the check's boundary "
+                "case refuses, so keep padding_free=False")
     if column == "sequence_parallel" and re.search(r"differ|exceed|mismatch", cause):
         layers = stateful_layers(config)
         if layers:
