@@ -437,7 +437,7 @@ def _depth_lines(document: dict) -> list[str]:
     lines = ["", "## Depth", "",
              "Green types whose adapter declares each capability (the scaffold declares only what verified on the "
              "tiny model; " + ", ".join(f"`{c}`" for c in DEPTH) + " are decided by their probes: a 4-frame clip, "
-             "Ulysses over 2 gloo processes, an image arriving in turn 3).", "",
+             "Ulysses over 2 gloo processes, or gathered mixers where Ulysses fails, an image arriving in turn 3).", "",
              "| capability | " + " | ".join(mappings) + " |", "|---|" + "---|" * len(mappings)]
     for column in COLUMNS:
         cells = []
@@ -455,8 +455,8 @@ def _depth_lines(document: dict) -> list[str]:
         counted = document["summary"][mapping].get("sequence_parallel_modes", {})
         parts = [f"{counted[m]} {m}" for m in (*SP_MODES, "not recorded") if counted.get(m)]
         modes.append(f"{mapping} {', '.join(parts) or 'none'}")
-    lines += ["", "The mode `sequence_parallel` verified in and the adapter declares (`ulysses`: attention heads split; "
-              "`gathered`: `SequenceParallel(gather_mixers=True)`): " + "; ".join(modes) + "."]
+    lines += ["", "The mode `sequence_parallel` verified in and the adapter declares (`ulysses`: attention heads "
+              "split; `gathered`: `SequenceParallel(gather_mixers=True)`): " + "; ".join(modes) + "."]
     return lines
 
 
