@@ -11,6 +11,10 @@ interleave short convolutions): packing it was never verified, and the engine re
     unverified_layer_kinds(adapter, model.config)   # {"conv"}: packing this model is unverified
     unpackable(adapter)                             # why model.pack: true is refused for a family
 
+Ulysses sequence parallelism splits a stateful layer's sequence over the ranks as well, so
+the same rule refuses it for such a checkpoint (`unverified_ulysses`); gathered mixers run
+every mixing layer on the whole sequence and are not refused.
+
 `mmrl.settle.packs_model` resolves `model.pack` for a built model with these rules.
 """
 
@@ -55,6 +59,15 @@ def unverified_packing(adapter, kinds: set[str]) -> str:
     return (f"model.pack: true, but this {adapter.family} model has {', '.join(sorted(kinds))} layers (layer_types) "
             f"that the family's tiny model lacks, so its padding_free claim does not cover them (their state "
             f"would cross packed sequence boundaries); set model.pack to auto or false")
+
+
+def unverified_ulysses(adapter, kinds: set[str]) -> str:
+    """Why Ulysses sequence parallelism is refused for a model with stateful layers its
+    family's probe never saw: each rank would run them on its own slice of the sequence."""
+    return (f"parallel.sequence_parallel: this {adapter.family} model has {', '.join(sorted(kinds))} layers "
+            f"(layer_types) that the family's tiny model lacks, so its Ulysses claim does not cover them (each rank "
+            f"would run them on its own slice of the sequence, their state starting over); set "
+            f"parallel.sequence_parallel: 1, or verify SequenceParallel(gather_mixers=True) for the family")
 
 
 def unpackable(adapter) -> str:

@@ -30,7 +30,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing
+from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing, unverified_ulysses
 from mmrl.build import customized_config, recipe_tokenizer
 from mmrl.config import IN_MEMORY, ModelConfig, Recipe, RecipeError
 from mmrl.data import load_prompts
@@ -179,6 +179,8 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
                           "of sequence parallelism")
     if adapter.sequence_parallel.gather_mixers:  # no head split: any number of heads
         return
+    if unverified := unverified_layer_kinds(adapter, config):
+        raise RecipeError(unverified_ulysses(adapter, unverified))
     from mmrl.parallel.ulysses import heads_problem  # the compute layer, reached only when asked
 
     problem = heads_problem(config.get_text_config(), adapter.sequence_parallel.heads_attrs, size)

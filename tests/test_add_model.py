@@ -6,6 +6,7 @@ nothing.
     .venv/bin/python -m pytest -q tests/test_add_model.py
 """
 
+import dataclasses
 import inspect
 import tomllib
 
@@ -611,6 +612,45 @@ def test_a_stack_left_all_linear_attention_gets_one_attention_layer_as_a_last_tr
     assert tiny.config.layers_block_type == ["linear_attention", "full_attention"]
 
 
+def test_a_default_listing_no_stateful_layer_gets_the_kinds_the_model_code_keys():
+    """Lfm2's default config is all attention, while its model code keys short
+    convolutions ("conv") and its checkpoints interleave them: the tiny config gets one
+    layer of each kind (its attention-index list follows), so the padding-free boundary
+    case and sequence parallelism run on a conv layer; lists that name a stateful kind
+    or only stateless ones the code keys are left as they were."""
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    lfm2 = tiny_text_values("Lfm2Config")
+    assert lfm2["layer_types"] == ["conv", "full_attention"] and lfm2["num_hidden_layers"] == 2
+    assert lfm2["full_attn_idxs"] == [1]
+    assert tiny_text_values("Lfm2MoeConfig")["layer_types"] == ["conv", "full_attention"]  # left None: as before
+    assert tiny_text_values("Gemma3TextConfig")["layer_types"] == ["sliding_attention", "full_attention"]
+    assert "layer_types" not in tiny_text_values("LlamaConfig")
+
+
+def test_a_packed_boundary_failure_says_why_no_position_ids_fix_it():
+    """The padding_free gap of a decoder whose state crosses a packed boundary names the
+    stateful layers and keeps padding_free=False, instead of the positions advice."""
+    import transformers
+
+    from mmrl.scaffold.depth import TO_WRITE, to_write
+
+    cause = ("state crosses a packed sequence boundary (a short sample behind a long neighbour differs from itself "
+             "alone by log-prob 1.6e-04 (tolerance 1e-05), last hidden state 4.1e-03 (tolerance 1e-04))")
+    config = transformers.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    line = to_write("padding_free", cause, config)
+    assert line.startswith("keep padding_free=False: the decoder has layers that carry a state along the sequence "
+                           "(conv)") and "model.pack: true" in line
+    assert "(linear_attention)" in to_write("padding_free", cause, transformers.Qwen3NextConfig())
+    assert to_write("padding_free", "packed and padded logits differ by 0.3") == TO_WRITE["padding_free"]
+    # stopped before the boundary case (positions), on a decoder with stateful layers: both said
+    positions = "ValueError: packing needs the adapter's position ids (the model would count positions across sequences)"
+    line = to_write("padding_free", positions, transformers.Qwen3NextConfig())
+    assert line.startswith(TO_WRITE["padding_free"]) and "(linear_attention)" in line and line.endswith("padding_free=False")
+    # no stateful layers (positions counted from the row's start leak instead): the positions advice
+    assert to_write("padding_free", cause, transformers.OPTConfig()) == TO_WRITE["padding_free"]
+
+
 def test_state_space_head_groups_shrink_with_the_heads():
     from mmrl.scaffold.shrink import tiny_text_values
 
@@ -679,7 +719,8 @@ def test_fields_a_validator_relates_are_related_again_after_shrinking():
 def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
     """A default config that leaves `layer_types` None, under model code that keys its
     attention masks by layer kind: one layer of each kind, attention last; a default that
-    sets its own list is left to the per-layer shrink."""
+    sets its own list is left to the per-layer shrink, unless the list lacks every stateful
+    kind the code keys (Lfm2: below and in the test after the linear-attention one)."""
     import transformers
 
     from mmrl.scaffold.shrink import _unset_layer_kinds, tiny_text_values
@@ -688,7 +729,9 @@ def test_layer_kinds_left_unset_are_read_off_the_model_codes_mask_mapping():
     # {"full_attention": ..., "conv": ...} names the kinds.
     values = tiny_text_values("Lfm2MoeConfig")
     assert values["layer_types"] == ["conv", "full_attention"] and values["num_hidden_layers"] == 2
-    assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {}) == {}
+    assert _unset_layer_kinds(transformers.Gemma3TextConfig, transformers.Gemma3TextConfig(), {}, {}) == {}
+    assert _unset_layer_kinds(transformers.Lfm2Config, transformers.Lfm2Config(), {}, {})["layer_types"] == [
+        "conv", "full_attention"]
 
 
 def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
@@ -868,6 +911,7 @@ def test_a_depth_probe_that_fails_leaves_its_capability_undeclared_with_why(tmp_
     source = (tmp_path / f"mmrl_{TEXT_TYPE}" / f"{TEXT_TYPE}.py").read_text()
     assert "# Not declared: sequence_parallel (log-probs differ" in source
     assert "sequence_parallel=True" not in source
+    assert result.sequence_parallel_mode == "", "no mode where sequence_parallel is not declared"
 
 
 def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path):
@@ -881,10 +925,12 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     gap = {"column": "multi_turn", "cause": "the opening turn is processed into other tokens", "write": "fix it"}
     rows = {
         "new": Row("new", "image_text_to_text", True, "green", "tests", "",
-                   capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap]),
+                   capabilities=[c for c, v in columns.items() if v == "yes"], columns=columns, gaps=[gap],
+                   sequence_parallel_mode="ulysses"),
         "old": Row("old", "image_text_to_text", True, "green", "tests", "", capabilities=["generation", "single_image"]),
         "lm": Row("lm", "causal_lm", True, "green", "tests", "", capabilities=["generation", "sequence_parallel"],
-                  columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"}),
+                  columns={c: "n/a" for c in COLUMNS} | {"generation": "yes", "sequence_parallel": "yes"},
+                  sequence_parallel_mode="gathered"),
         "broken": Row("broken", "causal_lm", True, "model-init", "model", "it broke"),
     }
     assert [is_current(r) for r in rows.values()] == [True, False, True, True]
@@ -900,3 +946,11 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     assert new.count("✓") == len(COLUMNS) - 2 and "✗" in new and "–" in new
     assert "- `new` **multi_turn**: the opening turn is processed into other tokens; to claim it, fix it." in page
     assert "it broke" in next(line for line in page.splitlines() if line.startswith("| `broken` |"))
+    # the SP cell names the mode that verified and the adapter declares
+    assert "| ✓ gathered |" in next(line for line in page.splitlines() if line.startswith("| `lm` |"))
+    assert "| ✓ ulysses |" in new
+    assert document["summary"]["causal_lm"]["sequence_parallel_modes"] == {"gathered": 1}
+    assert vlm["sequence_parallel_modes"] == {"ulysses": 1}
+    assert "causal_lm 1 gathered; image_text_to_text 1 ulysses." in page
+    # a row declaring it without the mode (recorded before the mode was) is run again
+    assert not is_current(dataclasses.replace(rows["lm"], sequence_parallel_mode=""))

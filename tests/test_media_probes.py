@@ -236,6 +236,27 @@ def test_the_page_shows_the_figure_beside_its_bound():
     assert figure(dict(cell, evidence={})) == ""
 
 
+def test_the_page_shows_the_gpu_bf16_figure_beside_its_bound_too():
+    """A bf16 cell recorded on the H200 shows its figure against the bf16 bound in the
+    GPU table, and beside the CPU figure in the HTML matrix."""
+    base = {"family": "qwen2", "feature": "rollout_agreement", "status": "verified", "declared": None,
+            "reason": "fine", "seconds": 1.0, "versions": {"torch": "2"}, "date": "2026-12-03"}
+    cpu = dict(base, platform="cpu", device="cpu",
+               evidence={"figure": {"value": 4.8e-07, "bound": 1e-4, "what": "max |Δ log p|, fp32"}})
+    gpu = dict(base, platform="gpu", device="NVIDIA H200",
+               evidence={"figure": {"value": 2.1e-02, "bound": 1e-1, "what": "max |Δ log p|, bf16"}})
+    document = {"schema": 1, "features": [{"feature": "rollout_agreement", "title": "Rollout agreement",
+                                           "capability": None, "description": "d"}],
+                "families": [{"family": "qwen2", "model_types": ["qwen2"], "modalities": ["text"], "declared": [],
+                              "module": "m"}], "cells": [cpu, gpu]}
+    page = render_markdown(document)
+    on_gpu = page.split("## Recorded on GPU", 1)[1]
+    assert "| `qwen2` | text | ✅ 5e-7 ≤ 1e-4 |" in page.split("## Recorded on GPU", 1)[0]
+    assert "| `qwen2` | text | ✅ 2e-2 ≤ 1e-1 |" in on_gpu
+    html = render_html(document)
+    assert '<span class="figure">5e-7<br>≤1e-4</span>' in html and '<span class="figure">2e-2<br>≤1e-1</span>' in html
+
+
 # -- the trainer's step-0 check ------------------------------------------------------------------
 def _vlm_recipe(tmp_path, *extra):
     from pathlib import Path

@@ -151,3 +151,19 @@ def test_stateful_layer_kinds_read_legacy_names_as_transformers_does():
     assert stateful_layer_kinds(legacy) == {"linear_attention"}
     assert stateful_layer_kinds(SimpleNamespace(layer_types=["conv", "sliding_attention"])) == {"conv"}
     assert stateful_layer_kinds(SimpleNamespace(layer_types=None)) == set()
+def test_ulysses_is_refused_for_a_checkpoint_with_stateful_layers_its_tiny_model_lacks(attention_tiny, tmp_path):
+    """The same rule for sequence parallelism: Ulysses would run the checkpoint's conv
+    layers on each rank's slice of the sequence, which the family's probe never saw (its
+    tiny model is all attention); the recipe check and the engine refuse it in one line."""
+    from mmrl.engine.surgery import apply_ulysses
+    from mmrl.recipe_checks import _check_sequence_parallel
+
+    hybrid = build_model(attention_tiny, random_init=True, config_overrides={
+        "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]})
+    checkpoint = hybrid.save(tmp_path / "hybrid")
+    recipe = SimpleNamespace(model=ModelConfig(path=str(checkpoint)), parallel=SimpleNamespace(sequence_parallel=2))
+    refusal = r"^parallel.sequence_parallel: this attention_tiny model has conv layers \(layer_types\)"
+    with pytest.raises(RecipeError, match=refusal):
+        _check_sequence_parallel(recipe)
+    with pytest.raises(ValueError, match=refusal):
+        apply_ulysses(hybrid.model, SimpleNamespace(sequence_parallel=2, adapter=hybrid.adapter))

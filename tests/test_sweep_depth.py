@@ -26,7 +26,7 @@ def fake_processes(monkeypatch, calls):
             report = command[-1]
             with open(report, "w") as f:
                 json.dump({"stage": "write", "status": "written", "capabilities": ["generation", "sequence_parallel"],
-                           "columns": ALL_COLUMNS, "gaps": []}, f)
+                           "columns": ALL_COLUMNS, "gaps": [], "sequence_parallel_mode": "gathered"}, f)
         return 0, ""
 
     monkeypatch.setattr(sweep, "_run", run)
@@ -38,6 +38,7 @@ def test_depth_only_skips_the_generated_tests_and_keeps_the_green(monkeypatch):
     row = sweep_one("llama", "causal_lm", depth_only=True)
     assert calls == ["worker"], "a depth-only type must not run its generated tests again"
     assert row.status == "green" and row.stage == "depth-only" and row.columns == ALL_COLUMNS
+    assert row.sequence_parallel_mode == "gathered", "the row records the mode sequence_parallel verified in"
     calls.clear()
     row = sweep_one("llama", "causal_lm")
     assert calls == ["worker", "pytest"] and row.stage == "tests"
@@ -49,7 +50,10 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
         "llama": Row("llama", "causal_lm", True, "green", "tests", "", capabilities=["generation"]),
         "llava": Row("llava", "image_text_to_text", True, "green", "tests", "", capabilities=["generation"]),
         "qwen3": Row("qwen3", "causal_lm", True, "green", "tests", "", capabilities=["generation"],
-                     columns=ALL_COLUMNS),  # current: not run again
+                     columns=ALL_COLUMNS, sequence_parallel_mode="ulysses"),  # current: not run again
+        # every column, but sequence_parallel's mode not recorded: run again to record it
+        "qwen2": Row("qwen2", "causal_lm", True, "green", "tests", "", capabilities=["generation"],
+                     columns=ALL_COLUMNS),
         "gpt2": Row("gpt2", "causal_lm", True, "model-init", "model", "it broke"),  # not green: not depth-only
     }
     import transformers
@@ -59,11 +63,12 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
 
     def one(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False):
         swept.append((model_type, depth_only))
-        return Row(model_type, mapping, True, "green", "depth-only", "", columns=ALL_COLUMNS)
+        return Row(model_type, mapping, True, "green", "depth-only", "", columns=ALL_COLUMNS,
+                   sequence_parallel_mode="ulysses")
 
     monkeypatch.setattr(sweep, "sweep_one", one)
     document = run_sweep(path, progress=False, depth_only=True)
-    assert swept == [("llava", True), ("llama", True)]
+    assert swept == [("llava", True), ("llama", True), ("qwen2", True)]
     assert {r["model_type"]: r["stage"] for r in document["types"]}["gpt2"] == "model"
     swept.clear()
     run_sweep(path, types=["gpt2", "qwen3"], progress=False, depth_only=True)
@@ -85,10 +90,12 @@ def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
     path = tmp_path / "coverage.json"
     gap = {"column": "sequence_parallel", "cause": "log-probs differ from one process by 6.29e-04 (atol 1e-05)",
            "write": "the generic advice"}
+    packed = {"column": "padding_free", "write": "write packed positions",
+              "cause": "state crosses a packed sequence boundary (a short sample behind a long neighbour differs)"}
     rows = {"llama": Row("llama", "causal_lm", True, "green", "depth-only", "", capabilities=["generation"],
                          columns=ALL_COLUMNS),
             "qwen3_next": Row("qwen3_next", "causal_lm", True, "green", "tests", "", capabilities=["generation"],
-                              columns=ALL_COLUMNS | {"sequence_parallel": "no"}, gaps=[gap])}
+                              columns=ALL_COLUMNS | {"sequence_parallel": "no"}, gaps=[gap, packed])}
     write_document(path, rows, "5.19.0")
     page = path.with_suffix(".md")
     page.write_text("stale\n")
@@ -99,6 +106,7 @@ def test_the_page_is_rewritten_from_the_json_alone(tmp_path):
     assert "| `llama` | causal_lm | green | depth-only |" in page.read_text()
     (written,) = [r for r in json.loads(path.read_text())["types"] if r["model_type"] == "qwen3_next"]
     assert "linear_attention" in written["gaps"][0]["write"] and "linear_attention" in page.read_text()
+    assert written["gaps"][1]["write"].startswith("keep padding_free=False: the decoder has layers that carry a state")
     done = subprocess.run([sys.executable, "-m", "mmrl.scaffold.sweep", "page", str(tmp_path / "none.json")],
                           capture_output=True, text=True)
     assert done.returncode == 1 and "none.json" in done.stderr and "\n" not in done.stderr.strip()
@@ -228,6 +236,24 @@ def test_the_scaffold_writes_gathered_mixers():
     source = render_adapter(found, layout_for(found, None), base_capabilities(found))
     ast.parse(source)
     assert "    sequence_parallel = SequenceParallel(gather_mixers=True)" in source.splitlines()
+
+
+def test_the_result_names_the_sequence_parallel_mode_the_adapter_declares():
+    """"gathered" where the written spec gathers mixers, "ulysses" for any other spec (or
+    none: the default's), "" where sequence_parallel is not declared."""
+    from types import SimpleNamespace
+
+    from mmrl.adapter import Capabilities, SequenceParallel
+    from mmrl.scaffold import sequence_parallel_mode
+
+    declared = Capabilities(sequence_parallel=True)
+    found = SimpleNamespace(sequence_parallel=SequenceParallel(gather_mixers=True))
+    assert sequence_parallel_mode(found, declared) == "gathered"
+    assert sequence_parallel_mode(found, Capabilities(sequence_parallel=False)) == ""
+    assert sequence_parallel_mode(found, None) == ""
+    assert sequence_parallel_mode(SimpleNamespace(sequence_parallel=None), declared) == "ulysses"
+    found = SimpleNamespace(sequence_parallel=SequenceParallel(split_inputs=("input_ids", "token_type_ids")))
+    assert sequence_parallel_mode(found, declared) == "ulysses"
 
 
 def _sequence_parallel_failed(depth_module, cause):

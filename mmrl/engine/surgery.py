@@ -41,8 +41,10 @@ import torch
 
 import mmrl.engine.varlen as varlen
 import mmrl.engine.vision_attention as vision_attention
+from mmrl.boundaries import unverified_layer_kinds, unverified_ulysses
 from mmrl.engine.compiled_layers import CompiledLayers
 from mmrl.engine.master_weights import HALF_DTYPES, needs_master
+from mmrl.engine.shard_units import shard_groups
 from mmrl.parallel import Dist, gathered, ulysses
 from mmrl.parts import decoder_layers as find_decoder_layers
 from mmrl.settle import AFTER_OOM, checkpointing_choice, compile_layers_choice
@@ -187,6 +189,8 @@ def apply_ulysses(model: torch.nn.Module, settings: Settings) -> bool:
     if settings.adapter.sequence_parallel is not None and settings.adapter.sequence_parallel.gather_mixers:
         gathered.install(model, settings.adapter)
     else:
+        if unverified := unverified_layer_kinds(settings.adapter, model.config):
+            raise ValueError(unverified_ulysses(settings.adapter, unverified))
         ulysses.install(model, settings.adapter)
     return True
 
@@ -265,20 +269,21 @@ def apply_fsdp(model: torch.nn.Module, settings: Settings, value_head: torch.nn.
     elif dist.device.type == "cuda" and settings.mixed_precision:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mesh": dist.mesh, **({"mp_policy": policy} if policy else {})}
-    layer_names = set(settings.adapter.shard_layers)
-    sharded = [module for module in model.modules() if type(module).__name__ in layer_names]
-    sharded += [model] + ([value_head] if value_head is not None else [])
+    # Nested shard layers first, layers tied to each other in one unit (shard_units says why).
+    groups = shard_groups(model, set(settings.adapter.shard_layers))
+    groups += [[model]] + ([[value_head]] if value_head is not None else [])
     upcast_names = {name for name, p in model.named_parameters(remove_duplicate=False) if needs_master(p, half)}
     upcast: set[int] = set()
-    for module in sharded:
+    for group in groups:
         if half is not None:
-            # Module by module, just before its shard: one layer at a time exists in
-            # fp32 unsharded, not the whole model.
-            for param in module.parameters():
+            # Unit by unit, just before its shard: one layer at a time exists in fp32
+            # unsharded, not the whole model.
+            for param in (p for module in group for p in module.parameters()):
                 if id(param) not in upcast and needs_master(param, half):
                     param.data = param.data.float()
                     upcast.add(id(param))
-        fully_shard(module, **kwargs)
+        fully_shard(group if len(group) > 1 else group[0], **kwargs)
+    sharded = [module for group in groups for module in group]
     if settings.sequence_parallel > 1:
         # Each rank of an SP group holds a partial gradient of the same batch: sum
         # them, and average over the data-parallel groups only.

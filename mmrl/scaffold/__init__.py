@@ -167,4 +167,14 @@ def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stag
                or (depth is not None and c in depth.decided)]
     return Result(family=name, written=written, next_command=command,
                   capabilities=verified, notes=notes + [f"fill in: {item}" for item in discovery.fill_in],
-                  dry_run=dry_run, contents=contents, gaps=gaps, decided=decided if verified is not None else [])
+                  dry_run=dry_run, contents=contents, gaps=gaps, decided=decided if verified is not None else [],
+                  sequence_parallel_mode=sequence_parallel_mode(discovery, verified))
+
+
+def sequence_parallel_mode(discovery: Discovery, verified) -> str:
+    """The mode the written adapter runs sequence parallelism in, where it declares it:
+    "gathered" where its spec gathers mixers, else "ulysses"; "" where not declared."""
+    if verified is None or not verified.sequence_parallel:
+        return ""
+    spec = discovery.sequence_parallel
+    return "gathered" if spec is not None and spec.gather_mixers else "ulysses"

@@ -113,5 +113,8 @@ class Result:
     gaps: list[Gap] = field(default_factory=list)
     # Columns decided (verified or not); the others did not apply or did not run.
     decided: list[str] = field(default_factory=list)
+    # Where sequence_parallel verified, the mode it verified in and the adapter declares:
+    # "ulysses" (attention heads split) or "gathered" (SequenceParallel(gather_mixers=True)).
+    sequence_parallel_mode: str = ""
 
 

@@ -105,6 +105,9 @@ LIMITS = {
          "sequence_parallel=False"),
     ),
 }
+# What the padding-free check's boundary case reports (mmrl.scaffold.verify) where a packed
+# sample behind a long neighbour differs from itself alone.
+_CROSSES_BOUNDARY = "state crosses a packed sequence boundary"
 # Config fields of layers that carry a state along the sequence (state-space, recurrent,
 # linear-attention, short-convolution layers), beside transformers' own `layer_types`.
 STATEFUL_FIELDS = re.compile(r"mamba|ssm|rwkv|linear_(num|key|value|conv)|conv_(kernel|L_cache)|short_conv|"
@@ -127,12 +130,27 @@ def stateful_layers(config) -> list[str]:
 
 def to_write(column: str, cause: str, config=None) -> str:
     """What to write by hand for `column`, whose probe failed with `cause`: the limit
-    the cause names (LIMITS), a mismatch of a sequence-parallel step on a decoder with
-    stateful layers, or else the column's generic advice (TO_WRITE)."""
+    the cause names (LIMITS), a packed sample that reads its neighbour's state or a
+    mismatch of a sequence-parallel step on a decoder with stateful layers, or else the
+    column's generic advice (TO_WRITE)."""
     for pattern, advice in LIMITS.get(column, ()):
         found = re.search(pattern, cause)
         if found:
             return advice.format(*found.groups())
+    if column == "padding_free" and _CROSSES_BOUNDARY in cause:
+        # Without stateful layers the leak is the positions' (absolute or ALiBi ones counted
+        # from the row's start), which the generic advice covers.
+        layers = stateful_layers(config)
+        if layers:
+            return (f"keep padding_free=False: the decoder has layers that carry a state along the sequence "
+                    f"({', '.join(layers)}), and a packed sample behind a long neighbour read its state, which no "
+                    "position ids change (mmrl hands such layers no packed sequence boundaries); the trainer refuses "
+                    "model.pack: true for the family")
+    if column == "padding_free" and (layers := stateful_layers(config)):
+        # Failed before the boundary case ran: positions first, and the state would still leak.
+        return (f"{TO_WRITE[column]}; even with packed positions, the decoder's layers that carry a state along the "
+                f"sequence ({', '.join(layers)}) would read a packed neighbour's state, which the check's boundary "
+                "case refuses, so keep padding_free=False")
     if column == "sequence_parallel" and re.search(r"differ|exceed|mismatch", cause):
         layers = stateful_layers(config)
         if layers:

@@ -372,25 +372,50 @@ def _attending_last(default, values: dict[str, Any], shapes: dict[str, int]) -> 
 
 
 def _unset_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
-    """Per-layer kinds (`layer_types`) the default config leaves None, read off the model
-    code where it keys its attention masks by them (`causal_mask_mapping = {"kind": ...}`
-    indexed by `layer_types[i]`): every kind once, attention last (transformers' cache asks
-    an attention layer for the length), and as many layers as kinds where the tiny depth
-    holds fewer. Released checkpoints write the list; a default without it builds no layer."""
-    if "layer_types" in values or default.to_dict().get("layer_types", 0) is not None:
+    """Per-layer kinds (`layer_types`) read off the model code where it keys its attention
+    masks by them (`causal_mask_mapping = {"kind": ...}` indexed by `layer_types[i]`),
+    where the default config leaves them None, or lists only stateless kinds while the
+    code keys a stateful one (a convolution, linear attention: `mmrl.boundaries`): every
+    kind once, attention last (transformers' cache asks an attention layer for the
+    length), and as many layers as kinds where the tiny depth holds fewer. Released
+    checkpoints write the list; a default without it builds no layer, and one without
+    the stateful kind builds a tiny model on which a hybrid's packing and sequence
+    parallelism would be verified without the layers that decide them (Lfm2's default
+    is all attention, its checkpoints interleave short convolutions)."""
+    from mmrl.boundaries import STATEFUL_LAYER_KINDS
+
+    own = default.to_dict().get("layer_types", 0)
+    if own == 0 or (own is None and "layer_types" in values):
+        return {}
+    if own is not None and (not isinstance(own, (list, tuple)) or set(own) & STATEFUL_LAYER_KINDS):
         return {}
     source = modeling_source(cls)
     mapping = re.search(r"causal_mask_mapping\s*=\s*\{(.*?)\n\s*\}", source, re.S)
     if mapping is None or not re.search(r"causal_mask_mapping\[[^\]]*layer_types\[", source):
         return {}
     kinds = list(dict.fromkeys(re.findall(r'^\s*["\'](\w+)["\']\s*:', mapping.group(1), re.M)))
-    if len(kinds) < 2:
+    if len(kinds) < 2 or (own is not None and not set(kinds) & STATEFUL_LAYER_KINDS):
         return {}
     kinds.sort(key=lambda kind: kind == "full_attention")
     layers_key = dict(getattr(default, "attribute_map", {}) or {}).get(_LAYERS, _LAYERS)
-    depth = max(values.get(layers_key, shapes.get(_LAYERS, 2)), len(kinds))
+    depth = max(shapes.get(_LAYERS, 2), len(kinds)) if own is not None else \
+        max(values.get(layers_key, shapes.get(_LAYERS, 2)), len(kinds))
     layer_types = [kinds[0]] * (depth - len(kinds)) + kinds
-    return {"layer_types": layer_types, layers_key: depth}
+    out = {"layer_types": layer_types, layers_key: depth}
+    if own is None:
+        return out
+    # The default's other per-layer fields: a list of its attention layers' indexes (Lfm2's
+    # full_attn_idxs, every layer) names the new list's; any other per-layer list is left
+    # alone, and then so is the default's list.
+    attending = [i for i, kind in enumerate(own) if kind == "full_attention"]
+    for key, value in default.to_dict().items():
+        if key == "layer_types" or not isinstance(value, (list, tuple)):
+            continue
+        if list(value) == attending:
+            out[key] = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        elif len(value) == len(own):
+            return {}
+    return out
 
 
 def _derived_by_the_class(cls, default) -> set[str]:

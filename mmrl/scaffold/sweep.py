@@ -19,7 +19,9 @@ capability columns they lack existed, are run again.
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
 then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply. Most of a green type's time is the depth probes' two torchrun
+where it does not apply; where sequence_parallel is "yes", the row also records the mode that
+verified and the adapter declares ("ulysses" or "gathered"), and a row without it is run
+again. Most of a green type's time is the depth probes' two torchrun
 launches; docs/adding_a_model.md gives the measured times of the full and the depth-only
 sweep.
 """
@@ -67,6 +69,10 @@ class Row:
     # row recorded before the columns existed, or one that stopped before verifying.
     columns: dict[str, str] = field(default_factory=dict)
     gaps: list[dict[str, str]] = field(default_factory=list)  # {"column", "cause", "write"}
+    # Where sequence_parallel is "yes": the mode that verified and the adapter declares,
+    # "ulysses" or "gathered" (SequenceParallel(gather_mixers=True)); "" where not
+    # recorded (a row from before the mode was recorded) or not declared.
+    sequence_parallel_mode: str = ""
     seconds: float = 0.0
     scope_rule: str | None = None
     runner: str = ""  # torch version and host the row was measured with (rows of several runs merge)
@@ -138,7 +144,8 @@ def scaffold_worker(model_type: str, out: str, report: str) -> None:
         record.update(status="written" if caps is not None else "tiny-model-fails",
                       reason=one_line("; ".join(result.notes)) if caps is None else "",
                       capabilities=[] if caps is None else caps.declared(),
-                      columns=columns_of(result), gaps=[asdict(gap) for gap in result.gaps])
+                      columns=columns_of(result), gaps=[asdict(gap) for gap in result.gaps],
+                      sequence_parallel_mode=result.sequence_parallel_mode)
     Path(report).write_text(json.dumps(record))
 
 
@@ -204,6 +211,7 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
         else:
             row.capabilities = record.get("capabilities", [])
             row.columns, row.gaps = record.get("columns", {}), record.get("gaps", [])
+            row.sequence_parallel_mode = record.get("sequence_parallel_mode", "")
             row.stage = "depth-only" if depth_only else "tests"
             if not depth_only:
                 _run_tests(row, out, model_type, tests_seconds, env)
@@ -333,15 +341,26 @@ def summarize(rows) -> dict:
         # rows were recorded with the columns (the rest predate them: re-run to fill in).
         greens = [r for r in scope if r.status == "green"]
         summary[mapping]["declared"] = {column: sum(column in r.capabilities for r in greens) for column in COLUMNS}
-        summary[mapping]["green_with_columns"] = sum(is_current(r) for r in greens)
+        summary[mapping]["green_with_columns"] = sum(has_columns(r) for r in greens)
+        # The mode each green type declaring sequence_parallel verified in ("" where the
+        # row predates the record: the page counts it as not recorded).
+        summary[mapping]["sequence_parallel_modes"] = dict(Counter(
+            r.sequence_parallel_mode or "not recorded" for r in greens if r.columns.get("sequence_parallel") == "yes"))
     return summary
 
 
-def is_current(row: Row) -> bool:
-    """Whether a row holds what this sweep records: a type the scaffold wrote has every
-    capability column (rows from before the columns existed are run again)."""
+def has_columns(row: Row) -> bool:
+    """Whether a type the scaffold wrote has every capability column (rows from before
+    the columns existed lack some)."""
     written = row.in_scope and row.status in ("green", "tests-fail")
     return not written or set(row.columns) == set(COLUMNS)
+
+
+def is_current(row: Row) -> bool:
+    """Whether a row holds what this sweep records: every capability column, and where it
+    declares sequence_parallel, the mode that verified; rows from before either was
+    recorded are run again."""
+    return has_columns(row) and (row.columns.get("sequence_parallel") != "yes" or bool(row.sequence_parallel_mode))
 
 
 # Short headers of the capability columns on the page, and the marks of their cells.
@@ -349,6 +368,8 @@ COLUMN_HEADERS = {"generation": "gen", "padding_free": "packed", "gradient_check
                   "lora_language": "LoRA", "lora_vision": "LoRA-v", "single_image": "image", "multi_image": "images",
                   "media_sharing": "shared", "video": "video", "sequence_parallel": "SP", "multi_turn": "turns"}
 MARKS = {"yes": "✓", "no": "✗", "n/a": "–"}
+# The sequence_parallel cell's mode, after its mark.
+SP_MODES = ("ulysses", "gathered")
 
 
 def render_page(document: dict, path: Path) -> None:
@@ -382,7 +403,11 @@ def render_page(document: dict, path: Path) -> None:
     lines += ["", "## Every type", "",
               f"{MARKS['yes']} declared (verified on the tiny model), {MARKS['no']} not declared (the gap below says "
               f"why), {MARKS['n/a']} does not apply; blank: not recorded (a row from before the column existed, or "
-              "a type that stopped before verifying).", "",
+              "a type that stopped before verifying). A declared SP cell names the mode that verified and the "
+              "adapter declares, which the trainer runs: `ulysses` (attention heads split over the processes) or "
+              "`gathered` (`SequenceParallel(gather_mixers=True)`: each sequence-mixing module runs on the gathered "
+              f"sequence); a {MARKS['yes']} without a mode is a row recorded before the mode was (its adapter "
+              "declares one of the two; `mmrl add-model --sweep --depth-only` records it).", "",
               f"| model type | table | status | stage | {' | '.join(headers)} | reason | s |",
               "|---|---|---|---|" + "---|" * len(headers) + "---|---|"]
     for row in document["types"]:
@@ -391,6 +416,9 @@ def render_page(document: dict, path: Path) -> None:
         if row["status"] == "green" and not columns:  # recorded before the columns: what it declared
             columns = {c: "yes" for c in row["capabilities"] if c in COLUMNS}
         cells = [MARKS.get(columns.get(c, ""), "") for c in COLUMNS]
+        mode = row.get("sequence_parallel_mode", "")
+        if mode and columns.get("sequence_parallel") == "yes":
+            cells[COLUMNS.index("sequence_parallel")] += f" {mode}"
         reason = "" if row["status"] == "green" else row["reason"].replace("|", "\\|")
         lines.append(f"| `{row['model_type']}` | {row['mapping']} | {status} | {row['stage']} | {' | '.join(cells)} | "
                      f"{reason} | {row['seconds']:g} |")
@@ -409,7 +437,7 @@ def _depth_lines(document: dict) -> list[str]:
     lines = ["", "## Depth", "",
              "Green types whose adapter declares each capability (the scaffold declares only what verified on the "
              "tiny model; " + ", ".join(f"`{c}`" for c in DEPTH) + " are decided by their probes: a 4-frame clip, "
-             "Ulysses over 2 gloo processes, an image arriving in turn 3).", "",
+             "Ulysses over 2 gloo processes, or gathered mixers where Ulysses fails, an image arriving in turn 3).", "",
              "| capability | " + " | ".join(mappings) + " |", "|---|" + "---|" * len(mappings)]
     for column in COLUMNS:
         cells = []
@@ -422,6 +450,13 @@ def _depth_lines(document: dict) -> list[str]:
     recorded = ", ".join(f"{m} {document['summary'][m].get('green_with_columns', 0)} of {document['summary'][m]['green']}"
                          for m in mappings)
     lines += ["", f"Green rows recorded with every column: {recorded}."]
+    modes = []
+    for mapping in mappings:
+        counted = document["summary"][mapping].get("sequence_parallel_modes", {})
+        parts = [f"{counted[m]} {m}" for m in (*SP_MODES, "not recorded") if counted.get(m)]
+        modes.append(f"{mapping} {', '.join(parts) or 'none'}")
+    lines += ["", "The mode `sequence_parallel` verified in and the adapter declares (`ulysses`: attention heads "
+              "split; `gathered`: `SequenceParallel(gather_mixers=True)`): " + "; ".join(modes) + "."]
     return lines
 
 
@@ -484,15 +519,16 @@ def rewrite_page(path: Path) -> None:
     """Write the summary and coverage.md again from the rows of coverage.json at `path`
     (after a sweep was stopped mid-type, or the page's layout changed); runs nothing. Each
     depth gap's advice is derived again from its recorded cause (`depth.to_write`, with
-    the type's default config standing in for the tiny one), so rows recorded before an
-    advice was refined read as new ones do."""
+    the type's default config standing in for the tiny one; padding_free's too, whose
+    boundary failure has advice of its own), so rows recorded before an advice was
+    refined read as new ones do."""
     from mmrl.scaffold.depth import to_write
 
     document = json.loads(path.read_text())
     rows = {r["model_type"]: Row(**r) for r in document.get("types", [])}
     for row in rows.values():
         for gap in row.gaps:
-            if gap["column"] in DEPTH:
+            if gap["column"] in (*DEPTH, "padding_free"):
                 gap["write"] = to_write(gap["column"], gap["cause"], _default_config(row.model_type))
     document.update(summary=summarize(rows.values()), types=[asdict(rows[t]) for t in sorted(rows)])
     temp = path.with_suffix(".json.tmp")

@@ -12,7 +12,7 @@ from mmrl import errors
 from mmrl.adapter import Capabilities
 from mmrl.imports import load_module
 from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Gap, Layout
-from mmrl.scaffold.depth import TO_WRITE
+from mmrl.scaffold.depth import to_write
 from mmrl.scaffold.render import base_capabilities, render_adapter, render_processing
 
 
@@ -104,7 +104,8 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
         verified[capability] = ok
         if not ok:
             notes.append(f"{capability} not declared: {detail}")
-            gaps.append(Gap(capability, errors.one_line(detail, 240, whole=True), TO_WRITE[capability]))
+            cause = errors.one_line(detail, 240, whole=True)
+            gaps.append(Gap(capability, cause, to_write(capability, cause, d.tiny.config if d.tiny else None)))
 
     def fresh():
         return build_model(d.family, random_init=True)
