@@ -210,3 +210,62 @@ def test_the_longest_document_is_a_dynamic_source_in_the_layer_calls_only():
             inside = torch.compiler.config.dynamic_sources
         assert torch.compiler.config.dynamic_sources == "L['x']"
     assert inside == ",".join(("L['x']", *LONGEST_SEGMENT_SOURCES))
+
+
+def _unpadded_micro_batch(built, rows, words, response_tokens):
+    """`rows` copies of one prompt (and image) with full responses: no padding anywhere."""
+    images = sample_images()
+    text = " ".join(WORDS[:words])
+    content = [{"type": "image", "image": images[0]}, {"type": "text", "text": text}] \
+        if "image" in built.adapter.modalities else text
+    prompts = dict(built.processing([[{"role": "user", "content": content}]] * rows))
+    vocab = built.model.config.get_text_config().vocab_size
+    responses = torch.randint(50, vocab, (rows, response_tokens), generator=torch.Generator().manual_seed(rows))
+    return join(prompts, responses, torch.ones_like(responses), built.adapter, built.model,
+                built.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_a_micro_batch_without_padding_runs_the_padded_graph(family, monkeypatch):
+    """transformers skips an all-visible causal mask (SDPA's is_causal then runs), which gave
+    the compiled layers None where padded batches give a tensor: a second graph per grad mode
+    (issue 28). The engine keeps the mask (`masks_kept`), so none is added, and the log-probs
+    equal the eager engine's, whose batch without padding still skips its mask."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, eager = _engines(family, "padded", monkeypatch)
+    new_graphs = {False: [], True: []}
+    for grad in (False, True):
+        for seqs in (_micro_batch(compiled.built, 2, 3, 4), _unpadded_micro_batch(compiled.built, 3, 5, 4)):
+            graphs = counters["stats"]["unique_graphs"]
+            with torch.set_grad_enabled(grad):
+                logp, entropy = compiled.log_probs(seqs)
+                logp_eager, entropy_eager = eager.log_probs(seqs)
+            new_graphs[grad].append(counters["stats"]["unique_graphs"] - graphs)
+            assert torch.allclose(logp, logp_eager, atol=1e-5) and torch.allclose(entropy, entropy_eager, atol=1e-5)
+    assert bool(seqs.inputs["attention_mask"].all())  # the second batch has no padding
+    assert new_graphs == {False: [1, 0], True: [1, 0]}
+    assert compiled.compiled_layers.failed is None and not counters["graph_break"]
+
+
+def test_masks_are_kept_only_inside_the_block():
+    """Inside `masks_kept` an all-visible causal mask is built; around it transformers skips it
+    again, and the mask functions registered before are back."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from mmrl.engine.compiled_layers import masks_kept
+
+    before = dict(AttentionMaskInterface._global_mapping)
+
+    def sdpa_mask():
+        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](batch_size=2, q_length=4, kv_length=4,
+                                                    attention_mask=torch.ones(2, 4, dtype=torch.bool),
+                                                    allow_is_causal_skip=True)
+
+    assert sdpa_mask() is None
+    with masks_kept():
+        kept = sdpa_mask()
+    assert kept.shape == (2, 1, 4, 4) and torch.equal(kept[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert sdpa_mask() is None and AttentionMaskInterface._global_mapping == before

@@ -26,8 +26,10 @@ rows and length wherever they occur, the packed documents' cumulative lengths), 
 longest packed document (an int in `mmrl.engine.varlen`'s segments) is a dynamic source
 (`LONGEST_SEGMENT_SOURCES`): the first compile of each grad mode serves every later
 micro-batch. Still new graphs: the first call with gradients (or without), one row after
-several (size 1 is specialized), a padded batch without any padding (transformers then
-passes no mask). Dims of model constants (hidden size, heads, head dim) are not marked:
+several (size 1 is specialized). A padded batch without any padding would be one more:
+transformers skips an all-visible causal mask for SDPA's `is_causal` and the layers get None
+where other batches give a tensor; the engine's forwards keep the mask
+(`active(keep_masks=True)`, `masks_kept`). Dims of model constants (hidden size, heads, head dim) are not marked:
 the weights they meet would specialize them again, and a length that happened to equal
 one would be tied to it and specialized with it (dynamo gives equal sizes one symbol).
 tests/test_compiled_layers_shapes.py counts the graphs over varied micro-batches.
@@ -36,6 +38,7 @@ tests/test_compiled_layers_shapes.py counts the graphs over varied micro-batches
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -141,6 +144,51 @@ def _dynamic_sources() -> dict[str, str]:
     return {"dynamic_sources": ",".join(filter(None, (config.dynamic_sources, *LONGEST_SEGMENT_SOURCES)))}
 
 
+# The mask builders' keywords that let transformers return None for a mask that hides
+# nothing (SDPA's is_causal, or no mask, then runs instead).
+_MASK_SKIPS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+
+
+def _keeping(build_mask):
+    """`build_mask` (a transformers mask interface function) told never to skip its mask."""
+
+    @functools.wraps(build_mask)
+    def build(*args, **kwargs):
+        for skip in _MASK_SKIPS:
+            if skip in kwargs:
+                kwargs[skip] = False
+        return build_mask(*args, **kwargs)
+
+    build.mmrl_keeps_masks = True
+    return build
+
+
+@contextlib.contextmanager
+def masks_kept() -> Iterator[None]:
+    """Within the block, transformers' attention masks are built even where nothing is
+    hidden: a micro-batch without padding gives the compiled layers a mask tensor, as a
+    padded one does, not None, which would compile a second graph of each layer (issue 28).
+
+    Every registered mask function is wrapped for the block (`AttentionMaskInterface`'s
+    class mapping, which `create_causal_mask` reads by the model's attention implementation,
+    in transformers 5.17 as in 5.19) and put back after it. The values are the ones SDPA's
+    is_causal computes; SDPA then takes its masked kernel for such a batch, as for a padded
+    one: equal up to rounding, and the rows x length x length mask a padded batch already
+    costs."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    mapping = AttentionMaskInterface._global_mapping
+    originals = {name: build for name, build in mapping.items() if not getattr(build, "mmrl_keeps_masks", False)}
+    wrapped = {name: _keeping(build) for name, build in originals.items()}
+    mapping.update(wrapped)
+    try:
+        yield
+    finally:
+        for name, build in wrapped.items():
+            if mapping.get(name) is build:  # not re-registered inside the block
+                mapping[name] = originals[name]
+
+
 class CompiledLayers:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = list(layers)
@@ -175,14 +223,17 @@ class CompiledLayers:
         layer.forward = forward
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Within the block, layer forwards run compiled (where enabled and not failed)."""
+    def active(self, keep_masks: bool = False) -> Iterator[None]:
+        """Within the block, layer forwards run compiled (where enabled and not failed);
+        with `keep_masks`, under `masks_kept` too (the engine's forwards, whose batches may
+        or may not be padded; not a decode step, whose masks the caller arranges)."""
         if self._active:  # nested: the outer block holds the settings
             yield
             return
         self._active = True
+        masks = masks_kept() if keep_masks and self.enabled and self.failed is None else contextlib.nullcontext()
         try:
-            with self._limits, self._sources:
+            with self._limits, self._sources, masks:
                 yield
         finally:
             self._active = False

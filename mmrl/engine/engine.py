@@ -174,10 +174,11 @@ class Engine:
         """The block in which the decoder layers run compiled: where the engine compiles
         them, and not under activation checkpointing, whose recomputation in backward has
         to save what the forward saved (it runs outside the block, and could pick another
-        of the compiled graphs)."""
+        of the compiled graphs). Masks are kept (`masks_kept`): a micro-batch without
+        padding runs the padded ones' graph."""
         if self.compiled_layers is None or self.checkpointing:
             return contextlib.nullcontext()
-        return self.compiled_layers.active()
+        return self.compiled_layers.active(keep_masks=True)
 
     def enable_checkpointing(self) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them."""

@@ -13,6 +13,13 @@ elements; bench/packed_mask.py), so it stays eager. Measure before wrapping. `on
 The first tensor argument decides: on CUDA (and while `enabled()`) the call runs the compiled
 function, elsewhere the plain one, with the same results up to rounding. A compile that fails
 warns once and leaves that function eager from then on.
+
+The calls see varying rows (the chunked head's chunks: `chunk_tokens` rows, the last one
+shorter), so before each compiled call dim 0 of every tensor argument as long as the first
+tensor's is marked dynamic: the first compile serves every chunk, where dynamo would compile
+a second graph at the first short chunk (issue 28). `compiles_here` decides where the
+compiled function runs and `COMPILE_OPTIONS` how it compiles; tests set both to count the
+graphs on the CPU (tests/test_fusion_shapes.py).
 """
 
 from __future__ import annotations
@@ -26,6 +33,24 @@ import torch
 from mmrl.errors import one_line
 
 
+def compiles_here(tensor: torch.Tensor) -> bool:
+    """Whether a call whose first tensor is `tensor` runs the compiled function."""
+    return tensor.is_cuda
+
+
+COMPILE_OPTIONS: dict = {}  # torch.compile's keywords (a test's backend="aot_eager")
+
+
+def mark_rows_dynamic(tensor: torch.Tensor, args: tuple) -> None:
+    """Mark dim 0 of `tensor` and of the tensors in `args` with its size as dynamic."""
+    rows = tensor.shape[0] if tensor.dim() else None
+    if rows is None or rows < 2:  # sizes 0 and 1 dynamo specializes anyway
+        return
+    for item in (tensor, *args):
+        if isinstance(item, torch.Tensor) and item.dim() and item.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(item, 0)
+
+
 def on_cuda(what: str, enabled: Callable[[], bool] = lambda: True):
     """Decorator: `fn(tensor, ...)` compiled where `tensor` is on CUDA and `enabled()`;
     the wrapper's `state` holds "compiled" once compiled, "failed" once given up."""
@@ -35,10 +60,11 @@ def on_cuda(what: str, enabled: Callable[[], bool] = lambda: True):
 
         @functools.wraps(fn)
         def call(tensor, *args):
-            if not (tensor.is_cuda and enabled()) or state.get("failed"):
+            if not (compiles_here(tensor) and enabled()) or state.get("failed"):
                 return fn(tensor, *args)
             if "compiled" not in state:
-                state["compiled"] = torch.compile(fn)
+                state["compiled"] = torch.compile(fn, **COMPILE_OPTIONS)
+            mark_rows_dynamic(tensor, args)
             try:
                 return state["compiled"](tensor, *args)
             except Exception as error:  # noqa: BLE001 - any compile failure keeps the eager path
