@@ -7,8 +7,8 @@ recipes/qwen2_5_vl_3b_shape.yaml (bf16 weights, fp32 masters; 448x448 images, 25
 tokens each), `--shape tiny` the family's tiny config (fp32, 56x56 images). The sample is one
 prompt with `--images` noise images and a `--response`-token random response. With
 `--images 0` (the GPU default) the count is sized from free memory: a one-process calibration
-launch updates 1 and 2 images and reads the peak memory, the count is the one whose predicted
-peak is `--oversize` x the GPU's memory, and the one-process run at that count should then run
+launch updates 1, 2 and 4 images and reads the peak memory, the count is the one whose
+predicted peak is `--oversize` x the GPU's memory (at most `--max-images`), and the one-process run at that count should then run
 out of memory while the 2-process run trains it. Each run is its own torchrun launch; rank 0
 writes what it saw per image count (`fits`, image and sequence tokens, peak GiB, seconds,
 the response's log-probs); where both fit, `logp_max_gap` is the largest gap between the
@@ -43,6 +43,7 @@ parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
 parser.add_argument("--shape", default="vl3b", choices=("vl3b", "tiny"))
 parser.add_argument("--images", type=int, default=0, help="images in the sample (0: sized from free GPU memory)")
 parser.add_argument("--response", type=int, default=256, help="response tokens")
+parser.add_argument("--max-images", type=int, default=400, help="the most images sizing may choose")
 parser.add_argument("--oversize", type=float, default=1.3, help="predicted one-GPU peak / GPU memory when sizing")
 parser.add_argument("--timeout", type=int, default=300, help="seconds per torchrun launch")
 parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ulysses_long_sample_gpu.json")
@@ -153,12 +154,14 @@ def attempt(args, processes: int, images: int) -> dict:
         return {"images": images, "fits": False, "error": str(failure)[:300]}
 
 
-def sized_count(calibration: dict, oversize: float) -> int:
-    """The image count whose one-process peak, extrapolated linearly from the 1- and
-    2-image updates, is `oversize` x the GPU's memory."""
-    one, two = calibration["runs"]
-    per_image = max(two["peak_gib"] - one["peak_gib"], 1e-3)
-    return 1 + math.ceil((oversize * calibration["gpu_gib"] - one["peak_gib"]) / per_image)
+def sized_count(calibration: dict, oversize: float, most: int) -> int:
+    """The image count (at most `most`) whose one-process peak, extrapolated linearly from
+    the 2- and 4-image updates, is `oversize` x the GPU's memory. The 1-image update before
+    them allocates the optimizer's states, whose first step would otherwise weigh in the
+    slope."""
+    _, two, four = calibration["runs"]
+    per_image = max((four["peak_gib"] - two["peak_gib"]) / 2, 1e-3)
+    return min(most, 2 + math.ceil((oversize * calibration["gpu_gib"] - two["peak_gib"]) / per_image))
 
 
 def main() -> None:
@@ -175,8 +178,8 @@ def main() -> None:
     calibration = None
     images = args.images
     if images < 1:
-        calibration = launch(args, 1, [1, 2])
-        images = sized_count(calibration, args.oversize)
+        calibration = launch(args, 1, [1, 2, 4])
+        images = sized_count(calibration, args.oversize, args.max_images)
     one, two = (attempt(args, processes, images) for processes in (1, 2))
     for name, run in (("1 process", one), ("2 processes", two)):
         print(f"{name}: {images} images, " + (f"{run['sequence_tokens']} tokens, {run['seconds']:.2f} s, peak "
