@@ -1,8 +1,9 @@
 """The closing table of bench/two_gpus.sh: one row per part, read from the JSON each part
 left in the folder (issue 34's figure, its target, met or not); a part without its JSON
-reads "no result" (its log in the same folder says why).
+reads "no result" (its log in the same folder says why). Parts named after the folder
+limit the table to them (the parts of one device call).
 
-    python bench/two_gpus_table.py $OUT
+    python bench/two_gpus_table.py $OUT [PART ...]
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     ]
 
 
-def main(folder: str) -> None:
-    table = [("part", "measured", "target", "status"), *rows(Path(folder))]
+def main(folder: str, parts: list[str]) -> None:
+    table = [("part", "measured", "target", "status"), *(r for r in rows(Path(folder)) if not parts or r[0] in parts)]
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     for line in table:
         print("  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    main(sys.argv[1] if len(sys.argv) > 1 else ".", sys.argv[2:])

@@ -7,18 +7,19 @@ recipes/qwen2_5_vl_3b_shape.yaml (bf16 weights, fp32 masters; 448x448 images, 25
 tokens each), `--shape tiny` the family's tiny config (fp32, 56x56 images). The sample is one
 prompt with `--images` noise images and a `--response`-token random response. With
 `--images 0` (the GPU default) the count is sized from free memory: a one-process calibration
-launch updates 1, 2 and 4 images and reads the peak memory, the count is the one whose
-predicted peak is `--oversize` x the GPU's memory (at most `--max-images`), and the one-process run at that count should then run
-out of memory while the 2-process run trains it. Each run is its own torchrun launch; rank 0
-writes what it saw per image count (`fits`, image and sequence tokens, peak GiB, seconds,
-the response's log-probs); where both fit, `logp_max_gap` is the largest gap between the
-2-rank and the one-process log-probs (`--shape tiny` runs in fp32 without autocast or TF32,
+launch updates 1, 2 and 4 images and reads the peak memory, then tries the count whose
+predicted peak is `--oversize` x the GPU's memory (at most `--max-images`), which should run
+out of memory, while the 2-process launch trains it. On CPU `--memory-gib` stands for the
+GPU's memory and the peaks are the process's max RSS (a dry run of the sizing path). Rank 0
+of each torchrun launch writes what it saw per image count (`fits`, image and sequence tokens, peak GiB, seconds,
+the response's log-probs); where both fit from the same weights (`--images N`, not sized),
+`logp_max_gap` is the largest gap between the 2-rank and the one-process log-probs (`--shape tiny` runs in fp32 without autocast or TF32,
 as the sequence_parallel probe: a CUDA check that 2 Ulysses ranks equal one process). JSON
 to --out.
 
     python bench/ulysses_long_sample.py --out $OUT/ulysses_long_sample_gpu.json     # 2 GPUs
-    .venv/bin/python bench/ulysses_long_sample.py --device cpu --shape tiny --images 2 --response 8 \
-        --out /tmp/ulysses_long_sample.json                                         # smoke run
+    .venv/bin/python bench/ulysses_long_sample.py --device cpu --shape tiny --memory-gib 1 --max-images 3 \
+        --response 8 --out /tmp/ulysses_long_sample.json                            # smoke run, sizing path
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -48,7 +50,10 @@ parser.add_argument("--oversize", type=float, default=1.3, help="predicted one-G
 parser.add_argument("--timeout", type=int, default=300, help="seconds per torchrun launch")
 parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ulysses_long_sample_gpu.json")
 parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # rank 0's JSON
+parser.add_argument("--memory-gib", type=float, default=None,
+                    help="CPU only: the memory to size the sample against (peaks are then the process's max RSS)")
 parser.add_argument("--counts", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
+parser.add_argument("--size", action="store_true", help=argparse.SUPPRESS)  # then one update of the sized count
 
 
 def build(args, device):
@@ -95,7 +100,15 @@ def one_update(built, engine, dist, images: int, side: int, response: int) -> di
     return {"images": images, "fits": True, "image_tokens": image_tokens,
             "sequence_tokens": int(prompt["input_ids"].shape[1]) + response, "seconds": time.perf_counter() - start,
             "logp_sum": float(logp.detach().float().sum()), "logp": logp.detach().float()[0].tolist(),
-            "peak_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None}
+            "peak_gib": peak_gib(dist.device)}
+
+
+def peak_gib(device: torch.device) -> float:
+    """The update's peak memory on a GPU; on CPU the process's max RSS so far (what lets the
+    CPU dry run take the sizing path)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def worker(args) -> None:
@@ -110,29 +123,39 @@ def worker(args) -> None:
     if args.shape == "tiny":  # fp32 end to end, no TF32: 2 ranks must equal one process to fp32 rounding
         exact_numerics()
     engine = Engine(built, dist, optim=OptimConfig(lr=1e-6), mixed_precision=args.shape != "tiny")
-    runs = []
-    for images in args.counts:
+    total = (torch.cuda.get_device_properties(dist.device).total_memory / 2**30 if dist.device.type == "cuda"
+             else args.memory_gib)
+    runs, sized = [], None
+
+    def attempt_update(images: int) -> None:
         try:
             runs.append(one_update(built, engine, dist, images, side, args.response))
         except torch.OutOfMemoryError as error:  # one process only: 2 ranks would hang in a collective
             engine.model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             runs.append({"images": images, "fits": False, "error": str(error).splitlines()[0][:200]})
+
+    for images in args.counts:
+        attempt_update(images)
+    if args.size:  # in the same process: the calibration's model and optimizer are built already
+        sized = sized_count({"gpu_gib": total, "runs": runs[-3:]}, args.oversize, args.max_images)
+        attempt_update(sized)
     if dist.rank == 0:
-        total = torch.cuda.get_device_properties(dist.device).total_memory / 2**30 if dist.device.type == "cuda" else None
         args.worker.write_text(json.dumps({"world_size": dist.world_size, "sequence_parallel": world,
-                                           "gpu_gib": total, "runs": runs}))
+                                           "gpu_gib": total, "sized_images": sized, "runs": runs}))
     if dist.distributed:
         torch.distributed.destroy_process_group()
 
 
-def launch(args, processes: int, counts: list[int]) -> dict:
+def launch(args, processes: int, counts: list[int], size: bool = False) -> dict:
     """One torchrun launch of the worker: rank 0's record."""
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "run.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                    __file__, "--device", args.device, "--shape", args.shape, "--response", str(args.response),
-                   "--worker", str(result), "--counts", *map(str, counts)]
+                   "--oversize", str(args.oversize), "--max-images", str(args.max_images),
+                   *(["--memory-gib", str(args.memory_gib)] if args.memory_gib else []),
+                   *(["--size"] if size else []), "--worker", str(result), "--counts", *map(str, counts)]
         env = dict(os.environ)
         if args.device == "cpu":
             env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -161,7 +184,7 @@ def sized_count(calibration: dict, oversize: float, most: int) -> int:
     slope."""
     _, two, four = calibration["runs"]
     per_image = max((four["peak_gib"] - two["peak_gib"]) / 2, 1e-3)
-    return min(most, 2 + math.ceil((oversize * calibration["gpu_gib"] - two["peak_gib"]) / per_image))
+    return max(1, min(most, 2 + math.ceil((oversize * calibration["gpu_gib"] - two["peak_gib"]) / per_image)))
 
 
 def main() -> None:
@@ -171,16 +194,19 @@ def main() -> None:
         return
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"ulysses_long_sample: needs 2 GPUs, {torch.cuda.device_count()} visible")
-    if args.device == "cpu" and args.images < 1:
-        raise SystemExit("ulysses_long_sample: --images must be at least 1 on CPU (there is no memory to size from)")
+    if args.device == "cpu" and args.images < 1 and not args.memory_gib:
+        raise SystemExit("ulysses_long_sample: on CPU, give --images N or --memory-gib to size the sample against")
     from mmrl.platform_info import device_name, versions, write_report
 
     calibration = None
     images = args.images
-    if images < 1:
-        calibration = launch(args, 1, [1, 2, 4])
-        images = sized_count(calibration, args.oversize, args.max_images)
-    one, two = (attempt(args, processes, images) for processes in (1, 2))
+    if images < 1:  # one launch calibrates, sizes and tries the sized sample in one process
+        sizing = launch(args, 1, [1, 2, 4], size=True)
+        images, one = sizing["sized_images"], sizing["runs"][-1]
+        calibration = {"gpu_gib": sizing["gpu_gib"], "runs": sizing["runs"][:-1]}
+    else:
+        one = attempt(args, 1, images)
+    two = attempt(args, 2, images)
     for name, run in (("1 process", one), ("2 processes", two)):
         print(f"{name}: {images} images, " + (f"{run['sequence_tokens']} tokens, {run['seconds']:.2f} s, peak "
                                                f"{run['peak_gib']} GiB" if run["fits"] else f"did not fit: {run['error']}"))
@@ -189,8 +215,9 @@ def main() -> None:
         "device": device_name(args.device), "versions": versions(), "shape": args.shape, "images": images,
         "response_tokens": args.response, "calibration": calibration, "runs": {"1": one, "2": two},
         "trains_on_two_only": two["fits"] and not one["fits"],
-        "logp_max_gap": max(abs(a - b) for a, b in zip(one["logp"], two["logp"])) if one["fits"] and two["fits"]
-        else None,
+        # Sized, the one-process side has taken the calibration's steps first: other weights.
+        "logp_max_gap": max(abs(a - b) for a, b in zip(one["logp"], two["logp"]))
+        if one["fits"] and two["fits"] and calibration is None else None,
     }
     write_report(args.out, report)
 

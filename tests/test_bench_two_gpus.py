@@ -25,7 +25,8 @@ def dry_run(tmp_path_factory):
     """(output folder, the script's stdout) of one DRY=cpu run of every part."""
     out = tmp_path_factory.mktemp("two_gpus")
     env = {**os.environ, "DRY": "cpu", "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(["bash", str(SCRIPT), "all"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout
 
@@ -79,15 +80,31 @@ def test_recipe_runs_compare_what_they_say(dry_run):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_the_long_sample_runs_on_one_rank_and_on_two(dry_run):
+def test_the_long_sample_is_sized_then_runs_on_one_rank_and_on_two(dry_run):
+    """The DRY run takes the sizing path (--memory-gib on CPU, at most 3 images)."""
     out, _ = dry_run
     report = json.loads((out / "ulysses_long_sample_gpu.json").read_text())
     one, two = report["runs"]["1"], report["runs"]["2"]
+    assert [run["images"] for run in report["calibration"]["runs"]] == [1, 2, 4]
+    assert report["calibration"]["gpu_gib"] == 1.0
     assert one["fits"] and two["fits"] and not report["trains_on_two_only"]  # nothing runs out of memory on CPU
-    assert one["images"] == two["images"] == 2 and one["image_tokens"] > 0
-    assert one["sequence_tokens"] == two["sequence_tokens"]
-    assert len(one["logp"]) == len(two["logp"]) == 8
-    assert report["logp_max_gap"] <= 1e-5  # 2 Ulysses ranks, one process's log-probs
+    assert one["images"] == two["images"] == report["images"] == 3 and one["image_tokens"] > 0
+    assert one["sequence_tokens"] == two["sequence_tokens"] and len(one["logp"]) == len(two["logp"]) == 8
+    assert report["logp_max_gap"] is None  # the one-process side took the calibration's steps first
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_long_sample_on_two_ulysses_ranks_equals_one_process(tmp_path):
+    """Not sized: both sides start from the same weights, and 2 Ulysses ranks (gloo) get one
+    process's log-probs; the GPU test below is the same check on CUDA."""
+    out = tmp_path / "ulysses.json"
+    subprocess.run([sys.executable, "bench/ulysses_long_sample.py", "--device", "cpu", "--shape", "tiny",
+                    "--images", "2", "--response", "8", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["calibration"] is None and report["images"] == 2
+    assert report["logp_max_gap"] <= 1e-5
 
 
 @pytest.mark.slow
@@ -102,27 +119,36 @@ def test_cells_and_rollout_are_recorded(dry_run):
     assert "collected" in (out / "tests.log").read_text()
 
 
-def test_device_limits_fit_one_call():
-    """Each part's limit on the device, summed, stays under the device call's 600 s."""
+def test_each_device_call_fits_its_limits():
+    """The two calls take every part once, and each call's limits add up to at most 580 s
+    (a device call's 600 s, less room for the wheels)."""
     text = SCRIPT.read_text()
-    declared = re.search(r"declare -A limit=\((.*)\)", text).group(1)
-    limits = dict(re.findall(r"\[(\w+)\]=(\d+)", declared))
-    assert set(limits) == set(PARTS)
-    assert sum(map(int, limits.values())) <= 580
+    limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A limit=\((.*)\)", text)[1])}
+    calls = dict(re.findall(r'\[(\w+)\]="([^"]+)"', re.search(r"declare -A calls=\((.*)\)", text)[1]))
+    assert set(calls) == {"benches", "checks"} and set(limits) == set(PARTS)
+    assert sorted(" ".join(calls.values()).split()) == sorted(PARTS)
+    for parts in calls.values():
+        assert sum(limits[p] for p in parts.split()) <= 580, parts
 
 
-def test_a_bad_dry_mode_or_part_is_refused(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path)}
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env={**env, "DRY": "gpu"}, capture_output=True, text=True)
-    assert done.returncode == 2 and "DRY must be cpu or unset, got 'gpu'" in done.stdout
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env={**env, "DRY": "cpu", "PARTS": "scalling"},
-                          capture_output=True, text=True)
-    assert done.returncode == 2 and "unknown part 'scalling'" in done.stdout
+@pytest.mark.parametrize(("argument", "env", "message"), [
+    ("all", {"DRY": "gpu"}, "DRY must be cpu or unset, got 'gpu'"),
+    ("", {"DRY": "cpu", "PARTS": "scalling"}, "unknown part 'scalling'"),
+    ("", {}, "name a call (benches, checks or all) or set PARTS, got ''"),
+    ("all", {}, "need 1140 s, more than one call's 580: split them"),  # refused before installing anything
+    ("checks", {"LIMIT_tests": "400"}, "parts 'disagg cells tests' need 750 s"),
+])
+def test_a_bad_call_is_refused_before_it_runs_anything(tmp_path, argument, env, message):
+    done = subprocess.run(["bash", str(SCRIPT), *([argument] if argument else [])], cwd=REPO,
+                          env={**os.environ, "OUT": str(tmp_path), **env}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stdout and not list(tmp_path.glob("*.log"))
 
 
-def test_the_table_says_no_result_for_a_part_that_wrote_nothing(tmp_path):
-    table = load_bench("two_gpus_table").rows(tmp_path)
-    assert all(measured == "no result" and status == "-" for _, measured, _, status in table)
+def test_the_table_says_no_result_for_a_part_that_wrote_nothing(tmp_path, capsys):
+    table = load_bench("two_gpus_table")
+    assert all(measured == "no result" and status == "-" for _, measured, _, status in table.rows(tmp_path))
+    table.main(str(tmp_path), ["disagg", "cells"])  # one call's parts only
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["part", "disagg", "cells"]
 
 
 def test_the_long_sample_is_sized_past_one_gpu():
