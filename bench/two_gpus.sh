@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 34's measurements on 2 GPUs of one host (nvidia-h200-x2, carry [".whl", ".whl_trl"]),
-# in two device calls of at most 580 s each; docs/performance.md, "Two GPUs", says what each
+# in three device calls of at most 580 s each; docs/performance.md, "Two GPUs", says what each
 # part measures:
 #   bash bench/two_gpus.sh benches      # scaling recipe ulysses rollout
 #   bash bench/two_gpus.sh checks       # disagg cells tests
+#   bash bench/two_gpus.sh learning     # learn
 # Parts, each under its own time limit (seconds) so a slow one cannot take the others' time.
 # One call cannot hold them all: on one H200 a VL-3B-shaped run took ~15 s to start, ~40 s
 # to build and ~15 s for its first step (bench/results/recipe_steps_vl3b_gpu.json,
@@ -13,6 +14,7 @@
 #   ulysses (150)  a multi-image sample sized past one GPU's memory, 1 GPU vs 2 Ulysses ranks
 #   rollout (110)  the compiled rollout under FSDP2 vs plain generate on 2 GPUs
 #   disagg  (180)  disaggregated async (1 rollout GPU, 1 train GPU) vs the synchronous 2-GPU run
+#   learn   (400)  the same on the CPU demo recipe to its 0.95 target: steps, disaggregated vs synchronous
 #   cells   (170)  support-matrix fsdp2 + sequence_parallel cells on 2 GPUs into $OUT/cells
 #                  (every family; gemma3 and qwen3_vl took ~25 s each per feature before)
 #   tests   (230)  pytest -m gpu of TESTS (default: the tests that need 2 GPUs or FSDP2 on CUDA)
@@ -35,11 +37,11 @@ dry=${DRY:-}
 
 # Seconds per part on the device (a call's sum at most 580 leaves its 600 s some room); on CPU
 # every part gets 300.
-declare -A limit=([scaling]=120 [recipe]=180 [ulysses]=150 [rollout]=110 [disagg]=180 [cells]=170 [tests]=230)
-declare -A calls=([benches]="scaling recipe ulysses rollout" [checks]="disagg cells tests")
-calls[all]="${calls[benches]} ${calls[checks]}"
+declare -A limit=([scaling]=120 [recipe]=180 [ulysses]=150 [rollout]=110 [disagg]=180 [learn]=400 [cells]=170 [tests]=230)
+declare -A calls=([benches]="scaling recipe ulysses rollout" [checks]="disagg cells tests" [learning]="learn")
+calls[all]="${calls[benches]} ${calls[checks]} ${calls[learning]}"
 parts=${PARTS:-${calls[${1:-none}]:-}}
-[[ -n $parts ]] || { echo "two_gpus.sh: name a call (benches, checks or all) or set PARTS, got '${1:-}'"; exit 2; }
+[[ -n $parts ]] || { echo "two_gpus.sh: name a call (benches, checks, learning or all) or set PARTS, got '${1:-}'"; exit 2; }
 total=0
 for name in $parts; do
   [[ -n ${limit[$name]:-} ]] || { echo "two_gpus.sh: unknown part '$name' (${calls[all]})"; exit 2; }
@@ -109,6 +111,16 @@ for name in $parts; do
       else
         part disagg "$py" bench/distributed_recipe.py --compare disaggregated recipes/qwen2_5_vl_3b_shape.yaml \
           --steps 5 --run-timeout 88 --set $vl_light --out "$out/disaggregated_vl3b_gpu.json"
+      fi ;;
+    learn)
+      if [[ -n $dry ]]; then
+        part learn "$py" bench/distributed_recipe.py --compare disaggregated recipes/tiny_vlm_count.yaml \
+          --device cpu --steps 2 --warmup 0 --set data.prompts_per_step=2 rollout.samples_per_prompt=2 \
+          trainer.eval_every=1 "data.eval=synthetic:count_shapes?n=4&seed=1&image_size=56" trainer.threads=1 \
+          --out "$out/disaggregated_learning_gpu.json"
+      else
+        part learn "$py" bench/distributed_recipe.py --compare disaggregated recipes/tiny_vlm_count.yaml \
+          --steps 800 --run-timeout 195 --out "$out/disaggregated_learning_gpu.json"
       fi ;;
     cells)
       # The probes start 2 torchrun processes (mmrl/probes/launcher.py's PROCESSES), one per GPU.

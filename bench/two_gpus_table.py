@@ -57,6 +57,11 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
         row("disagg", "disaggregated_vl3b_gpu.json",
             lambda r: f"{r['speedup']:.2f}x steps/s ({r['runs']['disaggregated']['steps_per_s']:.2f} vs "
                       f"{r['runs']['synchronous']['steps_per_s']:.2f})", "> 1x", lambda r: r["speedup"] > 1.0),
+        row("learn", "disaggregated_learning_gpu.json",
+            lambda r: (f"steps to {r['target_accuracy']}: {r['runs']['synchronous']['steps']} synchronous, "
+                       f"{r['runs']['disaggregated']['steps']} disaggregated" if r["steps_ratio"] is not None
+                       else f"target not reached by both ({r['reached_target']})"),
+            "<= 1.25x the steps", lambda r: r["steps_ratio"] is not None and r["steps_ratio"] <= 1.25),
         cells(None),
     ]
 

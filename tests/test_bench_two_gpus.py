@@ -17,7 +17,7 @@ from bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "two_gpus.sh"
-PARTS = ("scaling", "recipe", "ulysses", "rollout", "disagg", "cells", "tests")
+PARTS = ("scaling", "recipe", "ulysses", "rollout", "disagg", "learn", "cells", "tests")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_every_part_ends_well_on_cpu(dry_run):
 def test_the_table_reads_every_part(dry_run):
     out, stdout = dry_run
     table = load_bench("two_gpus_table").rows(out)
-    assert [row[0] for row in table] == ["scaling", "recipe", "ulysses", "rollout", "disagg", "cells"]
+    assert [row[0] for row in table] == ["scaling", "recipe", "ulysses", "rollout", "disagg", "learn", "cells"]
     for part, measured, _, status in table:
         assert status in ("met", "missed") and "no result" not in measured and "unreadable" not in measured, part
     assert stdout.rstrip().splitlines()[-len(table) - 1].startswith("part ")  # the table closes the output
@@ -76,6 +76,11 @@ def test_recipe_runs_compare_what_they_say(dry_run):
     assert disaggregated["speedup"] == pytest.approx(runs["synchronous"]["median_step_s"]
                                                      / runs["disaggregated"]["median_step_s"])
     assert all(run["steps"] == 2 and run["reward_last"] is not None for run in runs.values())
+    learning = json.loads((out / "disaggregated_learning_gpu.json").read_text())
+    assert learning["target_accuracy"] == 0.95 and all(run["eval_accuracy"] is not None
+                                                       for run in learning["runs"].values())
+    assert learning["reached_target"] == {"synchronous": False, "disaggregated": False}  # 2 steps: no
+    assert learning["steps_ratio"] is None
 
 
 @pytest.mark.slow
@@ -125,7 +130,7 @@ def test_each_device_call_fits_its_limits():
     text = SCRIPT.read_text()
     limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A limit=\((.*)\)", text)[1])}
     calls = dict(re.findall(r'\[(\w+)\]="([^"]+)"', re.search(r"declare -A calls=\((.*)\)", text)[1]))
-    assert set(calls) == {"benches", "checks"} and set(limits) == set(PARTS)
+    assert set(calls) == {"benches", "checks", "learning"} and set(limits) == set(PARTS)
     assert sorted(" ".join(calls.values()).split()) == sorted(PARTS)
     for parts in calls.values():
         assert sum(limits[p] for p in parts.split()) <= 580, parts
@@ -134,8 +139,8 @@ def test_each_device_call_fits_its_limits():
 @pytest.mark.parametrize(("argument", "env", "message"), [
     ("all", {"DRY": "gpu"}, "DRY must be cpu or unset, got 'gpu'"),
     ("", {"DRY": "cpu", "PARTS": "scalling"}, "unknown part 'scalling'"),
-    ("", {}, "name a call (benches, checks or all) or set PARTS, got ''"),
-    ("all", {}, "need 1140 s, more than one call's 580: split them"),  # refused before installing anything
+    ("", {}, "name a call (benches, checks, learning or all) or set PARTS, got ''"),
+    ("all", {}, "need 1540 s, more than one call's 580: split them"),  # refused before installing anything
     ("checks", {"LIMIT_tests": "400"}, "parts 'disagg cells tests' need 750 s"),
 ])
 def test_a_bad_call_is_refused_before_it_runs_anything(tmp_path, argument, env, message):
@@ -158,6 +163,16 @@ def test_the_long_sample_is_sized_past_one_gpu():
     calibration = {"gpu_gib": 140.0, "runs": [{"peak_gib": 75.0}, {"peak_gib": 70.0}, {"peak_gib": 72.0}]}
     assert sized_count(calibration, 1.3, most=400) == 114
     assert sized_count(calibration, 1.3, most=100) == 100
+
+
+def test_steps_to_the_target_compare_only_runs_that_reached_it():
+    learning = load_bench("distributed_recipe").learning
+    fast, slow, short = {"steps": 100, "eval_accuracy": 0.96}, {"steps": 120, "eval_accuracy": 0.95}, \
+        {"steps": 800, "eval_accuracy": 0.5}
+    assert learning(0.95, fast, slow)["steps_ratio"] == 1.2
+    assert learning(0.95, fast, short) == {"target_accuracy": 0.95, "steps_ratio": None,
+                                           "reached_target": {"synchronous": True, "disaggregated": False}}
+    assert learning(None, fast, slow)["steps_ratio"] is None
 
 
 def test_recipe_summary_leaves_the_warm_up_out():
