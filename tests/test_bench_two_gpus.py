@@ -34,10 +34,12 @@ def dry_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_every_part_ends_well_on_cpu(dry_run):
-    _, stdout = dry_run
+    out, stdout = dry_run
     for part in PARTS:
         line = next((x for x in stdout.splitlines() if x.startswith(f"{part}: rc ")), None)
-        assert line is not None and line.startswith(f"{part}: rc 0 "), (part, stdout)
+        log = out / f"{part}.log"
+        assert line is not None and line.startswith(f"{part}: rc 0 "), \
+            (part, stdout, log.read_text()[-3000:] if log.is_file() else "no log")
 
 
 @pytest.mark.slow
