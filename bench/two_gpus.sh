@@ -19,7 +19,7 @@
 #                  (every family; gemma3 and qwen3_vl took ~25 s each per feature before)
 #   tests   (230)  pytest -m gpu of TESTS (default: the tests that need 2 GPUs or FSDP2 on CUDA)
 # PARTS="a b" runs those parts instead of a call's; LIMIT_<part>=SECONDS overrides a limit; a
-# device run whose limits add up past 580 s is refused. The whole `pytest -m gpu`, a third call:
+# device run whose limits add up past 580 s is refused. The whole `pytest -m gpu`, a fourth call:
 #   PARTS=tests TESTS=tests LIMIT_tests=580 bash bench/two_gpus.sh
 # Results: $OUT/*.json (each bench's), $OUT/*.log, $OUT/cells; a table at the end. Afterwards,
 # here: copy the JSONs into bench/results/ and merge the cells with
