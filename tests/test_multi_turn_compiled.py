@@ -133,6 +133,10 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) and stats["shared_openings"] == 2
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
+    # Turn 2 checked that the new images' pixels alone (joined, as Qwen2.5-VL lays them
+    # out) are the whole batch's part; turn 3 then left the whole conversations' pixels
+    # out. Idefics3's one-row-per-sample layout pads to every row's images: never left out.
+    assert stats["light_turns"] == (1 if family == "qwen2_5_vl" else 0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])

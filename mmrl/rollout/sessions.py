@@ -138,10 +138,14 @@ class DecodeSession:
         self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
         self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
         self._per_row_failed = False  # processing rows alone raised once: every row together from then on
+        # Later turns without the whole conversations' pixel tensors (`_light_matches`): None
+        # until checked on the first turn that continues rows with new media, then trusted.
+        self._light: bool | None = None
+        self._pixel_keys: tuple[str, ...] = ()
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
-                            "phases": [],
+                            "light_turns": 0, "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
 
     def __enter__(self) -> DecodeSession:
@@ -177,7 +181,8 @@ class DecodeSession:
             if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
                 batch = shared.rows(self.processing, conversations)
             else:
-                batch = self._process(conversations, per_row=self.cache is not None)
+                batch = self._process(conversations, per_row=self.cache is not None,
+                                      light=self._light is True and self.cache is not None and prefixes is None)
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             processed = self._clock()
@@ -227,12 +232,14 @@ class DecodeSession:
             return True
         return SharedMedia.of(self.processing, conversations, owners)
 
-    def _process(self, conversations: list[list[dict]], per_row: bool) -> dict:
+    def _process(self, conversations: list[list[dict]], per_row: bool, light: bool = False) -> dict:
         """The conversations processed whole, as plain `generate` gets them. With `per_row`
         (later turns) and images: each row processed alone with each list of images processed once per
         content (`_ImageMemo`: a tool's reply is often the same crop for every sample of a
         prompt), then collated (`Processing.collate_rows`, checked once against processing
-        the rows together); one processor call over every row where that cannot be done."""
+        the rows together); one processor call over every row where that cannot be done.
+        With `light` (trusted by `_light_matches`), the pixel tensors of `_pixel_keys` are left
+        out of the collated batch: the suffix takes them from its new chunks alone."""
         processor = getattr(self.processing, "processor", None)
         images = getattr(processor, "image_processor", None)
         if (not per_row or images is None or self.processing.collate_matches is False or self._per_row_failed
@@ -252,6 +259,10 @@ class DecodeSession:
             return dict(self.processing(conversations))
         if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
             return dict(self.processing(conversations))
+        if light and self.processing.collate_matches:
+            self.stats["light_turns"] += 1
+            return self.processing.collate([{k: v for k, v in row.items() if k not in self._pixel_keys}
+                                            for row in rows])
         return self.processing.collate_rows(rows, conversations)
 
     def _leave_pool(self) -> None:
@@ -301,6 +312,12 @@ class DecodeSession:
                         starts, media, chunks = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
+                    if starts is None and any(key not in inputs for key in self._pixel_keys):
+                        # A light batch (`_process`) prefilled whole: its pixel tensors processed after all.
+                        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                  for k, v in self._process(conversations, per_row=True).items()}
+                    if self._light is None and media:
+                        self._light = self._light_matches(model, inputs, positions, media, chunks)
                 prefill_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
@@ -464,8 +481,32 @@ class DecodeSession:
             for token in placeholders:
                 if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
-        return {key: _cut(key, inputs[key], before, new) for key in media_keys
-                if any(key in chunk.tensors for chunk in new)}, new
+        cut = {key: _cut(key, inputs[key], before, new) for key in media_keys
+               if any(key in chunk.tensors for chunk in new)}
+        # Pixel tensors a light batch left out (`_process`): the new chunks' alone.
+        return {**cut, **{key: _joined(key, new) for key in self._pixel_keys
+                          if key not in inputs and any(key in chunk.tensors for chunk in new)}}, new
+
+    def _light_matches(self, model, inputs: dict, positions: torch.Tensor, media: dict,
+                       chunks: list[_Chunk]) -> bool:
+        """Whether later turns may leave the whole conversations' pixel tensors out (checked
+        once, then trusted, as `Processing.collate_rows` is): each floating or boolean media
+        tensor of this turn's suffixes, cut from the whole batch, equals its new chunks'
+        tensors joined along the first dimension (not a layout of one row per
+        sample, whose padding depends on every row's images), and the adapter's positions of the whole
+        rows are the same without those tensors. Sets `_pixel_keys`."""
+        keys = tuple(k for k, v in media.items() if v.is_floating_point() or v.dtype == torch.bool)
+        if not keys or any(k not in inputs for k in keys):
+            return False
+        if any(chunk.sizes()[k][1] is not None for chunk in chunks for k in keys if k in chunk.tensors):
+            return False  # a row-per-image layout (padded to the batch's images): only the whole batch gives it
+        if not all(torch.equal(_joined(key, chunks), media[key]) for key in keys):
+            return False
+        without = {k: v for k, v in inputs.items() if k not in keys}
+        if not torch.equal(self.rollout.position_ids(model, without), positions):
+            return False
+        self._pixel_keys = keys
+        return True
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
         """`parts` (media parts of a conversation) processed alone, once per session and
@@ -666,6 +707,12 @@ def _cut(key: str, whole: torch.Tensor, before: list[dict], new: list[_Chunk]) -
         else:
             return cut
     raise _Reprefill(f"the new images' part of {key!r} is not where their sizes put it")
+
+
+def _joined(key: str, chunks: list[_Chunk]) -> torch.Tensor:
+    """The chunks' `key` tensors joined along the first dimension, in row order (the
+    layout `_cut` finds first; `_light_matches` checks it is the one the batch has)."""
+    return torch.cat([chunk.tensors[key] for chunk in chunks if key in chunk.tensors])
 
 
 def _same(alone: torch.Tensor, part: torch.Tensor) -> bool:
