@@ -366,6 +366,53 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
     _assert_same(fast, plain)
 
 
+def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
+    """Through the session directly (Qwen2.5-VL): once turn 2 checked that the new images'
+    pixels alone are the whole batch's part, turn 3's batch leaves the conversations'
+    pixel tensors out; a sample new in that turn (its whole conversation's images) beside
+    a continuing one, and a turn where no sample continues (every row prefilled whole:
+    its pixels processed after all), each still equal plain generate."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = make_rollout("hf", engine, built.processing)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    session = sessions.session_for(rollout, reserve=512)
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0, logprobs=True)
+    env, agent = ImageReplies(_environment_role(built)), _agent(built, engine, "hf")
+
+    def grown(conversations, result):
+        out = []
+        for row, conversation in enumerate(conversations):
+            sampled = result.response_ids[row, :int(result.response_mask[row].sum())].tolist()
+            reply, _, _ = env.step(conversation)
+            out.append([*conversation, {"role": "assistant", "content": agent._content(conversation, sampled)},
+                        *reply])
+        return out
+
+    def same_as_plain(result, conversations):
+        reference = plain.generate(conversations, params)
+        assert torch.equal(result.response_ids, reference.response_ids)
+        torch.testing.assert_close(result.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+
+    openings = [ImageReplies().reset(row) for row in _rows()]
+    first = session.generate(["a", "b"], openings, params)
+    second_turn = grown(openings, first)
+    second = session.generate(["a", "b"], second_turn, params)
+    assert session._light and session._pixel_keys == ("pixel_values",) and session.stats["light_turns"] == 0
+    same_as_plain(second, second_turn)
+    third_turn = [grown(second_turn[:1], second.__class__(**{**vars(second),
+                                                             "response_ids": second.response_ids[:1],
+                                                             "response_mask": second.response_mask[:1]}))[0],
+                  openings[1]]
+    third = session.generate(["a", "c"], third_turn, params)
+    assert session.stats["light_turns"] == 1 and "pixel_values" not in third.prompt_inputs
+    assert session.stats["reprefilled_samples"] == 1 and rollout.fallback_reason is None
+    same_as_plain(third, third_turn)
+    fourth = session.generate(["d", "e"], openings, params)  # no row continues: prefilled whole
+    assert session.stats["light_turns"] == 2 and rollout.fallback_reason is None
+    assert session.stats["reprefill_reason"] == "no sample's conversation continues the tokens its cache row holds"
+    same_as_plain(fourth, openings)
+
+
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
     """Through the session directly: a sample whose conversation no longer begins with
     its row's tokens, and a sample new in the second turn, prefill their whole
