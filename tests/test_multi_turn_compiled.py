@@ -368,8 +368,8 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
 
 def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     """Through the session directly (Qwen2.5-VL): once turn 2 checked that the new images'
-    pixels alone are the whole batch's part, turn 3's batch leaves the conversations'
-    pixel tensors out; a sample new in that turn (its whole conversation's images) beside
+    pixels alone are the whole batch's part, turn 3's batch (and the rollout's next
+    session's later turns) leave the conversations' pixel tensors out; a sample new in that turn (its whole conversation's images) beside
     a continuing one, and a turn where no sample continues (every row prefilled whole:
     its pixels processed after all), each still equal plain generate."""
     built, engine = _setup("qwen2_5_vl")
@@ -411,6 +411,12 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     assert session.stats["light_turns"] == 2 and rollout.fallback_reason is None
     assert session.stats["reprefill_reason"] == "no sample's conversation continues the tokens its cache row holds"
     same_as_plain(fourth, openings)
+    # The check holds for the rollout: a next session (the agent's next rollout) trusts it
+    # from its first later turn on.
+    again = sessions.session_for(rollout, reserve=512)
+    again_turn = grown(openings, again.generate(["a", "b"], openings, params))
+    same_as_plain(again.generate(["a", "b"], again_turn, params), again_turn)
+    assert again.stats["light_turns"] == 1 and again.stats["reprefill_reason"] is None
 
 
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():

@@ -63,6 +63,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -76,6 +77,9 @@ from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
 from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 MEDIA_TYPES = ("image", "video")
+# Per rollout: whether later turns may leave the pixel tensors out, and their keys
+# (`DecodeSession._light_matches`); weak, so a rollout let go takes its entry along.
+_LIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def session_for(backend, reserve: int = 0) -> DecodeSession | None:
@@ -138,15 +142,22 @@ class DecodeSession:
         self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
         self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
         self._per_row_failed = False  # processing rows alone raised once: every row together from then on
-        # Later turns without the whole conversations' pixel tensors (`_light_matches`): None
-        # until checked on the first turn that continues rows with new media, then trusted.
-        self._light: bool | None = None
-        self._pixel_keys: tuple[str, ...] = ()
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
                             "light_turns": 0, "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
+
+    # Later turns without the whole conversations' pixel tensors (`_light_matches`): None
+    # until checked on the first turn that continues rows with new media, then trusted for
+    # every session of the rollout (an agent opens one per rollout), as `collate_rows` is.
+    @property
+    def _light(self) -> bool | None:
+        return _LIGHT.get(self.rollout, (None, ()))[0]
+
+    @property
+    def _pixel_keys(self) -> tuple[str, ...]:
+        return _LIGHT.get(self.rollout, (None, ()))[1]
 
     def __enter__(self) -> DecodeSession:
         return self
@@ -317,7 +328,7 @@ class DecodeSession:
                         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                                   for k, v in self._process(conversations, per_row=True).items()}
                     if self._light is None and media:
-                        self._light = self._light_matches(model, inputs, positions, media, chunks)
+                        _LIGHT[rollout] = self._light_matches(model, inputs, positions, media, chunks)
                 prefill_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
@@ -488,25 +499,24 @@ class DecodeSession:
                           if key not in inputs and any(key in chunk.tensors for chunk in new)}}, new
 
     def _light_matches(self, model, inputs: dict, positions: torch.Tensor, media: dict,
-                       chunks: list[_Chunk]) -> bool:
+                       chunks: list[_Chunk]) -> tuple[bool, tuple[str, ...]]:
         """Whether later turns may leave the whole conversations' pixel tensors out (checked
         once, then trusted, as `Processing.collate_rows` is): each floating or boolean media
         tensor of this turn's suffixes, cut from the whole batch, equals its new chunks'
         tensors joined along the first dimension (not a layout of one row per
         sample, whose padding depends on every row's images), and the adapter's positions of the whole
-        rows are the same without those tensors. Sets `_pixel_keys`."""
+        rows are the same without those tensors. Returns (whether, those tensors' keys)."""
         keys = tuple(k for k, v in media.items() if v.is_floating_point() or v.dtype == torch.bool)
         if not keys or any(k not in inputs for k in keys):
-            return False
+            return False, ()
         if any(chunk.sizes()[k][1] is not None for chunk in chunks for k in keys if k in chunk.tensors):
-            return False  # a row-per-image layout (padded to the batch's images): only the whole batch gives it
+            return False, ()  # a row-per-image layout (padded to the batch's images): only the whole batch gives it
         if not all(torch.equal(_joined(key, chunks), media[key]) for key in keys):
-            return False
+            return False, ()
         without = {k: v for k, v in inputs.items() if k not in keys}
         if not torch.equal(self.rollout.position_ids(model, without), positions):
-            return False
-        self._pixel_keys = keys
-        return True
+            return False, ()
+        return True, keys
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
         """`parts` (media parts of a conversation) processed alone, once per session and
