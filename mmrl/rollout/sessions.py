@@ -16,7 +16,8 @@ one-turn path checks them. With `timed` (benches; off by default, so a run never
 for the device) each call appends where its seconds went to `stats["phases"]`, the
 device synchronized at each phase's end. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
-`RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
+`RolloutResult`s, `prompt_inputs` being each conversation processed whole (without the
+pixel tensors on light turns, below). Partial
 rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
 response's tokens so far as `prefixes` (appended to its processed prompt, as
 `continue_from` appends them): a carried response's conversation then begins with what
@@ -34,7 +35,11 @@ What a later turn does, per sample:
   token (the decode loop samples it but never feeds it), the environment's reply, the
   template's tokens, with their positions and per-token entries sliced from the whole
   conversation's, and the media tensors of the images that arrived since, cut out of the
-  whole conversation's tensors (so they are the ones processing it whole gives);
+  whole conversation's tensors (so they are the ones processing it whole gives); once
+  that cut was checked to be the new images' pixels processed alone, joined along the
+  first dimension, and the positions were checked not to need the pixels
+  (`_light_matches`, once per rollout), later turns leave the whole batch's pixel tensors
+  out and take the new images' alone ("light_turns" in `stats`);
 - where the rule fails, the sample prefills its whole conversation and its old slots
   are masked ("reprefilled_samples" in `stats`);
 - samples not in the call (finished: the environment said done, or out of turns or
