@@ -369,9 +369,10 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
 def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     """Through the session directly (Qwen2.5-VL): once turn 2 checked that the new images'
     pixels alone are the whole batch's part, turn 3's batch (and the rollout's next
-    session's later turns) leave the conversations' pixel tensors out; a sample new in that turn (its whole conversation's images) beside
-    a continuing one, and a turn where no sample continues (every row prefilled whole:
-    its pixels processed after all), each still equal plain generate."""
+    session's later turns) leave the conversations' pixel tensors out; a sample new in
+    that turn (its whole conversation's images) beside a continuing one, and a turn where
+    no sample continues (every row prefilled whole: its pixels processed after all), each
+    still equal plain generate."""
     built, engine = _setup("qwen2_5_vl")
     plain = make_rollout("hf", engine, built.processing)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
@@ -399,10 +400,7 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     second = session.generate(["a", "b"], second_turn, params)
     assert session._light and session._pixel_keys == ("pixel_values",) and session.stats["light_turns"] == 0
     same_as_plain(second, second_turn)
-    third_turn = [grown(second_turn[:1], second.__class__(**{**vars(second),
-                                                             "response_ids": second.response_ids[:1],
-                                                             "response_mask": second.response_mask[:1]}))[0],
-                  openings[1]]
+    third_turn = [grown(second_turn, second)[0], openings[1]]  # "a" continues, "c" is new
     third = session.generate(["a", "c"], third_turn, params)
     assert session.stats["light_turns"] == 1 and "pixel_values" not in third.prompt_inputs
     assert session.stats["reprefilled_samples"] == 1 and rollout.fallback_reason is None
