@@ -136,7 +136,7 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     # Turn 2 checked that the new images' pixels alone (joined, as Qwen2.5-VL lays them
     # out) are the whole batch's part; turn 3 then left the whole conversations' pixels
     # out. Idefics3's one-row-per-sample layout pads to every row's images: never left out.
-    assert stats["light_turns"] == (1 if family == "qwen2_5_vl" else 0)
+    assert stats["light_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
@@ -399,10 +399,14 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     second_turn = grown(openings, first)
     second = session.generate(["a", "b"], second_turn, params)
     assert session._light and session._pixel_keys == ("pixel_values",) and session.stats["light_turns"] == 0
+    # The suffixes' positions from the suffixes alone (mrope's, shifted by each row's last
+    # position) were checked against the whole rows'; later turns skip the whole rows'.
+    assert sessions._POSITIONS.get(rollout) is True and session.stats["alone_positions"] == 0
     same_as_plain(second, second_turn)
     third_turn = [grown(second_turn, second)[0], openings[1]]  # "a" continues, "c" is new
     third = session.generate(["a", "c"], third_turn, params)
     assert session.stats["light_turns"] == 1 and "pixel_values" not in third.prompt_inputs
+    assert session.stats["alone_positions"] == 1
     assert session.stats["reprefilled_samples"] == 1 and rollout.fallback_reason is None
     same_as_plain(third, third_turn)
     fourth = session.generate(["d", "e"], openings, params)  # no row continues: prefilled whole
@@ -415,6 +419,7 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     again_turn = grown(openings, again.generate(["a", "b"], openings, params))
     same_as_plain(again.generate(["a", "b"], again_turn, params), again_turn)
     assert again.stats["light_turns"] == 1 and again.stats["reprefill_reason"] is None
+    assert again.stats["alone_positions"] == 1
 
 
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
