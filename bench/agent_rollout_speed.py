@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs["compiled"]["kept_cache"] = None if session is None else {
         key: session.stats[key] for key in ("prefill_tokens", "whole_tokens", "reprefilled_samples",
                                             "reprefill_reason", "turn_by_turn", "shared_openings",
-                                            "shared_media_rows")}
+                                            "shared_media_rows", "light_turns",
+                                            "alone_positions")}
     report = {
         "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": device_name(str(device)), "versions": versions(), "date": today(),

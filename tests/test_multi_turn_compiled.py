@@ -133,6 +133,10 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) and stats["shared_openings"] == 2
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
+    # Turn 2 checked that the new images' pixels alone (joined, as Qwen2.5-VL lays them
+    # out) are the whole batch's part; turn 3 then left the whole conversations' pixels
+    # out. Idefics3's one-row-per-sample layout pads to every row's images: never left out.
+    assert stats["light_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
@@ -360,6 +364,62 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
     assert agent.backend.caches and {rows for rows, *_ in agent.backend.caches} <= {2, 4, 6}
     assert agent.session.cache is None  # let go when the rollout ended
     _assert_same(fast, plain)
+
+
+def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
+    """Through the session directly (Qwen2.5-VL): once turn 2 checked that the new images'
+    pixels alone are the whole batch's part, turn 3's batch (and the rollout's next
+    session's later turns) leave the conversations' pixel tensors out; a sample new in
+    that turn (its whole conversation's images) beside a continuing one, and a turn where
+    no sample continues (every row prefilled whole: its pixels processed after all), each
+    still equal plain generate."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = make_rollout("hf", engine, built.processing)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    session = sessions.session_for(rollout, reserve=512)
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0, logprobs=True)
+    env, agent = ImageReplies(_environment_role(built)), _agent(built, engine, "hf")
+
+    def grown(conversations, result):
+        out = []
+        for row, conversation in enumerate(conversations):
+            sampled = result.response_ids[row, :int(result.response_mask[row].sum())].tolist()
+            reply, _, _ = env.step(conversation)
+            out.append([*conversation, {"role": "assistant", "content": agent._content(conversation, sampled)},
+                        *reply])
+        return out
+
+    def same_as_plain(result, conversations):
+        reference = plain.generate(conversations, params)
+        assert torch.equal(result.response_ids, reference.response_ids)
+        torch.testing.assert_close(result.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+
+    openings = [ImageReplies().reset(row) for row in _rows()]
+    first = session.generate(["a", "b"], openings, params)
+    second_turn = grown(openings, first)
+    second = session.generate(["a", "b"], second_turn, params)
+    assert session._light and session._pixel_keys == ("pixel_values",) and session.stats["light_turns"] == 0
+    # The suffixes' positions from the suffixes alone (mrope's, shifted by each row's last
+    # position) were checked against the whole rows'; later turns skip the whole rows'.
+    assert sessions._POSITIONS.get(rollout) is True and session.stats["alone_positions"] == 0
+    same_as_plain(second, second_turn)
+    third_turn = [grown(second_turn, second)[0], openings[1]]  # "a" continues, "c" is new
+    third = session.generate(["a", "c"], third_turn, params)
+    assert session.stats["light_turns"] == 1 and "pixel_values" not in third.prompt_inputs
+    assert session.stats["alone_positions"] == 1
+    assert session.stats["reprefilled_samples"] == 1 and rollout.fallback_reason is None
+    same_as_plain(third, third_turn)
+    fourth = session.generate(["d", "e"], openings, params)  # no row continues: prefilled whole
+    assert session.stats["light_turns"] == 2 and rollout.fallback_reason is None
+    assert session.stats["reprefill_reason"] == "no sample's conversation continues the tokens its cache row holds"
+    same_as_plain(fourth, openings)
+    # The check holds for the rollout: a next session (the agent's next rollout) trusts it
+    # from its first later turn on.
+    again = sessions.session_for(rollout, reserve=512)
+    again_turn = grown(openings, again.generate(["a", "b"], openings, params))
+    same_as_plain(again.generate(["a", "b"], again_turn, params), again_turn)
+    assert again.stats["light_turns"] == 1 and again.stats["reprefill_reason"] is None
+    assert again.stats["alone_positions"] == 1
 
 
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():

@@ -16,7 +16,8 @@ one-turn path checks them. With `timed` (benches; off by default, so a run never
 for the device) each call appends where its seconds went to `stats["phases"]`, the
 device synchronized at each phase's end. The agent loop (`mmrl.rollout.agent`) opens
 one session per rollout on the `hf_compiled` backend; results are the backend's
-`RolloutResult`s, `prompt_inputs` being each conversation processed whole. Partial
+`RolloutResult`s, `prompt_inputs` being each conversation processed whole (without the
+pixel tensors on light turns, below). Partial
 rollouts (`mmrl.buffer.partial`) keep one session for the whole run and pass each carried
 response's tokens so far as `prefixes` (appended to its processed prompt, as
 `continue_from` appends them): a carried response's conversation then begins with what
@@ -34,7 +35,13 @@ What a later turn does, per sample:
   token (the decode loop samples it but never feeds it), the environment's reply, the
   template's tokens, with their positions and per-token entries sliced from the whole
   conversation's, and the media tensors of the images that arrived since, cut out of the
-  whole conversation's tensors (so they are the ones processing it whole gives);
+  whole conversation's tensors (so they are the ones processing it whole gives); once
+  that cut was checked to be the new images' pixels processed alone, joined along the
+  first dimension, and the positions were checked not to need the pixels
+  (`_light_matches`, once per rollout), later turns leave the whole batch's pixel tensors
+  out and take the new images' alone ("light_turns" in `stats`), and the suffixes'
+  positions come from the suffixes alone, shifted by each row's last position (checked
+  once per rollout against the whole rows': `_suffix_positions`, "alone_positions");
 - where the rule fails, the sample prefills its whole conversation and its old slots
   are masked ("reprefilled_samples" in `stats`);
 - samples not in the call (finished: the environment said done, or out of turns or
@@ -63,6 +70,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -76,6 +84,12 @@ from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
 from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 MEDIA_TYPES = ("image", "video")
+# Per rollout: whether later turns may leave the pixel tensors out, and their keys
+# (`DecodeSession._light_matches`); weak, so a rollout let go takes its entry along.
+_LIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per rollout: whether a suffix's positions, computed from the suffix alone and its row's
+# `next_position`, are checked to be the whole rows' (`DecodeSession._suffix_positions`).
+_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def session_for(backend, reserve: int = 0) -> DecodeSession | None:
@@ -94,6 +108,9 @@ class _Row:
     # Media items its conversation holds so far, per media key: (along the first dimension,
     # along the second where each chunk is one row of it, else None). None: not learned yet.
     media: dict[str, tuple[int, int | None]] | None = None
+    # The position its last sampled token has in its conversation processed whole (per
+    # axis: mrope's three): where its next suffix's positions start (`_suffix_positions`).
+    next_position: torch.Tensor | None = None
 
     @property
     def cached(self) -> int:
@@ -141,8 +158,19 @@ class DecodeSession:
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
-                            "phases": [],
+                            "light_turns": 0, "alone_positions": 0, "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
+
+    # Later turns without the whole conversations' pixel tensors (`_light_matches`): None
+    # until checked on the first turn that continues rows with new media, then trusted for
+    # every session of the rollout (an agent opens one per rollout), as `collate_rows` is.
+    @property
+    def _light(self) -> bool | None:
+        return _LIGHT.get(self.rollout, (None, ()))[0]
+
+    @property
+    def _pixel_keys(self) -> tuple[str, ...]:
+        return _LIGHT.get(self.rollout, (None, ()))[1]
 
     def __enter__(self) -> DecodeSession:
         return self
@@ -177,7 +205,8 @@ class DecodeSession:
             if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
                 batch = shared.rows(self.processing, conversations)
             else:
-                batch = self._process(conversations, per_row=self.cache is not None)
+                batch = self._process(conversations, per_row=self.cache is not None,
+                                      light=self._light is True and self.cache is not None and prefixes is None)
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             processed = self._clock()
@@ -227,12 +256,14 @@ class DecodeSession:
             return True
         return SharedMedia.of(self.processing, conversations, owners)
 
-    def _process(self, conversations: list[list[dict]], per_row: bool) -> dict:
+    def _process(self, conversations: list[list[dict]], per_row: bool, light: bool = False) -> dict:
         """The conversations processed whole, as plain `generate` gets them. With `per_row`
         (later turns) and images: each row processed alone with each list of images processed once per
         content (`_ImageMemo`: a tool's reply is often the same crop for every sample of a
         prompt), then collated (`Processing.collate_rows`, checked once against processing
-        the rows together); one processor call over every row where that cannot be done."""
+        the rows together); one processor call over every row where that cannot be done.
+        With `light` (trusted by `_light_matches`), the pixel tensors of `_pixel_keys` are left
+        out of the collated batch: the suffix takes them from its new chunks alone."""
         processor = getattr(self.processing, "processor", None)
         images = getattr(processor, "image_processor", None)
         if (not per_row or images is None or self.processing.collate_matches is False or self._per_row_failed
@@ -252,6 +283,10 @@ class DecodeSession:
             return dict(self.processing(conversations))
         if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
             return dict(self.processing(conversations))
+        if light and self.processing.collate_matches:
+            self.stats["light_turns"] += 1
+            return self.processing.collate([{k: v for k, v in row.items() if k not in self._pixel_keys}
+                                            for row in rows])
         return self.processing.collate_rows(rows, conversations)
 
     def _leave_pool(self) -> None:
@@ -284,8 +319,10 @@ class DecodeSession:
         if shared is not None:
             media = shared.to(device) if isinstance(shared, SharedMedia) else None
             distinct = distinct_prompts(inputs, media, placeholder_tokens(model))
+        # Light later turns whose suffix positions are trusted skip the whole rows' positions.
+        skip = self.cache is not None and self._light is not None and _POSITIONS.get(rollout) is True
         if distinct is None:
-            positions = distinct_positions = rollout.position_ids(model, inputs)
+            positions = distinct_positions = None if skip else rollout.position_ids(model, inputs)
         else:  # a row's positions depend on that row alone
             distinct_positions = rollout.position_ids(model, distinct.batch)
             positions = distinct.expand(distinct_positions)
@@ -301,15 +338,26 @@ class DecodeSession:
                         starts, media, chunks = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
+                    if starts is None and any(key not in inputs for key in self._pixel_keys):
+                        # A light batch (`_process`) prefilled whole: its pixel tensors processed after all.
+                        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                  for k, v in self._process(conversations, per_row=True).items()}
+                    if starts is None and positions is None:
+                        positions = distinct_positions = rollout.position_ids(model, inputs)
+                    if self._light is None and media:
+                        _LIGHT[rollout] = self._light_matches(model, inputs, positions, media, chunks)
                 prefill_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
                                                                     distinct_positions)
                 else:
-                    logits, end, prefill_rows = self._prefill_suffix(run, inputs, positions, ids, starts, media, chunks,
-                                                                        params)
+                    offsets = [self.samples[key].next_position if start else None for key, start in zip(keys, starts)]
+                    logits, end, prefill_rows, begin = self._prefill_suffix(run, inputs, positions, ids, starts, media,
+                                                                            chunks, params, offsets)
+                if positions is not None:  # the whole rows' (else the trusted suffixes')
+                    begin = next_positions(positions, real)
                 decode_began = self._clock()
-                decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, next_positions(positions, real),
+                decoded = rollout.decode_tokens(run, self.cache, logits, self.mask, begin,
                                           inputs["input_ids"], self.length, end, home=self.cache)
                 decode_ended = self._clock()
         finally:
@@ -318,7 +366,7 @@ class DecodeSession:
         _, response_mask, _ = trim_responses(generated, self.processing.stop_token_ids,
                                              self.processing.tokenizer.pad_token_id)
         lengths = response_mask.sum(-1).long().tolist()
-        self._record(keys, conversations, ids, generated, lengths, end, decoded.steps, starts)
+        self._record(keys, conversations, ids, generated, lengths, end, decoded.steps, starts, begin)
         rollout.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
         self.stats["turns"] += 1
         self.stats["whole_tokens"] += sum(map(len, ids))
@@ -355,19 +403,28 @@ class DecodeSession:
         self.fill = width
         return logits, width, prefilled_rows
 
-    def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor, ids: list[list[int]],
-                        starts: list[int], media: dict, chunks: list[_Chunk], params: SamplingParams):
+    def _prefill_suffix(self, run: DecodeRun, inputs: dict, positions: torch.Tensor | None, ids: list[list[int]],
+                        starts: list[int], media: dict, chunks: list[_Chunk], params: SamplingParams,
+                        offsets: list[torch.Tensor | None]):
         """Each row's tokens from `starts[row]` on (its real tokens' order), left-padded
         together, into the kept cache at its fill. Where rows' new media repeat (`chunks`:
         one per row, a chunk per content) and the family shares media, each distinct
-        chunk is encoded once (`mmrl.engine.media.sharing`). Returns the last logits, the
-        fill and the rows prefilled."""
+        chunk is encoded once (`mmrl.engine.media.sharing`). `positions`: the whole rows'
+        (None: trusted to be `_suffix_positions`, from each row's `offsets`). Returns the last
+        logits, the fill, the rows prefilled and the decode loop's first positions."""
         rows = len(ids)
         width = max(len(row) - start for row, start in zip(ids, starts))
         if self.fill + width + params.max_new_tokens > self.length:
             self._make_room(run, width + params.max_new_tokens)
-        suffix, places, suffix_mask = _suffixes(inputs, positions, starts, width,
-                                                self.processing.tokenizer.pad_token_id)
+        whole = positions if positions is not None else inputs["attention_mask"]  # a stand-in: not used
+        suffix, places, suffix_mask = _suffixes(inputs, whole, starts, width, self.processing.tokenizer.pad_token_id)
+        alone = self._suffix_positions(run.model, {**suffix, **media}, suffix_mask, offsets)
+        if positions is None:
+            places = alone
+            self.stats["alone_positions"] += 1
+        elif self._light is True and _POSITIONS.get(self.rollout) is None and alone is not None:
+            _POSITIONS[self.rollout] = bool(torch.equal(alone, places)) and torch.equal(
+                next_positions(alone, suffix_mask), next_positions(positions, inputs["attention_mask"].bool()))
         self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
         shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
@@ -375,7 +432,23 @@ class DecodeSession:
             logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
-        return logits, self.fill, rows
+        return logits, self.fill, rows, next_positions(places, suffix_mask)
+
+    def _suffix_positions(self, model, suffix: dict, mask: torch.Tensor,
+                          offsets: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The suffixes' positions from the suffixes alone (the adapter's positions of the
+        suffix batch, each row's shifted by where its last sampled token sits: rope's
+        positions after a text token are the earlier ones' largest plus what follows),
+        zero in padding as `_suffixes` lays them out; None where a continuing row's start
+        is not known. Checked once per rollout against the whole rows' (`_POSITIONS`)."""
+        if all(offset is None for offset in offsets):
+            return None
+        alone = self.rollout.position_ids(model, {**suffix, "attention_mask": mask.long()})
+        known = next(offset for offset in offsets if offset is not None)
+        # A row prefilled whole (no offset) gets its positions from itself: no shift.
+        shift = torch.stack([known.new_zeros(known.shape) if offset is None else offset for offset in offsets],
+                            -1)  # (axes..., rows)
+        return torch.where(mask, alone + shift[..., None], torch.zeros_like(alone))
 
     def _suffix_sharing(self, suffix: dict, chunks: list[_Chunk], model) -> SharedMedia | None:
         """Each distinct chunk of the suffixes' new media as one piece (`SharedMedia.of_singles`,
@@ -396,7 +469,7 @@ class DecodeSession:
         return shared
 
     def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
-                lengths: list[int], end: int, steps: int, starts: list[int] | None) -> None:
+                lengths: list[int], end: int, steps: int, starts: list[int] | None, begin: torch.Tensor) -> None:
         """What each row holds after the turn: its prompt and sampled tokens, of which the
         last is not in the cache; slots after it (the stop token fed to a finished row,
         padding) leave the mask."""
@@ -408,7 +481,8 @@ class DecodeSession:
             continued = starts is not None and starts[row] > 0 and previous is not None
             self.samples[key] = _Row(tokens=ids[row] + generated[row, :length].tolist(),
                                      messages=len(conversations[row]),
-                                     media=self._grown_media(previous, conversations[row]) if continued else None)
+                                     media=self._grown_media(previous, conversations[row]) if continued else None,
+                                     next_position=begin[..., row] + length)
         self.fill = end + steps - 1
         self.rows = list(keys)
         # Samples missing from this call left the cache: what their rows held goes too (a
@@ -464,8 +538,31 @@ class DecodeSession:
             for token in placeholders:
                 if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
-        return {key: _cut(key, inputs[key], before, new) for key in media_keys
-                if any(key in chunk.tensors for chunk in new)}, new
+        cut = {key: _cut(key, inputs[key], before, new) for key in media_keys
+               if any(key in chunk.tensors for chunk in new)}
+        # Pixel tensors a light batch left out (`_process`): the new chunks' alone.
+        return {**cut, **{key: _joined(key, new) for key in self._pixel_keys
+                          if key not in inputs and any(key in chunk.tensors for chunk in new)}}, new
+
+    def _light_matches(self, model, inputs: dict, positions: torch.Tensor, media: dict,
+                       chunks: list[_Chunk]) -> tuple[bool, tuple[str, ...]]:
+        """Whether later turns may leave the whole conversations' pixel tensors out (checked
+        once, then trusted, as `Processing.collate_rows` is): each floating or boolean media
+        tensor of this turn's suffixes, cut from the whole batch, equals its new chunks'
+        tensors joined along the first dimension (not a layout of one row per
+        sample, whose padding depends on every row's images), and the adapter's positions of the whole
+        rows are the same without those tensors. Returns (whether, those tensors' keys)."""
+        keys = tuple(k for k, v in media.items() if v.is_floating_point() or v.dtype == torch.bool)
+        if not keys or any(k not in inputs for k in keys):
+            return False, ()
+        if any(chunk.sizes()[k][1] is not None for chunk in chunks for k in keys if k in chunk.tensors):
+            return False, ()  # a row-per-image layout (padded to the batch's images): only the whole batch gives it
+        if not all(torch.equal(_joined(key, chunks), media[key]) for key in keys):
+            return False, ()
+        without = {k: v for k, v in inputs.items() if k not in keys}
+        if not torch.equal(self.rollout.position_ids(model, without), positions):
+            return False, ()
+        return True, keys
 
     def _chunk(self, parts: list[dict]) -> _Chunk:
         """`parts` (media parts of a conversation) processed alone, once per session and
@@ -666,6 +763,12 @@ def _cut(key: str, whole: torch.Tensor, before: list[dict], new: list[_Chunk]) -
         else:
             return cut
     raise _Reprefill(f"the new images' part of {key!r} is not where their sizes put it")
+
+
+def _joined(key: str, chunks: list[_Chunk]) -> torch.Tensor:
+    """The chunks' `key` tensors joined along the first dimension, in row order (the
+    layout `_cut` finds first; `_light_matches` checks it is the one the batch has)."""
+    return torch.cat([chunk.tensors[key] for chunk in chunks if key in chunk.tensors])
 
 
 def _same(alone: torch.Tensor, part: torch.Tensor) -> bool:
