@@ -2,25 +2,23 @@
 reader of its result. The timings mean nothing on a shared CPU; the structure does."""
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from cpu_processes import run
 
 from bench_scripts import load_bench
 
 pytestmark = pytest.mark.slow  # its module fixture runs the bench under torchrun
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling") / "fsdp_scaling.json"
-    subprocess.run([sys.executable, "bench/fsdp_scaling.py", "--device", "cpu", "--shape", "tiny", "--nproc", "2",
-                    "--sequences", "4", "--repeats", "1", "--micro-batch-tokens", "512", "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    run([sys.executable, "bench/fsdp_scaling.py", "--device", "cpu", "--shape", "tiny", "--nproc", "2",
+                    "--sequences", "4", "--repeats", "1", "--micro-batch-tokens", "512", "--out", str(out)], timeout=600)
     return json.loads(out.read_text())
 
 

@@ -3,22 +3,20 @@ plain `generate` against the compiled loop on each rank's inference copy, with t
 gather timed. The timings mean nothing on a shared CPU; the structure does."""
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from cpu_processes import run
+
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_the_bench_compares_both_rollouts_of_a_sharded_engine(tmp_path):
     out = tmp_path / "sharded_rollout.json"
-    subprocess.run([sys.executable, "bench/sharded_rollout.py", "--device", "cpu", "--shape", "tiny", "--nproc", "2",
-                    "--batch", "4", "--prompt", "16", "--new-tokens", "8", "--repeats", "1", "--out", str(out)],
-                   cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    run([sys.executable, "bench/sharded_rollout.py", "--device", "cpu", "--shape", "tiny", "--nproc", "2",
+                    "--batch", "4", "--prompt", "16", "--new-tokens", "8", "--repeats", "1", "--out", str(out)], timeout=600)
     report = json.loads(out.read_text())
     assert report["world_size"] == 2 and report["sharded"] and report["fallback"] is None
     assert report["copy_dtype"] == "float32" and report["copy_kept"] and report["copy_bytes"] > 0
