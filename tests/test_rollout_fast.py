@@ -362,3 +362,38 @@ def test_a_shorter_batch_reuses_the_longest_compiled_cache():
     assert lengths[0] == lengths[-1] > compiled.CACHE_LENGTH_STEP  # the short batch took the long cache
     assert w.take()[1] == 1
     _assert_same(eager, fast)
+
+
+def test_each_model_class_has_a_decode_step_of_its_own():
+    from mmrl.rollout.compiled import decode_step_for
+
+    class One(torch.nn.Module):
+        pass
+
+    class Two(torch.nn.Module):
+        pass
+
+    assert decode_step_for(One) is decode_step_for(One)
+    assert decode_step_for(One).__code__ is not decode_step_for(Two).__code__
+    assert decode_step_for(Two).__name__ == "_decode_step_Two"
+
+
+@pytest.mark.slow
+def test_a_process_that_rolls_out_several_model_classes_stays_under_the_recompile_limit():
+    """Dynamo counts a code object's compiled entries against one recompile limit and guards
+    them on the model's class: with one shared step, the zoo's GPU test fell back to plain
+    generate from its 8th family on. Here with a limit of 2 and three classes, each class's
+    step keeps its own entries (a shared step fails: three classes need at least three)."""
+    config = torch._dynamo.config
+    limit = {"recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit": 2}
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0, logprobs=True)
+    for family in ("qwen2", "llama", "mistral"):
+        built, engine = widened_engine(family)
+        conversations = prompt_conversations(built)
+        rollout = make_rollout("hf_compiled", engine, built.processing,
+                               compile_options={"backend": "eager", "fullgraph": True})
+        with warnings.catch_warnings(), config.patch(**limit):
+            warnings.simplefilter("ignore")
+            fast = rollout.generate(conversations, params)
+        assert rollout.fallback_reason is None, (family, rollout.fallback_reason)
+        _assert_same(make_rollout("hf", engine, built.processing).generate(conversations, params), fast)

@@ -493,8 +493,10 @@ class CompiledHFRollout(HFRollout):
 
     def _compiled_step(self):
         if self._step is None:
+            step = decode_step_for(type(self.engine.model if self.copy is None else self.copy.model))
+
             def compiled():
-                return torch.compile(_decode_step, **self.compile_options) if self.compile else _decode_step
+                return torch.compile(step, **self.compile_options) if self.compile else step
 
             if self.decode == "graphs":
                 capture = self.compile and self.engine.dist.device.type == "cuda"
@@ -598,6 +600,26 @@ def _decode_step(model, input_ids, position_ids, attention_mask, cache, running,
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
     return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, noise=noise, **pick)
+
+
+_STEPS_BY_CLASS: dict[type, object] = {}
+
+
+def decode_step_for(model_class: type):
+    """The decode step for models of `model_class`, with a code object of its own per class.
+    Dynamo keeps a code object's compiled entries under one recompile limit (8) and guards
+    each on the model's class, so one shared step would fill the limit after 8 model classes
+    in a process (a test over the zoo, a probe sweep, a notebook that trains two models)
+    and every later class would fall back to plain `generate`. Models of one class share
+    their step, so its compiled entries serve every rollout of them."""
+    step = _STEPS_BY_CLASS.get(model_class)
+    if step is None:
+        name = f"_decode_step_{model_class.__name__}"
+        code = _decode_step.__code__.replace(co_name=name, co_qualname=name)
+        step = type(_decode_step)(code, _decode_step.__globals__, name, _decode_step.__defaults__)
+        step.__kwdefaults__ = _decode_step.__kwdefaults__
+        _STEPS_BY_CLASS[model_class] = step
+    return step
 
 
 def _write_back(home, cache, index: torch.Tensor) -> None:
