@@ -107,7 +107,7 @@ class PartialRollouts:
 
     def _draw(self) -> int:
         """The next prompts into flight, each with its `n` empty responses."""
-        samples, rows = self.trainer._next_prompts()
+        samples, rows = self.trainer.next_prompts()
         for row in rows:
             self.buffer.in_flight.append(InFlightGroup(
                 index=self.index_of[row], row=row,
@@ -135,7 +135,7 @@ class PartialRollouts:
                                 logprobs_temperature=r.rollout.temperature or 1.0)
         asked = [conversations[number] for number, _ in active]
         prefixes = [list(response.tokens) for _, response in active]
-        with self.trainer._timed("rollout"):
+        with self.trainer.timed("rollout"):
             if self.session is not None:
                 result = self.session.generate(self._session_keys([response for _, response in active]), asked,
                                                params, prefixes=prefixes)
@@ -189,7 +189,7 @@ class PartialRollouts:
         samples = [trainer.train_set[g.index] for g in groups]
         rows = [g.row for g in groups]
         conversations = self._conversations(groups)
-        rewards, outcomes, parts = trainer._score(samples, result, rows, trainer.train_set,
+        rewards, outcomes, parts = trainer.score(samples, result, rows, trainer.train_set,
                                                   f"step {trainer.step + 1}", conversations)
         return RolloutBatch(samples=samples, rows=rows, conversations=conversations, result=result, rewards=rewards,
                             reward_parts=parts, outcomes=outcomes, version=version, data_end=tuple(trainer.position),
