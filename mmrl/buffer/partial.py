@@ -47,7 +47,7 @@ import torch
 
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, RolloutBatch, TrajectoryBuffer
 from mmrl.evaluation import conversations_of
-from mmrl.rollout.base import RolloutResult, SamplingParams
+from mmrl.rollout.base import RolloutResult, SamplingParams, right_padded
 from mmrl.rollout.sessions import DecodeSession, session_for
 
 if TYPE_CHECKING:
@@ -199,12 +199,7 @@ class PartialRollouts:
 def _responses_result(responses: list[InFlightResponse], owners: torch.Tensor, pad_id: int) -> RolloutResult:
     """The responses' tokens so far as a right-padded `RolloutResult` (`owners`: each
     one's prompt), "stop" or "length" as they finished (unfinished: "length")."""
-    width = max([len(r.tokens) for r in responses] + [1])
-    ids = torch.full((len(responses), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(responses), width)
-    for i, response in enumerate(responses):
-        ids[i, :len(response.tokens)] = torch.tensor(response.tokens, dtype=torch.long)
-        mask[i, :len(response.tokens)] = 1.0
+    ids, mask = right_padded([r.tokens for r in responses], pad_id)
     return RolloutResult(response_ids=ids, response_mask=mask,
                          finish_reasons=[r.finish or "length" for r in responses], prompt_index=owners)
 
