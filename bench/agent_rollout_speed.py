@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(i is None or i == tokenizer.unk_token_id for i in allowed):
         raise SystemExit(f"error: the tokenizer has no single tokens for {ALLOWED}")
     only_sampling(trainer.processing, allowed, trainer.actor.model.config.get_text_config().vocab_size)
-    samples, _ = trainer._next_prompts()
+    samples, _ = trainer.next_prompts()
     params = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p)
     agents = {"plain": plain, "compiled": compiled}

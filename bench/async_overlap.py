@@ -62,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mmrl.platform_info import today, versions, write_report
+
 BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
@@ -285,14 +287,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if argv is None:  # run as a script: an outer `timeout` ends the running child too; finished runs are in --out
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {"command": "python bench/async_overlap.py " + " ".join(argv or sys.argv[1:]),
-                              "date": time.strftime("%Y-%m-%d"), "shape": args.shape, "steps": args.steps,
+                              "date": today(), "versions": versions(), "shape": args.shape, "steps": args.steps,
                               "settings": grpo.settings(args), "shared_overrides": [*SHARED, *args.set],
                               "runs": {}}
 
     def write() -> None:
         report["ratio"] = ratios(report["runs"])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.out, report)
 
     with tempfile.TemporaryDirectory(prefix="async_overlap_") as folder:
         tmp = Path(folder)
@@ -312,11 +313,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run["error"] = error
             run["process_s"] = round(time.perf_counter() - began, 1)
             report["runs"][name] = run
-            write()
-    write()
+            write()  # after each run: a later one may run out of time
+    report["ratio"] = ratios(report["runs"])
     print()
     print_table(report["runs"], report["ratio"])
-    print(f"wrote {args.out}")
+    write_report(args.out, report, lead="\n")
     return report
 
 

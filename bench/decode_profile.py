@@ -11,7 +11,7 @@ checkpoint of `--shape` (0.5b: Qwen2.5-0.5B's shape with Qwen's real vocabulary 
 an `mmrl.trainer.Trainer` loads them (bf16 weights, `rollout.backend: hf_compiled`; recipe
 overrides after the options), and every mode's rollout is made by the trainer's own call
 (`make_rollout` with `rollout_options`) on its engine, then rolls out the trainer's first batch
-(8 prompts x 8 samples x 256 new tokens by default, temperature 1, as `Trainer._roll_out`).
+(8 prompts x 8 samples x 256 new tokens by default, temperature 1, as `Trainer.roll_out_batch`).
 
 Modes (`--modes`, in this order by default, the ones the question is about first; each
 keeps its compiled code and graphs):
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = ["rollout.backend=hf_compiled", "model.dtype=bfloat16", "rollout.decode=graphs", *args.overrides]
     recipe = trl_grpo_step.mmrl_recipe(folder / "model", bench_args(args), overrides, folder / "run")
     trainer = Trainer(recipe, dist=dist)
-    samples, rows = trainer._next_prompts()  # the trainer's first batch
+    samples, rows = trainer.next_prompts()  # the trainer's first batch
     conversations = conversations_of(samples, rows, trainer.train_set, "decode_profile",
                                      max_pixels=recipe.model.max_pixels)
     r = recipe.rollout

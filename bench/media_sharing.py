@@ -57,7 +57,7 @@ def main() -> None:
     r = recipe.rollout
     params = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p)
-    conversations = [to_conversation(s) for s in trainer._next_prompts()[0]]
+    conversations = [to_conversation(s) for s in trainer.next_prompts()[0]]
     result = trainer.rollout.generate(conversations, params)
     rows = torch.arange(len(result.response_ids))
     generator = torch.Generator().manual_seed(0)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: the recipe's rollout is {type(rollout).__name__}, not the compiled one")
     if args.device == "cpu":
         rollout.compile = False  # the decode loop eagerly: compiling on the CPU costs more than it saves
-    samples, rows = trainer._next_prompts()
+    samples, rows = trainer.next_prompts()
     conversations = conversations_of(samples, rows, trainer.train_set, "bench", max_pixels=recipe.model.max_pixels)
     r = recipe.rollout
     whole = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=0, logprobs=True)

@@ -401,14 +401,16 @@ def record_first_rollout(trainer, folder: Path | None = None) -> dict:
 
 
 def record_sequences(trainer) -> list[list[tuple[int, int]]]:
-    """A list that gets, per rollout a step trains on (`Trainer._roll_out`; not the
-    first step's media check), each sequence's (prompt tokens, response tokens): the
-    prompt's from the processed batch the backend generated from (images expanded to
-    their tokens), the response's from its mask. Empty for a tree without `_roll_out`."""
+    """A list that gets, per rollout a step trains on (`Trainer.roll_out_batch`, named
+    `_roll_out` in older trees; not the first step's media check), each sequence's
+    (prompt tokens, response tokens): the prompt's from the processed batch the backend
+    generated from (images expanded to their tokens), the response's from its mask.
+    Empty for a tree without either."""
     calls: list[list[tuple[int, int]]] = []
-    roll_out = getattr(trainer, "_roll_out", None)
-    if roll_out is None:
+    name = next((n for n in ("roll_out_batch", "_roll_out") if hasattr(trainer, n)), None)
+    if name is None:
         return calls
+    roll_out = getattr(trainer, name)
 
     def recording_roll_out(*args, **kwargs):
         batch = roll_out(*args, **kwargs)
@@ -424,7 +426,7 @@ def record_sequences(trainer) -> list[list[tuple[int, int]]]:
         calls.append(list(zip(prompts, responses)))
         return batch
 
-    trainer._roll_out = recording_roll_out
+    setattr(trainer, name, recording_roll_out)
     return calls
 
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from mmrl.platform_info import versions, write_report
+from mmrl.platform_info import host, versions, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 COVERAGE = REPO / "support_matrix" / "coverage.json"
@@ -185,7 +184,7 @@ def main() -> None:
         order = {m: i for i, m in enumerate(MAPPINGS)}
         rows.sort(key=lambda r: (order[r["mapping"]], r["model_type"]))
         write_report(args.out, {
-            **versions(("vllm", "transformers", "torch")), "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            **versions(("vllm", "transformers", "torch")), "host": host(),
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/vllm_scaffolded.py", *sys.argv[1:]]),
             "rule": __doc__.split("Which types, by rule (nothing picked by hand): ")[1].split("\n\n")[0].replace("\n", " "),
             "summary": summary(rows), "types": rows,

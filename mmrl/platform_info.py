@@ -2,17 +2,20 @@
 
     versions()            # {"python": "3.12.3", "mmrl": ..., "torch": ..., ...}
     device_name("cuda:0") # "NVIDIA H200", or "cpu (x86_64)"
+    host()                # "x86_64, 16 CPUs"
     today()               # "2026-12-03" (UTC)
     write_report(path, report)  # JSON, indent 2, its folder made, "wrote PATH" printed
 
-The probes record these beside every support-matrix cell, and the benches beside every
-figure in bench/results/; both read them from here so the two records agree.
+The probes record these beside every support-matrix cell, the benches beside every
+figure in bench/results/, and the scaffold's sweep beside every row of its page; all read
+them from here so the records agree.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,11 @@ def device_name(device: str = "cpu") -> str:
     return f"cpu ({platform.machine()})"
 
 
+def host() -> str:
+    """The machine's architecture and CPU count, as `x86_64, 16 CPUs`."""
+    return f"{platform.machine()}, {os.cpu_count()} CPUs"
+
+
 def today() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 
@@ -59,4 +67,4 @@ def write_report(path: str | Path, report: dict[str, Any], *, lead: str = "") ->
     return path
 
 
-__all__ = ["PACKAGES", "device_name", "today", "versions", "write_report"]
+__all__ = ["PACKAGES", "device_name", "host", "today", "versions", "write_report"]

@@ -35,7 +35,7 @@ from mmrl.engine.media import SharedMedia, placeholder_tokens
 from mmrl.parallel import Dist
 from mmrl.processing import Processing
 from mmrl.rollout.agent import Trajectory
-from mmrl.rollout.base import RolloutResult
+from mmrl.rollout.base import RolloutResult, right_padded
 
 # One mini-batch of the update: (index into the micro-batches, loss scale) per pass.
 Mini = list[tuple[int, float]]
@@ -138,12 +138,8 @@ def trajectory_sequences(trajectories: Sequence[Trajectory], processing: Process
         if got != t.prompt_ids:
             raise ValueError(f"trajectory {row}: processing its conversation again gave other tokens than the "
                              "rollout's (processing must be deterministic)")
-    last_width = max(1, max(len(t.last_ids) for t in trajectories))
-    last = torch.full((len(trajectories), last_width), pad_token_id, dtype=torch.long)
-    last_mask = torch.zeros(len(trajectories), last_width)
-    for row, t in enumerate(trajectories):
-        last[row, :len(t.last_ids)] = torch.tensor(t.last_ids, dtype=torch.long)
-        last_mask[row, :len(t.last_ids)] = 1
+    last, last_mask = right_padded([t.last_ids for t in trajectories], pad_token_id)
+    last_width = last.shape[1]
     seqs = join(prompts, last, last_mask, adapter, model, pad_token_id, shared=shared)
     total = seqs.inputs["input_ids"].shape[1]
     span = last_width + max(len(t.prompt_ids) - t.first for t in trajectories)

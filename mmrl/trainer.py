@@ -216,7 +216,10 @@ class Trainer:
         check_prompt_lengths(r, {"train": self.train_set, "validation": self.validation_set, "eval": self.eval_set})
 
     # -- one step -------------------------------------------------------------------------------
-    def _timed(self, name: str):
+    def timed(self, name: str):
+        """A context manager that adds its block's seconds to `timings[name]` (the step's
+        split: "rollout", "logprob", "update", "sync"); the buffer's schedules time their
+        rollouts with it too."""
         trainer = self
 
         class _Timer:
@@ -228,8 +231,8 @@ class Trainer:
 
         return _Timer()
 
-    def _score(self, samples: list[dict], result, rows: list[int], dataset, where: str,
-               conversations: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+    def score(self, samples: list[dict], result, rows: list[int], dataset, where: str,
+              conversations: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
         """Rewards of the responses, the reward function's part of them alone (per-turn
         credit counts the environment's apart), and a combined reward's parts by name
         (`score_parts`); a failing reward or a NaN/inf score stops the run here, before any
@@ -240,7 +243,7 @@ class Trainer:
         rewards = outcomes + result.env_rewards.float() if result.env_rewards is not None else outcomes
         return rewards, outcomes, parts
 
-    def _next_prompts(self) -> tuple[list[dict], list[int]]:
+    def next_prompts(self) -> tuple[list[dict], list[int]]:
         """This data-parallel rank's share of the next batch of prompts, and their source
         rows (as the dataset file counts them, for errors)."""
         r = self.recipe
@@ -268,15 +271,16 @@ class Trainer:
                                          group=self.dist.sp_group)
         return type(result)(**box[0])
 
-    def _roll_out(self, prompts: tuple[list[dict], list[int]] | None = None,
-                  generator_seed: int | None = None) -> RolloutBatch:
+    def roll_out_batch(self, prompts: tuple[list[dict], list[int]] | None = None,
+                       generator_seed: int | None = None) -> RolloutBatch:
         """The next prompts' rollout, scored: what a step trains on, now or (one step off,
-        `algo.max_staleness`) later. `prompts`: the samples and their source rows, chosen
-        by the caller (a rollout rank, `mmrl.buffer.disaggregated`); `generator_seed`:
+        `algo.max_staleness`) later; the buffer's schedules (mmrl/buffer) produce their
+        batches with it. `prompts`: the samples and their source rows, chosen by the caller
+        (a rollout rank, `mmrl.buffer.disaggregated`); `generator_seed`:
         `SamplingParams.generator_seed` (mmrl/buffer)."""
         r = self.recipe
         where = f"step {self.step + 1}"
-        samples, source_rows = prompts if prompts is not None else self._next_prompts()
+        samples, source_rows = prompts if prompts is not None else self.next_prompts()
         # An environment opens each sample's conversation itself (from the row).
         conversations = None if self.agent else conversations_of(samples, source_rows, self.train_set, where,
                                                                 max_pixels=r.model.max_pixels)
@@ -285,7 +289,7 @@ class Trainer:
         params = SamplingParams(n=r.rollout.samples_per_prompt, max_new_tokens=r.rollout.max_new_tokens,
                                 temperature=r.rollout.temperature, top_p=r.rollout.top_p, logprobs=sampler,
                                 logprobs_temperature=r.rollout.temperature or 1.0, generator_seed=generator_seed)
-        with self._timed("rollout"):
+        with self.timed("rollout"):
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
@@ -293,7 +297,7 @@ class Trainer:
             # Does the model read the first batch's images? (one line, or an error: trainer.strict_media)
             step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,
                                   strict=r.trainer.strict_media)
-        rewards, outcomes, reward_parts = self._score(samples, result, source_rows, self.train_set, where,
+        rewards, outcomes, reward_parts = self.score(samples, result, source_rows, self.train_set, where,
                                                       conversations)
         return RolloutBatch(samples=samples, rows=source_rows, conversations=conversations,
                             result=result, rewards=rewards, reward_parts=reward_parts, outcomes=outcomes,
@@ -335,9 +339,9 @@ class Trainer:
         self.timings["logprob"] += plan.estimate_seconds
         metrics.update(plan.metrics)
         self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
-        with self._timed("update"):
+        with self.timed("update"):
             metrics.update(self.update.run(plan))
-        with self._timed("sync"):
+        with self.timed("sync"):
             self.rollout.sync(self.actor)
         metrics["lr"] = self._recipe_lr()
         return metrics
@@ -403,7 +407,7 @@ class Trainer:
 
     def _score_in(self, samples: list[dict], result, rows: list[int], dataset, context: str) -> torch.Tensor:
         """The evaluator's `score`: the rewards, errors naming `context` and the rows of `dataset`."""
-        return self._score(samples, result, rows, dataset, context)[0]
+        return self.score(samples, result, rows, dataset, context)[0]
 
     def _validate(self) -> dict[str, float]:
         """The validation metrics, named `validation/...` (`validation/accuracy` decides

@@ -74,7 +74,7 @@ def test_staleness_zero_is_the_loop_without_the_buffer_bit_for_bit(tmp_path):
     buffered = Trainer(_recipe(tmp_path / "buffered", "trainer.steps=3"))
     buffered.fit()
     direct = Trainer(_recipe(tmp_path / "direct", "trainer.steps=3"))
-    direct.trajectories.next = lambda done: (direct._roll_out(), {})
+    direct.trajectories.next = lambda done: (direct.roll_out_batch(), {})
     direct.fit()
     assert _untimed(_rows(tmp_path / "buffered")) == _untimed(_rows(tmp_path / "direct"))
     assert not any(k.startswith(("off_policy/", "buffer/")) for k in _rows(tmp_path / "buffered")[0])

@@ -78,7 +78,7 @@ def parity(chunk, result, rows, dataset, where, conversations=None):
     answers = torch.tensor([int(s["answer"]) for s in chunk])
     scores = ((result.response_ids[:, 0] + answers) % 2 == 0).float()
     return scores, scores, {}  # rewards, the reward function's part of them, reward parts
-trainer._score = parity
+trainer.score = parity
 record = {}
 # Ranks whose generations stop at different lengths: rank 1 runs 4 more forwards.
 params = SamplingParams(n=1, max_new_tokens=2 + 4 * dist.rank, temperature=0.0)
@@ -89,7 +89,7 @@ sharded = trainer.evaluate(samples, batch_size=3)["accuracy"]  # 7 samples: shar
 if dist.rank == 0:
     alone = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
     single = Trainer(recipe, dist=alone)
-    single._score = parity
+    single.score = parity
     record.update(lengths=shapes, sharded=sharded, single=single.evaluate(samples, batch_size=3)["accuracy"])
     json.dump(record, open(out, "w"))
 dist.barrier()

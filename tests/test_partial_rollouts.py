@@ -22,7 +22,7 @@ from mmrl.buffer.store import InFlightGroup, InFlightResponse, read_batch, read_
 from mmrl.config import RecipeError, load_recipe
 from mmrl.evaluation import conversations_of
 from mmrl.parallel import Dist
-from mmrl.rollout.base import SamplingParams, extend_prompts
+from mmrl.rollout.base import SamplingParams, extend_prompts, right_padded
 from mmrl.rollout.compiled import CompiledHFRollout
 from mmrl.trainer import Trainer
 from test_buffer import _TRAIN, REPO, RUN, TESTS, _rows, _trained_data, _untimed, _weights
@@ -132,6 +132,17 @@ def test_extend_prompts_appends_each_rows_tokens_and_pads_on_the_left():
     with pytest.raises(ValueError, match="1 prefixes for 2 prompts"):
         extend_prompts(inputs, [[1]], pad_id=0)
 
+
+
+def test_right_padded_pads_each_rows_tokens_on_the_right():
+    """The one right-padding of token lists (a carried response's tokens, a trajectory's last turn)."""
+    ids, mask = right_padded([[3, 4, 5], [], [6]], pad_id=0)
+    assert ids.dtype == torch.long and mask.dtype == torch.float32
+    assert ids.tolist() == [[3, 4, 5], [0, 0, 0], [6, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 0], [1, 0, 0]]
+    ids, mask = right_padded([[], []], pad_id=7)
+    assert ids.tolist() == [[7], [7]] and mask.tolist() == [[0], [0]]
+    assert right_padded([], pad_id=0)[0].shape == (0, 1)
 
 # -- the loop ----------------------------------------------------------------------------------------
 def test_partial_rollouts_train_the_one_round_tokens_with_each_tokens_version_and_behaviour(tmp_path):
@@ -270,7 +281,7 @@ def test_partial_tokens_zero_is_the_loop_without_them_bit_for_bit(tmp_path, sett
     buffered = Trainer(_recipe(tmp_path / "buffered", "trainer.steps=3", *settings))
     buffered.fit()
     direct = Trainer(_recipe(tmp_path / "direct", "trainer.steps=3"))
-    direct.trajectories.next = lambda done: (direct._roll_out(), {})
+    direct.trajectories.next = lambda done: (direct.roll_out_batch(), {})
     direct.fit()
     assert _untimed(_rows(tmp_path / "buffered")) == _untimed(_rows(tmp_path / "direct"))
     assert not any(k.startswith("partial/") for k in _rows(tmp_path / "buffered")[0])

@@ -196,3 +196,19 @@ def test_cut_positions_are_contiguous():
         mine = gathered._own_positions(torch.randn(2, 9, 4), ctx)
     assert mine.shape == (2, 5, 4) and mine.is_contiguous()
     mine.view(10, 4)
+
+
+def test_a_layer_or_mixer_called_without_hidden_states_is_named():
+    """Both hooks find the hidden states one way (`_hidden`) and name the module that
+    lacks them; a mixer reached before the first layer measured the sequence is refused alike."""
+    from mmrl.parallel import gathered, ulysses
+
+    layer = torch.nn.Linear(2, 2)
+    with ulysses.active(None, rank=0, size=2) as ctx:
+        for hook in (gathered._cut_first_layer, gathered._gather_inputs):
+            with pytest.raises(ValueError, match="needs the hidden states of Linear$"):
+                hook(layer, (), {"hidden_states": None})
+        with pytest.raises(ValueError, match="needs the hidden states of Linear$"):
+            gathered._gather_inputs(layer, (torch.randn(2, 5, 4),), {})
+        args, kwargs = gathered._cut_first_layer(layer, (torch.randn(2, 9, 4),), {})
+        assert ctx.length == 9 and args[0].shape == (2, 5, 4)

@@ -120,6 +120,7 @@ def test_platform_record_and_report(tmp_path, capsys):
     assert found["no-such-package-mmrl"] == "missing" and "torch" in found and "python" in found
     assert "no-such-package-mmrl" not in platform_info.versions(("no-such-package-mmrl",))
     assert platform_info.device_name("cpu").startswith("cpu (")
+    assert re.fullmatch(r".+, \d+ CPUs", platform_info.host())
     out = platform_info.write_report(tmp_path / "a" / "r.json", {"x": 1})
     assert json.loads(out.read_text()) == {"x": 1} and out.read_text().endswith("\n")
     assert capsys.readouterr().out == f"wrote {out}\n"
@@ -131,11 +132,10 @@ def test_platform_record_and_report(tmp_path, capsys):
                  for path in sorted((repo / folder).rglob("*.py"))
                  if path.name != "platform_info.py" and "get_device_name" in path.read_text()]
     assert not elsewhere, f"name the device through mmrl.platform_info.device_name: {elsewhere}"
-
-
-# bench/async_overlap.py was being rewritten on another branch when the benches were folded
-# onto write_report; it joins them when that lands (drop it from this set then).
-BENCHES_NOT_YET_FOLDED = {"async_overlap.py"}
+    by_hand = [str(path.relative_to(repo)) for folder in ("mmrl", "models", "processors")
+               for path in sorted((repo / folder).rglob("*.py"))
+               if path.name != "platform_info.py" and "platform.machine()" in path.read_text()]
+    assert not by_hand, f"name the machine through mmrl.platform_info (host, device_name): {by_hand}"
 
 
 def test_every_bench_writes_its_report_through_write_report():
@@ -145,8 +145,6 @@ def test_every_bench_writes_its_report_through_write_report():
     repo = Path(__file__).resolve().parents[1]
     by_hand, unfolded = [], []
     for path in sorted((repo / "bench").glob("*.py")):
-        if path.name in BENCHES_NOT_YET_FOLDED:
-            continue
         source = path.read_text()
         by_hand += [f"{path.name}:{number}" for number, line in enumerate(source.splitlines(), 1)
                     if re.search(r"(\bout\b|RESULTS).*\.write_text\(json\.dumps", line)]

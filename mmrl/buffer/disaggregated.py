@@ -407,10 +407,10 @@ class RolloutRank:
                     return  # the train ranks stopped early
             chosen = next(batches)
             trainer.position = chosen.end
-            trainer.step = number - 1  # the step the batch is for (`Trainer._roll_out` names it)
+            trainer.step = number - 1  # the step the batch is for (`Trainer.roll_out_batch` names it)
             rows = [dataset.source_rows[i] for i in chosen.indices]
             for served in self.serves:
-                batch = trainer._roll_out(prompts=(chosen.samples[served::shares], rows[served::shares]))
+                batch = trainer.roll_out_batch(prompts=(chosen.samples[served::shares], rows[served::shares]))
                 batch.version = version
                 batch.indices = [index_of[row] for row in batch.rows]
                 batch.dataset = name

@@ -155,7 +155,7 @@ class CopyRollout(CompiledHFRollout):
 
 
 class RolloutSide:
-    """The trainer as the rollout thread sees it: `Trainer._roll_out` runs on this, with
+    """The trainer as the rollout thread sees it: `Trainer.roll_out_batch` runs on this, with
     the thread's own rollout (`CopyRollout`), processing (a fast tokenizer may not be used
     by two threads at once) and clock, and the weights version it samples at as `step`;
     every other attribute is the trainer's. The thread moves only the trainer's data
@@ -173,13 +173,13 @@ class RolloutSide:
         return getattr(self._trainer, name)
 
     # The trainer's own methods, run on this object (its clock, its processing).
-    def _timed(self, name: str):
-        return type(self._trainer)._timed(self, name)
+    def timed(self, name: str):
+        return type(self._trainer).timed(self, name)
 
-    def _score(self, *args, **kwargs):
+    def score(self, *args, **kwargs):
         began = time.perf_counter()
         try:
-            return type(self._trainer)._score(self, *args, **kwargs)
+            return type(self._trainer).score(self, *args, **kwargs)
         finally:
             self.phases["score_s"] = time.perf_counter() - began
 
@@ -189,7 +189,7 @@ class RolloutSide:
         self.step = version
         self.phases = {}
         generating = self.timings.get("rollout", 0.0)
-        batch = type(self._trainer)._roll_out(self, generator_seed=seed)
+        batch = type(self._trainer).roll_out_batch(self, generator_seed=seed)
         self.phases["generate_s"] = self.timings.get("rollout", 0.0) - generating
         return batch
 

@@ -47,7 +47,7 @@ import torch
 
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, RolloutBatch, TrajectoryBuffer
 from mmrl.evaluation import conversations_of
-from mmrl.rollout.base import RolloutResult, SamplingParams
+from mmrl.rollout.base import RolloutResult, SamplingParams, right_padded
 from mmrl.rollout.sessions import DecodeSession, session_for
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class PartialRollouts:
 
     def _draw(self) -> int:
         """The next prompts into flight, each with its `n` empty responses."""
-        samples, rows = self.trainer._next_prompts()
+        samples, rows = self.trainer.next_prompts()
         for row in rows:
             self.buffer.in_flight.append(InFlightGroup(
                 index=self.index_of[row], row=row,
@@ -135,7 +135,7 @@ class PartialRollouts:
                                 logprobs_temperature=r.rollout.temperature or 1.0)
         asked = [conversations[number] for number, _ in active]
         prefixes = [list(response.tokens) for _, response in active]
-        with self.trainer._timed("rollout"):
+        with self.trainer.timed("rollout"):
             if self.session is not None:
                 result = self.session.generate(self._session_keys([response for _, response in active]), asked,
                                                params, prefixes=prefixes)
@@ -189,7 +189,7 @@ class PartialRollouts:
         samples = [trainer.train_set[g.index] for g in groups]
         rows = [g.row for g in groups]
         conversations = self._conversations(groups)
-        rewards, outcomes, parts = trainer._score(samples, result, rows, trainer.train_set,
+        rewards, outcomes, parts = trainer.score(samples, result, rows, trainer.train_set,
                                                   f"step {trainer.step + 1}", conversations)
         return RolloutBatch(samples=samples, rows=rows, conversations=conversations, result=result, rewards=rewards,
                             reward_parts=parts, outcomes=outcomes, version=version, data_end=tuple(trainer.position),
@@ -199,12 +199,7 @@ class PartialRollouts:
 def _responses_result(responses: list[InFlightResponse], owners: torch.Tensor, pad_id: int) -> RolloutResult:
     """The responses' tokens so far as a right-padded `RolloutResult` (`owners`: each
     one's prompt), "stop" or "length" as they finished (unfinished: "length")."""
-    width = max([len(r.tokens) for r in responses] + [1])
-    ids = torch.full((len(responses), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(responses), width)
-    for i, response in enumerate(responses):
-        ids[i, :len(response.tokens)] = torch.tensor(response.tokens, dtype=torch.long)
-        mask[i, :len(response.tokens)] = 1.0
+    ids, mask = right_padded([r.tokens for r in responses], pad_id)
     return RolloutResult(response_ids=ids, response_mask=mask,
                          finish_reasons=[r.finish or "length" for r in responses], prompt_index=owners)
 

@@ -174,7 +174,7 @@ def batch_seed(seed: int, rank: int, number: int) -> int:
 
 
 def steps_for(trainer: Trainer) -> BufferedSteps:
-    """The trainer's schedule, run sequentially: its rollouts (`Trainer._roll_out`) through
+    """The trainer's schedule, run sequentially: its rollouts (`Trainer.roll_out_batch`) through
     a buffer in its run folder, under its recipe's `algo.max_staleness`. (The concurrent
     form: `mmrl.buffer.overlap.steps_for`.)"""
     dist, recipe = trainer.dist, trainer.recipe
@@ -191,7 +191,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
         check_sampler_log_probs(trainer.rollout, recipe)
 
     def recompute(conversations: list | None, result: RolloutResult) -> torch.Tensor:
-        with trainer._timed("logprob"):
+        with trainer.timed("logprob"):
             return forward_log_probs(trainer.update, conversations, result, temperature)
 
     def behaviour(batch: RolloutBatch) -> torch.Tensor:
@@ -208,7 +208,7 @@ def steps_for(trainer: Trainer) -> BufferedSteps:
     else:
         def produce() -> RolloutBatch:
             seed = batch_seed(recipe.trainer.seed, dist.dp_rank, buffer.produced + 1) if seeded else None
-            batch = trainer._roll_out(generator_seed=seed)
+            batch = trainer.roll_out_batch(generator_seed=seed)
             batch.indices = [index_of[row] for row in batch.rows]
             batch.dataset = name
             return batch

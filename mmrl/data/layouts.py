@@ -85,6 +85,12 @@ class DataSource(_Frozen):
     limit: int | None = Field(None, gt=0)
 
 
+def _first_problem(exc: ValidationError) -> str:
+    """A `DataSource`'s first validation error as `field.inside: message`."""
+    first = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+
+
 def _as_source(value: Any) -> Any:
     """A recipe's data field: a string stays a path or synthetic task; a mapping becomes a
     `DataSource`, its errors naming the field inside it (`columns.prompt: ...`)."""
@@ -94,8 +100,7 @@ def _as_source(value: Any) -> Any:
         try:
             return DataSource.model_validate(dict(value))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+            raise ValueError(_first_problem(exc)) from None
     raise ValueError("expected a path, a synthetic:TASK spec or a mapping with path and columns, "
                      f"got {type(value).__name__}")
 
@@ -115,8 +120,7 @@ def data_source(spec: DataSource | Mapping[str, Any]) -> DataSource:
     try:
         return DataSource.model_validate(dict(spec))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise LayoutError(f"data source: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise LayoutError(f"data source: {_first_problem(exc)}") from None
 
 
 class MappedRows:

@@ -102,9 +102,13 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
     return stack
 
 
-def _hidden(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _hidden(module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a layer (or its mixer) of `module` is called with; a ValueError
+    naming the module where there are none."""
     value = args[0] if args else kwargs.get("hidden_states")
-    return value if isinstance(value, torch.Tensor) else None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"sequence parallelism (gathered mixers) needs the hidden states of {type(module).__name__}")
+    return value
 
 
 def _own_positions(value, ctx):
@@ -134,9 +138,7 @@ def _cut_first_layer(module, args, kwargs):
     ctx = current()
     if ctx is None:
         return None
-    hidden = _hidden(args, kwargs)
-    if hidden is None:
-        raise ValueError(f"sequence parallelism (gathered mixers) needs the hidden states of {type(module).__name__}")
+    hidden = _hidden(module, args, kwargs)
     ctx.length = hidden.shape[1]
     mine = _own_positions(hidden, ctx)
     if args:
@@ -167,8 +169,8 @@ def _gather_inputs(module, args, kwargs):
     ctx = current()
     if ctx is None:
         return None
-    hidden = _hidden(args, kwargs)
-    if hidden is None or ctx.length is None:
+    hidden = _hidden(module, args, kwargs)
+    if ctx.length is None:  # set by the first layer's hook (`_cut_first_layer`)
         raise ValueError(f"sequence parallelism (gathered mixers) needs the hidden states of {type(module).__name__}")
     local = hidden.shape[:2]
 

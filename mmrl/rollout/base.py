@@ -130,3 +130,15 @@ def trim_responses(
     ids = sequences.masked_fill(after_stop, pad_id)
     reasons = ["stop" if row.any() else "length" for row in is_stop]
     return ids, mask, reasons
+
+
+def right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one right-padded batch: ids (N, W) long, `pad_id` after each row's
+    tokens, and the float mask (N, W) of the tokens; W is the longest row, at least 1."""
+    width = max([len(row) for row in rows] + [1])
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1.0
+    return ids, mask

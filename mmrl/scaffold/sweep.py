@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mmrl import errors
+from mmrl.platform_info import host, today
 from mmrl.scaffold.base import COLUMNS, DEPTH
 
 # Each process's own time limit (seconds); one that runs past it ends the type with
@@ -248,11 +249,10 @@ def _killed(code: int, what: str) -> str:
 
 
 def runner() -> str:
-    import platform
-
+    """The torch version and machine a row was measured with: `torch 2.11.0, x86_64, 16 CPUs`."""
     import torch
 
-    return f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs"
+    return f"torch {torch.__version__}, {host()}"
 
 
 # What the user writes by hand when a generated test fails, by the test's name.
@@ -297,17 +297,13 @@ def load_rows(path: Path, version: str) -> dict[str, Row]:
 
 
 def write_document(path: Path, rows: dict[str, Row], version: str) -> dict:
-    import datetime
-
-    import platform
-
     import torch
 
     document = {
         "transformers": version,
         "torch": torch.__version__,
-        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "date": datetime.date.today().isoformat(),
+        "host": host(),
+        "date": today(),
         "command": "mmrl add-model --sweep",
         "summary": summarize(rows.values()),
         "types": [asdict(rows[t]) for t in sorted(rows)],
