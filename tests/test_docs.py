@@ -241,3 +241,21 @@ def test_readme_gpu_table_is_gpu_targets_json():
     spec.loader.exec_module(targets)
     summary = json.loads((REPO / "bench" / "results" / "gpu_targets.json").read_text())
     assert f"{targets.TABLE_START}\n{targets.readme_table(summary)}\n{targets.TABLE_END}" in README
+
+
+def test_gpu_targets_json_holds_what_its_readers_compute_from_the_results():
+    """Each reader-made row of bench/results/gpu_targets.json is what its reader computes
+    from the results on file now (a result replaced without re-running gpu_targets.py fails)."""
+    import json
+
+    from bench_scripts import load_bench
+
+    targets = load_bench("gpu_targets")
+    rows = {row["name"]: row for row in json.loads((REPO / "bench" / "results" / "gpu_targets.json").read_text())["targets"]}
+    readers = (targets.multi_turn_entry, targets.overlap_entry, targets.overlap_vl_entry,
+               targets.recipe_recheck_entry, targets.geo3k_entry, targets.second_run_entry, targets.recheck_entry)
+    for read in readers:
+        entry = read()
+        assert entry is not None and rows[entry["name"]] == json.loads(json.dumps(entry)), read.__name__
+    geo3k = targets.geo3k_entry()
+    assert geo3k["met"] is (geo3k["measured"] >= 3000)
