@@ -141,6 +141,21 @@ def test_padded_micro_batches_reach_the_compiled_layers_aligned(family, monkeypa
     assert compiled.compiled_layers.failed is None and compiled.compiled_layers.compiled_calls == len(seen)
 
 
+def test_a_critic_on_widened_micro_batches_gives_the_eager_values(monkeypatch):
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    values = []
+    for compile_layers in (True, False):
+        built = widened_model("qwen2_5_vl")
+        torch.manual_seed(0)  # the value head's init
+        critic = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), value_head=True,
+                        compile_layers=compile_layers, share_media=False, pack=False)
+        seen = _lengths_seen(critic)
+        values.append(critic.values(_micro_batch(built, 2, 7, 6)))  # 69 columns
+        assert seen and all(length % ALIGNED_LENGTH == 0 for length in seen) == compile_layers, seen
+    torch.testing.assert_close(values[0], values[1], atol=1e-5, rtol=1e-4)
+
+
 def test_left_padding_keeps_the_last_columns_and_the_media():
     rows, length, extra = 2, 13, 3
     ids = torch.arange(rows * length).view(rows, length) + 10
