@@ -250,7 +250,10 @@ def _training_logprobs(engine, processing, conversations, ids: torch.Tensor, mas
     length = max(1, int(mask.sum(-1).max()))
     seqs = join(dict(processing(conversations)), ids[:, :length], mask[:, :length], engine.adapter, engine.model,
                 processing.tokenizer.pad_token_id).to(engine.dist.device)
-    with torch.no_grad():
+    # The engine's compiled layers, where it has them, run eagerly here: a few rows, once a run,
+    # and compiled they would add a no-grad graph that a run without no-grad passes never uses.
+    layers = getattr(engine, "compiled_layers", None)
+    with torch.no_grad(), layers.eager() if layers is not None else contextlib.nullcontext():
         logp, _ = engine.log_probs(seqs, with_entropy=False)
     return logp.float().cpu() * mask[:, :length].float()
 

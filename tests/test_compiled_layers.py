@@ -110,7 +110,12 @@ def test_a_compile_that_fails_warns_once_and_leaves_the_layers_eager(monkeypatch
     messages = [str(w.message) for w in caught if "compiled decoder layers" in str(w.message)]
     assert messages == ["compiled decoder layers: off, eager from now on (Refused: this layer cannot be traced)"]
     assert engine.compiled_layers.failed and engine.compiled_layers.compiled_calls == 0
-    assert torch.equal(logp_c, logp) and all(torch.equal(grads_c[n], grads[n]) for n in grads)
+    # The failed call's batch was widened for the compiled layers before the compile failed
+    # (`ALIGNED_LENGTH`): the eager results to rounding; later calls take the batch as it is.
+    torch.testing.assert_close(logp_c, logp, atol=1e-5, rtol=0)
+    assert all(torch.allclose(grads_c[n], grads[n], atol=1e-5) for n in grads)
+    with torch.no_grad():
+        assert torch.equal(engine.log_probs(_sequences(engine.built))[0], logp)
 
 
 def test_compile_layers_auto_is_off_on_the_cpu_and_other_values_are_refused():

@@ -200,16 +200,17 @@ def test_marked_dims_are_the_rows_and_lengths_not_the_model_constants():
 
 
 def test_the_longest_document_is_a_dynamic_source_in_the_layer_calls_only():
-    """Within the compiled layers' block the packed segments' longest document is a dynamic
-    source, beside the user's own; around it, the user's setting stands."""
-    from mmrl.engine.compiled_layers import LONGEST_SEGMENT_SOURCES, CompiledLayers
+    """Within the compiled layers' block the packed segments' longest document (and the
+    attention's layer index) is a dynamic source, beside the user's own; around it, the user's
+    setting stands."""
+    from mmrl.engine.compiled_layers import LAYER_INDEX_SOURCES, LONGEST_SEGMENT_SOURCES, CompiledLayers
 
     with torch.compiler.config.patch(dynamic_sources="L['x']"):
         layers = CompiledLayers([torch.nn.Linear(2, 2)])
         with layers.active():
             inside = torch.compiler.config.dynamic_sources
         assert torch.compiler.config.dynamic_sources == "L['x']"
-    assert inside == ",".join(("L['x']", *LONGEST_SEGMENT_SOURCES))
+    assert inside == ",".join(("L['x']", *LONGEST_SEGMENT_SOURCES, *LAYER_INDEX_SOURCES))
 
 
 def _unpadded_micro_batch(built, rows, words, response_tokens):

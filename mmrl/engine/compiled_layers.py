@@ -33,6 +33,16 @@ where other batches give a tensor; the engine's forwards keep the mask
 the weights they meet would specialize them again, and a length that happened to equal
 one would be tied to it and specialized with it (dynamo gives equal sizes one symbol).
 tests/test_compiled_layers_shapes.py counts the graphs over varied micro-batches.
+
+Three more guards that compiled a layer again in a run (issue 28), each answered here:
+- autocast's weight cache: the decode step records with it off, the engine's forwards run
+  with it on, and dynamo guards on it; every compiled call runs with it off
+  (`uncached_autocast`), which changes no value;
+- on CUDA, SDPA's mask alignment: padded micro-batches are widened to a multiple of
+  `ALIGNED_LENGTH` where the layers run compiled (the `Padded` layout);
+- the attention's layer index in the decode step's graphs (`LAYER_INDEX_SOURCES`).
+The decode step's graphs (one token a row, a static cache) stay graphs of their own.
+tests/test_compiled_layers_stalls.py counts the graphs of each.
 """
 
 from __future__ import annotations
@@ -132,16 +142,41 @@ def mark_varying_dims(args: tuple, kwargs: dict) -> None:
 # takes patterns, also covers another name for the layer's keywords.
 LONGEST_SEGMENT_SOURCES = (f"L['kwargs']['{SEGMENTS}'][1]", rf".*\['{SEGMENTS}'\]\[1\]")
 
+# Where dynamo finds a decoder layer's attention index in a decode step through the compiled
+# layers: the attention's own frame (the cache write, kept eager there, breaks the layer's
+# graph, so the attention forward is a frame of its own) passes `self.layer_idx` to that
+# write. The decode step lets ints on modules be symbols (`allow_unspec_int_on_nn_module`),
+# but dynamo still specializes the first one it meets and makes it a symbol only at the first
+# other index: one more compile of the attention frame at layer 1 (issue 28). Named here, it
+# is a symbol from the first compile.
+LAYER_INDEX_SOURCES = ("L['self'].layer_idx",)
+
 
 def _dynamic_sources() -> dict[str, str]:
     """torch.compiler.config's `dynamic_sources` for a compiled layer call: the user's, plus
     `LONGEST_SEGMENT_SOURCES`, so the packed rows' longest document is a symbol from the first
-    compile (it changes with nearly every packed micro-batch); nothing where this torch has
-    no such setting (then it is a constant, and its first change recompiles once)."""
+    compile (it changes with nearly every packed micro-batch), and `LAYER_INDEX_SOURCES`;
+    nothing where this torch has no such setting (then they are constants, and the first
+    change of each recompiles once)."""
     config = torch.compiler.config
     if not hasattr(config, "dynamic_sources"):
         return {}
-    return {"dynamic_sources": ",".join(filter(None, (config.dynamic_sources, *LONGEST_SEGMENT_SOURCES)))}
+    sources = (config.dynamic_sources, *LONGEST_SEGMENT_SOURCES, *LAYER_INDEX_SOURCES)
+    return {"dynamic_sources": ",".join(filter(None, sources))}
+
+
+def uncached_autocast(device_type: str):
+    """The autocast in force on `device_type` with its cache of cast weights off, where it is
+    on; else a no-op. Every compiled layer call runs in it, so every call meets one global
+    state: the decode step records under autocast without the cache (a CUDA graph must not
+    read casts that the cache frees when autocast closes), the engine's forwards run under
+    the cached one, and dynamo guards on the difference (issue 28). Inside a compiled graph
+    the casts are traced as operations either way, so values do not change; in the eager
+    code between graphs a cast is made again rather than taken from the cache: the same
+    values."""
+    if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+        return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+    return contextlib.nullcontext()
 
 
 # The mask builders' keywords that let transformers return None for a mask that hides
@@ -189,6 +224,16 @@ def masks_kept() -> Iterator[None]:
                 mapping[name] = originals[name]
 
 
+# The multiple of 8 that padded micro-batches' lengths are widened to where the layers run
+# compiled (`mmrl.engine.sequences.left_padded`, the `Padded` layout). On CUDA, inductor
+# lays out SDPA's attention mask (rows, 1, length, length) with the kernel's 8-element
+# alignment, and checks it on the symbolic length: the first graph holds for lengths that
+# are (or are not) multiples of 8, and the first length of the other kind compiles the
+# layer again, seconds on a GPU, in the middle of a run (issue 28). Always aligned, the
+# lengths meet one graph; the cost is at most 7 masked columns a row.
+ALIGNED_LENGTH = 8
+
+
 class CompiledLayers:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = list(layers)
@@ -209,10 +254,15 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            uniform = contextlib.nullcontext()
             if not torch.compiler.is_compiling():  # inside an outer compile, dynamo sizes them
                 mark_varying_dims(args, kwargs)
+                if isinstance(hidden, torch.Tensor):
+                    uniform = uncached_autocast(hidden.device.type)
             try:
-                out = compiled(*args, **kwargs)
+                with uniform:
+                    out = compiled(*args, **kwargs)
             except _compile_errors() as error:
                 self.failed = one_line(error, typed=True)
                 warnings.warn(f"compiled decoder layers: off, eager from now on ({self.failed})"[:300], stacklevel=2)
@@ -221,6 +271,23 @@ class CompiledLayers:
             return out
 
         layer.forward = forward
+
+    @property
+    def length_multiple(self) -> int:
+        """What padded micro-batches' lengths are widened to a multiple of: `ALIGNED_LENGTH`
+        while the layers run compiled, else 1."""
+        return ALIGNED_LENGTH if self.enabled and self.failed is None else 1
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Within the block, the layers run their eager forwards: for a one-off no-grad pass
+        (the trainer's step-0 media check) that would otherwise compile a no-grad graph that
+        no later call of a run without no-grad passes uses, seconds on a GPU (issue 28)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
 
     @contextlib.contextmanager
     def active(self, keep_masks: bool = False) -> Iterator[None]:

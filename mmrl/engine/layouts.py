@@ -37,7 +37,7 @@ import torch
 
 from mmrl.engine.logprobs import first_tensor, token_log_probs
 from mmrl.engine.packing import keep_rows, pack_sequences
-from mmrl.engine.sequences import Sequences
+from mmrl.engine.sequences import Sequences, left_padded
 from mmrl.parallel import ulysses
 
 
@@ -111,26 +111,34 @@ class Layout:
 
 
 class Padded(Layout):
+    @functools.cached_property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The batch as the model sees it: as it is, or, where the engine's compiled layers
+        run, widened on the left to their aligned length (`ALIGNED_LENGTH`)."""
+        layers, engine = self.engine.compiled_layers, self.engine
+        multiple = 1 if layers is None or engine.checkpointing else layers.length_multiple
+        return left_padded(self.seqs.inputs, multiple, self.seqs.pad_token_id)
+
     def head_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows, length = self.mask.shape
         grid = torch.arange(rows * (length + 1), device=self.mask.device).view(rows, length + 1)[:, :-1]
         return grid[self.mask], self.seqs.response_ids[self.mask]
 
     def head_forward(self):
-        return self.forward(self.seqs.inputs, logits_to_keep=self.seqs.response_ids.shape[1] + 1)
+        return self.forward(self.inputs, logits_to_keep=self.seqs.response_ids.shape[1] + 1)
 
     def place(self, flat: torch.Tensor) -> torch.Tensor:
         return self.scatter(flat)
 
     def plain_log_probs(self, temperature: float):
         length = self.seqs.response_ids.shape[1]
-        out = self.forward(self.seqs.inputs, logits_to_keep=length + 1)
+        out = self.forward(self.inputs, logits_to_keep=length + 1)
         logp, entropy = token_log_probs(out.logits[:, :-1], self.seqs.response_ids, temperature)
         return _zero_padding(self.seqs, logp, entropy)
 
     def values(self, value_of) -> torch.Tensor:
         length = self.seqs.response_ids.shape[1]
-        out = self.forward(self.seqs.inputs, logits_to_keep=1, output_hidden_states=True)
+        out = self.forward(self.inputs, logits_to_keep=1, output_hidden_states=True)
         return value_of(out.hidden_states[-1][:, -(length + 1):-1])
 
 

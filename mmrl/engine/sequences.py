@@ -9,6 +9,10 @@ position ids are recomputed by the family's adapter on the joined batch, which k
 
 Media tensors are flattened over all images of a batch in family-specific ways, so a
 sub-batch is made by processing its conversations again rather than by slicing.
+
+`left_padded` widens a joined batch on the left to a multiple of some length (the compiled
+decoder layers' alignment, `mmrl.engine.compiled_layers.ALIGNED_LENGTH`): more masked
+padding before the prompts, the response columns where they were.
 """
 
 from __future__ import annotations
@@ -96,3 +100,24 @@ def join(
         pad_token_id=pad_token_id,
     )
 
+
+def left_padded(inputs: dict[str, torch.Tensor], multiple: int, pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """`inputs` (a joined batch, `Sequences.inputs`) with masked padding columns added on the
+    left up to a length that is a multiple of `multiple`: token ids `pad_token_id` (0 for
+    None), mask and other per-token entries 0, position ids those of the first column (a
+    padding column's own, or the row's first token's: masked either way). The last columns,
+    the response and the positions that predict it, are where they were; media tensors are
+    the same objects (media sharing matches them). No real token sees a new column, so
+    log-probs change only by the rounding of attention over a longer masked row."""
+    ids = inputs["input_ids"]
+    extra = -ids.shape[1] % multiple
+    if not extra:
+        return inputs
+    padded = dict(inputs)
+    for key, value in inputs.items():
+        if key == "position_ids":  # (B, L) or (C, B, L)
+            padded[key] = torch.cat([value[..., :1].expand(*value.shape[:-1], extra), value], dim=-1)
+        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == ids.shape:
+            fill = (pad_token_id or 0) if key == "input_ids" else 0
+            padded[key] = torch.cat([value.new_full((value.shape[0], extra), fill), value], dim=1)
+    return padded
