@@ -422,6 +422,64 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     assert again.stats["alone_positions"] == 1
 
 
+def _counting_processing(monkeypatch):
+    """The `per_row` flags of the session's `_process` calls (each a processing of whole rows)."""
+    calls = []
+    original = sessions.DecodeSession._process
+
+    def counted(self, conversations, per_row, light=False):
+        calls.append(per_row)
+        return original(self, conversations, per_row, light)
+
+    monkeypatch.setattr(sessions.DecodeSession, "_process", counted)
+    return calls
+
+
+def test_trusted_later_turns_skip_processing_rows_whole(monkeypatch):
+    """Qwen2.5-VL: once a rollout checked (turn 3 of its first agent run) that each row's
+    ids put together from its last prompt and the new text alone (`mmrl.rollout.text_suffix`)
+    are the whole rows' processed ids, the next run's later turns process no row whole
+    (only the new text and each reply image once per content) and still give plain
+    `generate`'s tokens and log-probs."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    first = agent.generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(agent.backend) is True and agent.session.stats["text_turns"] == 0
+    _assert_same(first, plain)
+    calls = _counting_processing(monkeypatch)
+    second = agent.generate(_rows(), GREEDY)
+    stats = agent.session.stats
+    assert stats["text_turns"] == 2 and stats["reprefill_reason"] is None and stats["reprefilled_samples"] == 0
+    assert True not in calls  # no later turn processed its rows whole
+    _assert_same(second, plain)
+    assert stats["prefill_tokens"] == _suffix_tokens(second.trajectories)
+
+
+def test_a_text_path_that_differs_from_processing_whole_is_never_trusted(monkeypatch):
+    """A text path whose ids are not the whole rows' (here one token dropped from every
+    row's reply) fails its one check: later turns keep processing rows whole and equal
+    plain `generate`."""
+    from mmrl.rollout import text_suffix
+
+    built, engine = _setup("qwen2_5_vl")
+    original = text_suffix.continued
+
+    def dropping(*args):
+        rows = original(*args)
+        return None if rows is None else [{k: v[:-2] + v[-1:] if k == "input_ids" else torch.cat([v[:-2], v[-1:]])
+                                           for k, v in row.items()} for row in rows]
+
+    monkeypatch.setattr(sessions, "continued", dropping)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent.generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(agent.backend) is False
+    calls = _counting_processing(monkeypatch)
+    _assert_same(agent.generate(_rows(), GREEDY), plain)
+    assert agent.session.stats["text_turns"] == 0 and calls.count(True) == 2
+
+
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
     """Through the session directly: a sample whose conversation no longer begins with
     its row's tokens, and a sample new in the second turn, prefill their whole
