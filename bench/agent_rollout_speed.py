@@ -36,8 +36,10 @@ After the timed rounds each agent runs once more with `timed=True` (mmrl/rollout
 the session synchronizes the device at each phase's end, so these rounds are not in the
 medians): `runs[name]["phases"]` lists per turn the rows, the backend call's seconds, the
 environment's (`environment_s`) and the agent loop's own (`agent_s`), and on the compiled
-side the session's phases: `process_s` (the conversations processed on the host:
-templates, tokens, images), `inputs_s` (positions, each row's suffix and its media cut out),
+side the session's phases: `batch` (how the turn's batch was made: "first", the openings;
+"text", a later turn's ids put together from each row's last prompt and the new text
+alone, mmrl/rollout/text_suffix.py; "rows", its rows processed whole), `process_s` (the
+conversations processed on the host: templates, tokens, images), `inputs_s` (positions, each row's suffix and its media cut out),
 `prefill_s` (device), `decode_s` (the decode loop, device and host; `decode_wait_s` of it the
 host waiting at its looks), `record_s` (tokens to the host, the rows' records) and `rest_s`.
 A table of them is printed.
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         key: session.stats[key] for key in ("prefill_tokens", "whole_tokens", "reprefilled_samples",
                                             "reprefill_reason", "turn_by_turn", "shared_openings",
                                             "shared_media_rows", "light_turns",
-                                            "alone_positions")}
+                                            "alone_positions", "text_turns")}
     report = {
         "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": device_name(str(device)), "versions": versions(), "date": today(),
@@ -282,8 +284,8 @@ def print_phases(name: str, turns: list[dict]) -> None:
     for turn in turns:
         values = {**turn.get("session", {}), **turn}
         cells = [f"{1000 * values[c]:.0f}" if isinstance(values.get(c), float) else "-" for c in PHASE_COLUMNS]
-        prefill = turn.get("session", {}).get("prefill_rows")
-        rows = f"{turn['rows']}" + (f" ({prefill} prefilled)" if prefill is not None else "")
+        prefill, batch = turn.get("session", {}).get("prefill_rows"), turn.get("session", {}).get("batch")
+        rows = f"{turn['rows']}" + (f" ({prefill} prefilled, {batch})" if prefill is not None else "")
         print(f"  turn {turn['turn']}: {rows}  " + "  ".join(cells), flush=True)
 
 

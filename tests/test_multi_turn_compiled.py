@@ -299,6 +299,12 @@ def test_repeated_reply_images_are_encoded_once(family, monkeypatch):
     alone = [built.processing([[{"role": "user", "content": [{"type": "image", "image": image}]}]])["pixel_values"]
              for image in replies]
     assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
+    if family == "qwen2_5_vl":  # the next run's trusted turns (ids put together: `text_turns`) share too
+        encoded.clear()
+        again = agent.generate(_rows(), GREEDY)
+        assert agent.session.stats["text_turns"] == 2 and agent.session.stats["shared_media_rows"] == 6
+        _assert_same(again, plain)
+        assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
 
 
 def test_timed_turns_say_where_their_seconds_went():

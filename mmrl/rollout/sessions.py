@@ -215,6 +215,7 @@ class DecodeSession:
             # The first call's openings, each distinct one processed once (None: no repeats).
             shared = self._opening_sharing(conversations) if self.cache is None and prefixes is None else None
             light = self._light is True and self.cache is not None and prefixes is None
+            first_call = self.cache is None
             self._texts, self._text_only, self._check_text = None, False, False
             # Trusted light turns whose suffix positions are trusted too may skip processing
             # the rows whole (`mmrl.rollout.text_suffix`; checked once per rollout).
@@ -246,7 +247,11 @@ class DecodeSession:
                 ids, mask, reasons = trim_responses(generated, stops, pad)
                 if self.timed:
                     total = self._clock() - began
-                    phases = {"rows": len(keys), "process_s": processed - began, **phases, "total_s": total}
+                    # How the batch was made: the first call's openings, a later turn's ids put
+                    # together from the rows' last prompts ("text"), or its rows processed whole.
+                    batch_kind = "first" if first_call else "text" if self._text_only else "rows"
+                    phases = {"rows": len(keys), "batch": batch_kind, "process_s": processed - began, **phases,
+                              "total_s": total}
                     phases["rest_s"] = total - sum(v for k, v in phases.items()
                                                    if k.endswith("_s") and k not in ("total_s", "decode_wait_s"))
                     self.stats["phases"].append(phases)
@@ -547,8 +552,13 @@ class DecodeSession:
             return None  # no chunk repeats: nothing to share
         index = {key: i for i, key in enumerate(distinct)}
         parts = [[index[id(chunk)]] if chunk.tensors else [] for chunk in chunks]
-        shared = SharedMedia.of_singles([chunk.processed for chunk in distinct.values()], parts, suffix,
-                                        placeholder_tokens(model))
+        singles = [chunk.processed for chunk in distinct.values()]
+        if self._text_only:
+            # The suffixes' media are these chunks' joined (`_suffix_media`), which also
+            # checked each row's placeholder counts: laid out as `of_singles` checks.
+            shared = SharedMedia(list(range(len(parts))), singles, parts)
+        else:
+            shared = SharedMedia.of_singles(singles, parts, suffix, placeholder_tokens(model))
         self.stats["shared_media_rows"] += 0 if shared is None else len(chunks) - len(distinct)
         return shared
 
