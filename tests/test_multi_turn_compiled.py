@@ -318,10 +318,11 @@ def test_timed_turns_say_where_their_seconds_went():
     phases = [t["session"] for t in agent.timings]
     assert [p["prefill_rows"] for p in phases] == [2, 4, 4]  # the openings once per row, then every row
     for turn, p in zip(agent.timings, phases):
-        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "prefill_s", "decode_s", "record_s"))
+        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "record_s"))
         assert p["rest_s"] == pytest.approx(p["total_s"] - sum(p[k] for k in (
-            "process_s", "inputs_s", "prefill_s", "decode_s", "record_s")))
+            "process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "record_s")))
         assert p["total_s"] <= turn["generate_s"] and turn["environment_s"] >= 0 and turn["agent_s"] >= 0
+    assert phases[0]["suffix_s"] == 0 and phases[1]["suffix_s"] > 0  # the first turn prefills whole
 
 
 def test_the_later_turns_read_the_kept_cache(monkeypatch):

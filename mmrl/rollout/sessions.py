@@ -167,6 +167,7 @@ class DecodeSession:
         self._texts: list[str] | None = None  # this turn's conversations rendered, where the text path rendered them
         self._text_only = False  # this turn's batch holds token entries alone (`_text_batch`)
         self._check_text = False  # this turn checks the text path's media against the whole rows'
+        self._forward_began = 0.0  # (timed) when this turn's prefill forward began
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
@@ -435,7 +436,7 @@ class DecodeSession:
                         positions = distinct_positions = rollout.position_ids(model, inputs)
                     if self._light is None and media:
                         _LIGHT[rollout] = self._light_matches(model, inputs, positions, media, chunks)
-                prefill_began = self._clock()
+                prefill_began = self._forward_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
                                                                     distinct_positions)
@@ -463,7 +464,10 @@ class DecodeSession:
         # Host work before the prefill (positions, finding each row's suffix and its media),
         # the prefill, the decode loop (`decode_wait_s` of it: the host waiting at its looks
         # at the running rows) and what follows (tokens to the host, the rows' records).
-        phases = {"inputs_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
+        # `suffix_s`: a later turn's suffixes laid out before its prefill's forward (their
+        # gather, positions, media sharing, room made in the cache).
+        phases = {"inputs_s": prefill_began - began, "suffix_s": self._forward_began - prefill_began,
+                  "prefill_s": decode_began - self._forward_began,
                   "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
                   "record_s": self._clock() - decode_ended, "prefill_rows": prefill_rows,
                   "decode_steps": decoded.steps} if self.timed else {}
@@ -517,6 +521,7 @@ class DecodeSession:
         self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
         shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
+        self._forward_began = self._clock()
         with sharing(run.model, {**suffix, **media}, shared):
             logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
