@@ -42,6 +42,12 @@ What a later turn does, per sample:
   out and take the new images' alone ("light_turns" in `stats`), and the suffixes'
   positions come from the suffixes alone, shifted by each row's last position (checked
   once per rollout against the whole rows': `_suffix_positions`, "alone_positions");
+  once both hold, a later turn processes no row whole: each row's ids are put together
+  from its last prompt's and the text added since (`mmrl.rollout.text_suffix`: the
+  template's text after the row's last prompt, tokenized in pieces cut at special
+  tokens, the new images' placeholders expanded once per distinct rest), checked once
+  per rollout against processing the rows whole (`_text_batch`, "text_turns"), the
+  media tensors of the suffixes being the new images' alone;
 - where the rule fails, the sample prefills its whole conversation and its old slots
   are masked ("reprefilled_samples" in `stats`);
 - samples not in the call (finished: the environment said done, or out of turns or
