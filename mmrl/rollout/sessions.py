@@ -174,6 +174,7 @@ class DecodeSession:
         self._text_only = False  # this turn's batch holds token entries alone (`_text_batch`)
         self._check_text = False  # this turn checks the text path's media against the whole rows'
         self._forward_began = 0.0  # (timed) when this turn's prefill forward began
+        self._anchorable = True  # this turn's rows may keep an `Anchor` (no carried responses)
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
@@ -224,6 +225,7 @@ class DecodeSession:
             light = self._light is True and self.cache is not None and prefixes is None
             first_call = self.cache is None
             self._texts, self._text_only, self._check_text = None, False, False
+            self._anchorable = prefixes is None  # a carried response's ids are not its text's
             # Trusted light turns whose suffix positions are trusted too may skip processing
             # the rows whole (`mmrl.rollout.text_suffix`; checked once per rollout).
             text = (self._text_batch(keys, conversations)
@@ -356,7 +358,7 @@ class DecodeSession:
 
     def _anchors(self, conversations: list[list[dict]], ids: list[list[int]], batch: dict) -> list[Anchor | None]:
         """Each row's `Anchor` of its prompt this turn (None each where the text path is off)."""
-        if not self._text_path():
+        if not self._anchorable or not self._text_path():
             return [None] * len(ids)
         if self._cuts is None:
             self._cuts = CutPoints(self.processing.tokenizer)
