@@ -239,8 +239,10 @@ class DecodeSession:
                 batch = self._process(conversations, per_row=self.cache is not None, light=light)
                 if text is not None:  # the check: the text path's ids and entries are the whole rows'
                     aligned = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and text_aligned(k, v, batch)}
-                    _TEXT[rollout] = set(aligned) == set(text) and not batch_differences(text, aligned)
-                    self._check_text = _TEXT[rollout]
+                    if set(aligned) == set(text) and not batch_differences(text, aligned):
+                        self._check_text = True  # trusted once its media are the whole rows' too (`_suffix_media`)
+                    else:
+                        _TEXT[rollout] = False
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             processed = self._clock()
@@ -631,6 +633,8 @@ class DecodeSession:
         if others:
             raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
         if not media_keys and not self._text_only:
+            if self._check_text:  # no row holds media: the text path's media (none) are the whole rows'
+                _TEXT[self.rollout] = True
             return {}, []
         placeholders = placeholder_tokens(self.rollout.decoder_model())
         before, new = [], []
@@ -656,12 +660,11 @@ class DecodeSession:
         cut = {key: _cut(key, inputs[key], before, new) for key in media_keys
                if any(key in chunk.tensors for chunk in new)}
         media = {**cut, **{key: _joined(key, new) for key in self._pixel_keys if key not in inputs and key in keys}}
-        if self._check_text:
+        if self._check_text:  # the text path's media (the new chunks joined) must be the whole rows'
             joined = {key: media[key] if key in self._pixel_keys and key not in inputs else _joined(key, new)
                       for key in keys}
-        if self._check_text and (media.keys() != joined.keys()
-                                 or not all(torch.equal(media[key], joined[key]) for key in media)):
-            _TEXT[self.rollout] = False  # the text path's media (the chunks joined) are not the whole rows'
+            _TEXT[self.rollout] = media.keys() == joined.keys() and all(torch.equal(media[key], joined[key])
+                                                                        for key in media)
         return media, new
 
     def _light_matches(self, model, inputs: dict, positions: torch.Tensor, media: dict,
