@@ -427,7 +427,8 @@ class DecodeSession:
             distinct_positions = rollout.position_ids(model, distinct.batch)
             positions = distinct.expand(distinct_positions)
         real = inputs["attention_mask"].bool()
-        ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
+        # From the host's batch: no copy back from the device.
+        ids = [row[keep].tolist() for row, keep in zip(batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu())]
         was_training = model.training
         model.eval()
         try:
