@@ -6,10 +6,14 @@ Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) again
     python bench/agent_rollout_speed.py --out $OUT/b.json rollout.SOME_FLAG=true --agent-options SOME_FLAG=true
     .venv/bin/python bench/agent_rollout_speed.py --shape tiny --prompts 2 --samples 2 \
         --new-tokens 4 --repeats 1 --out /tmp/agent_rollout_speed.json   # smoke run on CPU
+    .venv/bin/python bench/agent_rollout_speed.py --shape vl3b_host --new-tokens 8 --repeats 1 \
+        --out /tmp/agent_rollout_host.json   # the host phases at the real image shape, on CPU
 
 The recipe's trainer is built once (`--shape vl3b`: the model config of
 recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
-`--shape tiny`: the recipe's own tiny model), with `rollout.backend=hf_compiled` and any
+`--shape tiny`: the recipe's own tiny model; `--shape vl3b_host`: the zoo's tiny
+Qwen2.5-VL with the vl3b shape's images and pixel budget, so a CPU run times the host's
+share of a turn, processing and inputs, at the real shape), with `rollout.backend=hf_compiled` and any
 positional `key=value` recipe overrides, so a recipe option of the compiled or agent
 rollout reaches the agent the trainer builds; `--agent-options key=value` (values read as
 YAML) are then set on that agent and `--rollout-options` on its backend, for a flag that is
@@ -90,11 +94,12 @@ def shape_overrides(shape: str, replies: int, new_tokens: int, prompts: int, sam
                  f"data.prompts_per_step={prompts}", f"rollout.samples_per_prompt={samples}",
                  "rollout.backend=hf_compiled", "trainer.progress=false", "trainer.export=false",
                  "data.validation=null", "data.eval=null", "trainer.eval_every=0"]
-    if shape == "vl3b":  # model.config_overrides: set by `recipe_for` (a mapping)
+    if shape in ("vl3b", "vl3b_host"):  # model.config_overrides: set by `recipe_for` (a mapping)
         model = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]
-        overrides += ["model.path=qwen2_5_vl", f"model.dtype={dtype}",
-                      f"model.min_pixels={model['min_pixels']}", f"model.max_pixels={model['max_pixels']}",
+        overrides += ["model.path=qwen2_5_vl", f"model.min_pixels={model['min_pixels']}",
+                      f"model.max_pixels={model['max_pixels']}",
                       f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=448"]
+        overrides += [f"model.dtype={dtype}"] if shape == "vl3b" else []
     else:
         overrides += [f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=56"]
     return overrides
@@ -109,6 +114,8 @@ def recipe_for(shape: str, overrides: list[str], given: list[str], folder: str):
     if shape == "vl3b":
         values["model"]["config_overrides"] = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]["config_overrides"]
         values["model"]["tiny_vocabulary"] = values["model"].get("tiny_vocabulary") or {}
+    elif shape == "vl3b_host":  # the zoo's tiny Qwen2.5-VL (the recipe's overrides are Qwen2-VL's)
+        values["model"]["config_overrides"] = {}
     values = apply_overrides(values, given)
     return validate_recipe(values, where=RECIPE, folder=RECIPE.parent)
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["vl3b", "tiny"], default="vl3b")
+    parser.add_argument("--shape", choices=["vl3b", "vl3b_host", "tiny"], default="vl3b")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="--shape vl3b: the weights (float32 runs under the engine's bf16 autocast)")
     parser.add_argument("--prompts", type=int, default=8)
