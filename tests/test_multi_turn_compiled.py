@@ -134,9 +134,12 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
     # Turn 2 checked that the new images' pixels alone (joined, as Qwen2.5-VL lays them
-    # out) are the whole batch's part; turn 3 then left the whole conversations' pixels
-    # out. Idefics3's one-row-per-sample layout pads to every row's images: never left out.
-    assert stats["light_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
+    # out) are the whole batch's part, and that its ids put together from the rows' last
+    # prompts and the new text are the whole rows'; turn 3 then processed no row whole (its
+    # batch holds no pixels). Idefics3's one-row-per-sample layout pads to every row's
+    # images: never left out.
+    assert stats["text_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
+    assert stats["light_turns"] == 0
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
@@ -425,7 +428,8 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     again = sessions.session_for(rollout, reserve=512)
     again_turn = grown(openings, again.generate(["a", "b"], openings, params))
     same_as_plain(again.generate(["a", "b"], again_turn, params), again_turn)
-    assert again.stats["light_turns"] == 1 and again.stats["reprefill_reason"] is None
+    # (Its ids put together from the rows' last prompts: `test_trusted_later_turns_skip_...`.)
+    assert again.stats["text_turns"] == 1 and again.stats["reprefill_reason"] is None
     assert again.stats["alone_positions"] == 1
 
 
@@ -443,16 +447,16 @@ def _counting_processing(monkeypatch):
 
 
 def test_trusted_later_turns_skip_processing_rows_whole(monkeypatch):
-    """Qwen2.5-VL: once a rollout checked (turn 3 of its first agent run) that each row's
+    """Qwen2.5-VL: once a rollout checked (turn 2 of its first agent run) that each row's
     ids put together from its last prompt and the new text alone (`mmrl.rollout.text_suffix`)
-    are the whole rows' processed ids, the next run's later turns process no row whole
-    (only the new text and each reply image once per content) and still give plain
-    `generate`'s tokens and log-probs."""
+    are the whole rows' processed ids, its later turns (turn 3, then the next run's turns 2
+    and 3) process no row whole (only the new text and each reply image once per content)
+    and still give plain `generate`'s tokens and log-probs."""
     built, engine = _setup("qwen2_5_vl")
     plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
     agent = _agent(built, engine, "hf_compiled", compile=False)
     first = agent.generate(_rows(), GREEDY)
-    assert sessions._TEXT.get(agent.backend) is True and agent.session.stats["text_turns"] == 0
+    assert sessions._TEXT.get(agent.backend) is True and agent.session.stats["text_turns"] == 1
     _assert_same(first, plain)
     calls = _counting_processing(monkeypatch)
     second = agent.generate(_rows(), GREEDY)
@@ -653,7 +657,7 @@ def test_kept_cache_turns_on_cuda_compiled_equal_plain_generate(family):
         stats = agent.session.stats
         assert stats["turn_by_turn"] is None and stats["reprefilled_samples"] == 0
         assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) < stats["whole_tokens"]
-        assert stats["text_turns"] == (2 if run == 1 and family == "qwen2_5_vl" else 0)
+        assert stats["text_turns"] == (1 + run if family == "qwen2_5_vl" else 0)
         assert [t.turns for t in fast.trajectories] == [t.turns for t in plain.trajectories]
         for ours, theirs in zip(fast.trajectories, plain.trajectories):
             assert ours.ids == theirs.ids and ours.spans == theirs.spans

@@ -227,10 +227,12 @@ class DecodeSession:
             self._texts, self._text_only, self._check_text = None, False, False
             self._anchorable = prefixes is None  # a carried response's ids are not its text's
             # Trusted light turns whose suffix positions are trusted too may skip processing
-            # the rows whole (`mmrl.rollout.text_suffix`; checked once per rollout).
-            text = (self._text_batch(keys, conversations)
-                    if light and _POSITIONS.get(rollout) is True and _TEXT.get(rollout) is not False else None)
-            if text is not None and _TEXT.get(rollout) is True:
+            # the rows whole (`mmrl.rollout.text_suffix`), once checked: on the rollout's first
+            # turn that continues rows, beside the pixels' and positions' checks.
+            trusted = light and _POSITIONS.get(rollout) is True and _TEXT.get(rollout) is True
+            text = (self._text_batch(keys, conversations) if self.cache is not None and prefixes is None
+                    and (trusted or _TEXT.get(rollout) is None) else None)
+            if text is not None and trusted:
                 batch, self._text_only = text, True
                 self.stats["text_turns"] += 1
             elif isinstance(shared, SharedMedia) and rollout.engine.shares_media:
@@ -342,6 +344,13 @@ class DecodeSession:
         rows = [self.samples.get(key) for key in keys]
         if not self._text_path() or any(row is None or row.anchor is None for row in rows):
             return None
+        try:
+            return self._pieced(rows, conversations)
+        except Exception:  # noqa: BLE001 - a text the processor refuses in pieces: processed whole, as before
+            return None
+
+    def _pieced(self, rows: list[_Row], conversations: list[list[dict]]) -> dict | None:
+        """`_text_batch`'s batch of the continuing `rows` (None where one does not continue)."""
         texts = [self.processing.render(conversation) for conversation in conversations]
         added = [conversation[row.messages:] for row, conversation in zip(rows, conversations)]
         media = [self.processing.collect_media(messages) for messages in added]
