@@ -521,6 +521,36 @@ def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
     session.close()
 
 
+def test_a_diverging_sample_sends_a_trusted_turn_back_to_processing_rows_whole():
+    """Once the rollout trusts the text path (an agent run on it), a turn where one sample's
+    conversation no longer begins with what its row holds is processed whole (that sample
+    prefilled whole beside the continuing one) and equals plain generate."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = make_rollout("hf", engine, built.processing)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    AgentRollout(rollout, built.processing, _environment(built), max_turns=3, max_tokens=4096).generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(rollout) is True
+    session = sessions.session_for(rollout, reserve=256)
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0, logprobs=True)
+    env, agent = _environment(built), _agent(built, engine, "hf")
+    openings = [env().reset(row) for row in _rows()]
+    first = session.generate(["a", "b"], openings, params)
+    grown = []
+    for row, opening in enumerate(openings):
+        sampled = first.response_ids[row, :int(first.response_mask[row].sum())].tolist()
+        reply, _, _ = env().step(opening)
+        grown.append([*opening, {"role": "assistant", "content": agent._content(opening, sampled)}, *reply])
+    drifted = [{**grown[1][0], "content": [grown[1][0]["content"][0], {"type": "text", "text": "Something else?"}]},
+               *grown[1][1:]]
+    second = session.generate(["a", "b"], [grown[0], drifted], params)
+    assert session.stats["text_turns"] == 0 and session.stats["reprefilled_samples"] == 1
+    assert rollout.fallback_reason is None
+    reference = plain.generate([grown[0], drifted], params)
+    assert torch.equal(second.response_ids, reference.response_ids)
+    torch.testing.assert_close(second.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+    session.close()
+
+
 def test_rows_survive_the_moves_inside_and_between_turns(monkeypatch):
     """Rows that stop early leave the decode batch mid-turn (their slots written back to
     the kept cache) and go on in the next turn, and when a turn would overflow the cache
