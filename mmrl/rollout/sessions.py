@@ -81,6 +81,7 @@ import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from mmrl.engine.media import SharedMedia, placeholder_tokens, sharing
@@ -734,7 +735,9 @@ class DecodeSession:
             return ("object", id(value))
         known = self._digests.get(id(value))
         if known is None or known[0] is not value:
-            digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+            # The pixels' array view hashes without `tobytes`' copy (every sample's reply
+            # image is a new object: a turn digests one per row).
+            digest = hashlib.sha256(numpy.ascontiguousarray(numpy.asarray(value))).digest()
             known = self._digests[id(value)] = (value, (value.mode, tuple(value.size), digest))
         return known[1]
 
