@@ -6,10 +6,14 @@ Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) again
     python bench/agent_rollout_speed.py --out $OUT/b.json rollout.SOME_FLAG=true --agent-options SOME_FLAG=true
     .venv/bin/python bench/agent_rollout_speed.py --shape tiny --prompts 2 --samples 2 \
         --new-tokens 4 --repeats 1 --out /tmp/agent_rollout_speed.json   # smoke run on CPU
+    .venv/bin/python bench/agent_rollout_speed.py --shape vl3b_host --new-tokens 8 --repeats 1 \
+        --out /tmp/agent_rollout_host.json   # the host phases at the real image shape, on CPU
 
 The recipe's trainer is built once (`--shape vl3b`: the model config of
 recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
-`--shape tiny`: the recipe's own tiny model), with `rollout.backend=hf_compiled` and any
+`--shape tiny`: the recipe's own tiny model; `--shape vl3b_host`: the zoo's tiny
+Qwen2.5-VL with the vl3b shape's images and pixel budget, so a CPU run times the host's
+share of a turn, processing and inputs, at the real shape), with `rollout.backend=hf_compiled` and any
 positional `key=value` recipe overrides, so a recipe option of the compiled or agent
 rollout reaches the agent the trainer builds; `--agent-options key=value` (values read as
 YAML) are then set on that agent and `--rollout-options` on its backend, for a flag that is
@@ -36,10 +40,15 @@ After the timed rounds each agent runs once more with `timed=True` (mmrl/rollout
 the session synchronizes the device at each phase's end, so these rounds are not in the
 medians): `runs[name]["phases"]` lists per turn the rows, the backend call's seconds, the
 environment's (`environment_s`) and the agent loop's own (`agent_s`), and on the compiled
-side the session's phases: `process_s` (the conversations processed on the host:
-templates, tokens, images), `inputs_s` (positions, each row's suffix and its media cut out),
-`prefill_s` (device), `decode_s` (the decode loop, device and host; `decode_wait_s` of it the
-host waiting at its looks), `record_s` (tokens to the host, the rows' records) and `rest_s`.
+side the session's phases: `batch` (how the turn's batch was made: "first", the openings;
+"text", a later turn's ids put together from each row's last prompt and the new text
+alone, mmrl/rollout/text_suffix.py; "rows", its rows processed whole), `process_s` (the
+conversations processed on the host: templates, tokens, images), `inputs_s` (positions,
+each row's suffix and its media cut out), `suffix_s` (a later turn's suffixes laid out:
+gathered, their positions, their media's sharing, room made in the cache), `prefill_s`
+(the prefill's forward, device), `decode_s` (the decode loop, device and host;
+`decode_wait_s` of it the host waiting at its looks), `record_s` (tokens to the host,
+the rows' records) and `rest_s`.
 A table of them is printed.
 """
 
@@ -85,11 +94,12 @@ def shape_overrides(shape: str, replies: int, new_tokens: int, prompts: int, sam
                  f"data.prompts_per_step={prompts}", f"rollout.samples_per_prompt={samples}",
                  "rollout.backend=hf_compiled", "trainer.progress=false", "trainer.export=false",
                  "data.validation=null", "data.eval=null", "trainer.eval_every=0"]
-    if shape == "vl3b":  # model.config_overrides: set by `recipe_for` (a mapping)
+    if shape in ("vl3b", "vl3b_host"):  # model.config_overrides: set by `recipe_for` (a mapping)
         model = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]
-        overrides += ["model.path=qwen2_5_vl", f"model.dtype={dtype}",
-                      f"model.min_pixels={model['min_pixels']}", f"model.max_pixels={model['max_pixels']}",
+        overrides += ["model.path=qwen2_5_vl", f"model.min_pixels={model['min_pixels']}",
+                      f"model.max_pixels={model['max_pixels']}",
                       f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=448"]
+        overrides += [f"model.dtype={dtype}"] if shape == "vl3b" else []
     else:
         overrides += [f"data.train=synthetic:count_shapes?n={max(prompts, 8)}&seed=0&image_size=56"]
     return overrides
@@ -104,6 +114,8 @@ def recipe_for(shape: str, overrides: list[str], given: list[str], folder: str):
     if shape == "vl3b":
         values["model"]["config_overrides"] = yaml.safe_load(SHAPE_RECIPE.read_text())["model"]["config_overrides"]
         values["model"]["tiny_vocabulary"] = values["model"].get("tiny_vocabulary") or {}
+    elif shape == "vl3b_host":  # the zoo's tiny Qwen2.5-VL (the recipe's overrides are Qwen2-VL's)
+        values["model"]["config_overrides"] = {}
     values = apply_overrides(values, given)
     return validate_recipe(values, where=RECIPE, folder=RECIPE.parent)
 
@@ -151,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     from timing import alternate  # bench/timing.py (bench/ is on the path of a bench script)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["vl3b", "tiny"], default="vl3b")
+    parser.add_argument("--shape", choices=["vl3b", "vl3b_host", "tiny"], default="vl3b")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="--shape vl3b: the weights (float32 runs under the engine's bf16 autocast)")
     parser.add_argument("--prompts", type=int, default=8)
@@ -234,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         key: session.stats[key] for key in ("prefill_tokens", "whole_tokens", "reprefilled_samples",
                                             "reprefill_reason", "turn_by_turn", "shared_openings",
                                             "shared_media_rows", "light_turns",
-                                            "alone_positions")}
+                                            "alone_positions", "text_turns")}
     report = {
         "command": "python bench/agent_rollout_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": device_name(str(device)), "versions": versions(), "date": today(),
@@ -272,7 +284,7 @@ def timed_phases(agent, samples: list, params) -> list[dict]:
         agent.timed = False
 
 
-PHASE_COLUMNS = ("generate_s", "process_s", "inputs_s", "prefill_s", "decode_s", "decode_wait_s", "record_s",
+PHASE_COLUMNS = ("generate_s", "process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "decode_wait_s", "record_s",
                  "rest_s", "environment_s", "agent_s")
 
 
@@ -282,8 +294,8 @@ def print_phases(name: str, turns: list[dict]) -> None:
     for turn in turns:
         values = {**turn.get("session", {}), **turn}
         cells = [f"{1000 * values[c]:.0f}" if isinstance(values.get(c), float) else "-" for c in PHASE_COLUMNS]
-        prefill = turn.get("session", {}).get("prefill_rows")
-        rows = f"{turn['rows']}" + (f" ({prefill} prefilled)" if prefill is not None else "")
+        prefill, batch = turn.get("session", {}).get("prefill_rows"), turn.get("session", {}).get("batch")
+        rows = f"{turn['rows']}" + (f" ({prefill} prefilled, {batch})" if prefill is not None else "")
         print(f"  turn {turn['turn']}: {rows}  " + "  ".join(cells), flush=True)
 
 

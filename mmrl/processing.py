@@ -90,6 +90,11 @@ def load_image(source) -> Any:
     from PIL import Image
 
     if isinstance(source, Image.Image):
+        if source.mode == "RGB":
+            # The image itself, not a copy: a processor does not change it, and a copy
+            # would be a new object each time (a multi-turn session knows an image's
+            # content by its object: `mmrl.rollout.sessions`).
+            return source
         image = source
     elif isinstance(source, (str, Path)):
         path = Path(source)
@@ -256,7 +261,12 @@ class Processing:
                 texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
                 add_special_tokens=False,
             )
-        media = [self.collect_media(c) for c in conversations]
+        return self.process_texts(texts, [self.collect_media(c) for c in conversations])
+
+    def process_texts(self, texts: list[str], media: list[tuple[list[Any], list[Any]]]):
+        """Rendered texts (`render`: one placeholder per image/video part) with each one's
+        media (`collect_media`: images, videos), processed as `__call__` processes the
+        conversations they were rendered from; a multimodal processor's only."""
         images = [m[0] for m in media]
         videos = [m[1] for m in media]
         kwargs: dict[str, Any] = self.text_kwargs()

@@ -101,23 +101,33 @@ def mrope_position_ids(batch: dict[str, torch.Tensor], config) -> torch.Tensor:
     makes `mm_token_type_ids`), so a batch with appended responses needs nothing more.
     A run of video tokens holds a whole video (Qwen2/2.5-VL) or one frame group
     (Qwen3-VL puts timestamp text between groups); its length says how many frames."""
-    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    # Built on the host and moved to the batch's device once: the walk over each row's
+    # runs of token kinds reads them there, and on a GPU each row's reads and writes
+    # were a few waits on the device (a multi-turn session's 64 rows: hundreds).
+    device = batch["input_ids"].device
+    ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu()
     types = (ids == config.image_token_id).long() + VIDEO * (ids == config.video_token_id).long()
     merge = config.vision_config.spatial_merge_size
     # Qwen2.5-VL spaces video frames in time; the others step by one.
     tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
     seconds = batch.get("second_per_grid_ts")
-    grids = {IMAGE: batch.get("image_grid_thw"), VIDEO: batch.get("video_grid_thw")}
+    seconds = seconds.cpu() if seconds is not None else None
+    grids = {kind: (None if grid is None else grid.cpu()) for kind, grid in
+             ((IMAGE, batch.get("image_grid_thw")), (VIDEO, batch.get("video_grid_thw")))}
     cursor = {IMAGE: [0, 0], VIDEO: [0, 0]}  # [grid index, frames of it already placed]
 
-    positions = torch.zeros(4, *ids.shape, dtype=torch.long, device=ids.device)
-    positions[0] = sequential_positions(batch["attention_mask"])
+    positions = torch.zeros(4, *ids.shape, dtype=torch.long)
+    positions[0] = sequential_positions(mask)
+    # Rows whose runs of token kinds and media grids are alike (a GRPO group's samples, a
+    # session's suffixes) share their positions, built once.
+    built: dict[tuple, torch.Tensor] = {}
     for row in range(ids.shape[0]):
-        start, pieces = 0, []
+        start, pieces, key = 0, [], []
         for kind, run in itertools.groupby(types[row][mask[row]].tolist()):
             length = len(list(run))
             if kind == TEXT:
-                pieces.append(torch.arange(start, start + length).expand(3, -1))
+                pieces.append((_text_run, start, length))
+                key.append((TEXT, start, length))
                 start += length
                 continue
             index, placed = cursor[kind]
@@ -126,17 +136,30 @@ def mrope_position_ids(batch: dict[str, torch.Tensor], config) -> torch.Tensor:
             run_frames = length // (height * width)
             interval = 1
             if kind == VIDEO and tokens_per_second is not None:
-                interval = tokens_per_second * (seconds[index].cpu() if seconds is not None else 1)
-            temporal = (torch.arange(run_frames) * interval).long() + start
-            t, h, w = torch.meshgrid(
-                temporal, torch.arange(height) + start, torch.arange(width) + start, indexing="ij"
-            )
-            pieces.append(torch.stack([t, h, w]).reshape(3, -1))
+                interval = tokens_per_second * (seconds[index] if seconds is not None else 1)
+            pieces.append((_media_run, start, run_frames, height, width, interval))
+            key.append((kind, start, run_frames, height, width, float(interval)))
             start += max(height, width)
             placed += run_frames
             cursor[kind] = [index + 1, 0] if placed >= frames else [index, placed]
-        positions[1:, row, mask[row]] = torch.cat(pieces, dim=1).to(positions.device)
-    return positions
+        key = tuple(key)
+        if key not in built:
+            built[key] = torch.cat([run(*args) for run, *args in pieces], dim=1)
+        positions[1:, row, mask[row]] = built[key]
+    return positions.to(device)
+
+
+def _text_run(start: int, length: int) -> torch.Tensor:
+    """(3, length) mrope positions of a text run: counting from `start` on every axis."""
+    return torch.arange(start, start + length).expand(3, -1)
+
+
+def _media_run(start: int, frames: int, height: int, width: int, interval) -> torch.Tensor:
+    """(3, frames * height * width) mrope positions of a media run: its grid from `start`,
+    frames `interval` apart in time."""
+    temporal = (torch.arange(frames) * interval).long() + start
+    t, h, w = torch.meshgrid(temporal, torch.arange(height) + start, torch.arange(width) + start, indexing="ij")
+    return torch.stack([t, h, w]).reshape(3, -1)
 
 
 def tiny_processor(

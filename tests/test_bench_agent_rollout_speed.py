@@ -42,6 +42,10 @@ def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
     first, second = (t["session"] for t in report["runs"]["compiled"]["phases"])
     assert all(p["prefill_s"] > 0 and p["decode_s"] > 0 and p["process_s"] > 0 for p in (first, second))
     assert first["prefill_rows"] < 4 and second["prefill_rows"] == 4
+    # Checked in the earlier rounds, the timed round's later turn puts its ids together from
+    # each row's last prompt and the new text (mmrl/rollout/text_suffix.py).
+    assert first["batch"] == "first" and second["batch"] == "text"
+    assert report["runs"]["compiled"]["kept_cache"]["text_turns"] == 1
     assert report["runs"]["compiled"]["kept_cache"]["shared_openings"] > 0
     assert report["speedup"] == pytest.approx(report["runs"]["plain"]["median_s"]
                                               / report["runs"]["compiled"]["median_s"])

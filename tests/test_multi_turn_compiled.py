@@ -134,9 +134,12 @@ def test_kept_cache_turns_equal_plain_generate(family, decode):
     assert stats["prefill_tokens"] < 0.6 * stats["whole_tokens"]
     assert fast.stats["agent/prefill_tokens"] == stats["prefill_tokens"] / 4
     # Turn 2 checked that the new images' pixels alone (joined, as Qwen2.5-VL lays them
-    # out) are the whole batch's part; turn 3 then left the whole conversations' pixels
-    # out. Idefics3's one-row-per-sample layout pads to every row's images: never left out.
-    assert stats["light_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
+    # out) are the whole batch's part, and that its ids put together from the rows' last
+    # prompts and the new text are the whole rows'; turn 3 then processed no row whole (its
+    # batch holds no pixels). Idefics3's one-row-per-sample layout pads to every row's
+    # images: never left out.
+    assert stats["text_turns"] == stats["alone_positions"] == (1 if family == "qwen2_5_vl" else 0)
+    assert stats["light_turns"] == 0
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
@@ -299,6 +302,12 @@ def test_repeated_reply_images_are_encoded_once(family, monkeypatch):
     alone = [built.processing([[{"role": "user", "content": [{"type": "image", "image": image}]}]])["pixel_values"]
              for image in replies]
     assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
+    if family == "qwen2_5_vl":  # the next run's trusted turns (ids put together: `text_turns`) share too
+        encoded.clear()
+        again = agent.generate(_rows(), GREEDY)
+        assert agent.session.stats["text_turns"] == 2 and agent.session.stats["shared_media_rows"] == 6
+        _assert_same(again, plain)
+        assert [tuple(shape) for shape in encoded[-2:]] == [tuple(pixels.shape[:2]) for pixels in alone]
 
 
 def test_timed_turns_say_where_their_seconds_went():
@@ -312,10 +321,11 @@ def test_timed_turns_say_where_their_seconds_went():
     phases = [t["session"] for t in agent.timings]
     assert [p["prefill_rows"] for p in phases] == [2, 4, 4]  # the openings once per row, then every row
     for turn, p in zip(agent.timings, phases):
-        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "prefill_s", "decode_s", "record_s"))
+        assert all(p[k] >= 0 for k in ("process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "record_s"))
         assert p["rest_s"] == pytest.approx(p["total_s"] - sum(p[k] for k in (
-            "process_s", "inputs_s", "prefill_s", "decode_s", "record_s")))
+            "process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "record_s")))
         assert p["total_s"] <= turn["generate_s"] and turn["environment_s"] >= 0 and turn["agent_s"] >= 0
+    assert phases[0]["suffix_s"] == 0 and phases[1]["suffix_s"] > 0  # the first turn prefills whole
 
 
 def test_the_later_turns_read_the_kept_cache(monkeypatch):
@@ -418,8 +428,67 @@ def test_light_turns_prefill_new_and_restarted_samples_with_their_pixels():
     again = sessions.session_for(rollout, reserve=512)
     again_turn = grown(openings, again.generate(["a", "b"], openings, params))
     same_as_plain(again.generate(["a", "b"], again_turn, params), again_turn)
-    assert again.stats["light_turns"] == 1 and again.stats["reprefill_reason"] is None
+    # (Its ids put together from the rows' last prompts: `test_trusted_later_turns_skip_...`.)
+    assert again.stats["text_turns"] == 1 and again.stats["reprefill_reason"] is None
     assert again.stats["alone_positions"] == 1
+
+
+def _counting_processing(monkeypatch):
+    """The `per_row` flags of the session's `_process` calls (each a processing of whole rows)."""
+    calls = []
+    original = sessions.DecodeSession._process
+
+    def counted(self, conversations, per_row, light=False):
+        calls.append(per_row)
+        return original(self, conversations, per_row, light)
+
+    monkeypatch.setattr(sessions.DecodeSession, "_process", counted)
+    return calls
+
+
+def test_trusted_later_turns_skip_processing_rows_whole(monkeypatch):
+    """Qwen2.5-VL: once a rollout checked (turn 2 of its first agent run) that each row's
+    ids put together from its last prompt and the new text alone (`mmrl.rollout.text_suffix`)
+    are the whole rows' processed ids, its later turns (turn 3, then the next run's turns 2
+    and 3) process no row whole (only the new text and each reply image once per content)
+    and still give plain `generate`'s tokens and log-probs."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    first = agent.generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(agent.backend) is True and agent.session.stats["text_turns"] == 1
+    _assert_same(first, plain)
+    calls = _counting_processing(monkeypatch)
+    second = agent.generate(_rows(), GREEDY)
+    stats = agent.session.stats
+    assert stats["text_turns"] == 2 and stats["reprefill_reason"] is None and stats["reprefilled_samples"] == 0
+    assert True not in calls  # no later turn processed its rows whole
+    _assert_same(second, plain)
+    assert stats["prefill_tokens"] == _suffix_tokens(second.trajectories)
+
+
+def test_a_text_path_that_differs_from_processing_whole_is_never_trusted(monkeypatch):
+    """A text path whose ids are not the whole rows' (here one token dropped from every
+    row's reply) fails its one check: later turns keep processing rows whole and equal
+    plain `generate`."""
+    from mmrl.rollout import text_suffix
+
+    built, engine = _setup("qwen2_5_vl")
+    original = text_suffix.continued
+
+    def dropping(*args):
+        rows = original(*args)
+        return None if rows is None else [{k: v[:-2] + v[-1:] if k == "input_ids" else torch.cat([v[:-2], v[-1:]])
+                                           for k, v in row.items()} for row in rows]
+
+    monkeypatch.setattr(sessions, "continued", dropping)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=False)
+    agent.generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(agent.backend) is False
+    calls = _counting_processing(monkeypatch)
+    _assert_same(agent.generate(_rows(), GREEDY), plain)
+    assert agent.session.stats["text_turns"] == 0 and calls.count(True) == 2
 
 
 def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
@@ -447,6 +516,36 @@ def test_new_and_diverging_samples_prefill_whole_beside_continuing_ones():
     assert rollout.fallback_reason is None
     assert session.stats["reprefilled_samples"] == 2 and session.stats["cache_rows"] == [2, 3]
     reference = plain.generate(conversations, params)
+    assert torch.equal(second.response_ids, reference.response_ids)
+    torch.testing.assert_close(second.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+    session.close()
+
+
+def test_a_diverging_sample_sends_a_trusted_turn_back_to_processing_rows_whole():
+    """Once the rollout trusts the text path (an agent run on it), a turn where one sample's
+    conversation no longer begins with what its row holds is processed whole (that sample
+    prefilled whole beside the continuing one) and equals plain generate."""
+    built, engine = _setup("qwen2_5_vl")
+    plain = make_rollout("hf", engine, built.processing)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    AgentRollout(rollout, built.processing, _environment(built), max_turns=3, max_tokens=4096).generate(_rows(), GREEDY)
+    assert sessions._TEXT.get(rollout) is True
+    session = sessions.session_for(rollout, reserve=256)
+    params = SamplingParams(n=1, max_new_tokens=5, temperature=0, logprobs=True)
+    env, agent = _environment(built), _agent(built, engine, "hf")
+    openings = [env().reset(row) for row in _rows()]
+    first = session.generate(["a", "b"], openings, params)
+    grown = []
+    for row, opening in enumerate(openings):
+        sampled = first.response_ids[row, :int(first.response_mask[row].sum())].tolist()
+        reply, _, _ = env().step(opening)
+        grown.append([*opening, {"role": "assistant", "content": agent._content(opening, sampled)}, *reply])
+    drifted = [{**grown[1][0], "content": [grown[1][0]["content"][0], {"type": "text", "text": "Something else?"}]},
+               *grown[1][1:]]
+    second = session.generate(["a", "b"], [grown[0], drifted], params)
+    assert session.stats["text_turns"] == 0 and session.stats["reprefilled_samples"] == 1
+    assert rollout.fallback_reason is None
+    reference = plain.generate([grown[0], drifted], params)
     assert torch.equal(second.response_ids, reference.response_ids)
     torch.testing.assert_close(second.logprobs, reference.logprobs, atol=1e-4, rtol=0)
     session.close()
@@ -577,16 +676,19 @@ def test_sampled_turns_keep_their_log_probs():
 def test_kept_cache_turns_on_cuda_compiled_equal_plain_generate(family):
     """The same agent run with the decode step compiled (inductor, CUDA graphs) on CUDA,
     fp32: plain generate's tokens and log-probs, the later turns prefilling only what is
-    new."""
+    new; a second run (Qwen2.5-VL: its later turns' ids put together from the rows' last
+    prompts, `text_turns`) too."""
     built, engine = _setup(family, device="cuda")
     plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
     agent = _agent(built, engine, "hf_compiled")
-    fast = agent.generate(_rows(), GREEDY)
-    assert agent.backend.fallback_reason is None
-    stats = agent.session.stats
-    assert stats["turn_by_turn"] is None and stats["reprefilled_samples"] == 0
-    assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) < stats["whole_tokens"]
-    assert [t.turns for t in fast.trajectories] == [t.turns for t in plain.trajectories]
-    for ours, theirs in zip(fast.trajectories, plain.trajectories):
-        assert ours.ids == theirs.ids and ours.spans == theirs.spans
-        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-3, rtol=0)
+    for run in range(2):
+        fast = agent.generate(_rows(), GREEDY)
+        assert agent.backend.fallback_reason is None
+        stats = agent.session.stats
+        assert stats["turn_by_turn"] is None and stats["reprefilled_samples"] == 0
+        assert stats["prefill_tokens"] == _suffix_tokens(fast.trajectories) < stats["whole_tokens"]
+        assert stats["text_turns"] == (1 + run if family == "qwen2_5_vl" else 0)
+        assert [t.turns for t in fast.trajectories] == [t.turns for t in plain.trajectories]
+        for ours, theirs in zip(fast.trajectories, plain.trajectories):
+            assert ours.ids == theirs.ids and ours.spans == theirs.spans
+            torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=1e-3, rtol=0)

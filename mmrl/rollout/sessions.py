@@ -42,6 +42,12 @@ What a later turn does, per sample:
   out and take the new images' alone ("light_turns" in `stats`), and the suffixes'
   positions come from the suffixes alone, shifted by each row's last position (checked
   once per rollout against the whole rows': `_suffix_positions`, "alone_positions");
+  once both hold, a later turn processes no row whole: each row's ids are put together
+  from its last prompt's and the text added since (`mmrl.rollout.text_suffix`: the
+  template's text after the row's last prompt, tokenized in pieces cut at special
+  tokens, the new images' placeholders expanded once per distinct rest), checked once
+  per rollout against processing the rows whole (`_text_batch`, "text_turns"), the
+  media tensors of the suffixes being the new images' alone;
 - where the rule fails, the sample prefills its whole conversation and its old slots
   are masked ("reprefilled_samples" in `stats`);
 - samples not in the call (finished: the environment said done, or out of turns or
@@ -67,6 +73,7 @@ layers) serves each turn by its own `generate`, the reason in `stats` too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import time
@@ -74,14 +81,16 @@ import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from mmrl.engine.media import SharedMedia, placeholder_tokens, sharing
 from mmrl.errors import one_line
-from mmrl.processing import text_aligned
+from mmrl.processing import Processing, batch_differences, text_aligned
 from mmrl.rollout.base import RolloutResult, SamplingParams, extend_prompts, trim_responses
 from mmrl.rollout.compiled import CompiledHFRollout, DecodeRun, next_positions
 from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
+from mmrl.rollout.text_suffix import Anchor, CutPoints, anchor, continued
 
 MEDIA_TYPES = ("image", "video")
 # Per rollout: whether later turns may leave the pixel tensors out, and their keys
@@ -90,6 +99,10 @@ _LIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Per rollout: whether a suffix's positions, computed from the suffix alone and its row's
 # `next_position`, are checked to be the whole rows' (`DecodeSession._suffix_positions`).
 _POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per rollout: whether a light turn's token ids may be put together from each row's last
+# prompt and the new text alone (`mmrl.rollout.text_suffix`), checked once against
+# processing the rows whole (`DecodeSession._text_batch`).
+_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def session_for(backend, reserve: int = 0) -> DecodeSession | None:
@@ -111,6 +124,8 @@ class _Row:
     # The position its last sampled token has in its conversation processed whole (per
     # axis: mrope's three): where its next suffix's positions start (`_suffix_positions`).
     next_position: torch.Tensor | None = None
+    # Its last prompt's text and where its ids can be continued from (`_text_batch`).
+    anchor: Anchor | None = None
 
     @property
     def cached(self) -> int:
@@ -155,10 +170,16 @@ class DecodeSession:
         self._digests: dict[int, tuple[object, tuple]] = {}  # id -> (image, its content key), kept alive
         self._image_memo: _ImageMemo | None = None  # the processor's image outputs by content (`_process`)
         self._per_row_failed = False  # processing rows alone raised once: every row together from then on
+        self._cuts: CutPoints | None = None  # the tokenizer's cut points (`_text_batch`), made once
+        self._texts: list[str] | None = None  # this turn's conversations rendered, where the text path rendered them
+        self._text_only = False  # this turn's batch holds token entries alone (`_text_batch`)
+        self._check_text = False  # this turn checks the text path's media against the whole rows'
+        self._forward_began = 0.0  # (timed) when this turn's prefill forward began
+        self._anchorable = True  # this turn's rows may keep an `Anchor` (no carried responses)
         self._pool_key: tuple | None = None  # the kept cache's key in the rollout's pool, while out of it
         self.stats: dict = {"turns": 0, "prefill_tokens": 0, "whole_tokens": 0, "reprefilled_samples": 0,
                             "cache_rows": [], "reprefill_reason": None, "shared_openings": 0, "shared_media_rows": 0,
-                            "light_turns": 0, "alone_positions": 0, "phases": [],
+                            "light_turns": 0, "alone_positions": 0, "text_turns": 0, "phases": [],
                             "turn_by_turn": rollout.session_unsupported()}
 
     # Later turns without the whole conversations' pixel tensors (`_light_matches`): None
@@ -202,11 +223,29 @@ class DecodeSession:
             began = self._clock()
             # The first call's openings, each distinct one processed once (None: no repeats).
             shared = self._opening_sharing(conversations) if self.cache is None and prefixes is None else None
-            if isinstance(shared, SharedMedia) and rollout.engine.shares_media:
+            light = self._light is True and self.cache is not None and prefixes is None
+            first_call = self.cache is None
+            self._texts, self._text_only, self._check_text = None, False, False
+            self._anchorable = prefixes is None  # a carried response's ids are not its text's
+            # Trusted light turns whose suffix positions are trusted too may skip processing
+            # the rows whole (`mmrl.rollout.text_suffix`), once checked: on the rollout's first
+            # turn that continues rows, beside the pixels' and positions' checks.
+            trusted = light and _POSITIONS.get(rollout) is True and _TEXT.get(rollout) is True
+            text = (self._text_batch(keys, conversations) if self.cache is not None and prefixes is None
+                    and (trusted or _TEXT.get(rollout) is None) else None)
+            if text is not None and trusted:
+                batch, self._text_only = text, True
+                self.stats["text_turns"] += 1
+            elif isinstance(shared, SharedMedia) and rollout.engine.shares_media:
                 batch = shared.rows(self.processing, conversations)
             else:
-                batch = self._process(conversations, per_row=self.cache is not None,
-                                      light=self._light is True and self.cache is not None and prefixes is None)
+                batch = self._process(conversations, per_row=self.cache is not None, light=light)
+                if text is not None:  # the check: the text path's ids and entries are the whole rows'
+                    aligned = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and text_aligned(k, v, batch)}
+                    if set(aligned) == set(text) and not batch_differences(text, aligned):
+                        self._check_text = True  # trusted once its media are the whole rows' too (`_suffix_media`)
+                    else:
+                        _TEXT[rollout] = False
             if prefixes is not None:
                 batch = extend_prompts(batch, prefixes, self.processing.tokenizer.pad_token_id)
             processed = self._clock()
@@ -222,7 +261,11 @@ class DecodeSession:
                 ids, mask, reasons = trim_responses(generated, stops, pad)
                 if self.timed:
                     total = self._clock() - began
-                    phases = {"rows": len(keys), "process_s": processed - began, **phases, "total_s": total}
+                    # How the batch was made: the first call's openings, a later turn's ids put
+                    # together from the rows' last prompts ("text"), or its rows processed whole.
+                    batch_kind = "first" if first_call else "text" if self._text_only else "rows"
+                    phases = {"rows": len(keys), "batch": batch_kind, "process_s": processed - began, **phases,
+                              "total_s": total}
                     phases["rest_s"] = total - sum(v for k, v in phases.items()
                                                    if k.endswith("_s") and k not in ("total_s", "decode_wait_s"))
                     self.stats["phases"].append(phases)
@@ -264,21 +307,16 @@ class DecodeSession:
         the rows together); one processor call over every row where that cannot be done.
         With `light` (trusted by `_light_matches`), the pixel tensors of `_pixel_keys` are left
         out of the collated batch: the suffix takes them from its new chunks alone."""
-        processor = getattr(self.processing, "processor", None)
-        images = getattr(processor, "image_processor", None)
+        images = getattr(getattr(self.processing, "processor", None), "image_processor", None)
         if (not per_row or images is None or self.processing.collate_matches is False or self._per_row_failed
                 or not any(_media_parts(conversation) for conversation in conversations)):
             return dict(self.processing(conversations))
-        if self._image_memo is None or self._image_memo.inner is not images:
-            self._image_memo = _ImageMemo(images, self._content)
         rows = None
         try:
-            processor.image_processor = self._image_memo
-            rows = [dict(self.processing([conversation])) for conversation in conversations]
+            with self._memoized_images():
+                rows = [dict(self.processing([conversation])) for conversation in conversations]
         except Exception:  # noqa: BLE001 - a processor that will not take the wrapper: process as before
             self._per_row_failed = True
-        finally:
-            processor.image_processor = images
         if rows is None:
             return dict(self.processing(conversations))
         if any(row.keys() != rows[0].keys() for row in rows):  # rows with media beside rows without
@@ -288,6 +326,78 @@ class DecodeSession:
             return self.processing.collate([{k: v for k, v in row.items() if k not in self._pixel_keys}
                                             for row in rows])
         return self.processing.collate_rows(rows, conversations)
+
+    def _text_path(self) -> bool:
+        """Whether later turns may put their ids together from the rows' last prompts
+        (`_text_batch`): a processor of images, processed by `Processing`'s own path
+        (which `process_texts` is part of), not found to differ from processing whole."""
+        processing = self.processing
+        return (_TEXT.get(self.rollout) is not False and self._light is not False and processing.is_multimodal
+                and getattr(getattr(processing, "processor", None), "image_processor", None) is not None
+                and type(processing).__call__ is Processing.__call__)
+
+    def _text_batch(self, keys: list, conversations: list[list[dict]]) -> dict | None:
+        """The turn's batch of token entries (ids, mask, per-token entries; no media) with
+        each row's ids put together from its last prompt's and the text added since
+        (`mmrl.rollout.text_suffix`), the new images processed once per content; None
+        where a row cannot be continued that way (a new sample, a template that rewrites
+        earlier turns, ids that do not begin with the row's: the prefix rule)."""
+        rows = [self.samples.get(key) for key in keys]
+        if not self._text_path() or any(row is None or row.anchor is None for row in rows):
+            return None
+        try:
+            return self._pieced(rows, conversations)
+        except Exception:  # noqa: BLE001 - a text the processor refuses in pieces: processed whole, as before
+            return None
+
+    def _pieced(self, rows: list[_Row], conversations: list[list[dict]]) -> dict | None:
+        """`_text_batch`'s batch of the continuing `rows` (None where one does not continue)."""
+        texts = [self.processing.render(conversation) for conversation in conversations]
+        added = [conversation[row.messages:] for row, conversation in zip(rows, conversations)]
+        media = [self.processing.collect_media(messages) for messages in added]
+        contents = [tuple(tuple(sorted((k, self._content(v)) for k, v in part.items())) for part in _media_parts(messages))
+                    for messages in added]
+        with self._memoized_images():
+            pieces = continued(self.processing, self._cuts, [row.anchor for row in rows], [row.tokens for row in rows],
+                               texts, media, contents)
+        if pieces is None or any(piece["input_ids"][:len(row.tokens)] != row.tokens for piece, row in zip(pieces, rows)):
+            return None
+        self._texts = texts
+        return self.processing.collate([{"input_ids": torch.tensor([piece["input_ids"]]),
+                                         "attention_mask": torch.ones(1, len(piece["input_ids"]), dtype=torch.long),
+                                         **{k: v[None] for k, v in piece.items() if k != "input_ids"}}
+                                        for piece in pieces])
+
+    def _anchors(self, conversations: list[list[dict]], ids: list[list[int]], batch: dict) -> list[Anchor | None]:
+        """Each row's `Anchor` of its prompt this turn (None each where the text path is off)."""
+        if not self._anchorable or not self._text_path():
+            return [None] * len(ids)
+        if self._cuts is None:
+            self._cuts = CutPoints(self.processing.tokenizer)
+        texts = self._texts or [self.processing.render(conversation) for conversation in conversations]
+        real = batch["attention_mask"].bool().cpu()
+        aligned = [k for k, v in batch.items() if k not in ("input_ids", "attention_mask")
+                   and isinstance(v, torch.Tensor) and text_aligned(k, v, batch)]
+        return [anchor(self.processing, self._cuts, text, row_ids, {k: batch[k][row].cpu()[real[row]] for k in aligned})
+                for row, (text, row_ids) in enumerate(zip(texts, ids))]
+
+    @contextlib.contextmanager
+    def _memoized_images(self):
+        """Within the block the processor processes each list of images once by content
+        (`_ImageMemo`, kept for the session): the rows of a later turn and the new images
+        processed alone (`_chunk`) share one processing of each reply image."""
+        processor = getattr(self.processing, "processor", None)
+        images = getattr(processor, "image_processor", None)
+        if images is None or self._per_row_failed:
+            yield
+            return
+        if self._image_memo is None or self._image_memo.inner is not images:
+            self._image_memo = _ImageMemo(images, self._content)
+        processor.image_processor = self._image_memo
+        try:
+            yield
+        finally:
+            processor.image_processor = images
 
     def _leave_pool(self) -> None:
         """Between calls the kept cache is the session's alone: the rollout reuses (and
@@ -327,7 +437,8 @@ class DecodeSession:
             distinct_positions = rollout.position_ids(model, distinct.batch)
             positions = distinct.expand(distinct_positions)
         real = inputs["attention_mask"].bool()
-        ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"].cpu(), real.cpu())]
+        # From the host's batch: no copy back from the device.
+        ids = [row[keep].tolist() for row, keep in zip(batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu())]
         was_training = model.training
         model.eval()
         try:
@@ -346,7 +457,7 @@ class DecodeSession:
                         positions = distinct_positions = rollout.position_ids(model, inputs)
                     if self._light is None and media:
                         _LIGHT[rollout] = self._light_matches(model, inputs, positions, media, chunks)
-                prefill_began = self._clock()
+                prefill_began = self._forward_began = self._clock()
                 if starts is None:
                     logits, end, prefill_rows = self._prefill_whole(run, inputs, positions, params, distinct,
                                                                     distinct_positions)
@@ -366,7 +477,7 @@ class DecodeSession:
         _, response_mask, _ = trim_responses(generated, self.processing.stop_token_ids,
                                              self.processing.tokenizer.pad_token_id)
         lengths = response_mask.sum(-1).long().tolist()
-        self._record(keys, conversations, ids, generated, lengths, end, decoded.steps, starts, begin)
+        self._record(keys, conversations, ids, generated, lengths, end, decoded.steps, starts, begin, batch)
         rollout.stats = {"steps": decoded.steps, "final_rows": decoded.final_rows}
         self.stats["turns"] += 1
         self.stats["whole_tokens"] += sum(map(len, ids))
@@ -374,7 +485,10 @@ class DecodeSession:
         # Host work before the prefill (positions, finding each row's suffix and its media),
         # the prefill, the decode loop (`decode_wait_s` of it: the host waiting at its looks
         # at the running rows) and what follows (tokens to the host, the rows' records).
-        phases = {"inputs_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
+        # `suffix_s`: a later turn's suffixes laid out before its prefill's forward (their
+        # gather, positions, media sharing, room made in the cache).
+        phases = {"inputs_s": prefill_began - began, "suffix_s": self._forward_began - prefill_began,
+                  "prefill_s": decode_began - self._forward_began,
                   "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
                   "record_s": self._clock() - decode_ended, "prefill_rows": prefill_rows,
                   "decode_steps": decoded.steps} if self.timed else {}
@@ -428,6 +542,7 @@ class DecodeSession:
         self.mask[:, self.fill:self.fill + width] = suffix_mask.to(self.mask.dtype)
         self.mask[:, self.fill + width:] = 1  # the decode steps' slots
         shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
+        self._forward_began = self._clock()
         with sharing(run.model, {**suffix, **media}, shared):
             logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
         self.fill += width
@@ -463,26 +578,34 @@ class DecodeSession:
             return None  # no chunk repeats: nothing to share
         index = {key: i for i, key in enumerate(distinct)}
         parts = [[index[id(chunk)]] if chunk.tensors else [] for chunk in chunks]
-        shared = SharedMedia.of_singles([chunk.processed for chunk in distinct.values()], parts, suffix,
-                                        placeholder_tokens(model))
+        singles = [chunk.processed for chunk in distinct.values()]
+        if self._text_only:
+            # The suffixes' media are these chunks' joined (`_suffix_media`), which also
+            # checked each row's placeholder counts: laid out as `of_singles` checks.
+            shared = SharedMedia(list(range(len(parts))), singles, parts)
+        else:
+            shared = SharedMedia.of_singles(singles, parts, suffix, placeholder_tokens(model))
         self.stats["shared_media_rows"] += 0 if shared is None else len(chunks) - len(distinct)
         return shared
 
     def _record(self, keys: list, conversations: list, ids: list[list[int]], generated: torch.Tensor,
-                lengths: list[int], end: int, steps: int, starts: list[int] | None, begin: torch.Tensor) -> None:
+                lengths: list[int], end: int, steps: int, starts: list[int] | None, begin: torch.Tensor,
+                batch: dict) -> None:
         """What each row holds after the turn: its prompt and sampled tokens, of which the
         last is not in the cache; slots after it (the stop token fed to a finished row,
-        padding) leave the mask."""
+        padding) leave the mask. `batch`: the turn's processed prompts (for each row's
+        `Anchor`)."""
         # Per row, the slots from its last sampled token's on (one masked fill, not a write per row).
         last = torch.tensor([end + length - 1 for length in lengths], device=self.mask.device)
         self.mask.masked_fill_(torch.arange(self.mask.shape[1], device=self.mask.device) >= last[:, None], 0)
+        anchors = self._anchors(conversations, ids, batch)
         for row, (key, length) in enumerate(zip(keys, lengths)):
             previous = self.samples.get(key)
             continued = starts is not None and starts[row] > 0 and previous is not None
             self.samples[key] = _Row(tokens=ids[row] + generated[row, :length].tolist(),
                                      messages=len(conversations[row]),
                                      media=self._grown_media(previous, conversations[row]) if continued else None,
-                                     next_position=begin[..., row] + length)
+                                     next_position=begin[..., row] + length, anchor=anchors[row])
         self.fill = end + steps - 1
         self.rows = list(keys)
         # Samples missing from this call left the cache: what their rows held goes too (a
@@ -520,7 +643,9 @@ class DecodeSession:
         others = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor) and v is not None]
         if others:
             raise _Reprefill(f"processed inputs that are not tensors: {', '.join(others)}")
-        if not media_keys:
+        if not media_keys and not self._text_only:
+            if self._check_text:  # no row holds media: the text path's media (none) are the whole rows'
+                _TEXT[self.rollout] = True
             return {}, []
         placeholders = placeholder_tokens(self.rollout.decoder_model())
         before, new = [], []
@@ -538,11 +663,20 @@ class DecodeSession:
             for token in placeholders:
                 if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
+        # Every media tensor of a text-only batch (`_text_batch`), the pixel tensors a light
+        # batch left out (`_process`): the new chunks' alone, joined.
+        keys = list(dict.fromkeys(k for chunk in new for k in chunk.tensors))
+        if self._text_only:
+            return {key: _joined(key, new) for key in keys}, new
         cut = {key: _cut(key, inputs[key], before, new) for key in media_keys
                if any(key in chunk.tensors for chunk in new)}
-        # Pixel tensors a light batch left out (`_process`): the new chunks' alone.
-        return {**cut, **{key: _joined(key, new) for key in self._pixel_keys
-                          if key not in inputs and any(key in chunk.tensors for chunk in new)}}, new
+        media = {**cut, **{key: _joined(key, new) for key in self._pixel_keys if key not in inputs and key in keys}}
+        if self._check_text:  # the text path's media (the new chunks joined) must be the whole rows'
+            joined = {key: media[key] if key in self._pixel_keys and key not in inputs else _joined(key, new)
+                      for key in keys}
+            _TEXT[self.rollout] = media.keys() == joined.keys() and all(torch.equal(media[key], joined[key])
+                                                                        for key in media)
+        return media, new
 
     def _light_matches(self, model, inputs: dict, positions: torch.Tensor, media: dict,
                        chunks: list[_Chunk]) -> tuple[bool, tuple[str, ...]]:
@@ -574,7 +708,13 @@ class DecodeSession:
             if not parts:
                 chunk = _Chunk({}, {})
             else:
-                processed = dict(self.processing([[{"role": "user", "content": parts}]]))
+                conversation = [{"role": "user", "content": parts}]
+                try:
+                    with self._memoized_images():
+                        processed = dict(self.processing([conversation]))
+                except Exception:  # noqa: BLE001 - a processor that will not take the wrapper (`_process`)
+                    self._per_row_failed = True
+                    processed = dict(self.processing([conversation]))
                 device = self.rollout.engine.dist.device
                 tensors = {k: v.to(device) for k, v in processed.items()
                            if k != "attention_mask" and isinstance(v, torch.Tensor)
@@ -595,7 +735,9 @@ class DecodeSession:
             return ("object", id(value))
         known = self._digests.get(id(value))
         if known is None or known[0] is not value:
-            digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+            # The pixels' array view hashes without `tobytes`' copy (every sample's reply
+            # image is a new object: a turn digests one per row).
+            digest = hashlib.sha256(numpy.ascontiguousarray(numpy.asarray(value))).digest()
             known = self._digests[id(value)] = (value, (value.mode, tuple(value.size), digest))
         return known[1]
 
