@@ -14,9 +14,9 @@ So mmrl does it itself, exactly and without naming a family:
 
 - Which modules: in each decoder layer that the config's `layer_types` mark stateful
   (`mmrl.boundaries.STATEFUL_LAYER_KINDS`: conv, linear_attention, hybrid, ...), the
-  innermost sequence mixers (`mmrl.parallel.gathered.is_mixer`: the forward takes a mask,
-  a cache or a state) that are not attention (transformers' attention modules carry
-  `is_causal`; they already see the packed mask).
+  innermost sequence mixers (`mmrl.parallel.gathered.is_mixer`) whose forward takes a
+  decoding cache and that neither are nor hold attention (transformers' attention modules
+  carry `is_causal`; they already see the packed mask).
 - How: the packed forward passes `seq_idx` (`packed_inputs`); a pre-hook on each such
   layer reads it from the layer's keywords (transformers' layers receive the model's
   keywords) and hands its segments to the layer's mixers. Each mixer then runs on its
@@ -36,6 +36,9 @@ undeclared (`mmrl.boundaries.unpackable`).
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import torch
 
@@ -100,8 +103,24 @@ def sequence_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return index[:total].to(torch.int32).unsqueeze(0)
 
 
+# A forward parameter that hands a module its decoding cache: what a layer that carries a
+# state along the sequence takes (a norm, an MLP or a router does not).
+_CACHE_PARAMETER = re.compile(r"cache|past_key")
+
+
 def _is_attention(module: torch.nn.Module) -> bool:
     return hasattr(module, "is_causal")
+
+
+def _carries_state(module: torch.nn.Module) -> bool:
+    """A sequence mixer with a decoding cache that is not attention and holds none."""
+    if not is_mixer(module) or any(_is_attention(m) for m in module.modules()):
+        return False
+    try:
+        names = list(inspect.signature(module.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return any(_CACHE_PARAMETER.search(name) for name in names)
 
 
 def stateful_mixers(model: torch.nn.Module, adapter) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
@@ -121,7 +140,7 @@ def stateful_mixers(model: torch.nn.Module, adapter) -> list[tuple[torch.nn.Modu
     for layer, kind in zip(layers, remap_legacy_layer_types(kinds)):
         if kind not in STATEFUL_LAYER_KINDS:
             continue
-        candidates = [m for m in layer.modules() if m is not layer and is_mixer(m) and not _is_attention(m)]
+        candidates = [m for m in layer.modules() if m is not layer and _carries_state(m)]
         ids = {id(m) for m in candidates}
         innermost = [m for m in candidates if not any(id(d) in ids for d in m.modules() if d is not m)]
         if innermost:
