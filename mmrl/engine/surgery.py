@@ -11,24 +11,24 @@ installed; `Changes` records it):
 3. `apply_ulysses`: Ulysses sequence parallelism's attention and input splitting
    (`mmrl.parallel.ulysses`; `mmrl.parallel.gathered` where the family gathers its
    mixers), with `dist.sequence_parallel` > 1.
-3b. `apply_stateful_layers`: with packed rows, the convolution, state-space and
+4. `apply_stateful_layers`: with packed rows, the convolution, state-space and
    linear-attention mixers of the layers the config marks stateful run one sequence a row
    (`mmrl.engine.stateful_layers`), so no state crosses a packed sequence boundary.
-4. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
+5. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
    "auto" on sharded GPU ranks: `mmrl.settle.checkpointing_choice`); `enable_checkpointing`
    turns it on later too (after an out-of-memory update, `after_oom`).
-5. `apply_varlen`: the flash varlen attention for packed rows on a GPU
+6. `apply_varlen`: the flash varlen attention for packed rows on a GPU
    (`mmrl.engine.varlen`).
-6. `apply_compiled_layers`: the text decoder's layers compiled in the engine's forwards
-   (`mmrl.engine.compiled_layers`), except those of step 3b (their segments are
+7. `apply_compiled_layers`: the text decoder's layers compiled in the engine's forwards
+   (`mmrl.engine.compiled_layers`), except those of step 4 (their segments are
    data-dependent), which stay eager.
-7. `apply_vision_attention`: the vision tower's per-image attention in one call per
+8. `apply_vision_attention`: the vision tower's per-image attention in one call per
    layer, where the model code allows it (`mmrl.engine.vision_attention`).
-8. `apply_fsdp`: with several processes, FSDP2's `fully_shard` on the family's
+9. `apply_fsdp`: with several processes, FSDP2's `fully_shard` on the family's
    `shard_layers`, then the root and the value head; trainable half-precision parameters
    are upcast to fp32 first (the shards are then the master weights, `mmrl.engine.optimizer`).
-9. `apply_frozen`: an engine that does not train freezes every parameter and runs in eval
-   mode; one that trains runs in training mode (a loaded checkpoint comes in eval mode).
+10. `apply_frozen`: an engine that does not train freezes every parameter and runs in
+    eval mode; one that trains runs in training mode (a loaded checkpoint comes in eval mode).
 
 Elsewhere, and only there: `mmrl.build.build_model` loads the model in the recipe's dtype
 and attention; before the engine the trainer freezes the recipe's parts
