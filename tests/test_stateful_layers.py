@@ -133,3 +133,15 @@ def test_pack_sequences_writes_each_rows_sequence_index():
     assert packed.rows == [[0, 1], [2]]
     assert packed.seq_idx.tolist() == [[0, 0, 0, 1, 1, 1, 1], [0] * 7]  # row 1's unused tail: its sequence's
     assert stateful_layers.sequence_index(torch.tensor([0, 3, 7, 9]), 9).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2]]
+
+
+@torch.no_grad()
+def test_the_hooks_compile_into_one_graph_outside_packed_forwards():
+    """The compiled rollout compiles the whole model with fullgraph: the hooks of a model that
+    packs must not break its graph when no seq_idx comes (a decode step, a prefill)."""
+    model, adapter = _model("state_space")
+    stateful_layers.install(model, adapter)
+    ids = _samples()[1][None]
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    out = compiled(ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits
+    assert torch.allclose(out, model(ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits)

@@ -205,18 +205,23 @@ def _layer_segments(mixers):
         if isinstance(seq_idx, torch.Tensor) and seq_idx.dim() == 2 and not cached:
             segments = _segments_of(seq_idx)
             segments = segments if segments.separates else None
-        for mixer in mixers:
-            setattr(mixer, _SEGMENTS, segments)
+        _hand_over(mixers, segments)
         return None
     return hook
 
 
 def _layer_done(mixers):
     def hook(layer, args, output):
-        for mixer in mixers:
-            setattr(mixer, _SEGMENTS, None)
+        _hand_over(mixers, None)
         return None
     return hook
+
+
+def _hand_over(mixers, segments: Segments | None) -> None:
+    # Written only on a change: outside packed forwards (every decode step) the hooks only read.
+    for mixer in mixers:
+        if getattr(mixer, _SEGMENTS, None) is not segments:
+            setattr(mixer, _SEGMENTS, segments)
 
 
 def _mixer_inputs(module, args, kwargs):
