@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from mmrl.adapter import ModelAdapter
-from mmrl.engine import stateful_layers
 from mmrl.positions import pack
 
 
@@ -102,6 +101,8 @@ def padded_vs_single(built, conversations) -> float:
 def packed_vs_padded(built, conversations) -> float:
     """Max |logit difference| between the padded batch and the same batch packed into
     one row without padding (positions restart per sequence)."""
+    from mmrl.engine import stateful_layers  # a higher layer (docs/architecture.md)
+
     model = built.model.eval()
     stateful_layers.install(model, built.adapter)
     batch = built.inputs(conversations)
@@ -175,6 +176,7 @@ def packed_boundary_gap(built, conversations=None) -> BoundaryGap:
     the log-prob of every token and the last hidden state. A layer whose state (a
     convolution's window, a linear-attention or recurrent state) crosses the boundary
     fails it, unless the engine runs it per sequence (`mmrl.engine.stateful_layers`)."""
+    from mmrl.engine import stateful_layers
     from mmrl.engine.packing import pack_sequences
 
     model = built.model.eval()

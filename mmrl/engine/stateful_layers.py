@@ -26,6 +26,9 @@ So mmrl does it itself, exactly and without naming a family:
   the padding-free probe's boundary case verifies it per family). The mixer's own
   `seq_idx` keyword is cleared, since its batch now holds one sequence a row.
 - Checkpointed layers recompute with the same keywords, so the segments come again.
+- Cost: those mixers see S x L positions for a row of T (S sequences, L the longest), and
+  their layers stay out of layer compilation (`mmrl.engine.surgery`); handing the
+  kernels their own arguments instead would avoid the padding where the kernels exist.
 
     install(model, adapter)               # once; [] where the model has no stateful layers
     model(**packed_inputs(model, packed))  # packed.inputs, plus seq_idx where installed
@@ -47,7 +50,7 @@ from mmrl.parallel.gathered import is_mixer
 from mmrl.parts import decoder_layers
 
 SEQUENCE_INDEX = "seq_idx"  # transformers' keyword for packed sequences (TransformersKwargs)
-_HOOKED = "_mmrl_per_sequence"  # set on each hooked mixer
+_HOOKED = "_mmrl_per_sequence"  # set on each hooked layer and mixer
 _SEGMENTS = "_mmrl_segments"  # a mixer's segments while its layer runs
 _CACHE_KEYS = ("past_key_values", "cache_params", "past_key_value")
 
