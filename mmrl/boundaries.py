@@ -2,7 +2,8 @@
 
 A convolution's window, a linear-attention or a recurrent (state-space) state runs on from one
 packed sample into the next unless the layer is told where each sample starts; attention
-is kept apart by the position ids alone. A family's `padding_free` claim is verified on
+is kept apart by the position ids alone. Where it can, the engine runs such layers one
+packed sequence a row (`mmrl.engine.stateful_layers`). A family's `padding_free` claim is verified on
 its tiny model (the padding-free probe's boundary case, `mmrl.checks.packed_boundary_gap`),
 so it covers the stateful layer kinds that model has. A checkpoint of the same type can
 have others (a type whose default config is all attention, while its real checkpoints

@@ -101,11 +101,18 @@ def padded_vs_single(built, conversations) -> float:
 def packed_vs_padded(built, conversations) -> float:
     """Max |logit difference| between the padded batch and the same batch packed into
     one row without padding (positions restart per sequence)."""
+    from mmrl.engine import stateful_layers  # a higher layer (docs/architecture.md)
+
     model = built.model.eval()
+    stateful_layers.install(model, built.adapter)
     batch = built.inputs(conversations)
     padded = logits_of(model, batch)
     mask = batch["attention_mask"].bool()
-    packed = logits_of(model, pack(batch))
+    packed_batch = pack(batch)
+    if stateful_layers.installed(model):
+        packed_batch[stateful_layers.SEQUENCE_INDEX] = stateful_layers.sequence_index(
+            packed_batch["cu_seqlens"], packed_batch["input_ids"].shape[1])
+    packed = logits_of(model, packed_batch)
     return (padded[mask] - packed[0]).abs().max().item()
 
 
@@ -168,16 +175,18 @@ def packed_boundary_gap(built, conversations=None) -> BoundaryGap:
     (`mmrl.engine.packing.pack_sequences`), against the same sample run alone: per sample,
     the log-prob of every token and the last hidden state. A layer whose state (a
     convolution's window, a linear-attention or recurrent state) crosses the boundary
-    fails it."""
+    fails it, unless the engine runs it per sequence (`mmrl.engine.stateful_layers`)."""
+    from mmrl.engine import stateful_layers
     from mmrl.engine.packing import pack_sequences
 
     model = built.model.eval()
+    stateful_layers.install(model, built.adapter)  # as the engine does where it packs
     conversations = conversations or boundary_conversations(built.adapter)
     batch = built.inputs(conversations)
     mask = batch["attention_mask"].bool()
     packed = pack_sequences(batch, mask[:, :0], row_tokens=int(mask.sum()),
                             pad_token_id=built.tokenizer.pad_token_id or 0)
-    row_logits, row_hidden = _forward(model, packed.inputs)
+    row_logits, row_hidden = _forward(model, stateful_layers.packed_inputs(model, packed))
     tokens = packed.inputs["input_ids"][0]
     logprob = hidden = 0.0
     start = 0

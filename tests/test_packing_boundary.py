@@ -1,10 +1,10 @@
 """Packing across sequence boundaries (issue 31): the padding-free probe's boundary case
 (a short sample packed right behind a long neighbour, log-probs against itself alone)
-fails for a hybrid family whose state leaks across the boundary, and the trainer refuses
-to pack a family that does not declare padding_free.
+fails for a hybrid family whose state leaks across the boundary, passes once its
+convolution runs one packed sequence a row (`mmrl.engine.stateful_layers`), and the
+trainer refuses to pack a family that does not declare padding_free.
 
-The hybrid family here is transformers' Lfm2 with one short-convolution layer (the
-scaffold's tiny Lfm2 config has attention layers only, so it cannot show the leak).
+The hybrid family here is transformers' Lfm2 with one short-convolution layer.
 """
 
 from types import SimpleNamespace
@@ -18,6 +18,7 @@ from mmrl.checks import (
     BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE, packed_boundary_gap, packed_vs_padded, sample_conversations,
 )
 from mmrl.config import ModelConfig, RecipeError
+from mmrl.engine import stateful_layers
 from mmrl.recipe_checks import _check_pack
 from mmrl.settle import packs_model
 from mmrl.probes import Subject, probe
@@ -53,6 +54,12 @@ def _hybrid(family: str, layer_types: list[str], capabilities: Capabilities) -> 
 
 
 @pytest.fixture
+def no_per_sequence_mixers(monkeypatch):
+    """As mmrl packed hybrid models before `mmrl.engine.stateful_layers`: no mixer hooked."""
+    monkeypatch.setattr(stateful_layers, "install", lambda model, adapter: [])
+
+
+@pytest.fixture
 def leaky():
     # As the scaffold declared Lfm2 before the boundary case: padding_free claimed.
     register_model(_hybrid("leaky_conv", ["conv", "full_attention"], Capabilities(padding_free=True)))
@@ -67,7 +74,7 @@ def unpacked():
     unregister("unpacked_conv")
 
 
-def test_boundary_case_catches_a_convolution_state_crossing_the_boundary(leaky):
+def test_boundary_case_catches_a_convolution_state_crossing_the_boundary(leaky, no_per_sequence_mixers):
     gap = packed_boundary_gap(build_model(leaky, random_init=True))
     assert not gap.exact
     # Both measures catch it: 1.6e-4 in log-prob, far more in the hidden state.
@@ -78,12 +85,22 @@ def test_boundary_case_catches_a_convolution_state_crossing_the_boundary(leaky):
     assert packed_boundary_gap(attention_only).exact
 
 
-def test_padding_free_probe_fails_on_the_boundary_case(leaky):
+def test_padding_free_probe_fails_on_the_boundary_case(leaky, no_per_sequence_mixers):
     from mmrl.registry import get_adapter
 
     result = probe("padding_free").run(Subject(adapter=get_adapter(leaky), source=leaky))
     assert result.status == "failed"
     assert "state crosses a packed sequence boundary" in result.reason
+
+
+def test_the_convolution_run_per_sequence_passes_the_boundary_case(leaky):
+    from mmrl.registry import get_adapter
+
+    built = build_model(leaky, random_init=True)
+    assert packed_boundary_gap(built).exact
+    assert stateful_layers.installed(built.model)
+    result = probe("padding_free").run(Subject(adapter=get_adapter(leaky), source=leaky))
+    assert result.status == "verified", result.reason
 
 
 def test_a_zoo_family_passes_the_boundary_case():
@@ -127,7 +144,6 @@ def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(at
     assert packed_boundary_gap(tiny).exact and unverified_layer_kinds(tiny.adapter, tiny.model.config) == set()
     hybrid = build_model(attention_tiny, random_init=True, config_overrides={
         "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]})
-    assert not packed_boundary_gap(hybrid).exact  # what packing it would do
     assert unverified_layer_kinds(hybrid.adapter, hybrid.model.config) == {"conv"}
     with pytest.raises(ValueError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
         Engine(hybrid, init_distributed("cpu"), pack=True)
@@ -167,3 +183,44 @@ def test_ulysses_is_refused_for_a_checkpoint_with_stateful_layers_its_tiny_model
         _check_sequence_parallel(recipe)
     with pytest.raises(ValueError, match=refusal):
         apply_ulysses(hybrid.model, SimpleNamespace(sequence_parallel=2, adapter=hybrid.adapter))
+
+
+def _engine_log_probs_and_grads(family: str, pack: bool):
+    from mmrl.checks import boundary_conversations
+    from mmrl.config import OptimConfig
+    from mmrl.engine import Engine, join
+    from mmrl.engine.packing import pack_sequences
+    from mmrl.parallel import init_distributed
+
+    # Larger weights than the default init, so a leak reaches the response tokens' log-probs.
+    built = build_model(family, random_init=True, seed=0, config_overrides={"initializer_range": 0.2})
+    engine = Engine(built, init_distributed("cpu"), optim=OptimConfig(lr=1e-3), pack=pack, pack_tokens=4096)
+    rows = boundary_conversations(built.adapter)  # long, then short: one packed row
+    prompts = dict(built.processing(rows))
+    vocab = built.model.config.get_text_config().vocab_size
+    responses = torch.randint(vocab // 2, vocab, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+    seqs = join(prompts, responses, torch.ones_like(responses), built.adapter, engine.model,
+                built.tokenizer.pad_token_id)
+    assert engine.packs(seqs) == pack
+    if pack:
+        assert len(pack_sequences(seqs.inputs, seqs.response_mask, engine.pack_tokens).rows) == 1
+    logp, _ = engine.log_probs(seqs)
+    (logp * torch.linspace(-1, 1, 7)).sum().backward()
+    return logp.detach(), {n: p.grad for n, p in engine.model.named_parameters() if p.grad is not None}
+
+
+def test_the_engine_packs_a_hybrid_family_as_it_pads_it(leaky):
+    """Engine(pack=True) on the conv family: the short sequence behind the long one gets the
+    padded batch's log-probs and gradients (fp32)."""
+    padded, padded_grads = _engine_log_probs_and_grads(leaky, pack=False)
+    packed, packed_grads = _engine_log_probs_and_grads(leaky, pack=True)
+    assert (packed - padded).abs().max().item() < BOUNDARY_TOLERANCE
+    assert packed_grads.keys() == padded_grads.keys()
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_without_per_sequence_mixers_the_engine_packs_the_leak(leaky, no_per_sequence_mixers):
+    padded, _ = _engine_log_probs_and_grads(leaky, pack=False)
+    packed, _ = _engine_log_probs_and_grads(leaky, pack=True)
+    assert (packed - padded).abs().max().item() > 10 * BOUNDARY_TOLERANCE

@@ -35,6 +35,7 @@ import inspect
 
 import torch
 
+from mmrl.engine import stateful_layers
 from mmrl.engine.logprobs import first_tensor, token_log_probs
 from mmrl.engine.packing import keep_rows, pack_sequences
 from mmrl.engine.sequences import Sequences, left_padded
@@ -147,12 +148,13 @@ class Packed(Layout):
         super().__init__(engine, seqs)
         row_tokens = 1 if engine.right_padded else engine.pack_tokens
         self.packed = pack_sequences(seqs.inputs, seqs.response_mask, row_tokens, seqs.pad_token_id or 0)
+        self.inputs = stateful_layers.packed_inputs(self.model, self.packed)
 
     def head_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.packed.logit_index, self.seqs.response_ids[self.packed.response_mask]
 
     def head_forward(self):
-        return self.forward(self.packed.inputs, logits_to_keep=0)
+        return self.forward(self.inputs, logits_to_keep=0)
 
     def place(self, flat: torch.Tensor) -> torch.Tensor:
         return self.packed.to_padded(flat)
@@ -160,13 +162,13 @@ class Packed(Layout):
     def plain_log_probs(self, temperature: float):
         """Logits only for the positions before real response tokens (`keep_rows`)."""
         targets = self.seqs.response_ids[self.packed.response_mask]
-        logits = self.forward(self.packed.inputs, also=keep_rows(self.model, self.packed.logit_index),
+        logits = self.forward(self.inputs, also=keep_rows(self.model, self.packed.logit_index),
                               logits_to_keep=0).logits
         logp, entropy = token_log_probs(logits[0].unsqueeze(1), targets.unsqueeze(1), temperature)
         return self.place(logp[:, 0]), self.place(entropy[:, 0])
 
     def values(self, value_of) -> torch.Tensor:
-        out = self.forward(self.packed.inputs, logits_to_keep=1, output_hidden_states=True)
+        out = self.forward(self.inputs, logits_to_keep=1, output_hidden_states=True)
         hidden = out.hidden_states[-1].flatten(0, 1)[self.packed.logit_index]
         return self.place(value_of(hidden))
 

@@ -42,6 +42,10 @@ class PackedBatch:
     logit_index: torch.Tensor  # (N,) flat (K * T) positions predicting the response tokens
     response_mask: torch.Tensor  # (B, R) bool: where the N values go back
     rows: list[list[int]]  # the sequences each packed row holds
+    # (K, T) int32: which of its row's sequences each position belongs to (a row's unused
+    # tail: its last sequence's), transformers' `seq_idx`; the model gets it only where
+    # its stateful layers read it (`mmrl.engine.stateful_layers.packed_inputs`).
+    seq_idx: torch.Tensor | None = None
 
     def to_padded(self, values: torch.Tensor) -> torch.Tensor:
         """(N,) per-response-token values back to the padded (B, R) layout, 0 elsewhere
@@ -75,9 +79,11 @@ def pack_sequences(inputs: dict[str, torch.Tensor], response_mask: torch.Tensor,
     width = max(int(lengths[r].sum()) for r in rows)
     row_of = torch.empty(batch, dtype=torch.long, device=device)
     offset = torch.empty(batch, dtype=torch.long, device=device)
+    ordinal = torch.empty(batch, dtype=torch.long, device=device)  # its place among its row's sequences
     for k, members in enumerate(rows):
         index = torch.tensor(members, device=device)
         row_of[index] = k
+        ordinal[index] = torch.arange(len(members), device=device)
         offset[index] = torch.cat([lengths.new_zeros(1), lengths[index].cumsum(0)[:-1]])
     rank = mask.long().cumsum(-1) - 1  # each real token's place in its sequence
     flat = row_of[:, None] * width + offset[:, None] + rank  # (B, L): its place in the packed rows
@@ -111,11 +117,13 @@ def pack_sequences(inputs: dict[str, torch.Tensor], response_mask: torch.Tensor,
     if "position_ids" not in packed:
         raise ValueError("packing needs the adapter's position ids (the model would count positions across "
                          "sequences)")
+    last_sequence = torch.tensor([len(members) - 1 for members in rows], device=device).repeat_interleave(width)
+    seq_idx = scatter(ordinal[:, None].expand(batch, length), last_sequence).to(torch.int32)
     responses = response_mask.bool()
     prompt = length - responses.shape[1]
     # The logit predicting response token t sits one place before it.
     logit_index = flat[:, prompt:][responses] - 1
-    return PackedBatch(inputs=packed, logit_index=logit_index, response_mask=responses, rows=rows)
+    return PackedBatch(inputs=packed, logit_index=logit_index, response_mask=responses, rows=rows, seq_idx=seq_idx)
 
 
 @contextlib.contextmanager

@@ -11,20 +11,24 @@ installed; `Changes` records it):
 3. `apply_ulysses`: Ulysses sequence parallelism's attention and input splitting
    (`mmrl.parallel.ulysses`; `mmrl.parallel.gathered` where the family gathers its
    mixers), with `dist.sequence_parallel` > 1.
-4. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
+4. `apply_stateful_layers`: with packed rows, the convolution, state-space and
+   linear-attention mixers of the layers the config marks stateful run one sequence a row
+   (`mmrl.engine.stateful_layers`), so no state crosses a packed sequence boundary.
+5. `apply_checkpointing`: activation checkpointing (`gradient_checkpointing: true`, or
    "auto" on sharded GPU ranks: `mmrl.settle.checkpointing_choice`); `enable_checkpointing`
    turns it on later too (after an out-of-memory update, `after_oom`).
-5. `apply_varlen`: the flash varlen attention for packed rows on a GPU
+6. `apply_varlen`: the flash varlen attention for packed rows on a GPU
    (`mmrl.engine.varlen`).
-6. `apply_compiled_layers`: the text decoder's layers compiled in the engine's forwards
-   (`mmrl.engine.compiled_layers`).
-7. `apply_vision_attention`: the vision tower's per-image attention in one call per
+7. `apply_compiled_layers`: the text decoder's layers compiled in the engine's forwards
+   (`mmrl.engine.compiled_layers`), except those of step 4 (their segments are
+   data-dependent), which stay eager.
+8. `apply_vision_attention`: the vision tower's per-image attention in one call per
    layer, where the model code allows it (`mmrl.engine.vision_attention`).
-8. `apply_fsdp`: with several processes, FSDP2's `fully_shard` on the family's
+9. `apply_fsdp`: with several processes, FSDP2's `fully_shard` on the family's
    `shard_layers`, then the root and the value head; trainable half-precision parameters
    are upcast to fp32 first (the shards are then the master weights, `mmrl.engine.optimizer`).
-9. `apply_frozen`: an engine that does not train freezes every parameter and runs in eval
-   mode; one that trains runs in training mode (a loaded checkpoint comes in eval mode).
+10. `apply_frozen`: an engine that does not train freezes every parameter and runs in
+    eval mode; one that trains runs in training mode (a loaded checkpoint comes in eval mode).
 
 Elsewhere, and only there: `mmrl.build.build_model` loads the model in the recipe's dtype
 and attention; before the engine the trainer freezes the recipe's parts
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import mmrl.engine.stateful_layers as stateful_layers
 import mmrl.engine.varlen as varlen
 import mmrl.engine.vision_attention as vision_attention
 from mmrl.boundaries import unverified_layer_kinds, unverified_ulysses
@@ -60,6 +65,7 @@ class Settings:
     dropout: bool  # keep the model's dropout
     checkpointing: bool  # activation checkpointing from the start
     checkpointing_auto: bool  # `gradient_checkpointing: auto` (turned on after an OOM)
+    pack: bool  # packed (padding-free) rows
     varlen: bool  # try the flash varlen kernel (packed rows on a GPU, no Ulysses)
     compile_layers: bool
     compile_layers_asked: bool  # `compile_layers=True`: a model without decoder layers is an error
@@ -81,6 +87,7 @@ class Changes:
 
     dropout_off: list[str] = field(default_factory=list)  # "module.attribute=old value"
     ulysses: bool = False
+    stateful_layers: int = 0  # mixers run one packed sequence a row
     checkpointing: bool = False  # whether the model recomputes activations in backward now
     varlen: bool = False
     compiled_layers: CompiledLayers | None = None
@@ -105,7 +112,7 @@ def resolve(model: torch.nn.Module, adapter, dist: Dist, *, trains: bool, pack: 
         adapter=adapter, dist=dist, trains=trains, dropout=dropout,
         checkpointing=checkpointing is True,
         checkpointing_auto=checkpointing == AFTER_OOM or gradient_checkpointing == "auto",
-        varlen=pack and on_gpu and dist.sequence_parallel == 1,
+        pack=pack, varlen=pack and on_gpu and dist.sequence_parallel == 1,
         compile_layers=compile_layers_choice(compile_layers, dist).value,
         compile_layers_asked=compile_layers is True if require_compiled_layers is None else require_compiled_layers,
         half_dtype=next(iter(half)) if trains and master_weights and half else None,
@@ -120,6 +127,7 @@ def apply_all(model: torch.nn.Module, settings: Settings, value_head: torch.nn.M
     return Changes(  # keyword arguments run in the order written
         dropout_off=apply_dropout_off(model, settings),
         ulysses=apply_ulysses(model, settings),
+        stateful_layers=apply_stateful_layers(model, settings),
         checkpointing=apply_checkpointing(model, settings),
         varlen=apply_varlen(model, settings),
         compiled_layers=apply_compiled_layers(model, settings),
@@ -214,6 +222,11 @@ def checkpoints(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
+def apply_stateful_layers(model: torch.nn.Module, settings: Settings) -> int:
+    """Packed rows: the stateful layers' mixers run per sequence; how many there are."""
+    return len(stateful_layers.install(model, settings.adapter)) if settings.pack else 0
+
+
 def apply_checkpointing(model: torch.nn.Module, settings: Settings) -> bool:
     """Activation checkpointing where the settings ask for it; returns whether the model
     checkpoints (it may have been built so)."""
@@ -243,6 +256,8 @@ def apply_compiled_layers(model: torch.nn.Module, settings: Settings) -> Compile
     layers = decoder_layers(model, settings.adapter)
     if not layers and settings.compile_layers_asked:
         raise ValueError("compile_layers: cannot find the text decoder's layers to compile")
+    per_sequence = stateful_layers.hooked_layers(layers)
+    layers = [layer for layer in layers if id(layer) not in per_sequence]
     return CompiledLayers(layers) if layers else None
 
 

@@ -143,9 +143,11 @@ def to_write(column: str, cause: str, config=None) -> str:
         layers = stateful_layers(config)
         if layers:
             return (f"keep padding_free=False: the decoder has layers that carry a state along the sequence "
-                    f"({', '.join(layers)}), and a packed sample behind a long neighbour read its state, which no "
-                    "position ids change (mmrl hands such layers no packed sequence boundaries); the trainer refuses "
-                    "model.pack: true for the family")
+                    f"({', '.join(layers)}), and a packed sample behind a long neighbour still read its neighbour; "
+                    "mmrl runs per packed sequence only the cache-taking, non-attention mixers of the layers "
+                    "layer_types marks stateful, reached through the layers' seq_idx keyword "
+                    "(mmrl/engine/stateful_layers.py), so a state inside attention, a forward that keeps seq_idx from "
+                    "its layers or attention without the packed mask stays; the trainer refuses model.pack: true")
     if column == "padding_free" and (layers := stateful_layers(config)):
         # Failed before the boundary case ran: positions first, and the state would still leak.
         return (f"{TO_WRITE[column]}; even with packed positions, the decoder's layers that carry a state along the "
