@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from mmrl.platform_info import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -100,8 +101,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['phase']:{width}s}  +{row['new_graphs']} graphs (total {row['total']})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"backend": args.backend, "torch": torch.__version__, "rows": rows},
-                                             indent=1))
+        write_report(args.out, {"backend": args.backend, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":
