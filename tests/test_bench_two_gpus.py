@@ -22,13 +22,26 @@ PARTS = ("scaling", "recipe", "ulysses", "rollout", "disagg", "learn", "cells", 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """(output folder, the script's stdout) of one DRY=cpu run of every part."""
-    out = tmp_path_factory.mktemp("two_gpus")
-    env = {**os.environ, "DRY": "cpu", "OUT": str(out), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(["bash", str(SCRIPT), "all"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out, done.stdout
+    """(output folder, the script's stdout) of one DRY=cpu run of every part. Run once per
+    test session: under xdist the module's tests can land on two workers, and each would
+    build this module fixture again (about 140 s of 2 processes), so the workers share one
+    run in their common temporary folder, the first one running it under a file lock."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()  # under xdist, each worker's folder within the session's
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out, printed = shared / "two_gpus_dry_run", shared / "two_gpus_dry_run.stdout"
+    with FileLock(str(shared / "two_gpus_dry_run.lock")):
+        if not printed.is_file():
+            out.mkdir(exist_ok=True)
+            env = {**os.environ, "DRY": "cpu", "OUT": str(out), "OMP_NUM_THREADS": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            done = subprocess.run(["bash", str(SCRIPT), "all"], cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=1500)
+            assert done.returncode == 0, done.stderr[-3000:]
+            printed.write_text(done.stdout)
+    return out, printed.read_text()
 
 
 @pytest.mark.slow
