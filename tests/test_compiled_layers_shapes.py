@@ -30,6 +30,18 @@ def _built(family):
     return build_model(family, random_init=True, seed=0)  # the zoo's tiny config: 2 decoder layers
 
 
+def _assert_same_gradients(compiled, eager, logp, logp_eager, mask) -> None:
+    """Backpropagate (log-probs * mask).sum() through each engine; every parameter's
+    gradient must match the eager engine's."""
+    for engine, out in ((compiled, logp), (eager, logp_eager)):
+        engine.drop_gradients()
+        (out * mask).sum().backward()
+    named = dict(eager.built.model.named_parameters())
+    for name, parameter in compiled.built.model.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(parameter.grad, named[name].grad, atol=1e-5, rtol=1e-4)
+
+
 def _micro_batch(built, rows, words, response_tokens):
     """`rows` prompts of different lengths (padding in every padded batch), an image of
     one of two sizes each for image models, random responses, the first stopped early."""
@@ -154,13 +166,7 @@ def test_varied_micro_batches_compile_each_grad_mode_once(family, layout, monkey
             new_graphs[grad].append(counters["stats"]["unique_graphs"] - graphs)
             assert torch.allclose(logp, logp_eager, atol=1e-5) and torch.allclose(entropy, entropy_eager, atol=1e-5)
             if grad:
-                for engine, out in ((compiled, logp), (eager, logp_eager)):
-                    engine.drop_gradients()
-                    (out * seqs.response_mask).sum().backward()
-                named = dict(eager.built.model.named_parameters())
-                for name, parameter in compiled.built.model.named_parameters():
-                    if parameter.grad is not None:
-                        torch.testing.assert_close(parameter.grad, named[name].grad, atol=1e-5, rtol=1e-4)
+                _assert_same_gradients(compiled, eager, logp, logp_eager, seqs.response_mask)
     # The first micro-batch of each grad mode compiles the layer's graph; no other recompiles.
     assert new_graphs == {False: [1, 0, 0, 0, 0], True: [1, 0, 0, 0, 0]}
     assert not counters["graph_break"]

@@ -19,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from test_compiled_layers_shapes import _engines, _micro_batch
+from test_compiled_layers_shapes import _assert_same_gradients, _engines, _micro_batch
 from torch._dynamo.utils import counters
 from widened_models import prompt_conversations, widened_model
 
@@ -129,13 +129,7 @@ def test_padded_micro_batches_reach_the_compiled_layers_aligned(family, monkeypa
         logp_eager, entropy_eager = eager.log_probs(seqs)
         torch.testing.assert_close(logp, logp_eager, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(entropy, entropy_eager, atol=1e-5, rtol=1e-4)
-        for engine, out in ((compiled, logp), (eager, logp_eager)):
-            engine.drop_gradients()
-            (out * seqs.response_mask).sum().backward()
-        named = dict(eager.built.model.named_parameters())
-        for name, parameter in compiled.built.model.named_parameters():
-            if parameter.grad is not None:
-                torch.testing.assert_close(parameter.grad, named[name].grad, atol=1e-5, rtol=1e-4)
+        _assert_same_gradients(compiled, eager, logp, logp_eager, seqs.response_mask)
     assert any(length % ALIGNED_LENGTH for length in seen_eager)  # the batches are not aligned themselves
     assert seen and all(length % ALIGNED_LENGTH == 0 for length in seen), seen
     assert compiled.compiled_layers.failed is None and compiled.compiled_layers.compiled_calls == len(seen)

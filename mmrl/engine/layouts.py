@@ -35,7 +35,7 @@ import inspect
 
 import torch
 
-from mmrl.engine import stateful_layers
+from mmrl.engine.stateful_layers import packed_inputs
 from mmrl.engine.logprobs import first_tensor, token_log_probs
 from mmrl.engine.packing import keep_rows, pack_sequences
 from mmrl.engine.sequences import Sequences, left_padded
@@ -148,7 +148,7 @@ class Packed(Layout):
         super().__init__(engine, seqs)
         row_tokens = 1 if engine.right_padded else engine.pack_tokens
         self.packed = pack_sequences(seqs.inputs, seqs.response_mask, row_tokens, seqs.pad_token_id or 0)
-        self.inputs = stateful_layers.packed_inputs(self.model, self.packed)
+        self.inputs = packed_inputs(self.model, self.packed)
 
     def head_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.packed.logit_index, self.seqs.response_ids[self.packed.response_mask]
