@@ -276,9 +276,11 @@ def memory(device) -> dict[str, float | None]:
     import torch
 
     if device.type != "cuda":
-        return {"peak_allocated_gib": None, "peak_reserved_gib": None}
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None, "alloc_retries": None}
+    # Retries: allocations that first failed and then freed the cache (a device synchronize each).
     return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2)}
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2),
+            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries")}
 
 
 class Steps:
@@ -503,7 +505,8 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     steps.start()
     while trainer.step < args.steps:
         metrics = trainer.train_step()
-        timings = {f"{key}_s": trainer.timings.pop(key, 0.0) for key in ("rollout", "logprob", "update", "sync")}
+        timings = {f"{key}_s": trainer.timings.pop(key, 0.0)
+                   for key in ("rollout", "logprob", "update", "sync", "media_check")}
         watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
         if watch is not None:
             timings["compile_s"], timings["compile_graphs"] = watch.take()
