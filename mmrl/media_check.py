@@ -150,7 +150,7 @@ def _shape(value: Any) -> Any:
     """Payloads with the same shape take the same placeholder tokens: images of one size,
     clips of as many frames of one size."""
     if isinstance(value, (list, tuple)):
-        return ("clip", len(value), *(_shape(v) for v in value[:1]))
+        return ("frames", len(value), *(_shape(v) for v in value[:1]))
     return ("image", getattr(value, "size", None)) if hasattr(value, "size") else ("other", repr(value))
 
 

@@ -40,6 +40,32 @@ def test_core_names_no_model_family():
     assert not hits, "the core names model families:\n" + "\n".join(hits)
 
 
+def _model_type_literals(paths, root: Path) -> list[str]:
+    """`path:line: 'type'` for each string constant that is a transformers model type (a key
+    of CONFIG_MAPPING_NAMES, 'clip' or 'siglip' say): a family named by its config's type,
+    which the name pattern above does not list."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    hits = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CONFIG_MAPPING_NAMES:
+                hits.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    return hits
+
+
+def test_core_holds_no_transformers_model_type():
+    hits = _model_type_literals(sorted((REPO / "mmrl").rglob("*.py")), REPO)
+    assert not hits, "the core names transformers model types:\n" + "\n".join(hits)
+
+
+def test_the_model_type_rule_sees_a_model_type_used_as_a_tag(tmp_path):
+    """The rule above catches a family's type used as a plain tag, and passes other words."""
+    module = tmp_path / "shapes.py"
+    module.write_text('def shape(value):\n    return ("clip", len(value)) if isinstance(value, list) else ("image",)\n')
+    assert _model_type_literals([module], tmp_path) == ["shapes.py:2: 'clip'"]
+
+
 @pytest.mark.slow
 def test_every_module_has_a_docstring():
     missing = []
