@@ -179,15 +179,18 @@ def _mmrl_modules() -> dict[str, Path]:
     return modules
 
 
-def _mmrl_imports(name: str, path: Path, modules: dict[str, Path]):
+def _mmrl_imports(name: str, path: Path, modules: dict[str, Path], typing_too: bool = False):
     """(line, imported mmrl module, imported name or None) for each import statement of the
     file, at the top or inside functions; `if TYPE_CHECKING:` blocks import nothing at run
-    time and are left out. `from mmrl.a import b` imports module mmrl.a.b where b is one."""
+    time and are left out unless `typing_too`. `from mmrl.a import b` imports module
+    mmrl.a.b where b is one."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for statement in node.body for n in ast.walk(statement)}
+    # mmrl/__init__.py's block names its lazy exports (`_LAZY`) for type checkers: it imports
+    # nothing, at run time or for a hint of its own, so it is left out even with `typing_too`.
+    typing_only = set() if typing_too and name != "mmrl" else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body for n in ast.walk(statement)}
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -208,13 +211,14 @@ def _mmrl_imports(name: str, path: Path, modules: dict[str, Path]):
                 yield node.lineno, submodule if submodule in modules else target, alias.name
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Which mmrl modules each one imports. Importing mmrl.a.b runs mmrl/a/__init__.py
-    first, so a module also imports the packages above its target (not its own)."""
+def _import_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    """Which mmrl modules each one imports (`typing_too`: counting `if TYPE_CHECKING:`
+    imports). Importing mmrl.a.b runs mmrl/a/__init__.py first, so a module also imports the
+    packages above its target (not its own)."""
     modules = _mmrl_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for _, target, _ in _mmrl_imports(name, path, modules):
+        for _, target, _ in _mmrl_imports(name, path, modules, typing_too):
             while target and target not in modules:  # `import mmrl.a.b.attr`-style: the module holding it
                 target = target.rpartition(".")[0]
             if target and target != name:
@@ -273,6 +277,15 @@ def test_no_import_cycle_in_mmrl():
     (docs/architecture.md)."""
     cycles = _cycles(_import_graph())
     assert not cycles, "import cycles in mmrl/:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_no_import_cycle_in_mmrl_even_for_type_hints():
+    """Nor for type hints alone (`if TYPE_CHECKING:`): a module that needs another's type
+    where that one imports it names what it uses in a `Protocol` (the buffer's schedules
+    and `mmrl.buffer.trainer_view.TrainerView`, not `mmrl.trainer.Trainer`)."""
+    cycles = _cycles(_import_graph(typing_too=True))
+    assert not cycles, "import cycles through type hints in mmrl/:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles)
 
 
 def test_no_private_name_is_imported_across_files():
