@@ -301,6 +301,32 @@ def test_no_private_name_is_imported_across_files():
     assert not crossing, "private names imported across files:\n" + "\n".join(crossing)
 
 
+def _private_mmrl_imports(paths, root: Path) -> list[str]:
+    """`path:line: _name from module` for each private name a file imports from mmrl (at
+    the top or inside functions)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mmrl" and not node.level:
+                found += [f"{path.relative_to(root)}:{node.lineno}: {alias.name} from {node.module}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_benches_reach_mmrl_through_public_names():
+    """A bench is a script a reader runs and copies from: what it needs of mmrl is public
+    (`mmrl.rollout.compiled.decode_step`, `mmrl.media_check.training_logprobs`)."""
+    found = _private_mmrl_imports(sorted((REPO / "bench").rglob("*.py")), REPO)
+    assert not found, "benches importing private mmrl names:\n" + "\n".join(found)
+
+
+def test_the_bench_rule_sees_a_private_name_imported_inside_a_function(tmp_path):
+    bench = tmp_path / "profile.py"
+    bench.write_text("def twin():\n    from mmrl.rollout.compiled import _decode_step, choose_tokens\n"
+                     "    return _decode_step\n")
+    assert _private_mmrl_imports([bench], tmp_path) == ["profile.py:2: _decode_step from mmrl.rollout.compiled"]
+
+
 def _private_members_by_file(modules: dict[str, Path]) -> dict[str, set[Path]]:
     """`_name` -> the files whose classes define it (a method, a class attribute, `self._name = ...`)."""
     defined: dict[str, set[Path]] = {}

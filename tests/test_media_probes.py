@@ -104,12 +104,12 @@ def test_reads_media_fails_when_the_pixels_do_not_matter(blind_families):
 
 
 def test_reads_media_fails_when_the_paths_feed_the_tower_other_pixels(monkeypatch):
-    plain = media_check._training_logprobs
+    plain = media_check.training_logprobs
 
     def training_on_blank_images(engine, processing, conversations, ids, mask):
         return plain(engine, processing, media_check.media_variants(conversations)["blank"], ids, mask)
 
-    monkeypatch.setattr(media_check, "_training_logprobs", training_on_blank_images)
+    monkeypatch.setattr(media_check, "training_logprobs", training_on_blank_images)
     result = probe("reads_media").run(_subject("qwen2_vl"))
     assert result.status is Status.FAILED
     assert result.reason.startswith("the vision tower (model.visual) receives other pixels on the rollout path than "
@@ -155,7 +155,7 @@ def _scoring_rollout(engine, processing, reads_media: bool):
         def log_probs(self, conversations, ids, mask):
             first.append(conversations)
             scored = conversations if reads_media else first[0]
-            return media_check._training_logprobs(engine, processing, scored, ids, mask)
+            return media_check.training_logprobs(engine, processing, scored, ids, mask)
 
     return ScoringRollout(make_rollout("hf", engine, processing))
 
