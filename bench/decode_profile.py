@@ -310,12 +310,12 @@ def make_mode_rollout(trainer, mode: str, compile: bool):
 
 def eager_twin(rollout):
     """The mode's step as eager Python: what its graphs record, or what dynamo traces."""
-    from mmrl.rollout.compiled import DECODE_ATTENTION, _decode_step, choose_tokens
+    from mmrl.rollout.compiled import DECODE_ATTENTION, decode_step, choose_tokens
     from mmrl.rollout.graphs import GraphedStep
 
     if rollout.decode == "graphs":
-        return GraphedStep(choose_tokens, capture=False, fallback=lambda: _decode_step, attention=DECODE_ATTENTION)
-    return _decode_step
+        return GraphedStep(choose_tokens, capture=False, fallback=lambda: decode_step, attention=DECODE_ATTENTION)
+    return decode_step
 
 
 def measure(mode: str, trainer, conversations, params, args, device) -> dict:

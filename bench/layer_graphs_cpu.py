@@ -44,7 +44,7 @@ def main() -> None:
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine
     from mmrl.engine.sequences import join
-    from mmrl.media_check import _training_logprobs
+    from mmrl.media_check import training_logprobs
     from mmrl.parallel import init_distributed
     from mmrl.rollout import SamplingParams, graphs, make_rollout
 
@@ -86,7 +86,7 @@ def main() -> None:
         rollout.generate(conversations, SamplingParams(n=1, max_new_tokens=4, temperature=0))
         note("decode, later steps")
     ids = torch.randint(50, vocab, (2, 3), generator=torch.Generator().manual_seed(0))
-    _training_logprobs(engine, built.processing, conversations, ids, torch.ones_like(ids))
+    training_logprobs(engine, built.processing, conversations, ids, torch.ones_like(ids))
     note("step-0 media check (no grad)")
     for shape in MICRO_BATCHES:
         seqs = micro_batch(*shape)

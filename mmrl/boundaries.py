@@ -22,24 +22,33 @@ every mixing layer on the whole sequence and are not refused.
 from __future__ import annotations
 
 # transformers' names for the kinds of layer that hold a state along the sequence
-# (among `configuration_utils.ALLOWED_ATTN_LAYER_TYPES`). Older names in a config are read
-# as transformers reads them (`remap_legacy_layer_types`: a state-space layer's legacy
-# name is "linear_attention" today).
+# (among `configuration_utils.ALLOWED_ATTN_LAYER_TYPES`, in 5.17 as in 5.19).
 STATEFUL_LAYER_KINDS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
+
+
+def current_layer_kinds(layer_types) -> list[str]:
+    """Each entry of a `layer_types` list by transformers' current name: a kind transformers
+    allows (`ALLOWED_ATTN_LAYER_TYPES`) is its own name, a legacy one is read as transformers
+    reads it (`remap_legacy_layer_types`: a state-space layer's "mamba" is "linear_attention").
+    Only legacy names go through the remap table: transformers 5.17's also maps "conv" to
+    "linear_attention" (its entry reads "only in LFMv2"), while its Lfm2 config writes and
+    keeps "conv", an allowed kind its model keys masks and caches by; 5.19 dropped that entry."""
+    from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES, remap_legacy_layer_types
+
+    return [kind if kind in ALLOWED_ATTN_LAYER_TYPES else remap_legacy_layer_types([kind])[0]
+            for kind in layer_types]
 
 
 def stateful_layer_kinds(config) -> set[str]:
     """The stateful kinds among a config's `layer_types` (of its text config), if it lists
-    any, by transformers' current names."""
-    from transformers.configuration_utils import remap_legacy_layer_types
-
+    any, by transformers' current names (`current_layer_kinds`)."""
     configs = [config]
     if hasattr(config, "get_text_config"):
         configs.append(config.get_text_config())
     kinds = set()
     for each in configs:
         layer_types = list(getattr(each, "layer_types", None) or ())
-        kinds.update(k for k in remap_legacy_layer_types(layer_types) if k in STATEFUL_LAYER_KINDS)
+        kinds.update(k for k in current_layer_kinds(layer_types) if k in STATEFUL_LAYER_KINDS)
     return kinds
 
 

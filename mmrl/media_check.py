@@ -150,7 +150,7 @@ def _shape(value: Any) -> Any:
     """Payloads with the same shape take the same placeholder tokens: images of one size,
     clips of as many frames of one size."""
     if isinstance(value, (list, tuple)):
-        return ("clip", len(value), *(_shape(v) for v in value[:1]))
+        return ("frames", len(value), *(_shape(v) for v in value[:1]))
     return ("image", getattr(value, "size", None)) if hasattr(value, "size") else ("other", repr(value))
 
 
@@ -244,7 +244,7 @@ def _greedy(rollout, conversations, max_new_tokens: int):
     return result
 
 
-def _training_logprobs(engine, processing, conversations, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def training_logprobs(engine, processing, conversations, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The engine's log-probs (B, R) of `ids` answering `conversations`, one row each, as
     the update computes them for rows that repeat no prompt (`PolicyUpdate.sequences`)."""
     length = max(1, int(mask.sum(-1).max()))
@@ -322,14 +322,14 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     if reading.problem and not collective:
         return reading
     with recording_tower_inputs(engine.model, engine.adapter) as training_pixels:
-        real_logp = _training_logprobs(engine, processing, conversations, ids, mask)
+        real_logp = training_logprobs(engine, processing, conversations, ids, mask)
     reading.problem = reading.problem or tower_problem("training", training_pixels)
     if reading.problem and not collective:
         return reading
     outcomes = {}
     for variant in VARIANTS:  # every rank runs both, whatever its batch holds
         outcomes[variant] = (rollout_path(variants[variant]),
-                             _training_logprobs(engine, processing, variants[variant], ids, mask))
+                             training_logprobs(engine, processing, variants[variant], ids, mask))
     if reading.problem or not with_media:
         return reading
     if hooked:

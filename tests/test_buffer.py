@@ -4,6 +4,7 @@ against the recorded behaviour log-probs, too-stale batches are dropped and coun
 batch files round-trip, and a run killed with SIGKILL and resumed trains on every batch
 once, on the same data as a run never stopped."""
 
+import ast
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from mmrl.buffer import BufferedSteps, RolloutBatch, TrajectoryBuffer
+from mmrl.buffer.disaggregated import RunnableTrainer
 from mmrl.buffer.store import read_batch, rebuild_batch, write_batch
 from mmrl.config import RecipeError, load_recipe
 from mmrl.rollout.base import RolloutResult
@@ -65,6 +67,39 @@ def _trained_data(run):
         table, metadata = read_batch(path)
         by_batch[metadata["batch"]] = table.column("index").to_pylist()
     return [(entry["step"], entry["batch"], entry["version"], by_batch[entry["batch"]]) for entry in log]
+
+
+def _named(protocol) -> set[str]:
+    """The members a `Protocol` (and the protocols it extends) names."""
+    return {name for klass in protocol.__mro__ if getattr(klass, "_is_protocol", False)
+            for name in [*vars(klass).get("__annotations__", {}), *vars(klass)]
+            if not name.startswith("_")}
+
+
+def _trainer_members_reached() -> set[str]:
+    """`X` of each `trainer.X`, `self.trainer.X` and `self._trainer.X` in mmrl/buffer."""
+    reached = set()
+    for path in (REPO / "mmrl" / "buffer").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "trainer") or (
+                    isinstance(owner, ast.Attribute) and owner.attr in ("trainer", "_trainer")
+                    and isinstance(owner.value, ast.Name) and owner.value.id == "self"):
+                reached.add(node.attr)
+    return reached
+
+
+def test_the_schedules_reach_only_what_trainer_view_names_and_a_trainer_has_it(tmp_path):
+    """The buffer types the trainer as `TrainerView` (no import of mmrl.trainer, which imports
+    the buffer): it names exactly the trainer members the schedules use, and a built
+    `Trainer` has every one."""
+    named, reached = _named(RunnableTrainer), _trainer_members_reached()
+    assert {"roll_out_batch", "next_prompts", "score", "timed", "trajectories", "fit"} <= named
+    assert reached == named, f"used, not named: {reached - named}; named, not used: {named - reached}"
+    trainer = Trainer(_recipe(tmp_path / "run", "trainer.steps=1"))
+    assert [name for name in sorted(named) if not hasattr(trainer, name)] == []
 
 
 # -- the loop --------------------------------------------------------------------------------------

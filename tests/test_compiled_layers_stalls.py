@@ -27,7 +27,7 @@ from mmrl.config import OptimConfig
 from mmrl.engine import Engine, compiled_layers
 from mmrl.engine.compiled_layers import ALIGNED_LENGTH
 from mmrl.engine.sequences import left_padded
-from mmrl.media_check import _training_logprobs
+from mmrl.media_check import training_logprobs
 from mmrl.parallel import init_distributed
 from mmrl.parts import decoder_layers
 from mmrl.rollout import SamplingParams, make_rollout
@@ -183,8 +183,8 @@ def test_the_media_check_runs_the_layers_eagerly(monkeypatch):
     vocab = built.model.config.get_text_config().vocab_size
     ids = torch.randint(50, vocab, (2, 3), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    logp = _training_logprobs(compiled, built.processing, conversations, ids, mask)
-    logp_eager = _training_logprobs(eager, eager.built.processing, conversations, ids, mask)
+    logp = training_logprobs(compiled, built.processing, conversations, ids, mask)
+    logp_eager = training_logprobs(eager, eager.built.processing, conversations, ids, mask)
     assert torch.equal(logp, logp_eager)
     layers = compiled.compiled_layers
     assert layers.compiled_calls == 0 and _graphs() == 0 and layers.enabled and layers.failed is None

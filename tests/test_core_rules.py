@@ -40,6 +40,32 @@ def test_core_names_no_model_family():
     assert not hits, "the core names model families:\n" + "\n".join(hits)
 
 
+def _model_type_literals(paths, root: Path) -> list[str]:
+    """`path:line: 'type'` for each string constant that is a transformers model type (a key
+    of CONFIG_MAPPING_NAMES, 'clip' or 'siglip' say): a family named by its config's type,
+    which the name pattern above does not list."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    hits = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CONFIG_MAPPING_NAMES:
+                hits.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    return hits
+
+
+def test_core_holds_no_transformers_model_type():
+    hits = _model_type_literals(sorted((REPO / "mmrl").rglob("*.py")), REPO)
+    assert not hits, "the core names transformers model types:\n" + "\n".join(hits)
+
+
+def test_the_model_type_rule_sees_a_model_type_used_as_a_tag(tmp_path):
+    """The rule above catches a family's type used as a plain tag, and passes other words."""
+    module = tmp_path / "shapes.py"
+    module.write_text('def shape(value):\n    return ("clip", len(value)) if isinstance(value, list) else ("image",)\n')
+    assert _model_type_literals([module], tmp_path) == ["shapes.py:2: 'clip'"]
+
+
 @pytest.mark.slow
 def test_every_module_has_a_docstring():
     missing = []
@@ -153,15 +179,18 @@ def _mmrl_modules() -> dict[str, Path]:
     return modules
 
 
-def _mmrl_imports(name: str, path: Path, modules: dict[str, Path]):
+def _mmrl_imports(name: str, path: Path, modules: dict[str, Path], typing_too: bool = False):
     """(line, imported mmrl module, imported name or None) for each import statement of the
     file, at the top or inside functions; `if TYPE_CHECKING:` blocks import nothing at run
-    time and are left out. `from mmrl.a import b` imports module mmrl.a.b where b is one."""
+    time and are left out unless `typing_too`. `from mmrl.a import b` imports module
+    mmrl.a.b where b is one."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for statement in node.body for n in ast.walk(statement)}
+    # mmrl/__init__.py's block names its lazy exports (`_LAZY`) for type checkers: it imports
+    # nothing, at run time or for a hint of its own, so it is left out even with `typing_too`.
+    typing_only = set() if typing_too and name != "mmrl" else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for statement in node.body for n in ast.walk(statement)}
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -182,13 +211,14 @@ def _mmrl_imports(name: str, path: Path, modules: dict[str, Path]):
                 yield node.lineno, submodule if submodule in modules else target, alias.name
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Which mmrl modules each one imports. Importing mmrl.a.b runs mmrl/a/__init__.py
-    first, so a module also imports the packages above its target (not its own)."""
+def _import_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    """Which mmrl modules each one imports (`typing_too`: counting `if TYPE_CHECKING:`
+    imports). Importing mmrl.a.b runs mmrl/a/__init__.py first, so a module also imports the
+    packages above its target (not its own)."""
     modules = _mmrl_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for _, target, _ in _mmrl_imports(name, path, modules):
+        for _, target, _ in _mmrl_imports(name, path, modules, typing_too):
             while target and target not in modules:  # `import mmrl.a.b.attr`-style: the module holding it
                 target = target.rpartition(".")[0]
             if target and target != name:
@@ -249,6 +279,15 @@ def test_no_import_cycle_in_mmrl():
     assert not cycles, "import cycles in mmrl/:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
 
 
+def test_no_import_cycle_in_mmrl_even_for_type_hints():
+    """Nor for type hints alone (`if TYPE_CHECKING:`): a module that needs another's type
+    where that one imports it names what it uses in a `Protocol` (the buffer's schedules
+    and `mmrl.buffer.trainer_view.TrainerView`, not `mmrl.trainer.Trainer`)."""
+    cycles = _cycles(_import_graph(typing_too=True))
+    assert not cycles, "import cycles through type hints in mmrl/:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
 def test_no_private_name_is_imported_across_files():
     """A `_name` is its file's own: another file that needs it gets a public name."""
     modules = _mmrl_modules()
@@ -260,6 +299,32 @@ def test_no_private_name_is_imported_across_files():
             if modules.get(target) != path:
                 crossing.append(f"{path.relative_to(REPO)}:{line}: {imported} from {target}")
     assert not crossing, "private names imported across files:\n" + "\n".join(crossing)
+
+
+def _private_mmrl_imports(paths, root: Path) -> list[str]:
+    """`path:line: _name from module` for each private name a file imports from mmrl (at
+    the top or inside functions)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mmrl" and not node.level:
+                found += [f"{path.relative_to(root)}:{node.lineno}: {alias.name} from {node.module}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_benches_reach_mmrl_through_public_names():
+    """A bench is a script a reader runs and copies from: what it needs of mmrl is public
+    (`mmrl.rollout.compiled.decode_step`, `mmrl.media_check.training_logprobs`)."""
+    found = _private_mmrl_imports(sorted((REPO / "bench").rglob("*.py")), REPO)
+    assert not found, "benches importing private mmrl names:\n" + "\n".join(found)
+
+
+def test_the_bench_rule_sees_a_private_name_imported_inside_a_function(tmp_path):
+    bench = tmp_path / "profile.py"
+    bench.write_text("def twin():\n    from mmrl.rollout.compiled import _decode_step, choose_tokens\n"
+                     "    return _decode_step\n")
+    assert _private_mmrl_imports([bench], tmp_path) == ["profile.py:2: _decode_step from mmrl.rollout.compiled"]
 
 
 def _private_members_by_file(modules: dict[str, Path]) -> dict[str, set[Path]]:

@@ -17,7 +17,7 @@ from widened_models import prompt_conversations, widened_engine
 
 from mmrl.rollout import SamplingParams, make_rollout
 from mmrl.rollout import graphs
-from mmrl.rollout.compiled import DECODE_ATTENTION, _decode_step, choose_tokens
+from mmrl.rollout.compiled import DECODE_ATTENTION, decode_step, choose_tokens
 
 
 class StandInLayers:
@@ -70,7 +70,7 @@ def recorded(monkeypatch):
         params = SamplingParams(n=2, max_new_tokens=2, temperature=0, logprobs=True)
         plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
         rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, decode="graphs")
-        rollout._step = step = graphs.GraphedStep(choose_tokens, capture=True, fallback=lambda: _decode_step,
+        rollout._step = step = graphs.GraphedStep(choose_tokens, capture=True, fallback=lambda: decode_step,
                                                   attention=DECODE_ATTENTION, layers=layers)
         fast = rollout.generate(conversations, params)
         assert rollout.fallback_reason is None and step.fallback is None, step.fallback_reason
@@ -80,7 +80,7 @@ def recorded(monkeypatch):
     return run, layers, captures
 
 
-def test_the_decode_step_is_recorded_through_the_compiled_layers(recorded):
+def test_thedecode_step_is_recorded_through_the_compiled_layers(recorded):
     run, layers, captures = recorded
     with warnings.catch_warnings():
         warnings.simplefilter("error")

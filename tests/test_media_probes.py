@@ -57,6 +57,23 @@ def test_variants_change_only_the_pixels():
         [m["content"][1] for m in (c[0] for c in conversations)]  # the text is untouched
 
 
+def test_clips_trade_places_only_with_clips_of_as_many_frames():
+    """A 2-frame clip and a 56x56 image never swap (their placeholder tokens differ); two
+    2-frame clips do, and a 3-frame clip has no partner."""
+    from PIL import Image
+
+    def frame(grey):
+        return Image.new("RGB", (56, 56), (grey,) * 3)
+
+    media = [[frame(10), frame(20)], frame(30), [frame(40), frame(50)], [frame(60)] * 3]
+    conversations = [[{"role": "user", "content": [{"type": "video" if isinstance(value, list) else "image",
+                                                    "video" if isinstance(value, list) else "image": value}]}]
+                     for value in media]
+    shuffled = [media_check.media_of(c)[0] for c in media_check.media_variants(conversations)["shuffled"]]
+    assert shuffled[0] is media[2] and shuffled[2] is media[0]
+    assert shuffled[1] is media[1] and shuffled[3] is media[3]
+
+
 def test_reads_media_verifies_a_zoo_vlm_on_both_paths(monkeypatch):
     _without_vllm(monkeypatch)
     result = probe("reads_media").run(_subject("qwen2_vl"))
@@ -87,12 +104,12 @@ def test_reads_media_fails_when_the_pixels_do_not_matter(blind_families):
 
 
 def test_reads_media_fails_when_the_paths_feed_the_tower_other_pixels(monkeypatch):
-    plain = media_check._training_logprobs
+    plain = media_check.training_logprobs
 
     def training_on_blank_images(engine, processing, conversations, ids, mask):
         return plain(engine, processing, media_check.media_variants(conversations)["blank"], ids, mask)
 
-    monkeypatch.setattr(media_check, "_training_logprobs", training_on_blank_images)
+    monkeypatch.setattr(media_check, "training_logprobs", training_on_blank_images)
     result = probe("reads_media").run(_subject("qwen2_vl"))
     assert result.status is Status.FAILED
     assert result.reason.startswith("the vision tower (model.visual) receives other pixels on the rollout path than "
@@ -138,7 +155,7 @@ def _scoring_rollout(engine, processing, reads_media: bool):
         def log_probs(self, conversations, ids, mask):
             first.append(conversations)
             scored = conversations if reads_media else first[0]
-            return media_check._training_logprobs(engine, processing, scored, ids, mask)
+            return media_check.training_logprobs(engine, processing, scored, ids, mask)
 
     return ScoringRollout(make_rollout("hf", engine, processing))
 

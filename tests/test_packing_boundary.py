@@ -11,9 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import configuration_utils
 
 from mmrl import build_model
 from mmrl.adapter import DECODER_PARTS, Capabilities, LoraTargets, ModelAdapter, TinyModel
+from mmrl.boundaries import STATEFUL_LAYER_KINDS
 from mmrl.checks import (
     BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE, packed_boundary_gap, packed_vs_padded, sample_conversations,
 )
@@ -26,7 +28,11 @@ from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS
 from mmrl.registry import register_model, unregister
 from mmrl.tiny import char_tokenizer, sized_config
 
-pytest.importorskip("transformers.models.lfm2")
+Lfm2Config = pytest.importorskip("transformers.models.lfm2").Lfm2Config
+
+# The kind transformers' Lfm2 gives its short-convolution layers ("conv" in 5.17 and 5.19),
+# read from its own config rather than written here.
+CONV = Lfm2Config(num_hidden_layers=2, full_attn_idxs=[1]).layer_types[0]
 
 
 def _hybrid(family: str, layer_types: list[str], capabilities: Capabilities) -> type[ModelAdapter]:
@@ -62,14 +68,14 @@ def no_per_sequence_mixers(monkeypatch):
 @pytest.fixture
 def leaky():
     # As the scaffold declared Lfm2 before the boundary case: padding_free claimed.
-    register_model(_hybrid("leaky_conv", ["conv", "full_attention"], Capabilities(padding_free=True)))
+    register_model(_hybrid("leaky_conv", [CONV, "full_attention"], Capabilities(padding_free=True)))
     yield "leaky_conv"
     unregister("leaky_conv")
 
 
 @pytest.fixture
 def unpacked():
-    register_model(_hybrid("unpacked_conv", ["conv", "full_attention"], Capabilities(padding_free=False)))
+    register_model(_hybrid("unpacked_conv", [CONV, "full_attention"], Capabilities(padding_free=False)))
     yield "unpacked_conv"
     unregister("unpacked_conv")
 
@@ -143,16 +149,17 @@ def test_a_checkpoint_with_stateful_layers_its_tiny_model_lacks_is_not_packed(at
     tiny = build_model(attention_tiny, random_init=True)
     assert packed_boundary_gap(tiny).exact and unverified_layer_kinds(tiny.adapter, tiny.model.config) == set()
     hybrid = build_model(attention_tiny, random_init=True, config_overrides={
-        "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]})
-    assert unverified_layer_kinds(hybrid.adapter, hybrid.model.config) == {"conv"}
-    with pytest.raises(ValueError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
+        "layer_types": [CONV, "full_attention"], "full_attn_idxs": [1]})
+    assert CONV in STATEFUL_LAYER_KINDS and unverified_layer_kinds(hybrid.adapter, hybrid.model.config) == {CONV}
+    refusal = rf"^model.pack: true, but this attention_tiny model has {CONV} layers"
+    with pytest.raises(ValueError, match=refusal):
         Engine(hybrid, init_distributed("cpu"), pack=True)
     assert Engine(tiny, init_distributed("cpu"), pack=True).pack  # verified: packs
     gpu = SimpleNamespace(device=torch.device("cuda"), distributed=False, world_size=1)
     assert packs_model("auto", hybrid.adapter, gpu, tiny.model.config)
     assert not packs_model("auto", hybrid.adapter, gpu, hybrid.model.config)  # auto: padded
     checkpoint = hybrid.save(tmp_path / "hybrid")
-    with pytest.raises(RecipeError, match=r"^model.pack: true, but this attention_tiny model has conv layers"):
+    with pytest.raises(RecipeError, match=refusal):
         _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack=True)))
     _check_pack(SimpleNamespace(model=ModelConfig(path=str(checkpoint), pack="auto")))
 
@@ -165,8 +172,26 @@ def test_stateful_layer_kinds_read_legacy_names_as_transformers_does():
 
     legacy = SimpleNamespace(layer_types=["mamba", "attention", "full_attention"])
     assert stateful_layer_kinds(legacy) == {"linear_attention"}
-    assert stateful_layer_kinds(SimpleNamespace(layer_types=["conv", "sliding_attention"])) == {"conv"}
+    assert stateful_layer_kinds(SimpleNamespace(layer_types=[CONV, "sliding_attention"])) == {CONV}
     assert stateful_layer_kinds(SimpleNamespace(layer_types=None)) == set()
+
+
+def test_stateful_layer_kinds_take_an_allowed_kind_by_its_own_name(leaky, monkeypatch):
+    """transformers 5.17's legacy table also maps "conv" to "linear_attention", though conv is
+    an allowed kind there that its Lfm2 config writes and keeps; 5.19 dropped the entry. A
+    kind transformers allows keeps its name under either table, so the refusals name the
+    layers as the checkpoint's `layer_types` do; a legacy name is still remapped."""
+    from mmrl.boundaries import stateful_layer_kinds
+    from mmrl.engine.stateful_layers import stateful_mixers
+
+    assert set(STATEFUL_LAYER_KINDS) <= set(configuration_utils.ALLOWED_ATTN_LAYER_TYPES)
+    built = build_model(leaky, random_init=True)
+    monkeypatch.setitem(configuration_utils._LEGACY_LAYER_TYPE_REMAP, CONV, "linear_attention")  # 5.17's entry
+    assert stateful_layer_kinds(SimpleNamespace(layer_types=[CONV, "full_attention"])) == {CONV}
+    assert stateful_layer_kinds(SimpleNamespace(layer_types=["mamba", "attention"])) == {"linear_attention"}
+    assert [layer for layer, _ in stateful_mixers(built.model, built.adapter)] == [built.model.model.layers[0]]
+
+
 def test_ulysses_is_refused_for_a_checkpoint_with_stateful_layers_its_tiny_model_lacks(attention_tiny, tmp_path):
     """The same rule for sequence parallelism: Ulysses would run the checkpoint's conv
     layers on each rank's slice of the sequence, which the family's probe never saw (its
@@ -175,10 +200,10 @@ def test_ulysses_is_refused_for_a_checkpoint_with_stateful_layers_its_tiny_model
     from mmrl.recipe_checks import _check_sequence_parallel
 
     hybrid = build_model(attention_tiny, random_init=True, config_overrides={
-        "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]})
+        "layer_types": [CONV, "full_attention"], "full_attn_idxs": [1]})
     checkpoint = hybrid.save(tmp_path / "hybrid")
     recipe = SimpleNamespace(model=ModelConfig(path=str(checkpoint)), parallel=SimpleNamespace(sequence_parallel=2))
-    refusal = r"^parallel.sequence_parallel: this attention_tiny model has conv layers \(layer_types\)"
+    refusal = rf"^parallel.sequence_parallel: this attention_tiny model has {CONV} layers \(layer_types\)"
     with pytest.raises(RecipeError, match=refusal):
         _check_sequence_parallel(recipe)
     with pytest.raises(ValueError, match=refusal):

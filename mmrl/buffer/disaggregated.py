@@ -48,19 +48,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
 
 from mmrl.buffer.schedule import BUFFER_FOLDER, BufferedSteps, behaviour_log_probs, rebuild_for, sampler_log_probs
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, read_batch, write_batch
+from mmrl.buffer.trainer_view import TrainerView
 from mmrl.config import Recipe, RecipeError
 from mmrl.data import Position
 from mmrl.parallel import Dist, init_distributed
-
-if TYPE_CHECKING:
-    from mmrl.trainer import Trainer
 
 # How often a train rank looks for the file of the batch it waits for.
 POLL_SECONDS = 0.02
@@ -99,7 +97,16 @@ def layout_problem(world_size: int, rollout_ranks: int) -> str | None:
     return None
 
 
-def train(recipe: Recipe, make_trainer: Callable[[Recipe, Dist], Trainer]) -> dict:
+class RunnableTrainer(TrainerView, Protocol):
+    """A trainer `train` runs: on a train rank its schedule is replaced by the batches the
+    rollout ranks send, then it fits."""
+
+    trajectories: BufferedSteps
+
+    def fit(self) -> dict[str, Any]: ...
+
+
+def train(recipe: Recipe, make_trainer: Callable[[Recipe, Dist], RunnableTrainer]) -> dict:
     """Run `recipe` on this process's side (`mmrl.trainer.train` calls it when
     `parallel.rollout_ranks` is set); `make_trainer(recipe, dist)` builds a Trainer.
     Returns the train ranks' summary ({} on a rollout rank)."""
@@ -138,7 +145,7 @@ def train(recipe: Recipe, make_trainer: Callable[[Recipe, Dist], Trainer]) -> di
     return summary
 
 
-def refuse_synchronized_generate(trainer: Trainer) -> None:
+def refuse_synchronized_generate(trainer: TrainerView) -> None:
     """Plain `generate` under FSDP2 steps every process together through the default group
     (transformers' `synced_gpus`), which the rollout ranks are not in: refuse the train
     ranks' validation and evaluation on it."""
@@ -343,7 +350,7 @@ class ReceivedSteps(BufferedSteps):
         return self.sender.publish(done) if self.sender.version != done else 0.0
 
 
-def train_steps(trainer: Trainer, sync_group) -> ReceivedSteps:
+def train_steps(trainer: TrainerView, sync_group) -> ReceivedSteps:
     """A train rank's schedule: batches from the rollout ranks' files, weights to them."""
     dist = trainer.dist
     folder = trainer.output_dir / BUFFER_FOLDER
@@ -373,7 +380,7 @@ class RolloutRank:
     """Sample, score and write the batches of the train ranks this rank serves, loading
     each weights version the train ranks send between batches (module docstring)."""
 
-    def __init__(self, trainer: Trainer, layout: Layout, sync_group):
+    def __init__(self, trainer: TrainerView, layout: Layout, sync_group):
         self.trainer = trainer
         self.layout = layout
         rank = trainer.dist.rank

@@ -56,7 +56,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -64,14 +63,12 @@ from mmrl.buffer.schedule import (BufferedSteps, batch_seed, buffer_for, check_s
                                   sampler_log_probs)
 from mmrl.buffer.schedule import steps_for as sequential_steps_for
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer
+from mmrl.buffer.trainer_view import TrainerView
 from mmrl.config import Recipe, RecipeError
 from mmrl.recipe_checks import overlap_problem
 from mmrl.rollout import rollout_options
 from mmrl.rollout.compiled import CompiledHFRollout
 from mmrl.rollout.inference_copy import InferenceCopy, describe
-
-if TYPE_CHECKING:
-    from mmrl.trainer import Trainer
 
 # Where the thread's batch spent its seconds, per step (0 in steps that collected none).
 # Host clock; the decode loop's looks at the running rows (every few steps) wait for the
@@ -116,7 +113,7 @@ def overlap_mode(recipe: Recipe, device: torch.device, backend: str) -> str:
     return "thread" if problem is None and device.type == "cuda" else "off"
 
 
-def steps_for(trainer: Trainer) -> BufferedSteps:
+def steps_for(trainer: TrainerView) -> BufferedSteps:
     """The trainer's schedule: concurrent (`ConcurrentSteps`) where `algo.overlap` takes the
     thread, else the sequential one (`mmrl.buffer.schedule.steps_for`)."""
     mode = overlap_mode(trainer.recipe, trainer.dist.device, trainer.settled.rollout_backend)
@@ -161,7 +158,7 @@ class RolloutSide:
     every other attribute is the trainer's. The thread moves only the trainer's data
     position, which the main thread leaves alone while a batch is being sampled."""
 
-    def __init__(self, trainer: Trainer, rollout: CopyRollout, processing):
+    def __init__(self, trainer: TrainerView, rollout: CopyRollout, processing):
         self._trainer = trainer
         self.rollout = rollout
         self.processing = processing
@@ -263,7 +260,7 @@ class ConcurrentSteps(BufferedSteps):
         self._metrics: dict[str, float] = {}
 
     @classmethod
-    def for_trainer(cls, trainer: Trainer) -> ConcurrentSteps:
+    def for_trainer(cls, trainer: TrainerView) -> ConcurrentSteps:
         """The concurrent schedule of `trainer`'s recipe: its rollout on a copy of the actor."""
         recipe, settled = trainer.recipe, trainer.settled
         index_of = {source: index for index, source in enumerate(trainer.train_set.source_rows)}

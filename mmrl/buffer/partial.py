@@ -41,24 +41,21 @@ import itertools
 import sys
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from mmrl.buffer.store import InFlightGroup, InFlightResponse, RolloutBatch, TrajectoryBuffer
+from mmrl.buffer.trainer_view import TrainerView
 from mmrl.evaluation import conversations_of
 from mmrl.rollout.base import RolloutResult, SamplingParams, right_padded
 from mmrl.rollout.sessions import DecodeSession, session_for
-
-if TYPE_CHECKING:
-    from mmrl.trainer import Trainer
 
 
 class PartialRollouts:
     """The batches of a partial rollout (module docstring), from `trainer`'s prompts,
     rollout and reward, with the groups in flight kept in `buffer.in_flight`."""
 
-    def __init__(self, trainer: Trainer, buffer: TrajectoryBuffer,
+    def __init__(self, trainer: TrainerView, buffer: TrajectoryBuffer,
                  recompute: Callable[[list, RolloutResult], torch.Tensor] | None):
         """`recompute(conversations, result)`: the current weights' log-probs of `result`'s
         tokens (`algo.behaviour: recomputed`); None takes the sampler's."""

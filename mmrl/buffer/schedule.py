@@ -32,20 +32,17 @@ token keeps the version and behaviour log-prob of the weights that sampled it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from mmrl.buffer.partial import PartialRollouts, partial_metrics
 from mmrl.buffer.store import RolloutBatch, TrajectoryBuffer, rebuild_batch
+from mmrl.buffer.trainer_view import TrainerView
 from mmrl.config import RecipeError
 from mmrl.evaluation import conversations_of
 from mmrl.rollout.base import RolloutResult, can_continue
 from mmrl.rollout_batch import training_batches
-
-if TYPE_CHECKING:
-    from mmrl.trainer import Trainer
-    from mmrl.update import PolicyUpdate
+from mmrl.update import PolicyUpdate
 
 BUFFER_FOLDER = "buffer"
 
@@ -157,7 +154,7 @@ def attach_behaviour(micro_batches: list, batch: RolloutBatch) -> None:
         seqs.extras["behaviour_logp"] = batch.behaviour_logp[rows, :width].to(seqs.response_ids.device)
 
 
-def buffer_for(trainer: Trainer) -> TrajectoryBuffer:
+def buffer_for(trainer: TrainerView) -> TrajectoryBuffer:
     """The trainer's trajectory buffer, in its run folder."""
     dist = trainer.dist
     return TrajectoryBuffer(trainer.output_dir / BUFFER_FOLDER, rank=dist.dp_rank, ranks=dist.dp_size,
@@ -173,7 +170,7 @@ def batch_seed(seed: int, rank: int, number: int) -> int:
     return ((seed * 1_000_003 + number) * 65_537 + rank) % (1 << 62)
 
 
-def steps_for(trainer: Trainer) -> BufferedSteps:
+def steps_for(trainer: TrainerView) -> BufferedSteps:
     """The trainer's schedule, run sequentially: its rollouts (`Trainer.roll_out_batch`) through
     a buffer in its run folder, under its recipe's `algo.max_staleness`. (The concurrent
     form: `mmrl.buffer.overlap.steps_for`.)"""
@@ -242,7 +239,7 @@ def _check_partial(rollout, dist, recipe) -> None:
                           "from rank to rank); use rollout.partial_tokens=0 under torchrun")
 
 
-def rebuild_for(trainer: Trainer) -> Callable:
+def rebuild_for(trainer: TrainerView) -> Callable:
     """`TrajectoryBuffer.restore`'s `rebuild` for the trainer's dataset and processor."""
 
     def conversations(samples: list[dict], rows: list[int]) -> list | None:

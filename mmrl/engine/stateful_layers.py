@@ -45,7 +45,7 @@ import re
 
 import torch
 
-from mmrl.boundaries import STATEFUL_LAYER_KINDS
+from mmrl.boundaries import STATEFUL_LAYER_KINDS, current_layer_kinds
 from mmrl.parallel.gathered import is_mixer
 from mmrl.parts import decoder_layers
 
@@ -129,8 +129,6 @@ def _carries_state(module: torch.nn.Module) -> bool:
 def stateful_mixers(model: torch.nn.Module, adapter) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
     """(layer, its mixers to run per sequence) for each decoder layer of a stateful kind;
     [] where the text config lists no layer kinds for exactly the layers found."""
-    from transformers.configuration_utils import remap_legacy_layer_types
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     kinds = list(getattr(base.config.get_text_config(), "layer_types", None) or ())
     try:
@@ -140,7 +138,7 @@ def stateful_mixers(model: torch.nn.Module, adapter) -> list[tuple[torch.nn.Modu
     if not kinds or len(kinds) != len(layers):
         return []
     found = []
-    for layer, kind in zip(layers, remap_legacy_layer_types(kinds)):
+    for layer, kind in zip(layers, current_layer_kinds(kinds)):
         if kind not in STATEFUL_LAYER_KINDS:
             continue
         candidates = [m for m in layer.modules() if m is not layer and _carries_state(m)]

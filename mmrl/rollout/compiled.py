@@ -595,8 +595,12 @@ class CompiledHFRollout(HFRollout):
         return smaller
 
 
-def _decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None,
-                 **pick):
+def decode_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None,
+                **pick):
+    """One decode step, eager: one token per row through `model` into `cache`, then
+    `choose_tokens` on the last logits. The rollout compiles or records a copy of it per
+    model class (`decode_step_for`); a test or bench that needs the step as plain Python
+    (a `GraphedStep`'s fallback, what its graphs record) calls this one."""
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                 past_key_values=cache, use_cache=True)
     return choose_tokens(out.logits[:, -1].float(), running, blocked, stops, seen=seen, noise=noise, **pick)
@@ -614,10 +618,10 @@ def decode_step_for(model_class: type):
     their step, so its compiled entries serve every rollout of them."""
     step = _STEPS_BY_CLASS.get(model_class)
     if step is None:
-        name = f"_decode_step_{model_class.__name__}"
-        code = _decode_step.__code__.replace(co_name=name, co_qualname=name)
-        step = type(_decode_step)(code, _decode_step.__globals__, name, _decode_step.__defaults__)
-        step.__kwdefaults__ = _decode_step.__kwdefaults__
+        name = f"decode_step_{model_class.__name__}"
+        code = decode_step.__code__.replace(co_name=name, co_qualname=name)
+        step = type(decode_step)(code, decode_step.__globals__, name, decode_step.__defaults__)
+        step.__kwdefaults__ = decode_step.__kwdefaults__
         _STEPS_BY_CLASS[model_class] = step
     return step
 
