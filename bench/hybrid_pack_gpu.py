@@ -47,11 +47,11 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from scaffolded import ScaffoldFailed, print_row, run_child, scaffold_family  # bench/scaffolded.py (bench/ is on the path of a bench script)
+from scaffolded import ScaffoldFailed, print_row, run_child, say_stage, scaffold_family  # bench/scaffolded.py (bench/ is on the path of a bench script)
 
 from mmrl.platform_info import device_name, host, today, versions, write_report
 
@@ -200,6 +200,7 @@ def measure(adapter, device: str, lengths, repeats: int) -> dict:
     from mmrl.probes.launcher import exact_numerics
 
     subject = Subject(adapter=adapter, source=adapter.family, device=device)
+    say_stage("probe")
     result = probe("padding_free").run(subject)
     row = {"status": result.status.value, "reason": result.reason.splitlines()[0][:300] if result.reason else "",
            "probe_seconds": round(result.seconds, 2)}
@@ -215,6 +216,7 @@ def measure(adapter, device: str, lengths, repeats: int) -> dict:
     for name, task in (("fp32", lambda: figures(built, device, bf16=False)),
                        ("bf16", lambda: figures(built, device, bf16=True)),
                        ("timing", lambda: forward_backward_ms(built, device, lengths, repeats))):
+        say_stage(name)
         try:
             row[name] = task()
         except Exception as exc:  # noqa: BLE001 - a figure that cannot be taken says why
@@ -228,6 +230,7 @@ def child(model_type: str, device: str, lengths, repeats: int) -> None:
     row: dict = {"model_type": model_type}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mmrl-hybrid-pack-{model_type}-") as out:
+        say_stage("scaffold")
         try:
             adapter = scaffold_family(model_type, out)
         except ScaffoldFailed as exc:
@@ -267,6 +270,11 @@ def print_table(rows: list[dict]) -> None:
             print(f"{'':20} {r['reason'][:110]}")
 
 
+def spent(start: float, budget: float) -> bool:
+    """Whether `budget` seconds (0: none) have passed since `start` (time.monotonic)."""
+    return bool(budget) and time.monotonic() - start >= budget
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -276,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-budget", type=float, default=0.0,
                         help="seconds from the start after which no new type starts (0: no budget)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per type")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="types run at a time (they share the device: their timings are noisier)")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes that build the tiny configs while selecting")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
@@ -303,19 +313,30 @@ def main(argv: list[str] | None = None) -> None:
         numerics = {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                     "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
     rows: list[dict] = []
-    not_started: list[str] = []
     child_args = ("--device", args.device, "--lengths", args.lengths, "--repeats", str(args.repeats))
-    for candidate in picked:
-        if args.time_budget and time.monotonic() - start >= args.time_budget:
-            not_started.append(candidate["model_type"])
-            continue
-        row = {**candidate, **run_child(__file__, candidate["model_type"], args.timeout, child_args, cwd=REPO)}
-        rows.append(row)
-        print(f"{row['model_type']:20} {row['status']:9} {row['seconds']:6.1f}s {row.get('reason', '')[:100]}",
-              flush=True)
-        report(args, argv, selection, numerics, rows, not_started)
-    if not rows or not_started:
-        report(args, argv, selection, numerics, rows, not_started)
+    child_env = dict(os.environ)
+    if args.parallel > 1:  # the children share the host's cores
+        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.parallel)))
+    pending = list(picked)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        running: dict = {}
+        while pending or running:
+            while pending and len(running) < args.parallel and not spent(start, args.time_budget):
+                candidate = pending.pop(0)
+                running[pool.submit(run_child, __file__, candidate["model_type"], args.timeout, child_args,
+                                    env=child_env, cwd=REPO)] = candidate
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                row = {**running.pop(future), **future.result()}
+                rows.append(row)
+                print(f"{row['model_type']:20} {row['status']:9} {row['seconds']:6.1f}s "
+                      f"{row.get('reason', '')[:100]}", flush=True)
+            rows.sort(key=lambda r: r["model_type"])
+            report(args, argv, selection, numerics, rows, [c["model_type"] for c in pending])
+    if not rows:
+        report(args, argv, selection, numerics, rows, [c["model_type"] for c in pending])
     print()
     print_table(rows)
 

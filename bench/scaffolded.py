@@ -6,7 +6,8 @@ benches over scaffolded types share (bench/vllm_scaffolded.py, bench/hybrid_pack
 
 A child runs `script --child TYPE ...` and prints its row as one JSON line starting with
 `{"model_type"` (`print_row`); a child that crashes or runs past its time limit still
-gives a row (stage `crash` or `timeout`), so one type never ends the run.
+gives a row (stage `crash` or `timeout`, with the last stage the child announced through
+`say_stage`), so one type never ends the run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 SCAFFOLD_TIMEOUT_S = 300
+STAGE = "stage: "  # how a child's progress lines start (`say_stage`)
 
 
 class ScaffoldFailed(Exception):
@@ -51,6 +53,11 @@ def scaffold_family(model_type: str, out: str | Path):
         raise ScaffoldFailed("load", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
 
 
+def say_stage(text: str) -> None:
+    """A child's progress on stderr: where a child that runs past its limit was (`run_child`)."""
+    print(f"{STAGE}{text}", file=sys.stderr, flush=True)
+
+
 def print_row(row: dict) -> None:
     """A child's result, as the line `run_child` reads."""
     print(json.dumps({"model_type": row["model_type"], **row}), flush=True)
@@ -63,9 +70,12 @@ def run_child(script: str | Path, model_type: str, timeout: float, args: tuple[s
     try:
         proc = subprocess.run([sys.executable, str(script), "--child", model_type, *args], capture_output=True,
                               text=True, timeout=timeout, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        last = [line for line in said.splitlines() if line.startswith(STAGE)]
         return {"model_type": model_type, "status": "failed", "stage": "timeout",
-                "reason": f"no result within {timeout:.0f}s", "seconds": round(time.perf_counter() - start, 1)}
+                "reason": f"no result within {timeout:.0f}s" + (f" ({last[-1]})" if last else ""),
+                "seconds": round(time.perf_counter() - start, 1)}
     rows = [line for line in proc.stdout.splitlines() if line.startswith('{"model_type"')]
     if rows:
         row = json.loads(rows[-1])
