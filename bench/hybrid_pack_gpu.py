@@ -1,8 +1,8 @@
 """Packing hybrid-attention families on a device: the padding-free probe, bf16 figures, and
 packed against padded forward+backward time, per scaffolded type (issue 31 ran on CPU only).
 
-    python bench/hybrid_pack_gpu.py --time-budget 170 --timeout 90 --out $OUT/hybrid_pack_gpu.json
-    .venv/bin/python bench/hybrid_pack_gpu.py --device cpu --types lfm2 --out /tmp/hybrid_pack.json
+    python bench/hybrid_pack_gpu.py --parallel 4 --time-budget 130 --timeout 60 --out $OUT/hybrid_pack_gpu.json
+    .venv/bin/python bench/hybrid_pack_gpu.py --device cpu --types lfm2 --lengths 96,48,24 --repeats 1
 
 Which types, by rule (nothing picked by hand): every in-scope green row of
 `support_matrix/coverage.json` that declares padding_free, whose tiny config (the one
@@ -31,11 +31,19 @@ then on `--device`:
 The report is rewritten after every type; `--time-budget` (from the start, selection
 included) stops starting new types, so a run ends at most one `--timeout` after it.
 
-Measured on the CPU machine (2 cores): selecting among the 141 declared rows takes ~45 s
-alone and ~25 s with `--jobs 2`; one type (lfm2) takes ~20 s (scaffold ~5 s, interpreter
-start and imports ~5 s, probe and figures ~10 s). On the H200 host (16 cores) the device
-call should pass `--time-budget 170 --timeout 90` (the call has ~200 s; types left out are
-listed under `not_started`), or `--types` for a chosen few.
+Measured on the CPU machine (2 cores, shared, load 3-6), transformers 5.19: the rule picks
+18 of the 141 declared rows (lfm2, lfm2_moe and lfm2_vl only through the tiny config: their
+default configs are all attention); selecting (the tiny configs of all 141 rows) took 43 s
+in one process, 8-12 s of it for each of a few VLM types, and 53 s with `--jobs 2` under load. With `--lengths 64,32 --repeats 1` all 18 took
+15.4 min: 17 verified, 16-73 s each (zamba 126 s), and kimi_linear ran past 180 s (alone: 181 s,
+its torch path ~5 s a forward+backward of 134 tokens here). One type's whole run
+(`--types lfm2 --lengths 96,48,24 --repeats 1`, selection included) takes 24-26 s, nearly all
+of it interpreter starts and imports (the child's, the `mmrl add-model` CLI's): in one warm
+process, scaffolding and measuring a type takes 0.3-3 s. So on the H200 host (16 cores; not
+measured there yet) the device call should run types side by side and bound the run below
+its ~200 s: `--parallel 4 --time-budget 130 --timeout 60` (types left out are listed under
+`not_started`; a type still running at the budget ends by its timeout), or `--types` for a
+chosen few. Side by side, the timings are noisier; `--parallel 1` for the time figures alone.
 """
 
 from __future__ import annotations
@@ -217,10 +225,12 @@ def measure(adapter, device: str, lengths, repeats: int) -> dict:
                        ("bf16", lambda: figures(built, device, bf16=True)),
                        ("timing", lambda: forward_backward_ms(built, device, lengths, repeats))):
         say_stage(name)
+        start = time.perf_counter()
         try:
             row[name] = task()
         except Exception as exc:  # noqa: BLE001 - a figure that cannot be taken says why
             row[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        row[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
     return row
 
 
@@ -250,7 +260,7 @@ def summary(rows: list[dict], not_started: list[str]) -> dict:
     ratios = [r["timing"]["packed_over_padded"] for r in rows if "packed_over_padded" in r.get("timing", {})]
     return {"tried": len(rows), "verified": sum(r["status"] == "verified" for r in rows),
             "failed": sum(r["status"] == "failed" for r in rows), "not_started": len(not_started),
-            "median_packed_over_padded": statistics.median(ratios) if ratios else None}
+            "median_packed_over_padded": round(statistics.median(ratios), 3) if ratios else None}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -339,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         report(args, argv, selection, numerics, rows, [c["model_type"] for c in pending])
     print()
     print_table(rows)
+    if pending:
+        print(f"not started (--time-budget spent): {', '.join(c['model_type'] for c in pending)}")
 
 
 def report(args, argv, selection: dict, numerics: dict, rows: list[dict], not_started: list[str]) -> None:

@@ -8,10 +8,13 @@ row and not the end of the run, and one whole run over a scaffolded hybrid type 
 import math
 
 import pytest
+from typer.testing import CliRunner
 
 from bench_scripts import bench_report, load_bench
+from mmrl.cli import app
 from mmrl.checks import BOUNDARY_HIDDEN_TOLERANCE, BOUNDARY_TOLERANCE
 from mmrl.probes.base import TOLERANCE
+from mmrl.registry import get_adapter, load_plugin
 
 BENCH_SCRIPT = "hybrid_pack_gpu"
 HYBRID = "lfm2"  # the cheapest type the rule picks, by measurement (bench/hybrid_pack_gpu.py's docstring)
@@ -62,6 +65,39 @@ def test_a_crashed_or_hung_type_is_a_row(tmp_path):
     assert row["status"] == "verified" and row["seconds"] >= 0
 
 
+def test_a_spent_time_budget_starts_no_type(bench, tmp_path_factory):
+    report = bench_report(bench, tmp_path_factory, ["--device", "cpu", "--types", "lfm2,bamba", "--jobs", "1",
+                                                    "--time-budget", "0.001"])
+    assert report["types"] == [] and report["not_started"] == ["bamba", "lfm2"]
+    assert report["summary"]["not_started"] == 2 and report["summary"]["tried"] == 0
+
+
+def _assert_measured(row: dict, sequences: int) -> None:
+    assert row["status"] == "verified", row.get("reason")
+    assert row["stateful_mixers"] >= 1
+    assert row["fp32"]["boundary_logprob"] < BOUNDARY_TOLERANCE
+    assert row["fp32"]["boundary_hidden"] < BOUNDARY_HIDDEN_TOLERANCE
+    assert row["fp32"]["packed_vs_padded"] < TOLERANCE
+    assert all(math.isfinite(row["bf16"][k]) for k in ("boundary_logprob", "boundary_hidden", "packed_vs_padded"))
+    assert row["bf16"]["packed_vs_padded"] > row["fp32"]["packed_vs_padded"]  # bf16 rounding shows
+    timing = row["timing"]
+    assert timing["sequences"] == sequences and timing["packed_positions"] == timing["tokens"]  # one row, no filler
+    assert timing["stateful_positions"] == sequences * timing["longest"] > timing["tokens"]
+    assert timing["padded_positions"] >= timing["stateful_positions"]
+    assert timing["padded_ms"] > 0 and timing["packed_ms"] > 0
+    assert timing["packed_over_padded"] == pytest.approx(timing["packed_ms"] / timing["padded_ms"], rel=0.01)
+
+
+def test_a_scaffolded_hybrid_family_is_measured(bench, plugin_path):
+    """The child's measurements in this process, on a family scaffolded here (the slow test
+    below runs the whole bench: selection, the CLI scaffold and a child process)."""
+    scaffold = CliRunner().invoke(app, ["add-model", HYBRID, "--out", str(plugin_path), "--no-verify"])
+    assert scaffold.exit_code == 0, scaffold.output
+    load_plugin(f"mmrl_{HYBRID}.{HYBRID}")
+    row = bench.measure(get_adapter(HYBRID), "cpu", [48, 24], repeats=1)
+    _assert_measured(row, sequences=2)
+
+
 @pytest.mark.slow
 def test_one_hybrid_type_runs_the_probe_and_takes_the_figures(bench, tmp_path_factory):
     report = bench_report(bench, tmp_path_factory, [
@@ -70,16 +106,6 @@ def test_one_hybrid_type_runs_the_probe_and_takes_the_figures(bench, tmp_path_fa
     assert report["summary"]["tried"] == report["summary"]["verified"] == 1
     (row,) = report["types"]
     assert row["model_type"] == HYBRID and row["status"] == "verified", row.get("reason")
-    assert row["kinds"] == ["conv"] and row["stateful_mixers"] >= 1
-    assert row["fp32"]["boundary_logprob"] < BOUNDARY_TOLERANCE
-    assert row["fp32"]["boundary_hidden"] < BOUNDARY_HIDDEN_TOLERANCE
-    assert row["fp32"]["packed_vs_padded"] < TOLERANCE
-    assert all(math.isfinite(row["bf16"][k]) for k in ("boundary_logprob", "boundary_hidden", "packed_vs_padded"))
-    assert row["bf16"]["packed_vs_padded"] > row["fp32"]["packed_vs_padded"]  # bf16 rounding shows
-    timing = row["timing"]
-    assert timing["sequences"] == 3 and timing["packed_positions"] == timing["tokens"]  # one row, no filler
-    assert timing["stateful_positions"] == 3 * timing["longest"] > timing["tokens"]
-    assert timing["padded_positions"] >= timing["stateful_positions"]
-    assert timing["padded_ms"] > 0 and timing["packed_ms"] > 0
-    assert timing["packed_over_padded"] == pytest.approx(timing["packed_ms"] / timing["padded_ms"], rel=0.01)
+    assert row["kinds"] == ["conv"]
+    _assert_measured(row, sequences=3)
     assert row["scaffold_seconds"] > 0 and row["seconds"] > row["scaffold_seconds"]
