@@ -36,7 +36,7 @@ def scaffold_family(model_type: str, out: str | Path):
     written plugin imported and its adapter returned. Raises ScaffoldFailed."""
     out = Path(out)
     scaffold = subprocess.run(
-        [sys.executable, "-m", "mmrl.cli", "add-model", model_type, "--out", str(out), "--no-verify"],
+        [sys.executable, "-m", "mmrl.cli", "add-model", model_type, f"--out={out}", "--no-verify"],
         capture_output=True, text=True, cwd=out, timeout=SCAFFOLD_TIMEOUT_S)
     if scaffold.returncode != 0:
         lines = (scaffold.stderr or scaffold.stdout).strip().splitlines() or ["(no output)"]
