@@ -1,5 +1,8 @@
-"""Packing hybrid-attention families on a device: the padding-free probe, bf16 figures, and
-packed against padded forward+backward time, per scaffolded type (issue 31 ran on CPU only).
+"""Hybrid-attention families packed on a device, one scaffolded type at a time.
+
+Issue 31's packing of stateful layers was verified on CPU only; this runs, per type, the
+padding-free probe, the same comparisons under bf16, and packed against padded
+forward+backward time on `--device`.
 
     python bench/hybrid_pack_gpu.py --parallel 4 --time-budget 130 --timeout 60 --out $OUT/hybrid_pack_gpu.json
     .venv/bin/python bench/hybrid_pack_gpu.py --device cpu --types lfm2 --lengths 96,48,24 --repeats 1
