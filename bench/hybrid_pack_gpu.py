@@ -1,4 +1,4 @@
-"""Hybrid-attention families packed on a device, one scaffolded type at a time.
+"""Hybrid-attention families packed on a device, each scaffolded type in a process of its own.
 
 Issue 31's packing of stateful layers was verified on CPU only; this runs, per type, the
 padding-free probe, the same comparisons under bf16, and packed against padded
