@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from scaffolded import ScaffoldFailed, print_row, run_child, scaffold_family
 
 from mmrl.platform_info import host, versions, write_report
 
@@ -85,25 +86,11 @@ def child(model_type: str) -> None:
     row: dict = {"model_type": model_type}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mmrl-vllm-scaffold-{model_type}-") as out:
-        scaffold = subprocess.run(
-            [sys.executable, "-m", "mmrl.cli", "add-model", model_type, "--out", out, "--no-verify"],
-            capture_output=True, text=True, cwd=out, timeout=300)
-        if scaffold.returncode != 0:
-            lines = (scaffold.stderr or scaffold.stdout).strip().splitlines() or ["(no output)"]
-            row.update(status="failed", stage="scaffold", reason=lines[-1][:300])
-            print(json.dumps(row), flush=True)
-            return
-        sys.path.insert(0, out)
         try:
-            from mmrl.registry import get_adapter, load_plugin
-
-            package = next(p.name for p in Path(out).iterdir() if p.name.startswith("mmrl_"))
-            module = next(p.stem for p in (Path(out) / package).glob("*.py") if p.stem != "__init__")
-            load_plugin(f"{package}.{module}")
-            adapter = get_adapter(model_type)
-        except Exception as exc:  # noqa: BLE001 - recorded as the row's outcome
-            row.update(status="failed", stage="load", reason=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-            print(json.dumps(row), flush=True)
+            adapter = scaffold_family(model_type, out)
+        except ScaffoldFailed as exc:
+            row.update(status="failed", stage=exc.stage, reason=exc.reason)
+            print_row(row)
             return
         from mmrl.probes import Subject, probe
 
@@ -117,27 +104,12 @@ def child(model_type: str) -> None:
                 row["traceback"] = result.evidence["traceback"][-1500:]
         else:
             row["evidence"] = {k: v for k, v in result.evidence.items() if k.startswith("max_")}
-    print(json.dumps(row), flush=True)
+    print_row(row)
 
 
 def run_one(model_type: str, timeout: float) -> dict:
-    start = time.perf_counter()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--child", model_type], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"model_type": model_type, "status": "failed", "stage": "timeout",
-                "reason": f"no result within {timeout:.0f}s", "seconds": round(time.perf_counter() - start, 1)}
-    rows = [line for line in proc.stdout.splitlines() if line.startswith('{"model_type"')]
-    if rows:
-        row = json.loads(rows[-1])
-    else:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        row = {"model_type": model_type, "status": "failed", "stage": "crash",
-               "reason": f"exit {proc.returncode}: {tail[:300]}"}
-    row["seconds"] = round(time.perf_counter() - start, 1)
-    return row
+    return run_child(__file__, model_type, timeout, env=env, cwd=REPO)
 
 
 def summary(rows: list[dict]) -> dict:
