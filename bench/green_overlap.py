@@ -1,0 +1,198 @@
+"""Can a memory-bound decode run beside a compute-bound update on one GPU? (issue 33)
+
+    python bench/green_overlap.py --out $OUT/green_overlap_gpu.json     # on the GPU, ~60 s
+
+One-step-off on one H200 measured 1.16x at best (docs/async.md): the decode's short
+kernels wait behind the update's GEMMs, which fill every SM, even on a high-priority
+stream. This bench asks whether splitting the SMs between the two with CUDA green
+contexts (`torch.cuda.green_contexts`, beta) lets them overlap, before the trainer is
+changed for it. Two synthetic workloads at the VL-3B shape, each recorded as a CUDA graph:
+
+  decode   36 layers of a batch of 64 rows times bf16 weights (2048 -> 11008 -> 2048 and
+           2048 -> 2560: what a decode step reads, about 6 GB a step): memory-bound
+  update   GEMMs of 16,384 tokens at the same widths: compute-bound
+
+each alone, then side by side from two threads (`--decode-steps` decode steps against
+`--update-reps` update passes) as: plain streams, the decode on a high-priority stream, and
+the two on green contexts of `--sms` SMs for the decode and the rest for the update; and
+`one_thread*`: both sides enqueued from one thread (the update's passes, then the decode
+steps), which tells whether the two Python threads or the GPU serialize them.
+`overlap` is the two alone, one after the other, over the wall time side by side (2.0 would
+be perfect overlap, 1.0 none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+
+def build(device, dtype, layers: int, hidden: int, ffn: int, rows: int, tokens: int):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = [(torch.randn(hidden, ffn, device=device, dtype=dtype, generator=g) * 0.02,
+                torch.randn(ffn, hidden, device=device, dtype=dtype, generator=g) * 0.02,
+                torch.randn(hidden, hidden + 512, device=device, dtype=dtype, generator=g) * 0.02)
+               for _ in range(layers)]
+    x_decode = torch.randn(rows, hidden, device=device, dtype=dtype, generator=g)
+    x_update = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+    return weights, x_decode, x_update
+
+
+def forward(weights, x):
+    import torch
+
+    for up, down, qkv in weights:
+        h = torch.nn.functional.silu(x @ up) @ down
+        x = (x + h + (x @ qkv)[:, : x.shape[1]]) * 0.5
+    return x
+
+
+def graphed(fn, stream):
+    import torch
+
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (cuBLAS workspaces)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    stream.synchronize()
+    return graph
+
+
+_KEPT = []  # the green contexts stay alive as long as their streams are used
+
+
+def green_streams(sms: int):
+    """(decode stream, update stream) on two green contexts splitting the SMs, or raises."""
+    import torch
+    from torch.cuda.green_contexts import GreenContext
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    made = []
+    for count in (sms, total - sms):
+        ctx = GreenContext.create(num_sms=count, device_id=0) if "num_sms" in GreenContext.create.__code__.co_varnames \
+            else GreenContext.create(count, 0)
+        if hasattr(ctx, "Stream"):
+            stream = ctx.Stream()
+        else:  # torch 2.10/2.11: the context's stream is made current by set_context
+            ctx.set_context()
+            stream = torch.cuda.current_stream()
+            ctx.pop_context()
+        made.append((ctx, stream))
+    _KEPT.extend(made)
+    return made
+
+
+def run(args) -> dict:
+    import torch
+
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    weights, x_decode, x_update = build(device, dtype, args.layers, args.hidden, args.ffn, args.rows, args.tokens)
+    total_sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def timed_side_by_side(decode_graph, update_graph, decode_stream, update_stream) -> dict:
+        torch.cuda.synchronize()
+        times = {}
+
+        def side(name, graph, stream, reps):
+            with torch.cuda.stream(stream):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    graph.replay()
+                stream.synchronize()
+                times[name] = time.perf_counter() - start
+
+        threads = [threading.Thread(target=side, args=("decode", decode_graph, decode_stream, args.decode_steps)),
+                   threading.Thread(target=side, args=("update", update_graph, update_stream, args.update_reps))]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        times["wall"] = time.perf_counter() - start
+        return times
+
+    def one_thread(decode_graph, update_graph, decode_stream, update_stream) -> dict:
+        """Both sides enqueued from this thread (the update's passes first, then the decode
+        steps), no second Python thread: whether the threads, not the GPU, serialize."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(update_stream):
+            for _ in range(args.update_reps):
+                update_graph.replay()
+        with torch.cuda.stream(decode_stream):
+            for _ in range(args.decode_steps):
+                decode_graph.replay()
+        decode_stream.synchronize()
+        decode = time.perf_counter() - start
+        update_stream.synchronize()
+        wall = time.perf_counter() - start
+        return {"decode": decode, "update": wall, "wall": wall}
+
+    def alone(graph, stream, reps) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for _ in range(reps):
+                graph.replay()
+        stream.synchronize()
+        return time.perf_counter() - start
+
+    report = {"device": torch.cuda.get_device_name(0), "sms": total_sms, "torch": torch.__version__,
+              "settings": vars(args) | {"out": str(args.out)}, "modes": {}}
+    configs = [("plain", lambda: (torch.cuda.Stream(), torch.cuda.Stream())),
+               ("priority", lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream())),
+               ("one_thread", lambda: (torch.cuda.Stream(), torch.cuda.Stream())),
+               ("one_thread_priority", lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream()))]
+    for sms in args.sms:
+        configs.append((f"green_{sms}", lambda sms=sms: tuple(s for _, s in green_streams(sms))))
+    for name, make in configs:
+        try:
+            decode_stream, update_stream = make()
+            decode_graph = graphed(lambda: forward(weights, x_decode), decode_stream)
+            update_graph = graphed(lambda: forward(weights, x_update), update_stream)
+            decode_alone = min(alone(decode_graph, decode_stream, args.decode_steps) for _ in range(2))
+            update_alone = min(alone(update_graph, update_stream, args.update_reps) for _ in range(2))
+            beside = one_thread if name.startswith("one_thread") else timed_side_by_side
+            both = [beside(decode_graph, update_graph, decode_stream, update_stream) for _ in range(3)]
+            best = min(both, key=lambda t: t["wall"])
+            mode = {"decode_alone_s": decode_alone, "update_alone_s": update_alone,
+                    "decode_beside_s": best["decode"], "update_beside_s": best["update"], "wall_beside_s": best["wall"],
+                    "overlap": (decode_alone + update_alone) / best["wall"],
+                    "decode_ms_per_step_alone": 1000 * decode_alone / args.decode_steps,
+                    "decode_ms_per_step_beside": 1000 * best["decode"] / args.decode_steps}
+        except Exception as error:  # noqa: BLE001 - a beta API: report and go on
+            mode = {"error": f"{type(error).__name__}: {error}"[:300]}
+        report["modes"][name] = mode
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in mode.items() if isinstance(v, float)) or mode.get("error")
+        print(f"{name}: {shown}", flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=11008)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--decode-steps", type=int, default=1000)
+    parser.add_argument("--update-reps", type=int, default=8)
+    parser.add_argument("--sms", type=int, nargs="+", default=[16, 32, 48])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/green_overlap_gpu.json"))
+    args = parser.parse_args()
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
