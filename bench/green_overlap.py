@@ -24,7 +24,6 @@ be perfect overlap, 1.0 none).
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from pathlib import Path
@@ -188,10 +187,9 @@ def main() -> None:
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 32, 48])
     parser.add_argument("--out", type=Path, default=Path("bench/results/green_overlap_gpu.json"))
     args = parser.parse_args()
-    report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    from mmrl.platform_info import write_report
+
+    write_report(args.out, run(args))
 
 
 if __name__ == "__main__":
