@@ -8,7 +8,7 @@ The child is `python -m mmrl.probes.isolated NAME SPEC` (SPEC: `Subject.spec()` 
 it imports the subject's adapter module (the caller's `sys.path` is its PYTHONPATH, so a
 scaffold's scratch modules and plugins resolve), runs the probe and prints its result as
 one marked JSON line. The child runs in a session of its own, so a time limit ends it
-with every process it started.
+with every process it started; it exits by itself once its parent is gone.
 """
 
 from __future__ import annotations
@@ -55,9 +55,26 @@ def _end_session(child: subprocess.Popen) -> None:
     child.wait()
 
 
+def end_with_parent() -> None:
+    """Exit once the parent is gone (killed past its own time limit, say): the child's
+    own session keeps it out of the parent's process group, so nothing else would end it."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(name: str, spec: str) -> None:
     from mmrl.probes import probe
 
+    end_with_parent()
     result = probe(name).run(Subject.from_spec(json.loads(spec)))
     print(MARK + json.dumps(result.to_dict(), default=str), flush=True)
 
