@@ -518,6 +518,8 @@ def add_model(
         return
     if model_type is None:
         fail("give a MODEL_TYPE to scaffold, or --sweep")
+    if columns and not (verify and depth):
+        fail("--columns picks which depth probes run; it does not go with --no-depth or --no-verify")
     from mmrl.scaffold import COLUMNS, ScaffoldError, scaffold
 
     try:

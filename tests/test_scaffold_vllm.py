@@ -228,3 +228,16 @@ def test_the_worker_gets_the_columns_and_columns_need_depth_only(monkeypatch, tm
         run_sweep(tmp_path / "c.json", progress=False, columns=("vllm",))
     with pytest.raises(ValueError, match="not a depth column: vlm"):
         run_sweep(tmp_path / "c.json", progress=False, depth_only=True, columns=("vlm",))
+
+
+def test_the_command_refuses_columns_it_cannot_run_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    for args, message in ((["gpt2", "--columns", "vllm", "--no-depth"], "does not go with --no-depth"),
+                          (["gpt2", "--columns", "vlm", "--dry-run"], "not a depth column: vlm"),
+                          (["--sweep", "--columns", "vllm", "--coverage", str(tmp_path / "c.json")],
+                           "give --depth-only too")):
+        result = CliRunner().invoke(app, ["add-model", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
