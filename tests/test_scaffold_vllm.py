@@ -241,3 +241,27 @@ def test_the_command_refuses_columns_it_cannot_run_in_one_line(tmp_path):
                            "give --depth-only too")):
         result = CliRunner().invoke(app, ["add-model", *args])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_isolated_child_ends_once_its_parent_is_gone(tmp_path):
+    """A sweep worker killed past its time limit does not take the probe's process (in a
+    session of its own) with it: the child notices and exits by itself."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    child = ("import time; from mmrl.probes.isolated import end_with_parent; end_with_parent(); "
+             "print('up', flush=True); time.sleep(120)")
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
+              "stdout=subprocess.PIPE, text=True, start_new_session=True); p.stdout.readline(); print(p.pid)")
+    pid = int(subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120).stdout)
+
+    def running() -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return status.is_file() and "\nState:\tZ" not in status.read_text()
+
+    deadline = time.monotonic() + 20
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(), "the child outlived its parent"
