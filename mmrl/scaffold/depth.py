@@ -264,7 +264,6 @@ def verify_vllm(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
     """The vllm column: the probe in a fresh process on the adapter claiming vllm (the
     capabilities verified so far, its rollout naming the architecture), where vLLM serves
     the architecture; else decided "no" with the reason, without running vLLM."""
-    from mmrl.probes import Status
     from mmrl.probes.isolated import run_isolated
 
     unserved = vllm_unserved(d.resolved.model_class)
@@ -273,13 +272,7 @@ def verify_vllm(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
         return
     depth.running = "vllm"
     with scratch_family(d, layout, dataclasses.replace(depth.capabilities, vllm=True), hidden) as subject:
-        result = run_isolated("vllm", subject, VLLM_SECONDS)
-    if result.status is Status.VERIFIED:
-        depth.decide("vllm", True)
-    elif result.status is Status.NOT_RUN:
-        depth.decide("vllm", False, f"not run here: {result.reason}")
-    else:
-        depth.decide("vllm", False, result.reason)
+        _record("vllm", run_isolated("vllm", subject, VLLM_SECONDS), depth)
 
 
 def gather_mixers(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
@@ -370,10 +363,16 @@ def _rows(value) -> int | None:
 
 
 def _run(column: str, subject, depth: Depth) -> None:
-    from mmrl.probes import Status, probe
+    from mmrl.probes import probe
 
     depth.running = column
-    result = probe(column).run(subject)
+    _record(column, probe(column).run(subject), depth)
+
+
+def _record(column: str, result, depth: Depth) -> None:
+    """The column's verdict from its probe's result (a ProbeResult)."""
+    from mmrl.probes import Status
+
     if result.status is Status.VERIFIED:
         depth.decide(column, True)
     elif result.status is Status.NOT_RUN:
