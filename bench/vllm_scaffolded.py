@@ -8,7 +8,10 @@ Which types, by rule (nothing picked by hand): every in-scope row of
 family registers, and whose transformers class (the architecture the scaffold names) vLLM's
 model registry serves with a model class of its own (its text-generation or multimodal
 table, not its Transformers backend); causal-LM types first, then image-text-to-text, each
-alphabetically; `--limit N` keeps the first N of each mapping.
+alphabetically; `--limit N` keeps the first N of each mapping. The registry half of the rule
+is `mmrl.scaffold.vllm_registry.vllm_model_class`, the one `mmrl add-model`'s `vllm` depth
+column runs by (`mmrl add-model --sweep --depth-only --columns vllm` records that column for
+every green type, zoo types included, in support_matrix/coverage.json).
 
 Each type runs in a fresh process (vLLM's engine and its memory go with it) under a time
 limit: `mmrl add-model TYPE --out TMP --no-verify` into a temporary directory under /tmp,
@@ -36,34 +39,33 @@ from mmrl.platform_info import host, versions, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 COVERAGE = REPO / "support_matrix" / "coverage.json"
-MAPPINGS = {"causal_lm": "_TEXT_GENERATION_MODELS", "image_text_to_text": "_MULTIMODAL_MODELS"}
+MAPPINGS = ("causal_lm", "image_text_to_text")
 
 
 def candidates() -> list[dict]:
     """The rule above, applied: [{"model_type", "mapping", "architecture", "vllm_class"}]."""
     from transformers.models.auto import modeling_auto
-    from vllm.model_executor.models import registry
 
     from mmrl.registry import families
+    from mmrl.scaffold.vllm_registry import vllm_model_class
 
     zoo = {t for adapter in families() for t in adapter.model_types}
     tables = {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
               "image_text_to_text": modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
     rows = json.loads(COVERAGE.read_text())["types"]
     picked = []
-    for mapping, table_name in MAPPINGS.items():
-        served = getattr(registry, table_name)
+    for mapping in MAPPINGS:
         for row in sorted(rows, key=lambda r: r["model_type"]):
             if row["mapping"] != mapping or not row["in_scope"] or row["status"] != "green":
                 continue
             if row["model_type"] in zoo:
                 continue
             architecture = tables[mapping].get(row["model_type"])
-            entry = served.get(architecture)
-            if entry is None or entry[0] == "transformers":  # absent, or vLLM's Transformers backend
+            vllm_class, _ = vllm_model_class(architecture)
+            if vllm_class is None:  # absent, or only vLLM's Transformers backend
                 continue
             picked.append({"model_type": row["model_type"], "mapping": mapping, "architecture": architecture,
-                           "vllm_class": f"{entry[0]}:{entry[1]}"})
+                           "vllm_class": vllm_class})
     return picked
 
 

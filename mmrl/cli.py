@@ -480,7 +480,7 @@ def add_model(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the quick checks on the tiny model and "
                                 "declare only the capabilities that pass (default)."),
     depth: bool = typer.Option(True, "--depth/--no-depth", help="With --verify: also run the video, Ulysses "
-                               "(2 processes) and multi-turn probes and declare what passes (minutes)."),
+                               "(2 processes), multi-turn and vLLM probes and declare what passes (minutes)."),
     sweep: bool = typer.Option(False, "--sweep", help="Instead of one type, run the coverage sweep over every "
                                "causal-LM and image-text-to-text type (resumable) and write COVERAGE."),
     types: str = typer.Option(None, "--types", help="With --sweep: only these comma-separated types.", metavar="LIST"),
@@ -491,6 +491,9 @@ def add_model(
     workers: int = typer.Option(1, "--workers", min=1, help="With --sweep: types scaffolded at a time."),
     depth_only: bool = typer.Option(False, "--depth-only", help="With --sweep: re-sweep types recorded green "
                                     "(default: those lacking a column) without re-running their generated tests."),
+    columns: str = typer.Option(None, "--columns", metavar="LIST", help="Of the depth probes (video, "
+                                "sequence_parallel, multi_turn, vllm), only these comma-separated ones; with --sweep "
+                                "--depth-only, merged into the green rows (default: those lacking one)."),
 ) -> None:
     """Scaffold a model family (adapter, processing, zoo test, docs) from transformers' own classes."""
     if sweep:
@@ -505,7 +508,8 @@ def add_model(
             fail(f"--types: {types!r} is not a type list; give comma-separated types, e.g. --types TYPE_A,TYPE_B")
         try:
             document = run_sweep(coverage, types=types.split(",") if types else None, fresh=fresh, progress=progress,
-                                 workers=workers, depth_only=depth_only)
+                                 workers=workers, depth_only=depth_only,
+                                 columns=tuple(columns.split(",")) if columns else None)
         except ValueError as exc:
             fail(str(exc))
         for mapping, summary in document["summary"].items():
@@ -514,11 +518,13 @@ def add_model(
         return
     if model_type is None:
         fail("give a MODEL_TYPE to scaffold, or --sweep")
+    if columns and not (verify and depth):
+        fail("--columns picks which depth probes run; it does not go with --no-depth or --no-verify")
     from mmrl.scaffold import COLUMNS, ScaffoldError, scaffold
 
     try:
         result = scaffold(model_type, family=family, out=out, dry_run=dry_run, force=force, check=verify,
-                          depth=depth)
+                          depth=depth, depth_columns=tuple(columns.split(",")) if columns else None)
     except ScaffoldError as exc:
         fail(str(exc))
     if dry_run:

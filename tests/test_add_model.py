@@ -900,6 +900,9 @@ def test_a_depth_probe_that_fails_leaves_its_capability_undeclared_with_why(tmp_
         return Failing()
 
     monkeypatch.setattr(mmrl.probes, "probe", probe)
+    # The vllm column's probe process is stood in for (tests/test_scaffold_vllm.py tests that column).
+    monkeypatch.setattr("mmrl.probes.isolated.run_isolated",
+                        lambda name, subject, seconds: ProbeResult(Status.VERIFIED, "stood in"))
     result = scaffold(TEXT_TYPE, out=tmp_path)
     # a text type: no video, no multi_turn; a failed Ulysses probe runs again with gathered mixers
     assert ran == ["sequence_parallel", "sequence_parallel"]

@@ -61,7 +61,7 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
     write_document(path, rows, transformers.__version__)
     swept = []
 
-    def one(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False):
+    def one(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False, columns=None):
         swept.append((model_type, depth_only))
         return Row(model_type, mapping, True, "green", "depth-only", "", columns=ALL_COLUMNS,
                    sequence_parallel_mode="ulysses")
@@ -74,7 +74,7 @@ def test_depth_only_takes_green_rows_lacking_columns_vlm_first(monkeypatch, tmp_
     run_sweep(path, types=["gpt2", "qwen3"], progress=False, depth_only=True)
     assert swept == [("gpt2", False), ("qwen3", True)], "a type recorded failing runs the whole sweep"
 
-    def out_of_time(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False):
+    def out_of_time(model_type, mapping, scaffold_seconds, tests_seconds, depth_only=False, columns=None):
         return Row(model_type, mapping, True, "timeout", "verify", "stage verify ran past the 1260 s limit")
 
     monkeypatch.setattr(sweep, "sweep_one", out_of_time)

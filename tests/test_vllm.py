@@ -17,7 +17,8 @@
   zoo lacks: one vLLM serves with its Transformers backend (which rewrites transformers'
   classes while the trainer uses them) and a tied lm_head, one with vLLM's own class
   that has no lm_head at all, one with per-layer head sizes, and a VLM
-  (bench/vllm_scaffolded.py measures the probe over every such type).
+  (bench/vllm_scaffolded.py measures the probe over every such type); and `mmrl add-model
+  --columns vllm` runs it in a process of its own and declares vllm where it verifies.
 
 vLLM's CPU attention has no head size below 32 (and some of its decoder layers take
 hidden_size / heads as the head size), which the tiny models' heads of 32 satisfy;
@@ -453,3 +454,22 @@ def test_vllm_probe_verifies_a_scaffolded_family(plugin_path, model_type):
     assert model_class.__bases__ == bases and "do_not_compile" not in vars(model_class)
     built = build_model(adapter.family, random_init=True)
     assert torch.isfinite(built.model(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
+
+
+@pytest.mark.slow
+def test_add_model_declares_vllm_where_its_probe_verifies_in_a_process_of_its_own(plugin_path):
+    """`mmrl add-model TYPE --columns vllm`: the depth stage's vllm probe, for real, in a
+    fresh process (vLLM's engine and memory go with it); the adapter written declares
+    vllm, and the written family loads with the claim."""
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+    from mmrl.registry import get_adapter, load_plugin
+
+    scaffold = CliRunner().invoke(app, ["add-model", "gpt2", "--out", str(plugin_path), "--columns", "vllm"])
+    assert scaffold.exit_code == 0, scaffold.output
+    source = (plugin_path / "mmrl_gpt2" / "gpt2.py").read_text()
+    assert "vllm=True" in source and "Not declared: vllm" not in source
+    load_plugin("mmrl_gpt2.gpt2")
+    adapter = get_adapter("gpt2")
+    assert adapter.capabilities.vllm and adapter.rollout.vllm_architecture == "GPT2LMHeadModel"

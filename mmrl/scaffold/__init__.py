@@ -8,12 +8,14 @@ stack, embeddings, lm_head, vision tower, projector, block classes, linear leave
 LoRA, rope) and writes an adapter that declares exactly that. It then imports the
 written adapter, runs the zoo's quick numerical checks on it, then the probes a zoo family
 passes beyond them (video, Ulysses sequence parallelism over 2 processes, an image
-arriving in turn 3 of the agent loop), and declares only the capabilities that passed;
+arriving in turn 3 of the agent loop, vLLM rollout log-probs against the trainer's where
+vLLM serves the architecture), and declares only the capabilities that passed;
 each one left out is named with why and what to write by hand.
 
     mmrl add-model olmo2                       # models/olmo2.py, tests/test_family_olmo2.py, docs
     mmrl add-model olmo2 --out ../my_families  # an out-of-tree plugin package instead
     mmrl add-model olmo2 --dry-run             # print what would be written
+    mmrl add-model olmo2 --columns vllm        # of the depth probes, only vllm's
     mmrl add-model --sweep                     # the coverage sweep (sweep.py)
 
 One module per stage: `resolve` (the type's classes), `shrink` (the tiny config), `media`
@@ -50,7 +52,7 @@ __all__ = ["CHECKED", "COLUMNS", "DEPTH", "TOLERANCE", "VISION_ONLY", "Discovery
 
 # Each stage's own time limit in seconds: a stage that runs past it ends the scaffold
 # with a one-line error naming the stage (never a silent hang).
-STAGE_SECONDS = {"resolve": 60, "config": 60, "processor": 60, "model": 120, "verify": 300, "depth": 540,
+STAGE_SECONDS = {"resolve": 60, "config": 60, "processor": 60, "model": 120, "verify": 300, "depth": 840,
                  "write": 60}
 
 
@@ -87,14 +89,18 @@ def stage_limit(name: str, on_stage: Callable[[str], None] | None = None) -> Ite
 def scaffold(model_type: str, *, family: str | None = None, out: str | Path | None = None,
              dry_run: bool = False, force: bool = False, check: bool = True,
              on_stage: Callable[[str], None] | None = None, replace_registered: bool = False,
-             depth: bool = True) -> Result:
+             depth: bool = True, depth_columns: tuple[str, ...] | None = None) -> Result:
     """Resolve, shrink, inspect, verify, render and write a family; see the module
     docstring. `replace_registered` scaffolds a type the registry already holds (its
     family is unregistered in this process first; the coverage sweep uses it);
-    `depth=False` stops after the quick checks (the depth probes take minutes)."""
+    `depth=False` stops after the quick checks (the depth probes take minutes);
+    `depth_columns` runs only those of the depth probes (`DEPTH`; None: all)."""
+    unknown = sorted(set(depth_columns or ()) - set(DEPTH))
+    if unknown:
+        raise ScaffoldError(f"not a depth column: {', '.join(unknown)} (the depth columns: {', '.join(DEPTH)})")
     with quiet_transformers():
         return _scaffold(model_type, family, out, dry_run, force, check and depth, check, on_stage,
-                         replace_registered)
+                         replace_registered, depth_columns)
 
 
 @contextlib.contextmanager
@@ -111,7 +117,8 @@ def quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stage, replace_registered) -> Result:
+def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stage, replace_registered,
+              depth_columns=None) -> Result:
     with stage_limit("resolve", on_stage):
         resolved = resolve(model_type)
         name = family_name(model_type, family)
@@ -136,7 +143,7 @@ def _scaffold(model_type, family, out, dry_run, force, run_depth, check, on_stag
         depth = Depth(verified)
         try:
             with stage_limit("depth", on_stage):
-                verify_depth(discovery, layout, depth, hidden=replaced)
+                verify_depth(discovery, layout, depth, hidden=replaced, columns=depth_columns)
         except ScaffoldError as exc:  # the quick checks' claims stand; the probe running is not declared
             if depth.running is None:
                 raise

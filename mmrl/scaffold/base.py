@@ -20,7 +20,7 @@ CHECKED = ("generation", "padding_free", "gradient_checkpointing", "lora_languag
 # Checked and written for vision-language families only (text families have no media).
 VISION_ONLY = ("lora_vision", "single_image", "multi_image", "media_sharing")
 # Capabilities the depth stage decides by running their probes (depth.py), in this order.
-DEPTH = ("video", "sequence_parallel", "multi_turn")
+DEPTH = ("video", "sequence_parallel", "multi_turn", "vllm")
 # The coverage sweep's capability columns: what the scaffold decides for a type.
 COLUMNS = CHECKED + DEPTH
 

@@ -11,7 +11,13 @@ only where its probe verified it:
   mmrl.parallel.gathered), declared where that verifies;
 - `multi_turn`: an image (and a clip, where `video` verified) arriving in turn 3 of the
   agent loop trains as the final conversation processed in one go, under the
-  optimizations verified before it (vision-language types).
+  optimizations verified before it (vision-language types);
+- `vllm`: greedy vLLM rollout log-probs equal the trainer's, before and after an
+  optimizer step and a weight sync (`mmrl.probes.training.check_vllm`), in a fresh
+  process under its own time limit (`VLLM_SECONDS`; vLLM's engine and memory go with
+  the process). It runs only where vLLM's registry serves the architecture with a model
+  class of its own (`mmrl.scaffold.vllm_registry.vllm_model_class`); elsewhere the column
+  is decided without running, and its gap says why.
 
 The probes build the family from the written adapter, and two of them rebuild it in
 torchrun subprocesses, so the adapter and its processing are written under importable
@@ -20,7 +26,7 @@ module names into a scratch folder on `sys.path`; families that held the type be
 `Gap` names the column, the cause in one line and what to write by hand.
 
     depth = Depth(verified)                          # the quick checks' capabilities
-    verify_depth(discovery, layout, depth, hidden=[])
+    verify_depth(discovery, layout, depth, hidden=[])   # columns=("vllm",): only those
     depth.capabilities, depth.gaps
 """
 
@@ -44,6 +50,11 @@ from mmrl import errors
 from mmrl.adapter import Capabilities
 from mmrl.scaffold.base import DEPTH, Discovery, Gap, Layout
 from mmrl.scaffold.render import render_adapter, render_processing
+from mmrl.scaffold.vllm_registry import registry_tables, vllm_model_class
+
+# The vllm probe's own time limit (seconds), in its fresh process: vLLM's engine start
+# and two generations on a tiny model (bench/results/vllm_scaffolded.json has the times).
+VLLM_SECONDS = 300
 
 # What to write by hand, per column, where its check or probe failed.
 TO_WRITE = {
@@ -61,6 +72,9 @@ TO_WRITE = {
                          "(heads, inputs to split), or keep it False",
     "multi_turn": "make the processing keep earlier turns' tokens when media arrive later and write an assistant's "
                   "text as sampled (the prefix rule, docs/agents.md), or keep multi_turn=False",
+    "vllm": "make the adapter's rollout match vLLM's model (Rollout(weight_prefixes=...) for HF -> vLLM weight names, "
+            "tiny() shapes vLLM takes) until `mmrl support-matrix --family FAMILY` verifies vllm, or keep vllm=False "
+            "and roll out with the hf backend",
 }
 
 
@@ -70,8 +84,16 @@ TO_WRITE = {
 _OUT_OF_TIME = (r"ran past its \d+ s limit",
                 "run `mmrl add-model TYPE` again on a less loaded host: the probe did not finish within the depth "
                 "stage's time, which says nothing about the type")
+_NOT_SERVED = (r"^vLLM(?: serves \S+ only through its Transformers backend|'s model registry (?:has no|names) )",
+               "keep vllm=False and roll out with the hf backend: mmrl's vLLM rollout needs a vLLM model class written "
+               "for the architecture; claiming it needs one registered (vLLM's ModelRegistry.register_model) and "
+               "rollout.vllm_architecture naming it")
+_VLLM_NOT_RUN = (r"^not run here: ",
+                 "run `mmrl add-model TYPE` again where vLLM runs this model (for one, a GPU build of vLLM), or keep "
+                 "vllm=False")
 LIMITS = {
     "video": (_OUT_OF_TIME,),
+    "vllm": (_OUT_OF_TIME, _NOT_SERVED, _VLLM_NOT_RUN),
     "multi_turn": (
         _OUT_OF_TIME,
         (r"opening turn is processed into other tokens",
@@ -192,17 +214,21 @@ def takes_video(d: Discovery) -> bool:
 def applicable(d: Discovery, capabilities: Capabilities) -> list[str]:
     """The depth columns that apply to the type, in the order they run."""
     vlm = d.resolved.is_vision_language
-    rules = {"video": takes_video(d), "sequence_parallel": True, "multi_turn": vlm and capabilities.single_image}
+    # vllm applies to every type: where vLLM does not serve it, the column is a "no" whose gap says so.
+    rules = {"video": takes_video(d), "sequence_parallel": True, "multi_turn": vlm and capabilities.single_image,
+             "vllm": True}
     return [column for column in DEPTH if rules[column]]
 
 
-def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] = ()) -> None:
+def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] = (),
+                 columns: tuple[str, ...] | None = None) -> None:
     """Run the depth probes on the scaffolded family, updating `depth` as each decides:
     `video` and `sequence_parallel` on the adapter claiming both, then `multi_turn` on the
-    adapter claiming what verified (its checks follow what the family declares)."""
+    adapter claiming what verified (its checks follow what the family declares), then
+    `vllm` in a process of its own. `columns`: only these depth columns (None: all)."""
     depth.config = d.tiny.config if d.tiny is not None else None
-    columns = applicable(d, depth.capabilities)
-    first = [c for c in columns if c != "multi_turn"]
+    columns = [c for c in applicable(d, depth.capabilities) if columns is None or c in columns]
+    first = [c for c in columns if c not in ("multi_turn", "vllm")]
     if "sequence_parallel" in first and d.sequence_parallel is None:
         with scratch_family(d, layout, depth.capabilities, hidden) as subject:
             try:
@@ -219,6 +245,34 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
     if "multi_turn" in columns:
         with scratch_family(d, layout, dataclasses.replace(depth.capabilities, multi_turn=True), hidden) as subject:
             _run("multi_turn", subject, depth)
+    if "vllm" in columns:
+        verify_vllm(d, layout, depth, hidden)
+
+
+def vllm_unserved(architecture: str) -> str | None:
+    """Why the vllm column is decided without running its probe (the cause its gap
+    gives: vLLM does not serve `architecture` with a model class of its own, or is not
+    installed here), or None where the probe runs."""
+    tables = registry_tables()
+    if isinstance(tables, str):
+        return f"not run here: {tables}"
+    served, why = vllm_model_class(architecture, tables)
+    return None if served is not None else why
+
+
+def verify_vllm(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
+    """The vllm column: the probe in a fresh process on the adapter claiming vllm (the
+    capabilities verified so far, its rollout naming the architecture), where vLLM serves
+    the architecture; else decided "no" with the reason, without running vLLM."""
+    from mmrl.probes.isolated import run_isolated
+
+    unserved = vllm_unserved(d.resolved.model_class)
+    if unserved is not None or d.vllm_architecture is None:
+        depth.decide("vllm", False, unserved or d.vllm_note)
+        return
+    depth.running = "vllm"
+    with scratch_family(d, layout, dataclasses.replace(depth.capabilities, vllm=True), hidden) as subject:
+        _record("vllm", run_isolated("vllm", subject, VLLM_SECONDS), depth)
 
 
 def gather_mixers(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:
@@ -309,10 +363,16 @@ def _rows(value) -> int | None:
 
 
 def _run(column: str, subject, depth: Depth) -> None:
-    from mmrl.probes import Status, probe
+    from mmrl.probes import probe
 
     depth.running = column
-    result = probe(column).run(subject)
+    _record(column, probe(column).run(subject), depth)
+
+
+def _record(column: str, result, depth: Depth) -> None:
+    """The column's verdict from its probe's result (a ProbeResult)."""
+    from mmrl.probes import Status
+
     if result.status is Status.VERIFIED:
         depth.decide(column, True)
     elif result.status is Status.NOT_RUN:
@@ -364,4 +424,4 @@ def scratch_family(d: Discovery, layout: Layout, capabilities: Capabilities, hid
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["LIMITS", "TO_WRITE", "Depth", "gather_mixers", "sequence_inputs", "stateful_layers", "to_write", "applicable", "scratch_family", "takes_video", "verify_depth"]
+__all__ = ["LIMITS", "TO_WRITE", "VLLM_SECONDS", "Depth", "verify_vllm", "vllm_unserved", "gather_mixers", "sequence_inputs", "stateful_layers", "to_write", "applicable", "scratch_family", "takes_video", "verify_depth"]

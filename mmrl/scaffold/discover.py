@@ -5,7 +5,6 @@ vLLM serves the architecture."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from mmrl.adapter import Parts
 from mmrl.scaffold.base import Discovery, Resolved, ScaffoldError
 from mmrl.scaffold.resolve import class_name
 from mmrl.scaffold.shrink import TinyInputs, build_tiny
+from mmrl.scaffold.vllm_registry import vllm_architecture
 
 
 def _path_of(model, module) -> str:
@@ -50,23 +50,6 @@ def _linear_leaves(block) -> tuple[str, ...]:
         if isinstance(module, torch.nn.Linear) and leaf not in leaves:
             leaves.append(leaf)
     return tuple(leaves)
-
-
-def vllm_architecture(architecture: str) -> tuple[str | None, str]:
-    """(architecture, note) from vLLM's model registry, read as text so that checking
-    costs no vLLM import; (None, why) when vLLM is absent or lacks the architecture."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None, "vLLM is not installed here, so its registry was not checked"
-    registry = Path(spec.submodule_search_locations[0]) / "model_executor" / "models" / "registry.py"
-    if not registry.is_file():
-        return None, f"vLLM's model registry was not found at {registry}"
-    match = re.search(rf'"{re.escape(architecture)}":\s*\(\s*"([^"]+)",\s*"([^"]+)"', registry.read_text())
-    if match is None:
-        return None, f"vLLM's model registry has no {architecture}"
-    module, cls = match.groups()
-    backend = " (its Transformers backend)" if module == "transformers" else ""
-    return architecture, f"vLLM serves {architecture}{backend}"
 
 
 def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discovery:

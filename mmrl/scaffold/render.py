@@ -105,13 +105,13 @@ def _capabilities_source(d: Discovery, verified: Capabilities | None, imports: s
               and (d.resolved.is_vision_language or name not in VISION_ONLY)]
     lines = [
         "    # What `mmrl add-model` verified on the tiny model. fsdp2 and critic are claimed by default;",
-        f"    # claim vllm once `mmrl support-matrix --family {d.family}` verifies it (and video,",
-        "    # sequence_parallel and multi_turn, where the scaffold ran with --no-depth).",
+        "    # where the scaffold ran with --no-depth (or --columns), video, sequence_parallel, multi_turn",
+        f"    # and vllm are left out until `mmrl support-matrix --family {d.family}` verifies them.",
     ]
     for gap in gaps:
         lines += textwrap.wrap(f"Not declared: {gap.column} ({gap.cause}); to claim it, {gap.write}.", 92,
                                initial_indent="    # ", subsequent_indent="    #   ")
-    return lines + ["    capabilities = " + _call("Capabilities", claims)]
+    return lines + ["    capabilities = " + _call("Capabilities", claims, width=116 - len("capabilities = "))]
 
 
 def base_capabilities(d: Discovery) -> Capabilities:

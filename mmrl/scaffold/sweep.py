@@ -10,6 +10,7 @@ result is `support_matrix/coverage.json` and `support_matrix/coverage.md`.
     mmrl add-model --sweep --types olmo2,llava    # just these (merged into the JSON)
     mmrl add-model --sweep --fresh                # forget earlier rows and start over
     mmrl add-model --sweep --depth-only           # green rows again, without their generated tests
+    mmrl add-model --sweep --depth-only --columns vllm   # only the vllm column of green rows lacking it
     python -m mmrl.scaffold.sweep page support_matrix/coverage.json   # the page again from the JSON
 
 Rows are written after each type (atomically), so an interrupted sweep resumes from the
@@ -17,13 +18,19 @@ rows already there; rows recorded by another transformers version, or before the
 capability columns they lack existed, are run again.
 
 Each row has a column per capability the scaffold decides (`COLUMNS`: the quick checks,
-then the video, sequence_parallel and multi_turn probes): "yes" where the adapter
+then the video, sequence_parallel, multi_turn and vllm probes): "yes" where the adapter
 declares it, "no" with a gap (the cause in one line, what to write by hand), "n/a"
-where it does not apply; where sequence_parallel is "yes", the row also records the mode that
+where it does not apply (vllm applies to every type: where vLLM's registry does not
+serve the architecture with a model class of its own, it is "no" and its gap says so,
+decided without running vLLM); where sequence_parallel is "yes", the row also records the mode that
 verified and the adapter declares ("ulysses" or "gathered"), and a row without it is run
 again. Most of a green type's time is the depth probes' two torchrun
 launches; docs/adding_a_model.md gives the measured times of the full and the depth-only
-sweep.
+sweep. `--columns` re-sweeps only some depth columns of green rows (with `--depth-only`):
+each type's quick checks run again (the adapter the probe runs on is the one the scaffold
+writes), then only those probes, and the row keeps its other columns; a type whose
+columns can be decided without a process (vllm where vLLM does not serve it) gets them
+at once.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mmrl import errors
@@ -45,8 +52,8 @@ from mmrl.scaffold.base import COLUMNS, DEPTH
 
 # Each process's own time limit (seconds); one that runs past it ends the type with
 # status "timeout" and the stage's name. The scaffold's covers its stages' limits
-# (mmrl.scaffold.STAGE_SECONDS, the depth probes' 540 s included).
-SCAFFOLD_SECONDS = 1260
+# (mmrl.scaffold.STAGE_SECONDS, the depth probes' 840 s included).
+SCAFFOLD_SECONDS = 1560
 TESTS_SECONDS = 420
 
 # Why a type is out of scope; the coverage page states these rules and their counts.
@@ -116,9 +123,10 @@ def scope_rule(model_type: str) -> str | None:
 
 
 # -- one type, in a process of its own -------------------------------------------------
-def scaffold_worker(model_type: str, out: str, report: str) -> None:
-    """Scaffold `model_type` into `out` and write what happened to `report` (JSON).
-    Runs in its own process (`python -m mmrl.scaffold.sweep worker ...`)."""
+def scaffold_worker(model_type: str, out: str, report: str, columns: str = "") -> None:
+    """Scaffold `model_type` into `out` and write what happened to `report` (JSON);
+    `columns` (comma-separated): only those depth probes. Runs in its own process
+    (`python -m mmrl.scaffold.sweep worker ...`)."""
     from mmrl.scaffold import ScaffoldError, scaffold
 
     record: dict = {"stage": "resolve"}
@@ -129,7 +137,7 @@ def scaffold_worker(model_type: str, out: str, report: str) -> None:
 
     try:
         result = scaffold(model_type, family=family_for(model_type), out=out, on_stage=on_stage,
-                          replace_registered=True)
+                          replace_registered=True, depth_columns=tuple(columns.split(",")) if columns else None)
     except ScaffoldError as exc:
         record.update(status=exc.category, reason=one_line(str(exc)))
     except Exception as exc:  # a crash inside the scaffold is a bug of its own category
@@ -185,13 +193,16 @@ def _run(command: list[str], seconds: float, env: dict) -> tuple[int | None, str
 
 
 def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_SECONDS,
-              tests_seconds: float = TESTS_SECONDS, depth_only: bool = False) -> Row:
+              tests_seconds: float = TESTS_SECONDS, depth_only: bool = False,
+              columns: tuple[str, ...] | None = None) -> Row:
     """Scaffold `model_type` and run its generated tests, each in a process of its own.
     `depth_only` (a type recorded green): the scaffold runs all its stages (the quick
     checks and the depth probes, so every column is decided by this code), and the
     generated tests are not run again: they check what the quick stage decides (save/
     reload, parts, padded, packed, LoRA), not the depth columns, so the recorded green
-    stands (stage "depth-only"); a type the scaffold now stops on loses its green."""
+    stands (stage "depth-only"); a type the scaffold now stops on loses its green.
+    `columns`: of the depth probes, only these (the row's other depth columns are n/a:
+    `run_sweep` merges the ones asked for into the recorded row)."""
     start = time.monotonic()
     rule = scope_rule(model_type)
     row = Row(model_type, mapping, rule is None, "green", "", "", scope_rule=rule)
@@ -199,7 +210,7 @@ def sweep_one(model_type: str, mapping: str, scaffold_seconds: float = SCAFFOLD_
     with tempfile.TemporaryDirectory(prefix="mmrl-sweep-") as scratch:
         out, report = Path(scratch) / "pkg", Path(scratch) / "report.json"
         code, output = _run([sys.executable, "-m", "mmrl.scaffold.sweep", "worker", model_type, str(out),
-                             str(report)], scaffold_seconds, env)
+                             str(report), *([",".join(columns)] if columns else [])], scaffold_seconds, env)
         record = json.loads(report.read_text()) if report.is_file() else {}
         row.stage = record.get("stage", "start")
         if code is None:
@@ -362,7 +373,8 @@ def is_current(row: Row) -> bool:
 # Short headers of the capability columns on the page, and the marks of their cells.
 COLUMN_HEADERS = {"generation": "gen", "padding_free": "packed", "gradient_checkpointing": "ckpt",
                   "lora_language": "LoRA", "lora_vision": "LoRA-v", "single_image": "image", "multi_image": "images",
-                  "media_sharing": "shared", "video": "video", "sequence_parallel": "SP", "multi_turn": "turns"}
+                  "media_sharing": "shared", "video": "video", "sequence_parallel": "SP", "multi_turn": "turns",
+                  "vllm": "vLLM"}
 MARKS = {"yes": "✓", "no": "✗", "n/a": "–"}
 # The sequence_parallel cell's mode, after its mark.
 SP_MODES = ("ulysses", "gathered")
@@ -433,7 +445,9 @@ def _depth_lines(document: dict) -> list[str]:
     lines = ["", "## Depth", "",
              "Green types whose adapter declares each capability (the scaffold declares only what verified on the "
              "tiny model; " + ", ".join(f"`{c}`" for c in DEPTH) + " are decided by their probes: a 4-frame clip, "
-             "Ulysses over 2 gloo processes, or gathered mixers where Ulysses fails, an image arriving in turn 3).", "",
+             "Ulysses over 2 gloo processes, or gathered mixers where Ulysses fails, an image arriving in turn 3, "
+             "vLLM's greedy rollout log-probs against the trainer's before and after a weight sync, run only where "
+             "vLLM's registry serves the architecture with a model class of its own).", "",
              "| capability | " + " | ".join(mappings) + " |", "|---|" + "---|" * len(mappings)]
     for column in COLUMNS:
         cells = []
@@ -458,13 +472,15 @@ def _depth_lines(document: dict) -> list[str]:
 
 def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, progress: bool = True,
               scaffold_seconds: float = SCAFFOLD_SECONDS, tests_seconds: float = TESTS_SECONDS,
-              workers: int = 1, depth_only: bool = False) -> dict:
+              workers: int = 1, depth_only: bool = False, columns: tuple[str, ...] | None = None) -> dict:
     """Run the sweep over `types` (default: every type not yet recorded) into `path`,
     `workers` types at a time (each in processes of its own). `depth_only` re-sweeps
     types recorded green without re-running their generated tests (`sweep_one`); by
     default it takes the green rows that lack a column, image-text-to-text first. One
     that runs out of time keeps its recorded row (on a loaded host, a time limit is no
-    verdict); one the scaffold now stops on otherwise loses its green."""
+    verdict); one the scaffold now stops on otherwise loses its green. `columns` (with
+    `depth_only`): only these depth columns, merged into the recorded green rows; by
+    default the green rows lacking one of them."""
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -472,6 +488,13 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
     from rich.progress import Progress
 
     version = transformers.__version__
+    if columns is not None:
+        unknown = sorted(set(columns) - set(DEPTH))
+        if unknown:
+            raise ValueError(f"--columns: not a depth column: {', '.join(unknown)} (the depth columns: "
+                             f"{', '.join(DEPTH)})")
+        if not depth_only:
+            raise ValueError("--columns re-sweeps some depth columns of rows recorded green: give --depth-only too")
     rows = {} if fresh else load_rows(path, version)
     table = dict(swept_types())
     if types:
@@ -480,7 +503,8 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
             raise ValueError(f"not in transformers' causal-LM or image-text-to-text tables: {', '.join(unknown)}")
         todo = list(types)
     elif depth_only:
-        todo = sorted((t for t in table if t in rows and rows[t].status == "green" and not is_current(rows[t])),
+        lacking = (lambda r: not set(columns) <= set(r.columns)) if columns else (lambda r: not is_current(r))
+        todo = sorted((t for t in table if t in rows and rows[t].status == "green" and lacking(rows[t])),
                       key=lambda t: (table[t] != "image_text_to_text", t))
     else:
         todo = [t for t in table if t not in rows or not is_current(rows[t])]
@@ -494,9 +518,16 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
             return Row(model_type, table[model_type], False, "out-of-scope", "resolve", OUT_OF_SCOPE_RULES[rule],
                        scope_rule=rule)
         again = depth_only and model_type in recorded_green
-        row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds, depth_only=again)
+        if again and columns:
+            decided = decided_without_process(model_type, columns)
+            if decided is not None:
+                return merge_columns(rows[model_type], decided, columns)
+        row = sweep_one(model_type, table[model_type], scaffold_seconds, tests_seconds, depth_only=again,
+                        columns=columns if again else None)
         if again and row.status == "timeout":  # a loaded host, not a verdict: the green recorded stands
             return rows[model_type]
+        if again and columns and row.status == "green":
+            return merge_columns(rows[model_type], row, columns)
         return row
 
     with Progress(disable=not progress, transient=False) as bar, ThreadPoolExecutor(max(1, workers)) as pool:
@@ -509,6 +540,35 @@ def run_sweep(path: Path, types: list[str] | None = None, fresh: bool = False, p
                 write_document(path, rows, version)
             bar.update(task, advance=1, description=f"add-model sweep: {model_type} {row.status}")
     return write_document(path, rows, version)
+
+
+def decided_without_process(model_type: str, columns: tuple[str, ...]) -> Row | None:
+    """A row holding `columns` where each is decided without scaffolding the type (only
+    vllm can be: "no" where vLLM does not serve the architecture, the gap saying so, as
+    the depth stage decides it); None where a process has to run."""
+    from mmrl.scaffold.depth import to_write, vllm_unserved
+    from mmrl.scaffold.resolve import resolve
+
+    if set(columns) != {"vllm"}:
+        return None
+    cause = vllm_unserved(resolve(model_type).model_class)
+    if cause is None:
+        return None
+    cause = one_line(cause, 240)
+    return Row(model_type, "", True, "green", "", "", columns={"vllm": "no"},
+               gaps=[{"column": "vllm", "cause": cause, "write": to_write("vllm", cause)}])
+
+
+def merge_columns(recorded: Row, new: Row, columns: tuple[str, ...]) -> Row:
+    """`recorded` with `columns` (their cells, declarations and gaps) taken from `new`."""
+    from mmrl.adapter import Capabilities
+
+    declared = (set(recorded.capabilities) - set(columns)) | (set(new.capabilities) & set(columns))
+    order = [f for f in Capabilities.__dataclass_fields__ if f in declared]
+    return replace(recorded, capabilities=order,
+                   columns={**recorded.columns, **{c: new.columns.get(c, "n/a") for c in columns}},
+                   gaps=[g for g in recorded.gaps if g["column"] not in columns]
+                   + [g for g in new.gaps if g["column"] in columns])
 
 
 def rewrite_page(path: Path) -> None:
@@ -543,12 +603,12 @@ def _default_config(model_type: str):
         return None
 
 
-USAGE = ("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT, or "
+USAGE = ("usage: python -m mmrl.scaffold.sweep worker MODEL_TYPE OUT REPORT [COLUMNS], or "
          "python -m mmrl.scaffold.sweep page COVERAGE_JSON (the page again from the rows; the sweep itself runs "
          "through `mmrl add-model --sweep`)")
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "worker":
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "worker":
         scaffold_worker(*sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "page":
         if not Path(sys.argv[2]).is_file():

@@ -1,0 +1,82 @@
+"""vLLM's model registry, read as text (no vLLM import, so checking costs nothing): the
+architecture a scaffolded adapter names for rollout, and the rule that says where the
+scaffold runs the `vllm` probe.
+
+    vllm_architecture("OPTForCausalLM")   # ("OPTForCausalLM", "vLLM serves OPTForCausalLM")
+    vllm_model_class("OPTForCausalLM")    # ("opt:OPTForCausalLM", "") or (None, why not)
+
+The rule (`vllm_model_class`), used by `mmrl add-model`'s depth stage, the coverage
+sweep and bench/vllm_scaffolded.py: vLLM serves the architecture for generation with a
+model class of its own, i.e. its text-generation or multimodal table maps it to a module
+other than `transformers` (vLLM's Transformers backend is a generic wrapper, not a
+model class written for the architecture).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from pathlib import Path
+
+# The registry's tables that serve generation (the others embed, classify, score or draft).
+GENERATION_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
+# The module vLLM's Transformers backend entries name.
+TRANSFORMERS_BACKEND = "transformers"
+
+_TABLE = re.compile(r"^(_[A-Z_]+)\s*=\s*\{(.*?)^\}", re.MULTILINE | re.DOTALL)
+_ENTRY = re.compile(r'"([^"]+)":\s*\(\s*"([^"]+)",\s*"([^"]+)"')
+
+
+def parse_registry(text: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """{table: {architecture: (module, class)}} from the text of vLLM's registry.py, in
+    the file's order."""
+    return {name: {arch: (module, cls) for arch, module, cls in _ENTRY.findall(body)}
+            for name, body in _TABLE.findall(text)}
+
+
+@functools.lru_cache(maxsize=1)
+def registry_tables() -> dict[str, dict[str, tuple[str, str]]] | str:
+    """The tables of the installed vLLM's registry, or one line saying why there are none."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return "vLLM is not installed here, so its registry was not checked"
+    path = Path(spec.submodule_search_locations[0]) / "model_executor" / "models" / "registry.py"
+    if not path.is_file():
+        return f"vLLM's model registry was not found at {path}"
+    return parse_registry(path.read_text())
+
+
+def vllm_architecture(architecture: str, tables=None) -> tuple[str | None, str]:
+    """(architecture, note) where any table of vLLM's registry names `architecture` (the
+    adapter's `Rollout(vllm_architecture=...)`); (None, why) where vLLM is absent or lacks it."""
+    tables = registry_tables() if tables is None else tables
+    if isinstance(tables, str):
+        return None, tables
+    entry = next((table[architecture] for table in tables.values() if architecture in table), None)
+    if entry is None:
+        return None, f"vLLM's model registry has no {architecture}"
+    backend = " (its Transformers backend)" if entry[0] == TRANSFORMERS_BACKEND else ""
+    return architecture, f"vLLM serves {architecture}{backend}"
+
+
+def vllm_model_class(architecture: str, tables=None) -> tuple[str | None, str]:
+    """The rule (module docstring): ("module:Class", "") where vLLM serves `architecture`
+    for generation with a model class of its own, else (None, one line saying why not)."""
+    tables = registry_tables() if tables is None else tables
+    if isinstance(tables, str):
+        return None, tables
+    for name in GENERATION_TABLES:
+        module, cls = tables.get(name, {}).get(architecture, (None, None))
+        if module is not None and module != TRANSFORMERS_BACKEND:
+            return f"{module}:{cls}", ""
+    entries = [table[architecture] for table in tables.values() if architecture in table]
+    if any(module == TRANSFORMERS_BACKEND for module, _ in entries):
+        return None, (f"vLLM serves {architecture} only through its Transformers backend, not with a model class of "
+                      "its own")
+    if entries:
+        return None, f"vLLM's model registry names {architecture} outside its generation tables"
+    return None, f"vLLM's model registry has no {architecture}"
+
+
+__all__ = ["GENERATION_TABLES", "parse_registry", "registry_tables", "vllm_architecture", "vllm_model_class"]
