@@ -16,7 +16,10 @@ each alone, then side by side from two threads (`--decode-steps` decode steps ag
 `--update-reps` update passes) as: plain streams, the decode on a high-priority stream, and
 the two on green contexts of `--sms` SMs for the decode and the rest for the update; and
 `one_thread*`: both sides enqueued from one thread (the update's passes, then the decode
-steps), which tells whether the two Python threads or the GPU serialize them.
+steps), which tells whether the two Python threads or the GPU serialize them; `eager*`: the
+two threads launch the same work op by op instead of replaying graphs; `green_balanced_*`:
+green contexts whose work queues are their own (`workqueue_scope="balanced"`, torch 2.12+;
+an older torch reports the mode as an error). `--modes` picks arrangements.
 `overlap` is the two alone, one after the other, over the wall time side by side (2.0 would
 be perfect overlap, 1.0 none).
 """
@@ -67,15 +70,32 @@ def graphed(fn, stream):
 _KEPT = []  # the green contexts stay alive as long as their streams are used
 
 
-def green_streams(sms: int):
-    """(decode stream, update stream) on two green contexts splitting the SMs, or raises."""
+class Eager:
+    """The same work as a recorded graph's `replay()`, launched op by op from Python."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def green_streams(sms: int, balanced: bool = False):
+    """(decode stream, update stream) on two green contexts splitting the SMs, or raises;
+    `balanced`: each with work queues of its own (`workqueue_scope="balanced"`, torch 2.12+)."""
+    import inspect
+
     import torch
     from torch.cuda.green_contexts import GreenContext
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
+    takes = inspect.signature(GreenContext.create).parameters
+    if balanced and "workqueue_scope" not in takes:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no GreenContext workqueue_scope")
     made = []
     for count in (sms, total - sms):
-        ctx = GreenContext.create(num_sms=count, device_id=0) if "num_sms" in GreenContext.create.__code__.co_varnames \
+        extra = {"workqueue_scope": "balanced"} if balanced else {}
+        ctx = GreenContext.create(num_sms=count, device_id=0, **extra) if "num_sms" in takes \
             else GreenContext.create(count, 0)
         if hasattr(ctx, "Stream"):
             stream = ctx.Stream()
@@ -88,9 +108,27 @@ def green_streams(sms: int):
     return made
 
 
+BASE_MODES = ("plain", "priority", "one_thread", "one_thread_priority", "eager", "eager_priority")
+
+
+def mode_names(sms: list[int]) -> list[str]:
+    """Every arrangement the bench knows, in its order, for these green-context SM counts."""
+    return [*BASE_MODES, *(name for count in sms for name in (f"green_{count}", f"green_balanced_{count}"))]
+
+
+def chosen_modes(modes: list[str] | None, sms: list[int]) -> list[str]:
+    """`--modes` checked against the known arrangements (all of them by default)."""
+    known = mode_names(sms)
+    unknown = [name for name in modes or () if name not in known]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return list(modes or known)
+
+
 def run(args) -> dict:
     import torch
 
+    chosen = chosen_modes(args.modes, args.sms)
     device = torch.device("cuda")
     dtype = torch.bfloat16
     weights, x_decode, x_update = build(device, dtype, args.layers, args.hidden, args.ffn, args.rows, args.tokens)
@@ -146,17 +184,26 @@ def run(args) -> dict:
 
     report = {"device": torch.cuda.get_device_name(0), "sms": total_sms, "torch": torch.__version__,
               "settings": vars(args) | {"out": str(args.out)}, "modes": {}}
-    configs = [("plain", lambda: (torch.cuda.Stream(), torch.cuda.Stream())),
-               ("priority", lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream())),
-               ("one_thread", lambda: (torch.cuda.Stream(), torch.cuda.Stream())),
-               ("one_thread_priority", lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream()))]
+    configs = {"plain": lambda: (torch.cuda.Stream(), torch.cuda.Stream()),
+               "priority": lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream()),
+               "one_thread": lambda: (torch.cuda.Stream(), torch.cuda.Stream()),
+               "one_thread_priority": lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream()),
+               "eager": lambda: (torch.cuda.Stream(), torch.cuda.Stream()),
+               "eager_priority": lambda: (torch.cuda.Stream(priority=-1), torch.cuda.Stream())}
     for sms in args.sms:
-        configs.append((f"green_{sms}", lambda sms=sms: tuple(s for _, s in green_streams(sms))))
-    for name, make in configs:
+        configs[f"green_{sms}"] = lambda sms=sms: tuple(s for _, s in green_streams(sms))
+        configs[f"green_balanced_{sms}"] = lambda sms=sms: tuple(s for _, s in green_streams(sms, balanced=True))
+    assert list(configs) == mode_names(args.sms)  # one list of names
+    for name in chosen:
+        make = configs[name]
         try:
             decode_stream, update_stream = make()
-            decode_graph = graphed(lambda: forward(weights, x_decode), decode_stream)
-            update_graph = graphed(lambda: forward(weights, x_update), update_stream)
+            if name.startswith("eager"):  # launched op by op from the threads, no graphs
+                decode_graph = Eager(lambda: forward(weights, x_decode))
+                update_graph = Eager(lambda: forward(weights, x_update))
+            else:
+                decode_graph = graphed(lambda: forward(weights, x_decode), decode_stream)
+                update_graph = graphed(lambda: forward(weights, x_update), update_stream)
             decode_alone = min(alone(decode_graph, decode_stream, args.decode_steps) for _ in range(2))
             update_alone = min(alone(update_graph, update_stream, args.update_reps) for _ in range(2))
             beside = one_thread if name.startswith("one_thread") else timed_side_by_side
@@ -172,6 +219,10 @@ def run(args) -> dict:
         report["modes"][name] = mode
         shown = ", ".join(f"{k} {v:.3f}" for k, v in mode.items() if isinstance(v, float)) or mode.get("error")
         print(f"{name}: {shown}", flush=True)
+        if args.out is not None:  # after every mode: a run stopped by its time limit keeps what it measured
+            from mmrl.platform_info import write_report
+
+            write_report(args.out, report)
     return report
 
 
@@ -185,11 +236,10 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1000)
     parser.add_argument("--update-reps", type=int, default=8)
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 32, 48])
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="which arrangements, in order (default: all; green_* and green_balanced_* per --sms)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/green_overlap_gpu.json"))
-    args = parser.parse_args()
-    from mmrl.platform_info import write_report
-
-    write_report(args.out, run(args))
+    run(parser.parse_args())  # writes --out after every mode
 
 
 if __name__ == "__main__":

@@ -27,3 +27,13 @@ def test_the_decode_and_update_workloads_share_weights_and_keep_their_shapes():
     joined = bench.forward(weights, torch.cat([x_decode, x_update]))
     torch.testing.assert_close(joined[:3], out_decode, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out_update).all()
+
+
+def test_modes_are_checked_before_any_device_work():
+    import pytest
+
+    bench = _bench()
+    assert bench.chosen_modes(None, [16]) == [*bench.BASE_MODES, "green_16", "green_balanced_16"]
+    assert bench.chosen_modes(["eager", "green_balanced_32"], [32]) == ["eager", "green_balanced_32"]
+    with pytest.raises(SystemExit, match="--modes: unknown green_8"):
+        bench.chosen_modes(["plain", "green_8"], [16])
