@@ -27,6 +27,7 @@ path (mrope positions); `tiny` and `tiny_vl` for CPU checks.
     python bench/decode_bound.py --out $OUT/decode_bound_gpu.json
     python bench/decode_bound.py --shapes vl7b --cache-length 4096 --rollout-options \
         'compile_options={mode: max-autotune, fullgraph: true}' --out $OUT/decode_bound_autotune.json
+    python bench/decode_bound.py --shapes vl3b --profile-steps 20 --out $OUT/decode_bound_vl3b_profile.json
     .venv/bin/python bench/decode_bound.py --device cpu --shapes tiny --batch 4 --cache-length 256 \
         --steps 3 --no-compile --out /tmp/decode_bound.json   # smoke run on CPU
 """
@@ -122,6 +123,10 @@ def kv_cache_bytes(cache) -> int:
                for layer in cache.layers)
 
 
+# The first profiled decode step (--profile-steps): the earlier ones are the rollout's first.
+PROFILE_FROM = 8
+
+
 def bound(weight_bytes: int, cache_bytes: int, bandwidth_gbs: float) -> float:
     """Milliseconds to move `weight_bytes` + `cache_bytes` at `bandwidth_gbs` (1e9 bytes/s)."""
     return (weight_bytes + cache_bytes) / (bandwidth_gbs * 1e9) * 1e3
@@ -192,6 +197,17 @@ def measure(name: str, args, dist, options: dict) -> dict:
         rollout._step = timer  # what `_compiled_step` hands the loop from now on
         rollout._sample(batch, None, params)
     milliseconds = timer.milliseconds()
+    profile = None
+    if args.profile_steps:  # a third rollout, its decode steps from the 8th on under torch.profiler
+        from decode_profile import StepProbe, kernel_table
+
+        probe = StepProbe(timer.step, device, profile_from=PROFILE_FROM, profile_steps=args.profile_steps)
+        rollout._step = probe
+        with torch.no_grad():
+            rollout._sample(batch, None, params)
+        probe.finish()
+        profile = {"profiled_steps": probe.profiled_steps, **probe.timings(),
+                   **kernel_table(probe.profiler, device, probe.profiled_steps, top=args.profile_top)}
     full = [ms for ms, width in zip(milliseconds, timer.widths) if width == args.batch]
     cache = next((c for (rows, length, _), c in rollout.caches.items()
                   if rows == args.batch and length == args.cache_length), None)
@@ -212,6 +228,7 @@ def measure(name: str, args, dist, options: dict) -> dict:
         "steps_timed": len(full), "steps_run": len(milliseconds), "step_ms": milliseconds,
         "warm_up_s": warm_up_s, "build_s": build_s, "fallback": rollout.fallback_reason,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        **({"profile": profile} if profile is not None else {}),
     }
     del rollout, engine, built, cache
     if device.type == "cuda":
@@ -229,12 +246,20 @@ def main(argv: list[str] | None = None) -> dict:
                         help="static cache positions (a multiple of 256); the prompt fills it but --steps + 1")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed (after one warm-up call)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="then one more rollout with this many of its decode steps (from the "
+                             f"{PROFILE_FROM}th) under torch.profiler: kernels per step, their time by "
+                             "group and the top ones (bench/decode_profile.py's table)")
+    parser.add_argument("--profile-top", type=int, default=25, help="kernels listed in the profile")
     parser.add_argument("--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
                         help="memory bandwidth in GB/s (1e9 bytes; H200: 4800)")
     parser.add_argument("--rollout-options", nargs="+", default=[], metavar="KEY=VALUE",
                         help="CompiledHFRollout keyword arguments (values read as YAML)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_bound_gpu.json")
     args = parser.parse_args(argv)
+    if args.profile_steps and args.profile_steps + PROFILE_FROM > args.steps:
+        raise SystemExit(f"error: --profile-steps {args.profile_steps}: at most --steps - {PROFILE_FROM} "
+                         f"({args.steps - PROFILE_FROM})")
 
     from mmrl.parallel import init_distributed
     from mmrl.platform_info import device_name, today, versions, write_report

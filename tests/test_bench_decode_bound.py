@@ -61,3 +61,20 @@ def test_bad_options_fail_in_one_line(bench, tmp_path):
                         "--out", str(tmp_path / "x.json"), *argv])
         assert str(exit_.value).startswith("error: ") and words in str(exit_.value)
         assert "\n" not in str(exit_.value)
+
+
+def test_profile_steps_add_a_kernel_table_of_the_decode_step(bench, tmp_path):
+    """--profile-steps runs one more rollout with that many decode steps under the profiler
+    (on CPU its table counts aten operators); too many for --steps fails in one line."""
+    out = tmp_path / "profiled.json"
+    report = bench.main(["--device", "cpu", "--shapes", "tiny", "--batch", "2", "--cache-length", "256",
+                         "--steps", "11", "--no-compile", "--profile-steps", "3", "--profile-top", "4",
+                         "--out", str(out)])
+    profile = report["shapes"]["tiny"]["profile"]
+    assert profile["profiled_steps"] == 3 and len(profile["top"]) == 4
+    assert profile["kernels_per_step"] > 0 and "matmul" in profile["groups"]
+    assert report["shapes"]["tiny"]["steps_timed"] == 11  # the timed rollout is not the profiled one
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--device", "cpu", "--shapes", "tiny", "--steps", "9", "--profile-steps", "2",
+                    "--out", str(out)])
+    assert "at most --steps - 8 (1)" in str(exit_.value)
