@@ -31,6 +31,9 @@ MODALITIES = ("text", "image", "video")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ATTN_AND_MLP = ATTENTION + MLP
+# Sibling projections that read the same input, merged into one product in the compiled
+# rollout's decode steps (`mmrl.rollout.merged`).
+MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _as_paths(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
@@ -112,13 +115,18 @@ class SequenceParallel:
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """How the rollout engine (vLLM) knows this family.
+    """How the rollout engines know this family.
 
     `weight_prefixes` rewrites HF parameter names into vLLM's, longest prefix first.
+    `merged_projections`: groups of sibling linear layers (leaf names) that read the same
+    input, run as one product in the compiled rollout's decode steps (`mmrl.rollout.merged`;
+    a group whose members do not share their input runs unmerged, so a wrong guess costs
+    speed, not results).
     """
 
     vllm_architecture: str | None = None
     weight_prefixes: tuple[tuple[str, str], ...] = ()
+    merged_projections: tuple[tuple[str, ...], ...] = MERGED_PROJECTIONS
 
     def to_vllm_name(self, name: str) -> str:
         for hf_prefix, vllm_prefix in sorted(self.weight_prefixes, key=lambda p: -len(p[0])):

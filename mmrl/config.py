@@ -198,6 +198,11 @@ class RolloutConfig(_Section):
     # once per rollout and kept between rollouts (half the weights' memory); false casts
     # them at every decode step instead.
     half_weights: bool = True
+    # hf_compiled: the decode steps run each group of sibling projections that read the same
+    # input (q/k/v, gate/up; the family's `Rollout.merged_projections`) as one product over
+    # merged copies of their weights (refreshed each rollout; their bytes again in memory).
+    # "auto": on a GPU when decoding in bf16/fp16 (docs/performance.md, "Merged projections").
+    merge_projections: bool | Literal["auto"] = "auto"
     # hf_compiled under FSDP2: each rank decodes on an inference copy of the full weights,
     # gathered after each update; "keep" holds it between rollouts, "free" releases it after
     # each, "auto" keeps it when it takes at most half the free GPU memory (docs/training.md).

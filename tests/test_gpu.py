@@ -416,3 +416,39 @@ def test_half_weights_on_cuda_give_the_tokens_of_per_step_casting():
         assert torch.equal(once.response_ids, per_step.response_ids)
         torch.testing.assert_close(once.logprobs, per_step.logprobs, atol=1e-3, rtol=0)
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("decode", ["compiled", "graphs"])
+def test_merged_projections_on_cuda_give_the_tokens_of_separate_products(decode):
+    """The decode steps' merged q/k/v and gate/up products (`rollout.merge_projections`,
+    mmrl/rollout/merged.py) on CUDA, through each decode mode's graphs: in fp32 the greedy
+    tokens of separate products and log-probs within 1e-4; in bf16 weights ("auto" merges
+    there) each row agrees for at least 8 tokens, log-probs within bf16 rounding where they
+    agree, twice (the second call replays on the refreshed merged weights)."""
+    from mmrl.rollout import SamplingParams, make_rollout
+
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64, vocab_size=151936)
+    conversations = [[{"role": "user", "content": text}] for text in
+                     ("What is it?", "And this one here, a longer one?", "no", "Say something about the sea")]
+    params = SamplingParams(n=2, max_new_tokens=32, temperature=0, logprobs=True)
+    for dtype in ("float32", "bfloat16"):
+        with torch.device(DEVICE):
+            built = build_model("qwen2", random_init=True, seed=0, config_overrides=shape, dtype=dtype)
+        engine = Engine(built, init_distributed(DEVICE))
+        separate = make_rollout("hf_compiled", engine, built.processing, decode=decode, merge_projections=False)
+        reference = separate.generate(conversations, params)
+        merged = make_rollout("hf_compiled", engine, built.processing, decode=decode,
+                              merge_projections=True if dtype == "float32" else "auto")
+        for _ in range(2):
+            out = merged.generate(conversations, params)
+            assert merged.fallback_reason is None and merged.stats["merged_groups"] == 2 * 4
+            if dtype == "float32":
+                assert torch.equal(out.response_ids, reference.response_ids)
+                torch.testing.assert_close(out.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+            else:
+                same = (out.response_ids == reference.response_ids).int().cumprod(-1).bool()
+                assert int(same.sum(-1).min()) >= 8, same.sum(-1)
+                torch.testing.assert_close(out.logprobs[same], reference.logprobs[same], atol=5e-2, rtol=0)
+        del engine, built, separate, merged
+        torch.cuda.empty_cache()

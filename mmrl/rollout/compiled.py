@@ -62,6 +62,7 @@ from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.graphs import GraphedStep
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
+from mmrl.rollout.merged import MergedProjections
 from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
@@ -203,7 +204,7 @@ class CompiledHFRollout(HFRollout):
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
                  half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto",
-                 prefill_once: bool = True):
+                 prefill_once: bool = True, merge_projections: bool | str = "auto"):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -212,6 +213,13 @@ class CompiledHFRollout(HFRollout):
         # per-step casting (bench/results/rollout_speed_gpu_half.json holds the figure).
         self.half_weights = half_weights
         self._half_store: dict[str, torch.nn.Parameter] = {}
+        # The decode steps' merged projections (`mmrl.rollout.merged`): True, False, or
+        # "auto" (on a GPU when decoding in bf16/fp16); off for good after one runs out of memory.
+        if merge_projections not in (True, False, "auto"):
+            raise ValueError(f"rollout.merge_projections must be true, false or auto, got {merge_projections!r}")
+        self.merge_projections = merge_projections
+        self.merging = MergedProjections(engine.adapter.rollout.merged_projections)
+        self.merged_groups = 0  # how many groups the last decode merged
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
         self.compile_options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
@@ -357,6 +365,7 @@ class CompiledHFRollout(HFRollout):
                       "setup_s": prefill_began - began, "prefill_s": decode_began - prefill_began,
                       "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
                       "trim_s": ended - decode_ended, "graphs_recorded": self._recordings() - recordings,
+                      "merged_groups": self.merged_groups,
                       **self._decode_flags()}
         return out
 
@@ -440,7 +449,7 @@ class CompiledHFRollout(HFRollout):
             start(run.model, fill, self.caches.values())
         steps = 1
         waited = 0.0
-        with _decode_attention(run.model):
+        with _decode_attention(run.model), self._merged(run):
             for t in range(1, new_tokens):
                 if t % self.check_every == 0:
                     looked = time.perf_counter()
@@ -506,6 +515,31 @@ class CompiledHFRollout(HFRollout):
             else:
                 self._step = compiled()
         return self._step
+
+    def merges(self, run: DecodeRun) -> bool:
+        """Whether `run`'s decode steps merge projections (`rollout.merge_projections`)."""
+        if self.merge_projections != "auto":
+            return bool(self.merge_projections)
+        dtype = run.dtype or next((p.dtype for p in run.model.parameters() if p.is_floating_point()), None)
+        return run.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+    @contextlib.contextmanager
+    def _merged(self, run: DecodeRun):
+        """The merged projections around the decode steps, where `merges`; yields how many
+        groups run merged (0: none; also kept as `merged_groups`). Merged copies that do
+        not fit in memory warn once and leave merging off from then on."""
+        with contextlib.ExitStack() as stack:
+            groups = 0
+            if self.merges(run):
+                try:
+                    groups = stack.enter_context(
+                        self.merging.merged(run.model, decoder_layers(run.model, self.engine.adapter)))
+                except torch.OutOfMemoryError as error:
+                    self.merge_projections = False
+                    warnings.warn(f"rollout.merge_projections: the merged weights do not fit ({one_line(error)}); "
+                                  "decoding unmerged from now on", stacklevel=3)
+            self.merged_groups = groups
+            yield groups
 
     def _step_layers(self) -> CompiledLayers | None:
         """The compiled decoder layers the recorded decode step runs through, where the
