@@ -48,6 +48,11 @@ from mmrl.rollout.hf import HFRollout
 READS_MEDIA_BOUND = 1e-4
 # Response tokens the probe samples for the training path when it is given none.
 RESPONSE_TOKENS = 4
+# Prompts the trainer's step-0 check reads (`check_prompts`): what it catches (a tower never
+# called, pixels dropped or different on the two paths, placeholders not expanded) shows on
+# any prompt with media, and each prompt costs six forwards of the model (a 7B's first
+# step spent 9.9 s on 16 of them: bench/results/recipe_steps_geo3k_7b_gpu.json).
+STEP_ZERO_PROMPTS = 4
 BLANK_GREY = 128
 VARIANTS = ("blank", "shuffled")
 # Words in the names of a processed batch's media tensors (a hint in the one-line failures).
@@ -358,19 +363,42 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     return reading
 
 
+def check_prompts(conversations: list[list[dict]], limit: int = STEP_ZERO_PROMPTS) -> list[int]:
+    """At most `limit` of the prompts that carry media, in batch order: two whose first
+    payloads share a shape where the batch has such a pair (shuffling needs a partner),
+    then one of each other shape in turn, so several sizes are read where there are."""
+    by_shape: dict[Any, list[int]] = {}
+    for i, conversation in enumerate(conversations):
+        media = media_of(conversation)
+        if media:
+            by_shape.setdefault(_shape(media[0]), []).append(i)
+    queues = sorted(by_shape.values(), key=len, reverse=True)
+    chosen = queues[0][:2] if queues and len(queues[0]) > 1 and limit > 1 else []
+    if chosen:  # the pair's shape is read: the other shapes come first
+        queues = queues[1:] + [queues[0][2:]]
+    while len(chosen) < limit and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return sorted(chosen)
+
+
 def step_zero_media_check(engine, rollout, processing, conversations: list[list[dict]], result,
-                          strict: bool) -> MediaReading | None:
-    """The trainer's check on its first batch: each prompt's first sampled response, scored
-    with the real, blank and shuffled media. None when no rank's batch holds media; on a
-    problem, raises `MediaCheckError` when `strict`, else warns in one line on stderr."""
+                          strict: bool, limit: int = STEP_ZERO_PROMPTS) -> MediaReading | None:
+    """The trainer's check on its first batch: the first sampled response of at most `limit`
+    prompts with media (`check_prompts`), scored with the real, blank and shuffled media.
+    None when no rank's batch holds media; on a problem, raises `MediaCheckError` when
+    `strict`, else warns in one line on stderr."""
     has_media = any(media_of(c) for c in conversations)
     if not any(engine.dist.all_gather_objects(has_media)):
         return None
     first: dict[int, int] = {}
     for row, owner in enumerate(result.prompt_index.tolist()):
         first.setdefault(owner, row)
-    rows = torch.tensor([first[i] for i in range(len(conversations))])
-    reading = read_media(engine, rollout, processing, conversations,
+    # A rank without media still runs every forward of the others (collective): its first prompt.
+    picked = check_prompts(conversations, limit) or [0]
+    rows = torch.tensor([first[i] for i in picked])
+    reading = read_media(engine, rollout, processing, [conversations[i] for i in picked],
                          responses=(result.response_ids[rows], result.response_mask[rows]),
                          collective=engine.dist.distributed)
     if reading.problem is not None:

@@ -331,6 +331,41 @@ def test_step_zero_media_check_passes_a_model_that_reads_its_images(tmp_path, mo
     assert "media check" not in capsys.readouterr().err
 
 
+def test_check_prompts_takes_a_shuffle_pair_then_one_of_each_other_shape():
+    from PIL import Image
+
+    def prompt(size):
+        content = [{"type": "text", "text": "count"}]
+        if size:
+            content.insert(0, {"type": "image", "image": Image.new("RGB", (size, size))})
+        return [{"role": "user", "content": content}]
+
+    sizes = [32, 0, 48, 48, 64, 48, 80, 32, 96]
+    batch = [prompt(size) for size in sizes]
+    # 48 has the most prompts: two of them (a shuffle pair), then 32, 64, 80, 96 in turn.
+    assert media_check.check_prompts(batch, 4) == [0, 2, 3, 4]
+    assert media_check.check_prompts(batch, 6) == [0, 2, 3, 4, 6, 8]
+    assert media_check.check_prompts(batch, 99) == [0, 2, 3, 4, 5, 6, 7, 8]  # every prompt with media
+    assert media_check.check_prompts([prompt(0), prompt(0)], 4) == []
+    # No two of one size: one of each, none paired.
+    assert media_check.check_prompts([prompt(16), prompt(24), prompt(40)], 2) == [0, 1]
+
+
+def test_step_zero_reads_at_most_its_limit_of_prompts(tmp_path, monkeypatch):
+    """A first batch of 8 prompts with images: the step-0 check reads 4 of them (a pair of
+    one size among them, so the shuffled variant moves pixels) and passes."""
+    from mmrl.trainer import Trainer
+
+    seen = []
+    plain = media_check.step_zero_media_check
+    monkeypatch.setattr("mmrl.trainer.step_zero_media_check", lambda *a, **k: seen.append(plain(*a, **k)))
+    trainer = Trainer(_vlm_recipe(tmp_path, "trainer.strict_media=true", "data.prompts_per_step=8"))
+    trainer.train_step()
+    assert len(seen) == 1 and seen[0].problem is None, seen
+    assert seen[0].prompts_with_media == media_check.STEP_ZERO_PROMPTS == 4
+    assert {"training/blank", "training/shuffled", "rollout/blank", "rollout/shuffled"} <= set(seen[0].figures)
+
+
 def test_strict_media_is_validated(tmp_path):
     from mmrl.trainer import Trainer
 
