@@ -50,8 +50,8 @@ READS_MEDIA_BOUND = 1e-4
 RESPONSE_TOKENS = 4
 # Prompts the trainer's step-0 check reads (`check_prompts`): what it catches (a tower never
 # called, pixels dropped or different on the two paths, placeholders not expanded) shows on
-# any prompt with media, and each prompt costs six forwards of the model (a 7B's first
-# step spent 9.9 s on 16 of them: bench/results/recipe_steps_geo3k_7b_gpu.json).
+# any prompt with media, and each prompt adds to six forwards of the model (a 7B-shaped
+# first step's media check: bench/results/recipe_steps_geo3k_7b_gpu.json, time/media_check).
 STEP_ZERO_PROMPTS = 4
 BLANK_GREY = 128
 VARIANTS = ("blank", "shuffled")

@@ -2,10 +2,9 @@
 (a decoder layer's q/k/v, its MLP's gate/up) run as one matrix product.
 
 A decode step feeds each product one token a row, so a small projection costs a
-kernel's fixed time rather than its bytes: on the H200, at the VL-3B shape, the q, k, v
-and o products took 5.8 to 7.3 µs apiece, 1.1 ms of a 4.4 ms step for 0.65 GB of weights
-(bench/results/decode_bound_vl3b_512_profile_gpu.json). Merged, a group is one product
-over one buffer of its weights.
+kernel's fixed time rather than its bytes (the q, k, v and o products of the VL-3B shape's
+profile: bench/results/decode_bound_vl3b_512_profile_gpu.json; docs/performance.md,
+"Merged projections"). Merged, a group is one product over one buffer of its weights.
 
     merging = MergedProjections(adapter.rollout.merged_projections)
     with merging.merged(model, decoder_layers(model, adapter)):
