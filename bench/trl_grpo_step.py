@@ -506,7 +506,8 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     while trainer.step < args.steps:
         metrics = trainer.train_step()
         timings = {f"{key}_s": trainer.timings.pop(key, 0.0)
-                   for key in ("rollout", "logprob", "update", "sync", "media_check")}
+                   for key in ("rollout", "logprob", "update", "sync", "media_check", "media_check_rollout",
+                               "media_check_training")}
         watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
         if watch is not None:
             timings["compile_s"], timings["compile_graphs"] = watch.take()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,8 @@ class MediaReading:
     # Why the tower's pixels were not compared between the paths (the rollout path checked
     # through the backend's own scoring, e.g. vLLM's copy of the model).
     pixels_unchecked: str | None = None
+    # Wall seconds of each path's calls, processing included (the trainer logs them at step 0).
+    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "training": 0.0})
 
     @property
     def checked(self) -> bool:
@@ -301,6 +304,15 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     elif not hooked:
         reading.rollout_unchecked = f"{type(rollout).__name__} runs its own copy of the model (no hooks there)"
 
+    def timed(path: str, fn):
+        def call(*args):
+            began = time.perf_counter()
+            try:
+                return fn(*args)  # log-probs come back on the CPU: the device's work is in the time
+            finally:
+                reading.seconds[path] += time.perf_counter() - began
+        return call
+
     def rollout_path(batch) -> torch.Tensor | None:
         if scored:
             return rollout.log_probs(batch, ids, mask).float().cpu() * mask.float()
@@ -310,6 +322,9 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
         with recording_next_token_logprobs(engine.model) as seen:
             _greedy(rollout, batch, 1)
         return seen[0] if seen else torch.zeros(len(batch), 0)
+
+    rollout_path = timed("rollout", rollout_path)
+    training_path = timed("training", training_logprobs)
 
     def tower_problem(path: str, pixels: list) -> str | None:
         reading.tower_calls[path] = len(pixels)
@@ -327,14 +342,14 @@ def read_media(engine, rollout, processing, conversations: list[list[dict]],
     if reading.problem and not collective:
         return reading
     with recording_tower_inputs(engine.model, engine.adapter) as training_pixels:
-        real_logp = training_logprobs(engine, processing, conversations, ids, mask)
+        real_logp = training_path(engine, processing, conversations, ids, mask)
     reading.problem = reading.problem or tower_problem("training", training_pixels)
     if reading.problem and not collective:
         return reading
     outcomes = {}
     for variant in VARIANTS:  # every rank runs both, whatever its batch holds
         outcomes[variant] = (rollout_path(variants[variant]),
-                             training_logprobs(engine, processing, variants[variant], ids, mask))
+                             training_path(engine, processing, variants[variant], ids, mask))
     if reading.problem or not with_media:
         return reading
     if hooked:

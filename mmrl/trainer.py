@@ -296,8 +296,10 @@ class Trainer:
         if self.step == 0 and self.agent is None and self.built.adapter.is_multimodal:
             # Does the model read the first batch's images? (one line, or an error: trainer.strict_media)
             with self.timed("media_check"):
-                step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,
-                                      strict=r.trainer.strict_media)
+                reading = step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,
+                                                strict=r.trainer.strict_media)
+            for path, seconds in (reading.seconds.items() if reading is not None else ()):
+                self.timings[f"media_check_{path}"] = seconds
         rewards, outcomes, reward_parts = self.score(samples, result, source_rows, self.train_set, where,
                                                       conversations)
         return RolloutBatch(samples=samples, rows=source_rows, conversations=conversations,
@@ -561,8 +563,9 @@ class Trainer:
                 metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
                 for key in ("rollout", "logprob", "update", "sync"):
                     metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
-                if "media_check" in self.timings:  # step 0 of a VLM run
-                    metrics["time/media_check"] = self.timings.pop("media_check")
+                for key in ("media_check", "media_check_rollout", "media_check_training"):  # step 0 of a VLM run
+                    if key in self.timings:
+                        metrics[f"time/{key}"] = self.timings.pop(key)
                 metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()
                 record = {"step": self.step, **metrics}
                 reached = False

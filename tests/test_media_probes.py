@@ -358,12 +358,16 @@ def test_step_zero_reads_at_most_its_limit_of_prompts(tmp_path, monkeypatch):
 
     seen = []
     plain = media_check.step_zero_media_check
-    monkeypatch.setattr("mmrl.trainer.step_zero_media_check", lambda *a, **k: seen.append(plain(*a, **k)))
+    monkeypatch.setattr("mmrl.trainer.step_zero_media_check", lambda *a, **k: seen.append(plain(*a, **k)) or seen[-1])
     trainer = Trainer(_vlm_recipe(tmp_path, "trainer.strict_media=true", "data.prompts_per_step=8"))
     trainer.train_step()
+    assert trainer.timings["media_check_rollout"] + trainer.timings["media_check_training"] <= \
+        trainer.timings["media_check"]
     assert len(seen) == 1 and seen[0].problem is None, seen
     assert seen[0].prompts_with_media == media_check.STEP_ZERO_PROMPTS == 4
     assert {"training/blank", "training/shuffled", "rollout/blank", "rollout/shuffled"} <= set(seen[0].figures)
+    # Each path's seconds (processing and forwards), the step-0 metrics' time/media_check_* split.
+    assert seen[0].seconds["rollout"] > 0 and seen[0].seconds["training"] > 0
 
 
 def test_strict_media_is_validated(tmp_path):
