@@ -28,7 +28,10 @@ H200, through bench/decode_ab.sh (carry [".whl", ".whl_trl"]; not yet run on a G
 
     ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" bash bench/decode_ab.sh
 
-and on CPU (the mmrl side; `tests/test_bench_trl.py` runs it):
+and on CPU (`tests/test_bench_trl.py` runs the mmrl side; with trl 1.16 from
+`pip install --no-deps --target /tmp/trl-pkgs trl==1.16.0` and `/tmp/trl-pkgs` on PYTHONPATH,
+add `--runs trl --steps-for trl=2`: TRL's first steps then had mmrl's prompt lengths and image
+sizes, ~6 minutes on 2 cores):
 
     python bench/trl_grpo_step.py --device cpu --shape tiny_vl --rows geometry3k --steps 3 --new-tokens 4 \
         --prompts 2 --samples 2 --runs --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/geo.json
@@ -336,6 +339,11 @@ def spread(processing, batches: list[list[dict]], patch: int) -> list[dict[str, 
     return out
 
 
+def same_steps(seen: list[dict] | None, planned: list[dict]) -> bool:
+    """Whether a run's first steps (of `spread`) are the planned ones, over the steps it ran."""
+    return bool(seen) and seen == planned[:len(seen)]
+
+
 def spread_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The range of prompt lengths and the distinct image sizes over `steps` (of `spread`)."""
     tokens = [n for step in steps for n in step["prompt_tokens"]]
@@ -634,7 +642,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         seen = spread(trainer.processing, taken, trainer.built.processor.image_processor.patch_size)
         planned = json.loads((model_dir.parent / "start.json").read_text())["first_steps"] \
             if (model_dir.parent / "start.json").is_file() else None
-        steps.extra.update(first_steps=seen, first_steps_equal_plan=None if planned is None else seen == planned)
+        steps.extra.update(first_steps=seen, first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
     steps.extra.update(compile_phases=compile_phases())
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
@@ -760,7 +768,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     steps.extra.update(first_prompt_tokens=theirs, prompt_lengths_equal_mmrl=theirs == ours)
     if "first_steps" in start_record:  # the VL shapes: the first steps' lengths and sizes against mmrl's plan
         steps.extra.update(first_steps=split.get("first_steps"),
-                           first_steps_equal_mmrl=split.get("first_steps") == start_record["first_steps"])
+                           first_steps_equal_mmrl=same_steps(split.get("first_steps"), start_record["first_steps"]))
     steps.extra.update(layer0_elements_changed=probe.changed(dict(trainer.model.named_parameters())),
                        torch_threads=torch.get_num_threads())
     steps.write()

@@ -132,3 +132,13 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
     assert trl[trl.index("--runs") + 1] == "trl" and trl[trl.index("--steps-for") + 1] == "trl=6"
     assert trl[trl.index("--whole-run") + 1] == "50"
     assert trl[trl.index("--out") + 1] == str(tmp_path / "decode_trl_vl3b_geometry3k.json")
+
+
+def test_first_steps_compare_over_the_steps_a_run_did(bench):
+    planned = [{"prompt_tokens": [417, 429], "image_sizes": [[420, 644], [532, 532]]},
+               {"prompt_tokens": [422, 429], "image_sizes": [[420, 644], [532, 532]]}]
+    assert bench.same_steps(planned[:1], planned) and bench.same_steps(planned, planned)
+    assert not bench.same_steps([], planned) and not bench.same_steps(None, planned)
+    assert not bench.same_steps([{**planned[0], "image_sizes": [[532, 532], [532, 532]]}], planned)
+    assert bench.spread_summary(planned) == {"prompt_tokens_min": 417, "prompt_tokens_max": 429,
+                                             "image_sizes_distinct": [[420, 644], [532, 532]]}
