@@ -640,9 +640,10 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     rollout = trainer.rollout
     if args.shape in VL_SHAPES:  # what reached the trainer, processed after the timed steps
         seen = spread(trainer.processing, taken, trainer.built.processor.image_processor.patch_size)
-        planned = json.loads((model_dir.parent / "start.json").read_text())["first_steps"] \
-            if (model_dir.parent / "start.json").is_file() else None
-        steps.extra.update(first_steps=seen, first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
+        start = model_dir.parent / "start.json"  # the parent's record of the build (absent in a bare call)
+        planned = json.loads(start.read_text()).get("first_steps") if start.is_file() else None
+        steps.extra.update(first_steps=seen,
+                           first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
     steps.extra.update(compile_phases=compile_phases())
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
@@ -954,7 +955,8 @@ def settings(args) -> dict[str, Any]:
             "rows_per_step": args.prompts * args.samples, "new_tokens": args.new_tokens,
             "prompts": (f"{rows}'s bundled rows ({ROWS_RECIPES[rows].name}'s template and pixel budget)" if rows
                         else "random vocabulary words"),
-            "prompt_words": None if rows else args.prompt_words, "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
+            "prompt_words": None if rows else args.prompt_words,
+            "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
             "kl": 0.0, "optimizer_steps_per_rollout": 1, "micro_batch_rows": micro_batch(args),
             "gradient_checkpointing": False, "reward": "letters_share (share of ASCII letters in the completion)",
             "steps": args.steps, "median_over": f"steps 2..{args.steps}", "seed": args.seed,
