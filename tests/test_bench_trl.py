@@ -1,5 +1,6 @@
 """bench/trl_grpo_step.py on CPU: the mmrl side of the end-to-end comparison (TRL is not
-installed in CI's environment), its shared reward and its ratio arithmetic."""
+installed in CI's environment), its shared reward, its ratio and compile arithmetic, and the
+geometry3k rows (`--rows geometry3k`) reaching mmrl at their own sizes."""
 
 import argparse
 import json
@@ -48,3 +49,96 @@ def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path):
     assert report["layer0_elements_changed"] > 0.5  # fp32 weights: a 1e-6 AdamW step moves them
     summary = bench.summarize(report, args)
     assert summary["tokens_per_s"] == pytest.approx(2 * 4 * 4 / step["step_s"])
+
+
+def test_compile_fields_count_what_compiled_after_the_first_step(bench):
+    records = [{"step_s": 30.0, "compile_s": 20.0, "compile_graphs": 8},
+               {"step_s": 2.0, "compile_s": 0.0, "compile_graphs": 0},
+               {"step_s": 8.0, "compile_s": 6.0, "compile_graphs": 1},
+               {"step_s": 2.0, "compile_s": 0.0, "compile_graphs": 0}]
+    assert bench.compiles(records) == {"compile_graphs_after_first": 1, "compile_s_after_first": 6.0,
+                                       "compile_share": round(26.0 / 42.0, 4), "compile_steps_after_first": [3]}
+    assert bench.compiles([{"step_s": 9.0}, {"step_s": 8.0}]) == {}  # TRL's run counts no compiles
+
+
+def test_rows_take_a_vision_language_shape():
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "trl_grpo_step.py"), "--device", "cpu", "--shape",
+                           "tiny", "--rows", "geometry3k", "--runs", "mmrl_plain"], capture_output=True, text=True,
+                          cwd=repo)
+    assert proc.returncode == 2 and "--rows geometry3k: takes a vision-language shape" in proc.stderr
+
+
+@pytest.mark.slow
+def test_geometry3k_rows_reach_mmrl_at_their_own_sizes(bench, tmp_path):
+    # `--shape tiny_vl --rows geometry3k`, the mmrl side (TRL is not in CI's environment): the
+    # recipe's bundled rows and pixel budget, 2 steps of 2 prompts x 2 samples x 2 tokens.
+    args = argparse.Namespace(device="cpu", shape="tiny_vl", vocabulary="auto", rows="geometry3k", steps=2,
+                              new_tokens=2, prompts=2, samples=2, micro_batch=0, prompt_words=[10, 20], lr=1e-6,
+                              seed=0, worker="mmrl_vl")
+    start = bench.build_start(tmp_path / "model", args)
+    (tmp_path / "start.json").write_text(json.dumps(start))
+    assert start["rows"] == "geometry3k" and start["distinct_rows"] == 8  # train, validation and test rows
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    content = rows[0]["prompt"][0]["content"]
+    assert content[0] == {"type": "image"} and content[1]["text"].endswith("MUST BE put in \\boxed{}.")
+    planned = start["first_steps"]
+    assert len(planned) == 2
+    sizes = {tuple(size) for step in planned for size in step["image_sizes"]}
+    assert len(sizes) >= 2  # the diagrams' own shapes, resized within the recipe's budget
+    assert all(h % 28 == 0 and w % 28 == 0 and h * w >= 512 * 512 for h, w in sizes)
+    tokens = [n for step in planned for n in step["prompt_tokens"]]
+    assert len(set(tokens)) > 1 and min(tokens) > 300  # ~330+ image tokens each, texts of their own lengths
+
+    result = tmp_path / "mmrl_vl.json"
+    bench.run_mmrl(tmp_path / "model", args, ["rollout.backend=hf", "model.dtype=float32"], result)
+    report = json.loads(result.read_text())
+    assert report["first_steps"] == planned and report["first_steps_equal_plan"] is True
+    summary = bench.summarize(report, args)
+    assert summary["steps_done"] == 2
+    for field in ("compile_total_s", "compile_graphs_total", "compile_graphs_after_first", "compile_s_after_first",
+                  "compile_share"):
+        assert summary[field] is not None and summary[field] >= 0
+    assert 0 <= summary["compile_share"] <= 1
+    assert all("compile_s" in step and "compile_graphs" in step for step in summary["per_step"])
+
+
+def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
+    # bench/decode_ab.sh with a stand-in interpreter that records its arguments (no GPU here).
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "$*"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
+           "MODES": "graphs trl"}
+    proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "trl" in (tmp_path / "imports").read_text()  # the trl mode needs TRL's carried wheels
+    graphs = (tmp_path / "decode_graphs_vl3b_geometry3k.log").read_text().split()
+    trl = (tmp_path / "decode_trl_vl3b_geometry3k.log").read_text().split()
+    for args in (graphs, trl):
+        assert args[args.index("--rows") + 1] == "geometry3k" and args[args.index("--steps") + 1] == "50"
+    assert "--variant" in graphs and graphs[graphs.index("--runs") + 1] == "--variant"
+    assert trl[trl.index("--runs") + 1] == "trl" and trl[trl.index("--steps-for") + 1] == "trl=6"
+    assert trl[trl.index("--whole-run") + 1] == "50"
+    assert trl[trl.index("--out") + 1] == str(tmp_path / "decode_trl_vl3b_geometry3k.json")
+
+
+def test_first_steps_compare_over_the_steps_a_run_did(bench):
+    planned = [{"prompt_tokens": [417, 429], "image_sizes": [[420, 644], [532, 532]]},
+               {"prompt_tokens": [422, 429], "image_sizes": [[420, 644], [532, 532]]}]
+    assert bench.same_steps(planned[:1], planned) and bench.same_steps(planned, planned)
+    assert not bench.same_steps([], planned) and not bench.same_steps(None, planned)
+    assert not bench.same_steps([{**planned[0], "image_sizes": [[532, 532], [532, 532]]}], planned)
+    assert bench.spread_summary(planned) == {"prompt_tokens_min": 417, "prompt_tokens_max": 429,
+                                             "image_sizes_distinct": [[420, 644], [532, 532]]}
