@@ -216,14 +216,16 @@ def check_vllm(subject: Subject) -> Verified:
 
     built = subject.build()
     engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
+    conversations = sample_conversations(built.adapter)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+    longest = int(built.processing(conversations)["attention_mask"].sum(-1).max())
+    fit_context(engine.model.config, longest + params.max_new_tokens)
     try:
         rollout = make_rollout("vllm", engine, built.processing)
     except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result
         raise NotRunHere(str(exc).split(": use ")[0]) from exc
     except Exception as exc:  # noqa: BLE001 - say which stage failed, in one line
         raise CheckFailed(_vllm_start_failure(exc)) from exc
-    conversations = sample_conversations(built.adapter)
-    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
 
     def gap_to_trainer() -> float:
         try:
@@ -271,6 +273,20 @@ def check_vllm(subject: Subject) -> Verified:
     return Verified(f"vLLM greedy rollout log-probs match the trainer's before and after a weight sync "
                     f"(tolerance {VLLM_LOGPROB_TOLERANCE:.0e})",
                     {"max_logprob_diff_before": before, "max_logprob_diff_after_sync": after})
+
+
+def fit_context(config, needed: int) -> None:
+    """Widen a rotary-position config's context (`max_position_embeddings`, which vLLM
+    takes as its engine length) to `needed` tokens where the probe's prompt is longer
+    (an image that expands to thousands of tokens in a tiny config of 1024 positions).
+    Rotary positions have no table to outgrow, so the trainer's model is unchanged; a
+    model with a learned position table keeps its context, and vLLM says the prompt is
+    too long."""
+    text = config.get_text_config(decoder=True)
+    context = getattr(text, "max_position_embeddings", None)
+    rotary = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)
+    if isinstance(context, int) and context < needed and rotary:
+        text.max_position_embeddings = needed
 
 
 def _vllm_start_failure(exc: BaseException) -> str:
