@@ -60,6 +60,21 @@ def _conv_width(config) -> int | None:
     return getattr(config, "hidden_size", None) if hasattr(config, "conv_L_cache") else None
 
 
+def _block_width(config) -> int | None:
+    """A block whose feed-forward is sized by `block_multiple_of` works on the whole
+    hidden state."""
+    return getattr(config, "hidden_size", None) if hasattr(config, "block_multiple_of") else None
+
+
+def _one_group(field: str) -> Callable[[Any], int | None]:
+    """1 (all experts one group) where the config routes experts and its modeling code
+    never groups them."""
+    def rule(config) -> int | None:
+        routed = any(hasattr(config, name) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
+        return 1 if routed and field not in modeling_source(type(config)) else None
+    return rule
+
+
 def _router_scoring(config) -> str | None:
     """The function the modeling code applies to its router logits."""
     source = modeling_source(type(config))
@@ -72,12 +87,23 @@ def _router_scoring(config) -> str | None:
 
 def _topk_renormalized(config) -> bool | None:
     """True where the modeling code always divides the top-k routing weights by their sum."""
-    return True if re.search(r"\w+ /= \w+\.sum\(dim=-1, keepdim=True\)", modeling_source(type(config))) else None
+    source = modeling_source(type(config))
+    return True if re.search(r"(top|routing|router)\w*\.sum\(dim=-1, keepdim=True\)", source) else None
 
 
 def _scaled_by_modeling(field: str) -> Callable[[Any], bool | None]:
     """True where the modeling code computes the scale the field switches on."""
     return lambda config: True if f"self.{field} =" in modeling_source(type(config)) else None
+
+
+def _expert_width(config) -> int | None:
+    """One expert's feed-forward width."""
+    return getattr(config, "moe_intermediate_size", None)
+
+
+def _zero_experts(config) -> str | None:
+    """Zero experts pass their input through (transformers' modeling adds it unchanged)."""
+    return "identity" if getattr(config, "zero_expert_num", None) else None
 
 
 def _spatial_merge(config) -> int | None:
@@ -95,7 +121,14 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     "rotary_dim": _rotary_dim,
     "first_k_dense_replace": _first_dense_layers,
     "score_func": _router_scoring,
+    "scoring_func": _router_scoring,
+    "expert_hidden_dim": _expert_width,
+    "zero_expert_type": _zero_experts,
     "norm_topk_prob": _topk_renormalized,
+    "route_norm": _topk_renormalized,
+    "n_group": _one_group("n_group"),
+    "topk_group": _one_group("topk_group"),
+    "block_dim": _block_width,
     "mla_scale_q_lora": _scaled_by_modeling("mla_scale_q_lora"),
     "mla_scale_kv_lora": _scaled_by_modeling("mla_scale_kv_lora"),
     "spatial_conv_size": _spatial_merge,
