@@ -299,6 +299,11 @@ def _vllm_start_failure(exc: BaseException) -> str:
         config_class, field = missing.groups()
         return (f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does not define "
                 f"it; published checkpoints' config.json carry it): set it in the adapter's tiny() config")
+    if isinstance(exc, KeyError) and exc.args and "vocab[" in _failed_line(exc):
+        # A model's processor in vLLM that finds special tokens by looking text up in the
+        # vocabulary of the checkpoint's tokenizer.
+        return (f"vLLM's processor for this model looks up {exc.args[0]!r} in the tokenizer's vocabulary, which the "
+                "tiny tokenizer lacks: give tiny()'s tokenizer that token")
     where = ""
     if not str(exc).strip():  # a bare assert: name the line that failed
         import traceback
@@ -306,6 +311,14 @@ def _vllm_start_failure(exc: BaseException) -> str:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" at {frame.filename.split('site-packages/')[-1]}:{frame.lineno} ({(frame.line or '').strip()})"
     return f"vLLM did not load the model: {one_line(exc)}{where}"
+
+
+def _failed_line(exc: BaseException) -> str:
+    """The source line where `exc` was raised ("" where unknown)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (frames[-1].line or "") if frames else ""
 
 
 def _active_dropout(model) -> str:
