@@ -106,6 +106,13 @@ def _zero_experts(config) -> str | None:
     return "identity" if getattr(config, "zero_expert_num", None) else None
 
 
+def _key_norm(config) -> bool | None:
+    """True where the modeling code always normalizes keys (builds `k_norm` with no
+    switch of its own)."""
+    source = modeling_source(type(config))
+    return True if "self.k_norm = " in source and "qk_norm" not in source else None
+
+
 def _spatial_merge(config) -> int | None:
     """The patches merged per side, on the config or its vision config."""
     for owner in (config, getattr(config, "vision_config", None)):
@@ -132,6 +139,7 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     "mla_scale_q_lora": _scaled_by_modeling("mla_scale_q_lora"),
     "mla_scale_kv_lora": _scaled_by_modeling("mla_scale_kv_lora"),
     "spatial_conv_size": _spatial_merge,
+    "qk_norm": _key_norm,
 }
 
 _MODELS_PACKAGE = "vllm.model_executor.models"
