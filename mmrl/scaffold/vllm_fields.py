@@ -113,6 +113,13 @@ def _key_norm(config) -> bool | None:
     return True if "self.k_norm = " in source and "qk_norm" not in source else None
 
 
+def _routing_bias(config) -> bool | None:
+    """True where the modeling code always adds a bias to the router's scores when it
+    picks experts (builds `e_score_correction_bias` with no switch of its own)."""
+    source = modeling_source(type(config))
+    return True if "self.e_score_correction_bias = " in source and "routing_bias" not in source else None
+
+
 def _spatial_merge(config) -> int | None:
     """The patches merged per side, on the config or its vision config."""
     for owner in (config, getattr(config, "vision_config", None)):
@@ -140,6 +147,7 @@ FIELD_RULES: dict[str, Callable[[Any], Any]] = {
     "mla_scale_kv_lora": _scaled_by_modeling("mla_scale_kv_lora"),
     "spatial_conv_size": _spatial_merge,
     "qk_norm": _key_norm,
+    "use_routing_bias": _routing_bias,
 }
 
 _MODELS_PACKAGE = "vllm.model_executor.models"
