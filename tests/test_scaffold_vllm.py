@@ -326,16 +326,6 @@ def test_leading_dense_layers_and_a_partial_rotary_width_are_read_off_the_config
     assert FIELD_RULES["rotary_dim"](config) == 16
 
 
-def test_the_image_sizes_tried_are_whole_numbers_of_patches():
-    from mmrl.scaffold.image_size import candidate_image_sizes
-
-    sizes = candidate_image_sizes(224, 32)
-    assert sizes and all(size % 32 == 0 for size in sizes)
-    assert 112 not in sizes and 448 in sizes  # half of 224 leaves half a patch of 32
-    assert 112 in candidate_image_sizes(224, 14)
-    assert 224 not in candidate_image_sizes(224, 14)  # the tower's own size is tried first, apart
-
-
 def test_the_vllm_probes_engine_length_follows_its_prompt():
     from mmrl.probes.training import fit_context
 

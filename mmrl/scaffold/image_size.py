@@ -77,14 +77,6 @@ VLM_TEXT_CANDIDATES = (
 COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
 
 
-def candidate_image_sizes(base: int, patch_size) -> list[int]:
-    """Image sizes to try besides the tower's `base`: twice, four times, half, then the
-    common ones, each a whole number of patches (a size that leaves part of a patch is
-    floored away by transformers' convolution, but vLLM's towers assert it away)."""
-    sizes = dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base)
-    return [s for s in sizes if type(patch_size) is not int or s % patch_size == 0]
-
-
 def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
     """Default configs are not always one checkpoint's, and processors learn some counts
     only from a checkpoint. When the tiny model does not run on one image, try, in turn:
@@ -104,7 +96,7 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
     base = getattr(getattr(config, plan.vision_key), "image_size", None)
     sizes = [None]
     if isinstance(base, int):
-        sizes += candidate_image_sizes(base, getattr(getattr(config, plan.vision_key), "patch_size", None))
+        sizes += list(dict.fromkeys(s for s in (base * 2, base * 4, base // 2, *COMMON_IMAGE_SIZES) if s != base))
     processor_cls = getattr(transformers, plan.processor_class)
     counts = [{}] + [{name: str(parameter.default + 1)} for name, parameter in init_parameters(processor_cls).items()
                      if type(parameter.default) is int and parameter.default in (0, 1) and "token" in name]
