@@ -265,3 +265,78 @@ def test_the_isolated_child_ends_once_its_parent_is_gone(tmp_path):
     while running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running(), "the child outlived its parent"
+
+
+# A vLLM model module, as text, that reads two fields transformers' Lfm2Config lacks.
+FAKE_SHORT_CONV_MODULE = '''
+class ShortConv:
+    def __init__(self, config):
+        self.conv = Conv(config.conv_dim, config.conv_L_cache)
+        self.mlp = MLP(config.block_dim, config.intermediate_size)
+        self.rotary = getattr(config, "rotary_dim", None)
+'''
+
+
+def fake_vllm_modules(monkeypatch, modules: dict[str, str]):
+    """vLLM's registry and model modules stood in for: each architecture `Arch` is served
+    by module `modules` key `arch` (lowercase), whose text is the value."""
+    from mmrl.scaffold import vllm_fields
+
+    by_arch = {m.capitalize() + "ForCausalLM": m for m in modules}
+    monkeypatch.setattr(vllm_fields, "vllm_model_class", lambda arch: (
+        (f"{by_arch[arch]}:{arch}", "") if arch in by_arch else (None, "not served")))
+    monkeypatch.setattr(vllm_fields, "_module_text", lambda module: modules.get(module, ""))
+
+
+def test_fields_vllm_reads_that_the_config_lacks_are_derived_from_the_config(monkeypatch):
+    from mmrl.scaffold.vllm_fields import vllm_fields
+
+    fake_vllm_modules(monkeypatch, {"shortconv": FAKE_SHORT_CONV_MODULE, "plain": "x = config.hidden_size\n"})
+    config = transformers.Lfm2Config(hidden_size=48, num_attention_heads=2, num_key_value_heads=1,
+                                     intermediate_size=96, num_hidden_layers=2)
+    assert not hasattr(config, "conv_dim") and not hasattr(config, "block_dim")
+    # Both widths are the hidden state's; rotary_dim (read too) is the whole head (no
+    # partial factor): 48 / 2 heads.
+    assert vllm_fields(config, "ShortconvForCausalLM") == {"conv_dim": 48, "block_dim": 48, "rotary_dim": 24}
+    # A module that reads none of them, or an architecture vLLM does not serve: nothing.
+    assert vllm_fields(config, "PlainForCausalLM") == {}
+    assert vllm_fields(config, "UnknownForCausalLM") == {}
+    # A field the config already has keeps its own value.
+    config.conv_dim = 7
+    assert "conv_dim" not in vllm_fields(config, "ShortconvForCausalLM")
+
+
+def test_a_field_the_config_does_not_say_stays_unset(monkeypatch):
+    from mmrl.scaffold.vllm_fields import FIELD_RULES, vllm_fields
+
+    fake_vllm_modules(monkeypatch, {"shortconv": FAKE_SHORT_CONV_MODULE})
+    # A config without a short convolution or an LFM-style block: no conv_dim/block_dim.
+    config = transformers.Qwen2Config(hidden_size=48, num_attention_heads=2, num_key_value_heads=1)
+    assert vllm_fields(config, "ShortconvForCausalLM") == {"rotary_dim": 24}
+    assert FIELD_RULES["first_k_dense_replace"](config) is None
+
+
+def test_leading_dense_layers_and_a_partial_rotary_width_are_read_off_the_config():
+    from mmrl.scaffold.vllm_fields import FIELD_RULES
+
+    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=2)
+    config.mlp_layer_types = ["dense", "dense", "sparse", "dense"]
+    assert FIELD_RULES["first_k_dense_replace"](config) == 2
+    config.rope_parameters = {**(config.rope_parameters or {}), "partial_rotary_factor": 0.5}
+    assert FIELD_RULES["rotary_dim"](config) == 16
+
+
+def test_the_vllm_probes_engine_length_follows_its_prompt():
+    from mmrl.probes.training import fit_context
+
+    rotary = transformers.Qwen2Config(max_position_embeddings=1024)
+    fit_context(rotary, 3410)
+    assert rotary.max_position_embeddings == 3410
+    fit_context(rotary, 100)  # a shorter prompt never narrows it
+    assert rotary.max_position_embeddings == 3410
+    composite = transformers.LlavaConfig(text_config=transformers.Qwen2Config(max_position_embeddings=1024).to_dict())
+    fit_context(composite, 1218)
+    assert composite.text_config.max_position_embeddings == 1218
+    learned = transformers.GPT2Config(n_positions=1024)  # a learned position table: kept
+    fit_context(learned, 3410)
+    assert learned.max_position_embeddings == 1024

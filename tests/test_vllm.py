@@ -473,3 +473,16 @@ def test_add_model_declares_vllm_where_its_probe_verifies_in_a_process_of_its_ow
     load_plugin("mmrl_gpt2.gpt2")
     adapter = get_adapter("gpt2")
     assert adapter.capabilities.vllm and adapter.rollout.vllm_architecture == "GPT2LMHeadModel"
+
+
+def test_a_vocabulary_lookup_that_fails_in_vllm_names_the_missing_token():
+    from mmrl.probes.training import _vllm_start_failure
+
+    vocab = {"\n": 0}
+    try:
+        vocab["\n\n"]  # what vLLM's processor does with the checkpoint's vocabulary
+    except KeyError as missing:
+        reason = _vllm_start_failure(missing)
+    assert reason.startswith("vLLM's processor for this model looks up '\\n\\n' in the tokenizer's vocabulary")
+    assert "\n" not in reason
+    assert _vllm_start_failure(KeyError("other")).startswith("vLLM did not load the model: KeyError")

@@ -216,14 +216,16 @@ def check_vllm(subject: Subject) -> Verified:
 
     built = subject.build()
     engine = Engine(built, single_process(subject.device), optim=OptimConfig(lr=1e-2), total_steps=2)
+    conversations = sample_conversations(built.adapter)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+    longest = int(built.processing(conversations)["attention_mask"].sum(-1).max())
+    fit_context(engine.model.config, longest + params.max_new_tokens)
     try:
         rollout = make_rollout("vllm", engine, built.processing)
     except UnsupportedByVLLM as exc:  # a limit of vLLM on this platform, not a wrong result
         raise NotRunHere(str(exc).split(": use ")[0]) from exc
     except Exception as exc:  # noqa: BLE001 - say which stage failed, in one line
         raise CheckFailed(_vllm_start_failure(exc)) from exc
-    conversations = sample_conversations(built.adapter)
-    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
 
     def gap_to_trainer() -> float:
         try:
@@ -273,6 +275,20 @@ def check_vllm(subject: Subject) -> Verified:
                     {"max_logprob_diff_before": before, "max_logprob_diff_after_sync": after})
 
 
+def fit_context(config, needed: int) -> None:
+    """Widen a rotary-position config's context (`max_position_embeddings`, which vLLM
+    takes as its engine length) to `needed` tokens where the probe's prompt is longer
+    (an image that expands to thousands of tokens in a tiny config of 1024 positions).
+    Rotary positions have no table to outgrow, so the trainer's model is unchanged; a
+    model with a learned position table keeps its context, and vLLM says the prompt is
+    too long."""
+    text = config.get_text_config(decoder=True)
+    context = getattr(text, "max_position_embeddings", None)
+    rotary = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)
+    if isinstance(context, int) and context < needed and rotary:
+        text.max_position_embeddings = needed
+
+
 def _vllm_start_failure(exc: BaseException) -> str:
     """One line on why vLLM did not start from the checkpoint the rollout wrote."""
     # vLLM reads the config.json the rollout wrote; its model classes are written for
@@ -283,6 +299,11 @@ def _vllm_start_failure(exc: BaseException) -> str:
         config_class, field = missing.groups()
         return (f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does not define "
                 f"it; published checkpoints' config.json carry it): set it in the adapter's tiny() config")
+    if isinstance(exc, KeyError) and exc.args and "vocab[" in _failed_line(exc):
+        # A model's processor in vLLM that finds special tokens by looking text up in the
+        # vocabulary of the checkpoint's tokenizer.
+        return (f"vLLM's processor for this model looks up {exc.args[0]!r} in the tokenizer's vocabulary, which the "
+                "tiny tokenizer lacks: give tiny()'s tokenizer that token")
     where = ""
     if not str(exc).strip():  # a bare assert: name the line that failed
         import traceback
@@ -290,6 +311,14 @@ def _vllm_start_failure(exc: BaseException) -> str:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" at {frame.filename.split('site-packages/')[-1]}:{frame.lineno} ({(frame.line or '').strip()})"
     return f"vLLM did not load the model: {one_line(exc)}{where}"
+
+
+def _failed_line(exc: BaseException) -> str:
+    """The source line where `exc` was raised ("" where unknown)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (frames[-1].line or "") if frames else ""
 
 
 def _active_dropout(model) -> str:

@@ -30,6 +30,7 @@ from mmrl.scaffold.placeholders import find_placeholder, named_token, tokens_in_
 from mmrl.scaffold.shrink import (
     TinyInputs, modeling_reads, modeling_source, shrink_values, tiny_vision_values, vision_language_text_values,
 )
+from mmrl.scaffold.vllm_fields import text_architecture, vllm_fields
 from mmrl.tiny import TINY_TEXT_SHAPES
 
 _TOKEN_FIELD = re.compile(r"^(.*)_token_(id|index)$")
@@ -244,7 +245,21 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     processor = build_processor(plan, tokenizer, config)
     plan.flat_images = _wants_flat_images(processor, plan.image_placeholder)
     tokenizer, config, processor = fit_image_size(resolved, plan, tokenizer, config, processor)
+    if _add_vllm_fields(resolved, plan, config):
+        tokenizer, config = build_config(resolved, plan)
     return TinyInputs(config=config, media=plan)
+
+
+def _add_vllm_fields(resolved: Resolved, plan: MediaPlan, config) -> bool:
+    """Add to `plan` the fields vLLM's model reads that the tiny config (its top level or
+    text config) lacks (`mmrl.scaffold.vllm_fields`); whether any was added."""
+    text = config.get_text_config(decoder=True)
+    architectures = (resolved.model_class, *filter(None, [text_architecture(text)]))
+    top = {k: v for k, v in vllm_fields(config, *architectures).items() if k not in plan.top}
+    own = {} if text is config else vllm_fields(text, *architectures)
+    plan.top.update(top)
+    plan.text_overrides.update(own)
+    return bool(top or own)
 
 
 def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) -> None:

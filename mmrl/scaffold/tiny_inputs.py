@@ -14,6 +14,7 @@ from mmrl.scaffold.base import Resolved, ScaffoldError
 from mmrl.scaffold.media import tiny_vision_language
 from mmrl.scaffold.media_plan import tiny_text_tokenizer
 from mmrl.scaffold.shrink import TEXT_SHAPE_CANDIDATES, TinyInputs, build_text_config, runs, tiny_text_values
+from mmrl.scaffold.vllm_fields import vllm_fields
 
 
 def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
@@ -38,6 +39,11 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
         except ScaffoldError as exc:
             first = first or exc
             continue
+        # Fields vLLM's model reads that the class lacks, derived from the config (after
+        # it ran, so they change nothing transformers builds).
+        if extra := vllm_fields(config, resolved.model_class):
+            overrides = {**overrides, **extra}
+            config = build_text_config(resolved.config_class, tokenizer, overrides)
         return TinyInputs(config=config, text_overrides=overrides)
     raise first
 
