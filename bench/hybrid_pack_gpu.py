@@ -52,6 +52,7 @@ chosen few. Side by side, the timings are noisier; `--parallel 1` for the time f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -80,7 +81,13 @@ def declared_types(coverage: dict) -> list[str]:
 
 def tiny_layer_kinds(model_type: str) -> dict:
     """{"model_type", "kinds"}: the stateful layer kinds of the type's tiny config, as the
-    scaffold builds it; or {"model_type", "reason"} where that cannot be told here."""
+    scaffold builds it; or {"model_type", "reason"} where that cannot be told here. Told once
+    a process (building a tiny config runs its model): a second selection reads the first's."""
+    return dict(_told(model_type))
+
+
+@functools.cache
+def _told(model_type: str) -> dict:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
