@@ -52,17 +52,17 @@ chosen few. Side by side, the timings are noisier; `--parallel 1` for the time f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from scaffolded import ScaffoldFailed, print_row, run_child, say_stage, scaffold_family  # bench/scaffolded.py (bench/ is on the path of a bench script)
+from scaffolded import run_child, say_stage, scaffolded  # bench/scaffolded.py (bench/ is on the path of a bench script)
 
 from mmrl.platform_info import device_name, host, today, versions, write_report
 
@@ -81,7 +81,13 @@ def declared_types(coverage: dict) -> list[str]:
 
 def tiny_layer_kinds(model_type: str) -> dict:
     """{"model_type", "kinds"}: the stateful layer kinds of the type's tiny config, as the
-    scaffold builds it; or {"model_type", "reason"} where that cannot be told here."""
+    scaffold builds it; or {"model_type", "reason"} where that cannot be told here. Told once
+    a process (building a tiny config runs its model): a second selection reads the first's."""
+    return dict(_told(model_type))
+
+
+@functools.cache
+def _told(model_type: str) -> dict:
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -239,23 +245,13 @@ def measure(adapter, device: str, lengths, repeats: int) -> dict:
 
 def child(model_type: str, device: str, lengths, repeats: int) -> None:
     """In a fresh process: scaffold `model_type` into a temporary directory, measure, print one JSON row."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    row: dict = {"model_type": model_type}
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"mmrl-hybrid-pack-{model_type}-") as out:
-        say_stage("scaffold")
-        try:
-            adapter = scaffold_family(model_type, out)
-        except ScaffoldFailed as exc:
-            row.update(status="failed", stage=exc.stage, reason=exc.reason)
-            print_row(row)
+    with scaffolded(model_type, "mmrl-hybrid-pack") as (adapter, row):
+        if adapter is None:
             return
-        row["scaffold_seconds"] = round(time.perf_counter() - start, 1)
         try:
             row.update(measure(adapter, device, lengths, repeats))
         except Exception as exc:  # noqa: BLE001 - recorded as the row's outcome
             row.update(status="failed", stage="measure", reason=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-    print_row(row)
 
 
 # -- the run ----------------------------------------------------------------------------

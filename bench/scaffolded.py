@@ -1,7 +1,10 @@
 """Families that `mmrl add-model` scaffolds out of tree, one fresh process per type: what the
 benches over scaffolded types share (bench/vllm_scaffolded.py, bench/hybrid_pack_gpu.py).
 
-    adapter = scaffold_family("lfm2", out)      # in the child: scaffold into out, import, look up
+    with scaffolded("lfm2", "mmrl-hybrid-pack") as (adapter, row):   # in the child
+        if adapter is None:                     # it did not scaffold or load: row says why
+            return
+        row.update(...)                         # printed when the block ends
     row = run_child(script, "lfm2", timeout)    # in the parent: the child's JSON row, or why none came
 
 A child runs `script --child TYPE ...` and prints its row as one JSON line starting with
@@ -12,10 +15,14 @@ gives a row (stage `crash` or `timeout`, with the last stage the child announced
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SCAFFOLD_TIMEOUT_S = 300
@@ -51,6 +58,30 @@ def scaffold_family(model_type: str, out: str | Path):
         return get_adapter(model_type)
     except Exception as exc:  # noqa: BLE001 - reported as the row's outcome
         raise ScaffoldFailed("load", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
+
+
+@contextlib.contextmanager
+def scaffolded(model_type: str, prefix: str) -> Iterator[tuple[object | None, dict]]:
+    """A child's frame: `model_type` scaffolded (`scaffold_family`, hub offline) into a temporary
+    directory `prefix-TYPE-*` that lives while the block runs; yields (adapter, row). Where it
+    did not scaffold or load, the adapter is None and the row already says why (status
+    failed, stage scaffold or load); else the row has `scaffold_seconds`. The row is printed
+    (`print_row`) when the block ends or returns; an exception in the block prints nothing
+    and goes on up (the parent's `run_child` makes it a `crash` row)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    row: dict = {"model_type": model_type}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{model_type}-") as out:
+        say_stage("scaffold")
+        try:
+            adapter = scaffold_family(model_type, out)
+        except ScaffoldFailed as exc:
+            adapter = None
+            row.update(status="failed", stage=exc.stage, reason=exc.reason)
+        else:
+            row["scaffold_seconds"] = round(time.perf_counter() - start, 1)
+        yield adapter, row
+    print_row(row)
 
 
 def say_stage(text: str) -> None:

@@ -29,11 +29,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from scaffolded import ScaffoldFailed, print_row, run_child, scaffold_family
+from scaffolded import run_child, say_stage, scaffolded  # bench/scaffolded.py (bench/ is on the path of a bench script)
 
 from mmrl.platform_info import host, versions, write_report
 
@@ -84,19 +83,12 @@ def stage_of(reason: str) -> str:
 def child(model_type: str) -> None:
     """In a fresh process: scaffold `model_type` under /tmp, run the vLLM probe, print one JSON row."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    row: dict = {"model_type": model_type}
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"mmrl-vllm-scaffold-{model_type}-") as out:
-        try:
-            adapter = scaffold_family(model_type, out)
-        except ScaffoldFailed as exc:
-            row.update(status="failed", stage=exc.stage, reason=exc.reason)
-            print_row(row)
+    with scaffolded(model_type, "mmrl-vllm-scaffold") as (adapter, row):
+        if adapter is None:
             return
         from mmrl.probes import Subject, probe
 
-        row["scaffold_seconds"] = round(time.perf_counter() - start, 1)
+        say_stage("probe")
         result = probe("vllm").run(Subject(adapter=adapter, source=adapter.family))
         row.update(status=result.status.value, reason=result.reason.splitlines()[0][:300] if result.reason else "",
                    probe_seconds=round(result.seconds, 1))
@@ -106,7 +98,6 @@ def child(model_type: str) -> None:
                 row["traceback"] = result.evidence["traceback"][-1500:]
         else:
             row["evidence"] = {k: v for k, v in result.evidence.items() if k.startswith("max_")}
-    print_row(row)
 
 
 def run_one(model_type: str, timeout: float) -> dict:

@@ -5,7 +5,9 @@ row and not the end of the run, and one whole run over a scaffolded hybrid type 
     .venv/bin/python -m pytest -q tests/test_bench_hybrid_pack.py
 """
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -63,6 +65,37 @@ def test_a_crashed_or_hung_type_is_a_row(tmp_path):
     assert row["seconds"] < 30
     row = scaffolded.run_child(done, "lfm2", timeout=60)
     assert row["status"] == "verified" and row["seconds"] >= 0
+
+
+def test_a_child_prints_its_row_whether_or_not_the_type_scaffolds(tmp_path, monkeypatch, capsys):
+    """bench/scaffolded.py's `scaffolded`, the frame of both benches' children: a type that
+    does not scaffold is a failed row and no adapter; one that does is the block's to fill,
+    in a temporary directory that goes when the block ends, and printed when it returns."""
+    scaffolded = load_bench("scaffolded")
+
+    def refused(model_type, out):
+        raise scaffolded.ScaffoldFailed("scaffold", f"no such type {model_type}")
+
+    monkeypatch.setattr(scaffolded, "scaffold_family", refused)
+    with scaffolded.scaffolded("nope", "mmrl-test") as (adapter, row):
+        assert adapter is None
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"model_type": "nope", "status": "failed", "stage": "scaffold", "reason": "no such type nope"}
+
+    folders = []
+    monkeypatch.setattr(scaffolded, "scaffold_family", lambda model_type, out: folders.append(Path(out)) or "adapter")
+
+    def child():
+        with scaffolded.scaffolded("lfm2", "mmrl-test") as (adapter, row):
+            assert adapter == "adapter" and folders[0].is_dir() and folders[0].name.startswith("mmrl-test-lfm2-")
+            row["status"] = "verified"
+            return
+        pytest.fail("the block returned")
+
+    child()
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["status"] == "verified" and printed["scaffold_seconds"] >= 0
+    assert not folders[0].exists()
 
 
 def test_a_spent_time_budget_starts_no_type(bench, tmp_path_factory):
