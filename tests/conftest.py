@@ -86,6 +86,8 @@ def pytest_itemcollected(item):
 # them starting last and running on alone.
 LONGEST = [
     "tests/test_vllm.py::test_count_recipe_learns_with_the_vllm_backend",
+    # Its module's tests share one fixture of two processes (the dry run of every device call).
+    "tests/test_bench_two_gpus.py::test_every_part_ends_well_on_cpu",
     "tests/test_add_model.py::test_coverage_sweep_slice_writes_rows_and_resumes",
     "tests/test_recipe.py::test_tiny_vlm_recipe_learns_to_count_from_the_image",
     "tests/test_add_model.py::test_vision_language_scaffolds_read_what_their_processor_and_model_code_need",
