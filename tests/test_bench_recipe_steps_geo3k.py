@@ -44,10 +44,11 @@ def test_the_run_reports_throughput_mfu_and_compile_time(report):
     assert run["response_tokens_per_s_per_gpu"] == pytest.approx(48 / step)
     assert 0 < run["step_mfu"] < run["actor_mfu"]
     # The LoRA recipe: adapters only train (rank 64 is wider than this tiny model), with
-    # checkpointing; the FLOPs count neither the adapters nor the vision tower.
+    # checkpointing `auto` (off in one CPU process); the FLOPs count neither the adapters
+    # nor the vision tower.
     frozen = run["parameters"] - run["trainable_parameters"]
     assert 0 < run["trainable_parameters"] and 0 < run["dense_parameters"] < frozen
-    assert run["gradient_checkpointing"] is True and run["rollout_backend"] == "hf"
+    assert run["gradient_checkpointing"] is False and run["rollout_backend"] == "hf"
     assert run["compile_s_total"] >= 0 and run["compile_share"] == pytest.approx(run["compile_s_total"] / run["run_s"])
     easyr1 = report["easyr1"]
     assert easyr1["tokens_per_s_per_gpu"] == 2000 and "8 x H100" in easyr1["gpus"]
