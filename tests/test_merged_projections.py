@@ -47,8 +47,8 @@ def test_a_merged_layer_equals_the_separate_products_and_restores_its_forwards()
     attention, mlp = layers[0].self_attn, layers[0].mlp
     x = torch.randn(3, 1, attention.q_proj.in_features)
     plain = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), mlp(x)]
-    merging = MergedProjections(MERGED_PROJECTIONS)
-    with torch.no_grad(), merging.merged(built.model, layers) as groups:
+    merging = MergedProjections(MERGED_PROJECTIONS, lambda model: decoder_layers(model, built.adapter))
+    with torch.no_grad(), merging.merged(built.model) as groups:
         assert groups == 2 * len(layers)
         merged = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x), mlp(x)]
         # k called on another tensor computes its own product (no slice of x's).
@@ -71,7 +71,7 @@ def test_a_group_declared_out_of_call_order_gives_the_same_results():
     plain = make_rollout("hf_compiled", engine, built.processing, compile=False,
                          merge_projections=False).generate(conversations, PARAMS)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, merge_projections=True)
-    rollout.merging = MergedProjections((("v_proj", "q_proj"),))
+    rollout.merging = MergedProjections((("v_proj", "q_proj"),), rollout.merging.layers_of)
     _same(rollout.generate(conversations, PARAMS), plain)
     assert rollout.stats["merged_groups"] == engine.model.config.num_hidden_layers
 

@@ -299,26 +299,24 @@ def _vllm_start_failure(exc: BaseException) -> str:
         config_class, field = missing.groups()
         return (f"vLLM's model reads config.{field}, which this {config_class} lacks (transformers does not define "
                 f"it; published checkpoints' config.json carry it): set it in the adapter's tiny() config")
-    if isinstance(exc, KeyError) and exc.args and "vocab[" in _failed_line(exc):
+    frame = _failed_frame(exc)
+    if isinstance(exc, KeyError) and exc.args and frame is not None and "vocab[" in (frame.line or ""):
         # A model's processor in vLLM that finds special tokens by looking text up in the
         # vocabulary of the checkpoint's tokenizer.
         return (f"vLLM's processor for this model looks up {exc.args[0]!r} in the tokenizer's vocabulary, which the "
                 "tiny tokenizer lacks: give tiny()'s tokenizer that token")
     where = ""
-    if not str(exc).strip():  # a bare assert: name the line that failed
-        import traceback
-
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
+    if not str(exc).strip() and frame is not None:  # a bare assert: name the line that failed
         where = f" at {frame.filename.split('site-packages/')[-1]}:{frame.lineno} ({(frame.line or '').strip()})"
     return f"vLLM did not load the model: {one_line(exc)}{where}"
 
 
-def _failed_line(exc: BaseException) -> str:
-    """The source line where `exc` was raised ("" where unknown)."""
+def _failed_frame(exc: BaseException):
+    """The traceback frame where `exc` was raised (None where it has none)."""
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    return (frames[-1].line or "") if frames else ""
+    return frames[-1] if frames else None
 
 
 def _active_dropout(model) -> str:

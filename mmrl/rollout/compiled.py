@@ -218,7 +218,8 @@ class CompiledHFRollout(HFRollout):
         if merge_projections not in (True, False, "auto"):
             raise ValueError(f"rollout.merge_projections must be true, false or auto, got {merge_projections!r}")
         self.merge_projections = merge_projections
-        self.merging = MergedProjections(engine.adapter.rollout.merged_projections)
+        self.merging = MergedProjections(engine.adapter.rollout.merged_projections,
+                                         lambda model: decoder_layers(model, engine.adapter))
         self.merged_groups = 0  # how many groups the last decode merged
         self.min_compact_rows = min_compact_rows
         self.check_every = check_every
@@ -532,8 +533,7 @@ class CompiledHFRollout(HFRollout):
             groups = 0
             if self.merges(run):
                 try:
-                    groups = stack.enter_context(
-                        self.merging.merged(run.model, decoder_layers(run.model, self.engine.adapter)))
+                    groups = stack.enter_context(self.merging.merged(run.model))
                 except torch.OutOfMemoryError as error:
                     self.merge_projections = False
                     warnings.warn(f"rollout.merge_projections: the merged weights do not fit ({one_line(error)}); "

@@ -6,8 +6,8 @@ kernel's fixed time rather than its bytes (the q, k, v and o products of the VL-
 profile: bench/results/decode_bound_vl3b_512_profile_gpu.json; docs/performance.md,
 "Merged projections"). Merged, a group is one product over one buffer of its weights.
 
-    merging = MergedProjections(adapter.rollout.merged_projections)
-    with merging.merged(model, decoder_layers(model, adapter)):
+    merging = MergedProjections(adapter.rollout.merged_projections, lambda m: decoder_layers(m, adapter))
+    with merging.merged(model):
         ... decode steps ...
 
 The adapter names each group by its members' leaf names (`Rollout.merged_projections`;
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -108,22 +108,25 @@ def merge_sites(layers: list[torch.nn.Module], groups: tuple[tuple[str, ...], ..
 
 
 class MergedProjections:
-    """The merged groups of each model it opens on (found at the first opening)."""
+    """The merged groups of each model it opens on, found in `layers_of(model)` (its
+    decoder layers) at the model's first opening."""
 
-    def __init__(self, groups: tuple[tuple[str, ...], ...]):
+    def __init__(self, groups: tuple[tuple[str, ...], ...],
+                 layers_of: Callable[[torch.nn.Module], list[torch.nn.Module]]):
         self.groups = tuple(tuple(group) for group in groups)
+        self.layers_of = layers_of
         self._sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def sites(self, model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[_Site]:
+    def sites(self, model: torch.nn.Module) -> list[_Site]:
         if model not in self._sites:
-            self._sites[model] = merge_sites(layers, self.groups) if self.groups else []
+            self._sites[model] = merge_sites(self.layers_of(model), self.groups) if self.groups else []
         return self._sites[model]
 
     @contextlib.contextmanager
-    def merged(self, model: torch.nn.Module, layers: list[torch.nn.Module]) -> Iterator[int]:
-        """While open, the groups of `layers` (`model`'s decoder layers) run merged; yields
-        how many groups."""
-        sites = self.sites(model, layers)
+    def merged(self, model: torch.nn.Module) -> Iterator[int]:
+        """While open, the groups of `model`'s decoder layers run merged; yields how many
+        groups."""
+        sites = self.sites(model)
         patched: list[torch.nn.Module] = []
         try:
             for site in sites:
