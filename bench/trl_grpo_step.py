@@ -325,6 +325,12 @@ def write_recipe_rows(path: Path, name: str, count: int) -> dict[str, Any]:
             "source_image_sizes": sizes}  # width x height, as stored
 
 
+def grid_sizes(grid, patch: int) -> list[list[int]]:
+    """Image sizes (height x width in pixels) from a Qwen-VL processor's `image_grid_thw`
+    rows: the patch grid times `patch`; none where the batch has no images."""
+    return [] if grid is None else [[int(h) * patch, int(w) * patch] for _, h, w in grid]
+
+
 def spread(processing, batches: list[list[dict]], patch: int) -> list[dict[str, Any]]:
     """Each batch's prompt lengths in tokens (images expanded) and image sizes (height x width
     in pixels, as the processor resized them: its patch grid times `patch`), by mmrl's processing."""
@@ -333,9 +339,8 @@ def spread(processing, batches: list[list[dict]], patch: int) -> list[dict[str, 
     out = []
     for samples in batches:
         batch = processing([to_conversation(s) for s in samples])
-        grid = batch.get("image_grid_thw")
         out.append({"prompt_tokens": [int(n) for n in batch["attention_mask"].sum(-1)],
-                    "image_sizes": [] if grid is None else [[int(h) * patch, int(w) * patch] for _, h, w in grid]})
+                    "image_sizes": grid_sizes(batch.get("image_grid_thw"), patch)})
     return out
 
 
@@ -728,8 +733,7 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
                 patch = getattr(getattr(tokenizer, "image_processor", None), "patch_size", 0)
                 first_steps.append({
                     "prompt_tokens": out["prompt_mask"].sum(-1)[::args.samples].tolist(),
-                    "image_sizes": [] if grid is None else [[int(h) * patch, int(w) * patch]
-                                                            for _, h, w in grid.tolist()[::args.samples]]})
+                    "image_sizes": grid_sizes(None if grid is None else grid.tolist()[::args.samples], patch)})
             return out
 
         def _generate_single_turn(self, *a, **k):
