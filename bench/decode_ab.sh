@@ -11,7 +11,7 @@
 # its template, each image at its own size within its pixel budget) instead of square images;
 # the mode `trl` runs TRL on the same rows for TRL_STEPS steps (default 6), its 50-step wall
 # clock projected at its median step (--whole-run). Issue 28's geometry3k rows, one call:
-#   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" bash bench/decode_ab.sh
+#   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" TRL_MICRO_BATCH=8 bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -50,6 +50,8 @@ for mode in $modes; do
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode")
   else
     runs=(--runs trl --steps-for "trl=${TRL_STEPS:-6}" --whole-run "$steps")
+    # TRL_MICRO_BATCH: TRL's own micro-batch (it runs out of memory at 16 rows on the geometry3k rows)
+    [[ -n ${TRL_MICRO_BATCH:-} ]] && runs+=(--trl-micro-batch "$TRL_MICRO_BATCH")
   fi
   MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1

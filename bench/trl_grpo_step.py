@@ -634,7 +634,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         metrics = trainer.train_step()
         timings = {f"{key}_s": trainer.timings.pop(key, 0.0)
                    for key in ("rollout", "logprob", "update", "sync", "media_check", "media_check_rollout",
-                               "media_check_training")}
+                               "media_check_training", "compile_helper_wait")}
         watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
         if watch is not None:
             timings["compile_s"], timings["compile_graphs"] = watch.take()
@@ -650,7 +650,9 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         planned = json.loads(start.read_text()).get("first_steps") if start.is_file() else None
         steps.extra.update(first_steps=seen,
                            first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
-    steps.extra.update(compile_phases=compile_phases())
+    helper = getattr(trainer, "compile_helper", None)  # mmrl.prewarm (absent before it)
+    steps.extra.update(compile_phases=compile_phases(),
+                       compile_helper=helper.outcome if helper is not None else "not started")
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())
@@ -690,8 +692,8 @@ def run_trl(model_dir: Path, args, dtype: str, result: Path) -> None:
     config = GRPOConfig(
         output_dir=str(model_dir.parent / f"run_{args.worker}"),
         # One optimizer step per rollout of prompts x samples rows, in micro-batches of --micro-batch.
-        per_device_train_batch_size=micro_batch(args),
-        gradient_accumulation_steps=args.prompts * args.samples // micro_batch(args),
+        per_device_train_batch_size=trl_micro_batch(args),
+        gradient_accumulation_steps=args.prompts * args.samples // trl_micro_batch(args),
         num_generations=args.samples, max_completion_length=args.new_tokens,
         temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -791,6 +793,22 @@ def prompt_check(trainer, rows: list[dict], ours: list[list[int]]) -> dict[str, 
 def micro_batch(args) -> int:
     rows = args.prompts * args.samples
     return getattr(args, "micro_batch", 0) or rows  # callers that build their own args may leave it out
+
+
+def trl_micro_batch(args) -> int:
+    """TRL's training micro-batch: --trl-micro-batch where given (TRL runs out of memory at
+    mmrl's on the geometry3k rows' larger images), else mmrl's."""
+    return getattr(args, "trl_micro_batch", 0) or micro_batch(args)
+
+
+def differences(args) -> list[dict[str, str]]:
+    """`DIFFERENCES`, and the micro-batch where TRL's was set apart from mmrl's."""
+    if trl_micro_batch(args) == micro_batch(args):
+        return DIFFERENCES
+    return [*DIFFERENCES, {
+        "setting": "training micro-batch", "mmrl": f"{micro_batch(args)} rows",
+        "trl": f"{trl_micro_batch(args)} rows (per_device_train_batch_size), gradient accumulation to the same "
+               "optimizer step", "handling": "--trl-micro-batch: TRL ran out of GPU memory at mmrl's micro-batch"}]
 
 
 def same_prompt_ids(theirs: list[list[int]], ours: list[list[int]]) -> dict[str, Any]:
@@ -932,7 +950,9 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None, *, script: Pat
     cmd = [sys.executable, str(script.resolve()), "--worker", worker, "--model-dir", str(tmp / "model"),
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
            *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))],
-           *(["--rows", args.rows] if getattr(args, "rows", None) else []), *(extra or [])]
+           *(["--rows", args.rows] if getattr(args, "rows", None) else []),
+           *(["--trl-micro-batch", str(args.trl_micro_batch)] if getattr(args, "trl_micro_batch", 0) else []),
+           *(extra or [])]
     if spec is not None and "steps" in spec:  # --steps-for: this run's own step count (the last --steps wins)
         cmd += ["--steps", str(spec["steps"])]
     if spec is not None:
@@ -984,6 +1004,8 @@ def main() -> None:
                         help="VL shapes: a recipe's bundled rows (its template, its images at their own sizes "
                              "within its pixel budget) instead of random words and square images")
     parser.add_argument("--micro-batch", type=int, default=0, help="rows per micro-batch (default: the whole rollout)")
+    parser.add_argument("--trl-micro-batch", type=int, default=0,
+                        help="TRL's rows per micro-batch where they must differ (default: --micro-batch)")
     parser.add_argument("--vocabulary", default="auto", choices=("auto", "qwen", "tiny"),
                         help="auto: the real Qwen vocabulary for 0.5b, a tiny word-level one for tiny")
     parser.add_argument("--steps", type=int, default=6)
@@ -1037,6 +1059,9 @@ def main() -> None:
         parser.error(f"--rows {args.rows}: takes a vision-language shape ({', '.join(VL_SHAPES)})")
     if args.micro_batch and (args.prompts * args.samples) % args.micro_batch:
         parser.error(f"--micro-batch: {args.micro_batch} does not divide the {args.prompts * args.samples} rows of a step")
+    if args.trl_micro_batch and (args.prompts * args.samples) % args.trl_micro_batch:
+        parser.error(f"--trl-micro-batch: {args.trl_micro_batch} does not divide the {args.prompts * args.samples} "
+                     "rows of a step")
     for item in args.steps_for:
         name, _, count = item.partition("=")
         if name not in specs or not count.isdigit() or int(count) < 2:
@@ -1045,7 +1070,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": "python bench/trl_grpo_step.py " + " ".join(sys.argv[1:]), "note": args.note,
         "date": time.strftime("%Y-%m-%d"), "versions": versions(), "settings": settings(args),
-        "differences": DIFFERENCES, "specs": specs, "runs": {},
+        "differences": differences(args), "specs": specs, "runs": {},
     }
 
     def write() -> None:

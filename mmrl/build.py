@@ -159,10 +159,9 @@ def _random_init_config(checkpoint: Path | None, adapter: ModelAdapter, config, 
     return adapter, customized_config(config, adapter, config_overrides or {}), processor
 
 
-def recipe_tokenizer(model) -> tuple[Any, Any]:
-    """The tokenizer and the text config that a recipe's `model` section builds with, read
-    without building the model (nor fetching a hub checkpoint's weights): for the checks
-    before the build, such as a prompt's length against the context."""
+def recipe_config(model) -> tuple[Any, Any]:
+    """The processor and the config that a recipe's `model` section builds with, read
+    without building the model (nor fetching a hub checkpoint's weights)."""
     path, is_checkpoint, adapter = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
     processor = load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
     if model.random_init:
@@ -173,6 +172,14 @@ def recipe_tokenizer(model) -> tuple[Any, Any]:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    return processor, config
+
+
+def recipe_tokenizer(model) -> tuple[Any, Any]:
+    """The tokenizer and the text config that a recipe's `model` section builds with (as
+    `recipe_config`): for the checks before the build, such as a prompt's length against
+    the context."""
+    processor, config = recipe_config(model)
     return getattr(processor, "tokenizer", processor), config.get_text_config()
 
 

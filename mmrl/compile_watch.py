@@ -34,6 +34,7 @@ class CompileWatch:
     def __init__(self):
         self._lock = threading.Lock()
         self._started: float | None = None
+        self._cache_before = (0, 0)
         self.seconds = 0.0
         self.graphs = 0
         self._taken = (0.0, 0)
@@ -56,6 +57,7 @@ class CompileWatch:
     def _start(self, args=None) -> None:
         with self._lock:
             self._started = time.perf_counter()
+            self._cache_before = cache_counts()
 
     def _end(self, args=None) -> None:
         with self._lock:
@@ -66,9 +68,12 @@ class CompileWatch:
             self.seconds += spent
             self.graphs += 1
             count = self.graphs
+            hits, misses = (now - before for now, before in zip(cache_counts(), self._cache_before))
         if self.announce:
             compile_id = getattr(args, "compile_id", "")
-            print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s", flush=True)
+            source = (" (kernels from the compile cache)" if hits and not misses else
+                      " (kernels partly from the compile cache)" if hits else "")
+            print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s{source}", flush=True)
 
     def record(self, seconds: float, what: str) -> None:
         """Count work that stands in for a compile (a CUDA graph recorded without compiling,
@@ -88,6 +93,16 @@ class CompileWatch:
         return seconds, graphs
 
 
+def cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's and AOTAutograd's on-disk graph caches in this process so
+    far (the compiled kernels a graph found, or compiled, `persistent_cache`)."""
+    from torch._dynamo.utils import counters
+
+    aot, inductor = counters["aot_autograd"], counters["inductor"]
+    return (aot["autograd_cache_hit"] + inductor["fxgraph_cache_hit"],
+            aot["autograd_cache_miss"] + inductor["fxgraph_cache_miss"])
+
+
 _WATCH = CompileWatch()
 
 
@@ -105,11 +120,25 @@ def cache_root() -> Path:
     return Path(base) / "mmrl" / "compile"
 
 
+def user_cache_dir() -> str | None:
+    """`TORCHINDUCTOR_CACHE_DIR` where the user chose it; None where it is unset, or where it
+    names inductor's default folder, which inductor writes into the variable itself at its
+    first cache lookup (an import can make one before the run starts; seen on the GPU image)."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen:
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return chosen
+    return None if os.path.abspath(chosen) == os.path.abspath(default_cache_dir()) else chosen
+
+
 def persistent_cache(device: torch.device | str | None = None) -> Path | None:
     """Point inductor's on-disk caches at mmrl's compile cache (see the module docstring)
     and turn its graph caches on; returns the folder, or None where the user chose one
     (`TORCHINDUCTOR_CACHE_DIR`) or it cannot be created. Call before the first compile."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    if user_cache_dir() is not None:
         return None
     device = torch.device(device) if device is not None else None
     tag = f"torch-{torch.__version__}"
@@ -135,4 +164,4 @@ def persistent_cache(device: torch.device | str | None = None) -> Path | None:
     return folder
 
 
-__all__ = ["CompileWatch", "cache_root", "persistent_cache", "watch"]
+__all__ = ["CompileWatch", "cache_counts", "cache_root", "persistent_cache", "watch"]

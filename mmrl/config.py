@@ -136,6 +136,10 @@ class ModelConfig(_Section):
     # speeds up packed and padded updates alike (bench/packing.py, bench/recipe_steps.py;
     # the figures: docs/performance.md, "Packing and compiled layers").
     compile_layers: bool | Literal["auto"] = "auto"
+    # A helper process compiles the update's graphs while the run starts, into the run's
+    # compile cache (`mmrl.prewarm`). "auto": on a GPU in one process where the layers compile,
+    # unless this recipe's update compiled in that cache before; true: that last case too.
+    compile_prewarm: bool | Literal["auto"] = "auto"
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.
     min_pixels: int | None = Field(None, gt=0)
@@ -762,7 +766,7 @@ _HOW_TO_RUN = {
                 "samples_every", "samples_per_log", "loggers"},
     "rollout": {"backend", "gpu_memory_utilization"},
     "model": {"attn_implementation", "gradient_checkpointing", "share_media", "pack", "pack_tokens",
-              "compile_layers"},
+              "compile_layers", "compile_prewarm"},
     "parallel": {"sequence_parallel", "rollout_ranks"},
     "eval": set(EvalConfig.model_fields),
 }

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from mmrl import prewarm
 from mmrl.atomic import atomic_write_text
 from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
@@ -110,9 +111,15 @@ class Trainer:
         self.compile_watch = watch()
         self.compile_watch.take()  # this run's compiles only, not earlier ones of the process
         self.compile_watch.announce = self.dist.is_main
+        # The update's graphs compile in a helper process while this one builds and rolls out.
+        self.compile_helper = prewarm.start(recipe, self.settled, self.dist,
+                                            given_objects=reward is not None or bool(self._given_datasets))
+        self.compile_helper_marks = prewarm.marks(self.settled, self.dist)
         try:
             self._build()
         except BaseException:
+            if self.compile_helper is not None:
+                self.compile_helper.stop()
             self.folder.release()
             raise
 
@@ -336,6 +343,8 @@ class Trainer:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
+        if self.compile_helper is not None:  # its compiles are in the cache before the update's first
+            self.timings["compile_helper_wait"] += self.compile_helper.join()
         plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
                                 batch.outcomes)
         attach_behaviour(plan.batches, batch)  # the off-policy correction's behaviour log-probs (algo.off_policy)
@@ -344,6 +353,8 @@ class Trainer:
         self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
         with self.timed("update"):
             metrics.update(self.update.run(plan))
+        if self.step == 1 and self.compile_helper_marks:
+            prewarm.mark_done(r, self.settled)  # the next run of this recipe starts no helper
         with self.timed("sync"):
             self.rollout.sync(self.actor)
         metrics["lr"] = self._recipe_lr()
@@ -563,7 +574,8 @@ class Trainer:
                 metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
                 for key in ("rollout", "logprob", "update", "sync"):
                     metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
-                for key in ("media_check", "media_check_rollout", "media_check_training"):  # step 0 of a VLM run
+                for key in ("media_check", "media_check_rollout", "media_check_training",  # step 0 of a VLM run
+                            "compile_helper_wait"):
                     if key in self.timings:
                         metrics[f"time/{key}"] = self.timings.pop(key)
                 metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()

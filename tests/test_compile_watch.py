@@ -40,6 +40,11 @@ def test_the_cache_folder_is_mmrls_unless_the_user_set_one(tmp_path, monkeypatch
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert persistent_cache("cpu") is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    # inductor's own default, which inductor writes into the variable at its first lookup: not the user's
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert persistent_cache("cpu") == folder and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     monkeypatch.delenv("MMRL_COMPILE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "mmrl" / "compile"

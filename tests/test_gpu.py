@@ -452,3 +452,33 @@ def test_merged_projections_on_cuda_give_the_tokens_of_separate_products(decode)
                 torch.testing.assert_close(out.logprobs[same], reference.logprobs[same], atol=5e-2, rtol=0)
         del engine, built, separate, merged
         torch.cuda.empty_cache()
+
+
+def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeypatch):
+    """The compile helper (mmrl/prewarm.py) runs the recipe with one decoder layer; the run's
+    first step (two layers, rollout uncompiled) then compiles nothing that is not in the cache."""
+    from pathlib import Path
+
+    from mmrl.compile_watch import cache_counts
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=2", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
+        "model.compile_layers=true", "rollout.backend=hf",
+    ])
+    trainer = Trainer(recipe)
+    assert trainer.compile_helper is not None
+    before = cache_counts()
+    trainer.train_step()  # waits for the helper before the update
+    hits, misses = (after - b for after, b in zip(cache_counts(), before))
+    assert trainer.compile_helper.outcome == "done", trainer.compile_helper.log.read_text()[-2000:]
+    assert trainer.actor.compiled_layers.compiled_calls > 0
+    assert hits > 0 and misses == 0, (hits, misses)
+    # the run's first update marks the recipe: the next run starts no helper
+    again = Trainer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
+        update={"output_dir": str(tmp_path / "again")})}))
+    assert again.compile_helper is None

@@ -1,0 +1,272 @@
+"""The update's graphs compiled in a helper process while the run starts (issue 28).
+
+On a fresh machine a run's first step compiles every graph it needs. The largest is the
+decoder layer's forward and backward with gradients (about 12 s of a 32 s first step at the
+Qwen2.5-VL-3B shape on one H200, bench/decode_ab.sh), and the run reaches it only after
+the rollout has compiled the decode step's graphs and the media check has run. So at the
+start of a run on one GPU, a helper process runs the same recipe for one step with random
+weights in a model of one decoder layer per layer type, rolling out through plain
+`generate` (nothing compiled there). What it compiles is what the engine's forwards
+compile (the layer with and without gradients, the chunked log-prob functions), and
+inductor writes it to the run's compile cache (`mmrl.compile_watch.persistent_cache`). The
+run compiles the decode step meanwhile, and waits for the helper before its first update,
+whose compiles then find their kernels in the cache (dynamo still traces).
+
+    helper = start(recipe, settled, dist)   # None where no helper is wanted (`reason_not`)
+    waited = helper.join()                  # before the first update: seconds waited
+    mark_done(recipe, settled)              # after it: the next run of the recipe starts none
+
+A helper that fails or is not done within `JOIN_TIMEOUT_S` costs the run nothing but the
+wait (one line says so, its log stays in the cache folder): the run compiles its own.
+It runs niced, so the run's own compiles keep the CPU first, and it exits when the run
+does. Nothing of it is needed for correctness: the cache holds compiled code keyed by the
+graph, and a graph the helper's model does not share with the run's is compiled by the
+run as without a helper. bench/decode_ab.sh measures a fresh machine's run with it;
+tests/test_prewarm.py checks the helper's recipe, when it starts, and that its step runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mmrl.config import Recipe, dump_recipe
+
+if TYPE_CHECKING:
+    from mmrl.parallel import Dist
+    from mmrl.settle import Settled
+
+# Seconds the run waits for the helper before its first update, counted from the helper's
+# start; then the helper is stopped and the run compiles what it still needs itself.
+JOIN_TIMEOUT_S = 300.0
+# The helper's niceness: below the run's, whose own compiles come first.
+NICENESS = 5
+# Where the marks and the helper's log live, under the compile cache folder.
+FOLDER = "mmrl-prewarm"
+# The run's process id, which the helper watches (it exits when the run is gone).
+PARENT_ENV = "MMRL_PREWARM_PARENT"
+
+
+def cache_folder() -> Path | None:
+    """The compile cache the run's inductor writes to (`TORCHINDUCTOR_CACHE_DIR`, set by
+    `persistent_cache` or the user); None without one."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(folder) if folder else None
+
+
+def recipe_key(recipe: Recipe, settled: Settled) -> str:
+    """What makes a run's compiled graphs differ, hashed: the recipe less how it is run
+    (trainer, eval) and the settled values."""
+    import torch
+
+    what = recipe.model_dump(mode="json", exclude={"trainer", "eval", "settled"})
+    what["settled"] = settled.values()
+    what["torch"] = torch.__version__
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _mark(recipe: Recipe, settled: Settled) -> Path | None:
+    folder = cache_folder()
+    return folder / FOLDER / f"{recipe_key(recipe, settled)}.done" if folder is not None else None
+
+
+def mark_done(recipe: Recipe, settled: Settled) -> None:
+    """Note in the cache folder that this recipe's first update has compiled there."""
+    mark = _mark(recipe, settled)
+    if mark is None or mark.exists():
+        return
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    except OSError:
+        pass  # a read-only cache: the next run starts a helper again, nothing worse
+
+
+def marks(settled: Settled, dist: Dist) -> bool:
+    """Whether a run's first update compiles the graphs a helper would (`mark_done` after it)."""
+    return dist.device.type == "cuda" and not dist.distributed and bool(settled.compile_layers)
+
+
+def reason_not(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False) -> str | None:
+    """Why this run starts no helper, or None where it does. `given_objects`: the run was
+    handed a reward function or datasets (`mmrl.api.train`), which a helper process
+    cannot rebuild."""
+    asked = recipe.model.compile_prewarm
+    if asked is False:
+        return "model.compile_prewarm is false"
+    if dist.device.type != "cuda":
+        return f"nothing compiled on {dist.device.type}"
+    if dist.distributed:
+        return "sharded ranks compile graphs of their own"
+    if given_objects:
+        return "the run was given a reward function or datasets, which a helper process cannot rebuild"
+    if not settled.compile_layers or settled.gradient_checkpointing is True:
+        return "the engine's layers run eagerly (model.compile_layers off or activation checkpointing on)"
+    mark = _mark(recipe, settled)
+    if mark is None:
+        return "no compile cache (TORCHINDUCTOR_CACHE_DIR) to share"
+    if mark.exists() and asked == "auto":
+        return f"this recipe's update compiled in this cache before ({mark})"
+    return None
+
+
+def shrunk_layers(config) -> dict[str, Any]:
+    """`model.config_overrides` that keep one decoder layer of each layer type of `config`'s
+    text model (nested under the text config's name where it is a sub-config); empty where
+    the text config has no `num_hidden_layers`."""
+    text = config.get_text_config()
+    if not isinstance(getattr(text, "num_hidden_layers", None), int):
+        return {}
+    types = list(getattr(text, "layer_types", None) or [])
+    kinds = list(dict.fromkeys(types))
+    override: dict[str, Any] = {"num_hidden_layers": max(1, len(kinds))}
+    if kinds:
+        override["layer_types"] = kinds
+    if text is config:
+        return override
+    for name, value in vars(config).items():
+        if value is text:
+            return {name: override}
+    return {}
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
+    """The helper's recipe (unvalidated sections): the run's, settled as the run settled,
+    for one step into `output_dir` with nothing saved, logged or evaluated, every group
+    updated (random weights may reward all samples alike), plain `generate`, and no helper
+    of its own. The model's random weights and its shrunk layers are set by the helper
+    (`run_helper`), which reads the model's config."""
+    import yaml
+
+    values = yaml.safe_load(dump_recipe(recipe))
+    values["trainer"].update(
+        steps=1, output_dir=str(output_dir), overwrite=True, resume=False, export=False, progress=False,
+        summary=False, loggers=[], samples_every=0, eval_every=0, val_before_train=False, save_every=0,
+        strict_media=False, time_budget_s=None, target_accuracy=None)
+    values["rollout"]["backend"] = "hf"
+    values["algo"].update(filter_uniform_groups=False, max_staleness=0)
+    values["model"]["compile_prewarm"] = False
+    return values
+
+
+class Helper:
+    """A started helper: `join` waits for it (at most until `JOIN_TIMEOUT_S` after its start)."""
+
+    def __init__(self, process: subprocess.Popen, log: Path, timeout: float = JOIN_TIMEOUT_S,
+                 announce: bool = True) -> None:
+        self.process = process
+        self.log = log
+        self.deadline = time.monotonic() + timeout
+        self.announce = announce
+        self.outcome: str | None = None  # "done", or why not
+
+    def join(self) -> float:
+        """Wait for the helper; seconds waited. Stops it past the deadline. Once."""
+        if self.outcome is not None:
+            return 0.0
+        began = time.monotonic()
+        try:
+            code = self.process.wait(timeout=max(0.0, self.deadline - began))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            self.outcome = f"not done within {JOIN_TIMEOUT_S:.0f} s, stopped"
+        else:
+            self.outcome = "done" if code == 0 else f"exited with code {code}"
+        if self.outcome != "done" and self.announce:
+            print(f"compile helper: {self.outcome} (log: {self.log}); the run compiles its own graphs",
+                  file=sys.stderr, flush=True)
+        return time.monotonic() - began
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False,
+          command: list[str] | None = None) -> Helper | None:
+    """Start the helper where it is wanted (`reason_not`); None where not. `command`
+    replaces `python -m mmrl.prewarm` (tests)."""
+    if reason_not(recipe, settled, dist, given_objects=given_objects) is not None:
+        return None
+    folder = cache_folder() / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    key = recipe_key(recipe, settled)
+    work = Path(tempfile.mkdtemp(prefix="mmrl-prewarm-"))
+    payload = work / "helper.json"
+    folder_of_recipe = getattr(recipe, "_folder", None)
+    payload.write_text(json.dumps({"recipe": helper_values(recipe, work / "run"),
+                                   "folder": str(folder_of_recipe) if folder_of_recipe else None}))
+    log = folder / f"{key}.log"
+    # The run's import path: a reward or environment module found beside its script is found.
+    path = os.pathsep.join(entry for entry in sys.path if entry and Path(entry).exists())
+    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
+    with log.open("w") as out:
+        process = subprocess.Popen(command or [sys.executable, "-m", "mmrl.prewarm", str(payload)],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    helper = Helper(process, log, announce=dist.is_main)
+    import atexit
+
+    atexit.register(helper.stop)
+    return helper
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this process once the run that started it is gone."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def run_helper(payload: Path) -> None:
+    """The helper's side: the run's recipe with random weights and shrunk layers, one step."""
+    from mmrl.build import recipe_config
+    from mmrl.config import validate_recipe
+    from mmrl.trainer import Trainer
+
+    data = json.loads(payload.read_text())
+    recipe = validate_recipe(data["recipe"], where="compile helper", folder=data["folder"])
+    _, config = recipe_config(recipe.model)  # as the build makes it, without the weights
+    shrink = shrunk_layers(config)
+    if not shrink:
+        raise SystemExit("compile helper: the text config has no num_hidden_layers to shrink")
+    model = recipe.model.model_copy(update={"random_init": True,
+                                            "config_overrides": _merged(recipe.model.config_overrides, shrink)})
+    trainer = Trainer(recipe.model_copy(update={"model": model}))
+    trainer.train_step()
+    layers = trainer.built.model.config.get_text_config().num_hidden_layers
+    print(f"compile helper: one step done, {layers} decoder layer{'s' if layers != 1 else ''}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
+    run_helper(Path(argv[0]))
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of CUDA and compile workers: the run waits on this exit
+
+
+if __name__ == "__main__":
+    main()

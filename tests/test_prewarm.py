@@ -1,0 +1,157 @@
+"""The compile helper (`mmrl.prewarm`): its recipe, when a run starts one, how the run waits
+for it, and that its one step runs with the shrunk model. That its compiles are the ones the
+run's first update then finds in the cache needs a GPU: tests/test_gpu.py,
+`test_compile_helper_fills_the_cache_the_first_update_reads`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmrl import prewarm
+from mmrl.config import load_recipe, validate_recipe
+from mmrl.registry import get_adapter
+from mmrl.settle import Choice, Settled
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny_vlm_count.yaml"
+SMALL_DATA = ["data.train=synthetic:count_shapes?n=16&seed=0&image_size=56", "data.validation=null",
+              "data.eval=null", "data.prompts_per_step=4", "trainer.threads=1"]
+
+
+def settled(compile_layers=True, checkpointing=False) -> Settled:
+    return Settled({"model.compile_layers": Choice(compile_layers, ""),
+                    "model.gradient_checkpointing": Choice(checkpointing, ""),
+                    "rollout.backend": Choice("hf_compiled", "")})
+
+
+def gpu(distributed=False):
+    return SimpleNamespace(device=torch.device("cuda"), distributed=distributed, is_main=True)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("qwen2", {"num_hidden_layers": 1, "layer_types": ["full_attention"]}),
+    ("qwen2_5_vl", {"text_config": {"num_hidden_layers": 1, "layer_types": ["full_attention"]}}),
+    # one layer of each kind: a sliding-window layer compiles another graph than a full one
+    ("gemma3", {"text_config": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}}),
+    ("llama", {"num_hidden_layers": 1}),
+])
+def test_shrunk_layers_keep_one_decoder_layer_of_each_type(family, expected):
+    config = get_adapter(family).tiny().config
+    assert prewarm.shrunk_layers(config) == expected
+
+
+def test_a_helper_starts_on_one_gpu_where_the_layers_compile_and_not_elsewhere(cache):
+    recipe = load_recipe(TINY)
+    assert prewarm.reason_not(recipe, settled(), gpu()) is None
+    cpu = SimpleNamespace(device=torch.device("cpu"), distributed=False, is_main=True)
+    assert "nothing compiled on cpu" in prewarm.reason_not(recipe, settled(), cpu)
+    assert "sharded" in prewarm.reason_not(recipe, settled(), gpu(distributed=True))
+    assert "eagerly" in prewarm.reason_not(recipe, settled(compile_layers=False), gpu())
+    assert "eagerly" in prewarm.reason_not(recipe, settled(checkpointing=True), gpu())
+    assert "reward function" in prewarm.reason_not(recipe, settled(), gpu(), given_objects=True)
+    off = load_recipe(TINY, ["model.compile_prewarm=false"])
+    assert "false" in prewarm.reason_not(off, settled(), gpu())
+
+
+def test_a_recipe_whose_update_compiled_in_the_cache_starts_no_helper_again(cache):
+    recipe = load_recipe(TINY)
+    prewarm.mark_done(recipe, settled())
+    assert "compiled in this cache before" in prewarm.reason_not(recipe, settled(), gpu())
+    # another recipe (what it trains) or other settled values: other graphs, a helper again
+    other = load_recipe(TINY, ["rollout.max_new_tokens=2"])
+    assert prewarm.reason_not(other, settled(), gpu()) is None
+    assert prewarm.reason_not(recipe, settled(checkpointing="after_oom"), gpu()) is None
+    # how it is run is not in the key; `true` starts one anyway
+    assert prewarm.reason_not(load_recipe(TINY, ["trainer.steps=3"]), settled(), gpu()) is not None
+    assert prewarm.reason_not(load_recipe(TINY, ["model.compile_prewarm=true"]), settled(), gpu()) is None
+
+
+def test_no_cache_folder_no_helper(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert "no compile cache" in prewarm.reason_not(load_recipe(TINY), settled(), gpu())
+
+
+def test_the_helpers_recipe_is_one_quiet_step_of_the_run_without_a_helper(tmp_path):
+    recipe = load_recipe(TINY, ["algo.filter_uniform_groups=true", "trainer.save_every=5"])
+    values = prewarm.helper_values(recipe, tmp_path / "run")
+    helper = validate_recipe(values)
+    assert helper.trainer.steps == 1 and helper.trainer.output_dir == str(tmp_path / "run")
+    assert (helper.trainer.save_every, helper.trainer.eval_every, helper.trainer.samples_every) == (0, 0, 0)
+    assert helper.trainer.loggers == [] and not helper.trainer.export and not helper.trainer.progress
+    assert helper.rollout.backend == "hf"  # nothing compiled in its rollout
+    assert not helper.algo.filter_uniform_groups  # random weights: every group still updates
+    assert helper.model.compile_prewarm is False
+    # what shapes the graphs is the run's
+    for section in ("data", "reward", "optim"):
+        assert getattr(helper, section) == getattr(recipe, section)
+    assert helper.model.model_copy(update={"compile_prewarm": "auto"}) == recipe.model
+    assert helper.rollout.model_copy(update={"backend": recipe.rollout.backend}) == recipe.rollout
+
+
+def _helper(code: str, timeout: float = 60.0) -> prewarm.Helper:
+    process = subprocess.Popen([sys.executable, "-c", code])
+    return prewarm.Helper(process, Path("helper.log"), timeout=timeout)
+
+
+def test_the_run_waits_for_a_helper_and_goes_on_whatever_it_did(capsys):
+    done = _helper("import time; time.sleep(0.3)")
+    assert done.join() >= 0.0 and done.outcome == "done"
+    assert done.join() == 0.0  # once
+    assert capsys.readouterr().err == ""
+    failed = _helper("raise SystemExit(4)")
+    failed.join()
+    assert failed.outcome == "exited with code 4"
+    assert "compile helper: exited with code 4 (log: helper.log); the run compiles its own" in capsys.readouterr().err
+    slow = _helper("import time; time.sleep(60)", timeout=0.5)
+    waited = slow.join()
+    assert waited < 30 and slow.outcome.startswith("not done") and slow.process.poll() is not None
+
+
+@pytest.mark.slow
+def test_the_helper_runs_one_step_of_the_recipe_with_one_decoder_layer(tmp_path):
+    recipe = load_recipe(TINY, SMALL_DATA)
+    payload = tmp_path / "helper.json"
+    payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "run"),
+                                   "folder": str(TINY.parent)}))
+    out = subprocess.run([sys.executable, "-m", "mmrl.prewarm", str(payload)], capture_output=True, text=True,
+                         cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
+    assert "compile helper: one step done, 1 decoder layer" in out.stdout
+
+
+@pytest.mark.slow
+def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
+    """On the CPU too (inductor's C++ kernels): after the helper's step, the run's first step
+    compiles its decoder layer graph from the cache, none anew. The CUDA twin:
+    tests/test_gpu.py, `test_compile_helper_fills_the_cache_the_first_update_reads`."""
+    from mmrl.compile_watch import cache_counts
+    from mmrl.trainer import Trainer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = load_recipe(TINY, [*SMALL_DATA, "model.compile_layers=true", "model.compile_prewarm=false",
+                                f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",
+                                "trainer.summary=false", "trainer.steps=2"])
+    payload = tmp_path / "helper.json"
+    payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "helper"),
+                                   "folder": str(TINY.parent)}))
+    out = subprocess.run([sys.executable, "-m", "mmrl.prewarm", str(payload)], capture_output=True, text=True,
+                         cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    trainer = Trainer(recipe)
+    before = cache_counts()
+    trainer.train_step()
+    hits, misses = (after - b for after, b in zip(cache_counts(), before))
+    assert trainer.actor.compiled_layers.compiled_calls > 0
+    assert hits > 0 and misses == 0, (hits, misses)
