@@ -16,6 +16,12 @@ whose compiles then find their kernels in the cache (dynamo still traces).
     waited = helper.join()                  # before the first update: seconds waited
     mark_done(recipe, settled)              # after it: the next run of the recipe starts none
 
+Off by default (`model.compile_prewarm: false`): measured on one H200 at the VL-3B shape
+(bench/results/decode_ab_vl3b_prewarm_gpu.json), the run's update then found its layer graph
+in the cache (1.1 s where it compiled for 10 s), but the run waited 36 s for the helper,
+whose own start (imports, data, a model build, its rollout and media check) under the run's
+compiles took longer than the run's way to its first update. `true` or `auto` turn it on.
+
 A helper that fails or is not done within `JOIN_TIMEOUT_S` costs the run nothing but the
 wait (one line says so, its log stays in the cache folder): the run compiles its own.
 It runs niced, so the run's own compiles keep the CPU first, and it exits when the run

@@ -468,14 +468,17 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=2", "trainer.eval_every=0", "trainer.progress=false",
         "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
-        "model.compile_layers=true", "rollout.backend=hf",
+        "model.compile_layers=true", "rollout.backend=hf", "model.compile_prewarm=auto",
     ])
     trainer = Trainer(recipe)
     assert trainer.compile_helper is not None
-    before = cache_counts()
-    trainer.train_step()  # waits for the helper before the update
-    hits, misses = (after - b for after, b in zip(cache_counts(), before))
+    # The run joins the helper before its update; here before the step, so that the media
+    # check's log-prob graph (compiled before that join in a run) is the helper's too.
+    trainer.compile_helper.join()
     assert trainer.compile_helper.outcome == "done", trainer.compile_helper.log.read_text()[-2000:]
+    before = cache_counts()
+    trainer.train_step()
+    hits, misses = (after - b for after, b in zip(cache_counts(), before))
     assert trainer.actor.compiled_layers.compiled_calls > 0
     assert hits > 0 and misses == 0, (hits, misses)
     # the run's first update marks the recipe: the next run starts no helper

@@ -51,8 +51,11 @@ def test_shrunk_layers_keep_one_decoder_layer_of_each_type(family, expected):
     assert prewarm.shrunk_layers(config) == expected
 
 
+AUTO = ["model.compile_prewarm=auto"]
+
+
 def test_a_helper_starts_on_one_gpu_where_the_layers_compile_and_not_elsewhere(cache):
-    recipe = load_recipe(TINY)
+    recipe = load_recipe(TINY, AUTO)
     assert prewarm.reason_not(recipe, settled(), gpu()) is None
     cpu = SimpleNamespace(device=torch.device("cpu"), distributed=False, is_main=True)
     assert "nothing compiled on cpu" in prewarm.reason_not(recipe, settled(), cpu)
@@ -60,30 +63,29 @@ def test_a_helper_starts_on_one_gpu_where_the_layers_compile_and_not_elsewhere(c
     assert "eagerly" in prewarm.reason_not(recipe, settled(compile_layers=False), gpu())
     assert "eagerly" in prewarm.reason_not(recipe, settled(checkpointing=True), gpu())
     assert "reward function" in prewarm.reason_not(recipe, settled(), gpu(), given_objects=True)
-    off = load_recipe(TINY, ["model.compile_prewarm=false"])
-    assert "false" in prewarm.reason_not(off, settled(), gpu())
+    assert "false" in prewarm.reason_not(load_recipe(TINY), settled(), gpu())  # the default
 
 
 def test_a_recipe_whose_update_compiled_in_the_cache_starts_no_helper_again(cache):
-    recipe = load_recipe(TINY)
+    recipe = load_recipe(TINY, AUTO)
     prewarm.mark_done(recipe, settled())
     assert "compiled in this cache before" in prewarm.reason_not(recipe, settled(), gpu())
     # another recipe (what it trains) or other settled values: other graphs, a helper again
-    other = load_recipe(TINY, ["rollout.max_new_tokens=2"])
+    other = load_recipe(TINY, [*AUTO, "rollout.max_new_tokens=2"])
     assert prewarm.reason_not(other, settled(), gpu()) is None
     assert prewarm.reason_not(recipe, settled(checkpointing="after_oom"), gpu()) is None
     # how it is run is not in the key; `true` starts one anyway
-    assert prewarm.reason_not(load_recipe(TINY, ["trainer.steps=3"]), settled(), gpu()) is not None
+    assert prewarm.reason_not(load_recipe(TINY, [*AUTO, "trainer.steps=3"]), settled(), gpu()) is not None
     assert prewarm.reason_not(load_recipe(TINY, ["model.compile_prewarm=true"]), settled(), gpu()) is None
 
 
 def test_no_cache_folder_no_helper(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert "no compile cache" in prewarm.reason_not(load_recipe(TINY), settled(), gpu())
+    assert "no compile cache" in prewarm.reason_not(load_recipe(TINY, AUTO), settled(), gpu())
 
 
 def test_the_helpers_recipe_is_one_quiet_step_of_the_run_without_a_helper(tmp_path):
-    recipe = load_recipe(TINY, ["algo.filter_uniform_groups=true", "trainer.save_every=5"])
+    recipe = load_recipe(TINY, [*AUTO, "algo.filter_uniform_groups=true", "trainer.save_every=5"])
     values = prewarm.helper_values(recipe, tmp_path / "run")
     helper = validate_recipe(values)
     assert helper.trainer.steps == 1 and helper.trainer.output_dir == str(tmp_path / "run")
