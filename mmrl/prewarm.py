@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,10 +143,11 @@ def shrunk_layers(config) -> dict[str, Any]:
     return {}
 
 
-def _merged(base: dict, extra: dict) -> dict:
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra` laid over it, nested mappings merged key by key."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -156,7 +156,7 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     for one step into `output_dir` with nothing saved, logged or evaluated, every group
     updated (random weights may reward all samples alike), plain `generate`, and no helper
     of its own. The model's random weights and its shrunk layers are set by the helper
-    (`run_helper`), which reads the model's config."""
+    (`mmrl.compile_helper.run_helper`), which reads the model's config."""
     import yaml
 
     values = yaml.safe_load(dump_recipe(recipe))
@@ -206,8 +206,8 @@ class Helper:
 
 def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False,
           command: list[str] | None = None) -> Helper | None:
-    """Start the helper where it is wanted (`reason_not`); None where not. `command`
-    replaces `python -m mmrl.prewarm` (tests)."""
+    """Start the helper (`python -m mmrl.compile_helper`) where it is wanted (`reason_not`);
+    None where not. `command` replaces that command (tests)."""
     if reason_not(recipe, settled, dist, given_objects=given_objects) is not None:
         return None
     folder = cache_folder() / FOLDER
@@ -223,56 +223,10 @@ def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool =
     path = os.pathsep.join(entry for entry in sys.path if entry and Path(entry).exists())
     env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
     with log.open("w") as out:
-        process = subprocess.Popen(command or [sys.executable, "-m", "mmrl.prewarm", str(payload)],
+        process = subprocess.Popen(command or [sys.executable, "-m", "mmrl.compile_helper", str(payload)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     helper = Helper(process, log, announce=dist.is_main)
     import atexit
 
     atexit.register(helper.stop)
     return helper
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit this process once the run that started it is gone."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(1.0)
-
-
-def run_helper(payload: Path) -> None:
-    """The helper's side: the run's recipe with random weights and shrunk layers, one step."""
-    from mmrl.build import recipe_config
-    from mmrl.config import validate_recipe
-    from mmrl.trainer import Trainer
-
-    data = json.loads(payload.read_text())
-    recipe = validate_recipe(data["recipe"], where="compile helper", folder=data["folder"])
-    _, config = recipe_config(recipe.model)  # as the build makes it, without the weights
-    shrink = shrunk_layers(config)
-    if not shrink:
-        raise SystemExit("compile helper: the text config has no num_hidden_layers to shrink")
-    model = recipe.model.model_copy(update={"random_init": True,
-                                            "config_overrides": _merged(recipe.model.config_overrides, shrink)})
-    trainer = Trainer(recipe.model_copy(update={"model": model}))
-    trainer.train_step()
-    layers = trainer.built.model.config.get_text_config().num_hidden_layers
-    print(f"compile helper: one step done, {layers} decoder layer{'s' if layers != 1 else ''}", flush=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parent = os.environ.get(PARENT_ENV)
-    if parent:
-        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
-    try:
-        os.nice(NICENESS)
-    except OSError:
-        pass
-    run_helper(Path(argv[0]))
-    sys.stdout.flush()
-    os._exit(0)  # no teardown of CUDA and compile workers: the run waits on this exit
-
-
-if __name__ == "__main__":
-    main()

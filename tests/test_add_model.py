@@ -537,6 +537,20 @@ def test_a_single_layer_index_stays_inside_the_shrunk_depth():
     assert values["num_hidden_layers"] == 2 and values["insert_layer_id"] == 1
 
 
+def test_the_tiny_tower_keeps_the_composites_patch_geometry():
+    """LLaVA's default CLIP tower cuts patches of 14; CLIPVisionConfig's own default is 32.
+    The tiny tower, written as a dict over the class's defaults, must keep the 14 (a
+    112-pixel image in patches of 32 has no whole grid, which vLLM's CLIP rejects)."""
+    import transformers
+
+    from mmrl.scaffold.shrink import composite_tower_values
+
+    assert composite_tower_values(transformers.LlavaConfig().vision_config) == {"patch_size": 14}
+    assert composite_tower_values(transformers.CLIPVisionConfig()) == {}  # the class's own tower
+    # geometry only: the image size is the tiny model's to fit
+    assert "image_size" not in composite_tower_values(transformers.LlavaNextConfig().vision_config)
+
+
 def test_a_placeholder_spelled_out_per_feature_renders_as_a_repetition():
     from mmrl.scaffold.render import _text_expression
 

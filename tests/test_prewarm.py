@@ -126,7 +126,7 @@ def test_the_helper_runs_one_step_of_the_recipe_with_one_decoder_layer(tmp_path)
     payload = tmp_path / "helper.json"
     payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "run"),
                                    "folder": str(TINY.parent)}))
-    out = subprocess.run([sys.executable, "-m", "mmrl.prewarm", str(payload)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "mmrl.compile_helper", str(payload)], capture_output=True, text=True,
                          cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
@@ -148,7 +148,7 @@ def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
     payload = tmp_path / "helper.json"
     payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "helper"),
                                    "folder": str(TINY.parent)}))
-    out = subprocess.run([sys.executable, "-m", "mmrl.prewarm", str(payload)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "mmrl.compile_helper", str(payload)], capture_output=True, text=True,
                          cwd=REPO, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     trainer = Trainer(recipe)

@@ -28,7 +28,8 @@ from mmrl.scaffold.image_size import fit_image_size, per_image_count_arguments, 
 from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters
 from mmrl.scaffold.placeholders import find_placeholder, named_token, tokens_in_source, unexpanded_placeholder
 from mmrl.scaffold.shrink import (
-    TinyInputs, modeling_reads, modeling_source, shrink_values, tiny_vision_values, vision_language_text_values,
+    TinyInputs, composite_tower_values, modeling_reads, modeling_source, shrink_values, tiny_vision_values,
+    vision_language_text_values,
 )
 from mmrl.scaffold.vllm_fields import text_architecture, vllm_fields
 from mmrl.tiny import TINY_TEXT_SHAPES
@@ -179,7 +180,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         # Model code that builds a sliding-window mask whatever its layers use: a window
         # wider than any tiny sequence, the same as none.
         text_overrides["sliding_window"] = 4096
-    vision = {"model_type": getattr(vision_default, "model_type", "") or None,
+    vision = {"model_type": getattr(vision_default, "model_type", "") or None, **composite_tower_values(vision_default),
               **tiny_vision_values(vision_default, getattr(text_default, "hidden_size", None))}
     vision = {k: v for k, v in vision.items() if v is not None}
     top_tied = {getattr(text_default, "hidden_size", -1): TINY_TEXT_SHAPES["hidden_size"]}

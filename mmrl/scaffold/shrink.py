@@ -531,6 +531,22 @@ def runs(model_class: str, config) -> None:
                             "hand with values its code accepts", category="forward") from exc
 
 
+def composite_tower_values(vision_default) -> dict[str, Any]:
+    """The patch geometry (`patch_size`, `spatial_merge_size`, ...: integer fields named for
+    patches or merging) in which a composite config's default vision tower differs from its
+    config class's own defaults (LLaVA's CLIP tower: patch 14, where CLIPVisionConfig says
+    32). A tiny config passes its tower as a dict, which the class fills in with its own
+    defaults, so without these the tiny tower would cut its images into other patches than
+    the composite's (a 112-pixel image in patches of 32: no whole grid, which vLLM's CLIP
+    rejects). The image size is left to the tiny model's fitting (`fit_image_size`)."""
+    try:
+        own = type(vision_default)().to_dict()
+    except Exception:  # a class that needs arguments: no defaults to differ from
+        return {}
+    return {key: value for key, value in vision_default.to_dict().items()
+            if ("patch" in key or "merge" in key) and type(value) is int and own.get(key) != value}
+
+
 def tiny_vision_values(vision_default, text_hidden_default: int | None) -> dict[str, Any]:
     """Values that shrink a vision sub-config (image and patch size kept); integers equal
     to the default text width follow the tiny text width (projection outputs)."""
