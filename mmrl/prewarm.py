@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,9 +175,10 @@ class Helper:
     """A started helper: `join` waits for it (at most until `JOIN_TIMEOUT_S` after its start)."""
 
     def __init__(self, process: subprocess.Popen, log: Path, timeout: float = JOIN_TIMEOUT_S,
-                 announce: bool = True) -> None:
+                 announce: bool = True, work: Path | None = None) -> None:
         self.process = process
         self.log = log
+        self.work = work  # the helper's payload and run folder, removed once it is over
         self.deadline = time.monotonic() + timeout
         self.announce = announce
         self.outcome: str | None = None  # "done", or why not
@@ -196,12 +198,18 @@ class Helper:
         if self.outcome != "done" and self.announce:
             print(f"compile helper: {self.outcome} (log: {self.log}); the run compiles its own graphs",
                   file=sys.stderr, flush=True)
+        self._remove_work()
         return time.monotonic() - began
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._remove_work()
+
+    def _remove_work(self) -> None:
+        if self.work is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False,
@@ -225,7 +233,7 @@ def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool =
     with log.open("w") as out:
         process = subprocess.Popen(command or [sys.executable, "-m", "mmrl.compile_helper", str(payload)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    helper = Helper(process, log, announce=dist.is_main)
+    helper = Helper(process, log, announce=dist.is_main, work=work)
     import atexit
 
     atexit.register(helper.stop)

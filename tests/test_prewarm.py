@@ -101,14 +101,18 @@ def test_the_helpers_recipe_is_one_quiet_step_of_the_run_without_a_helper(tmp_pa
     assert helper.rollout.model_copy(update={"backend": recipe.rollout.backend}) == recipe.rollout
 
 
-def _helper(code: str, timeout: float = 60.0) -> prewarm.Helper:
+def _helper(code: str, timeout: float = 60.0, work: Path | None = None) -> prewarm.Helper:
     process = subprocess.Popen([sys.executable, "-c", code])
-    return prewarm.Helper(process, Path("helper.log"), timeout=timeout)
+    return prewarm.Helper(process, Path("helper.log"), timeout=timeout, work=work)
 
 
-def test_the_run_waits_for_a_helper_and_goes_on_whatever_it_did(capsys):
-    done = _helper("import time; time.sleep(0.3)")
+def test_the_run_waits_for_a_helper_and_goes_on_whatever_it_did(capsys, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "helper.json").write_text("{}")
+    done = _helper("import time; time.sleep(0.3)", work=work)
     assert done.join() >= 0.0 and done.outcome == "done"
+    assert not work.exists()  # the payload and the helper's run folder go with it
     assert done.join() == 0.0  # once
     assert capsys.readouterr().err == ""
     failed = _helper("raise SystemExit(4)")
