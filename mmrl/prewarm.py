@@ -212,26 +212,30 @@ class Helper:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
-def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False,
-          command: list[str] | None = None) -> Helper | None:
+def write_payload(recipe: Recipe, work: Path) -> Path:
+    """The file `python -m mmrl.compile_helper` reads: the helper's recipe (`helper_values`,
+    its run folder under `work`) and the folder the run's recipe resolves its paths against."""
+    payload = work / "helper.json"
+    payload.write_text(json.dumps({"recipe": helper_values(recipe, work / "run"),
+                                   "folder": str(recipe.folder) if recipe.folder else None}))
+    return payload
+
+
+def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool = False) -> Helper | None:
     """Start the helper (`python -m mmrl.compile_helper`) where it is wanted (`reason_not`);
-    None where not. `command` replaces that command (tests)."""
+    None where not."""
     if reason_not(recipe, settled, dist, given_objects=given_objects) is not None:
         return None
     folder = cache_folder() / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    key = recipe_key(recipe, settled)
     work = Path(tempfile.mkdtemp(prefix="mmrl-prewarm-"))
-    payload = work / "helper.json"
-    folder_of_recipe = getattr(recipe, "_folder", None)
-    payload.write_text(json.dumps({"recipe": helper_values(recipe, work / "run"),
-                                   "folder": str(folder_of_recipe) if folder_of_recipe else None}))
-    log = folder / f"{key}.log"
+    payload = write_payload(recipe, work)
+    log = folder / f"{recipe_key(recipe, settled)}.log"
     # The run's import path: a reward or environment module found beside its script is found.
     path = os.pathsep.join(entry for entry in sys.path if entry and Path(entry).exists())
     env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
     with log.open("w") as out:
-        process = subprocess.Popen(command or [sys.executable, "-m", "mmrl.compile_helper", str(payload)],
+        process = subprocess.Popen([sys.executable, "-m", "mmrl.compile_helper", str(payload)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     helper = Helper(process, log, announce=dist.is_main, work=work)
     import atexit

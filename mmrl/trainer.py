@@ -343,7 +343,7 @@ class Trainer:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
-        if self.compile_helper is not None:  # its compiles are in the cache before the update's first
+        if self.compile_helper is not None and self.compile_helper.outcome is None:  # in the cache before the update
             self.timings["compile_helper_wait"] += self.compile_helper.join()
         plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
                                 batch.outcomes)

@@ -124,15 +124,19 @@ def test_the_run_waits_for_a_helper_and_goes_on_whatever_it_did(capsys, tmp_path
     assert waited < 30 and slow.outcome.startswith("not done") and slow.process.poll() is not None
 
 
+def _run_helper(recipe, work: Path) -> subprocess.CompletedProcess:
+    """The helper's process on `recipe`, as `prewarm.start` starts it, waited for; it succeeded."""
+    work.mkdir()
+    payload = prewarm.write_payload(recipe, work)
+    out = subprocess.run([sys.executable, "-m", "mmrl.compile_helper", str(payload)], capture_output=True, text=True,
+                         cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 def test_the_helper_runs_one_step_of_the_recipe_with_one_decoder_layer(tmp_path):
-    recipe = load_recipe(TINY, SMALL_DATA)
-    payload = tmp_path / "helper.json"
-    payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "run"),
-                                   "folder": str(TINY.parent)}))
-    out = subprocess.run([sys.executable, "-m", "mmrl.compile_helper", str(payload)], capture_output=True, text=True,
-                         cwd=REPO, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _run_helper(load_recipe(TINY, SMALL_DATA), tmp_path / "helper")
     # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
     assert "compile helper: one step done, 1 decoder layer" in out.stdout
 
@@ -161,13 +165,7 @@ def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
     overrides = [*SMALL_DATA, "model.compile_layers=true", "model.compile_prewarm=false",
                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.summary=false",
                  "trainer.steps=2"]
-    recipe = load_recipe(TINY, overrides)
-    payload = tmp_path / "helper.json"
-    payload.write_text(json.dumps({"recipe": prewarm.helper_values(recipe, tmp_path / "helper"),
-                                   "folder": str(TINY.parent)}))
-    out = subprocess.run([sys.executable, "-m", "mmrl.compile_helper", str(payload)], capture_output=True, text=True,
-                         cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _run_helper(load_recipe(TINY, overrides), tmp_path / "helper")
     run = subprocess.run([sys.executable, "-c", _RUN_ONE_STEP, str(TINY), json.dumps(overrides)],
                          capture_output=True, text=True, cwd=REPO, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
