@@ -52,6 +52,7 @@ def worker(args) -> None:
     from mmrl.engine import Engine, join
     from mmrl.engine.packing import bins_by_tokens
     from mmrl.parallel import init_distributed
+    from mmrl.parallel.mesh import exit_cleanly
 
     dist = init_distributed(args.device)
     device = dist.device
@@ -116,6 +117,7 @@ def worker(args) -> None:
         }))
     if dist.distributed:
         torch.distributed.destroy_process_group()
+        exit_cleanly()
 
 
 def run(args, processes: int) -> dict:

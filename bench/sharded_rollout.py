@@ -78,6 +78,7 @@ def worker(args) -> None:
 
     from mmrl import build_model
     from mmrl.engine import Engine
+    from mmrl.parallel.mesh import exit_cleanly
     from mmrl.platform_info import device_name, versions
     from mmrl.rollout import SamplingParams
     from mmrl.rollout.compiled import CompiledHFRollout
@@ -142,6 +143,7 @@ def worker(args) -> None:
         write_report(args.out, report)
     dist.barrier()
     torch.distributed.destroy_process_group()
+    exit_cleanly()
 
 
 def main(args) -> None:

@@ -115,6 +115,7 @@ def worker(args) -> None:
     from mmrl.config import OptimConfig
     from mmrl.engine import Engine
     from mmrl.parallel import init_distributed
+    from mmrl.parallel.mesh import exit_cleanly
     from mmrl.probes.launcher import exact_numerics
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -145,6 +146,7 @@ def worker(args) -> None:
                                            "gpu_gib": total, "sized_images": sized, "runs": runs}))
     if dist.distributed:
         torch.distributed.destroy_process_group()
+        exit_cleanly()
 
 
 def launch(args, processes: int, counts: list[int], size: bool = False) -> dict:

@@ -218,11 +218,15 @@ def train(
     summary = run(config)  # its failures become one line in `_boundary`
     if summary is not None and int(os.environ.get("RANK", "0")) == 0:
         console.print_json(json.dumps(summary))
+    _leave_torchrun()
+
+
+def _leave_torchrun() -> None:
+    """Under torchrun, every output written and the process group destroyed: skip the
+    interpreter's teardown, where gloo's threads aborted a rank of a finished run under
+    load (`exit_cleanly`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun, every output written and the process group destroyed: skip the
-        # interpreter's teardown, where gloo's threads aborted a rank of a finished run
-        # under load (as they did the probes' processes, `exit_cleanly`).
-        from mmrl.probes.launcher import exit_cleanly
+        from mmrl.parallel.mesh import exit_cleanly
 
         exit_cleanly()
 
@@ -254,13 +258,13 @@ def evaluate(
         metrics = evaluate_checkpoint(config, checkpoint, split=split)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    if out is not None:
-        from mmrl.atomic import atomic_write_text
+    if int(os.environ.get("RANK", "0")) == 0:
+        if out is not None:
+            from mmrl.atomic import atomic_write_text
 
-        atomic_write_text(Path(out).expanduser(), json.dumps(metrics, indent=2) + "\n")
-    console.print_json(json.dumps(metrics))
+            atomic_write_text(Path(out).expanduser(), json.dumps(metrics, indent=2) + "\n")
+        console.print_json(json.dumps(metrics))
+    _leave_torchrun()
 
 
 def _check_out_file(out: str) -> None:

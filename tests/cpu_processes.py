@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmrl.probes.launcher import exit_cleanly
+from mmrl.parallel.mesh import exit_cleanly
 
 REPO = Path(__file__).resolve().parents[1]
 

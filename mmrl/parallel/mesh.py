@@ -21,6 +21,7 @@ writer's failure, so no rank waits forever for a rank that gave up:
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,6 +131,16 @@ class Dist:
                 failure.on_every_rank = True  # see `leave_together`
         if failure is not None:
             raise failure
+
+
+def exit_cleanly() -> None:
+    """End a torchrun process once its outputs are written and its process group destroyed,
+    skipping interpreter teardown: under load, gloo's threads were seen to abort it there
+    ('terminate called without an active exception', exit -6) after all the work had
+    succeeded, which failed the launch (probes, benches, `mmrl train` and `mmrl eval`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def leave_together(failure: BaseException) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mmrl.parallel import Dist, init_distributed
-from mmrl.parallel.mesh import backend
+from mmrl.parallel.mesh import backend, exit_cleanly
 from mmrl.probes.base import CheckFailed, NotRunHere, Subject, Verified, missing_package, one_line
 
 PROCESSES = 2
@@ -170,16 +170,6 @@ def drive(out: str, specs: list[dict], update, compare, *, sequence_parallel: bo
                 f.write(json.dumps(record) + "\n")
         dist.barrier()
     torch.distributed.destroy_process_group()
-
-
-def exit_cleanly() -> None:
-    """End a torchrun probe process once its records are written and its process group
-    destroyed, skipping interpreter teardown: under load, gloo's threads were seen to
-    abort it there ('terminate called without an active exception', exit -6) after all
-    the work had succeeded, which failed the launch."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_worker(update, compare, *, sequence_parallel: bool = False, precheck=None) -> None:
