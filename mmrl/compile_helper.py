@@ -28,6 +28,7 @@ def run_helper(payload: Path) -> None:
     shrunk layers, one step. The model's config is read as the build reads it
     (`recipe_config`): built from the family's tiny config apart from the recipe's own
     settings, the layer graph got another cache key than the run's and the run compiled anew."""
+    began = time.perf_counter()
     from mmrl.build import recipe_config
     from mmrl.config import validate_recipe
     from mmrl.trainer import Trainer
@@ -41,9 +42,14 @@ def run_helper(payload: Path) -> None:
     model = recipe.model.model_copy(update={"random_init": True,
                                             "config_overrides": merged(recipe.model.config_overrides, shrink)})
     trainer = Trainer(recipe.model_copy(update={"model": model}))
+    built = time.perf_counter()
     trainer.train_step()
     layers = trainer.built.model.config.get_text_config().num_hidden_layers
-    print(f"compile helper: one step done, {layers} decoder layer{'s' if layers != 1 else ''}", flush=True)
+    # Where its time went, in its log (the cache folder's mmrl-prewarm/KEY.log): the run waits for it.
+    print(f"compile helper: one step done, {layers} decoder layer{'s' if layers != 1 else ''}; "
+          f"imports and build {built - began:.1f} s, rollout {trainer.timings.get('rollout', 0.0):.1f} s, "
+          f"update {trainer.timings.get('update', 0.0):.1f} s, {time.perf_counter() - began:.1f} s in all",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -155,7 +155,8 @@ def merged(base: dict, extra: dict) -> dict:
 def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     """The helper's recipe (unvalidated sections): the run's, settled as the run settled,
     for one step into `output_dir` with nothing saved, logged or evaluated, every group
-    updated (random weights may reward all samples alike), plain `generate`, and no helper
+    updated (random weights may reward all samples alike), plain `generate`, no step-0
+    media check (the run checks its own media, before it waits for the helper) and no helper
     of its own. The model's random weights and its shrunk layers are set by the helper
     (`mmrl.compile_helper.run_helper`), which reads the model's config."""
     import yaml
@@ -164,7 +165,7 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     values["trainer"].update(
         steps=1, output_dir=str(output_dir), overwrite=True, resume=False, export=False, progress=False,
         summary=False, loggers=[], samples_every=0, eval_every=0, val_before_train=False, save_every=0,
-        strict_media=False, time_budget_s=None, target_accuracy=None)
+        strict_media=False, media_check=False, time_budget_s=None, target_accuracy=None)
     values["rollout"]["backend"] = "hf"
     values["algo"].update(filter_uniform_groups=False, max_staleness=0)
     values["model"]["compile_prewarm"] = False

@@ -108,10 +108,14 @@ def _check_pack(recipe: Recipe) -> None:
 
 
 def _check_strict_media(recipe: Recipe) -> None:
-    """trainer.strict_media makes the step-0 media check an error: it needs a model that
-    takes images and a single-turn run, where the first batch's conversations are known."""
+    """trainer.strict_media makes the step-0 media check an error: it needs the check on
+    (`trainer.media_check`), a model that takes images and a single-turn run, where the
+    first batch's conversations are known."""
     if not recipe.trainer.strict_media:
         return
+    if not recipe.trainer.media_check:
+        raise RecipeError("trainer.strict_media: it makes the step-0 media check an error, and "
+                          "trainer.media_check=false skips that check; set one of them")
     if recipe.rollout.env is not None:
         raise RecipeError("trainer.strict_media: the step-0 media check runs on single-turn rollouts, and "
                           "rollout.env makes them multi-turn (the multi_turn probe of `mmrl doctor` checks those)")

@@ -300,7 +300,7 @@ class Trainer:
             generated = self.agent.generate(samples, params) if self.agent else \
                 self.rollout.generate(conversations, params)
             result = self._same_in_sp_group(generated)
-        if self.step == 0 and self.agent is None and self.built.adapter.is_multimodal:
+        if self.step == 0 and self.agent is None and self.built.adapter.is_multimodal and r.trainer.media_check:
             # Does the model read the first batch's images? (one line, or an error: trainer.strict_media)
             with self.timed("media_check"):
                 reading = step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,

@@ -381,6 +381,18 @@ def test_strict_media_is_validated(tmp_path):
         Trainer(load_recipe(None, text))
     with pytest.raises(RecipeError, match=r"^trainer\.strict_media: the step-0 media check runs on single-turn"):
         Trainer(_vlm_recipe(tmp_path, "trainer.strict_media=true", "rollout.env=single_turn"))
+    with pytest.raises(RecipeError, match=r"^trainer\.strict_media: .* trainer\.media_check=false skips that check"):
+        Trainer(_vlm_recipe(tmp_path, "trainer.strict_media=true", "trainer.media_check=false"))
+
+
+def test_media_check_false_skips_the_step_zero_check(tmp_path, monkeypatch):
+    from mmrl.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr("mmrl.trainer.step_zero_media_check", lambda *a, **k: calls.append(a))
+    trainer = Trainer(_vlm_recipe(tmp_path, "trainer.media_check=false"))
+    trainer.train_step()
+    assert calls == [] and "media_check" not in trainer.timings
 
 
 # -- on a GPU: the bf16 figures -------------------------------------------------------------------

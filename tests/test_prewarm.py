@@ -92,6 +92,7 @@ def test_the_helpers_recipe_is_one_quiet_step_of_the_run_without_a_helper(tmp_pa
     assert (helper.trainer.save_every, helper.trainer.eval_every, helper.trainer.samples_every) == (0, 0, 0)
     assert helper.trainer.loggers == [] and not helper.trainer.export and not helper.trainer.progress
     assert helper.rollout.backend == "hf"  # nothing compiled in its rollout
+    assert not helper.trainer.media_check  # the run checks its own media before it waits
     assert not helper.algo.filter_uniform_groups  # random weights: every group still updates
     assert helper.model.compile_prewarm is False
     # what shapes the graphs is the run's
