@@ -237,3 +237,23 @@ def test_eval_command_refuses_a_step_checkpoint_that_does_not_verify(trained, tm
         handle.write(b"\0")
     result = CliRunner().invoke(app, ["eval", RECIPE, "--checkpoint", str(broken), *overrides])
     assert result.exit_code == 2 and "is a step checkpoint that does not verify" in result.output, result.output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_eval_command_under_torchrun_splits_the_rows_and_exits_cleanly(trained, tmp_path):
+    """`mmrl eval` on 2 gloo processes: rank 0 writes the metrics of all rows, every rank
+    leaves without the interpreter's teardown (`exit_cleanly`), and the export's greedy
+    figures are the one-process ones."""
+    from cpu_processes import run as run_processes
+    from cpu_processes import torchrun
+
+    overrides, run, _ = trained
+    out = tmp_path / "metrics.json"
+    one = json.loads(CliRunner().invoke(app, ["eval", RECIPE, "--checkpoint", str(run / "final"), *overrides,
+                                              "eval.samples=1"]).output)
+    run_processes(torchrun(2, "-m", "mmrl.cli", "eval", RECIPE, "--checkpoint", run / "final", "--out", out,
+                           *overrides, "eval.samples=1"), timeout=600)
+    written = json.loads(out.read_text())
+    assert written["rows"] == 6 and written.keys() == one.keys()
+    assert written["eval/accuracy"] == pytest.approx(one["eval/accuracy"])
