@@ -12,6 +12,8 @@
 # the mode `trl` runs TRL on the same rows for TRL_STEPS steps (default 6), its 50-step wall
 # clock projected at its median step (--whole-run). Issue 28's geometry3k rows, one call:
 #   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" TRL_MICRO_BATCH=8 bash bench/decode_ab.sh
+# The compile helper (model.compile_prewarm) against none, both from empty caches, one call:
+#   MODES="graphs prewarm" SHAPE=vl3b bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -36,18 +38,21 @@ common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "
 compiled_cache=$(mktemp -d)
 graphs_cache=$(mktemp -d)
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
-# graphs_warm on compiled's and graphs' caches, so after them; trl: TRL's GRPOTrainer).
+# graphs_warm on compiled's and graphs' caches, so after them; prewarm: graphs from an empty
+# cache of its own with the compile helper on, model.compile_prewarm=true; trl: TRL's GRPOTrainer).
 for mode in $modes; do
+  more=()
   case $mode in
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
+    prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
-    runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode")
+    runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")
   else
     runs=(--runs trl --steps-for "trl=${TRL_STEPS:-6}" --whole-run "$steps")
     # TRL_MICRO_BATCH: TRL's own micro-batch (it runs out of memory at 16 rows on the geometry3k rows)

@@ -651,8 +651,11 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         steps.extra.update(first_steps=seen,
                            first_steps_equal_plan=None if planned is None else same_steps(seen, planned))
     helper = getattr(trainer, "compile_helper", None)  # mmrl.prewarm (absent before it)
+    # The helper's own account of its time (its last log line: imports and build, rollout, update).
+    said = helper.log.read_text().strip().splitlines() if helper is not None and helper.log.is_file() else []
     steps.extra.update(compile_phases=compile_phases(),
-                       compile_helper=helper.outcome if helper is not None else "not started")
+                       compile_helper=helper.outcome if helper is not None else "not started",
+                       compile_helper_said=said[-1] if said else None)
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())

@@ -1,7 +1,9 @@
 """bench/two_gpus.sh, issue 34's one device call on 2 GPUs, run whole on CPU (`DRY=cpu`: gloo,
 tiny shapes, 2 processes) so that the device call cannot fail on a typo: every part writes
 the JSON its reader (bench/two_gpus_table.py, gpu_targets' scaling_entry) expects. The
-timings mean nothing here; the structure does. Plus the pieces that need no process."""
+timings mean nothing here; the structure does. The CPU tests of the benches it runs
+(fsdp_scaling.py, sharded_rollout.py, ulysses_long_sample.py, distributed_recipe.py) read
+that one run's results. Plus the pieces that need no process."""
 
 import json
 import os
@@ -68,12 +70,33 @@ def test_the_table_reads_every_part(dry_run):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_scaling_json_is_what_gpu_targets_reads(dry_run):
+def test_the_sharded_run_is_compared_with_the_one_process_run(dry_run):
+    """bench/fsdp_scaling.py (the scaling part: a tiny model, 2 processes against 1) and
+    gpu_targets' reader of its result."""
     out, _ = dry_run
-    entry = load_bench("gpu_targets").scaling_entry(out / "fsdp_scaling_gpu.json")
     report = json.loads((out / "fsdp_scaling_gpu.json").read_text())
-    assert entry["measured"] == report["efficiency"] and "2 processes" in entry["note"]
-    assert entry["command"].startswith("python bench/fsdp_scaling.py")
+    one, two = report["runs"]["1"], report["runs"]["2"]
+    assert (one["world_size"], one["sharded"]) == (1, False)
+    assert (two["world_size"], two["sharded"]) == (2, True)
+    assert one["real_tokens_per_rank"] == two["real_tokens_per_rank"] > 0  # weak scaling: the same batch per rank
+    assert one["micro_batches"] == two["micro_batches"] >= 1
+    expected = two["real_tokens_per_s"] / (2 * one["real_tokens_per_s"])
+    assert report["efficiency"] == pytest.approx(expected) and report["efficiency"] > 0
+    targets = load_bench("gpu_targets")
+    entry = targets.scaling_entry(out / "fsdp_scaling_gpu.json")
+    assert entry["measured"] == report["efficiency"] and entry["met"] == (report["efficiency"] >= 0.85)
+    assert entry["command"].startswith("python bench/fsdp_scaling.py") and "2 processes" in entry["note"]
+    assert targets.scaling_entry(out / "absent.json") is None
+
+
+def test_a_target_without_a_figure_reads_not_measured():
+    """The README table and the console say the same: an unmeasured target (the 2-GPU one
+    while no 2-GPU machine is lent) is 'not measured', a measured miss 'missed'."""
+    status_of = load_bench("gpu_targets").status_of
+    assert status_of({"measured": None, "met": False}) == "not measured"
+    assert status_of({"measured": 0.7, "met": False}) == "missed"
+    assert status_of({"measured": 0.9, "met": True}) == "met"
+    assert status_of({"measured": 2.6, "met": None}) == "info"
 
 
 @pytest.mark.slow
@@ -134,9 +157,26 @@ def test_cells_and_rollout_are_recorded(dry_run):
     cells = json.loads((out / "cells" / "results.json").read_text())["cells"]
     recorded = {(c["family"], c["feature"]): c["status"] for c in cells if c["feature"] in ("fsdp2", "sequence_parallel")}
     assert recorded == {(f, p): "verified" for f in ("qwen2", "qwen2_vl") for p in ("fsdp2", "sequence_parallel")}
-    rollout = json.loads((out / "sharded_rollout_gpu_x2.json").read_text())
-    assert rollout["world_size"] == 2 and rollout["sharded"] and rollout["speedup"] > 0
     assert "collected" in (out / "tests.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_rollout_bench_compares_both_rollouts_of_a_sharded_engine(dry_run):
+    """bench/sharded_rollout.py (the rollout part: a tiny model, 2 processes): the sharded
+    engine's plain `generate` against the compiled loop on each rank's inference copy, with
+    the copy's gather timed."""
+    out, _ = dry_run
+    report = json.loads((out / "sharded_rollout_gpu_x2.json").read_text())
+    assert report["world_size"] == 2 and report["sharded"] and report["fallback"] is None
+    assert report["copy_dtype"] == "float32" and report["copy_kept"] and report["copy_bytes"] > 0
+    rates = report["tokens_per_s_per_rank"]
+    assert rates["plain"] > 0 and rates["compiled"] > 0
+    assert report["speedup"] == pytest.approx(report["median_s"]["plain"] / report["median_s"]["compiled"])
+    assert report["median_s"]["gather"] > 0
+    # fp32 on CPU: the same greedy rows on every rank.
+    assert report["greedy_rows_identical_by_rank"] == [[1.0], [1.0]]
+    assert report["command"].startswith("python bench/sharded_rollout.py --device cpu")
 
 
 def test_each_device_call_fits_its_limits():

@@ -135,13 +135,6 @@ def _run_helper(recipe, work: Path) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.mark.slow
-def test_the_helper_runs_one_step_of_the_recipe_with_one_decoder_layer(tmp_path):
-    out = _run_helper(load_recipe(TINY, SMALL_DATA), tmp_path / "helper")
-    # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
-    assert "compile helper: one step done, 1 decoder layer" in out.stdout
-
-
 # The run's first step in a process of its own: in a test worker, what earlier tests left in
 # torch's global settings (which inductor's cache keys hold) is not what a run starts with.
 _RUN_ONE_STEP = """
@@ -159,14 +152,17 @@ print(json.dumps({"counts": [a - b for a, b in zip(cache_counts(), before)],
 
 @pytest.mark.slow
 def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
-    """On the CPU too (inductor's C++ kernels): after the helper's step, the run's first step
-    compiles its decoder layer graph from the cache, none anew. The CUDA twin:
-    tests/test_gpu.py, `test_compile_helper_fills_the_cache_the_first_update_reads`."""
+    """The helper runs one step of the recipe with one decoder layer, and on the CPU too
+    (inductor's C++ kernels) the run's first step then compiles its decoder layer graph from
+    the cache, none anew. The CUDA twin: tests/test_gpu.py,
+    `test_compile_helper_fills_the_cache_the_first_update_reads`."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     overrides = [*SMALL_DATA, "model.compile_layers=true", "model.compile_prewarm=false",
                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.summary=false",
                  "trainer.steps=2"]
-    _run_helper(load_recipe(TINY, overrides), tmp_path / "helper")
+    helper = _run_helper(load_recipe(TINY, overrides), tmp_path / "helper")
+    # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
+    assert "compile helper: one step done, 1 decoder layer;" in helper.stdout
     run = subprocess.run([sys.executable, "-c", _RUN_ONE_STEP, str(TINY), json.dumps(overrides)],
                          capture_output=True, text=True, cwd=REPO, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
