@@ -242,9 +242,10 @@ def test_eval_command_refuses_a_step_checkpoint_that_does_not_verify(trained, tm
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_eval_command_under_torchrun_splits_the_rows_and_exits_cleanly(trained, tmp_path):
-    """`mmrl eval` on 2 gloo processes: rank 0 writes the metrics of all rows, every rank
-    leaves without the interpreter's teardown (`exit_cleanly`), and the export's greedy
-    figures are the one-process ones."""
+    """`mmrl eval` on 2 gloo processes: rank 0 writes the metrics of all rows, the launch
+    exits 0 (each rank leaves through `exit_cleanly`; a teardown abort would be retried
+    once by `cpu_processes.run`, with a warning), and the export's greedy figures are the
+    one-process ones."""
     from cpu_processes import run as run_processes
     from cpu_processes import torchrun
 
