@@ -14,6 +14,10 @@
 #   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" TRL_MICRO_BATCH=8 bash bench/decode_ab.sh
 # The compile helper (model.compile_prewarm) against none, both from empty caches, one call:
 #   MODES="graphs prewarm" SHAPE=vl3b bash bench/decode_ab.sh
+# The decode layers' cache views (mmrl.rollout.graphs.LayerCache: the cache write inside each
+# layer's graph) against the write kept outside (MMRL_DECODE_LAYER_VIEWS=0), both from empty
+# caches, one call:
+#   MODES="graphs noviews" SHAPE=vl3b bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -39,17 +43,19 @@ compiled_cache=$(mktemp -d)
 graphs_cache=$(mktemp -d)
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
 # graphs_warm on compiled's and graphs' caches, so after them; prewarm: graphs from an empty
-# cache of its own with the compile helper on, model.compile_prewarm=true; trl: TRL's GRPOTrainer).
+# cache of its own with the compile helper on, model.compile_prewarm=true; noviews: graphs from
+# an empty cache of its own with the cache write outside the layers' graphs; trl: TRL's GRPOTrainer).
 for mode in $modes; do
   more=()
   case $mode in
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
     prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
+    noviews) name=mmrl_graphs_noviews; decode=graphs; cache=$(mktemp -d) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, prewarm, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")
@@ -58,7 +64,8 @@ for mode in $modes; do
     # TRL_MICRO_BATCH: TRL's own micro-batch (it runs out of memory at 16 rows on the geometry3k rows)
     [[ -n ${TRL_MICRO_BATCH:-} ]] && runs+=(--trl-micro-batch "$TRL_MICRO_BATCH")
   fi
-  MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+  views=1; [[ $mode == noviews ]] && views=0
+  MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
   echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
   cache=

@@ -117,10 +117,10 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     python = tmp_path / "python"
-    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "$*"\n')
+    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "views=$MMRL_DECODE_LAYER_VIEWS $*"\n')
     python.chmod(0o755)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
-           "MODES": "graphs prewarm trl"}
+           "MODES": "graphs prewarm noviews trl"}
     proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "trl" in (tmp_path / "imports").read_text()  # the trl mode needs TRL's carried wheels
@@ -134,6 +134,11 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
     assert prewarm[prewarm.index("--variant") + 1] == "mmrl_graphs_prewarm" and "model.compile_prewarm=true" in prewarm
     assert [a for a in prewarm if a not in ("mmrl_graphs_prewarm", "model.compile_prewarm=true")] == \
         [a.replace("decode_graphs", "decode_prewarm") for a in graphs if a != "mmrl_graphs"]
+    # noviews: the graphs run with the cache write outside the layers' graphs, the rest alike
+    noviews = (tmp_path / "decode_noviews_vl3b_geometry3k.log").read_text().split()
+    assert graphs[0] == "views=1" and noviews[0] == "views=0"
+    assert [a for a in noviews[1:] if a != "mmrl_graphs_noviews"] == \
+        [a.replace("decode_graphs", "decode_noviews") for a in graphs[1:] if a != "mmrl_graphs"]
     assert trl[trl.index("--runs") + 1] == "trl" and trl[trl.index("--steps-for") + 1] == "trl=6"
     assert trl[trl.index("--whole-run") + 1] == "50"
     assert trl[trl.index("--out") + 1] == str(tmp_path / "decode_trl_vl3b_geometry3k.json")

@@ -76,9 +76,55 @@ def _decode_graphs(layers: int) -> tuple[int, int]:
 
 def test_decode_steps_compile_once_for_every_layer_and_autocast_cache(cpu_autocast):
     one_layer, _ = _decode_graphs(1)
+    assert one_layer == 1 and not counters["graph_break"]  # the cache write is in the layer's graph
     first, later = _decode_graphs(2)
     assert later == 0  # steps under the engine's cached autocast recompiled every frame of the layer
     assert first == one_layer  # layer 1's attention frame recompiled on its index
+    assert not counters["graph_break"]
+
+
+def test_decode_layers_share_one_graph_where_static_addresses_guard(cpu_autocast, monkeypatch):
+    """On torch versions whose `mark_static_address` guards by default, transformers' marks
+    on each cache layer's keys, values and fill counter would tie a layer's graph to its
+    layer (one compile per layer through the views); the rollout marks them unguarded."""
+    mark = torch._dynamo.mark_static_address
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: mark(t, guard=guard))
+    first, later = _decode_graphs(3)
+    assert (first, later) == (1, 0) and not counters["graph_break"]
+
+
+def test_without_views_the_cache_write_breaks_the_layer_graph(cpu_autocast, monkeypatch):
+    """`MMRL_DECODE_LAYER_VIEWS=0` (the bench's `noviews` mode) keeps the write eager: the
+    layer's graph breaks there (more graphs, still one set for every layer)."""
+    monkeypatch.setenv(graphs.VIEWS_ENV, "0")
+    first, later = _decode_graphs(2)
+    assert first > 1 and later == 0 and counters["graph_break"]
+
+
+def test_each_layer_writes_its_own_view_of_a_filled_static_cache():
+    """`layer_cache` gives a decoder layer the view of its own cache layer where that layer
+    is filled, and the cache itself where no view applies; `cache_index` reads the index
+    a layer writes from its attention."""
+    from transformers import StaticCache
+
+    built = widened_model("qwen2", config_overrides={"num_hidden_layers": 2})
+    layers = decoder_layers(built.model, built.adapter)
+    assert [compiled_layers.cache_index(layer) for layer in layers] == [0, 1]
+    layers[1].self_attn.extra = torch.nn.Linear(1, 1)
+    layers[1].self_attn.extra.layer_idx = 0  # two indices in one layer: none is chosen
+    assert compiled_layers.cache_index(layers[1]) is None
+
+    cache = StaticCache(config=built.model.config, max_cache_len=8)
+    keys = torch.randn(2, 2, 3, 16)
+    cache.layers[0].lazy_initialization(keys, keys)
+    view = graphs.layer_cache(0, cache)
+    assert isinstance(view, graphs.LayerCache) and view.layer is cache.layers[0]
+    written, _ = view.update(keys, keys, 1)  # the index passed is not the one written
+    assert written is cache.layers[0].keys and torch.equal(written[:, :, :3], keys)
+    assert graphs.layer_cache(1, cache) is cache  # not filled yet
+    assert graphs.layer_cache(5, cache) is cache
+    cache.offloading = True
+    assert graphs.layer_cache(0, cache) is cache
 
 
 def test_uncached_autocast_changes_no_log_prob_or_gradient(cpu_autocast, monkeypatch):

@@ -22,7 +22,8 @@ from mmrl.rollout.compiled import DECODE_ATTENTION, decode_step, choose_tokens
 
 class StandInLayers:
     """The engine's `CompiledLayers` as the step uses them: a context in which the layers
-    would run compiled (`active_now`), and how often it was entered."""
+    would run compiled (`active_now`), how often it was entered, and the cache view given
+    to the layers (`view`)."""
 
     failed = None
 
@@ -37,6 +38,11 @@ class StandInLayers:
             yield
         finally:
             self.active_now = False
+
+    @contextlib.contextmanager
+    def cache_views(self, view):
+        self.view = view
+        yield
 
 
 class StandInGraph:

@@ -41,7 +41,10 @@ Three more guards that compiled a layer again in a run (issue 28), each answered
 - on CUDA, SDPA's mask alignment: padded micro-batches are widened to a multiple of
   `ALIGNED_LENGTH` where the layers run compiled (the `Padded` layout);
 - the attention's layer index in the decode step's graphs (`LAYER_INDEX_SOURCES`).
-The decode step's graphs (one token a row, a static cache) stay graphs of their own.
+The decode step's graphs (one token a row, a static cache) stay graphs of their own. In
+them each layer is given its own view of the cache (`cache_views`, from the recorded step
+in `mmrl.rollout.graphs`): the cache write is traced inside the layer's graph, one graph
+for every layer, where the cache itself would pick the layer by index and break it.
 tests/test_compiled_layers_stalls.py counts the graphs of each.
 """
 
@@ -143,9 +146,9 @@ def mark_varying_dims(args: tuple, kwargs: dict) -> None:
 LONGEST_SEGMENT_SOURCES = (f"L['kwargs']['{SEGMENTS}'][1]", rf".*\['{SEGMENTS}'\]\[1\]")
 
 # Where dynamo finds a decoder layer's attention index in a decode step through the compiled
-# layers: the attention's own frame (the cache write, kept eager there, breaks the layer's
-# graph, so the attention forward is a frame of its own) passes `self.layer_idx` to that
-# write. The decode step lets ints on modules be symbols (`allow_unspec_int_on_nn_module`),
+# layers, for a layer not given a view of the cache (`cache_views`): the attention's own
+# frame (the cache write, kept eager there, breaks the layer's graph, so the attention
+# forward is a frame of its own) passes `self.layer_idx` to that write. The decode step lets ints on modules be symbols (`allow_unspec_int_on_nn_module`),
 # but dynamo still specializes the first one it meets and makes it a symbol only at the first
 # other index: one more compile of the attention frame at layer 1 (issue 28). Named here, it
 # is a symbol from the first compile.
@@ -234,6 +237,14 @@ def masks_kept() -> Iterator[None]:
 ALIGNED_LENGTH = 8
 
 
+def cache_index(layer: torch.nn.Module) -> int | None:
+    """The cache index a decoder layer writes: the `layer_idx` its attention passes to the
+    cache (transformers' attention modules keep it), where the layer's modules name one;
+    None where they name none or several (a layer with self- and cross-attention)."""
+    found = {index for module in layer.modules() if isinstance(index := getattr(module, "layer_idx", None), int)}
+    return found.pop() if len(found) == 1 else None
+
+
 class CompiledLayers:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = list(layers)
@@ -241,6 +252,8 @@ class CompiledLayers:
         self.failed: str | None = None  # why compiling was given up, once it was
         self.compiled_calls = 0  # layer calls that went through the compiled forward
         self._active = False
+        # (index, cache) -> what the layer is given as its cache, while `cache_views` is open.
+        self._cache_view = None
         self._limits = torch._dynamo.config.patch(**_recompile_limit())
         sources = _dynamic_sources()
         self._sources = torch.compiler.config.patch(**sources) if sources else contextlib.nullcontext()
@@ -250,10 +263,14 @@ class CompiledLayers:
     def _wrap(self, layer: torch.nn.Module) -> None:
         eager = layer.forward
         compiled = torch.compile(eager)
+        index = cache_index(layer)
 
         def forward(*args, **kwargs):
             if not (self._active and self.enabled) or self.failed is not None:
                 return eager(*args, **kwargs)
+            view = self._cache_view
+            if view is not None and index is not None and kwargs.get("past_key_values") is not None:
+                kwargs["past_key_values"] = view(index, kwargs["past_key_values"])
             hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
             uniform = contextlib.nullcontext()
             if not torch.compiler.is_compiling():  # inside an outer compile, dynamo sizes them
@@ -277,6 +294,17 @@ class CompiledLayers:
         """What padded micro-batches' lengths are widened to a multiple of: `ALIGNED_LENGTH`
         while the layers run compiled, else 1."""
         return ALIGNED_LENGTH if self.enabled and self.failed is None else 1
+
+    @contextlib.contextmanager
+    def cache_views(self, view) -> Iterator[None]:
+        """Within the block, a layer called with a cache (`past_key_values`) runs on
+        `view(index, cache)` instead, `index` being the cache index its attention writes
+        (`cache_index`; a layer without one gets the cache itself)."""
+        before, self._cache_view = self._cache_view, view
+        try:
+            yield
+        finally:
+            self._cache_view = before
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:

@@ -670,14 +670,20 @@ def _write_back(home, cache, index: torch.Tensor) -> None:
 
 
 def _unguarded(cache) -> None:
-    """Mark the cache's tensors as static addresses without an identity guard: CUDA graphs
-    still read them in place, and a new cache (another length, a narrower batch) records a
-    new graph instead of compiling one (transformers marks them, with a guard on torch
-    versions whose default guards)."""
+    """Mark the cache's tensors (keys, values, fill counters) as static addresses without
+    an identity guard: CUDA graphs still read them in place, and a new cache (another
+    length, a narrower batch) records a new graph instead of compiling one, as does each
+    layer's own view in the decode step (`mmrl.rollout.graphs.LayerCache`; transformers
+    marks them, with a guard on torch versions whose default guards)."""
     for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), *_counters(layer)):
             if isinstance(tensor, torch.Tensor):
                 torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def _counters(layer) -> list:
+    """A cache layer's fill counters (transformers' `cumulative_length`)."""
+    return [value for name, value in vars(layer).items() if name.startswith("cumulative_length")]
 
 
 def _mark_dynamic_sizes(ids, place, mask, running, seen, cache, noise=None) -> None:

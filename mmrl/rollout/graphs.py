@@ -12,7 +12,10 @@ once per (batch width, cache) and records that run as a CUDA graph; later steps 
 their inputs into the graph's and replay it. Recording takes a fraction of a second.
 Where the engine compiles its decoder layers (`layers`), the step runs, and is recorded,
 through them: the graph then replays inductor's fused kernels in the layers, and the rest
-of the step (embedding, rotary tables, cache writes, final norm, sampling) eagerly.
+of the step (embedding, rotary tables, final norm, sampling) eagerly. Each layer writes
+its keys and values through a view of the cache of its own (`LayerCache`), inside its
+compiled graph: the cache itself picks the layer by its index, which dynamo would make one
+graph per layer, or (kept eager) a graph break that splits the layer into four graphs.
 
 What makes the eager step recordable (no host synchronisation, no Python-side state that
 changes between steps):
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import threading
 import time
 import warnings
@@ -59,6 +63,40 @@ def layer_kinds(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.get_text_config()
     return set(getattr(config, "layer_types", None) or ["full_attention"])
+
+
+class LayerCache:
+    """One decoder layer's view of a static cache in the decode step: `update` writes
+    that layer's keys and values, whatever layer index the attention passes. The layer's
+    compiled graph traces the write (in place, one slot a row) instead of breaking at the
+    cache's own `update`, which picks the layer by index; every layer meets one graph
+    (dynamo guards the view's type and its tensors' shapes, not which layer it is)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+# Set to 0, the decode step leaves the cache write outside the layers' graphs, as before
+# `LayerCache` (bench/decode_ab.sh's `noviews` mode: the compile time that the views save).
+VIEWS_ENV = "MMRL_DECODE_LAYER_VIEWS"
+
+
+def layer_cache(index: int, cache):
+    """What the decoder layer writing cache index `index` is given in the decode step:
+    its `LayerCache` where the cache is a plain static one already filled by the prefill,
+    else the cache itself (an offloading cache, one without that layer yet)."""
+    layers = getattr(cache, "layers", None)
+    if getattr(cache, "offloading", False) or layers is None or index >= len(layers):
+        return cache
+    layer = layers[index]
+    if not getattr(layer, "is_initialized", False) or getattr(layer, "is_sliding", False):
+        return cache
+    return LayerCache(layer)
 
 
 def graph_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None, *,
@@ -219,13 +257,17 @@ class GraphedStep:
             self._wrapped.append(weakref.ref(cache))
 
     def _compiled_layers(self):
-        """While open, the decoder layers run the engine's compiled forwards, with each
-        layer's index a symbolic int (one graph serves every layer, not one per index) and
-        the cache write outside the graph (`_eager_update`)."""
+        """While open, the decoder layers run the engine's compiled forwards, each on its
+        own view of the cache (`layer_cache`: the write traced in the layer's graph); a
+        layer the view does not reach keeps its index a symbolic int (one graph serves
+        every layer, not one per index) and the cache write outside the graph
+        (`_eager_update`)."""
         if self.layers is None or self.layers.failed:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(self.layers.active())
+        if os.environ.get(VIEWS_ENV, "1") != "0":
+            stack.enter_context(self.layers.cache_views(layer_cache))
         stack.enter_context(torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True))
         return stack
 
