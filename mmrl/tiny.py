@@ -155,3 +155,23 @@ def as_loaded(image_processor):
     with tempfile.TemporaryDirectory() as folder:
         image_processor.save_pretrained(folder)
         return AutoImageProcessor.from_pretrained(folder)
+
+
+def redraw_zeros(model, patterns: Iterable[str]):
+    """`model` with its parameters whose names match `patterns` (fnmatch, `*` any text)
+    drawn from a normal distribution of the config's `initializer_range` (0.02 where it
+    names none): for a random-init tiny model whose class initializes a weight to zero
+    that a checkpoint replaces (a gate, a projection), which would cut every gradient
+    behind it (an adapter's `prepare_model`)."""
+    import fnmatch
+
+    import torch
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    std = getattr(model.config, "initializer_range", None) or getattr(config, "initializer_range", None) or 0.02
+    patterns = tuple(patterns)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+                parameter.normal_(std=std)
+    return model

@@ -399,6 +399,11 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
     # probe's two updates among them); the zoo checks below run its tiny model, and the
     # coverage sweep (support_matrix/coverage.json) records the capabilities they declare.
     ("got_ocr2", "flat_images", False),
+    # The projector takes vision_output_dim, the tower's width times its tapped layers plus
+    # one (7680 by default): fitted to the width the tiny tower gives (`_input_widths_fitted`).
+    ("mllama", "fitted_width", True),
+    # Two towers built from the vision sub-config (images, video frames): both the vision part.
+    ("video_llava", "twin_towers", True),
 ])
 @pytest.mark.slow
 def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need(model_type, rule, verify,
@@ -414,6 +419,13 @@ def test_vision_language_scaffolds_read_what_their_processor_and_model_code_need
         assert "<|vision_bos|><|image|><|vision_eos|>" in source
     elif rule == "img_size":
         assert "img_size=config.vision_config.image_size" in " ".join(source.split())
+    elif rule == "fitted_width":
+        assert '"intermediate_layers_indices": [1]' in source and '"vision_output_dim": 64' in source
+        # Its cross-attention gates start at zero: drawn, so that the images train the tower.
+        assert '"model.language_model.layers.*.cross_attn_attn_gate",' in source
+        assert "single_image=True" in source
+    elif rule == "twin_towers":
+        assert 'vision=("model.video_tower", "model.image_tower")' in source and "single_image=True" in source
     else:
         assert "def arrange_images" in (package / "processing.py").read_text()
     load_plugin(f"mmrl_{model_type}.{model_type}")
@@ -437,6 +449,82 @@ def test_a_framed_placeholder_must_expand_not_just_pass_through():
         plan = tiny_model_inputs(resolve("qianfan_ocr")).media
     assert plan.image_placeholder == "<image>"
     assert plan.token_fields["image_token_id"] == plan.named_tokens["context_image_token"]
+
+
+def test_a_width_a_layer_expects_is_fitted_to_the_one_the_tiny_tower_gives(monkeypatch):
+    """A matmul error naming the width a layer takes (a vision config field) and the width
+    it is given: that field set to the given width, as long as one field holds it."""
+    from types import SimpleNamespace
+
+    from mmrl.scaffold import image_size
+
+    defaults = {"hidden_size": 1280, "vision_output_dim": 7680, "num_hidden_layers": 32}
+
+    def built(resolved, plan):
+        return "tokenizer", SimpleNamespace(vision_config=SimpleNamespace(to_dict=lambda: {**defaults, **plan.vision}))
+
+    def run(model_class, config, processor, placeholder, text_kwargs):
+        width = config.vision_config.to_dict()["vision_output_dim"]
+        return None if width == 64 else f"RuntimeError: mat1 and mat2 shapes cannot be multiplied (8200x64 and {width}x64)"
+
+    monkeypatch.setattr(image_size, "build_config", built)
+    monkeypatch.setattr(image_size, "build_processor", lambda plan, tokenizer, config: "processor")
+    monkeypatch.setattr(image_size, "runs_with_image", run)
+    plan = SimpleNamespace(vision={"hidden_size": 32, "num_hidden_layers": 2}, vision_key="vision_config",
+                           image_placeholder="<image>", text_kwargs=None)
+    _, config = built(None, plan)
+    fitted = image_size._input_widths_fitted(SimpleNamespace(model_class="M"), plan, config, run("M", config, 0, 0, 0))
+    assert fitted is not None and fitted[1] is None and plan.vision["vision_output_dim"] == 64
+    # Two fields of the expected width: neither is guessed, and the plan stays as it was.
+    defaults["projector_dim"] = 7680
+    plan.vision = {"hidden_size": 32}
+    _, config = built(None, plan)
+    assert image_size._input_widths_fitted(None, plan, config, run("M", config, 0, 0, 0)) is None
+    assert plan.vision == {"hidden_size": 32}
+
+
+def test_weights_initialized_to_zero_are_found_and_drawn():
+    """`zero_weights` names the all-zero weights of a random init (layer indices as `*`),
+    biases and norms aside; `redraw_zeros` draws the ones its patterns name, nothing else."""
+    import torch
+
+    from mmrl.scaffold.verify import zero_weights
+    from mmrl.tiny import redraw_zeros
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Parameter(torch.zeros(1))
+            self.proj = torch.nn.Linear(4, 4)
+            torch.nn.init.zeros_(self.proj.bias)
+            self.norm = torch.nn.Parameter(torch.zeros(4))  # a (1 + weight) norm's weight
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(), Block()])
+    model.projection = torch.nn.Parameter(torch.zeros(4, 4))
+    model.config = type("Config", (), {"initializer_range": 0.5})()
+    patterns = zero_weights(model)
+    assert sorted(patterns) == ["layers.*.gate", "projection"]
+    weight = model.layers[0].proj.weight.clone()
+    redraw_zeros(model, patterns)
+    assert all(block.gate.item() != 0 for block in model.layers) and model.projection.abs().sum() > 0
+    assert torch.equal(model.layers[0].proj.weight, weight) and not model.layers[1].norm.any()
+    assert zero_weights(model) == ()
+
+
+def test_single_image_needs_a_gradient_in_the_vision_tower():
+    """The scaffold's single_image check: the images must reach the tower's weights."""
+    from mmrl import build_model
+    from mmrl.checks import loss_and_backward, sample_conversations
+    from mmrl.parts import parameters_by_part
+    from mmrl.scaffold.verify import tower_learns
+
+    built = build_model("qwen2_vl", random_init=True)
+    loss_and_backward(built, sample_conversations(built.adapter))
+    assert tower_learns(built)
+    for _, parameter in parameters_by_part(built.model, built.adapter)["vision"]:
+        parameter.grad = None  # as where a zero gate stops the images
+    assert not tower_learns(built)
 
 
 def test_composite_config_width_follows_the_tiny_text_model():

@@ -83,6 +83,10 @@ class Discovery:
     # What the decoder stack gets along the sequence beyond ids, embeddings and positions
     # (found by running it, depth.py): the adapter's SequenceParallel cuts these too.
     sequence_parallel: Any = None  # mmrl.adapter.SequenceParallel, or None for the default
+    # Parameter name patterns (`mmrl.tiny.redraw_zeros`) of weights the class initializes to
+    # zero that cut every gradient to the vision tower of the random-init tiny model (a
+    # gate, a projection; verify): the adapter's prepare_model draws them.
+    redraw_zeros: tuple[str, ...] = ()
 
 
 @dataclass

@@ -149,7 +149,8 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
     model's width. A model with no stacked sibling at any level reads images through
     patch embedders beside the language model (no tower: patches projected straight
     into the decoder's width): the language model's nearest siblings are then its
-    vision part, with no blocks to shard."""
+    vision part, with no blocks to shard. Two towers built from the vision sub-config
+    (images and video frames apart) are both the vision part."""
     inner_path = language.rpartition(".")[0]
     nearest = None
     while True:
@@ -182,15 +183,17 @@ def _vision_parts(model, language: str, text_width: int | None, vision_config, f
         fill_in.append("parts.vision / shard_layers: no vision tower with a stack of blocks was found")
         return (), tuple(projector_paths), None, ()
     towers.sort(key=lambda t: t[0], reverse=True)
-    _, vision_path, blocks = towers[0]
-    # A second stacked sibling (a Q-Former) is part of the projector.
-    projector_paths += [path for _, path, _ in towers[1:]]
+    (from_vision, _), vision_path, blocks = towers[0]
+    # Another tower built from the vision sub-config is vision too (one for images, one for
+    # video frames); a second stacked sibling of another kind (a Q-Former) projects.
+    twins = [path for (built, _), path, _ in towers[1:] if from_vision and built]
+    projector_paths += [path for _, path, _ in towers[1:] if path not in twins]
     if not projector_paths:
         projector_paths = _inner_projector(model, vision_path, blocks[0][0], text_width)
     if not projector_paths:
         fill_in.append("parts.projector: the projector sits inside the vision tower; name its path")
     block = blocks[0][1][0]
-    return (vision_path,), tuple(projector_paths), type(block).__name__, _linear_leaves(block)
+    return (vision_path, *twins), tuple(projector_paths), type(block).__name__, _linear_leaves(block)
 
 
 def _tower_inside(model, language: str, vision_config):

@@ -3,7 +3,8 @@
 Decides the arguments of an image/video processor (its size keys set to the vision
 tower's image size, its patch geometry to the tower's) and, when the tiny model does not
 run on one image with the defaults, the first combination of text width, tower width,
-image token count and image size that runs.
+image token count and image size that runs (after any width a tower output meets at its
+default is fitted to the tiny tower's).
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
 
     from mmrl.tiny import TINY_TEXT_SHAPES
 
-    if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs) is None:
+    failure = runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs)
+    if failure is None:
         return tokenizer, config, processor
+    fitted = _input_widths_fitted(resolved, plan, config, failure)
+    if fitted is not None:
+        if fitted[1] is None:
+            return fitted[0]
+        tokenizer, config, processor = fitted[0]
     base = getattr(getattr(config, plan.vision_key), "image_size", None)
     sizes = [None]
     if isinstance(base, int):
@@ -143,6 +150,48 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
                 return tokenizer2, config2, processor3
     plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
     return tokenizer, config, processor
+
+
+# A linear layer given `in` features where its weight takes `expected` (torch's message).
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+# Widths to fit at most: each fitted width may reveal the next layer's.
+_WIDTH_FITS = 4
+
+
+def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: str):
+    """Where the tiny tower's output meets a layer that takes another width (a config
+    field derived from the tower's, such as a concatenation of several of its layers'
+    outputs, left at its default, or a shrunk width the code expects a multiple of
+    another): the one vision config field of that width set to the width the layer is
+    given, as long as the error names one. ((tokenizer, config, processor), None)
+    once it runs, ((...), error) where it got further but still fails, None where no field
+    fits (`plan` as it was)."""
+    saved, fitted = dict(plan.vision), None
+    for _ in range(_WIDTH_FITS):
+        match = _MATMUL.search(failure)
+        if match is None:
+            break
+        given, expected = int(match.group(2)), int(match.group(3))
+        vision = getattr(config, plan.vision_key).to_dict()
+        named = [k for k, v in vision.items() if type(v) is int and v == expected]
+        # A field left at its default first; else one the shrink set (a width the model's
+        # code derives from another by a factor the shrink did not keep).
+        fields = [k for k in named if k not in saved] or named
+        if len(fields) != 1 or given == expected:
+            break
+        plan.vision = {**plan.vision, fields[0]: given}
+        try:
+            tokenizer, config = build_config(resolved, plan)
+            processor = build_processor(plan, tokenizer, config)
+        except ScaffoldError:
+            break
+        failure = runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs)
+        fitted = ((tokenizer, config, processor), failure)
+        if failure is None:
+            return fitted
+    if fitted is None:
+        plan.vision = saved
+    return fitted
 
 
 _COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")

@@ -168,6 +168,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     else:
         lines.append("    rollout = Rollout()")
     lines.append("")
+    if d.redraw_zeros:
+        lines += ["    def prepare_model(self, model):",
+                  '        """The weights the class initializes to zero (a checkpoint replaces them), which',
+                  '        cut every gradient to the vision tower of the random-init tiny model: drawn."""',
+                  *_redraw_lines(d.redraw_zeros), ""]
     if d.own_positions:
         lines += ["    def position_ids(self, model, batch):",
                   '        """None: the model places its own positions (offset or masked by its code);',
@@ -191,7 +196,8 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media")
         imports.append("from mmrl.registry import register_model")
-        imports.append("from mmrl.tiny import as_loaded, char_tokenizer, sized_config")
+        imports.append("from mmrl.tiny import " + ", ".join(
+            ["as_loaded", "char_tokenizer", *(["redraw_zeros"] if d.redraw_zeros else []), "sized_config"]))
     else:
         imports.append("from mmrl.processors.templates import CHATML, CHATML_SPECIAL_TOKENS")
         imports.append("from mmrl.registry import register_model")
@@ -200,6 +206,13 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         body += "\n" + _vision_template_source(d) + "\n"
     return body + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _redraw_lines(patterns: tuple[str, ...]) -> list[str]:
+    line = "        return redraw_zeros(model, " + _tuple(patterns) + ")"
+    if len(line) <= 116:
+        return [line]
+    return ["        return redraw_zeros(model, (", *(f"            {_str(p)}," for p in patterns), "        ))"]
 
 
 def _model_types(d: Discovery) -> list[str]:
@@ -349,7 +362,8 @@ def render_test(d: Discovery, layout: Layout) -> str:
             ''')
     return textwrap.dedent(f'''\
         """Zoo checks for the out-of-tree {d.family} family: save/reload, forward/backward,
-        generation, padded == single, packed == padded, parts, LoRA merge.
+        generation, padded == single, packed == padded, parts, LoRA merge (and for a
+        vision-language family, images that train its tower).
 
             python -m pytest -q tests/test_family_{d.family}.py
         """
@@ -414,7 +428,21 @@ def render_test(d: Discovery, layout: Layout) -> str:
                 pytest.skip("lora_language is not declared")
             gap, effect = lora_merge_difference(built, sample_conversations(built.adapter), "language")
             assert effect > 1e-3 and gap < TOLERANCE
-        ''')
+        ''') + (_TOWER_TEST if d.resolved.is_vision_language else "")
+
+
+# The generated test of a vision-language family that the images reach its tower's weights.
+_TOWER_TEST = textwrap.dedent('''\
+
+
+    def test_images_train_the_vision_tower():
+        built = build_model(FAMILY, random_init=True)
+        if not built.adapter.capabilities.single_image:
+            pytest.skip("single_image is not declared")
+        loss_and_backward(built, sample_conversations(built.adapter))
+        tower = parameters_by_part(built.model).get("vision", [])
+        assert not tower or any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in tower)
+    ''')
 
 
 def render_processing(d: Discovery) -> str:

@@ -3,6 +3,7 @@ zoo's quick checks on its tiny model and keep the capabilities that passed."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,8 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
     `gaps` (its column, why, what to write by hand)."""
     gaps = [] if gaps is None else gaps
     verified = _verify_once(d, layout, notes, gaps)
+    if verified is not None and _tower_unreached(gaps) and not d.redraw_zeros:
+        verified = _with_zeros_drawn(d, layout, notes, gaps, verified)
     if d.own_positions or not _position_gap(d):
         return verified
     attempts = [{"own_positions": True}]
@@ -53,18 +56,64 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
     return verified
 
 
+# The single_image gap where the images reach no trainable weight of the tower.
+TOWER_UNREACHED = "no gradient reaches the vision tower: the images do not change the loss"
+
+
+def tower_learns(built) -> bool:
+    """After a backward pass: whether a parameter of the vision part got a gradient (True
+    where the adapter names no vision part: nothing to check)."""
+    from mmrl.parts import parameters_by_part
+
+    tower = parameters_by_part(built.model, built.adapter).get("vision", [])
+    return not tower or any(p.grad is not None and bool(p.grad.abs().sum() > 0) for _, p in tower)
+
+
+def zero_weights(model) -> tuple[str, ...]:
+    """Name patterns (layer indices as `*`) of the parameters a random init left all zero,
+    biases and norms aside: gates and projections that a checkpoint fills in."""
+    import re
+
+    found = [re.sub(r"\.\d+\.", ".*.", name) for name, p in model.named_parameters()
+             if p.numel() and not name.endswith("bias") and "norm" not in name.lower() and not bool(p.any())]
+    return tuple(dict.fromkeys(found))
+
+
+def _tower_unreached(gaps: list[Gap]) -> bool:
+    return any(g.column == "single_image" and g.cause.startswith(TOWER_UNREACHED) for g in gaps)
+
+
 def _position_gap(d: Discovery) -> bool:
     return any(item.startswith(_POSITIONS) for item in d.fill_in)
 
 
-def _verify_once(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap]) -> Capabilities | None:
-    import torch
-
+def _with_zeros_drawn(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap],
+                      verified: Capabilities) -> Capabilities:
+    """The tiny model's images reach no weight of its tower: where the class initializes
+    weights to zero (a gate in front of cross-attention, an image projection), the checks
+    again with the adapter's prepare_model drawing them (`redraw_zeros`); kept where the
+    tower then learns."""
     from mmrl import build_model
-    from mmrl.checks import (
-        generate, lora_merge_difference, loss_and_backward, packed_vs_padded, padded_vs_single,
-        sample_conversations,
-    )
+
+    with _rendered(d, layout):
+        d.redraw_zeros = zero_weights(build_model(d.family, random_init=True).model)
+    if not d.redraw_zeros:
+        return verified
+    again_notes: list[str] = []
+    again_gaps: list[Gap] = []
+    fill_in = list(d.fill_in)
+    again = _verify_once(d, layout, again_notes, again_gaps)
+    if again is not None and not _tower_unreached(again_gaps):
+        notes[:] = again_notes
+        gaps[:] = again_gaps
+        return again
+    d.redraw_zeros, d.fill_in[:] = (), fill_in
+    return verified
+
+
+@contextlib.contextmanager
+def _rendered(d: Discovery, layout: Layout):
+    """The adapter (and processing) as rendered now, registered under scratch module names."""
     from mmrl.registry import unregister
 
     scratch = Path(tempfile.mkdtemp(prefix="mmrl-add-model-"))
@@ -82,14 +131,27 @@ def _verify_once(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap]
         load_module(name, scratch / "adapter.py")
         names.append(name)
         try:
-            return _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference,
-                               loss_and_backward, packed_vs_padded, padded_vs_single, sample_conversations)
+            yield
         finally:
             unregister(d.family)
     finally:
         for name in names:
             sys.modules.pop(name, None)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _verify_once(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap]) -> Capabilities | None:
+    import torch
+
+    from mmrl import build_model
+    from mmrl.checks import (
+        generate, lora_merge_difference, loss_and_backward, packed_vs_padded, padded_vs_single,
+        sample_conversations,
+    )
+
+    with _rendered(d, layout):
+        return _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference,
+                           loss_and_backward, packed_vs_padded, padded_vs_single, sample_conversations)
 
 
 def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_difference, loss_and_backward,
@@ -127,7 +189,10 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
     def learns():
         loss = loss_and_backward(built, conversations)
         grads = [p.grad for p in built.model.parameters() if p.grad is not None]
-        return bool(torch.isfinite(loss)) and any(g.abs().sum() > 0 for g in grads), f"loss {loss.item():.3g}"
+        ok = bool(torch.isfinite(loss)) and any(g.abs().sum() > 0 for g in grads)
+        if ok and vlm and not tower_learns(built):
+            return False, TOWER_UNREACHED
+        return ok, f"loss {loss.item():.3g}"
 
     def generates():
         tokens = generate(built, conversations, max_new_tokens=4)
