@@ -123,12 +123,27 @@ def build_model(
             use_safetensors=True, trust_remote_code=trust_remote_code,
             **({"device_map": {"": torch.device(device)}} if device is not None else {}),
         )
+    _warn_frozen(model)
     model = adapter.on_load(model)
     eos = getattr(model.generation_config, "eos_token_id", None)
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
     processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def _warn_frozen(model) -> None:
+    """One warning where the model comes built with frozen parameters (a config's own
+    `freeze_*` settings, as IDEFICS's `freeze_vision_layers`): mmrl freezes by named parts
+    (`model.freeze`) and never unfreezes, so they would stay frozen in training."""
+    frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
+    if frozen:
+        import warnings
+
+        settings = sorted(k for k, v in model.config.to_dict().items() if k.startswith("freeze") and v is True)
+        why = f" (its config sets {', '.join(settings)})" if settings else ""
+        warnings.warn(f"{type(model).__name__} comes with {len(frozen)} frozen parameters{why}, the first "
+                      f"{frozen[0]}; mmrl never unfreezes them, so training leaves them as they are", stacklevel=3)
 
 
 def _locate(name_or_path: str | Path, *, weights: bool, trust_remote_code: bool) -> tuple[Path, bool, ModelAdapter]:
