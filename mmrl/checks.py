@@ -214,6 +214,15 @@ def loss_and_backward(built, conversations) -> torch.Tensor:
     return loss.detach()
 
 
+def tower_learns(built) -> bool:
+    """After a backward pass: whether a parameter of the vision part got a gradient (True
+    where the adapter names no vision part: nothing to check)."""
+    from mmrl.parts import parameters_by_part
+
+    tower = parameters_by_part(built.model, built.adapter).get("vision", [])
+    return not tower or any(p.grad is not None and bool(p.grad.abs().sum() > 0) for _, p in tower)
+
+
 def checkpointing_difference(built, conversations) -> dict:
     """Loss and gradients with activation checkpointing against without, on the same
     batch. Turns checkpointing on for `built.model`. Returns the loss gap, the worst

@@ -517,7 +517,7 @@ def test_single_image_needs_a_gradient_in_the_vision_tower():
     from mmrl import build_model
     from mmrl.checks import loss_and_backward, sample_conversations
     from mmrl.parts import parameters_by_part
-    from mmrl.scaffold.verify import tower_learns
+    from mmrl.checks import tower_learns
 
     built = build_model("qwen2_vl", random_init=True)
     loss_and_backward(built, sample_conversations(built.adapter))

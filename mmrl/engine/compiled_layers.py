@@ -148,10 +148,11 @@ LONGEST_SEGMENT_SOURCES = (f"L['kwargs']['{SEGMENTS}'][1]", rf".*\['{SEGMENTS}'\
 # Where dynamo finds a decoder layer's attention index in a decode step through the compiled
 # layers, for a layer not given a view of the cache (`cache_views`): the attention's own
 # frame (the cache write, kept eager there, breaks the layer's graph, so the attention
-# forward is a frame of its own) passes `self.layer_idx` to that write. The decode step lets ints on modules be symbols (`allow_unspec_int_on_nn_module`),
-# but dynamo still specializes the first one it meets and makes it a symbol only at the first
-# other index: one more compile of the attention frame at layer 1 (issue 28). Named here, it
-# is a symbol from the first compile.
+# forward is a frame of its own) passes `self.layer_idx` to that write. The decode step lets
+# ints on modules be symbols (`allow_unspec_int_on_nn_module`), but dynamo still specializes
+# the first one it meets and makes it a symbol only at the first other index: one more
+# compile of the attention frame at layer 1 (issue 28). Named here, it is a symbol from the
+# first compile.
 LAYER_INDEX_SOURCES = ("L['self'].layer_idx",)
 
 

@@ -59,7 +59,7 @@ from mmrl.engine.surgery import decoder_layers
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
-from mmrl.rollout.graphs import GraphedStep
+from mmrl.rollout.graphs import GraphedStep, fill_counters
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 from mmrl.rollout.merged import MergedProjections
@@ -676,14 +676,9 @@ def _unguarded(cache) -> None:
     layer's own view in the decode step (`mmrl.rollout.graphs.LayerCache`; transformers
     marks them, with a guard on torch versions whose default guards)."""
     for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), *_counters(layer)):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), *fill_counters(layer)):
             if isinstance(tensor, torch.Tensor):
                 torch._dynamo.mark_static_address(tensor, guard=False)
-
-
-def _counters(layer) -> list:
-    """A cache layer's fill counters (transformers' `cumulative_length`)."""
-    return [value for name, value in vars(layer).items() if name.startswith("cumulative_length")]
 
 
 def _mark_dynamic_sizes(ids, place, mask, running, seen, cache, noise=None) -> None:

@@ -340,7 +340,7 @@ class _State:
     counters, `slot` and (`rng`: where the step draws from it) the device's random state."""
 
     def __init__(self, cache, slot: torch.Tensor, rng: bool = True):
-        self.tensors = [*_fill_counters(cache), slot]
+        self.tensors = [*(counter for layer in cache.layers for counter in fill_counters(layer)), slot]
         self.values = [t.clone() for t in self.tensors]
         self.rng = torch.cuda.get_rng_state(slot.device) if slot.is_cuda and rng else None
 
@@ -351,14 +351,10 @@ class _State:
             torch.cuda.set_rng_state(self.rng, self.tensors[-1].device)
 
 
-def _fill_counters(cache) -> list[torch.Tensor]:
-    """The cache layers' device-side fill counters (transformers' `cumulative_length`)."""
-    found = []
-    for layer in cache.layers:
-        for name, value in vars(layer).items():
-            if name.startswith("cumulative_length") and isinstance(value, torch.Tensor):
-                found.append(value)
-    return found
+def fill_counters(layer) -> list[torch.Tensor]:
+    """A cache layer's device-side fill counters (transformers' `cumulative_length`)."""
+    return [value for name, value in vars(layer).items()
+            if name.startswith("cumulative_length") and isinstance(value, torch.Tensor)]
 
 
 def _uncached_autocast():

@@ -166,7 +166,7 @@ def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: s
     given, as long as the error names one. ((tokenizer, config, processor), None)
     once it runs, ((...), error) where it got further but still fails, None where no field
     fits (`plan` as it was)."""
-    saved, fitted = dict(plan.vision), None
+    saved, fitted, kept = dict(plan.vision), None, dict(plan.vision)
     for _ in range(_WIDTH_FITS):
         match = _MATMUL.search(failure)
         if match is None:
@@ -186,11 +186,10 @@ def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: s
         except ScaffoldError:
             break
         failure = runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs)
-        fitted = ((tokenizer, config, processor), failure)
+        fitted, kept = ((tokenizer, config, processor), failure), dict(plan.vision)
         if failure is None:
             return fitted
-    if fitted is None:
-        plan.vision = saved
+    plan.vision = kept  # the vision values of the config returned (`saved` where none is)
     return fitted
 
 

@@ -60,15 +60,6 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
 TOWER_UNREACHED = "no gradient reaches the vision tower: the images do not change the loss"
 
 
-def tower_learns(built) -> bool:
-    """After a backward pass: whether a parameter of the vision part got a gradient (True
-    where the adapter names no vision part: nothing to check)."""
-    from mmrl.parts import parameters_by_part
-
-    tower = parameters_by_part(built.model, built.adapter).get("vision", [])
-    return not tower or any(p.grad is not None and bool(p.grad.abs().sum() > 0) for _, p in tower)
-
-
 def zero_weights(model) -> tuple[str, ...]:
     """Name patterns (layer indices as `*`) of the parameters a random init left all zero,
     biases and norms aside: gates and projections that a checkpoint fills in."""
@@ -187,6 +178,8 @@ def _run_checks(d, notes, gaps, torch, build_model, generate, lora_merge_differe
     vlm = d.resolved.is_vision_language
 
     def learns():
+        from mmrl.checks import tower_learns
+
         loss = loss_and_backward(built, conversations)
         grads = [p.grad for p in built.model.parameters() if p.grad is not None]
         ok = bool(torch.isfinite(loss)) and any(g.abs().sum() > 0 for g in grads)
