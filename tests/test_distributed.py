@@ -94,6 +94,8 @@ if dist.rank == 0:
     json.dump(record, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 

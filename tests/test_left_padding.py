@@ -206,6 +206,8 @@ if dist.rank == 0:
     json.dump({"sharded": gathered, "alone": alone}, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 

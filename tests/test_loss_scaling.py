@@ -260,6 +260,8 @@ if dist.is_main:
     json.dump({"ranks": records, "reference_norm": reference_norm}, open(sys.argv[1], "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 

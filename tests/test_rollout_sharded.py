@@ -93,6 +93,8 @@ if dist.rank == 0:
     json.dump(records, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 SHARDED_TRAINING = '''
@@ -117,6 +119,8 @@ if dist.rank == 0:
                "changed": any(not torch.equal(before[name], state[name]) for name in copy)}, open(out, "w"))
 dist.barrier()
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 

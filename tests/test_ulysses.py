@@ -246,6 +246,8 @@ if dist.is_main:
     reason, evidence = compare_updates(reference[1:], parallel[1:])
     open(sys.argv[1], "w").write(json.dumps({"gaps": gaps, "reason": reason, "evidence": evidence}))
 torch.distributed.destroy_process_group()
+from mmrl.parallel.mesh import exit_cleanly  # no interpreter teardown: gloo's threads can abort it
+exit_cleanly()
 '''
 
 
