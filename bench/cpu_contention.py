@@ -1,10 +1,12 @@
 """How the tiny recipe's training step slows down when the CPU is shared (issue 9), and what
 OpenMP's wait policy and torch's thread count do about it.
 
-    .venv/bin/python bench/cpu_contention.py [--busy 4] [--steps 8] [--out bench/results/cpu_contention.json]
+    .venv/bin/python bench/cpu_contention.py [--busy 4] [--steps 8] [--variants default OMP_WAIT_POLICY=PASSIVE]
+        [--out bench/results/cpu_contention.json]
 
-For each OpenMP wait policy (the default, which spins a while at every barrier, and
-`OMP_WAIT_POLICY=PASSIVE`, which sleeps at once) a fresh process builds the tiny recipe's
+For each variant of OpenMP's waiting (`default`: libgomp spins 300,000 times at every
+barrier before it sleeps; `OMP_WAIT_POLICY=PASSIVE`: it sleeps at once; `GOMP_SPINCOUNT=N`:
+N spins, then sleep; any `NAME=VALUE` list joined by commas) a fresh process builds the tiny recipe's
 Trainer (`recipes/tiny_vlm_count.yaml`, no evaluation) and times `train_step()` with 2
 threads and with 1 thread, in alternating blocks, first on the machine as it is and then
 with `--busy` extra processes spinning in a Python loop. Prints the medians and writes
@@ -56,10 +58,22 @@ def child(steps: int) -> None:
     print(json.dumps({str(t): round(statistics.median(v), 4) for t, v in times.items()}))
 
 
-def measure(policy: str | None, busy: int, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def variant_environment(variant: str) -> dict[str, str]:
+    """`default` -> {}; `A=1,B=2` -> {"A": "1", "B": "2"}."""
+    if variant == "default":
+        return {}
+    pairs = [item.split("=", 1) for item in variant.split(",")]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise SystemExit(f"cpu_contention.py: a variant is `default` or NAME=VALUE[,NAME=VALUE], got {variant!r}")
+    return dict(pairs)
+
+
+def measure(variant: str, busy: int, steps: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_SETTINGS}
+    env.update(variant_environment(variant))
     loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(busy)]
     try:
         start = time.perf_counter()
@@ -71,7 +85,7 @@ def measure(policy: str | None, busy: int, steps: int) -> dict:
             loop.kill()
             loop.wait()
     medians = json.loads(result.stdout.strip().splitlines()[-1])
-    return {"omp_wait_policy": policy or "default", "busy_processes": busy, "wall_s": round(wall, 1),
+    return {"variant": variant, "busy_processes": busy, "wall_s": round(wall, 1),
             "median_step_s": {"2_threads": medians["2"], "1_thread": medians["1"]}}
 
 
@@ -79,20 +93,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--busy", type=int, default=4, help="busy-loop processes competing for the CPU")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per thread count")
+    parser.add_argument("--variants", nargs="+", default=["default", "OMP_WAIT_POLICY=PASSIVE"],
+                        help="`default` or NAME=VALUE[,NAME=VALUE] environment settings, one process each")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_contention.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.steps)
         return
+    for variant in args.variants:  # a typo fails before any process starts
+        variant_environment(variant)
     load_before = os.getloadavg()[0]
     rows = []
     for busy in (0, args.busy):
-        for policy in (None, "PASSIVE"):
-            row = measure(policy, busy, args.steps)
+        for variant in args.variants:
+            row = measure(variant, busy, args.steps)
             rows.append(row)
             step = row["median_step_s"]
-            print(f"busy {busy}  OMP_WAIT_POLICY={row['omp_wait_policy']:8s}  median step: "
+            print(f"busy {busy}  {variant:24s}  median step: "
                   f"2 threads {step['2_threads']:.3f} s, 1 thread {step['1_thread']:.3f} s  ({row['wall_s']} s)",
                   flush=True)
     document = {"machine": platform.platform(), "cpus": len(os.sched_getaffinity(0)),
