@@ -1059,3 +1059,28 @@ def test_the_coverage_page_shows_depth_per_type_and_old_rows_run_again(tmp_path)
     assert "causal_lm 1 gathered; image_text_to_text 1 ulysses." in page
     # a row declaring it without the mode (recorded before the mode was) is run again
     assert not is_current(dataclasses.replace(rows["lm"], sequence_parallel_mode=""))
+
+
+def test_a_scale_equal_to_a_default_width_is_not_taken_for_one():
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    # Llama 4's floor_scale (8192, its default intermediate width) divides positions in the
+    # attention's temperature tuning; shrunk to 128 it stepped inside the padded-batch check.
+    values = tiny_text_values("Llama4TextConfig")
+    assert "floor_scale" not in values and values["intermediate_size"] < 8192
+
+
+def test_lora_targets_leave_out_a_linear_layer_whose_forward_returns_no_tensor():
+    import torch
+    import transformers
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    from mmrl.scaffold.discover import _linear_leaves
+
+    # Llama 4's router is an nn.Linear whose forward gives (scores, logits): LoRA adds its
+    # product to the wrapped layer's output. Falcon's own Linear returns a tensor and stays.
+    config = transformers.Llama4TextConfig(hidden_size=16, num_local_experts=4, intermediate_size=32)
+    block = torch.nn.ModuleDict({"router": Llama4Router(config), "dense": FalconLinear(16, 16),
+                                 "q_proj": torch.nn.Linear(16, 16)})
+    assert _linear_leaves(block) == ("dense", "q_proj")

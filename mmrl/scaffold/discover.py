@@ -47,9 +47,25 @@ def _linear_leaves(block) -> tuple[str, ...]:
     leaves: list[str] = []
     for name, module in block.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear) and leaf not in leaves:
+        if isinstance(module, torch.nn.Linear) and leaf not in leaves and _gives_a_tensor(module):
             leaves.append(leaf)
     return tuple(leaves)
+
+
+def _gives_a_tensor(linear) -> bool:
+    """False for a Linear subclass whose own forward returns something else (Llama 4's and
+    PhiMoE's routers give scores and logits): a LoRA layer adds its product to what the
+    wrapped layer returns. A forward that cannot be tried on one row is given the benefit."""
+    import torch
+
+    if type(linear).forward is torch.nn.Linear.forward:
+        return True
+    try:
+        with torch.no_grad():
+            out = linear(torch.zeros(1, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device))
+    except Exception:
+        return True
+    return isinstance(out, torch.Tensor)
 
 
 def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discovery:

@@ -32,9 +32,11 @@ from mmrl.tiny import TINY_TEXT_SHAPES
 _LAYERS, _HIDDEN, _INTERMEDIATE, _HEADS, _KV_HEADS, _HEAD_DIM = (
     "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim")
-# Integers that are never shapes, whatever their value.
+# Integers that are never shapes, whatever their value. A scale is a divisor of positions
+# or values: Llama 4's attention `floor_scale` (8192) equals its intermediate width by
+# default, and following that width to 128 made its query scaling step inside a tiny prompt.
 _NOT_SHAPES = re.compile(r"token|vocab|position|seed|window|chunk|max_|length|bucket|ctx|steps|rate|epoch|"
-                         r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels")
+                         r"image_size|patch|merge|temporal|resolution|stride|group_size|pad|num_labels|scale")
 # Vision config fields that hold the width a tower projects into the text model: they
 # follow the text model's width (here and when image_size widens the tiny text model).
 TOWER_OUTPUT_WIDTH = re.compile(r"^out_hidden_size$|^out_hidden_dim$|^text_hidden_size$|^output_dim$|^out_dim$|"
