@@ -253,3 +253,20 @@ def test_two_ulysses_gpus_equal_one_gpu_on_a_multi_image_sample(tmp_path):
     report = json.loads(out.read_text())
     assert report["runs"]["1"]["fits"] and report["runs"]["2"]["fits"]
     assert report["logp_max_gap"] <= 1e-5
+
+
+def test_gpu_targets_takes_the_multi_turn_call_of_median_ratio(tmp_path):
+    """Plain `generate`'s time moved between device calls; the multi-turn row is the call of
+    median ratio, and its note names every call's."""
+    targets = load_bench("gpu_targets")
+    paths = []
+    for i, plain in enumerate((6.4, 5.2, 5.5)):
+        report = {"command": "agent", "date": f"d{i}", "shape": "vl3b", "prompts": 8, "samples_per_prompt": 8,
+                  "policy_turns": 2, "new_tokens_per_turn": 64, "image_replies": 1, "repeats": 2,
+                  "runs": {"plain": {"median_s": plain}, "compiled": {"median_s": 1.3, "warm_up_s": 5.0}}}
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    entry = targets.multi_turn_entry(paths)
+    assert entry["baseline"] == 5.5 and abs(entry["ratio"] - 5.5 / 1.3) < 1e-9 and entry["met"] is False
+    assert "among 3" in entry["note"] and entry["note"].count("x (call") == 3
+    assert targets.multi_turn_entry([]) is None
