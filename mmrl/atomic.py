@@ -73,11 +73,35 @@ def atomic_folder(final: Path) -> Iterator[Path]:
     temp.mkdir()
     try:
         yield temp
+        usual_permissions(temp)
         fsync_tree(temp)
         replace_folder(temp, final)
     finally:
         if temp.exists():
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def process_umask() -> int:
+    """This process's umask (read where Linux shows it, else set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_permissions(folder: Path) -> None:
+    """Every file under `folder` gets the mode a file this process opens would get
+    (0o666 less the umask): safetensors 0.8 writes its files owner-only (0o600), and a
+    run's weights should be as readable as the run's other files."""
+    mode = 0o666 & ~process_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def fsync_tree(folder: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +36,24 @@ def save_checkpoint(path: Path, dist, engines: dict[str, Any], state: dict[str, 
     with dist.together():
         if dist.is_main:
             begin_checkpoint(path)
-    for name, engine in engines.items():
-        if engine is not None:
-            engine.save_checkpoint(temp / name)
-    with dist.together():
-        torch.save(_rng_state_tensors(), temp / f"rng_rank{dist.rank}.pt")
+    try:
+        for name, engine in engines.items():
+            if engine is not None:
+                engine.save_checkpoint(temp / name)
+        with dist.together():
+            torch.save(_rng_state_tensors(), temp / f"rng_rank{dist.rank}.pt")
+            if dist.is_main:
+                (temp / STATE_FILE).write_text(json.dumps(state))
+        with dist.together():
+            if dist.is_main:
+                commit_checkpoint(temp, path)
+                if keep is not None:
+                    prune_checkpoints(path.parent, path, keep)
+    except BaseException:
+        # A write that failed (a full disk) leaves no half-written folder taking the space.
         if dist.is_main:
-            (temp / STATE_FILE).write_text(json.dumps(state))
-    with dist.together():
-        if dist.is_main:
-            commit_checkpoint(temp, path)
-            if keep is not None:
-                prune_checkpoints(path.parent, path, keep)
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
     return path
 
 

@@ -383,7 +383,8 @@ class TrainerConfig(_Section):
     # Remove the results of a run already in output_dir before starting this one.
     overwrite: bool = False
     export: bool = True
-    threads: int | None = None
+    # Torch's CPU threads (None: torch's own choice).
+    threads: int | None = Field(None, ge=1)
     progress: bool = True
     # A few lines before the first step: model, parameters (trainable share), rows, batch,
     # the settled "auto" values, the output folder (`mmrl.summary`).

@@ -37,6 +37,9 @@ _UNREACHABLE = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "HfHubHTTPErr
                 "ConnectionError", "MaxRetryError"}
 _DATASETS = {"DatasetGenerationError", "DatasetNotFoundError", "DataFilesNotFoundError", "EmptyDatasetError"}
 # Known causes of torch runtime errors: a part of the message -> what to do.
+_WRITE_FELL_SHORT = ("a file could not be written whole (is the disk full?): free space or choose a folder on "
+                     "another disk, then run again (a run continues from its last checkpoint with "
+                     "trainer.resume=true)")
 _TORCH_CAUSES = (
     ("Error(s) in loading state_dict", "the checkpoint does not fit the model (another family or size): check "
      "model.path, or resume with the recipe that wrote it"),
@@ -45,6 +48,9 @@ _TORCH_CAUSES = (
      "model); run again with CUDA_LAUNCH_BLOCKING=1 and --debug to find it"),
     ("out of memory", "lower algo.micro_batch_size or algo.micro_batch_tokens, rollout.samples_per_prompt, "
      "rollout.max_new_tokens or model.max_pixels, or turn model.gradient_checkpointing on"),
+    # torch.save's zip writer when a write falls short (a full disk), in its own words.
+    ("PytorchStreamWriter failed writing", _WRITE_FELL_SHORT),
+    ("unexpected pos", _WRITE_FELL_SHORT),
     ("NCCL", "a collective between ranks failed (a rank died or the network dropped): see every rank's log and run "
      "again with trainer.resume=true"),
 )
@@ -69,6 +75,9 @@ def _explain(exc: BaseException) -> str | None:
     if names & {"OutOfMemoryError"} or isinstance(exc, MemoryError):
         where = "GPU" if "OutOfMemoryError" in names else "host"
         return f"out of {where} memory ({one_line(exc, 200)}): {_TORCH_CAUSES[3][1]}"
+    if "SafetensorError" in names and ("No space left" in str(exc) or "os error 28" in str(exc)):
+        what, todo = _OS_ERRORS[errno.ENOSPC]
+        return f"a safetensors file cannot be written: {what}; {todo}"
     if "SafetensorError" in names:
         return (f"a safetensors file cannot be read ({one_line(exc, 200)}): it is cut short or not safetensors; "
                 "write it again (a checkpoint: resume from an earlier one)")

@@ -21,10 +21,9 @@ threads sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), whic
 and the tests set before torch loads. On a machine whose cores are shared, spinning
 threads take the CPU that the thread they wait for needs; bench/cpu_contention.py
 measures the tiny recipe's step with and without it on a loaded machine
-(bench/results/cpu_contention.json). On a quiet machine sleeping costs that step about 15%
-(0.167 s against 0.145 s spinning); a bounded spin (`GOMP_SPINCOUNT` 1,000 to 100,000) wins
-back at most that there and loses more once the cores are shared: with 4 busy processes
-each was 1.3-2.5x slower than PASSIVE (bench/results/cpu_contention_spincount.json).
+(bench/results/cpu_contention.json). On a quiet machine sleeping makes that step a little
+slower; a bounded spin (`GOMP_SPINCOUNT`) wins some of that back there and loses more once
+the cores are shared (bench/results/cpu_contention_spincount.json, `--variants`).
 And `$MMRL_MAX_THREADS` caps the torch threads a recipe asks for (`trainer.threads`), in
 the process and in those it starts: the test suite sets it to one per pytest-xdist
 worker, so that N workers on N cores do not each start the tiny recipe's 2 threads.

@@ -43,7 +43,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mmrl.atomic import OLD_PREFIX, TEMP_PREFIX, fsync_path, replace_folder, replacing  # noqa: F401 - re-exported
+from mmrl.atomic import (  # noqa: F401 - some re-exported
+    OLD_PREFIX, TEMP_PREFIX, fsync_path, replace_folder, replacing, usual_permissions,
+)
 
 LOCK_FILE = ".mmrl.lock"
 MANIFEST_FILE = "manifest.json"
@@ -286,6 +288,7 @@ def begin_checkpoint(final: Path) -> Path:
 
 def commit_checkpoint(temp: Path, final: Path) -> Path:
     """Fsync every file of `temp`, write its manifest last, and rename it to `final`."""
+    usual_permissions(temp)
     files = {}
     for path in sorted(p for p in temp.rglob("*") if p.is_file()):
         _fsync(path)

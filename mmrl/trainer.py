@@ -617,7 +617,10 @@ class Trainer:
             self._interrupted(history)
         if stop_reason and self.dist.is_main:
             print(f"stopped early: {stop_reason}", flush=True)
-        summary = self.finish(history, time.perf_counter() - start)
+        try:
+            summary = self.finish(history, time.perf_counter() - start)
+        except KeyboardInterrupt:
+            self._interrupted_at_the_end()
         if stop_reason:
             summary["stopped_early"] = stop_reason
         return summary
@@ -632,6 +635,23 @@ class Trainer:
         self._close()
         self.folder.release()
         raise SystemExit(128 + int(signum))
+
+    def _interrupted_at_the_end(self) -> None:
+        """Ctrl-C in the final evaluation or export: the steps are done, so their weights go
+        to a checkpoint (unless one holds this step) that `trainer.resume=true` evaluates
+        and exports; exit 130. Under torchrun the interrupt stays as it was: the ranks may
+        not all be at a point where they can save together."""
+        if self.dist.distributed:
+            raise KeyboardInterrupt
+        if (self.checkpoint_dir(self.step) / "manifest.json").is_file():
+            kept = self.checkpoint_dir(self.step)
+        else:
+            kept = self.save()
+        print(f"SIGINT: stopped in the final evaluation or export after step {self.step}; checkpoint {kept} "
+              "holds the trained weights; run again with trainer.resume=true to evaluate and export them",
+              file=sys.stderr, flush=True)
+        self._close()
+        raise SystemExit(130)
 
     def _plot_title(self) -> str:
         r = self.recipe

@@ -731,3 +731,74 @@ def test_replacing_leaves_the_old_file_whole_when_the_writer_fails(tmp_path):
             raise RuntimeError("killed mid-write")
     assert path.read_text() == "first\n"
     assert [p.name for p in path.parent.iterdir()] == ["metrics.jsonl"]  # no temporary left behind
+
+
+# -- what a run writes: readable weights, no half-written checkpoint, one line for a full disk --
+def test_weights_written_into_an_atomic_folder_get_the_umask_s_mode(tmp_path):
+    from safetensors.torch import save_file
+
+    from mmrl.atomic import atomic_folder, process_umask
+
+    with atomic_folder(tmp_path / "final") as temp:
+        save_file({"w": torch.zeros(2)}, str(temp / "model.safetensors"))  # safetensors 0.8 writes 0o600
+    mode = (tmp_path / "final" / "model.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~process_umask()
+
+
+def test_a_checkpoint_that_fails_to_write_leaves_no_temporary_folder(tmp_path):
+    import errno
+
+    from mmrl.checkpoint import save_checkpoint
+    from mmrl.parallel.mesh import Dist
+    from mmrl.runs import temporary_for
+
+    class FullDisk:
+        def save_checkpoint(self, path):
+            path.mkdir(parents=True)
+            (path / "model.safetensors").write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    final = tmp_path / "checkpoints" / "step_000001"
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(final, dist, {"actor": FullDisk()}, {"step": 1})
+    assert not temporary_for(final).exists() and not final.exists()
+
+
+def test_a_full_disk_in_torch_save_or_safetensors_is_one_line_about_space():
+    from safetensors import SafetensorError
+
+    from mmrl.failures import explain
+
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1280 vs 1174")
+    assert explain(torch_save).startswith("[enforce fail") and "is the disk full?" in explain(torch_save)
+    written = SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+    assert explain(written).startswith("a safetensors file cannot be written: no space left on the device")
+    assert "cannot be read" in explain(SafetensorError("Error while deserializing header: HeaderTooLarge"))
+
+
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_trainer_threads_below_one_is_refused_naming_the_field(tmp_path, threads):
+    with pytest.raises(RecipeError, match=r"trainer\.threads"):
+        _recipe(tmp_path / "run", f"trainer.threads={threads}")
+
+
+def test_ctrl_c_in_the_final_export_keeps_the_weights_for_a_resume(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    real_export = Trainer.export
+
+    def interrupted(self, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "export", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        Trainer(_recipe(run, "trainer.steps=2", "trainer.export=true")).fit()
+    assert stopped.value.code == 130 and not (run / "final").exists()
+    err = capsys.readouterr().err
+    assert "stopped in the final evaluation or export after step 2" in err and "trainer.resume=true" in err
+    found, _ = newest_checkpoint(run / "checkpoints")
+    assert found is not None and found.name == "step_000002"
+    monkeypatch.setattr(Trainer, "export", real_export)
+    Trainer(_recipe(run, "trainer.steps=2", "trainer.export=true", "trainer.resume=true")).fit()
+    assert (run / "final" / "config.json").is_file() and _steps(run) == ([1, 2], 1)
