@@ -34,6 +34,7 @@ folder (`adapter_config.json`, `adapter_model.safetensors`) that loads onto its 
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from pathlib import Path
 
@@ -172,6 +173,8 @@ def find_checkpoint(source: Path) -> Path:
             why = f"; skipped: {', '.join(f'{p.name} ({w})' for p, w in skipped)}" if skipped else ""
             raise ExportError(f"{source}: the run folder holds no step checkpoint that verifies (runs save them with "
                               f"trainer.save_every; its final/ is already an export){why}")
+        for bad, why in skipped:  # as resume says it: an older step is exported, not silently
+            print(f"skipped checkpoint {bad}: {why}; exporting {found.name}", file=sys.stderr, flush=True)
         return found
     raise ExportError(f"{source}: neither a step checkpoint (no {STATE_FILE}) nor a run folder (no {RECIPE_FILE})")
 

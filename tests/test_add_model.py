@@ -54,7 +54,7 @@ def test_text_family_scaffold_passes_the_zoo_unedited(plugin_path, tmp_ckpt):
     assert "parts = DECODER_PARTS" in source and f'model_types = ("{TEXT_TYPE}",)' in source
     assert "Olmo2DecoderLayer" in source and 'vllm_architecture="Olmo2ForCausalLM"' in source
 
-    load_plugin(f"mmrl_{TEXT_TYPE}.{TEXT_TYPE}")
+    load_plugin(f"mmrl_{TEXT_TYPE}")  # the package registers its family (`mmrl --plugin mmrl_olmo2`)
     adapter = get_adapter(TEXT_TYPE)
     assert adapter.family == TEXT_TYPE and adapter.capabilities.padding_free
     ran = []

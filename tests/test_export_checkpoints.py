@@ -196,3 +196,21 @@ def test_a_sharded_lora_run_saves_its_adapter_and_resumes_exactly(tmp_path, base
     resumed = load_file(tmp_path / "cut" / "checkpoints" / "step_000002" / "actor" / "model.safetensors")
     assert straight and all("lora_" in name for name in straight)
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_export_of_a_run_names_the_newer_checkpoints_it_skipped(tmp_path, capsys):
+    from mmrl.export import find_checkpoint
+    from mmrl.runs import begin_checkpoint, commit_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("model: {path: qwen2}\n")
+    for step in (1, 2):
+        final = run / "checkpoints" / f"step_00000{step}"
+        temp = begin_checkpoint(final)
+        (temp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        commit_checkpoint(temp, final)
+    (run / "checkpoints" / "step_000002" / "trainer_state.json").write_text("{}")  # corrupted after its manifest
+    assert find_checkpoint(run).name == "step_000001"
+    err = capsys.readouterr().err
+    assert "skipped checkpoint" in err and "step_000002" in err and "exporting step_000001" in err

@@ -71,7 +71,9 @@ def layout_for(d: Discovery, out: Path | None) -> Layout:
         processing=root / package / "processing.py" if vlm else None,
         test=root / "tests" / f"test_family_{family}.py",
         extra={root / "pyproject.toml": pyproject, root / "README.md": readme,
-               root / package / "__init__.py": f'"""The {family} model family for mmrl."""\n'},
+               root / package / "__init__.py": (f'"""The {family} model family for mmrl."""\n\n'
+                                                 f"from . import {family}  # noqa: F401 - registers the family "
+                                                 f"(`mmrl --plugin {package}`)\n")},
         appends={}, adapter_module=f"{package}.{family}",
         processing_module=f"{package}.processing" if vlm else None, in_tree=False,
     )
