@@ -311,6 +311,10 @@ def support_matrix(
     start = time.perf_counter()
     if check and (family or feature or gpu_results or device != "cpu"):
         fail("--check regenerates every CPU cell; it takes no --family, --feature, --gpu-results or --device")
+    if check and not (Path(output) / sm.RESULTS_FILE).is_file():
+        # Before minutes of probes: there is nothing to compare them with.
+        fail(f"{Path(output) / sm.RESULTS_FILE} not found: --check compares with a committed support matrix "
+             "(run it in the repository, or give --output)")
     if render_only:
         if check or family or feature or gpu_results or device != "cpu" or log_dir:
             fail("--render-only runs no probe; it takes no --check, --family, --feature, --gpu-results, --device or "

@@ -375,7 +375,7 @@ class TrainerConfig(_Section):
     # Step checkpoints kept: after a save, older ones beyond the newest N go (None: all).
     keep_checkpoints: int | None = Field(None, gt=0)
     # Stop early once the greedy eval accuracy reaches this (checked every eval_every).
-    target_accuracy: float | None = None
+    target_accuracy: float | None = Field(None, ge=0, le=1)
     # Wall-clock budget in seconds for the training loop (None: no limit).
     time_budget_s: float | None = None
     # Continue the run in output_dir from its newest good checkpoint (the same run only).

@@ -148,6 +148,9 @@ def check_output(out: Path, step: Path, recipe: Recipe) -> None:
     checkpoints = run / "checkpoints"
     if resolved in (run, checkpoints) or resolved in run.parents or checkpoints in resolved.parents:
         raise ExportError(f"{out}: the output would replace the run or its checkpoints; choose another folder")
+    if run in resolved.parents and resolved != run / "final":
+        # A folder mmrl does not know inside the run would stop the run's resume and overwrite.
+        raise ExportError(f"{out}: inside the run folder {run}; choose a folder outside it (or its final/)")
     if not recipe.model.random_init and resolved == Path(recipe.model.path).expanduser().resolve():
         raise ExportError(f"{out}: is the run's base model (model.path); choose another folder")
     if out.exists():

@@ -802,3 +802,35 @@ def test_ctrl_c_in_the_final_export_keeps_the_weights_for_a_resume(tmp_path, mon
     monkeypatch.setattr(Trainer, "export", real_export)
     Trainer(_recipe(run, "trainer.steps=2", "trainer.export=true", "trainer.resume=true")).fit()
     assert (run / "final" / "config.json").is_file() and _steps(run) == ([1, 2], 1)
+
+
+# -- one line for bad input to the probe commands and export ---------------------------------
+@pytest.mark.parametrize("args, line", [
+    (["doctor", "qwen2", "--device", "tpu"], "--device 'tpu': give cpu, cuda or cuda:N"),
+    (["doctor", "qwen2", "--workers", "-1"], "--workers -1: give 0 (probes in this process) or more"),
+    (["support-matrix", "--check", "--output", "{tmp}/none"], "none/results.json not found: --check compares"),
+])
+def test_probe_commands_refuse_bad_options_before_any_probe_runs(tmp_path, args, line):
+    from typer.testing import CliRunner
+
+    from mmrl.cli import app
+
+    result = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 2 and line in " ".join(result.output.split()), result.output
+
+
+def test_target_accuracy_above_one_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match=r"trainer\.target_accuracy"):
+        _recipe(tmp_path / "run", "trainer.target_accuracy=1.5")
+
+
+def test_export_refuses_a_folder_inside_the_run_but_its_final(tmp_path):
+    from mmrl.export import ExportError, check_output
+
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    recipe = _recipe(tmp_path / "run")
+    with pytest.raises(ExportError, match="inside the run folder"):
+        check_output(tmp_path / "run" / "mine", step, recipe)
+    check_output(tmp_path / "elsewhere", step, recipe)  # outside the run: no objection
+    check_output(tmp_path / "run" / "final", step, recipe)  # the run's own export

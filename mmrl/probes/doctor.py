@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from mmrl.adapter import ModelAdapter
 from mmrl.errors import one_line
 from mmrl.hub import HubError, checkpoint_folder
@@ -26,6 +28,12 @@ class DoctorTargetError(ValueError):
 
 def doctor_subject(target: str, device: str = "cpu") -> Subject:
     """The Subject `mmrl doctor` probes for `target` (DoctorTargetError when it cannot)."""
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError:
+        torch_device = None
+    if torch_device is None or torch_device.type not in ("cpu", "cuda"):
+        raise DoctorTargetError(f"--device {device!r}: give cpu, cuda or cuda:N")
     try:
         path = checkpoint_folder(target)  # a hub id: its snapshot in the HF cache
         if path is None:

@@ -287,6 +287,8 @@ class progress_bar:
 
 def default_workers(workers: int | None) -> int:
     """Worker processes for a probe command: as given (0: in process), else 2, or 1 on one core."""
+    if workers is not None and workers < 0:
+        raise ValueError(f"--workers {workers}: give 0 (probes in this process) or more")
     return workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
 
 
