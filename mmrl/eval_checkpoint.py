@@ -114,7 +114,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: str | Path, *, split: str = 
                              max_tokens=r.rollout.max_tokens, keep_cache=r.rollout.keep_cache)
     evaluator = Evaluator(r.eval, dist, max_new_tokens=r.rollout.max_new_tokens,
                           generate=rollout_generator(rollout, agent, max_pixels=m.max_pixels),
-                          score=reward_scorer(recipe_reward(r), built.processing))
+                          score=reward_scorer(recipe_reward(r), built.processing), progress=r.trainer.progress)
     dataset = load_prompts(source, split="test" if split == "eval" else "validation")
     metrics = evaluator.run(list(dataset), dataset, context=f"evaluation of {path}", controls=True)
     if dist.distributed:

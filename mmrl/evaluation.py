@@ -101,8 +101,11 @@ def reward_scorer(reward_fn, processing) -> Score:
 
 
 class Evaluator:
-    def __init__(self, settings: EvalConfig, dist: Dist, *, generate: Generate, score: Score, max_new_tokens: int):
+    def __init__(self, settings: EvalConfig, dist: Dist, *, generate: Generate, score: Score, max_new_tokens: int,
+                 progress: bool = False):
         self.settings = settings
+        # A progress bar over each pass's batches on the main rank (left when it is done).
+        self.progress = progress
         self.dist = dist
         self.generate = generate
         self.score = score
@@ -160,7 +163,11 @@ class Evaluator:
         rows = list(dataset.source_rows) if dataset is not None else list(range(len(samples)))
         my_rows = rows[dist.dp_rank::dist.dp_size]
         out = [torch.zeros(0, params.n)]
-        for index in range(batches):
+        from tqdm.auto import tqdm
+
+        shown = self.progress and dist.is_main and batches > 1
+        for index in tqdm(range(batches), desc=context if params.n == 1 else f"{context}, {params.n} samples",
+                          disable=not shown, leave=False, dynamic_ncols=True, unit="batch"):
             chunk = mine[index * size:(index + 1) * size]
             chunk_rows = my_rows[index * size:(index + 1) * size]
             # A rank whose share ran out generates for a stand-in and drops the result.

@@ -203,7 +203,8 @@ class Trainer:
                                       keep_cache=r.rollout.keep_cache)
         self.reward_fn = get_reward(self._given_reward) if self._given_reward is not None else recipe_reward(r)
         self.evaluator = Evaluator(r.eval, self.dist, max_new_tokens=r.rollout.max_new_tokens, score=self._score_in,
-                                   generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels))
+                                   generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels),
+                                   progress=r.trainer.progress)
         self.position = Position(0, 0)
         self._batches = None
         # The batch each step trains on goes through the trajectory buffer (mmrl/buffer).

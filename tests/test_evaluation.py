@@ -258,3 +258,14 @@ def test_eval_command_under_torchrun_splits_the_rows_and_exits_cleanly(trained, 
     written = json.loads(out.read_text())
     assert written["rows"] == 6 and written.keys() == one.keys()
     assert written["eval/accuracy"] == pytest.approx(one["eval/accuracy"])
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_an_evaluation_of_several_batches_shows_a_progress_bar_when_asked(progress, capsys):
+    samples = [{"id": i, "answer": "1"} for i in range(6)]
+    policy = StandIn(greedy=[1.0] * 6)
+    evaluator = Evaluator(EvalConfig(batch_size=2), ONE_PROCESS, generate=policy.generate, score=policy.score,
+                          max_new_tokens=1, progress=progress)
+    assert evaluator.run(samples, context="evaluation")["accuracy"] == 1.0 and len(policy.calls) == 3
+    err = capsys.readouterr().err
+    assert ("evaluation:" in err and "/3 [" in err) == progress
