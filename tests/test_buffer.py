@@ -342,3 +342,13 @@ def test_two_process_one_step_off_run_writes_each_ranks_share(tmp_path):
     shares = [read_batch(out / "buffer" / f"batch_000002-rank{r}.parquet")[0].column("index").to_pylist()
               for r in range(2)]
     assert len(shares[0]) == len(shares[1]) == 4 and not set(shares[0]) & set(shares[1])
+
+
+def test_buffer_show_ends_its_last_version_range_at_the_last_version(tmp_path):
+    from mmrl.buffer.show import summarize
+
+    store = TrajectoryBuffer(tmp_path / "run" / "buffer")
+    for version in (0, 1, 2):
+        store.put(_batch(version))
+    # Three versions in two rows: ranges of two, the second holding version 2 only.
+    assert [g["version"] for g in summarize(tmp_path / "run", rows=2)["versions"]] == ["0-1", "2"]

@@ -59,8 +59,9 @@ def summarize(run: Path, rows: int = 25) -> dict[str, Any]:
     for group in sorted(groups):
         entry = groups[group]
         low = first + group * width
+        high = min(low + width - 1, max(versions))  # the last group ends at the last version
         rewards, staleness = entry["rewards"], entry["staleness"]
-        out.append({"version": str(low) if width == 1 else f"{low}-{low + width - 1}",
+        out.append({"version": str(low) if high == low else f"{low}-{high}",
                     "batches": len(entry["batches"]), "trajectories": entry["trajectories"],
                     "trained": entry["trained"], "dropped": entry["dropped"], "waiting": entry["waiting"],
                     "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
