@@ -125,6 +125,10 @@ def export_checkpoint(source: Path, out: Path, *, adapter_only: bool = False) ->
     if adapter_only and not lora:
         raise ExportError(f"{source}: --adapter-only needs a LoRA run, and this one trained no adapter "
                           "(model.lora_scope: none); export it merged")
+    if adapter_only and recipe.model.random_init:
+        # Its base is drawn from a seed, saved nowhere that PEFT could load it from.
+        raise ExportError(f"{source}: --adapter-only needs a base checkpoint to apply the adapter to, and this run's "
+                          "base is a random init (model.random_init: true); export it merged")
     out = Path(out)
     check_output(out, step, recipe)
     built = policy_from_recipe(recipe)

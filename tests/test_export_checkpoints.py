@@ -214,3 +214,13 @@ def test_export_of_a_run_names_the_newer_checkpoints_it_skipped(tmp_path, capsys
     assert find_checkpoint(run).name == "step_000001"
     err = capsys.readouterr().err
     assert "skipped checkpoint" in err and "step_000002" in err and "exporting step_000001" in err
+
+
+def test_adapter_only_refuses_a_random_init_base_that_nothing_could_load(tmp_path):
+    run = tmp_path / "run"
+    _run(run, "model.lora_scope=language", "trainer.steps=1", "trainer.save_every=1")
+    refused = _mmrl("export", str(run), str(tmp_path / "adapter"), "--adapter-only")
+    assert refused.exit_code == 2 and len(refused.stderr.splitlines()) == 1
+    assert "base is a random init (model.random_init: true); export it merged" in refused.stderr
+    assert not (tmp_path / "adapter").exists()
+    assert _mmrl("export", str(run), str(tmp_path / "merged")).exit_code == 0  # merged, it loads alone
