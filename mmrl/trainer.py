@@ -206,6 +206,9 @@ class Trainer:
                                    generate=rollout_generator(self.rollout, self.agent, max_pixels=m.max_pixels),
                                    progress=r.trainer.progress)
         self.position = Position(0, 0)
+        # Seconds of training steps before this process (a resumed run's earlier ones) and
+        # when this process's steps began: `train_seconds` counts the whole run's steps.
+        self._seconds_before, self._steps_started = 0.0, None
         self._batches = None
         # The batch each step trains on goes through the trajectory buffer (mmrl/buffer).
         self.trajectories = steps_for(self)
@@ -449,8 +452,13 @@ class Trainer:
                                {"step": self.step, "data_position": list(self.position),
                                 "data_rows": len(self.train_set),
                                 "data_fingerprint": getattr(self.train_set, "fingerprint", None),
-                                "buffer": self.trajectories.state()},
+                                "buffer": self.trajectories.state(), "train_seconds": self._train_seconds()},
                                keep=self.recipe.trainer.keep_checkpoints)
+
+    def _train_seconds(self) -> float:
+        """The run's seconds of training steps so far, earlier processes' included."""
+        now = 0.0 if self._steps_started is None else time.perf_counter() - self._steps_started
+        return self._seconds_before + now
 
     def resume(self) -> bool:
         """Load the newest checkpoint under output_dir that verifies; False when none does."""
@@ -476,6 +484,7 @@ class Trainer:
         self.position = Position(*state["data_position"])
         self._batches = None
         self.trajectories.restore(state.get("buffer"))
+        self._seconds_before = float(state.get("train_seconds", 0.0))  # absent in older checkpoints
         return True
 
     def export(self, path: Path) -> Path:
@@ -562,7 +571,7 @@ class Trainer:
             record = {"step": 0, **self._validate()}
             history.append(record)
             self._log(record)
-        start = time.perf_counter()
+        start = self._steps_started = time.perf_counter()
         stop_reason = None
         signalled = False
         previous_handlers = self._install_signal_handlers()
@@ -619,7 +628,7 @@ class Trainer:
         if stop_reason and self.dist.is_main:
             print(f"stopped early: {stop_reason}", flush=True)
         try:
-            summary = self.finish(history, time.perf_counter() - start)
+            summary = self.finish(history, self._train_seconds())
         except KeyboardInterrupt:
             self._interrupted_at_the_end()
         if stop_reason:

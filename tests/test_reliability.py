@@ -834,3 +834,14 @@ def test_export_refuses_a_folder_inside_the_run_but_its_final(tmp_path):
         check_output(tmp_path / "run" / "mine", step, recipe)
     check_output(tmp_path / "elsewhere", step, recipe)  # outside the run: no objection
     check_output(tmp_path / "run" / "final", step, recipe)  # the run's own export
+
+
+def test_train_seconds_count_a_resumed_run_s_earlier_steps(tmp_path):
+    run = tmp_path / "run"
+    Trainer(_recipe(run, "trainer.steps=2", "trainer.save_every=2")).fit()
+    saved = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["train_seconds"]
+    assert saved > 0
+    resumed = Trainer(_recipe(run, "trainer.steps=3", "trainer.save_every=2", "trainer.resume=true"))
+    summary = resumed.fit()
+    assert resumed._seconds_before == saved  # read back from the checkpoint it resumed
+    assert summary["train_seconds"] >= round(saved, 1) and _steps(run) == ([1, 2, 3], 1)
