@@ -55,7 +55,7 @@ from mmrl.recipe_checks import check_before_build, check_prompt_lengths, recipe_
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, make_rollout, rollout_options
 from mmrl.run_log import RunLog, plot_rewards
-from mmrl.runs import RunFolder, RunFolderError
+from mmrl.runs import MANIFEST_FILE, RunFolder, RunFolderError
 from mmrl.samples import sample_rows
 from mmrl.scoring import score_rollout
 from mmrl.settle import resolve
@@ -455,6 +455,10 @@ class Trainer:
                                 "buffer": self.trajectories.state(), "train_seconds": self._train_seconds()},
                                keep=self.recipe.trainer.keep_checkpoints)
 
+    def _step_saved(self) -> bool:
+        """Whether a whole checkpoint (its manifest written last) holds this step, on this rank's disk."""
+        return (self.checkpoint_dir(self.step) / MANIFEST_FILE).is_file()
+
     def _train_seconds(self) -> float:
         """The run's seconds of training steps so far, earlier processes' included."""
         now = 0.0 if self._steps_started is None else time.perf_counter() - self._steps_started
@@ -499,8 +503,7 @@ class Trainer:
         step (the default save_every 0), save one so the trained weights are not lost, and
         say so in the error. Every rank gets here together (a failed write raises on all of
         them, `Dist.together`), so all save together."""
-        saved = (self.checkpoint_dir(self.step) / "manifest.json").is_file()
-        if self.dist.all_gather_objects(saved)[0]:  # rank 0's disk decides for all
+        if self.dist.all_gather_objects(self._step_saved())[0]:  # rank 0's disk decides for all
             return
         try:
             kept = self.save()
@@ -653,10 +656,7 @@ class Trainer:
         not all be at a point where they can save together."""
         if self.dist.distributed:
             raise KeyboardInterrupt
-        if (self.checkpoint_dir(self.step) / "manifest.json").is_file():
-            kept = self.checkpoint_dir(self.step)
-        else:
-            kept = self.save()
+        kept = self.checkpoint_dir(self.step) if self._step_saved() else self.save()
         print(f"SIGINT: stopped in the final evaluation or export after step {self.step}; checkpoint {kept} "
               "holds the trained weights; run again with trainer.resume=true to evaluate and export them",
               file=sys.stderr, flush=True)
