@@ -27,13 +27,21 @@ def run_helper(payload: Path) -> None:
     """The run's recipe (the payload `mmrl.prewarm.start` wrote) with random weights and
     shrunk layers, one step. The model's config is read as the build reads it
     (`recipe_config`): built from the family's tiny config apart from the recipe's own
-    settings, the layer graph got another cache key than the run's and the run compiled anew."""
-    began = time.perf_counter()
+    settings, the layer graph got another cache key than the run's and the run compiled anew.
+    Its log (the cache folder's mmrl-prewarm/KEY.log, which the run waits on) gives each
+    phase's end in seconds since the run started it."""
+    data = json.loads(payload.read_text())
+    started = data.get("started", time.time())
+
+    def said(what: str) -> None:
+        print(f"compile helper: {what} at {time.time() - started:.1f} s", flush=True)
+
+    said("python up")
     from mmrl.build import recipe_config
     from mmrl.config import validate_recipe
     from mmrl.trainer import Trainer
 
-    data = json.loads(payload.read_text())
+    said("imports done")
     recipe = validate_recipe(data["recipe"], where="compile helper", folder=data["folder"])
     _, config = recipe_config(recipe.model)  # as the build makes it, without the weights
     shrink = shrunk_layers(config)
@@ -42,14 +50,11 @@ def run_helper(payload: Path) -> None:
     model = recipe.model.model_copy(update={"random_init": True,
                                             "config_overrides": merged(recipe.model.config_overrides, shrink)})
     trainer = Trainer(recipe.model_copy(update={"model": model}))
-    built = time.perf_counter()
+    said("model built")
     trainer.train_step()
     layers = trainer.built.model.config.get_text_config().num_hidden_layers
-    # Where its time went, in its log (the cache folder's mmrl-prewarm/KEY.log): the run waits for it.
-    print(f"compile helper: one step done, {layers} decoder layer{'s' if layers != 1 else ''}; "
-          f"imports and build {built - began:.1f} s, rollout {trainer.timings.get('rollout', 0.0):.1f} s, "
-          f"update {trainer.timings.get('update', 0.0):.1f} s, {time.perf_counter() - began:.1f} s in all",
-          flush=True)
+    said(f"one step done, {layers} decoder layer{'s' if layers != 1 else ''}; rollout "
+         f"{trainer.timings.get('rollout', 0.0):.1f} s, update {trainer.timings.get('update', 0.0):.1f} s, done")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,10 @@ NICENESS = 5
 FOLDER = "mmrl-prewarm"
 # The run's process id, which the helper watches (it exits when the run is gone).
 PARENT_ENV = "MMRL_PREWARM_PARENT"
+# New tokens a helper's rollout samples at most: its responses only feed the update, whose
+# compiled graphs take their sequence lengths as dynamic sizes, and plain `generate` of a
+# recipe's 1024 tokens with random weights would take the helper most of its time.
+HELPER_NEW_TOKENS = 16
 
 
 def cache_folder() -> Path | None:
@@ -157,7 +161,7 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     for one step into `output_dir` with nothing saved, logged or evaluated, every group
     updated (random weights may reward all samples alike), plain `generate`, no step-0
     media check (the run checks its own media, before it waits for the helper) and no helper
-    of its own. The model's random weights and its shrunk layers are set by the helper
+    of its own, and at most `HELPER_NEW_TOKENS` new tokens a sample. The model's random weights and its shrunk layers are set by the helper
     (`mmrl.compile_helper.run_helper`), which reads the model's config."""
     import yaml
 
@@ -167,6 +171,7 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
         summary=False, loggers=[], samples_every=0, eval_every=0, val_before_train=False, save_every=0,
         strict_media=False, media_check=False, time_budget_s=None, target_accuracy=None)
     values["rollout"]["backend"] = "hf"
+    values["rollout"]["max_new_tokens"] = min(values["rollout"]["max_new_tokens"], HELPER_NEW_TOKENS)
     values["algo"].update(filter_uniform_groups=False, max_staleness=0)
     values["model"]["compile_prewarm"] = False
     return values
@@ -215,10 +220,12 @@ class Helper:
 
 def write_payload(recipe: Recipe, work: Path) -> Path:
     """The file `python -m mmrl.compile_helper` reads: the helper's recipe (`helper_values`,
-    its run folder under `work`) and the folder the run's recipe resolves its paths against."""
+    its run folder under `work`), the folder the run's recipe resolves its paths against and
+    when the run started it (wall clock: the helper's log counts its phases from there)."""
     payload = work / "helper.json"
     payload.write_text(json.dumps({"recipe": helper_values(recipe, work / "run"),
-                                   "folder": str(recipe.folder) if recipe.folder else None}))
+                                   "folder": str(recipe.folder) if recipe.folder else None,
+                                   "started": time.time()}))
     return payload
 
 
