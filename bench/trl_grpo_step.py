@@ -638,6 +638,9 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
         if watch is not None:
             timings["compile_s"], timings["compile_graphs"] = watch.take()
+        gc_watch = getattr(trainer, "gc_watch", None)  # absent before 2026-12-05
+        if gc_watch is not None:
+            timings["gc_s"], timings["gc_full"] = gc_watch.take()
         trainer._log({"step": trainer.step, **metrics})  # what Trainer.fit does each step
         steps.done({**timings, "reward_mean": metrics.get("reward/mean"), "reward_std": metrics.get("reward/std"),
                     "response_length": metrics.get("response/length"), "tokens": metrics.get("tokens"),

@@ -44,6 +44,7 @@ from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
+from mmrl.gc_watch import watch_gc
 from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
@@ -111,6 +112,8 @@ class Trainer:
         self.compile_watch = watch()
         self.compile_watch.take()  # this run's compiles only, not earlier ones of the process
         self.compile_watch.announce = self.dist.is_main
+        self.gc_watch = watch_gc()
+        self.gc_watch.take()
         # The update's graphs compile in a helper process while this one builds and rolls out.
         self.compile_helper = prewarm.start(recipe, self.settled, self.dist,
                                             given_objects=reward is not None or bool(self._given_datasets))
@@ -592,6 +595,7 @@ class Trainer:
                     if key in self.timings:
                         metrics[f"time/{key}"] = self.timings.pop(key)
                 metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()
+                metrics["time/gc"], metrics["gc/full"] = self.gc_watch.take()
                 record = {"step": self.step, **metrics}
                 reached = False
                 if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:
