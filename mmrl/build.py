@@ -174,26 +174,39 @@ def _random_init_config(checkpoint: Path | None, adapter: ModelAdapter, config, 
     return adapter, customized_config(config, adapter, config_overrides or {}), processor
 
 
-def recipe_config(model) -> tuple[Any, Any]:
+def recipe_config(model, *, processor: bool = True) -> tuple[Any, Any]:
     """The processor and the config that a recipe's `model` section builds with, read
-    without building the model (nor fetching a hub checkpoint's weights)."""
+    without building the model (nor fetching a hub checkpoint's weights). `processor=False`:
+    a checkpoint's processor is not loaded (None in its place), for callers that need the
+    config alone (a processor's tokenizer takes seconds to load)."""
     path, is_checkpoint, adapter = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
-    processor = load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
+    if not processor and is_checkpoint:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+        if model.random_init:
+            config = customized_config(config, adapter_for_config(config), model.config_overrides or {})
+        return None, config
+    loaded = load_processor(path, adapter, model.trust_remote_code) if is_checkpoint else None
     if model.random_init:
-        _, config, processor = _random_init_config(path if is_checkpoint else None, adapter, None, processor,
-                                                   model.trust_remote_code, model.config_overrides or None,
-                                                   model.tiny_vocabulary or None)
+        _, config, loaded = _random_init_config(path if is_checkpoint else None, adapter, None, loaded,
+                                                model.trust_remote_code, model.config_overrides or None,
+                                                model.tiny_vocabulary or None)
     else:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
-    return processor, config
+    return loaded, config
 
 
 def recipe_tokenizer(model) -> tuple[Any, Any]:
     """The tokenizer and the text config that a recipe's `model` section builds with (as
     `recipe_config`): for the checks before the build, such as a prompt's length against
-    the context."""
+    the context. A checkpoint's tokenizer is loaded alone, without the rest of its processor."""
+    path, is_checkpoint, _ = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
+    if is_checkpoint:
+        _, config = recipe_config(model, processor=False)
+        return _load_tokenizer(path, model.trust_remote_code), config.get_text_config()
     processor, config = recipe_config(model)
     return getattr(processor, "tokenizer", processor), config.get_text_config()
 
@@ -270,21 +283,33 @@ def load_model(path: str | Path, **kwargs) -> BuiltModel:
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _load_tokenizer(path: Path, trust_remote_code: bool):
+def _own_tokenizer_class(path: Path) -> bool:
+    """Whether a checkpoint's tokenizer must be loaded by mmrl itself, as its saved generic
+    class (`_GENERIC_TOKENIZERS`), rather than by `AutoTokenizer`."""
     import json
 
+    config_file = path / "tokenizer_config.json"
+    return config_file.is_file() and json.loads(config_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS
+
+
+def _load_tokenizer(path: Path, trust_remote_code: bool):
     from transformers import AutoTokenizer, TokenizersBackend
 
-    config_file = path / "tokenizer_config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+    if _own_tokenizer_class(path):
         return TokenizersBackend.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
+    """A checkpoint's processor (its tokenizer for a text family). The processor loads its
+    tokenizer through `AutoTokenizer` whether or not it is given one, so mmrl loads one of
+    its own only where the saved class is generic (`_own_tokenizer_class`): loading it
+    twice costs seconds with a large vocabulary."""
     from transformers import AutoProcessor
 
+    if not adapter.is_multimodal:
+        return _load_tokenizer(path, trust_remote_code)
+    if not _own_tokenizer_class(path):
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer = _load_tokenizer(path, trust_remote_code)
-    if adapter.is_multimodal:
-        return AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
-    return tokenizer
+    return AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)

@@ -43,7 +43,7 @@ def run_helper(payload: Path) -> None:
 
     said("imports done")
     recipe = validate_recipe(data["recipe"], where="compile helper", folder=data["folder"])
-    _, config = recipe_config(recipe.model)  # as the build makes it, without the weights
+    _, config = recipe_config(recipe.model, processor=False)  # as the build makes it, without the weights
     shrink = shrunk_layers(config)
     if not shrink:
         raise SystemExit("compile helper: the text config has no num_hidden_layers to shrink")

@@ -25,3 +25,43 @@ def test_a_model_built_with_frozen_parameters_is_named_in_one_warning(monkeypatc
     with pytest.warns(UserWarning, match=r"comes with 1 frozen parameters.*embed_tokens.*never unfreezes") as caught:
         build_model("qwen2", random_init=True)
     assert len([w for w in caught if "frozen parameters" in str(w.message)]) == 1
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory):
+    from mmrl import build_model
+
+    folder = tmp_path_factory.mktemp("vlm")
+    build_model("qwen2_vl", random_init=True).save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("random_init", [False, True])
+def test_a_recipes_config_read_without_its_processor_is_the_one_built_with(vlm_checkpoint, random_init):
+    """`recipe_config(model, processor=False)` (the compile helper's read: no tokenizer
+    loaded) gives the config the full read gives, overrides applied on a random init."""
+    from mmrl.build import recipe_config
+    from mmrl.config import ModelConfig
+
+    overrides = {"text_config": {"num_hidden_layers": 1}} if random_init else {}
+    model = ModelConfig(path=str(vlm_checkpoint), random_init=random_init, config_overrides=overrides)
+    processor, config = recipe_config(model)
+    none, alone = recipe_config(model, processor=False)
+    assert processor is not None and none is None
+    assert alone.to_dict() == config.to_dict()
+    assert (alone.get_text_config().num_hidden_layers == 1) == random_init
+
+
+def test_the_length_checks_tokenizer_is_the_builds(vlm_checkpoint):
+    """The tokenizer the checks before the build load alone (`recipe_tokenizer`) splits text
+    as the built model's processing does, and the built processor keeps the saved class."""
+    from mmrl import load_model
+    from mmrl.build import recipe_tokenizer
+    from mmrl.config import ModelConfig
+
+    tokenizer, text_config = recipe_tokenizer(ModelConfig(path=str(vlm_checkpoint)))
+    built = load_model(vlm_checkpoint)
+    text = "How many red squares are there? Count them: one, two, three."
+    assert tokenizer(text)["input_ids"] == built.processing.tokenizer(text)["input_ids"]
+    assert type(tokenizer) is type(built.processing.tokenizer)
+    assert text_config.to_dict() == built.model.config.get_text_config().to_dict()
