@@ -688,6 +688,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
         replaced = node.get(parts[-1])
         if isinstance(replaced, dict) and "path" in replaced and not isinstance(value, dict):
             _note_mapping_replaced(key, replaced, raw)
+        elif isinstance(replaced, dict) and isinstance(value, dict) and _is_section(parts):
+            _note_section_replaced(key, replaced, value)
         node[parts[-1]] = value
     return values
 
@@ -705,6 +707,30 @@ def _note_mapping_replaced(key: str, mapping: dict, raw: str) -> None:
     print(f"note: {key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain "
           f"source, read with the default columns; {key}.path={raw} keeps the mapping and changes only its path",
           file=sys.stderr, flush=True)
+
+
+def _is_section(parts: list[str]) -> bool:
+    """Whether the recipe key `parts` names one of its sections (settings with defaults),
+    not a free mapping such as `reward.options`."""
+    model: Any = Recipe
+    for part in parts:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return False
+        model = field.annotation
+    return isinstance(model, type) and issubclass(model, _Section)
+
+
+def _note_section_replaced(key: str, section: dict, value: dict) -> None:
+    """Tell (once, rank 0) that `KEY={...}` replaced the recipe's section: the settings it
+    does not name fall back to their defaults, where `KEY.name=value` changes one alone."""
+    dropped = [name for name in section if name not in value]
+    if not dropped or os.environ.get("RANK", "0") != "0":
+        return
+    shown = ", ".join(dropped[:4]) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else "")
+    first = next(iter(value), "name")
+    print(f"note: {key}={{...}} replaces the recipe's {key} section, so its {shown} go back to their defaults; "
+          f"{key}.{first}=... changes that setting alone", file=sys.stderr, flush=True)
 
 
 def _deep_copy(values: dict) -> dict:

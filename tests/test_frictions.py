@@ -71,6 +71,23 @@ def test_a_plain_path_over_a_mapped_source_says_what_it_dropped(capsys, monkeypa
     assert capsys.readouterr().err == ""
 
 
+def test_a_section_given_whole_says_which_settings_went_back_to_defaults(capsys, monkeypatch):
+    from mmrl.config import load_recipe
+
+    recipe = load_recipe(GSM8K, ["trainer={steps: 2}"])
+    assert recipe.trainer.steps == 2  # what was asked: the section as given
+    assert recipe.trainer.output_dir == type(recipe.trainer)().output_dir != load_recipe(GSM8K).trainer.output_dir
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("note: trainer={...} replaces the recipe's trainer section")
+    assert "output_dir" in err and "trainer.steps=... changes that setting alone" in err
+    # One setting, or a section that names every setting it had, is silent.
+    load_recipe(GSM8K, ["trainer.steps=2"])
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "1")
+    load_recipe(GSM8K, ["trainer={steps: 2}"])
+    assert capsys.readouterr().err == ""
+
+
 def _tiny_vlm(tmp_path, *overrides):
     from mmrl.config import load_recipe
 
