@@ -319,6 +319,9 @@ def test_buffer_show_prints_trajectories_by_version(tmp_path):
     # A long run's versions are shown in ranges.
     grouped = summarize(tmp_path / "run", rows=1)["versions"]
     assert [(g["version"], g["trajectories"], g["trained"]) for g in grouped] == [("0-1", 12, 4)]
+    # A narrow or piped console wraps values within their cells, never cuts them short.
+    narrow = CliRunner().invoke(app, ["buffer", "show", str(tmp_path / "run")], env={"COLUMNS": "50"})
+    assert narrow.exit_code == 0 and "…" not in narrow.output
     missing = CliRunner().invoke(app, ["buffer", "show", str(tmp_path)])
     assert missing.exit_code == 2 and "has no buffer/" in missing.output
 

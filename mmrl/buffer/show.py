@@ -98,7 +98,8 @@ def render(summary: dict[str, Any]):
     table = Table(title="trajectories by the weights version that sampled them")
     for name in ("version", "batches", "trajectories", "trained", "waiting", "dropped", "staleness mean/max",
                  "reward mean/max"):
-        table.add_column(name, justify="right")
+        # Folded, never cut short: a narrow or piped console (80 columns) wraps a value within its cell.
+        table.add_column(name, justify="right", overflow="fold")
     for row in summary["versions"]:
         staleness = "-" if row["staleness_max"] is None else f"{number(row['staleness_mean'])}/{row['staleness_max']}"
         reward = "-" if row["reward_mean"] is None else \
