@@ -237,7 +237,8 @@ def evaluate(
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. eval.samples=8"),
     checkpoint: str = typer.Option(..., "--checkpoint", help="An exported folder (runs/X/final) or a step "
                                    "checkpoint (runs/X/checkpoints/step_N).", metavar="DIR"),
-    split: str = typer.Option("eval", "--split", help="eval (data.eval) or validation (data.validation)."),
+    split: str = typer.Option("eval", "--split", help="eval (data.eval; test also names it) or validation "
+                              "(data.validation)."),
     out: str = typer.Option(None, "--out", help="Also write the metrics to this JSON file.", metavar="FILE"),
 ) -> None:
     """Evaluate a saved policy on the recipe's eval split; nothing is trained or written to its run folder."""
@@ -255,7 +256,7 @@ def evaluate(
     from mmrl.eval_checkpoint import evaluate_checkpoint
 
     try:
-        metrics = evaluate_checkpoint(config, checkpoint, split=split)
+        metrics = evaluate_checkpoint(config, checkpoint, split={"test": "eval"}.get(split, split))
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -563,15 +564,16 @@ def data_check(
     recipe: str = typer.Argument(..., help="A YAML recipe (see recipes/)."),
     overrides: list[str] = typer.Argument(None, help="key=value overrides, e.g. data.train.split=test"),
     rows: int = typer.Option(2, "--rows", min=1, help="How many rows to show."),
-    split: str = typer.Option("train", "--split", help="train, validation or test (data.eval)."),
+    split: str = typer.Option("train", "--split", help="train, validation or eval (data.eval; test also names it)."),
     smoke: bool = typer.Option(False, "--smoke", help="Use the recipe's smoke model and bundled rows."),
 ) -> None:
     """Print the first rows of a recipe's data rendered by the model's processor, with token counts."""
     from mmrl.config import RecipeError, load_recipe
     from mmrl.smoke import describe_rows, format_rows, load_smoke_recipe
 
+    split = {"eval": "test"}.get(split, split)  # the recipe's field names, as `mmrl eval --split` takes them
     if split not in ("train", "validation", "test"):
-        fail(f"--split: expected train, validation or test, got {split!r}")
+        fail(f"--split: expected train, validation or eval, got {split!r}")
     try:
         config = load_smoke_recipe(recipe, overrides or []) if smoke else load_recipe(recipe, overrides or [])
         typer.echo(format_rows(describe_rows(config, rows, split)))

@@ -819,3 +819,14 @@ def test_silent_values_unclear_paths_say_what_they_are(tmp_path, monkeypatch, ca
     assert result.exit_code == 2, (result.output, result.exception)
     assert words.replace("{tmp}", str(tmp_path)) in _one_clean_line(result.output)
     assert not (tmp_path / "run").exists()
+
+
+def test_data_check_names_the_eval_split_as_the_recipe_and_mmrl_eval_do():
+    """`--split eval` (the recipe's `data.eval`, as `mmrl eval --split eval` names it) and the
+    older `--split test` show the same rows; another name is one line naming the choices."""
+    shown = {split: CliRunner().invoke(app, ["data", "check", RECIPE, "--rows", "1", "--split", split])
+             for split in ("eval", "test", "train")}
+    assert all(result.exit_code == 0 for result in shown.values()), {k: r.output[-500:] for k, r in shown.items()}
+    assert shown["eval"].output == shown["test"].output != shown["train"].output
+    wrong = CliRunner().invoke(app, ["data", "check", RECIPE, "--split", "dev"])
+    assert wrong.exit_code != 0 and "expected train, validation or eval, got 'dev'" in wrong.output
