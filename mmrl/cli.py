@@ -596,8 +596,10 @@ def buffer_show(run: str = typer.Argument(..., help="A run folder (trainer.outpu
         summary = summarize(Path(run))
     except BufferError as exc:
         fail(str(exc))
+    # Piped (no terminal), rich would squeeze the table into 80 columns: give it room instead.
+    out = console if console.is_terminal else Console(width=max(console.width, 160))
     for part in render(summary):
-        console.print(part, highlight=False)
+        out.print(part, highlight=False)
 
 
 if __name__ == "__main__":

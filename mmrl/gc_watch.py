@@ -2,7 +2,8 @@
 how many were full (generation 2) collections. A full collection walks every object the
 process tracks, and a run that compiled holds millions of them (dynamo's and inductor's
 records of each graph), so one full collection can stall a step for a second or more; the
-trainer writes the step's share as `time/gc` and `gc/full` beside `time/compile`.
+trainer writes the step's seconds as `time/gc` beside `time/compile` (the benches record the
+count of full collections too: bench/trl_grpo_step.py's `gc_full`).
 
     from mmrl.gc_watch import watch_gc
     watch_gc().take()     # (seconds, full collections) since the last take

@@ -595,7 +595,7 @@ class Trainer:
                     if key in self.timings:
                         metrics[f"time/{key}"] = self.timings.pop(key)
                 metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()
-                metrics["time/gc"], metrics["gc/full"] = self.gc_watch.take()
+                metrics["time/gc"] = self.gc_watch.take()[0]
                 record = {"step": self.step, **metrics}
                 reached = False
                 if cfg.eval_every and self.validation_set is not None and self.step % cfg.eval_every == 0:

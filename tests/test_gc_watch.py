@@ -1,4 +1,4 @@
-"""The garbage collector's share of a step (`mmrl.gc_watch`, `time/gc` and `gc/full`)."""
+"""The garbage collector's share of a step (`mmrl.gc_watch`, `time/gc`)."""
 
 import gc
 
