@@ -144,22 +144,25 @@ from mmrl.config import load_recipe
 from mmrl.trainer import Trainer
 trainer = Trainer(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
 before = cache_counts()
-trainer.train_step()
+metrics = trainer.train_step()
 print(json.dumps({"counts": [a - b for a, b in zip(cache_counts(), before)],
-                  "compiled_calls": trainer.actor.compiled_layers.compiled_calls}))
+                  "compiled_calls": trainer.actor.compiled_layers.compiled_calls,
+                  "response_length": metrics["response/length"]}))
 """
 
 
 @pytest.mark.slow
-def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("new_tokens", [None, 3 * prewarm.HELPER_NEW_TOKENS])
+def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch, new_tokens):
     """The helper runs one step of the recipe with one decoder layer, and on the CPU too
     (inductor's C++ kernels) the run's first step then compiles its decoder layer graph from
-    the cache, none anew. The CUDA twin: tests/test_gpu.py,
+    the cache, none anew; also where the run samples longer responses than the helper's
+    (at most `HELPER_NEW_TOKENS`). The CUDA twin: tests/test_gpu.py,
     `test_compile_helper_fills_the_cache_the_first_update_reads`."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     overrides = [*SMALL_DATA, "model.compile_layers=true", "model.compile_prewarm=false",
                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.summary=false",
-                 "trainer.steps=2"]
+                 "trainer.steps=2", *([f"rollout.max_new_tokens={new_tokens}"] if new_tokens else [])]
     helper = _run_helper(load_recipe(TINY, overrides), tmp_path / "helper")
     # the recipe's model has 2 decoder layers: the helper's, one of its one layer type
     assert "compile helper: one step done, 1 decoder layer;" in helper.stdout
@@ -168,5 +171,7 @@ def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     hits, misses = result["counts"]
+    if new_tokens:  # the run's responses are longer than any of the helper's
+        assert result["response_length"] > prewarm.HELPER_NEW_TOKENS, result
     assert result["compiled_calls"] > 0
     assert hits > 0 and misses == 0, (hits, misses)
