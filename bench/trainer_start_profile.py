@@ -28,21 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def helper_recipe(recipe):
-    """The compile helper's recipe for `recipe`, as `mmrl.compile_helper.run_helper` makes it."""
-    from mmrl import prewarm
-    from mmrl.build import recipe_config
-    from mmrl.config import validate_recipe
-
-    values = prewarm.helper_values(recipe, Path(tempfile.mkdtemp(prefix="start-profile-")) / "run")
-    helper = validate_recipe(values, where="compile helper", folder=recipe.folder)
-    _, config = recipe_config(helper.model, processor=False)
-    model = helper.model.model_copy(update={
-        "random_init": True, "config_overrides": prewarm.merged(helper.model.config_overrides,
-                                                                prewarm.shrunk_layers(config))})
-    return helper.model_copy(update={"model": model})
-
-
 def top_functions(profile: cProfile.Profile, count: int) -> list[dict]:
     stats = pstats.Stats(profile)
     rows = []
@@ -78,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     output = Path(tempfile.mkdtemp(prefix="start-profile-run-"))
     recipe = load_recipe(args.recipe, [f"trainer.output_dir={output}", "trainer.progress=false",
                                        "model.compile_prewarm=false", *args.overrides])
-    if args.helper:
-        recipe = helper_recipe(recipe)
+    if args.helper:  # as `mmrl.compile_helper` makes it from the payload the run writes
+        from mmrl import prewarm
+
+        work = Path(tempfile.mkdtemp(prefix="start-profile-"))
+        recipe = prewarm.helper_recipe(prewarm.helper_values(recipe, work / "run"), recipe.folder)
     profile = cProfile.Profile()
     began = time.perf_counter()
     profile.enable()

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mmrl.prewarm import NICENESS, PARENT_ENV, merged, shrunk_layers
+from mmrl.prewarm import NICENESS, PARENT_ENV, helper_recipe
 
 
 def _watch_parent(parent: int) -> None:
@@ -25,11 +25,9 @@ def _watch_parent(parent: int) -> None:
 
 def run_helper(payload: Path) -> None:
     """The run's recipe (the payload `mmrl.prewarm.start` wrote) with random weights and
-    shrunk layers, one step. The model's config is read as the build reads it
-    (`recipe_config`): built from the family's tiny config apart from the recipe's own
-    settings, the layer graph got another cache key than the run's and the run compiled anew.
-    Its log (the cache folder's mmrl-prewarm/KEY.log, which the run waits on) gives each
-    phase's end in seconds since the run started it."""
+    shrunk layers (`mmrl.prewarm.helper_recipe`), one step. Its log (the cache folder's
+    mmrl-prewarm/KEY.log, which the run waits on) gives each phase's end in seconds since
+    the run started it."""
     data = json.loads(payload.read_text())
     started = data.get("started", time.time())
 
@@ -37,19 +35,10 @@ def run_helper(payload: Path) -> None:
         print(f"compile helper: {what} at {time.time() - started:.1f} s", flush=True)
 
     said("python up")
-    from mmrl.build import recipe_config
-    from mmrl.config import validate_recipe
     from mmrl.trainer import Trainer
 
     said("imports done")
-    recipe = validate_recipe(data["recipe"], where="compile helper", folder=data["folder"])
-    _, config = recipe_config(recipe.model, processor=False)  # as the build makes it, without the weights
-    shrink = shrunk_layers(config)
-    if not shrink:
-        raise SystemExit("compile helper: the text config has no num_hidden_layers to shrink")
-    model = recipe.model.model_copy(update={"random_init": True,
-                                            "config_overrides": merged(recipe.model.config_overrides, shrink)})
-    trainer = Trainer(recipe.model_copy(update={"model": model}))
+    trainer = Trainer(helper_recipe(data["recipe"], data["folder"]))
     said("model built")
     trainer.train_step()
     layers = trainer.built.model.config.get_text_config().num_hidden_layers

@@ -694,19 +694,22 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
+def _note(text: str) -> None:
+    """One line on stderr that begins "note: ", from rank 0 alone (every rank loads the recipe)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def _note_mapping_replaced(key: str, mapping: dict, raw: str) -> None:
     """Tell (once, rank 0) that `KEY=PATH` dropped a dataset mapping's columns and template:
     the new source may have its own layout, so it is not an error, but the usual intent is
     `KEY.path=PATH`."""
-    if os.environ.get("RANK", "0") != "0":
-        return
     defaults = {name: field.get_default(call_default_factory=True) for name, field in DataSource.model_fields.items()
                 if not field.is_required()}
     dropped = ", ".join(name for name, given in mapping.items()
                         if name != "path" and given not in (None, {}, []) and given != defaults.get(name))
-    print(f"note: {key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain "
-          f"source, read with the default columns; {key}.path={raw} keeps the mapping and changes only its path",
-          file=sys.stderr, flush=True)
+    _note(f"{key}={raw} replaces the recipe's {key} mapping ({dropped or 'its layout'}) with a plain source, read "
+          f"with the default columns; {key}.path={raw} keeps the mapping and changes only its path")
 
 
 def _is_section(parts: list[str]) -> bool:
@@ -725,12 +728,12 @@ def _note_section_replaced(key: str, section: dict, value: dict) -> None:
     """Tell (once, rank 0) that `KEY={...}` replaced the recipe's section: the settings it
     does not name fall back to their defaults, where `KEY.name=value` changes one alone."""
     dropped = [name for name in section if name not in value]
-    if not dropped or os.environ.get("RANK", "0") != "0":
+    if not dropped:
         return
     shown = ", ".join(dropped[:4]) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else "")
     first = next(iter(value), "name")
-    print(f"note: {key}={{...}} replaces the recipe's {key} section, so its {shown} go back to their defaults; "
-          f"{key}.{first}=... changes that setting alone", file=sys.stderr, flush=True)
+    _note(f"{key}={{...}} replaces the recipe's {key} section, so its {shown} go back to their defaults; "
+          f"{key}.{first}=... changes that setting alone")
 
 
 def _deep_copy(values: dict) -> dict:

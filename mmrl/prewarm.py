@@ -148,6 +148,25 @@ def shrunk_layers(config) -> dict[str, Any]:
     return {}
 
 
+def helper_recipe(values: dict[str, Any], folder: str | Path | None) -> Recipe:
+    """The recipe the helper runs: `helper_values`' sections validated (paths resolved
+    against the run recipe's `folder`), with random weights and one decoder layer of each
+    layer type. The model's config is read as the build reads it (`recipe_config`): built
+    from the family's tiny config apart from the recipe's own settings, the layer graph got
+    another cache key than the run's and the run compiled anew."""
+    from mmrl.build import recipe_config
+    from mmrl.config import validate_recipe
+
+    recipe = validate_recipe(values, where="compile helper", folder=folder)
+    _, config = recipe_config(recipe.model, processor=False)  # as the build makes it, without the weights
+    shrink = shrunk_layers(config)
+    if not shrink:
+        raise SystemExit("compile helper: the text config has no num_hidden_layers to shrink")
+    model = recipe.model.model_copy(update={"random_init": True,
+                                            "config_overrides": merged(recipe.model.config_overrides, shrink)})
+    return recipe.model_copy(update={"model": model})
+
+
 def merged(base: dict, extra: dict) -> dict:
     """`base` with `extra` laid over it, nested mappings merged key by key."""
     out = dict(base)
@@ -160,9 +179,9 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     """The helper's recipe (unvalidated sections): the run's, settled as the run settled,
     for one step into `output_dir` with nothing saved, logged or evaluated, every group
     updated (random weights may reward all samples alike), plain `generate`, no step-0
-    media check (the run checks its own media, before it waits for the helper) and no helper
-    of its own, and at most `HELPER_NEW_TOKENS` new tokens a sample. The model's random weights and its shrunk layers are set by the helper
-    (`mmrl.compile_helper.run_helper`), which reads the model's config."""
+    media check (the run checks its own media, before it waits for the helper), no helper of
+    its own and at most `HELPER_NEW_TOKENS` new tokens a sample. The model's random weights
+    and its shrunk layers are set by `helper_recipe`, which reads the model's config."""
     import yaml
 
     values = yaml.safe_load(dump_recipe(recipe))

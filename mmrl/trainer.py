@@ -44,11 +44,11 @@ from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
-from mmrl.gc_watch import watch_gc
 from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
+from mmrl.gc_watch import watch_gc
 from mmrl.media_check import step_zero_media_check
 from mmrl.logs import capped_threads
 from mmrl.parallel import Dist, LaunchError, init_distributed
