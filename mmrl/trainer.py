@@ -364,6 +364,8 @@ class Trainer:
             prewarm.mark_done(r, self.settled)  # the next run of this recipe starts no helper
         with self.timed("sync"):
             self.rollout.sync(self.actor)
+        if r.trainer.gc_freeze:
+            self.gc_watch.freeze_after(self.compile_watch.graphs)
         metrics["lr"] = self._recipe_lr()
         return metrics
 
