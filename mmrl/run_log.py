@@ -4,7 +4,8 @@
     log = RunLog(output_dir, main=dist.is_main, loggers=["tensorboard", "wandb"])
     history = log.history_until(step)             # after a resume: later lines cut off
     log.purge_step = step + 1                     # ... and TensorBoard purges its events past it
-    log.start(recipe_dict)                        # the backends' run config (they open at the first write)
+    log.start(recipe_dict)                        # the backends' run config
+    log.open()                                    # their runs started (else at the first write)
     log.write({"step": 1, "reward/mean": 0.5})    # a line of metrics.jsonl, and each backend's scalars
     log.write_samples(1, rows)                    # lines of samples.jsonl (mmrl.samples), and each backend's
     plot_rewards(history, output_dir / "reward_curve.png", "title")
@@ -39,14 +40,20 @@ class RunLog:
         self.logger_names = tuple(loggers)
         self.purge_step: int | None = None  # TensorBoard drops its events from this step on
         self._files: dict[str, Any] = {}
-        self._loggers: list[Logger] | None = None  # opened at the first write
+        self._loggers: list[Logger] | None = None  # opened by `open` or the first write
         self._config: dict[str, Any] | None = None
 
     def start(self, config: dict[str, Any]) -> None:
         """The recipe (as dumped), which the logger backends get as the run's config when
-        they open, at the first write: a run that stops before its first step leaves no
-        logger run behind (and its folder holds only its recipe, `mmrl.runs`)."""
+        they open (`open`, else at the first write)."""
         self._config = config
+
+    def open(self) -> None:
+        """Start the backends' runs now (the main rank's): the trainer opens them after the
+        build, before step 1, so a backend that cannot start (no login) stops the run before
+        its first step's work, and a run that fails to build leaves no logger run behind."""
+        if self.main:
+            self._backends()
 
     def _backends(self) -> list[Logger]:
         if self._loggers is None:

@@ -109,6 +109,15 @@ class RunFolder:
     def results(self) -> list[str]:
         return [name for name in RUN_RESULTS if (self.path / name).exists()]
 
+    def back_to_recipe(self) -> None:
+        """Remove every result but the recipe: a new run that stopped before its first step
+        (its logger backends could not start) leaves what the next run may start over, as
+        one whose build failed does (`_check_contents`)."""
+        for name in self.results():
+            target = self.path / name
+            if name != RECIPE_FILE:
+                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+
     def foreign(self) -> list[str]:
         """What the folder holds that mmrl did not write (its results, lock, owner mark and
         temporaries are mmrl's); a lone recipe.yaml counts as foreign without the owner mark."""

@@ -568,6 +568,14 @@ class Trainer:
                 print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
         self.log.start(r.model_dump(mode="json"))
+        try:
+            with self.dist.together():  # a backend that cannot start: every rank stops here
+                self.log.open()
+        except Exception:
+            self._close()
+            if not cfg.resume and self.step == 0 and self.dist.is_main:
+                self.folder.back_to_recipe()  # nothing ran: the same command may run again
+            raise
         if cfg.summary and self.dist.is_main:
             print("\n".join(run_summary(self)), file=sys.stderr, flush=True)
         progress = None

@@ -348,6 +348,33 @@ def test_a_backend_that_cannot_start_is_one_line_and_writes_nothing(tmp_path, mo
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_backend_that_cannot_start_stops_the_run_before_step_1_and_the_same_command_runs_again(
+        tmp_path, monkeypatch):
+    """The backends open after the build, before step 1: no step's work is spent, and the
+    folder is left as a run that stopped before its first step (its recipe alone), so the
+    command runs again once the backend can start, without trainer.overwrite."""
+    from mmrl.loggers import LoggerError
+
+    fake = _Recorder("trackio", "Table")
+    began = []
+
+    def refuse(**kwargs):
+        raise RuntimeError("no write access to the Space")
+
+    fake.module.init = refuse
+    monkeypatch.setitem(sys.modules, "trackio", fake.module)
+    run = tmp_path / "run"
+    trainer = Trainer(load_recipe(None, [*TEXT, f"trainer.output_dir={run}", "trainer.steps=1",
+                                         "trainer.loggers=[tensorboard,trackio]"]))
+    monkeypatch.setattr(trainer, "train_step", lambda: began.append(1))
+    with pytest.raises(LoggerError, match="^trainer.loggers: trackio could not start its run"):
+        trainer.fit()
+    assert began == []
+    assert sorted(p.name for p in run.iterdir()) == [".mmrl-run", "recipe.yaml"]  # tensorboard's events gone
+    summary = Trainer(load_recipe(None, [*TEXT, f"trainer.output_dir={run}", "trainer.steps=1"])).fit()
+    assert summary["steps"] == 1 and (run / "metrics.jsonl").is_file()
+
+
 def test_loggers_are_checked_by_the_schema():
     with pytest.raises(RecipeError, match="trainer.loggers.0: Input should be 'tensorboard', 'wandb'"):
         load_recipe(None, [*TEXT, "trainer.loggers=[neptune]"])
