@@ -66,7 +66,33 @@ def _boundary(command):
     return bounded
 
 
+_BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "on": True,
+                  "false": False, "0": False, "no": False, "off": False}
+
+
+class _Group(typer.core.TyperGroup):
+    """The root command: `--debug` is a flag, and `--debug true` / `--debug=false` (recipes
+    write `key=true`) set it rather than reading `true` as a command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        shown: list[str] = []
+        rest = list(args)
+        while rest and rest[0].startswith("-"):  # the root's own options, before the command
+            arg = rest.pop(0)
+            name, _, value = arg.partition("=")
+            if name == "--debug" and value.lower() in _BOOLEAN_WORDS:
+                shown += ["--debug"] if _BOOLEAN_WORDS[value.lower()] else []
+            elif arg == "--debug" and rest and rest[0].lower() in _BOOLEAN_WORDS:
+                shown += ["--debug"] if _BOOLEAN_WORDS[rest.pop(0).lower()] else []
+            else:
+                shown.append(arg)
+                if arg == "--plugin" and rest:  # its MODULE
+                    shown.append(rest.pop(0))
+        return super().parse_args(ctx, shown + rest)
+
+
 app = _Bounded(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     help="RL training for HuggingFace text and vision-language models.",

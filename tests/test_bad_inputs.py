@@ -373,6 +373,18 @@ def test_doctor_subject_resolves_a_family_and_refuses_a_bad_folder_without_the_c
         doctor_subject(str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("words", [["--debug", "true"], ["--debug=on"], ["--debug", "FALSE"], ["--debug=0"]])
+def test_debug_takes_a_boolean_word_as_recipes_write_them(tmp_path, words):
+    """`mmrl --debug true train ...` is --debug (not a command named `true`), `--debug=0` none."""
+    result = CliRunner().invoke(app, [*words, "train", RECIPE, "optim.lr=abc", f"trainer.output_dir={tmp_path}"])
+    if words[-1].lower().rsplit("=")[-1] in ("true", "on"):
+        assert type(result.exception).__name__ == "RecipeError", result.output
+    else:
+        assert result.exit_code == 2 and result.output.startswith("error: ")
+        assert "optim.lr: Input should be a valid number" in result.output
+    assert "No such command" not in result.output
+
+
 @pytest.mark.slow
 def test_debug_shows_the_traceback_instead_of_one_line(tmp_path):
     result = CliRunner().invoke(app, ["--debug", "train", RECIPE, "optim.lr=abc", f"trainer.output_dir={tmp_path}"])
