@@ -8,6 +8,7 @@ Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) again
         --new-tokens 4 --repeats 1 --out /tmp/agent_rollout_speed.json   # smoke run on CPU
     .venv/bin/python bench/agent_rollout_speed.py --shape vl3b_host --new-tokens 8 --repeats 1 \
         --out /tmp/agent_rollout_host.json   # the host phases at the real image shape, on CPU
+    python bench/agent_rollout_speed.py --repeats 1 --profile-prefill --out $OUT/agent_prefill_profile_gpu.json
 
 The recipe's trainer is built once (`--shape vl3b`: the model config of
 recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="attributes set on the compiled backend's AgentRollout (values read as YAML)")
     parser.add_argument("--rollout-options", nargs="+", default=[], metavar="KEY=VALUE",
                         help="attributes set on the compiled backend (CompiledHFRollout)")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="one more compiled rollout with each prefill forward under torch.profiler: its "
+                             "kernels by group and the top ones (bench/decode_profile.py's table), per turn")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_rollout_speed_gpu.json")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     args = parser.parse_args(argv)
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "policy_tokens": tokens, "tokens_per_s": tokens / medians[name], "trajectories": timed[-1],
                       "peak_allocated_gib": peaks.get(name), "phases": phases.get(name)}
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
+    if args.profile_prefill and "compiled" in runs:
+        runs["compiled"]["prefill_profiles"] = profiled_prefills(compiled, samples, params, device)
     # The last rollout's kept cache (mmrl/rollout/sessions.py; None with --agent-options
     # keep_cache=false): tokens prefilled against processing every turn whole.
     session = getattr(compiled, "session", None)
@@ -268,8 +274,43 @@ def main(argv: list[str] | None = None) -> dict:
               f"fallback {runs['compiled']['fallback']}", flush=True)
     for name in runs:
         print_phases(name, runs[name]["phases"])
+    for call in runs.get("compiled", {}).get("prefill_profiles") or []:
+        groups = ", ".join(f"{group} {values['us'] / 1e3:.1f}" for group, values in call["groups"].items())
+        print(f"prefill {call['rows']} x {call['width']}: {call['ms']:.1f} ms; kernels {call['kernels_per_step']:.0f}, "
+              f"ms by group: {groups}", flush=True)
     write_report(args.out, report)
     return report
+
+
+def profiled_prefills(agent, samples: list, params, device: torch.device, top: int = 25) -> list[dict]:
+    """One more rollout of the compiled `agent` with each prefill forward of its backend
+    (`CompiledHFRollout.prefill`: a turn's, of every row it prefills) under `torch.profiler`:
+    per call the rows and width of its ids, its milliseconds (the device synchronized
+    around it) and `kernel_table`'s kernels by group and the top ones."""
+    from decode_profile import _profiler, _synchronize, kernel_table  # bench/decode_profile.py
+
+    backend, calls = agent.backend, []
+    plain = backend.prefill
+
+    def profiled(run, cache, inputs, positions):
+        _synchronize(device)
+        profiler = _profiler(device)
+        began = time.perf_counter()
+        with profiler:
+            logits = plain(run, cache, inputs, positions)
+            _synchronize(device)
+        rows, width = inputs["input_ids"].shape
+        calls.append({"rows": rows, "width": width, "ms": round((time.perf_counter() - began) * 1e3, 1),
+                      **kernel_table(profiler, device, 1, top)})
+        return logits
+
+    backend.prefill = profiled
+    try:
+        with torch.no_grad():
+            agent.generate(samples, params)
+    finally:
+        del backend.prefill  # the class's method again
+    return calls
 
 
 def timed_phases(agent, samples: list, params) -> list[dict]:

@@ -17,7 +17,8 @@ BENCH_SCRIPT = "agent_rollout_speed"
 def report(bench, tmp_path_factory):
     return bench_report(bench, tmp_path_factory, [
         "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--rollout-options",
-        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "rollout.temperature=1.0"])
+        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--profile-prefill",
+        "rollout.temperature=1.0"])
 
 
 @pytest.mark.slow
@@ -49,6 +50,11 @@ def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
     assert report["runs"]["compiled"]["kept_cache"]["shared_openings"] > 0
     assert report["speedup"] == pytest.approx(report["runs"]["plain"]["median_s"]
                                               / report["runs"]["compiled"]["median_s"])
+    # --profile-prefill: one more compiled rollout, each turn's prefill forward profiled (on
+    # CPU its aten operators), the first turn's of the distinct openings, the second's of every row.
+    profiles = report["runs"]["compiled"]["prefill_profiles"]
+    assert [p["rows"] for p in profiles] == [first["prefill_rows"], 4]
+    assert all(p["ms"] > 0 and p["kernels_per_step"] > 0 and "matmul" in p["groups"] for p in profiles)
 
 
 def test_every_policy_turn_within_the_budget_calls_zoom(bench):
