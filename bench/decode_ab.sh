@@ -18,6 +18,9 @@
 # layer's graph) against the write kept outside (MMRL_DECODE_LAYER_VIEWS=0), both from empty
 # caches, one call:
 #   MODES="graphs noviews" SHAPE=vl3b bash bench/decode_ab.sh
+# Freezing what the run holds after its compiling step (trainer.gc_freeze, the default) against
+# not freezing (nofreeze: trainer.gc_freeze=false), both from empty caches, one call:
+#   MODES="graphs nofreeze" SHAPE=vl3b bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -51,11 +54,12 @@ for mode in $modes; do
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
     prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
     noviews) name=mmrl_graphs_noviews; decode=graphs; cache=$(mktemp -d) ;;
+    nofreeze) name=mmrl_graphs_nofreeze; decode=graphs; cache=$(mktemp -d); more=(trainer.gc_freeze=false) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")

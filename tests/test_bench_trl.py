@@ -120,7 +120,7 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
     python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "views=$MMRL_DECODE_LAYER_VIEWS $*"\n')
     python.chmod(0o755)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
-           "MODES": "graphs prewarm noviews trl"}
+           "MODES": "graphs prewarm noviews nofreeze trl"}
     proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "trl" in (tmp_path / "imports").read_text()  # the trl mode needs TRL's carried wheels
@@ -139,6 +139,11 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
     assert graphs[0] == "views=1" and noviews[0] == "views=0"
     assert [a for a in noviews[1:] if a != "mmrl_graphs_noviews"] == \
         [a.replace("decode_graphs", "decode_noviews") for a in graphs[1:] if a != "mmrl_graphs"]
+    # nofreeze: the graphs run without trainer.gc_freeze, the rest alike
+    nofreeze = (tmp_path / "decode_nofreeze_vl3b_geometry3k.log").read_text().split()
+    assert nofreeze[nofreeze.index("--variant") + 1] == "mmrl_graphs_nofreeze" and "trainer.gc_freeze=false" in nofreeze
+    assert [a for a in nofreeze if a not in ("mmrl_graphs_nofreeze", "trainer.gc_freeze=false")] == \
+        [a.replace("decode_graphs", "decode_nofreeze") for a in graphs if a != "mmrl_graphs"]
     assert trl[trl.index("--runs") + 1] == "trl" and trl[trl.index("--steps-for") + 1] == "trl=6"
     assert trl[trl.index("--whole-run") + 1] == "50"
     assert trl[trl.index("--out") + 1] == str(tmp_path / "decode_trl_vl3b_geometry3k.json")
