@@ -270,6 +270,29 @@ def test_later_turns_process_each_image_content_once(family):
     assert failing._per_row_failed and built.processing.processor.image_processor is images
 
 
+def test_an_images_content_key_is_its_pixels_exactly():
+    """Equal pixels in distinct objects share a key; pixels that agree at every sampled byte
+    but one elsewhere, another size or mode do not (each compared whole, no digest)."""
+    import numpy
+    from PIL import Image
+
+    built, engine = _setup("qwen2_5_vl")
+    session = sessions.DecodeSession(make_rollout("hf_compiled", engine, built.processing, compile=False))
+    pixels = numpy.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=numpy.uint8)
+    near = pixels.copy()
+    near.reshape(-1)[1] ^= 1  # not a sampled byte: the same bucket, other pixels
+    assert 1 % sessions._SAMPLED != 0
+    first, again, other = (Image.fromarray(p.copy()) for p in (pixels, pixels, near))
+    assert session._content(first) == session._content(again) == session._content(first)
+    assert session._content(other)[:3] == session._content(first)[:3]  # the sampled bytes agree
+    assert session._content(other) != session._content(first)
+    assert session._content(Image.fromarray(pixels[:, :29].copy())) != session._content(first)
+    assert session._content(first.convert("RGBA")) != session._content(first)
+    assert session._content("a text") == "a text"
+    session.close()
+    assert session._contents == {} and session._digests == {}
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
 def test_repeated_reply_images_are_encoded_once(family, monkeypatch):
     """With media sharing on, a later turn's new images that repeat across rows (every
