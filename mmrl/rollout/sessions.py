@@ -661,8 +661,9 @@ class DecodeSession:
                 chunk = self._chunk(_media_parts(conversation))
                 before.append({})
             new.append(chunk)
+            suffix = row_ids[start:]
             for token in placeholders:
-                if sum(1 for t in row_ids[start:] if t == token) != chunk.placeholders.get(token, 0):
+                if suffix.count(token) != chunk.placeholders.get(token, 0):
                     raise _Reprefill("the new images' placeholder tokens are not those the suffix holds")
         # Every media tensor of a text-only batch (`_text_batch`), the pixel tensors a light
         # batch left out (`_process`): the new chunks' alone, joined.
