@@ -6,6 +6,8 @@ bench/results/decode_ab_vl3b_prewarm2_gpu.json), as long as the run's whole star
 
     python bench/trainer_start_profile.py recipes/qwen2_5_vl_3b_shape.yaml --helper --out $OUT/start_helper.json
     python bench/trainer_start_profile.py recipes/qwen2_5_vl_3b_shape.yaml --steps 3 --out $OUT/start_run.json
+    python bench/trainer_start_profile.py recipes/qwen2_5_vl_3b_shape.yaml --steps 2 --profile-first-step \
+        --out $OUT/first_step_profile.json   # where step 1's media check and compiles go
     python bench/trainer_start_profile.py recipes/tiny_vlm_count.yaml --steps 1 --out /tmp/start.json   # CPU
 
 Writes JSON: the start's seconds, the functions with the most cumulative time (mmrl's,
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     parser.add_argument("--helper", action="store_true", help="profile the compile helper's start instead")
     parser.add_argument("--steps", type=int, default=0, help="steps to run after the start")
+    parser.add_argument("--profile-first-step", action="store_true",
+                        help="step 1 under cProfile too (its media check, compiles, rollout and update): "
+                             "its functions with the most cumulative time in the report's `first_step_top`")
     parser.add_argument("--top", type=int, default=60)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -79,13 +84,19 @@ def main(argv: list[str] | None = None) -> None:
               "after_start": full_collection(), "steps": []}
     watch = watch_gc()
     watch.take()
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        stepped = cProfile.Profile() if args.profile_first_step and step == 0 else None
         began = time.perf_counter()
+        if stepped is not None:
+            stepped.enable()
         trainer.train_step()
         if trainer.dist.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize()
+        if stepped is not None:
+            stepped.disable()
+            report["first_step_top"] = top_functions(stepped, args.top)
         seconds, full = watch.take()
         report["steps"].append({"step_s": round(time.perf_counter() - began, 2), "gc_s": round(seconds, 3),
                                 "gc_full": full, **{k: round(v, 2) for k, v in trainer.timings.items()}})
