@@ -356,11 +356,11 @@ class DecodeSession:
         texts = [self.processing.render(conversation) for conversation in conversations]
         added = [conversation[row.messages:] for row, conversation in zip(rows, conversations)]
         media = [self.processing.collect_media(messages) for messages in added]
-        contents = [tuple(tuple(sorted((k, self._content(v)) for k, v in part.items())) for part in _media_parts(messages))
-                    for messages in added]
+        layouts = [tuple(tuple(sorted((k, self._layout(v)) for k, v in part.items())) for part in _media_parts(messages))
+                   for messages in added]
         with self._memoized_images():
             pieces = continued(self.processing, self._cuts, [row.anchor for row in rows], [row.tokens for row in rows],
-                               texts, media, contents)
+                               texts, media, layouts)
         if pieces is None or any(piece["input_ids"][:len(row.tokens)] != row.tokens for piece, row in zip(pieces, rows)):
             return None
         self._texts = texts
@@ -726,6 +726,15 @@ class DecodeSession:
                                {**processed, **tensors})
             self._chunks[identity] = (chunk, parts)
         return self._chunks[identity][0]
+
+    def _layout(self, value) -> object:
+        """What of a media part's field its tokens depend on: an image's mode and size (a
+        processor lays out an image's placeholder tokens by its size, not its pixels; the
+        text path's first turn checks the ids against processing the rows whole), anything
+        else its `_content`."""
+        if all(hasattr(value, name) for name in ("tobytes", "mode", "size")):
+            return ("layout", value.mode, tuple(value.size))
+        return self._content(value)
 
     def _content(self, value) -> object:
         """What a media part's field holds, comparable across objects: an image's mode,

@@ -116,9 +116,9 @@ def continued(processing: Processing, cuts: CutPoints, anchors: list[Anchor], id
     (its conversation rendered now) continuing `anchors[i]` (its last prompt's, whose
     ids `ids[i]` begin with), with
     `media[i]` the images and videos of what was added since (`collect_media`) and
-    `media_keys[i]` a key of their content: rows whose rest of text and new media are
-    equal are processed once. None where a row's text does not continue its anchor's or
-    has no cut point after it."""
+    `media_keys[i]` a key of what their tokens depend on (an image's mode and size): rows
+    whose rest of text and media keys are equal are tokenized once. None where a row's
+    text does not continue its anchor's or has no cut point after it."""
     middles, rests = [], []
     for anchor_, text in zip(anchors, texts):
         if not text.startswith(anchor_.text) or anchor_.split > len(anchor_.text):
