@@ -101,6 +101,33 @@ def test_without_views_the_cache_write_breaks_the_layer_graph(cpu_autocast, monk
     assert first > 1 and later == 0 and counters["graph_break"]
 
 
+def test_the_decode_steps_caches_are_freed_when_the_rollout_lets_them_go(cpu_autocast):
+    """The decode step keeps the cache write out of dynamo's graphs by the cache's class (a
+    subclass whose `update` dynamo leaves alone), not by an `update` set on the cache that
+    would refer to the cache itself: a cache the rollout lets go is freed at once, with
+    Python's collector off (not at its next full collection)."""
+    import gc
+    import weakref
+
+    built = widened_model("qwen2", config_overrides={"num_hidden_layers": 2})
+    engine = Engine(built, init_distributed("cpu"), compile_layers=True, share_media=False)
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=True, decode="graphs")
+    with torch.no_grad():
+        rollout.generate(prompt_conversations(built, count=2), SamplingParams(n=1, max_new_tokens=3, temperature=0))
+    assert engine.compiled_layers.compiled_calls > 0 and rollout.caches
+    kept = [weakref.ref(layer.keys) for cache in rollout.caches.values() for layer in cache.layers]
+    assert all("update" not in vars(cache) for cache in rollout.caches.values())
+    gc.collect()  # the tracing's own garbage, whose cycles refer to the caches (dynamo's, not ours)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        rollout.caches.clear()
+        assert kept and all(ref() is None for ref in kept)
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_each_layer_writes_its_own_view_of_a_filled_static_cache():
     """`layer_cache` gives a decoder layer the view of its own cache layer where that layer
     is filled, and the cache itself where no view applies; `cache_index` reads the index

@@ -397,3 +397,36 @@ def test_a_process_that_rolls_out_several_model_classes_stays_under_the_recompil
             fast = rollout.generate(conversations, params)
         assert rollout.fallback_reason is None, (family, rollout.fallback_reason)
         _assert_same(make_rollout("hf", engine, built.processing).generate(conversations, params), fast)
+
+
+def test_a_cache_in_autocasts_dtype_stores_in_it_and_is_freed_when_let_go():
+    """A static cache made for autocast's dtype (fp32 weights under bf16 autocast) stores its
+    keys and values in that dtype, and nothing in it refers back to itself: when the rollout
+    lets it go (a longer cache replaces it) its tensors are freed at once, not at Python's
+    next full collection, which never comes for what a run froze after compiling."""
+    import gc
+    import weakref
+
+    built, engine = widened_engine("qwen2")
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    cache = rollout.static_cache(2, 32, torch.bfloat16)
+    config = engine.model.config
+    shape = (2, config.num_key_value_heads, 3, config.hidden_size // config.num_attention_heads)
+    cache.update(torch.ones(shape), torch.ones(shape), 0, {"cache_position": torch.arange(3)})
+    layer = cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16 and bool(layer.keys[:, :, :3].eq(1).all())
+    from transformers import StaticCache
+
+    plain = StaticCache(config=config, max_cache_len=32).layers[0]
+    assert isinstance(layer, type(plain)) and type(layer) is not type(plain)  # the layer's class, subclassed
+    assert type(cache.layers[1]) is type(layer)  # one subclass per class and dtype
+    keys = weakref.ref(layer.keys)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del cache, layer
+        rollout.static_cache(2, 64, torch.bfloat16)  # another length: the pool lets the first go
+        assert keys() is None
+    finally:
+        if was:
+            gc.enable()

@@ -600,7 +600,7 @@ class CompiledHFRollout(HFRollout):
             cache = StaticCache(config=self._decoder_config(), max_cache_len=length)
             if dtype is not None:
                 for layer in cache.layers:
-                    layer.update = _casting(layer.update, dtype)
+                    _cast_updates(layer, dtype)
             self.caches[(rows, length, dtype)] = cache
         else:
             cache.reset()
@@ -742,13 +742,23 @@ def _half_linears(model: torch.nn.Module, dtype: torch.dtype, store: dict):
             module._parameters[attr] = own
 
 
-def _casting(update, dtype: torch.dtype):
-    """A cache layer's `update` that stores keys and values in `dtype`."""
+_CASTING: dict[tuple[type, torch.dtype], type] = {}  # (a cache layer's class, dtype) -> its casting subclass
 
-    def cast_update(key_states, value_states, *args, **kwargs):
-        return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
-    return cast_update
+def _cast_updates(layer, dtype: torch.dtype) -> None:
+    """Make a cache layer store its keys and values in `dtype`: its class becomes a subclass
+    (one per class and dtype) whose `update` casts them first. Not an `update` set on the
+    layer itself: wrapping its own bound method, the layer would refer to itself, and a
+    cache let go would hold its tensors until Python's next full collection (never, where
+    the run froze the heap after compiling, `mmrl.gc_watch`)."""
+    base = type(layer)
+    casting = _CASTING.get((base, dtype))
+    if casting is None:
+        def update(self, key_states, value_states, *args, **kwargs):
+            return base.update(self, key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+        casting = _CASTING[(base, dtype)] = type(base.__name__, (base,), {"update": update, "__module__": __name__})
+    layer.__class__ = casting
 
 
 def _compact_rows(running: torch.Tensor, width: int) -> torch.Tensor:

@@ -84,6 +84,8 @@ class LayerCache:
 # Set to 0, the decode step leaves the cache write outside the layers' graphs, as before
 # `LayerCache` (bench/decode_ab.sh's `noviews` mode: the compile time that the views save).
 VIEWS_ENV = "MMRL_DECODE_LAYER_VIEWS"
+# A cache class -> its subclass whose `update` runs outside dynamo's graphs (`GraphedStep._eager_update`).
+_EAGER_UPDATE: dict[type, type] = {}
 
 
 def layer_cache(index: int, cache):
@@ -251,9 +253,18 @@ class GraphedStep:
 
     def _eager_update(self, cache) -> None:
         """With compiled layers, keep the cache write out of their graphs: it picks the
-        layer's cache by index, which would make dynamo compile one graph per layer."""
-        if self.layers is not None and "update" not in vars(cache):
-            cache.update = torch.compiler.disable(cache.update)
+        layer's cache by index, which would make dynamo compile one graph per layer. The
+        cache's class becomes a subclass whose `update` dynamo leaves alone (one per class):
+        an `update` set on the cache itself, wrapping its own bound method, would make the
+        cache refer to itself, and a cache let go would hold its tensors until Python's
+        next full collection (never, where the run froze the heap, `mmrl.gc_watch`)."""
+        if self.layers is not None and type(cache) not in _EAGER_UPDATE.values():
+            base = type(cache)
+            eager = _EAGER_UPDATE.get(base)
+            if eager is None:
+                eager = _EAGER_UPDATE[base] = type(base.__name__, (base,), {
+                    "update": torch.compiler.disable(base.update), "__module__": __name__})
+            cache.__class__ = eager
             self._wrapped.append(weakref.ref(cache))
 
     def _compiled_layers(self):
@@ -287,8 +298,8 @@ class GraphedStep:
         self._recorded.clear()
         for ref in self._wrapped:  # the compiled step traces the cache write as one graph
             cache = ref()
-            if cache is not None:
-                vars(cache).pop("update", None)
+            if cache is not None and type(cache) in _EAGER_UPDATE.values():
+                cache.__class__ = type(cache).__bases__[0]
         self._wrapped.clear()
         warnings.warn(f"rollout.decode=graphs: using the compiled decode step ({reason})", stacklevel=4)
 
