@@ -402,8 +402,9 @@ class TrainerConfig(_Section):
     # check (seconds of the first step: 4-6 s at the Qwen2.5-VL-3B shape on one H200).
     strict_media: bool = False
     media_check: bool = True
-    # After a step that compiled, what the process holds leaves Python's full collections
-    # (`gc.freeze()`, `mmrl.gc_watch`): they then walk only what the run made since.
+    # After a step that compiled, one full collection, then what the process holds leaves
+    # Python's full collections (`gc.freeze()`, `mmrl.gc_watch`): later ones walk only what
+    # the run made since.
     gc_freeze: bool = True
 
     @field_validator("loggers")

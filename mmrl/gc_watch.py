@@ -5,13 +5,15 @@ records of each graph), so one full collection can stall a step for a second or 
 trainer writes the step's seconds as `time/gc` beside `time/compile` (the benches record the
 count of full collections too: bench/trl_grpo_step.py's `gc_full`).
 
-After a step that compiled, the trainer moves what the process holds out of the collector's
-reach (`GcWatch.freeze_after`, `gc.freeze()`; `trainer.gc_freeze`), as serving engines do
-once their graphs are captured: the compiles' records live as long as the run, and a later
-full collection then walks only what the run made since. The young generations are collected
-first; objects frozen are still freed when nothing refers to them, only a reference cycle
-among them outlives the run's collections (on the CPU test run, the same few hundred of
-dynamo's records as without freezing: tests/test_gc_watch.py).
+After a step that compiled, the trainer collects once and moves what the process still
+holds out of the collector's reach (`GcWatch.freeze_after`, `gc.collect()` then
+`gc.freeze()`; `trainer.gc_freeze`), as serving engines do once their graphs are captured:
+the compiles' records live as long as the run, and later full collections walk only what
+the run made since, where each would otherwise walk all of them again. The collection comes
+first because tracing leaves garbage in reference cycles that holds live objects, such as
+the decode step's static caches: frozen, it would keep them, and their device memory, after
+the rollout lets them go. Objects frozen are still freed when nothing refers to them; only a
+reference cycle made among them later outlives the run's collections.
 
     from mmrl.gc_watch import watch_gc
     watch_gc().take()     # (seconds, full collections) since the last take
@@ -66,7 +68,7 @@ class GcWatch:
         if compiles <= self._frozen_at:
             return False
         self._frozen_at = compiles
-        gc.collect(1)  # the step's short-lived garbage first, not kept by the freeze
+        gc.collect()  # the garbage first: frozen, its cycles would keep what they refer to
         before = gc.get_freeze_count()
         gc.freeze()
         self.frozen += gc.get_freeze_count() - before
