@@ -59,7 +59,7 @@ from mmrl.engine.surgery import decoder_layers
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
-from mmrl.rollout.graphs import GraphedStep, fill_counters
+from mmrl.rollout.graphs import GraphedStep, fill_counters, with_update
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 from mmrl.rollout.merged import MergedProjections
@@ -742,23 +742,17 @@ def _half_linears(model: torch.nn.Module, dtype: torch.dtype, store: dict):
             module._parameters[attr] = own
 
 
-_CASTING: dict[tuple[type, torch.dtype], type] = {}  # (a cache layer's class, dtype) -> its casting subclass
-
-
 def _cast_updates(layer, dtype: torch.dtype) -> None:
-    """Make a cache layer store its keys and values in `dtype`: its class becomes a subclass
-    (one per class and dtype) whose `update` casts them first. Not an `update` set on the
-    layer itself: wrapping its own bound method, the layer would refer to itself, and a
-    cache let go would hold its tensors until Python's next full collection (never, where
-    the run froze the heap after compiling, `mmrl.gc_watch`)."""
-    base = type(layer)
-    casting = _CASTING.get((base, dtype))
-    if casting is None:
+    """Make a cache layer store its keys and values in `dtype` (`with_update`: the layer's
+    class becomes a subclass whose `update` casts them first)."""
+
+    def update_of(base):
         def update(self, key_states, value_states, *args, **kwargs):
             return base.update(self, key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
-        casting = _CASTING[(base, dtype)] = type(base.__name__, (base,), {"update": update, "__module__": __name__})
-    layer.__class__ = casting
+        return update
+
+    with_update(layer, f"cast {dtype}", update_of)
 
 
 def _compact_rows(running: torch.Tensor, width: int) -> torch.Tensor:

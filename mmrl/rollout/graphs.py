@@ -84,8 +84,31 @@ class LayerCache:
 # Set to 0, the decode step leaves the cache write outside the layers' graphs, as before
 # `LayerCache` (bench/decode_ab.sh's `noviews` mode: the compile time that the views save).
 VIEWS_ENV = "MMRL_DECODE_LAYER_VIEWS"
-# A cache class -> its subclass whose `update` runs outside dynamo's graphs (`GraphedStep._eager_update`).
-_EAGER_UPDATE: dict[type, type] = {}
+# (a class, what its `update` does) -> the subclass with that `update` (`with_update`).
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def with_update(obj, what: str, update_of: Callable[[type], Callable]) -> bool:
+    """Give `obj` (a cache or a cache layer) the subclass of its class, one per class and
+    `what`, whose `update` is `update_of(its class)`; False where it has it already. Not an
+    `update` set on the object: wrapping its own bound method, the object would refer to
+    itself, and a cache let go would hold its tensors until Python's next full collection."""
+    base = type(obj)
+    if _SUBCLASSES.get((base.__bases__[0], what)) is base:
+        return False
+    subclass = _SUBCLASSES.get((base, what))
+    if subclass is None:
+        subclass = _SUBCLASSES[(base, what)] = type(base.__name__, (base,), {"update": update_of(base),
+                                                                              "__module__": __name__})
+    obj.__class__ = subclass
+    return True
+
+
+def without_update(obj, what: str) -> None:
+    """`obj`'s own class again, where `with_update(obj, what, ...)` gave it a subclass."""
+    base = type(obj).__bases__[0]
+    if _SUBCLASSES.get((base, what)) is type(obj):
+        obj.__class__ = base
 
 
 def layer_cache(index: int, cache):
@@ -253,18 +276,9 @@ class GraphedStep:
 
     def _eager_update(self, cache) -> None:
         """With compiled layers, keep the cache write out of their graphs: it picks the
-        layer's cache by index, which would make dynamo compile one graph per layer. The
-        cache's class becomes a subclass whose `update` dynamo leaves alone (one per class):
-        an `update` set on the cache itself, wrapping its own bound method, would make the
-        cache refer to itself, and a cache let go would hold its tensors until Python's
-        next full collection (never, where the run froze the heap, `mmrl.gc_watch`)."""
-        if self.layers is not None and type(cache) not in _EAGER_UPDATE.values():
-            base = type(cache)
-            eager = _EAGER_UPDATE.get(base)
-            if eager is None:
-                eager = _EAGER_UPDATE[base] = type(base.__name__, (base,), {
-                    "update": torch.compiler.disable(base.update), "__module__": __name__})
-            cache.__class__ = eager
+        layer's cache by index, which would make dynamo compile one graph per layer (the
+        cache's class becomes a subclass whose `update` dynamo leaves alone: `with_update`)."""
+        if self.layers is not None and with_update(cache, "eager", lambda base: torch.compiler.disable(base.update)):
             self._wrapped.append(weakref.ref(cache))
 
     def _compiled_layers(self):
@@ -298,8 +312,8 @@ class GraphedStep:
         self._recorded.clear()
         for ref in self._wrapped:  # the compiled step traces the cache write as one graph
             cache = ref()
-            if cache is not None and type(cache) in _EAGER_UPDATE.values():
-                cache.__class__ = type(cache).__bases__[0]
+            if cache is not None:
+                without_update(cache, "eager")
         self._wrapped.clear()
         warnings.warn(f"rollout.decode=graphs: using the compiled decode step ({reason})", stacklevel=4)
 
