@@ -110,9 +110,9 @@ class RunFolder:
         return [name for name in RUN_RESULTS if (self.path / name).exists()]
 
     def back_to_recipe(self) -> None:
-        """Remove every result but the recipe: a new run that stopped before its first step
-        (its logger backends could not start) leaves what the next run may start over, as
-        one whose build failed does (`_check_contents`)."""
+        """Remove every result but the recipe: a new run that stopped before it recorded
+        anything (`Trainer.fit`) leaves what the next run may start over, as one whose build
+        failed does (`_check_contents`)."""
         for name in self.results():
             target = self.path / name
             if name != RECIPE_FILE:

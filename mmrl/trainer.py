@@ -55,7 +55,7 @@ from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.recipe_checks import check_before_build, check_prompt_lengths, recipe_reward, unset_toy_defaults
 from mmrl.rewards import get_reward, reward_name
 from mmrl.rollout import SamplingParams, make_rollout, rollout_options
-from mmrl.run_log import RunLog, plot_rewards
+from mmrl.run_log import METRICS_FILE, RunLog, plot_rewards
 from mmrl.runs import MANIFEST_FILE, RunFolder, RunFolderError
 from mmrl.samples import sample_rows
 from mmrl.scoring import score_rollout
@@ -547,8 +547,24 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         try:
             return self._fit()
+        except BaseException:
+            self._forget_unrecorded_run()
+            raise
         finally:
             self.folder.release()
+
+    def _forget_unrecorded_run(self) -> None:
+        """A new run that stopped before it recorded anything (no line in metrics.jsonl: its
+        logger backends could not start, its reward failed in step 1) leaves its folder as
+        a run whose build failed does, its recipe alone, so the same command runs again
+        (`RunFolder.back_to_recipe`); what it began (TensorBoard's events, the buffer) goes."""
+        if self.recipe.trainer.resume or not self.dist.is_main or (self.output_dir / METRICS_FILE).exists():
+            return
+        try:
+            self._close()  # a rollout still running beside the step, the open files
+        except BaseException:  # noqa: BLE001 - the run's own error is the one to show
+            return
+        self.folder.back_to_recipe()
 
     def _fit(self) -> dict[str, Any]:
         r = self.recipe
@@ -568,14 +584,8 @@ class Trainer:
                 print(f"resumed from step {self.step}", flush=True)
             self.log.purge_step = self.step + 1
         self.log.start(r.model_dump(mode="json"))
-        try:
-            with self.dist.together():  # a backend that cannot start: every rank stops here
-                self.log.open()
-        except Exception:
-            self._close()
-            if not cfg.resume and self.step == 0 and self.dist.is_main:
-                self.folder.back_to_recipe()  # nothing ran: the same command may run again
-            raise
+        with self.dist.together():  # a backend that cannot start: every rank stops here, before step 1
+            self.log.open()
         if cfg.summary and self.dist.is_main:
             print("\n".join(run_summary(self)), file=sys.stderr, flush=True)
         progress = None
