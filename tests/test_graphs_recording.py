@@ -105,3 +105,38 @@ def test_a_recording_that_fails_through_the_layers_records_them_eagerly_once(rec
     assert step.recordings == 1 and step.layers is None  # later recordings go eager at once
     messages = [str(w.message) for w in caught if "rollout.decode=graphs" in str(w.message)]
     assert len(messages) == 1 and "through the compiled layers failed" in messages[0]
+
+
+def test_with_update_gives_a_subclass_once_and_takes_it_back():
+    """`graphs.with_update`: the object's class becomes one subclass per class and purpose
+    (isinstance holds, two objects share it, a second call changes nothing), its `update` is
+    the given one over the class's own, nothing refers from the object to itself (freed at
+    once with the collector off), and `without_update` gives the class back."""
+    import gc
+    import weakref
+
+    class Layer:
+        def update(self, value):
+            return value + 1
+
+    def doubled(base):
+        return lambda self, value: 2 * base.update(self, value)
+
+    first, second = Layer(), Layer()
+    assert graphs.with_update(first, "double", doubled) and graphs.with_update(second, "double", doubled)
+    assert type(first) is type(second) is not Layer and isinstance(first, Layer)
+    assert not graphs.with_update(first, "double", doubled)  # already: not doubled twice
+    assert first.update(1) == 4 and "update" not in vars(first)
+    graphs.without_update(second, "other")  # not given that one: unchanged
+    assert type(second) is type(first)
+    graphs.without_update(second, "double")
+    assert type(second) is Layer and second.update(1) == 2
+    alive = weakref.ref(first)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del first
+        assert alive() is None
+    finally:
+        if was:
+            gc.enable()
