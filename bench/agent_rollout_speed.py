@@ -8,7 +8,8 @@ Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) again
         --new-tokens 4 --repeats 1 --out /tmp/agent_rollout_speed.json   # smoke run on CPU
     .venv/bin/python bench/agent_rollout_speed.py --shape vl3b_host --new-tokens 8 --repeats 1 \
         --out /tmp/agent_rollout_host.json   # the host phases at the real image shape, on CPU
-    python bench/agent_rollout_speed.py --repeats 1 --profile-prefill --out $OUT/agent_prefill_profile_gpu.json
+    python bench/agent_rollout_speed.py --repeats 1 --profile-prefill --profile-decode 20 \
+        --out $OUT/agent_profile_gpu.json   # turn 2's prefill and decode steps under the profiler
 
 The recipe's trainer is built once (`--shape vl3b`: the model config of
 recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
@@ -179,9 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="one more compiled rollout with each prefill forward under torch.profiler: its "
                              "kernels by group and the top ones (bench/decode_profile.py's table), per turn")
+    parser.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
+                        help="one more compiled rollout with STEPS decode steps of the last policy turn (from its "
+                             "8th) under torch.profiler, the earlier steps timed (bench/decode_profile.py's StepProbe)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_rollout_speed_gpu.json")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     args = parser.parse_args(argv)
+    if args.profile_decode and args.profile_decode + PROFILE_FROM > args.new_tokens - 1:
+        raise SystemExit(f"error: --profile-decode {args.profile_decode}: at most --new-tokens - {PROFILE_FROM + 1} "
+                         f"({args.new_tokens - PROFILE_FROM - 1}), the last turn's decode steps from its {PROFILE_FROM}th")
     agent_options = key_values(args.agent_options, "--agent-options")
     rollout_options = key_values(args.rollout_options, "--rollout-options")
 
@@ -245,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
     if args.profile_prefill and "compiled" in runs:
         runs["compiled"]["prefill_profiles"] = profiled_prefills(compiled, samples, params, device)
+    if args.profile_decode and "compiled" in runs:
+        runs["compiled"]["decode_profile"] = profiled_decode(compiled, samples, params, device, args.replies + 1,
+                                                             args.profile_decode)
     # The last rollout's kept cache (mmrl/rollout/sessions.py; None with --agent-options
     # keep_cache=false): tokens prefilled against processing every turn whole.
     session = getattr(compiled, "session", None)
@@ -274,6 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"fallback {runs['compiled']['fallback']}", flush=True)
     for name in runs:
         print_phases(name, runs[name]["phases"])
+    decode = runs.get("compiled", {}).get("decode_profile")
+    if decode:
+        groups = ", ".join(f"{group} {values['us'] / 1e3:.2f}" for group, values in decode["groups"].items())
+        print(f"decode step: {decode['step_ms']:.2f} ms (iteration {decode['iteration_ms']:.2f} ms); profiled "
+              f"{decode['profiled_steps']} steps: kernels {decode['kernels_per_step']:.0f} a step, ms by group: {groups}",
+              flush=True)
     for call in runs.get("compiled", {}).get("prefill_profiles") or []:
         groups = ", ".join(f"{group} {values['us'] / 1e3:.1f}" for group, values in call["groups"].items())
         print(f"prefill {call['rows']} x {call['width']}: {call['ms']:.1f} ms; kernels {call['kernels_per_step']:.0f}, "
@@ -311,6 +327,34 @@ def profiled_prefills(agent, samples: list, params, device: torch.device, top: i
     finally:
         del backend.prefill  # the class's method again
     return calls
+
+
+# The last policy turn's decode steps profiled from this one on (`--profile-decode`).
+PROFILE_FROM = 8
+
+
+def profiled_decode(agent, samples: list, params, device: torch.device, turns: int, steps: int,
+                    top: int = 25) -> dict:
+    """One more rollout of the compiled `agent` with its decode step wrapped in
+    bench/decode_profile.py's `StepProbe`: every step before the last policy turn's
+    `PROFILE_FROM`th timed (CUDA events on a GPU), then `steps` steps under torch.profiler
+    (kernels per step by group, the top ones). Every turn decodes `params.max_new_tokens` - 1
+    steps here (the policy samples digits only, never the stop token)."""
+    from decode_profile import StepProbe, kernel_table  # bench/decode_profile.py
+
+    backend = agent.backend
+    step = backend._compiled_step()
+    probe = StepProbe(step, device, profile_from=(turns - 1) * (params.max_new_tokens - 1) + PROFILE_FROM,
+                      profile_steps=steps)
+    backend._step = probe  # what `_compiled_step` hands the decode loop
+    try:
+        with torch.no_grad():
+            agent.generate(samples, params)
+        probe.finish()
+    finally:
+        backend._step = step
+    return {"profiled_steps": probe.profiled_steps, **probe.timings(),
+            **kernel_table(probe.profiler, device, probe.profiled_steps, top=top)}
 
 
 def timed_phases(agent, samples: list, params) -> list[dict]:

@@ -76,3 +76,18 @@ def test_a_misspelt_option_fails_in_one_line(bench, tmp_path):
     with pytest.raises(SystemExit) as exit_:
         bench.set_options(bench.CallsZoom(tools=["zoom"]), {"incremental_prefil": True}, "--agent-options")
     assert "has no option 'incremental_prefil'" in str(exit_.value) and "\n" not in str(exit_.value)
+
+
+@pytest.mark.slow
+def test_the_last_turns_decode_steps_are_profiled_from_their_eighth(bench, tmp_path_factory):
+    """--profile-decode: the decode step wrapped in decode_profile.py's StepProbe for one more
+    rollout: the steps before the last turn's 8th timed (turn 1's 11 and turn 2's first 7), then
+    2 under the profiler (on CPU its aten operators)."""
+    report = bench_report(bench, tmp_path_factory, [
+        "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "12", "--rollout-options",
+        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--profile-decode", "2"])
+    decode = report["runs"]["compiled"]["decode_profile"]
+    assert decode["profiled_steps"] == 2 and decode["steps_timed"] == 11 + 7
+    assert decode["step_ms"] > 0 and decode["kernels_per_step"] > 0 and "matmul" in decode["groups"]
+    with pytest.raises(SystemExit, match="--profile-decode 4: at most --new-tokens - 9 \\(3\\)"):
+        bench.main(["--shape", "tiny", "--new-tokens", "12", "--profile-decode", "4", "--out", "/dev/null"])
