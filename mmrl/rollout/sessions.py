@@ -748,7 +748,7 @@ class DecodeSession:
         if known is None or known[0] is not value:
             # Every sample's reply image is a new object, so a turn looks at one per row: its
             # pixels are compared whole with the earlier ones that agree with them at every
-            # `_SAMPLED`th byte (a few hundred bytes hashed), a quarter of a digest's time.
+            # `_SAMPLED`th byte (a few hundred bytes hashed), with no digest of the whole.
             pixels = value.tobytes()
             bucket = (value.mode, tuple(value.size), hash(pixels[::_SAMPLED]))
             alike = self._contents.setdefault(bucket, [])
