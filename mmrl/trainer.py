@@ -152,8 +152,8 @@ class Trainer:
         settled = self.settled
         attention = m.model_copy(update={"attn_implementation": settled.attn_implementation})
 
-        def build(seed: int):
-            return build_recipe_model(attention, seed=seed, device=self.dist.device)
+        def build(seed: int, processing=None):
+            return build_recipe_model(attention, seed=seed, device=self.dist.device, processing=processing)
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
         built = build(r.trainer.seed)
@@ -186,11 +186,11 @@ class Trainer:
         if r.algo.kl_coef > 0:
             # A LoRA actor with its adapters off is the starting model: no second copy.
             self.ref = AdapterFreeReference(self.actor) if m.lora_scope != "none" else \
-                Engine(build(r.trainer.seed), self.dist, **passes)
+                Engine(build(r.trainer.seed, built.processing), self.dist, **passes)
         self.critic = None
         if self.estimator.needs_critic:
-            self.critic = Engine(build(r.trainer.seed), self.dist, optim=r.optim, lr=r.optim.critic_lr,
-                                 total_steps=r.trainer.steps, value_head=True, **passes)
+            self.critic = Engine(build(r.trainer.seed, built.processing), self.dist, optim=r.optim,
+                                 lr=r.optim.critic_lr, total_steps=r.trainer.steps, value_head=True, **passes)
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)
         backend = settled.rollout_backend
