@@ -365,13 +365,17 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
     return None
 
 
-def check_prompt_lengths(recipe: Recipe, datasets: dict[str, Any]) -> None:
+def check_prompt_lengths(recipe: Recipe, datasets: dict[str, Any], loaded: tuple[Any, Any] | None = None) -> None:
     """RecipeError naming the split, row and file of the longest prompt that leaves no
     room for `rollout.max_new_tokens` in the model's context; `datasets` by data field
-    (None: the split is not set)."""
+    (None: the split is not set). `loaded`: the model's processor (or tokenizer) and config
+    as `recipe_config` gives them, where the caller loaded them (else its tokenizer alone)."""
     if not any(dataset is not None for dataset in datasets.values()):
         return
-    tokenizer, text_config = recipe_tokenizer(recipe.model)
+    if loaded is None:
+        tokenizer, text_config = recipe_tokenizer(recipe.model)
+    else:
+        tokenizer, text_config = getattr(loaded[0], "tokenizer", loaded[0]), loaded[1].get_text_config()
     context = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(context, int):
         return

@@ -41,7 +41,7 @@ import torch
 from mmrl import prewarm
 from mmrl.atomic import atomic_write_text
 from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
-from mmrl.build import build_recipe_model
+from mmrl.build import build_recipe_model, recipe_config
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.compile_watch import persistent_cache, watch
 from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
@@ -152,11 +152,13 @@ class Trainer:
         settled = self.settled
         attention = m.model_copy(update={"attn_implementation": settled.attn_implementation})
 
-        def build(seed: int, processing=None):
-            return build_recipe_model(attention, seed=seed, device=self.dist.device, processing=processing)
+        def build(seed: int, processing=None, processor=None):
+            return build_recipe_model(attention, seed=seed, device=self.dist.device, processing=processing,
+                                      processor=processor)
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
-        built = build(r.trainer.seed)
+        built = build(r.trainer.seed, processor=self._loaded[0])
+        self._loaded = None
         if m.freeze:
             from mmrl.parts import freeze
 
@@ -227,7 +229,10 @@ class Trainer:
             load_prompts(r.data.eval, split="test") if r.data.eval else None)
         self.validation_set = given["validation"] if "validation" in given else (
             load_prompts(r.data.validation, split="validation") if r.data.validation else self.eval_set)
-        check_prompt_lengths(r, {"train": self.train_set, "validation": self.validation_set, "eval": self.eval_set})
+        # The processor and config the build reads, loaded once for the check and the build.
+        self._loaded = recipe_config(r.model)
+        check_prompt_lengths(r, {"train": self.train_set, "validation": self.validation_set, "eval": self.eval_set},
+                             self._loaded)
 
     # -- one step -------------------------------------------------------------------------------
     def timed(self, name: str):

@@ -365,20 +365,23 @@ def test_model_compile_layers_reaches_every_engine(tmp_path, value, compiled):
 
 def test_a_checkpoints_reference_and_critic_share_the_actors_processing(tmp_path, monkeypatch):
     """A run from a checkpoint with KL and a critic loads the checkpoint's processor once: the
-    reference and the critic are built with the actor's processing, not three loads of the
-    processor (and its tokenizer, seconds each for a large vocabulary)."""
+    prompt-length check and the actor's build share one load, and the reference and the
+    critic are built with the actor's processing (before: a tokenizer for the check and three
+    loads of the processor, seconds each for a large vocabulary)."""
     from mmrl import build
     from mmrl.build import build_model
 
     checkpoint = build_model("qwen2", random_init=True, tiny_vocabulary={
         "characters": "0123456789+ ?", "words": ["What", "is", "user", "assistant"]}).save(tmp_path / "model")
-    loads = []
-    load_processor = build.load_processor
+    loads, tokenizers = [], []
+    load_processor, load_tokenizer = build.load_processor, build._load_tokenizer
     monkeypatch.setattr(build, "load_processor", lambda *a, **k: loads.append(a[0]) or load_processor(*a, **k))
+    monkeypatch.setattr(build, "_load_tokenizer", lambda *a, **k: tokenizers.append(a[0]) or load_tokenizer(*a, **k))
     trainer = Trainer(_recipe(tmp_path, f"model.path={checkpoint}", "model.random_init=false",
                               "model.tiny_vocabulary={}", "algo.kl_coef=0.1", "algo.advantage=gae"))
     assert trainer.ref is not None and trainer.critic is not None
     assert loads == [checkpoint]
+    assert len(tokenizers) == build._own_tokenizer_class(checkpoint)  # only the processor's own, where mmrl loads it
     for engine in (trainer.ref, trainer.critic):  # the same weights, loaded from the checkpoint
         assert torch.equal(engine.model.get_input_embeddings().weight, trainer.actor.model.get_input_embeddings().weight)
     assert "reward/mean" in trainer.train_step()  # and a step runs with them
