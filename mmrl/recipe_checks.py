@@ -15,8 +15,9 @@ in one line naming the field, before the slow model build:
 - `check_prompt_lengths`: a row whose prompt text alone (images add more) plus
   `rollout.max_new_tokens` is above the model's context (`max_position_embeddings`) would
   be cut, or overflow the position table, at some later step. The tokenizer and the config
-  load without the model (`mmrl.build.recipe_tokenizer`), so the row is named before any
-  weights are drawn or read;
+  load without the model (the trainer loads the processor that its build then takes,
+  `mmrl.build.recipe_config`; else the tokenizer alone, `recipe_tokenizer`), so the row is
+  named before any weights are drawn or read;
 - `unset_toy_defaults`: the notice naming defaults fit only for tiny CPU recipes.
 
 The settings a recipe leaves to "auto" are settled next, by `mmrl.settle.resolve`.
