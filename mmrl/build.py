@@ -79,7 +79,6 @@ def build_model(
     config_overrides: dict[str, Any] | None = None,
     tiny_vocabulary: dict[str, Any] | None = None,
     device: str | torch.device | None = None,
-    processing: Processing | None = None,
     processor=None,
 ) -> BuiltModel:
     """Build model + processing for a family name, a local checkpoint directory or a hub
@@ -95,18 +94,14 @@ def build_model(
     supports it, else eager attention. `device` is where random weights are drawn (on a
     GPU, seconds for billions of parameters that take minutes on the CPU; a seed draws
     other numbers there than on the CPU) and checkpoints are loaded to; None: the CPU.
-    `processing`: this model's processing, built before (the actor's, for a reference or
-    critic beside it): the built model shares it, and the processor is not loaded again.
-    `processor`: its processor, loaded before (`recipe_config`, for the checks before the
-    build): not loaded again.
+    `processor`: its processor, loaded before (by `recipe_config` for the checks before the
+    build, or the actor's for a reference or critic beside it): not loaded again.
     """
     path, is_checkpoint, adapter = _locate(name_or_path, weights=not random_init, trust_remote_code=trust_remote_code)
     if attn_implementation is None:
         attn_implementation = default_attention(adapter.model_class())
     dtype = _dtype(dtype)
-    if processing is not None:
-        processor = processing.processor
-    elif processor is None and is_checkpoint:
+    if processor is None and is_checkpoint:
         processor = load_processor(path, adapter, trust_remote_code)
     if random_init:
         adapter, config, processor = _random_init_config(path if is_checkpoint else None, adapter, config, processor,
@@ -134,9 +129,8 @@ def build_model(
     model = adapter.on_load(model)
     eos = getattr(model.generation_config, "eos_token_id", None)
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if processing is None:
-        options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
-        processing = adapter.processing_class()(processor, **options)
+    options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
+    processing = adapter.processing_class()(processor, **options)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
 
 
@@ -214,10 +208,10 @@ def recipe_tokenizer(model) -> tuple[Any, Any]:
 
 
 def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | None = None,
-                       processing: Processing | None = None, processor=None) -> BuiltModel:
+                       processor=None) -> BuiltModel:
     """The model a recipe's `model` section (`mmrl.config.ModelConfig`) describes, before
     freezing and LoRA: what the trainer builds for the actor (with the `processor` its
-    checks loaded), the reference and the critic (these two with the actor's `processing`;
+    checks loaded), the reference and the critic (these two with the actor's;
     `build_model`)."""
     options = {k: v for k, v in (("min_pixels", model.min_pixels), ("max_pixels", model.max_pixels))
                if v is not None}
@@ -225,7 +219,7 @@ def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | Non
         model.path, random_init=model.random_init, dtype=model.dtype, attn_implementation=model.attn_implementation,
         seed=seed, processing_options=options, trust_remote_code=model.trust_remote_code,
         config_overrides=model.config_overrides or None, tiny_vocabulary=model.tiny_vocabulary or None,
-        device=device, processing=processing, processor=processor,
+        device=device, processor=processor,
     )
 
 

@@ -152,12 +152,11 @@ class Trainer:
         settled = self.settled
         attention = m.model_copy(update={"attn_implementation": settled.attn_implementation})
 
-        def build(seed: int, processing=None, processor=None):
-            return build_recipe_model(attention, seed=seed, device=self.dist.device, processing=processing,
-                                      processor=processor)
+        def build(seed: int, processor):
+            return build_recipe_model(attention, seed=seed, device=self.dist.device, processor=processor)
 
         # Every rank builds the same initial weights (same seed), so FSDP shards agree.
-        built = build(r.trainer.seed, processor=self._loaded[0])
+        built = build(r.trainer.seed, self._loaded[0])
         self._loaded = None
         if m.freeze:
             from mmrl.parts import freeze
@@ -188,10 +187,10 @@ class Trainer:
         if r.algo.kl_coef > 0:
             # A LoRA actor with its adapters off is the starting model: no second copy.
             self.ref = AdapterFreeReference(self.actor) if m.lora_scope != "none" else \
-                Engine(build(r.trainer.seed, built.processing), self.dist, **passes)
+                Engine(build(r.trainer.seed, built.processor), self.dist, **passes)
         self.critic = None
         if self.estimator.needs_critic:
-            self.critic = Engine(build(r.trainer.seed, built.processing), self.dist, optim=r.optim,
+            self.critic = Engine(build(r.trainer.seed, built.processor), self.dist, optim=r.optim,
                                  lr=r.optim.critic_lr, total_steps=r.trainer.steps, value_head=True, **passes)
         self.update = PolicyUpdate(r, self.dist, self.actor, self.ref, self.critic, self.estimator, self.processing,
                                    built.adapter)

@@ -363,10 +363,10 @@ def test_model_compile_layers_reaches_every_engine(tmp_path, value, compiled):
     assert [engine.compiled_layers is not None for engine in engines] == [compiled] * 3
 
 
-def test_a_checkpoints_reference_and_critic_share_the_actors_processing(tmp_path, monkeypatch):
+def test_a_checkpoints_reference_and_critic_share_the_actors_processor(tmp_path, monkeypatch):
     """A run from a checkpoint with KL and a critic loads the checkpoint's processor once: the
     prompt-length check and the actor's build share one load, and the reference and the
-    critic are built with the actor's processing (before: a tokenizer for the check and three
+    critic are built with the actor's processor (before: a tokenizer for the check and three
     loads of the processor, seconds each for a large vocabulary)."""
     from mmrl import build
     from mmrl.build import build_model
