@@ -176,12 +176,12 @@ def _random_init_config(checkpoint: Path | None, adapter: ModelAdapter, config, 
     return adapter, customized_config(config, adapter, config_overrides or {}), processor
 
 
-def recipe_config(model, *, processor: bool | str = True) -> tuple[Any, Any]:
+def recipe_config(model, *, processor: bool = True) -> tuple[Any, Any]:
     """The processor and the config that a recipe's `model` section builds with, read
-    without building the model (nor fetching a hub checkpoint's weights). For a checkpoint,
-    `processor` says what is loaded beside the config: True its processor, "tokenizer" its
-    tokenizer alone, False nothing (None in its place; a large vocabulary's tokenizer takes
-    seconds to load). A family's random init always comes with its tiny processor."""
+    without building the model (nor fetching a hub checkpoint's weights): the trainer's
+    checks before the build read them, and the build takes the processor. `processor=False`:
+    a checkpoint's processor is not loaded (None in its place; a large vocabulary's tokenizer
+    takes seconds to load). A family's random init always comes with its tiny processor."""
     path, is_checkpoint, adapter = _locate(model.path, weights=False, trust_remote_code=model.trust_remote_code)
     if model.random_init and not is_checkpoint:
         _, config, loaded = _random_init_config(None, adapter, None, None, model.trust_remote_code,
@@ -189,22 +189,11 @@ def recipe_config(model, *, processor: bool | str = True) -> tuple[Any, Any]:
         return loaded, config
     from transformers import AutoConfig
 
-    loaded = None
-    if is_checkpoint and processor:
-        loaded = (_load_tokenizer(path, model.trust_remote_code) if processor == "tokenizer"
-                  else load_processor(path, adapter, model.trust_remote_code))
+    loaded = load_processor(path, adapter, model.trust_remote_code) if is_checkpoint and processor else None
     config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
     if model.random_init:  # a checkpoint's config with the recipe's overrides
         config = customized_config(config, adapter_for_config(config), model.config_overrides or {})
     return loaded, config
-
-
-def recipe_tokenizer(model) -> tuple[Any, Any]:
-    """The tokenizer and the text config that a recipe's `model` section builds with (as
-    `recipe_config`): for the checks before the build, such as a prompt's length against
-    the context. A checkpoint's tokenizer is loaded alone, without the rest of its processor."""
-    loaded, config = recipe_config(model, processor="tokenizer")
-    return getattr(loaded, "tokenizer", loaded), config.get_text_config()
 
 
 def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | None = None,

@@ -2,7 +2,8 @@
 
     check_before_build(recipe)               # model.path, LoRA targets, sequence_parallel,
                                              # loggers, the reward, every dataset, pack, strict_media
-    check_prompt_lengths(recipe, {"train": train_set, "validation": None, "eval": eval_set})
+    check_prompt_lengths(recipe, {"train": train_set, "validation": None, "eval": eval_set},
+                         recipe_config(recipe.model))
 
 `mmrl.config` refuses what the recipe alone tells (a value of the wrong type, an unknown
 key); this module refuses what needs the filesystem, the model's config or the data, each
@@ -15,9 +16,8 @@ in one line naming the field, before the slow model build:
 - `check_prompt_lengths`: a row whose prompt text alone (images add more) plus
   `rollout.max_new_tokens` is above the model's context (`max_position_embeddings`) would
   be cut, or overflow the position table, at some later step. The tokenizer and the config
-  load without the model (the trainer loads the processor that its build then takes,
-  `mmrl.build.recipe_config`; else the tokenizer alone, `recipe_tokenizer`), so the row is
-  named before any weights are drawn or read;
+  load without the model (`mmrl.build.recipe_config`; the trainer's build then takes that
+  processor), so the row is named before any weights are drawn or read;
 - `unset_toy_defaults`: the notice naming defaults fit only for tiny CPU recipes.
 
 The settings a recipe leaves to "auto" are settled next, by `mmrl.settle.resolve`.
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.boundaries import unpackable, unverified_layer_kinds, unverified_packing, unverified_ulysses
-from mmrl.build import customized_config, recipe_tokenizer
+from mmrl.build import customized_config
 from mmrl.config import IN_MEMORY, ModelConfig, Recipe, RecipeError
 from mmrl.data import load_prompts
 from mmrl.data.layouts import DataSource
@@ -366,17 +366,14 @@ def _override_problem(config, overrides: dict[str, Any], where: str) -> str | No
     return None
 
 
-def check_prompt_lengths(recipe: Recipe, datasets: dict[str, Any], loaded: tuple[Any, Any] | None = None) -> None:
+def check_prompt_lengths(recipe: Recipe, datasets: dict[str, Any], loaded: tuple[Any, Any]) -> None:
     """RecipeError naming the split, row and file of the longest prompt that leaves no
     room for `rollout.max_new_tokens` in the model's context; `datasets` by data field
-    (None: the split is not set). `loaded`: the model's processor (or tokenizer) and config
-    as `recipe_config` gives them, where the caller loaded them (else its tokenizer alone)."""
+    (None: the split is not set), `loaded` the model's processor and config as
+    `recipe_config` gives them."""
     if not any(dataset is not None for dataset in datasets.values()):
         return
-    if loaded is None:
-        tokenizer, text_config = recipe_tokenizer(recipe.model)
-    else:
-        tokenizer, text_config = getattr(loaded[0], "tokenizer", loaded[0]), loaded[1].get_text_config()
+    tokenizer, text_config = getattr(loaded[0], "tokenizer", loaded[0]), loaded[1].get_text_config()
     context = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(context, int):
         return

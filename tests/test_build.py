@@ -53,13 +53,15 @@ def test_a_recipes_config_read_without_its_processor_is_the_one_built_with(vlm_c
 
 
 def test_the_length_checks_tokenizer_is_the_builds(vlm_checkpoint):
-    """The tokenizer the checks before the build load alone (`recipe_tokenizer`) splits text
-    as the built model's processing does, and the built processor keeps the saved class."""
+    """The tokenizer the checks before the build read (`recipe_config`'s processor, which
+    the trainer's build then takes) splits text as the built model's processing does, and
+    the built processor keeps the saved class."""
     from mmrl import load_model
-    from mmrl.build import recipe_tokenizer
+    from mmrl.build import recipe_config
     from mmrl.config import ModelConfig
 
-    tokenizer, text_config = recipe_tokenizer(ModelConfig(path=str(vlm_checkpoint)))
+    processor, config = recipe_config(ModelConfig(path=str(vlm_checkpoint)))
+    tokenizer, text_config = processor.tokenizer, config.get_text_config()
     built = load_model(vlm_checkpoint)
     text = "How many red squares are there? Count them: one, two, three."
     assert tokenizer(text)["input_ids"] == built.processing.tokenizer(text)["input_ids"]
