@@ -732,7 +732,7 @@ class DecodeSession:
         processor lays out an image's placeholder tokens by its size, not its pixels; the
         text path's first turn checks the ids against processing the rows whole), anything
         else its `_content`."""
-        if all(hasattr(value, name) for name in ("tobytes", "mode", "size")):
+        if _is_image(value):
             return ("layout", value.mode, tuple(value.size))
         return self._content(value)
 
@@ -742,7 +742,7 @@ class DecodeSession:
         a text or number as it is, anything else by identity."""
         if isinstance(value, (str, int, float, bool, type(None))):
             return value
-        if not all(hasattr(value, name) for name in ("tobytes", "mode", "size")):  # not a PIL image
+        if not _is_image(value):
             return ("object", id(value))
         known = self._digests.get(id(value))
         if known is None or known[0] is not value:
@@ -838,6 +838,11 @@ class _ImageMemo:
         # A fresh mapping each call, the first included: a processor may pop or add entries
         # of what it gets (Idefics3 pops the images' rows and columns).
         return copy.copy(out)  # UserDict (BatchFeature) and dict copy their mapping
+
+
+def _is_image(value) -> bool:
+    """Whether a media part's field holds a PIL image (what `_content` and `_layout` key by)."""
+    return all(hasattr(value, name) for name in ("tobytes", "mode", "size"))
 
 
 def _nesting(images) -> object:
