@@ -113,10 +113,13 @@ class RunFolder:
         """Remove every result but the recipe: a new run that stopped before it recorded
         anything (`Trainer.fit`) leaves what the next run may start over, as one whose build
         failed does (`_check_contents`)."""
-        for name in self.results():
+        self._remove([name for name in self.results() if name != RECIPE_FILE])
+
+    def _remove(self, names: list[str]) -> None:
+        """Remove these results (a folder whole; a link itself, not what it points to)."""
+        for name in names:
             target = self.path / name
-            if name != RECIPE_FILE:
-                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
 
     def foreign(self) -> list[str]:
         """What the folder holds that mmrl did not write (its results, lock, owner mark and
@@ -153,9 +156,7 @@ class RunFolder:
         if not found:
             return
         if overwrite:
-            for name in found:
-                target = self.path / name
-                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            self._remove(found)
             return
         if resume:
             saved = self.path / RECIPE_FILE
