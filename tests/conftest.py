@@ -144,3 +144,23 @@ def pytest_collection_modifyitems(config, items):
         if _module_fixture_users(item):
             urgency[item] = shared[item.nodeid.split("::")[0]]
     items.sort(key=urgency.__getitem__)
+
+
+@pytest.fixture
+def collector_off():
+    """A block with Python's cyclic collector off: what goes inside it is freed by reference
+    counts alone (as for what a run froze after compiling, `trainer.gc_freeze`)."""
+    import contextlib
+    import gc
+
+    @contextlib.contextmanager
+    def off():
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was:
+                gc.enable()
+
+    return off

@@ -101,7 +101,7 @@ def test_without_views_the_cache_write_breaks_the_layer_graph(cpu_autocast, monk
     assert first > 1 and later == 0 and counters["graph_break"]
 
 
-def test_the_decode_steps_caches_are_freed_when_the_rollout_lets_them_go(cpu_autocast):
+def test_the_decode_steps_caches_are_freed_when_the_rollout_lets_them_go(cpu_autocast, collector_off):
     """The decode step keeps the cache write out of dynamo's graphs by the cache's class (a
     subclass whose `update` dynamo leaves alone), not by an `update` set on the cache that
     would refer to the cache itself: a cache the rollout lets go is freed at once, with
@@ -118,14 +118,9 @@ def test_the_decode_steps_caches_are_freed_when_the_rollout_lets_them_go(cpu_aut
     kept = [weakref.ref(layer.keys) for cache in rollout.caches.values() for layer in cache.layers]
     assert all("update" not in vars(cache) for cache in rollout.caches.values())
     gc.collect()  # the tracing's own garbage, whose cycles refer to the caches (dynamo's, not ours)
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         rollout.caches.clear()
         assert kept and all(ref() is None for ref in kept)
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_each_layer_writes_its_own_view_of_a_filled_static_cache():

@@ -107,12 +107,11 @@ def test_a_recording_that_fails_through_the_layers_records_them_eagerly_once(rec
     assert len(messages) == 1 and "through the compiled layers failed" in messages[0]
 
 
-def test_with_update_gives_a_subclass_once_and_takes_it_back():
+def test_with_update_gives_a_subclass_once_and_takes_it_back(collector_off):
     """`graphs.with_update`: the object's class becomes one subclass per class and purpose
     (isinstance holds, two objects share it, a second call changes nothing), its `update` is
     the given one over the class's own, nothing refers from the object to itself (freed at
     once with the collector off), and `without_update` gives the class back."""
-    import gc
     import weakref
 
     class Layer:
@@ -132,11 +131,6 @@ def test_with_update_gives_a_subclass_once_and_takes_it_back():
     graphs.without_update(second, "double")
     assert type(second) is Layer and second.update(1) == 2
     alive = weakref.ref(first)
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         del first
         assert alive() is None
-    finally:
-        if was:
-            gc.enable()

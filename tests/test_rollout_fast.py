@@ -399,12 +399,11 @@ def test_a_process_that_rolls_out_several_model_classes_stays_under_the_recompil
         _assert_same(make_rollout("hf", engine, built.processing).generate(conversations, params), fast)
 
 
-def test_a_cache_in_autocasts_dtype_stores_in_it_and_is_freed_when_let_go():
+def test_a_cache_in_autocasts_dtype_stores_in_it_and_is_freed_when_let_go(collector_off):
     """A static cache made for autocast's dtype (fp32 weights under bf16 autocast) stores its
     keys and values in that dtype, and nothing in it refers back to itself: when the rollout
     lets it go (a longer cache replaces it) its tensors are freed at once, not at Python's
     next full collection, which never comes for what a run froze after compiling."""
-    import gc
     import weakref
 
     built, engine = widened_engine("qwen2")
@@ -421,12 +420,7 @@ def test_a_cache_in_autocasts_dtype_stores_in_it_and_is_freed_when_let_go():
     assert isinstance(layer, type(plain)) and type(layer) is not type(plain)  # the layer's class, subclassed
     assert type(cache.layers[1]) is type(layer)  # one subclass per class and dtype
     keys = weakref.ref(layer.keys)
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         del cache, layer
         rollout.static_cache(2, 64, torch.bfloat16)  # another length: the pool lets the first go
         assert keys() is None
-    finally:
-        if was:
-            gc.enable()
