@@ -223,6 +223,10 @@ class RolloutConfig(_Section):
     # hf_compiled: prefill each distinct prompt once and copy its cache rows out to the
     # samples that repeat it (`mmrl.rollout.prefix`); false prefills every sample's row.
     prefill_once: bool = True
+    # hf_compiled, multi-turn: a later turn's prefill into the kept cache runs through the
+    # engine's compiled decoder layers, as the decode step does (one more graph to compile
+    # at the first later turn); false keeps it eager.
+    prefill_layers: bool = True
     # Multi-turn rollouts (docs/agents.md): an environment by built-in name or import path
     # (None: one policy turn per sample), its options, the policy turns per sample and
     # the tokens a sample may add after its prompt.

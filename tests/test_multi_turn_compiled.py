@@ -9,6 +9,8 @@ media whose part cannot be found is prefilled whole, and the path can be turned 
 On CPU the decode loop runs eagerly (`compile=False`); the last test runs it compiled on
 CUDA (`-m gpu`)."""
 
+import functools
+
 import pytest
 import torch
 from PIL import Image
@@ -369,6 +371,50 @@ def test_the_later_turns_read_the_kept_cache(monkeypatch):
     first = plain.trajectories[0].spans[0][1] - plain.trajectories[0].spans[0][0]
     ours, theirs = (torch.tensor(r.trajectories[0].logprobs[first:first + 1]) for r in (fast, plain))
     assert (ours - theirs).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
+def test_later_turns_prefill_through_the_compiled_layers(family, monkeypatch):
+    """Where the engine compiles its decoder layers, a later turn's prefill into the kept
+    cache runs through them (`prefill_layers`), each layer writing its own view of the
+    cache in its graph: plain generate's tokens and log-probs, and one prefill graph (its
+    rows and widths dynamic) for both later turns' prefills. The first turn's prefill (a
+    fresh cache) stays eager, as does every prefill with `prefill_layers` off. Dynamo's
+    `aot_eager` backend: the graphs dynamo makes, at eager arithmetic."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    built, _ = _setup(family)
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False, compile_layers=True)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    seen = []  # per prefill: (layers asked, compiled layer calls in it, new graphs in it)
+    prefill = compiled.CompiledHFRollout.prefill
+
+    def counted(self, run, cache, inputs, positions, layers=False):
+        calls, graphs = engine.compiled_layers.compiled_calls, counters["stats"]["unique_graphs"]
+        out = prefill(self, run, cache, inputs, positions, layers=layers)
+        seen.append((layers, engine.compiled_layers.compiled_calls - calls, counters["stats"]["unique_graphs"] - graphs))
+        return out
+
+    monkeypatch.setattr(compiled.CompiledHFRollout, "prefill", counted)
+    for on in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        seen.clear()
+        agent = _agent(built, engine, "hf_compiled", compile=True, decode="graphs", prefill_layers=on)
+        fast = agent.generate(_rows(), GREEDY)
+        assert agent.backend.fallback_reason is None and engine.compiled_layers.failed is None
+        assert agent.session.stats["turn_by_turn"] is None and agent.session.stats["reprefilled_samples"] == 0
+        _assert_same(fast, plain)
+        layers = len(engine.compiled_layers.layers)
+        assert [asked for asked, _, _ in seen] == [False, True, True]
+        assert seen[0][1] == 0  # the first turn: eager
+        if on:
+            assert [calls for _, calls, _ in seen[1:]] == [layers, layers]
+            assert seen[1][2] == 1 and seen[2][2] == 0  # one graph for both later turns
+        else:
+            assert [calls for _, calls, _ in seen[1:]] == [0, 0]
+    assert not counters["graph_break"]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])

@@ -25,7 +25,8 @@ def rollout_options(rollout, backend: str, decode: str | None = None) -> dict:
     if backend == "hf_compiled":
         return {"half_weights": rollout.half_weights, "merge_projections": rollout.merge_projections,
                 "inference_copy": rollout.inference_copy,
-                "decode": decode or rollout.decode, "prefill_once": rollout.prefill_once}
+                "decode": decode or rollout.decode, "prefill_once": rollout.prefill_once,
+                "prefill_layers": rollout.prefill_layers}
     return {}
 
 

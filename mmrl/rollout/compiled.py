@@ -59,7 +59,7 @@ from mmrl.engine.surgery import decoder_layers
 from mmrl.errors import one_line
 from mmrl.compile_watch import watch
 from mmrl.rollout.base import SamplingParams
-from mmrl.rollout.graphs import GraphedStep, fill_counters, with_update
+from mmrl.rollout.graphs import GraphedStep, fill_counters, through_layers, viewed, with_update
 from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 from mmrl.rollout.merged import MergedProjections
@@ -204,7 +204,7 @@ class CompiledHFRollout(HFRollout):
     def __init__(self, engine, processing, compile: bool = True, compile_options: dict | None = None,
                  min_compact_rows: int = MIN_COMPACT_ROWS, check_every: int = CHECK_EVERY,
                  half_weights: bool = True, inference_copy: str = "auto", decode: str = "auto",
-                 prefill_once: bool = True, merge_projections: bool | str = "auto"):
+                 prefill_once: bool = True, merge_projections: bool | str = "auto", prefill_layers: bool = True):
         super().__init__(engine, processing)
         self.copy = InferenceCopy(engine, keep=inference_copy) if engine.sharded else None
         self.compile = compile
@@ -241,6 +241,11 @@ class CompiledHFRollout(HFRollout):
         # Rows that repeat a prompt (GRPO's n samples) are prefilled once per distinct prompt
         # (`mmrl.rollout.prefix`); False prefills every row (what the bench compares against).
         self.prefill_once = prefill_once
+        # A later turn's prefill into a kept cache (`mmrl.rollout.sessions`) runs through the
+        # compiled decoder layers the decode step records through (`prefill(layers=True)`);
+        # False keeps it eager (what the bench compares against). Set False for good where a
+        # layer's compile fails there.
+        self.prefill_layers = prefill_layers
         # What the last call did: its decode steps and final batch width, and where its
         # seconds went (host clock; the loop's looks at the running rows wait for the device).
         self.stats: dict[str, float] = {}
@@ -396,13 +401,33 @@ class CompiledHFRollout(HFRollout):
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
             yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device, generator)
 
-    def prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
-        """One eager forward of `inputs` (token ids, their attention mask over the cache,
-        media, per-token entries) into `cache` at its fill: the last position's logits,
-        float32, (rows, vocab)."""
-        out = run.model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, **run.keep_last)
+    def prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor, layers: bool = False) -> torch.Tensor:
+        """One forward of `inputs` (token ids, their attention mask over the cache, media,
+        per-token entries) into `cache` at its fill: the last position's logits, float32,
+        (rows, vocab). Eager, or with `layers` through the compiled decoder layers the decode
+        step uses (`prefill_layers`: the norms, rotary and activations fused, as in the decode
+        step), where they exist and every layer of `cache` is written already (`viewed`):
+        each layer then writes its own view of the cache in its graph. A first prefill is
+        eager: its cache is not written yet, and a run of one turn per sample would pay the
+        prefill graphs' compile for little (its prompts are prefilled once per distinct
+        prompt)."""
+        compiled = self._prefill_layers(cache) if layers else None
+        failed_before = None if compiled is None else compiled.failed
+        with through_layers(compiled):
+            out = run.model(**inputs, position_ids=positions, past_key_values=cache, use_cache=True, **run.keep_last)
+        if compiled is not None and compiled.failed and not failed_before:
+            # The engine's updates keep their compiled layers; later prefills stay eager.
+            warnings.warn(f"rollout: later turns' prefills eager from now on ({compiled.failed})"[:300], stacklevel=2)
+            compiled.failed, self.prefill_layers = failed_before, False
         _unguarded(cache)
         return out.logits[:, -1].float()
+
+    def _prefill_layers(self, cache) -> CompiledLayers | None:
+        """The compiled layers a prefill into `cache` runs through (`prefill`), or None."""
+        if not (self.prefill_layers and self.compile) or not viewed(cache):
+            return None
+        layers = self._step_layers()
+        return None if layers is None or layers.failed else layers
 
     def prefill_distinct(self, run: DecodeRun, distinct: DistinctPrompts, positions: torch.Tensor, length: int):
         """The prefill of each distinct prompt once (`mmrl.rollout.prefix`; `positions`:

@@ -124,6 +124,28 @@ def layer_cache(index: int, cache):
     return LayerCache(layer)
 
 
+def through_layers(layers):
+    """While open, the decoder layers run their compiled forwards (`layers`, the engine's
+    `CompiledLayers`; nothing where None or failed), each on its own view of the cache
+    (`layer_cache`: the write traced in the layer's graph); a layer the view does not reach
+    keeps its index a symbolic int (one graph serves every layer, not one per index)."""
+    if layers is None or layers.failed:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(layers.active())
+    if os.environ.get(VIEWS_ENV, "1") != "0":
+        stack.enter_context(layers.cache_views(layer_cache))
+    stack.enter_context(torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True))
+    return stack
+
+
+def viewed(cache) -> bool:
+    """Whether every layer of `cache` is reached by its view (`layer_cache`): a plain static
+    cache whose layers are all written already, none of them sliding."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer_cache(index, cache), LayerCache) for index in range(len(layers)))
+
+
 def graph_step(model, input_ids, position_ids, attention_mask, cache, running, blocked, stops, seen, noise=None, *,
                slot: torch.Tensor, choose: Callable, takes_cache_position: bool, **pick):
     """One decode step with everything the model would derive on the host given to it:
@@ -282,19 +304,10 @@ class GraphedStep:
             self._wrapped.append(weakref.ref(cache))
 
     def _compiled_layers(self):
-        """While open, the decoder layers run the engine's compiled forwards, each on its
-        own view of the cache (`layer_cache`: the write traced in the layer's graph); a
-        layer the view does not reach keeps its index a symbolic int (one graph serves
-        every layer, not one per index) and the cache write outside the graph
-        (`_eager_update`)."""
-        if self.layers is None or self.layers.failed:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.layers.active())
-        if os.environ.get(VIEWS_ENV, "1") != "0":
-            stack.enter_context(self.layers.cache_views(layer_cache))
-        stack.enter_context(torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True))
-        return stack
+        """While open, the decoder layers run the engine's compiled forwards on their views
+        of the cache (`through_layers`); a layer the view does not reach keeps the cache
+        write outside its graph (`_eager_update`)."""
+        return through_layers(self.layers)
 
     def _unrecordable(self, model) -> str | None:
         kinds = layer_kinds(model)

@@ -545,7 +545,8 @@ class DecodeSession:
         shared = self._suffix_sharing({**suffix, **media}, chunks, run.model) if media else None
         self._forward_began = self._clock()
         with sharing(run.model, {**suffix, **media}, shared):
-            logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places)
+            logits = self.rollout.prefill(run, self.cache, {**suffix, "attention_mask": self.mask, **media}, places,
+                                          layers=True)
         self.fill += width
         self.stats["prefill_tokens"] += int(suffix_mask.sum())
         return logits, self.fill, rows, next_positions(places, suffix_mask)
