@@ -37,6 +37,10 @@ Both agents run once to warm up (the compiled one compiles), then `--repeats` al
 rounds (bench/timing.py); per backend the median seconds per rollout, policy tokens/s
 (the sampled tokens of every turn) and the trajectories' turns, image replies and finish
 reasons, checked equal between the two; `speedup` is plain's seconds over compiled's.
+Per timed rollout, the seconds Python's collector took in it and its full collections
+(`gc_s`, `gc_full`). Between the warm-up and the timed rounds the process freezes what it
+holds (`gc.freeze`, as the trainer does after a step that compiled: `trainer.gc_freeze`);
+`--no-gc-freeze` leaves it in the collector's reach.
 
 After the timed rounds each agent runs once more with `timed=True` (mmrl/rollout/agent.py;
 the session synchronizes the device at each phase's end, so these rounds are not in the
@@ -183,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                         help="one more compiled rollout with STEPS decode steps of the last policy turn (from its "
                              "8th) under torch.profiler, the earlier steps timed (bench/decode_profile.py's StepProbe)")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="leave what the warm-ups compiled in the collector's reach (the trainer freezes it "
+                             "after a step that compiled: trainer.gc_freeze, mmrl/gc_watch.py)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_rollout_speed_gpu.json")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     args = parser.parse_args(argv)
@@ -192,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     agent_options = key_values(args.agent_options, "--agent-options")
     rollout_options = key_values(args.rollout_options, "--rollout-options")
 
+    from mmrl.compile_watch import watch
+    from mmrl.gc_watch import watch_gc
     from mmrl.platform_info import device_name, today, versions, write_report
     from mmrl.rollout import SamplingParams, make_rollout
     from mmrl.rollout.agent import AgentRollout
@@ -224,9 +233,12 @@ def main(argv: list[str] | None = None) -> dict:
     stats: dict[str, list[dict]] = {name: [] for name in agents}
     warm_up: dict[str, float] = {}
 
+    collections = watch_gc()
+
     def step(mode: str) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        collections.take()
         began = time.perf_counter()
         with torch.no_grad():
             result = agents[mode].generate(samples, params)
@@ -234,11 +246,19 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - began
         warm_up.setdefault(mode, seconds)
-        stats[mode].append(trajectory_stats(result))
+        gc_s, gc_full = collections.take()
+        stats[mode].append({**trajectory_stats(result), "gc_s": gc_s, "gc_full": gc_full})
         return seconds
 
+    def after_warm_up() -> None:
+        # As the trainer does after a step that compiled (trainer.gc_freeze): later full
+        # collections walk only what the rounds make, not the compiles' records.
+        if args.gc_freeze:
+            collections.freeze_after(watch().graphs)
+
     trainer.actor.model.eval()
-    seconds, medians, peaks, failed = alternate(list(agents), step, args.repeats, device, free=lambda: None)
+    seconds, medians, peaks, failed = alternate(list(agents), step, args.repeats, device, free=lambda: None,
+                                                after_warm_up=after_warm_up)
     phases = {name: timed_phases(agent, samples, params) for name, agent in agents.items() if name not in failed}
     runs = {}
     for name in agents:
@@ -247,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         timed = stats[name][1:]  # after the warm-up
         tokens = statistics.median(s["policy_tokens"] for s in timed)
         runs[name] = {"median_s": medians[name], "seconds": seconds[name], "warm_up_s": warm_up[name],
+                      "gc_s": [s.pop("gc_s") for s in timed], "gc_full": [s.pop("gc_full") for s in timed],
                       "policy_tokens": tokens, "tokens_per_s": tokens / medians[name], "trajectories": timed[-1],
                       "peak_allocated_gib": peaks.get(name), "phases": phases.get(name)}
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
@@ -282,6 +303,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"compiled {runs['compiled']['median_s']:.2f} s ({runs['compiled']['tokens_per_s']:.0f} tokens/s): "
               f"{report['speedup']:.2f}x; compiled warm-up {runs['compiled']['warm_up_s']:.1f} s, "
               f"fallback {runs['compiled']['fallback']}", flush=True)
+        for name in runs:
+            print(f"{name}: seconds {[round(x, 3) for x in runs[name]['seconds']]}, collector's seconds "
+                  f"{[round(x, 3) for x in runs[name]['gc_s']]} (full {runs[name]['gc_full']})", flush=True)
     for name in runs:
         print_phases(name, runs[name]["phases"])
     decode = runs.get("compiled", {}).get("decode_profile")
@@ -308,12 +332,12 @@ def profiled_prefills(agent, samples: list, params, device: torch.device, top: i
     backend, calls = agent.backend, []
     plain = backend.prefill
 
-    def profiled(run, cache, inputs, positions):
+    def profiled(run, cache, inputs, positions, **options):
         _synchronize(device)
         profiler = _profiler(device)
         began = time.perf_counter()
         with profiler:
-            logits = plain(run, cache, inputs, positions)
+            logits = plain(run, cache, inputs, positions, **options)
             _synchronize(device)
         rows, width = inputs["input_ids"].shape
         calls.append({"rows": rows, "width": width, "ms": round((time.perf_counter() - began) * 1e3, 1),

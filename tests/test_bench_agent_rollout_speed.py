@@ -18,7 +18,7 @@ def report(bench, tmp_path_factory):
     return bench_report(bench, tmp_path_factory, [
         "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--rollout-options",
         "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--profile-prefill",
-        "rollout.temperature=1.0"])
+        "--no-gc-freeze", "rollout.temperature=1.0"])  # no gc.freeze in the test process
 
 
 @pytest.mark.slow
@@ -34,6 +34,9 @@ def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
         assert shape["finish"] == ["done"]  # no drift: only the digits are sampled
         assert run["policy_tokens"] == 4 * 2 * 4  # every turn runs to its 4 tokens
         assert run["tokens_per_s"] == pytest.approx(run["policy_tokens"] / run["median_s"])
+        # The collector's seconds and full collections of each timed rollout.
+        assert len(run["gc_s"]) == len(run["gc_full"]) == len(run["seconds"]) == 1
+        assert run["gc_s"][0] >= 0 and isinstance(run["gc_full"][0], int)
     assert report["runs"]["compiled"]["fallback"] is None  # the compiled backend's own loop ran
     # One timed rollout per agent after the medians: a line per policy turn; the compiled
     # side's with the session's phases, the first turn prefilled once per distinct opening.
