@@ -351,6 +351,8 @@ def test_timed_turns_say_where_their_seconds_went():
             "process_s", "inputs_s", "suffix_s", "prefill_s", "decode_s", "record_s")))
         assert p["total_s"] <= turn["generate_s"] and turn["environment_s"] >= 0 and turn["agent_s"] >= 0
     assert phases[0]["suffix_s"] == 0 and phases[1]["suffix_s"] > 0  # the first turn prefills whole
+    # The later turns' new media found, a part of their inputs' seconds.
+    assert all(0 < p["inputs_media_s"] <= p["inputs_s"] for p in phases[1:])
 
 
 def test_the_later_turns_read_the_kept_cache(monkeypatch):

@@ -267,8 +267,8 @@ class DecodeSession:
                     batch_kind = "first" if first_call else "text" if self._text_only else "rows"
                     phases = {"rows": len(keys), "batch": batch_kind, "process_s": processed - began, **phases,
                               "total_s": total}
-                    phases["rest_s"] = total - sum(v for k, v in phases.items()
-                                                   if k.endswith("_s") and k not in ("total_s", "decode_wait_s"))
+                    parts = ("total_s", "decode_wait_s", "inputs_media_s")  # parts of others, or the whole
+                    phases["rest_s"] = total - sum(v for k, v in phases.items() if k.endswith("_s") and k not in parts)
                     self.stats["phases"].append(phases)
                 return RolloutResult(response_ids=ids, response_mask=mask, finish_reasons=reasons,
                                      prompt_index=torch.arange(len(conversations)),
@@ -445,11 +445,13 @@ class DecodeSession:
         try:
             with rollout.decoding(model, params) as run:
                 starts = media = chunks = None
+                media_began = media_ended = self._clock()
                 if self.cache is not None:
                     try:
                         starts, media, chunks = self._continuation(keys, conversations, inputs, ids, run)
                     except _Reprefill as reason:
                         self.stats["reprefill_reason"] = str(reason)
+                    media_ended = self._clock()
                     if starts is None and any(key not in inputs for key in self._pixel_keys):
                         # A light batch (`_process`) prefilled whole: its pixel tensors processed after all.
                         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
@@ -488,7 +490,10 @@ class DecodeSession:
         # at the running rows) and what follows (tokens to the host, the rows' records).
         # `suffix_s`: a later turn's suffixes laid out before its prefill's forward (their
         # gather, positions, media sharing, room made in the cache).
-        phases = {"inputs_s": prefill_began - began, "suffix_s": self._forward_began - prefill_began,
+        # `inputs_media_s` (of `inputs_s`): finding each continuing row's suffix and its new
+        # media (the new images processed once per content, cut or joined).
+        phases = {"inputs_s": prefill_began - began, "inputs_media_s": media_ended - media_began,
+                  "suffix_s": self._forward_began - prefill_began,
                   "prefill_s": decode_began - self._forward_began,
                   "decode_s": decode_ended - decode_began, "decode_wait_s": decoded.waited_s,
                   "record_s": self._clock() - decode_ended, "prefill_rows": prefill_rows,
