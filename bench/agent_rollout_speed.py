@@ -37,6 +37,10 @@ Both agents run once to warm up (the compiled one compiles), then `--repeats` al
 rounds (bench/timing.py); per backend the median seconds per rollout, policy tokens/s
 (the sampled tokens of every turn) and the trajectories' turns, image replies and finish
 reasons, checked equal between the two; `speedup` is plain's seconds over compiled's.
+`--variant KEY=VALUE ...` adds a third agent to the same rounds: the compiled backend built
+again with those attributes (`runs["variant"]`, `variant_vs_compiled`: its median over the
+compiled one's; `variant_speedup`: plain's over it), an A/B of a backend option with one
+build and one baseline, e.g. `--variant prefill_layers=false`.
 Per timed rollout, the seconds Python's collector took in it and its full collections
 (`gc_s`, `gc_full`). Between the warm-up and the timed rounds the process freezes what it
 holds (`gc.freeze`, as the trainer does after a step that compiled: `trainer.gc_freeze`);
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                         help="one more compiled rollout with STEPS decode steps of the last policy turn (from its "
                              "8th) under torch.profiler, the earlier steps timed (bench/decode_profile.py's StepProbe)")
+    parser.add_argument("--variant", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="a third agent in the same rounds: the compiled backend built again with these "
+                             "attributes set (an A/B of a backend option in one process, one build)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                         help="leave what the warm-ups compiled in the collector's reach (the trainer freezes it "
                              "after a step that compiled: trainer.gc_freeze, mmrl/gc_watch.py)")
@@ -199,11 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
                          f"({args.new_tokens - PROFILE_FROM - 1}), the last turn's decode steps from its {PROFILE_FROM}th")
     agent_options = key_values(args.agent_options, "--agent-options")
     rollout_options = key_values(args.rollout_options, "--rollout-options")
+    variant_options = key_values(args.variant, "--variant")
 
     from mmrl.compile_watch import watch
     from mmrl.gc_watch import watch_gc
     from mmrl.platform_info import device_name, today, versions, write_report
-    from mmrl.rollout import SamplingParams, make_rollout
+    from mmrl.rollout import SamplingParams, make_rollout, rollout_options as recipe_rollout_options
     from mmrl.rollout.agent import AgentRollout
     from mmrl.trainer import Trainer
 
@@ -231,6 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                             top_p=r.top_p)
     agents = {"plain": plain, "compiled": compiled}
+    if variant_options:
+        backend = make_rollout("hf_compiled", trainer.actor, trainer.processing,
+                               **recipe_rollout_options(r, "hf_compiled", compiled.backend.decode))
+        set_options(backend, {**rollout_options, **variant_options}, "--variant")
+        agents["variant"] = AgentRollout(backend, trainer.processing, calls_zoom, max_turns=compiled.max_turns,
+                                         max_tokens=compiled.max_tokens, keep_cache=compiled.keep_cache)
+        set_options(agents["variant"], agent_options, "--agent-options")
     stats: dict[str, list[dict]] = {name: [] for name in agents}
     warm_up: dict[str, float] = {}
 
@@ -293,12 +308,18 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts, "samples_per_prompt": r.samples_per_prompt, "new_tokens_per_turn": r.max_new_tokens,
         "image_replies": args.replies, "policy_turns": r.max_turns, "repeats": args.repeats,
         "recipe_overrides": [*overrides, *args.overrides], "agent_options": agent_options,
-        "rollout_options": rollout_options, "runs": runs, "failed": failed,
-        "same_trajectory_shape": len(runs) == 2 and all(
-            runs["plain"]["trajectories"][k] == runs["compiled"]["trajectories"][k]
+        "rollout_options": rollout_options, "variant_options": variant_options, "runs": runs, "failed": failed,
+        "same_trajectory_shape": len(runs) == len(agents) and all(
+            runs["plain"]["trajectories"][k] == run["trajectories"][k] for run in runs.values()
             for k in ("trajectories", "turns", "image_replies", "finish", "policy_tokens")),
     }
-    if len(runs) == 2:
+    if "variant" in runs and "compiled" in runs:
+        report["variant_vs_compiled"] = runs["variant"]["median_s"] / runs["compiled"]["median_s"]
+        report["variant_speedup"] = runs["plain"]["median_s"] / runs["variant"]["median_s"]
+        print(f"variant ({args.variant}) {runs['variant']['median_s']:.3f} s against compiled "
+              f"{runs['compiled']['median_s']:.3f} s: x{report['variant_vs_compiled']:.3f} "
+              f"({report['variant_speedup']:.2f}x plain generate)", flush=True)
+    if "plain" in runs and "compiled" in runs:
         report["speedup"] = runs["plain"]["median_s"] / runs["compiled"]["median_s"]
         print(f"plain {runs['plain']['median_s']:.2f} s/rollout ({runs['plain']['tokens_per_s']:.0f} tokens/s), "
               f"compiled {runs['compiled']['median_s']:.2f} s ({runs['compiled']['tokens_per_s']:.0f} tokens/s): "

@@ -94,3 +94,18 @@ def test_the_last_turns_decode_steps_are_profiled_from_their_eighth(bench, tmp_p
     assert decode["step_ms"] > 0 and decode["kernels_per_step"] > 0 and "matmul" in decode["groups"]
     with pytest.raises(SystemExit, match="--profile-decode 4: at most --new-tokens - 9 \\(3\\)"):
         bench.main(["--shape", "tiny", "--new-tokens", "12", "--profile-decode", "4", "--out", "/dev/null"])
+
+
+def test_a_variant_of_the_compiled_backend_runs_in_the_same_rounds(bench, tmp_path_factory):
+    """--variant: a third agent over the compiled backend built again with the given
+    attributes, timed in the same rounds as the other two, its trajectories of the same
+    shape."""
+    report = bench_report(bench, tmp_path_factory, [
+        "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--rollout-options",
+        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--no-gc-freeze",
+        "--variant", "prefill_layers=false"])
+    assert report["variant_options"] == {"prefill_layers": False} and report["same_trajectory_shape"] is True
+    variant, compiled = report["runs"]["variant"], report["runs"]["compiled"]
+    assert len(variant["seconds"]) == 1 and variant["policy_tokens"] == compiled["policy_tokens"] == 4 * 2 * 4
+    assert report["variant_vs_compiled"] == pytest.approx(variant["median_s"] / compiled["median_s"])
+    assert [t["session"]["batch"] for t in variant["phases"]] == ["first", "text"]  # its own kept cache
