@@ -375,30 +375,42 @@ def test_the_later_turns_read_the_kept_cache(monkeypatch):
     assert (ours - theirs).abs().max() > 1e-2
 
 
+def _counted_prefills(monkeypatch, engine) -> list[tuple[bool, int, int, int]]:
+    """Per prefill forward of the compiled backend from now on: (layers asked, its rows,
+    compiled layer calls in it, dynamo graphs made in it). Dynamo's `aot_eager` backend: the
+    graphs dynamo makes, at eager arithmetic."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    seen = []
+    prefill = compiled.CompiledHFRollout.prefill
+
+    def counted(self, run, cache, inputs, positions, layers=False):
+        calls, graphs = engine.compiled_layers.compiled_calls, counters["stats"]["unique_graphs"]
+        out = prefill(self, run, cache, inputs, positions, layers=layers)
+        seen.append((layers, len(inputs["input_ids"]), engine.compiled_layers.compiled_calls - calls,
+                     counters["stats"]["unique_graphs"] - graphs))
+        return out
+
+    monkeypatch.setattr(compiled.CompiledHFRollout, "prefill", counted)
+    return seen
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
 def test_later_turns_prefill_through_the_compiled_layers(family, monkeypatch):
     """Where the engine compiles its decoder layers, a later turn's prefill into the kept
     cache runs through them (`prefill_layers`), each layer writing its own view of the
     cache in its graph: plain generate's tokens and log-probs, and one prefill graph (its
     rows and widths dynamic) for both later turns' prefills. The first turn's prefill (a
-    fresh cache) stays eager, as does every prefill with `prefill_layers` off. Dynamo's
-    `aot_eager` backend: the graphs dynamo makes, at eager arithmetic."""
+    fresh cache) stays eager, as does every prefill with `prefill_layers` off."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     built, _ = _setup(family)
     engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False, compile_layers=True)
     plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
-    seen = []  # per prefill: (layers asked, compiled layer calls in it, new graphs in it)
-    prefill = compiled.CompiledHFRollout.prefill
-
-    def counted(self, run, cache, inputs, positions, layers=False):
-        calls, graphs = engine.compiled_layers.compiled_calls, counters["stats"]["unique_graphs"]
-        out = prefill(self, run, cache, inputs, positions, layers=layers)
-        seen.append((layers, engine.compiled_layers.compiled_calls - calls, counters["stats"]["unique_graphs"] - graphs))
-        return out
-
-    monkeypatch.setattr(compiled.CompiledHFRollout, "prefill", counted)
+    seen = _counted_prefills(monkeypatch, engine)
     for on in (True, False):
         torch._dynamo.reset()
         counters.clear()
@@ -409,14 +421,44 @@ def test_later_turns_prefill_through_the_compiled_layers(family, monkeypatch):
         assert agent.session.stats["turn_by_turn"] is None and agent.session.stats["reprefilled_samples"] == 0
         _assert_same(fast, plain)
         layers = len(engine.compiled_layers.layers)
-        assert [asked for asked, _, _ in seen] == [False, True, True]
-        assert seen[0][1] == 0  # the first turn: eager
+        assert [asked for asked, *_ in seen] == [False, True, True]
+        assert seen[0][2] == 0  # the first turn: eager
         if on:
-            assert [calls for _, calls, _ in seen[1:]] == [layers, layers]
-            assert seen[1][2] == 1 and seen[2][2] == 0  # one graph for both later turns
+            assert [calls for *_, calls, _ in seen[1:]] == [layers, layers]
+            assert seen[1][3] == 1 and seen[2][3] == 0  # one graph for both later turns
         else:
-            assert [calls for _, calls, _ in seen[1:]] == [0, 0]
+            assert [calls for *_, calls, _ in seen[1:]] == [0, 0]
     assert not counters["graph_break"]
+
+
+def test_the_prefill_graph_serves_a_cache_that_narrows(monkeypatch):
+    """Samples that finish leave the kept cache (6, then 4, then 2 rows, each cache new):
+    the later turns' prefills through the compiled layers still meet the one graph, with
+    plain generate's tokens and log-probs."""
+    monkeypatch.setattr(compiled, "CACHE_LENGTH_STEP", 8)
+    built, _ = _setup("qwen2")
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False, compile_layers=True)
+    params = SamplingParams(n=3, max_new_tokens=5, temperature=0, logprobs=True)
+
+    def environments():
+        made = []
+
+        def make():
+            made.append(1)
+            return DoneAfter(_environment(built)(), turns=1 + (len(made) - 1) % 3)  # done after 1, 2, 3 turns
+
+        return make
+
+    plain = _agent(built, engine, "hf", env=environments()).generate(_rows(), params)
+    seen = _counted_prefills(monkeypatch, engine)
+    agent = _agent(built, engine, "hf_compiled", env=environments(), compile=True, decode="graphs")
+    fast = agent.generate(_rows(), params)
+    assert agent.session.stats["cache_rows"] == [6, 4, 2]
+    layers = len(engine.compiled_layers.layers)
+    assert [(asked, rows, calls) for asked, rows, calls, _ in seen] == [(False, 2, 0), (True, 4, layers),
+                                                                         (True, 2, layers)]
+    assert [graphs for *_, graphs in seen[1:]] == [1, 0]
+    _assert_same(fast, plain)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl"])
