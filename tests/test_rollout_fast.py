@@ -271,6 +271,32 @@ def test_an_exports_suppressed_tokens_keep_the_compiled_loop():
         make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
 
 
+def test_the_blocked_tokens_mask_is_laid_out_once_per_set_of_ids(monkeypatch):
+    """The decode loop's mask of blocked tokens is made once and reused while the blocked
+    ids, the vocabulary and the device stay the same (a turn of a multi-turn rollout is a
+    call); ids past the vocabulary are left out; new ids make a new mask. Greedy rows with
+    every token but a few blocked equal plain generate's."""
+    built, engine = widened_engine("qwen2")
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False)
+    vocabulary = engine.model.config.get_text_config().vocab_size
+    allowed = {5, 7, 11}
+    blocked = sorted(set(range(vocabulary + 3)) - allowed)  # three ids past the vocabulary
+    monkeypatch.setattr(type(built.processing), "blocked_token_ids", property(lambda self: blocked))
+    mask = rollout._blocked_mask(vocabulary, torch.device("cpu"))
+    assert mask.shape == (vocabulary,) and sorted(torch.nonzero(mask == 0).flatten().tolist()) == sorted(allowed)
+    assert rollout._blocked_mask(vocabulary, torch.device("cpu")) is mask
+    assert rollout._blocked_mask(vocabulary - 1, torch.device("cpu")) is not mask
+    blocked = blocked[1:]  # id 0 sampled too now
+    again = rollout._blocked_mask(vocabulary, torch.device("cpu"))
+    assert again is not mask and again[0] == 0 and torch.equal(again[1:], mask[1:])
+    conversations = prompt_conversations(built)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    fast = rollout.generate(conversations, params)
+    assert set(fast.response_ids[fast.response_mask.bool()].tolist()) <= allowed | {0}
+    _assert_same(plain, fast)
+
+
 def test_auto_takes_the_compiled_rollout_on_a_gpu_only():
     from types import SimpleNamespace
 

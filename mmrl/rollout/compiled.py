@@ -238,6 +238,7 @@ class CompiledHFRollout(HFRollout):
         # (`_step_layers`); built at the first recording that uses them.
         self._copy_layers: CompiledLayers | None = None
         self.caches: dict[tuple[int, int], object] = {}
+        self._blocked: tuple | None = None  # ((vocabulary, device), the blocked ids, their mask): `_blocked_mask`
         # Rows that repeat a prompt (GRPO's n samples) are prefilled once per distinct prompt
         # (`mmrl.rollout.prefix`); False prefills every row (what the bench compares against).
         self.prefill_once = prefill_once
@@ -449,8 +450,7 @@ class CompiledHFRollout(HFRollout):
         move and at the end, so every row's cache survives the turn."""
         params, device, pick = run.params, run.device, run.pick
         rows, new_tokens = len(logits), params.max_new_tokens
-        blocked = torch.zeros(logits.shape[-1], device=device)
-        blocked[[i for i in self.processing.blocked_token_ids if i < logits.shape[-1]]] = float("-inf")
+        blocked = self._blocked_mask(logits.shape[-1], device)
         running = torch.ones(rows, dtype=torch.bool, device=device)
         # The penalty's memory of each row: its prompt (padding included, as `generate`
         # sees it) and every token it samples.
@@ -513,6 +513,22 @@ class CompiledHFRollout(HFRollout):
         return Decoded(tokens, logprobs, steps, len(index), waited)
 
     # -- pieces ------------------------------------------------------------------------------
+    def _blocked_mask(self, vocabulary: int, device: torch.device) -> torch.Tensor:
+        """The additive mask of the tokens never sampled (`processing.blocked_token_ids`: 0,
+        or -inf where blocked), (vocabulary,), read-only: made again only where those ids,
+        the vocabulary or the device changed since the last call (a list of every id but a
+        few, as a vocabulary-restricting run has, takes tens of milliseconds to lay out)."""
+        ids = self.processing.blocked_token_ids
+        made = self._blocked
+        if made is not None and made[0] == (vocabulary, device) and made[1] == ids:
+            return made[2]
+        mask = torch.zeros(vocabulary)
+        index = torch.tensor(ids, dtype=torch.long)
+        mask[index[index < vocabulary]] = float("-inf")
+        mask = mask.to(device)
+        self._blocked = ((vocabulary, device), list(ids), mask)
+        return mask
+
     def cache_length(self, needed: int) -> int:
         """The cache length for `needed` positions: rounded up to CACHE_LENGTH_STEP and, when
         compiling, never shorter than the longest cache so far. The cache length is a python
