@@ -82,6 +82,17 @@ def _environment(built):
     return lambda: ImageReplies(role)
 
 
+def _staggered(built):
+    """An environment factory whose samples say done after 1, 2 and 3 turns, in turn."""
+    made = []
+
+    def make():
+        made.append(1)
+        return DoneAfter(_environment(built)(), turns=1 + (len(made) - 1) % 3)
+
+    return make
+
+
 def _agent(built, engine, backend, env=None, max_turns=3, **options):
     rollout = make_rollout(backend, engine, built.processing, **options)
     return AgentRollout(rollout, built.processing, env or _environment(built), max_turns=max_turns,
@@ -440,18 +451,9 @@ def test_the_prefill_graph_serves_a_cache_that_narrows(monkeypatch):
     engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False, compile_layers=True)
     params = SamplingParams(n=3, max_new_tokens=5, temperature=0, logprobs=True)
 
-    def environments():
-        made = []
-
-        def make():
-            made.append(1)
-            return DoneAfter(_environment(built)(), turns=1 + (len(made) - 1) % 3)  # done after 1, 2, 3 turns
-
-        return make
-
-    plain = _agent(built, engine, "hf", env=environments()).generate(_rows(), params)
+    plain = _agent(built, engine, "hf", env=_staggered(built)).generate(_rows(), params)
     seen = _counted_prefills(monkeypatch, engine)
-    agent = _agent(built, engine, "hf_compiled", env=environments(), compile=True, decode="graphs")
+    agent = _agent(built, engine, "hf_compiled", env=_staggered(built), compile=True, decode="graphs")
     fast = agent.generate(_rows(), params)
     assert agent.session.stats["cache_rows"] == [6, 4, 2]
     layers = len(engine.compiled_layers.layers)
@@ -470,17 +472,8 @@ def test_finished_samples_free_their_rows(family, monkeypatch):
     built, engine = _setup(family)
     params = SamplingParams(n=3, max_new_tokens=5, temperature=0, logprobs=True)
 
-    def environments():
-        made = []
-
-        def make():
-            made.append(1)
-            return DoneAfter(_environment(built)(), turns=1 + (len(made) - 1) % 3)  # done after 1, 2, 3 turns
-
-        return make
-
-    plain = _agent(built, engine, "hf", env=environments()).generate(_rows(), params)
-    agent = _agent(built, engine, "hf_compiled", env=environments(), compile=False)
+    plain = _agent(built, engine, "hf", env=_staggered(built)).generate(_rows(), params)
+    agent = _agent(built, engine, "hf_compiled", env=_staggered(built), compile=False)
     fast = agent.generate(_rows(), params)
     assert [t.turns for t in fast.trajectories] == [1, 2, 3, 1, 2, 3]
     assert agent.backend.fallback_reason is None and agent.session.stats["cache_rows"] == [6, 4, 2]
