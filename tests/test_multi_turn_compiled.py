@@ -442,6 +442,21 @@ def test_later_turns_prefill_through_the_compiled_layers(family, monkeypatch):
     assert not counters["graph_break"]
 
 
+@pytest.mark.slow
+def test_later_turns_prefill_through_inductors_layers():
+    """The same with inductor's own kernels (C++ on the CPU; the GPU test runs triton's):
+    the later turns' prefills through the compiled layers lower and give plain generate's
+    tokens and log-probs, twice (the second rollout on the graphs of the first)."""
+    built, _ = _setup("qwen2_5_vl")
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False, share_media=False, compile_layers=True)
+    plain = _agent(built, engine, "hf").generate(_rows(), GREEDY)
+    agent = _agent(built, engine, "hf_compiled", compile=True, decode="graphs")
+    for _ in range(2):
+        _assert_same(agent.generate(_rows(), GREEDY), plain)
+    assert engine.compiled_layers.failed is None and agent.backend.prefill_layers is True
+    assert agent.session.stats["turn_by_turn"] is None and agent.backend.fallback_reason is None
+
+
 def test_the_prefill_graph_serves_a_cache_that_narrows(monkeypatch):
     """Samples that finish leave the kept cache (6, then 4, then 2 rows, each cache new):
     the later turns' prefills through the compiled layers still meet the one graph, with
