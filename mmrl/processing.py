@@ -60,9 +60,9 @@ def _align_to_tokens(batch) -> None:
 
 def batch_differences(batch: dict, reference: dict) -> list[str]:
     """Keys where `batch` differs from `reference` (missing, other shape or other values
-    once cast to the reference's dtype); empty when they hold the same tensors."""
+    once cast to the reference's dtype and device); empty when they hold the same tensors."""
     differ = [k for k in reference if k not in batch or batch[k].shape != reference[k].shape
-              or not torch.equal(batch[k].to(reference[k].dtype), reference[k])]
+              or not torch.equal(batch[k].to(device=reference[k].device, dtype=reference[k].dtype), reference[k])]
     return differ + sorted(set(batch) - set(reference))
 
 

@@ -73,7 +73,8 @@ def training_batches(conversations: list | None, result: RolloutResult, rows: to
         reuse = result.prompt_inputs if len(parts) == 1 and len(rows) == len(expanded) else None
         batches = [rollout_sequences([expanded[i] for i in chosen], result.response_ids[chosen],
                                      result.response_mask[chosen], processing, adapter, actor.model, share=share,
-                                     prompts=reuse, owners=[owners[i] for i in chosen], media=result.shared_media)
+                                     prompts=reuse, owners=[owners[i] for i in chosen], media=result.shared_media,
+                                     device=dist.device)
                    for chosen in chosen_rows]
     batches = [seqs.to(dist.device) for seqs in batches]
     for seqs, chosen in zip(batches, chosen_rows):
@@ -99,18 +100,23 @@ def row_lengths(conversations: list | None, result: RolloutResult, rows: torch.T
 def rollout_sequences(conversations: list, ids: torch.Tensor, mask: torch.Tensor, processing: Processing,
                       adapter: ModelAdapter, model: torch.nn.Module, *, share: bool = False,
                       prompts: dict | None = None, owners: list[int] | None = None,
-                      media: SharedMedia | None = None) -> Sequences:
+                      media: SharedMedia | None = None, device: torch.device | None = None) -> Sequences:
     """Training sequences of single-turn rows answering `conversations` (one per row).
     `prompts` is their processed batch where the caller has it. With `share` (pass the
     engine's `shares_media`), `owners` (the rows' prompt indices) lets repeated prompts
     share their media encoding, with their processed media taken from `media` (the
-    rollout's) where it has them."""
+    rollout's) where it has them; `device` (where the rows will run): their media
+    collated there from the prompts' (`SharedMedia.rows`)."""
     length = max(1, int(mask.sum(-1).max()))
     shared = None
     if owners and share:
-        shared = media.select(owners) if media is not None else SharedMedia.of(processing, conversations, owners)
+        if media is not None:
+            shared = (media if device is None else media.on(device)).select(owners)
+        else:
+            shared = SharedMedia.of(processing, conversations, owners)
     if prompts is None:
-        prompts = shared.rows(processing, conversations) if shared is not None else dict(processing(conversations))
+        prompts = (shared.rows(processing, conversations, device=device) if shared is not None
+                   else dict(processing(conversations)))
     return join(prompts, ids[:, :length], mask[:, :length], adapter, model, processing.tokenizer.pad_token_id,
                 shared=shared)
 

@@ -215,3 +215,77 @@ def test_per_image_features_set_as_an_undeclared_attribute_are_split_and_joined(
     assert [p.pooler_output.shape[0] for p in parts] == [1, 2]
     joined = join([parts[0], parts[1], parts[0]], [2, 4, 2])
     assert torch.equal(joined.pooler_output, torch.cat([output.pooler_output, output.pooler_output[:1]]))
+
+
+def _repeated_rows(family="qwen2_vl"):
+    built = build_model(family, random_init=True)
+    conversations = sample_conversations(built.adapter)
+    owners = [0, 1, 0, 1, 1]
+    rows = [conversations[o] for o in owners]
+    return built, rows, owners, SharedMedia.of(built.processing, rows, owners)
+
+
+def test_a_sharing_moves_its_prompts_media_once_and_keeps_token_entries_in_place():
+    """`on(device)`: the prompts' media tensors moved to the device once (the same object
+    for later calls and for the moved sharing itself), their token entries left where they
+    were (placeholder counts are read on the host); a sub-batch selected from it keeps
+    the moved tensors; rows collated with `device` are the rows processed."""
+    built, rows, owners, shared = _repeated_rows()
+    device = torch.device("cpu")
+    moved = shared.on(device)
+    assert shared.on(device) is moved and moved.on(device) is moved
+    for single, original in zip(moved.singles, shared.singles):
+        assert single["input_ids"] is original["input_ids"]  # token entries: not moved
+    assert moved.keys == shared.keys and moved.owners == shared.owners
+    sub = moved.select([0, 1, 1])
+    assert sub.singles[1]["pixel_values"] is moved.singles[1]["pixel_values"]
+    processed = dict(built.processing(rows))
+    assert not batch_differences(shared.rows(built.processing, rows, device=device), processed)
+
+
+def test_the_rollout_and_the_update_collate_rows_media_on_the_engines_device(monkeypatch):
+    """The compiled rollout's prompt batch and the update's micro-batches collate their
+    media where the engine runs (`device` given to `SharedMedia.rows`), not on the host
+    first: on a GPU the rows' copies of each prompt's images are made there."""
+    from mmrl.engine import Engine
+    from mmrl.parallel import init_distributed
+    from mmrl.rollout import SamplingParams, make_rollout
+    from mmrl.rollout_batch import training_batches
+
+    built, rows, owners, _ = _repeated_rows()
+    engine = Engine(built, init_distributed("cpu"), mixed_precision=False)
+    assert engine.shares_media
+    asked = []
+    collate = SharedMedia.rows
+
+    def spied(self, processing, conversations, device=None):
+        asked.append(device)
+        return collate(self, processing, conversations, device=device)
+
+    monkeypatch.setattr(SharedMedia, "rows", spied)
+    conversations = sample_conversations(built.adapter)
+    params = SamplingParams(n=2, max_new_tokens=3, temperature=0)
+    result = make_rollout("hf_compiled", engine, built.processing, compile=False).generate(conversations, params)
+    assert asked == [engine.dist.device] and result.shared_media is not None
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "tiny_vlm_count.yaml",
+                         ["algo.micro_batch_size=2"])
+    batches, _ = training_batches(conversations, result, torch.arange(len(result.response_ids)), algo=recipe.algo,
+                                  dist=engine.dist, processing=built.processing, adapter=built.adapter, actor=engine)
+    assert len(batches) == 2 and asked[1:] == [engine.dist.device] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_collated_on_cuda_equal_processing_them():
+    """On CUDA the rows' media are collated on the device from the prompts' media moved
+    once: the processed rows' values, the token entries on the host, and the shared
+    forward's logits equal the plain forward's on the same rows."""
+    built, rows, owners, shared = _repeated_rows()
+    device = torch.device("cuda")
+    processed = dict(built.processing(rows))
+    collated = shared.rows(built.processing, rows, device=device)
+    assert collated["pixel_values"].device.type == "cuda" and collated["input_ids"].device.type == "cpu"
+    assert not batch_differences(collated, processed)
+    model = built.model.to(device).eval()
+    batch = {k: v.to(device) for k, v in collated.items()}
+    torch.testing.assert_close(_logits(model, batch, shared.on(device)), _logits(model, batch), atol=1e-4, rtol=0)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
@@ -67,6 +67,8 @@ class SharedMedia:
     # Per row, the `singles` whose media, in this order, are the row's (None: its owner's
     # alone). Set by `of_pieces`.
     parts: list[list[int]] | None = None
+    # device -> this sharing with its media tensors there (`on`).
+    _on: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, processing, conversations: Sequence, owners: Sequence[int]) -> SharedMedia | None:
@@ -140,15 +142,32 @@ class SharedMedia:
         index = {owner: i for i, owner in enumerate(distinct)}
         return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
 
-    def rows(self, processing, conversations: Sequence) -> dict[str, torch.Tensor]:
+    def rows(self, processing, conversations: Sequence, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The batch of all rows (`conversations`, one per row), collated from the
         distinct prompts' batches: the same tensors as processing every row, without
         processing any image twice (`Processing.collate_rows` checks that once). Prompts
         whose batches hold different keys (image prompts beside video or text-only ones)
-        have a layout only the processor knows: their rows are processed."""
+        have a layout only the processor knows: their rows are processed. With `device`
+        (where the rows will run), the media tensors are collated there from the prompts'
+        own (`on`): the rows' copies of each prompt's media (n samples of it) are made on
+        the device, neither stacked on the host nor copied to the device row by row."""
         if not self.collatable or self.parts is not None:
             return dict(processing(list(conversations)))
-        return processing.collate_rows([self.singles[o] for o in self.owners], list(conversations))
+        singles = self.singles if device is None else self.on(device).singles
+        return processing.collate_rows([singles[o] for o in self.owners], list(conversations))
+
+    def on(self, device: torch.device | str) -> SharedMedia:
+        """This sharing with its prompts' media tensors on `device`, moved once and kept
+        (a sub-batch's `select` of it keeps them there too). Their token entries stay where
+        they are: the sharing reads placeholder counts from them on the host."""
+        device = torch.device(device)
+        moved = self._on.get(device)
+        if moved is None:
+            singles = [{k: v.to(device) if isinstance(v, torch.Tensor) and not text_aligned(k, v, single) else v
+                        for k, v in single.items()} for single in self.singles]
+            moved = self._on[device] = SharedMedia(self.owners, singles, self.parts)
+            moved._on[device] = moved
+        return moved
 
     def prompts_media(self, batch: dict, placeholders: Sequence[int]) -> dict[str, torch.Tensor] | None:
         """The media tensors of a batch of the distinct prompts alone (one row each, in

@@ -53,7 +53,7 @@ class Sequences:
             response_mask=self.response_mask.to(device),
             prompt_length=self.prompt_length,
             extras={k: v.to(device) for k, v in self.extras.items()},
-            shared=self.shared.to(device) if self.shared is not None else None,
+            shared=self.shared.on(device) if self.shared is not None else None,
             pad_token_id=self.pad_token_id,
         )
 

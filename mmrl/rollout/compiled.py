@@ -340,7 +340,7 @@ class CompiledHFRollout(HFRollout):
         device = self.engine.dist.device
         distinct = None
         if self.prefill_once:
-            distinct = distinct_prompts(batch, shared.to(device) if shared else None, placeholder_tokens(model))
+            distinct = distinct_prompts(batch, shared.on(device) if shared else None, placeholder_tokens(model))
         # A row's positions depend on that row alone: the distinct prompts' are computed.
         positions = self.position_ids(model, batch if distinct is None else distinct.batch)
         rows, prompt_length = batch["input_ids"].shape
@@ -352,7 +352,7 @@ class CompiledHFRollout(HFRollout):
                 positions = distinct.expand(positions)
             else:
                 cache = self.static_cache(rows, length, run.dtype)
-                with sharing(model, batch, shared.to(device) if shared and self.engine.shares_media else None):
+                with sharing(model, batch, shared.on(device) if shared and self.engine.shares_media else None):
                     logits = self.prefill(run, cache, batch, positions)
             if device.type == "cuda":
                 # The prefill's device time counted as the prefill's (`stats`), not as the

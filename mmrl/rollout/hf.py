@@ -33,7 +33,8 @@ class HFRollout:
         prompt_index = torch.arange(len(conversations)).repeat_interleave(params.n)
         shared = SharedMedia.of(self.processing, expanded, prompt_index.tolist()) if self.engine.shares_media else None
         # With shared media each prompt is processed once and its rows collated.
-        prompt_inputs = shared.rows(self.processing, expanded) if shared is not None else dict(self.processing(expanded))
+        prompt_inputs = (shared.rows(self.processing, expanded, device=self.engine.dist.device) if shared is not None
+                         else dict(self.processing(expanded)))
         return self._respond(prompt_inputs, shared, prompt_index, params)
 
     @torch.no_grad()
@@ -120,7 +121,7 @@ class HFRollout:
         tokenizer = self.processing.tokenizer
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         device = self.engine.dist.device
-        with self.engine.autocast(), self.engine.media_sharing(batch, shared.to(device) if shared else None):
+        with self.engine.autocast(), self.engine.media_sharing(batch, shared.on(device) if shared else None):
             out = model.generate(
                 **batch,
                 do_sample=not params.greedy,

@@ -238,7 +238,7 @@ class DecodeSession:
                 batch, self._text_only = text, True
                 self.stats["text_turns"] += 1
             elif isinstance(shared, SharedMedia) and rollout.engine.shares_media:
-                batch = shared.rows(self.processing, conversations)
+                batch = shared.rows(self.processing, conversations, device=rollout.engine.dist.device)
             else:
                 batch = self._process(conversations, per_row=self.cache is not None, light=light)
                 if text is not None:  # the check: the text path's ids and entries are the whole rows'
@@ -428,7 +428,7 @@ class DecodeSession:
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         distinct = None
         if shared is not None:
-            media = shared.to(device) if isinstance(shared, SharedMedia) else None
+            media = shared.on(device) if isinstance(shared, SharedMedia) else None
             distinct = distinct_prompts(inputs, media, placeholder_tokens(model))
         # Light later turns whose suffix positions are trusted skip the whole rows' positions.
         skip = self.cache is not None and self._light is not None and _POSITIONS.get(rollout) is True
