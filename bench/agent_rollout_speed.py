@@ -55,8 +55,9 @@ side the session's phases: `batch` (how the turn's batch was made: "first", the 
 alone, mmrl/rollout/text_suffix.py; "rows", its rows processed whole), `process_s` (the
 conversations processed on the host: templates, tokens, images), `inputs_s` (positions,
 each row's suffix and its media cut out; `inputs_media_s` of it the suffixes' new media
-found: each new image processed once per content, cut from the batch or joined), `suffix_s` (a later turn's suffixes laid out:
-gathered, their positions, their media's sharing, room made in the cache), `prefill_s`
+found: each new image processed once per content, cut from the batch or joined),
+`suffix_s` (a later turn's suffixes laid out: gathered, their positions, their media's
+sharing, room made in the cache), `prefill_s`
 (the prefill's forward, device), `decode_s` (the decode loop, device and host;
 `decode_wait_s` of it the host waiting at its looks), `record_s` (tokens to the host,
 the rows' records) and `rest_s`.
@@ -415,8 +416,8 @@ def timed_phases(agent, samples: list, params) -> list[dict]:
         agent.timed = False
 
 
-PHASE_COLUMNS = ("generate_s", "process_s", "inputs_s", "inputs_media_s", "suffix_s", "prefill_s", "decode_s", "decode_wait_s", "record_s",
-                 "rest_s", "environment_s", "agent_s")
+PHASE_COLUMNS = ("generate_s", "process_s", "inputs_s", "inputs_media_s", "suffix_s", "prefill_s", "decode_s",
+                 "decode_wait_s", "record_s", "rest_s", "environment_s", "agent_s")
 
 
 def print_phases(name: str, turns: list[dict]) -> None:

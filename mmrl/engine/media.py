@@ -142,7 +142,8 @@ class SharedMedia:
         index = {owner: i for i, owner in enumerate(distinct)}
         return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
 
-    def rows(self, processing, conversations: Sequence, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    def rows(self, processing, conversations: Sequence,
+             device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The batch of all rows (`conversations`, one per row), collated from the
         distinct prompts' batches: the same tensors as processing every row, without
         processing any image twice (`Processing.collate_rows` checks that once). Prompts
@@ -204,10 +205,6 @@ class SharedMedia:
     @property
     def keys(self) -> set[str]:
         return set().union(*self.media)
-
-    def to(self, device: torch.device) -> SharedMedia:
-        return SharedMedia(self.owners, [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                                         for s in self.singles], self.parts)
 
 
 def _lays_out(shared: SharedMedia, batch: dict, placeholders: Sequence[int]) -> bool:

@@ -402,7 +402,8 @@ class CompiledHFRollout(HFRollout):
                 stack.enter_context(_half_linears(model, computes_in, self._half_store))
             yield DecodeRun(model, params, pick, stops, keep_last, computes_in, device, generator)
 
-    def prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor, layers: bool = False) -> torch.Tensor:
+    def prefill(self, run: DecodeRun, cache, inputs: dict, positions: torch.Tensor,
+                layers: bool = False) -> torch.Tensor:
         """One forward of `inputs` (token ids, their attention mask over the cache, media,
         per-token entries) into `cache` at its fill: the last position's logits, float32,
         (rows, vocab). Eager, or with `layers` through the compiled decoder layers the decode
