@@ -164,4 +164,26 @@ def persistent_cache(device: torch.device | str | None = None) -> Path | None:
     return folder
 
 
-__all__ = ["CompileWatch", "cache_counts", "cache_root", "persistent_cache", "watch"]
+def start_compile_workers() -> bool:
+    """Start inductor's pool of compile workers now, so that it is ready by the run's first
+    compile; True where a pool was started. Inductor starts it itself at its first compile,
+    and until the pool answers it compiles that graph's kernels one after another in this
+    process: on a fresh GPU machine the whole first graph, while the workers import torch.
+    Called after `persistent_cache` (the workers take the cache folder from the environment)
+    and before the model build, which the workers' start then overlaps. A no-op where
+    inductor compiles in this process anyway (one compile thread, no triton)."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, get_compile_threads, maybe_warm_pool
+    except ImportError:  # a torch without these: inductor starts its pool when it compiles
+        return False
+    if get_compile_threads() <= 1 or os.environ.get("TORCH_WARM_POOL", "1") != "1":
+        return False  # TORCH_WARM_POOL=0: the user's (inductor's) way to keep the pool lazy
+    if os.environ.get("MMRL_EARLY_COMPILE_WORKERS", "1") == "0":
+        return False  # inductor starts them at its first compile, as before (bench/decode_ab.sh's A/B)
+    maybe_warm_pool()
+    # Sends the pool its readiness probe now: inductor hands kernels to the workers only once
+    # the probe has come back, and would send it at its first kernel otherwise.
+    return bool(AsyncCompile.use_process_pool() or AsyncCompile._ready_future is not None)
+
+
+__all__ = ["CompileWatch", "cache_counts", "cache_root", "persistent_cache", "start_compile_workers", "watch"]

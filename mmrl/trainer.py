@@ -43,7 +43,7 @@ from mmrl.atomic import atomic_write_text
 from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model, recipe_config
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
-from mmrl.compile_watch import persistent_cache, watch
+from mmrl.compile_watch import persistent_cache, start_compile_workers, watch
 from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
@@ -109,6 +109,8 @@ class Trainer:
         self._claim_folder()
         if self.dist.device.type == "cuda":
             persistent_cache(self.dist.device)  # compiled kernels outlive the run (mmrl/compile_watch.py)
+            if self.settled.compile_layers or self.settled.rollout_decode == "compiled":
+                start_compile_workers()  # ready by the first compile; the build overlaps their start
         self.compile_watch = watch()
         self.compile_watch.take()  # this run's compiles only, not earlier ones of the process
         self.compile_watch.announce = self.dist.is_main

@@ -63,3 +63,55 @@ def test_a_trainer_counts_only_its_own_compiles(tmp_path):
     Trainer(recipe).fit()
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["compile/graphs"] == 0 and first["time/compile"] == 0.0
+
+
+_EARLY_WORKERS = r"""
+import torch
+from torch._inductor import config
+from torch._inductor.async_compile import AsyncCompile
+from mmrl.compile_watch import start_compile_workers
+
+config.compile_threads = 2  # a pool, whatever this machine's cores
+assert AsyncCompile._ready_future is None  # nothing started at import
+assert start_compile_workers()
+assert AsyncCompile._ready_future is not None  # its readiness probe is on its way before any compile
+AsyncCompile.wait_pool_ready(timeout=300)
+assert AsyncCompile.use_process_pool()  # the first compile's kernels go to the workers
+
+
+def f(x):
+    return torch.nn.functional.gelu(x @ x.T) + 1
+
+
+x = torch.randn(6, 6)
+torch.testing.assert_close(torch.compile(f)(x), f(x))
+print("ok")
+"""
+
+
+def test_compile_workers_are_ready_before_the_first_compile(tmp_path):
+    """`start_compile_workers` starts inductor's pool and sends its readiness probe at once,
+    so that a first compile hands its kernels to the workers instead of compiling them one
+    after another in the process (the trainer calls it before the model build on a GPU)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "MMRL_EARLY_COMPILE_WORKERS": "1",
+           "TORCH_WARM_POOL": "1"}
+    done = subprocess.run([sys.executable, "-c", _EARLY_WORKERS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_compile_workers_stay_lazy_where_asked_or_pointless(monkeypatch):
+    from torch._inductor import config
+
+    from mmrl.compile_watch import start_compile_workers
+
+    monkeypatch.setattr(config, "compile_threads", 1)  # inductor compiles in the process
+    assert not start_compile_workers()
+    monkeypatch.setattr(config, "compile_threads", 2)
+    monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "0")  # the bench's A/B side
+    assert not start_compile_workers()
+    monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "1")
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # inductor's own switch
+    assert not start_compile_workers()

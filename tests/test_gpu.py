@@ -485,3 +485,31 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     again = Trainer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
         update={"output_dir": str(tmp_path / "again")})}))
     assert again.compile_helper is None
+
+
+def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypatch):
+    """A run that compiles on a GPU starts inductor's compile workers before its model build
+    (`mmrl.compile_watch.start_compile_workers`), so the pool is ready by the first compile,
+    and its step trains as before."""
+    from pathlib import Path
+
+    import mmrl.trainer as trainer_module
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    order = []
+    real_start, real_build = trainer_module.start_compile_workers, Trainer._build
+    monkeypatch.setattr(trainer_module, "start_compile_workers", lambda: order.append("workers") or real_start())
+    monkeypatch.setattr(Trainer, "_build", lambda self: order.append("build") or real_build(self))
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
+    trainer = Trainer(recipe)
+    assert order == ["workers", "build"]
+    from torch._inductor.async_compile import AsyncCompile
+
+    assert AsyncCompile._ready_future is not None
+    trainer.train_step()
+    assert trainer.actor.compiled_layers.compiled_calls > 0 and trainer.compile_watch.take()[1] > 0
