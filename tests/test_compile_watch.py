@@ -107,11 +107,12 @@ def test_compile_workers_stay_lazy_where_asked_or_pointless(monkeypatch):
 
     from mmrl.compile_watch import start_compile_workers
 
-    monkeypatch.setattr(config, "compile_threads", 1)  # inductor compiles in the process
-    assert not start_compile_workers()
-    monkeypatch.setattr(config, "compile_threads", 2)
-    monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "0")  # the bench's A/B side
-    assert not start_compile_workers()
-    monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "1")
-    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # inductor's own switch
-    assert not start_compile_workers()
+    # (inductor's own patch: monkeypatch's restore of its config breaks later compiles)
+    with config.patch(compile_threads=1):  # inductor compiles in the process
+        assert not start_compile_workers()
+    with config.patch(compile_threads=2):
+        monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "0")  # the bench's A/B side
+        assert not start_compile_workers()
+        monkeypatch.setenv("MMRL_EARLY_COMPILE_WORKERS", "1")
+        monkeypatch.setenv("TORCH_WARM_POOL", "0")  # inductor's own switch
+        assert not start_compile_workers()
