@@ -25,6 +25,10 @@
 # mmrl.compile_watch.start_compile_workers) against started at the first compile (lazypool:
 # MMRL_EARLY_COMPILE_WORKERS=0), both from empty caches, one call:
 #   MODES="graphs lazypool" SHAPE=vl3b bash bench/decode_ab.sh
+# The CUDA libraries read ahead into the page cache while the run builds (the default,
+# mmrl.page_cache) against not (noreadahead: MMRL_READ_AHEAD=0); before each run of the call,
+# EVICT=1 drops the libraries' pages from the page cache, so each starts as a fresh machine's:
+#   EVICT=1 MODES="graphs noreadahead" SHAPE=vl3b bash bench/decode_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -58,13 +62,14 @@ for mode in $modes; do
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
     prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
     noviews) name=mmrl_graphs_noviews; decode=graphs; cache=$(mktemp -d) ;;
+    noreadahead) name=mmrl_graphs_noreadahead; decode=graphs; cache=$(mktemp -d) ;;
     lazypool) name=mmrl_graphs_lazypool; decode=graphs; cache=$(mktemp -d) ;;
     nofreeze) name=mmrl_graphs_nofreeze; decode=graphs; cache=$(mktemp -d); more=(trainer.gc_freeze=false) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, noreadahead, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")
@@ -75,7 +80,9 @@ for mode in $modes; do
   fi
   views=1; [[ $mode == noviews ]] && views=0
   early=1; [[ $mode == lazypool ]] && early=0
-  MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+  ahead=1; [[ $mode == noreadahead ]] && ahead=0
+  [[ ${EVICT:-0} == 1 ]] && "$py" -c "import torch; from mmrl.page_cache import evict, library_files; evict(library_files())"
+  MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
   echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
   cache=

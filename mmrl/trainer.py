@@ -51,6 +51,7 @@ from mmrl.export import export_policy
 from mmrl.gc_watch import watch_gc
 from mmrl.media_check import step_zero_media_check
 from mmrl.logs import capped_threads
+from mmrl.page_cache import library_files, read_ahead
 from mmrl.parallel import Dist, LaunchError, init_distributed
 from mmrl.recipe_checks import check_before_build, check_prompt_lengths, recipe_reward, unset_toy_defaults
 from mmrl.rewards import get_reward, reward_name
@@ -83,6 +84,8 @@ class Trainer:
             raise RecipeError(f"parallel.sequence_parallel: {sequence_parallel}, but the given Dist has "
                               f"{dist.sequence_parallel}")
         self.dist = dist
+        if dist.device.type == "cuda" and dist.local_rank == 0:  # one reader per machine: the page cache is shared
+            read_ahead(library_files())  # the CUDA libraries' pages, read while the model builds (mmrl/page_cache.py)
         cfg = recipe.trainer
         if cfg.threads:
             torch.set_num_threads(capped_threads(cfg.threads))

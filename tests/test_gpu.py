@@ -490,7 +490,7 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
 def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypatch):
     """A run that compiles on a GPU starts inductor's compile workers before its model build
     (`mmrl.compile_watch.start_compile_workers`), so the pool is ready by the first compile,
-    and its step trains as before."""
+    and reads the CUDA libraries ahead before that (`mmrl.page_cache`); its step trains as before."""
     from pathlib import Path
 
     import mmrl.trainer as trainer_module
@@ -498,8 +498,10 @@ def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypa
     from mmrl.trainer import Trainer
 
     order = []
-    real_start, real_build = trainer_module.start_compile_workers, Trainer._build
+    real_start, real_build, real_read = trainer_module.start_compile_workers, Trainer._build, trainer_module.read_ahead
     monkeypatch.setattr(trainer_module, "start_compile_workers", lambda: order.append("workers") or real_start())
+    monkeypatch.setattr(trainer_module, "read_ahead",
+                        lambda paths: order.append(("read", any("cuda" in p.name for p in paths))) or real_read(paths))
     monkeypatch.setattr(Trainer, "_build", lambda self: order.append("build") or real_build(self))
     monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -507,7 +509,7 @@ def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypa
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
         "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
     trainer = Trainer(recipe)
-    assert order == ["workers", "build"]
+    assert order == [("read", True), "workers", "build"]  # the CUDA libraries read ahead too (mmrl/page_cache.py)
     from torch._inductor.async_compile import AsyncCompile
 
     assert AsyncCompile._ready_future is not None
