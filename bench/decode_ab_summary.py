@@ -15,7 +15,13 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mmrl.platform_info import write_report  # noqa: E402
 
 TRL_STEP_S = 12.4
 TRL_SOURCE = ("issue 28's measurement of TRL 1.16 on the same VL-3B-shaped checkpoint and rows (12.4 s a step); "
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"command": args.command, "date": datetime.date.today().isoformat(), "main_at": args.main_at,
               "shape": args.shape, "trl_step_s": TRL_STEP_S, "trl_step_source": TRL_SOURCE,
               "target_vs_trl": TARGET, "note": args.note, "summary": summary}
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
     return report
 
 

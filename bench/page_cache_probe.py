@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch  # noqa: F401 - maps the libraries the listing reads
 
     from mmrl.page_cache import evict, library_files, read_files, resident_fraction
+    from mmrl.platform_info import write_report
 
     paths = library_files()
     sizes = {str(p): p.stat().st_size for p in paths}
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("case".ljust(20) + "".join(name[:14].rjust(15) for name in names))
     for case, phases in report["cases"].items():
         print(case.ljust(20) + "".join(str(phases.get(name, "-")).rjust(15) for name in names))
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.out, report)
     return report
 
 
