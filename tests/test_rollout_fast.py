@@ -86,6 +86,86 @@ def test_finished_rows_leave_the_batch_without_changing_the_output(family):
     _assert_same(plain, fast)
 
 
+class _Mark:
+    """A stand-in for a CUDA event on the CPU: done when the test says so."""
+
+    done_upto = 0
+    made = 0
+    waits = 0
+
+    def __init__(self):
+        _Mark.made += 1
+        self.number = _Mark.made
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.number <= _Mark.done_upto
+
+    def synchronize(self):
+        _Mark.waits += 1
+
+
+_LOOKOUT = compiled._Lookout
+
+
+def _queued_lookout(check_every=8, lead=2):
+    lookout = _LOOKOUT(torch.device("cpu"), check_every, lead)
+    lookout.queued, lookout.event = True, _Mark
+    _Mark.done_upto = _Mark.made = _Mark.waits = 0
+    return lookout
+
+
+def test_a_gpu_loop_looks_at_counts_the_device_has_written_waiting_only_past_its_lead():
+    """`_Lookout` on a GPU (its events stood in for): a look returns the newest count the
+    device has written without waiting, None where none is new, and waits for the oldest
+    count only where more than `lead` steps are queued behind it."""
+    lookout = _queued_lookout(lead=2)
+    running = torch.tensor([True, True, False, True])
+    lookout.post(running)  # step 1: 3 running
+    assert lookout.alive(running, 2) is None and _Mark.waits == 0  # nothing written yet, no wait
+    running[0] = False
+    lookout.post(running)  # step 2: 2 running
+    _Mark.done_upto = 1
+    assert lookout.alive(running, 3) == 3 and _Mark.waits == 1  # step 1's count, written: its wait returns at once
+    assert lookout.alive(running, 3) is None  # nothing newer written
+    for _ in range(3):
+        lookout.post(running)  # steps 3-5, none written: past the lead, the oldest is waited for
+    assert lookout.alive(running, 6) == 2 and len(lookout.pending) == 2
+    running[:] = False
+    lookout.post(running)
+    _Mark.done_upto = _Mark.made
+    assert lookout.alive(running, 7) == 0 and not lookout.pending
+    cpu = _LOOKOUT(torch.device("cpu"), 4, 2)  # the CPU: a look every check_every steps, counted there
+    assert cpu.alive(running, 3) is None and cpu.alive(torch.tensor([True, False]), 4) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_a_loop_that_looks_at_older_counts_gives_the_same_output(family, monkeypatch):
+    """The decode loop with the GPU's lookout (counts some steps old, here never written
+    before the lead forces a wait) stops, narrows and writes as plain generate."""
+    built, engine = widened_engine(family)
+    conversations = prompt_conversations(built, count=4)
+    params = SamplingParams(n=4, max_new_tokens=24, temperature=0, logprobs=True)
+    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+    for candidate in plain.response_ids[0, :6].tolist():
+        built.processing.extra_stop_ids = [candidate]
+        plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
+        if plain.finish_reasons.count("length") >= 4:
+            break
+    made = []
+    monkeypatch.setattr(compiled, "_Lookout", lambda device, check_every, lead: made.append(
+        _queued_lookout(check_every, lead)) or made[-1])
+    rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, min_compact_rows=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to plain generate would warn
+        fast = rollout.generate(conversations, params)
+    assert made and _Mark.waits > 0
+    assert rollout.stats["final_rows"] < 16  # rows were moved into a narrower batch on older counts
+    _assert_same(plain, fast)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_fp32_weights_under_bf16_autocast_take_the_compiled_path(family):
     """The recipes' precision (fp32 weights, bf16 autocast): rope leaves some families'

@@ -70,8 +70,13 @@ from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
 # up: the batch width is a dynamic size of the one compiled graph, but triton specializes
 # its kernels on sizes that divide by 16, so a width of 8 would compile them all again.
 MIN_COMPACT_ROWS = 16
-# Steps between looks at the running rows (each look waits for the GPU).
+# Steps between looks at the running rows where a look waits for the device (the CPU).
 CHECK_EVERY = 8
+# On a GPU the loop reads each step's count of running rows from host memory, copied there
+# behind the step's kernels, and waits only for the count of the step this many steps back:
+# the device keeps that many steps queued while the host waits (no drained queue, no idle
+# gap at a look), and a batch whose rows all stopped runs at most this many steps more.
+LOOK_LEAD = 2
 # Cache lengths are rounded up to a multiple of this, so prompts of similar length share
 # their caches and compiled graphs.
 CACHE_LENGTH_STEP = 256
@@ -475,13 +480,11 @@ class CompiledHFRollout(HFRollout):
         if start is not None:
             start(run.model, fill, self.caches.values())
         steps = 1
-        waited = 0.0
+        lookout = _Lookout(device, self.check_every, LOOK_LEAD)
         with _decode_attention(run.model), self._merged(run):
             for t in range(1, new_tokens):
-                if t % self.check_every == 0:
-                    looked = time.perf_counter()
-                    alive = int(running.sum())
-                    waited += time.perf_counter() - looked
+                alive = lookout.alive(running, t)
+                if alive is not None:
                     if alive == 0:
                         break
                     width = len(index)
@@ -508,10 +511,11 @@ class CompiledHFRollout(HFRollout):
                 tokens[index, t] = token
                 if logprobs is not None:
                     logprobs[index, t] = logprob
+                lookout.post(running)
                 steps += 1
         if home is not None and cache is not home:
             _write_back(home, cache, index)
-        return Decoded(tokens, logprobs, steps, len(index), waited)
+        return Decoded(tokens, logprobs, steps, len(index), lookout.waited)
 
     # -- pieces ------------------------------------------------------------------------------
     def _blocked_mask(self, vocabulary: int, device: torch.device) -> torch.Tensor:
@@ -795,6 +799,53 @@ def _cast_updates(layer, dtype: torch.dtype) -> None:
         return update
 
     with_update(layer, f"cast {dtype}", update_of)
+
+
+class _Lookout:
+    """How many rows of a decode loop still run, as the loop looks before each step.
+
+    On the CPU a look every `check_every` steps counts the running rows then and there. On
+    a GPU such a look waits for every queued step, and the device idles until the host has
+    launched the next one; here each step's count instead goes to pinned host memory behind
+    that step's kernels (`post`), and a look takes the newest count the device has written,
+    waiting only where the host is more than `lead` steps ahead of it. Counts only fall, so
+    a count some steps old never understates the running rows: the loop stops at most
+    `lead` steps after the last row did, and narrows no further than the rows it holds."""
+
+    def __init__(self, device: torch.device, check_every: int, lead: int):
+        self.queued = device.type == "cuda"
+        self.event = torch.cuda.Event if self.queued else None  # the device's marks (a test's stand-in on the CPU)
+        self.check_every, self.lead = check_every, lead
+        self.pending: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self.waited = 0.0  # seconds the host waited for the device at its looks
+
+    def alive(self, running: torch.Tensor, t: int) -> int | None:
+        """The running rows as last known before step `t`; None where nothing new is known."""
+        if not self.queued:
+            if t % self.check_every:
+                return None
+            looked = time.perf_counter()
+            alive = int(running.sum())
+            self.waited += time.perf_counter() - looked
+            return alive
+        newest = None
+        while self.pending and (len(self.pending) > self.lead or self.pending[0][1].query()):
+            count, done = self.pending.pop(0)
+            looked = time.perf_counter()
+            done.synchronize()
+            self.waited += time.perf_counter() - looked
+            newest = count
+        return None if newest is None else int(newest)
+
+    def post(self, running: torch.Tensor) -> None:
+        """Queue the count of `running` (after the step just launched) to the host."""
+        if not self.queued:
+            return
+        count = torch.empty((), dtype=torch.long, pin_memory=running.is_cuda)
+        count.copy_(running.sum(), non_blocking=True)
+        done = self.event()
+        done.record()
+        self.pending.append((count, done))
 
 
 def _compact_rows(running: torch.Tensor, width: int) -> torch.Tensor:
