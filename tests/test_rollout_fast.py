@@ -67,19 +67,25 @@ def test_decode_steps_take_decode_attention_beside_the_packed_updates_varlen(mon
     _assert_same(plain, fast)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
-def test_finished_rows_leave_the_batch_without_changing_the_output(family):
+def _rows_that_stop(family):
+    """A widened model, 4 prompts x 4 samples, 24 greedy tokens, and plain generate's output
+    with a stop token that the first prompt's rows meet early and some other prompt's never."""
     built, engine = widened_engine(family)
     conversations = prompt_conversations(built, count=4)
     params = SamplingParams(n=4, max_new_tokens=24, temperature=0, logprobs=True)
     plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
-    # A stop token that the first prompt's rows meet early and some other prompt's never.
     for candidate in plain.response_ids[0, :6].tolist():
         built.processing.extra_stop_ids = [candidate]
         plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
         if plain.finish_reasons.count("length") >= 4:
             break
     assert plain.finish_reasons[:4] == ["stop"] * 4 and plain.finish_reasons.count("length") >= 4
+    return built, engine, conversations, params, plain
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_finished_rows_leave_the_batch_without_changing_the_output(family):
+    built, engine, conversations, params, plain = _rows_that_stop(family)
     rollout = make_rollout("hf_compiled", engine, built.processing, compile=False, min_compact_rows=2, check_every=2)
     fast = rollout.generate(conversations, params)
     assert rollout.stats["final_rows"] < 16  # rows were moved into a narrower batch
@@ -145,15 +151,7 @@ def test_a_gpu_loop_looks_at_counts_the_device_has_written_waiting_only_past_its
 def test_a_loop_that_looks_at_older_counts_gives_the_same_output(family, monkeypatch):
     """The decode loop with the GPU's lookout (counts some steps old, here never written
     before the lead forces a wait) stops, narrows and writes as plain generate."""
-    built, engine = widened_engine(family)
-    conversations = prompt_conversations(built, count=4)
-    params = SamplingParams(n=4, max_new_tokens=24, temperature=0, logprobs=True)
-    plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
-    for candidate in plain.response_ids[0, :6].tolist():
-        built.processing.extra_stop_ids = [candidate]
-        plain = make_rollout("hf", engine, built.processing).generate(conversations, params)
-        if plain.finish_reasons.count("length") >= 4:
-            break
+    built, engine, conversations, params, plain = _rows_that_stop(family)
     made = []
     monkeypatch.setattr(compiled, "_Lookout", lambda device, check_every, lead: made.append(
         _queued_lookout(check_every, lead)) or made[-1])
