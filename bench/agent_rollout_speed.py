@@ -10,6 +10,8 @@ Qwen2.5-VL-3B shape, the compiled backend (`rollout.backend: hf_compiled`) again
         --out /tmp/agent_rollout_host.json   # the host phases at the real image shape, on CPU
     python bench/agent_rollout_speed.py --repeats 1 --profile-prefill --profile-decode 20 \
         --out $OUT/agent_profile_gpu.json   # turn 2's prefill and decode steps under the profiler
+    python bench/agent_rollout_speed.py --repeats 3 --profile-host \
+        --out $OUT/agent_host_gpu.json      # turn 2's search for its new media under cProfile
 
 The recipe's trainer is built once (`--shape vl3b`: the model config of
 recipes/qwen2_5_vl_3b_shape.yaml, random bf16 weights, 448 x 448 images of 256 tokens;
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                         help="one more compiled rollout with STEPS decode steps of the last policy turn (from its "
                              "8th) under torch.profiler, the earlier steps timed (bench/decode_profile.py's StepProbe)")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="one more compiled rollout with the session's search for each later turn's new media "
+                             "(its inputs_media phase: DecodeSession._continuation) under cProfile: the functions "
+                             "with the most cumulative time")
     parser.add_argument("--variant", nargs="+", default=[], metavar="KEY=VALUE",
                         help="a third agent in the same rounds: the compiled backend built again with these "
                              "attributes set (an A/B of a backend option in one process, one build)")
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs["compiled"]["fallback"] = getattr(compiled.backend, "fallback_reason", None)
     if args.profile_prefill and "compiled" in runs:
         runs["compiled"]["prefill_profiles"] = profiled_prefills(compiled, samples, params, device)
+    if args.profile_host and "compiled" in runs:
+        runs["compiled"]["host_profile"] = profiled_host(compiled, samples, params)
     if args.profile_decode and "compiled" in runs:
         runs["compiled"]["decode_profile"] = profiled_decode(compiled, samples, params, device, args.replies + 1,
                                                              args.profile_decode)
@@ -337,6 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"decode step: {decode['step_ms']:.2f} ms (iteration {decode['iteration_ms']:.2f} ms); profiled "
               f"{decode['profiled_steps']} steps: kernels {decode['kernels_per_step']:.0f} a step, ms by group: {groups}",
               flush=True)
+    host = runs.get("compiled", {}).get("host_profile")
+    if host:
+        print(f"later turns' media search under cProfile: {host['calls']} call(s), {host['seconds'] * 1e3:.1f} ms", flush=True)
+        for row in host["top"][:15]:
+            print(f"  {row['cumulative_ms']:8.1f} ms  {row['calls']:6d}  {row['function']}", flush=True)
     for call in runs.get("compiled", {}).get("prefill_profiles") or []:
         groups = ", ".join(f"{group} {values['us'] / 1e3:.1f}" for group, values in call["groups"].items())
         print(f"prefill {call['rows']} x {call['width']}: {call['ms']:.1f} ms; kernels {call['kernels_per_step']:.0f}, "
@@ -374,6 +387,40 @@ def profiled_prefills(agent, samples: list, params, device: torch.device, top: i
     finally:
         del backend.prefill  # the class's method again
     return calls
+
+
+def profiled_host(agent, samples: list, params, top: int = 30) -> dict:
+    """One more rollout of the compiled `agent` with each later turn's search for its new
+    media (`DecodeSession._continuation`, the session's `inputs_media_s`) under cProfile:
+    its calls, their seconds and the functions with the most cumulative time in them."""
+    import cProfile
+    import pstats
+
+    from mmrl.rollout import sessions
+
+    profile, spent, calls = cProfile.Profile(), [0.0], [0]
+    plain = sessions.DecodeSession._continuation
+
+    def profiled(self, *args, **kwargs):
+        began = time.perf_counter()
+        profile.enable()
+        try:
+            return plain(self, *args, **kwargs)
+        finally:
+            profile.disable()
+            spent[0] += time.perf_counter() - began
+            calls[0] += 1
+
+    sessions.DecodeSession._continuation = profiled
+    try:
+        with torch.no_grad():
+            agent.generate(samples, params)
+    finally:
+        sessions.DecodeSession._continuation = plain
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": count, "cumulative_ms": round(cumulative * 1e3, 2)}
+            for (file, line, name), (_, count, _, cumulative, _) in pstats.Stats(profile).stats.items()]  # type: ignore[attr-defined]
+    rows.sort(key=lambda row: -row["cumulative_ms"])
+    return {"calls": calls[0], "seconds": spent[0], "top": rows[:top]}
 
 
 # The last policy turn's decode steps profiled from this one on (`--profile-decode`).

@@ -17,7 +17,7 @@ BENCH_SCRIPT = "agent_rollout_speed"
 def report(bench, tmp_path_factory):
     return bench_report(bench, tmp_path_factory, [
         "--shape", "tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--rollout-options",
-        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--profile-prefill",
+        "compile=false", "--agent-options", "max_tokens=400", "--repeats", "1", "--profile-prefill", "--profile-host",
         "--no-gc-freeze", "rollout.temperature=1.0"])  # no gc.freeze in the test process
 
 
@@ -58,6 +58,10 @@ def test_both_backends_roll_out_three_turns_with_an_image_reply(report):
     profiles = report["runs"]["compiled"]["prefill_profiles"]
     assert [p["rows"] for p in profiles] == [first["prefill_rows"], 4]
     assert all(p["ms"] > 0 and p["kernels_per_step"] > 0 and "matmul" in p["groups"] for p in profiles)
+    # --profile-host: one more compiled rollout, the later turn's search for its new media under cProfile.
+    host = report["runs"]["compiled"]["host_profile"]
+    assert host["calls"] == 1 and host["seconds"] > 0
+    assert any("_suffix_media" in row["function"] for row in host["top"])
 
 
 def test_every_policy_turn_within_the_budget_calls_zoom(bench):
