@@ -239,8 +239,20 @@ def test_a_sharing_moves_its_prompts_media_once_and_keeps_token_entries_in_place
     assert moved.keys == shared.keys and moved.owners == shared.owners
     sub = moved.select([0, 1, 1])
     assert sub.singles[1]["pixel_values"] is moved.singles[1]["pixel_values"]
+    assert sub.on(device) is sub  # selected from a moved sharing: its media are there already
     processed = dict(built.processing(rows))
     assert not batch_differences(shared.rows(built.processing, rows, device=device), processed)
+    # No reference cycle: the moved sharing (its device tensors) goes with the last reference.
+    import gc
+    import weakref
+
+    gone = weakref.ref(moved)
+    gc.disable()
+    try:
+        del shared, moved, sub
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_the_rollout_and_the_update_collate_rows_media_on_the_engines_device(monkeypatch):

@@ -69,6 +69,8 @@ class SharedMedia:
     parts: list[list[int]] | None = None
     # device -> this sharing with its media tensors there (`on`).
     _on: dict = field(default_factory=dict, repr=False, compare=False)
+    # The device `on` moved this sharing's media tensors to (None: made from a batch as processed).
+    _device: torch.device | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, processing, conversations: Sequence, owners: Sequence[int]) -> SharedMedia | None:
@@ -140,7 +142,7 @@ class SharedMedia:
         if len(distinct) == len(owners) or not any(media[i] for i in distinct):
             return None
         index = {owner: i for i, owner in enumerate(distinct)}
-        return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct])
+        return SharedMedia([index[o] for o in owners], [self.singles[i] for i in distinct], _device=self._device)
 
     def rows(self, processing, conversations: Sequence,
              device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -162,12 +164,14 @@ class SharedMedia:
         (a sub-batch's `select` of it keeps them there too). Their token entries stay where
         they are: the sharing reads placeholder counts from them on the host."""
         device = torch.device(device)
+        if self._device == device:
+            return self
         moved = self._on.get(device)
         if moved is None:
             singles = [{k: v.to(device) if isinstance(v, torch.Tensor) and not text_aligned(k, v, single) else v
                         for k, v in single.items()} for single in self.singles]
-            moved = self._on[device] = SharedMedia(self.owners, singles, self.parts)
-            moved._on[device] = moved
+            # (it knows its device rather than holding itself: no reference cycle keeps its tensors alive)
+            moved = self._on[device] = SharedMedia(self.owners, singles, self.parts, _device=device)
         return moved
 
     def prompts_media(self, batch: dict, placeholders: Sequence[int]) -> dict[str, torch.Tensor] | None:
