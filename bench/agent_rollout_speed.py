@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                         help="one more compiled rollout with STEPS decode steps of the last policy turn (from its "
                              "8th) under torch.profiler, the earlier steps timed (bench/decode_profile.py's StepProbe)")
-    parser.add_argument("--profile-host", action="store_true",
-                        help="one more compiled rollout with the session's search for each later turn's new media "
-                             "(its inputs_media phase: DecodeSession._continuation) under cProfile: the functions "
-                             "with the most cumulative time")
+    parser.add_argument("--profile-host", nargs="?", const="media", choices=["media", "rollout"],
+                        help="one more compiled rollout under cProfile, the functions with the most cumulative "
+                             "time: `media` (the default) the session's search for each later turn's new media "
+                             "(its inputs_media phase: DecodeSession._continuation), `rollout` the whole rollout")
     parser.add_argument("--variant", nargs="+", default=[], metavar="KEY=VALUE",
                         help="a third agent in the same rounds: the compiled backend built again with these "
                              "attributes set (an A/B of a backend option in one process, one build)")
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile_prefill and "compiled" in runs:
         runs["compiled"]["prefill_profiles"] = profiled_prefills(compiled, samples, params, device)
     if args.profile_host and "compiled" in runs:
-        runs["compiled"]["host_profile"] = profiled_host(compiled, samples, params)
+        runs["compiled"]["host_profile"] = profiled_host(compiled, samples, params, whole=args.profile_host == "rollout")
     if args.profile_decode and "compiled" in runs:
         runs["compiled"]["decode_profile"] = profiled_decode(compiled, samples, params, device, args.replies + 1,
                                                              args.profile_decode)
@@ -347,8 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
     host = runs.get("compiled", {}).get("host_profile")
     if host:
-        print(f"later turns' media search under cProfile: {host['calls']} call(s), {host['seconds'] * 1e3:.1f} ms", flush=True)
-        for row in host["top"][:15]:
+        what = "the whole rollout" if args.profile_host == "rollout" else "later turns' media search"
+        print(f"{what} under cProfile: {host['calls']} call(s), {host['seconds'] * 1e3:.1f} ms", flush=True)
+        for row in host["top"][:30 if args.profile_host == "rollout" else 15]:
             print(f"  {row['cumulative_ms']:8.1f} ms  {row['calls']:6d}  {row['function']}", flush=True)
     for call in runs.get("compiled", {}).get("prefill_profiles") or []:
         groups = ", ".join(f"{group} {values['us'] / 1e3:.1f}" for group, values in call["groups"].items())
@@ -389,16 +390,22 @@ def profiled_prefills(agent, samples: list, params, device: torch.device, top: i
     return calls
 
 
-def profiled_host(agent, samples: list, params, top: int = 30) -> dict:
+def profiled_host(agent, samples: list, params, top: int = 30, whole: bool = False) -> dict:
     """One more rollout of the compiled `agent` with each later turn's search for its new
-    media (`DecodeSession._continuation`, the session's `inputs_media_s`) under cProfile:
-    its calls, their seconds and the functions with the most cumulative time in them."""
+    media (`DecodeSession._continuation`, the session's `inputs_media_s`) under cProfile, or
+    the whole rollout (`whole`): its calls, their seconds and the functions with the most
+    cumulative time in them."""
     import cProfile
-    import pstats
 
     from mmrl.rollout import sessions
 
     profile, spent, calls = cProfile.Profile(), [0.0], [0]
+    if whole:
+        began = time.perf_counter()
+        with torch.no_grad():
+            profile.runcall(agent.generate, samples, params)
+        spent[0], calls[0] = time.perf_counter() - began, 1
+        return _profile_rows(profile, spent[0], calls[0], top)
     plain = sessions.DecodeSession._continuation
 
     def profiled(self, *args, **kwargs):
@@ -417,10 +424,17 @@ def profiled_host(agent, samples: list, params, top: int = 30) -> dict:
             agent.generate(samples, params)
     finally:
         sessions.DecodeSession._continuation = plain
+    return _profile_rows(profile, spent[0], calls[0], top)
+
+
+def _profile_rows(profile, seconds: float, calls: int, top: int) -> dict:
+    """A cProfile's `top` functions by cumulative time, with the profiled calls and seconds."""
+    import pstats
+
     rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": count, "cumulative_ms": round(cumulative * 1e3, 2)}
             for (file, line, name), (_, count, _, cumulative, _) in pstats.Stats(profile).stats.items()]  # type: ignore[attr-defined]
     rows.sort(key=lambda row: -row["cumulative_ms"])
-    return {"calls": calls[0], "seconds": spent[0], "top": rows[:top]}
+    return {"calls": calls, "seconds": seconds, "top": rows[:top]}
 
 
 # The last policy turn's decode steps profiled from this one on (`--profile-decode`).

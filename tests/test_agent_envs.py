@@ -38,7 +38,9 @@ def test_zoom_crops_the_full_resolution_image():
     (part,) = zoom({"x": 0.75, "y": 0.75, "size": 0.5}, {"images": [image]})
     assert part["type"] == "image" and part["image"].size == (50, 30)
     assert part["image"].getpixel((10, 10)) == (255, 0, 0)
-    assert zoom({}, {"images": [image]})[0]["image"].size == (100, 60)
+    assert zoom({}, {"images": [image]})[0]["image"] is image  # the whole image: no copy
+    assert zoom({"x": 0.2, "size": 1}, {"images": [image]})[0]["image"] is image
+    assert zoom({"size": 0.9}, {"images": [image]})[0]["image"] is not image
     with pytest.raises(ToolError, match="no image 1"):
         zoom({"image": 1}, {"images": [image]})
     with pytest.raises(ToolError, match="size"):

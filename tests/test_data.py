@@ -130,6 +130,12 @@ def test_to_conversation_resolves_every_image_form(tmp_path):
     colours = [p["image"].getpixel((0, 0)) for p in parts if p["type"] == "image"]
     assert colours == [RED, BLUE, RED, BLUE, BLUE, BLUE]
     assert all(p["image"].mode == "RGB" for p in parts if p["type"] == "image")
+    # A PIL RGB image within the decode budget is the sample's own object, not a copy: the
+    # samples of one prompt share it (a rollout processes its pixels once by object).
+    assert parts[0]["image"] is sources[0]
+    grey = Image.new("L", (8, 8), 7)
+    (part,) = to_conversation(_sample(prompt=_user(IMAGE), images=[grey]))[0]["content"]
+    assert part["image"] is not grey and part["image"].mode == "RGB" and part["image"].getpixel((0, 0)) == (7, 7, 7)
 
 
 def test_to_conversation_fills_videos():

@@ -203,7 +203,9 @@ def _rgb(image):
 
         values = np.asarray(image, dtype=np.float64)
         image = Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8), mode="L")
-    return image.convert("RGB")
+    # An RGB image is itself, not a copy (Pillow's convert copies): the samples of one prompt
+    # then share their images, which a rollout processes once by object.
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _decode_target(max_pixels: int | None) -> int:

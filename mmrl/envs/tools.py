@@ -210,6 +210,8 @@ def zoom(arguments: dict, context: dict) -> list[dict]:
     left = min(max(x * width - half_w, 0), width - 2 * half_w)
     top = min(max(y * height - half_h, 0), height - 2 * half_h)
     box = (round(left), round(top), round(left + 2 * half_w), round(top + 2 * half_h))
+    if box == (0, 0, width, height):  # the whole image: itself, not a copy (nothing changes an image in place)
+        return [{"type": "image", "image": image}]
     return [{"type": "image", "image": image.crop(box)}]
 
 
