@@ -82,8 +82,13 @@ for mode in $modes; do
   early=1; [[ $mode == lazypool ]] && early=0
   ahead=1; [[ $mode == noreadahead ]] && ahead=0
   [[ ${EVICT:-0} == 1 ]] && "$py" -c "import torch; from mmrl.page_cache import evict, library_files; evict(library_files())"
-  MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=${cache:-$(mktemp -d)} "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+  cache=${cache:-$(mktemp -d)}
+  MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
   echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
+  # The compile helper's log (prewarm: when each of its phases ended), kept beside the run's.
+  for helper_log in "$cache"/*/mmrl-prewarm/*.log; do
+    [[ -f $helper_log ]] && cp "$helper_log" "$out/decode_${mode}_${tag}_helper.log"
+  done
   cache=
 done

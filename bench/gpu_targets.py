@@ -411,23 +411,42 @@ def second_run_entry(path: Path = RESULTS / "decode_ab_vl3b_stall28_gpu.json") -
     }
 
 
-def spread_entries(path: Path = RESULTS / "decode_graphs_vl3b_geometry3k_gpu_raw.json",
+def spread_runs(folder: Path = RESULTS) -> list[Path]:
+    """The fresh-machine geometry3k runs of `MODES=graphs`, in the order measured:
+    decode_graphs_vl3b_geometry3k_gpu_raw.json, then _2_, _3_ ... (one a device call)."""
+    def order(path: Path) -> int:
+        middle = path.name[len("decode_graphs_vl3b_geometry3k"):-len("_gpu_raw.json")]
+        return int(middle.lstrip("_")) if middle else 1
+
+    return sorted(folder.glob("decode_graphs_vl3b_geometry3k*_gpu_raw.json"), key=order)
+
+
+def spread_entries(paths: list[Path] | None = None,
                    trl_path: Path = RESULTS / "decode_trl_vl3b_geometry3k_gpu_raw.json") -> list[dict]:
     """Issue 28's geometry3k-rows targets on a fresh machine (`ROWS=geometry3k` in
     bench/decode_ab.sh): 50 steps at least 4.5x TRL's, at most 3 compiles after step 1,
-    compiling under 10% of the run. TRL ran out of memory at mmrl's 16-row micro-batch
+    compiling under 10% of the run. The latest run is the entry, the earlier ones are named
+    in its note. TRL ran out of memory at mmrl's 16-row micro-batch
     (decode_trl_vl3b_geometry3k_oom_gpu_raw.json), so it runs at 8 rows (`TRL_MICRO_BATCH=8`)
     and 4 steps, its 50 steps projected from its first step and median step."""
-    if not path.is_file():
+    paths = spread_runs() if paths is None else [p for p in paths if p.is_file()]
+    if not paths:
         return []
-    report = json.loads(path.read_text())
-    (name, run), = report["runs"].items()
+    runs = []
+    for path in paths:
+        (_, run), = json.loads(path.read_text())["runs"].items()
+        runs.append((path, run))
+    path, run = runs[-1]
     later = sum(step["compile_graphs"] for step in run["per_step"][1:])
     share = run["compile_total_s"] / run["whole_run_s"]
     command = "ROWS=geometry3k SHAPE=vl3b MODES=graphs bash bench/decode_ab.sh"
     note = (f"{run['steps_done']} steps in {run['whole_run_s']} s, compiling {run['compile_total_s']} s in "
             f"{run['compile_graphs_total']} graphs, first step {run['first_step_s']:.1f} s, median "
-            f"{run['median_s']['step']:.2f} s")
+            f"{run['median_s']['step']:.2f} s ({path.name})")
+    if len(runs) > 1:
+        note += "; earlier: " + ", ".join(
+            f"{r['whole_run_s']} s, compiling {r['compile_total_s']} s ({r['compile_total_s'] / r['whole_run_s']:.1%}, "
+            f"{p.name})" for p, r in runs[:-1])
     entries = []
     if trl_path.is_file():
         (_, trl), = json.loads(trl_path.read_text())["runs"].items()

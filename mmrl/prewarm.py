@@ -260,7 +260,9 @@ def start(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: bool =
     log = folder / f"{recipe_key(recipe, settled)}.log"
     # The run's import path: a reward or environment module found beside its script is found.
     path = os.pathsep.join(entry for entry in sys.path if entry and Path(entry).exists())
-    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
+    # The run reads the CUDA libraries ahead itself (`mmrl.page_cache`): the helper reading
+    # the same gigabytes at once would only compete with it for the disk.
+    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path, "MMRL_READ_AHEAD": "0"}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "mmrl.compile_helper", str(payload)],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

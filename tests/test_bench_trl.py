@@ -59,6 +59,10 @@ def test_compile_fields_count_what_compiled_after_the_first_step(bench):
     assert bench.compiles(records) == {"compile_graphs_after_first": 1, "compile_s_after_first": 6.0,
                                        "compile_share": round(26.0 / 42.0, 4), "compile_steps_after_first": [3]}
     assert bench.compiles([{"step_s": 9.0}, {"step_s": 8.0}]) == {}  # TRL's run counts no compiles
+    # Waiting for the compile helper is compiling too.
+    helped = [{**records[0], "compile_s": 2.0, "compile_helper_wait_s": 12.0}, *records[1:]]
+    assert bench.compiles(helped)["compile_share"] == round(20.0 / 42.0, 4)
+    assert bench.compiles(helped)["compile_helper_wait_s"] == 12.0
 
 
 def test_rows_take_a_vision_language_shape():

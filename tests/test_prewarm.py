@@ -4,6 +4,7 @@ run's first update then finds in the cache needs a GPU: tests/test_gpu.py,
 `test_compile_helper_fills_the_cache_the_first_update_reads`."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,26 @@ def test_a_helper_starts_on_one_gpu_where_the_layers_compile_and_not_elsewhere(c
     assert "eagerly" in prewarm.reason_not(recipe, settled(checkpointing=True), gpu())
     assert "reward function" in prewarm.reason_not(recipe, settled(), gpu(), given_objects=True)
     assert "false" in prewarm.reason_not(load_recipe(TINY), settled(), gpu())  # the default
+
+
+def test_the_helper_starts_with_the_runs_environment_less_the_read_ahead(cache, monkeypatch):
+    started = {}
+
+    class Started:
+        def __init__(self, command, env, **kwargs):
+            started.update(command=command, env=env)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(prewarm.subprocess, "Popen", Started)
+    monkeypatch.setenv("MMRL_SOME_SETTING", "kept")
+    helper = prewarm.start(load_recipe(TINY, AUTO), settled(), gpu())
+    assert helper is not None and started["command"][1:3] == ["-m", "mmrl.compile_helper"]
+    env = started["env"]
+    assert env["MMRL_SOME_SETTING"] == "kept" and env[prewarm.PARENT_ENV] == str(os.getpid())
+    assert env["MMRL_READ_AHEAD"] == "0"  # the run reads the libraries ahead, not the helper too
+    helper.stop()
 
 
 def test_a_recipe_whose_update_compiled_in_the_cache_starts_no_helper_again(cache):
