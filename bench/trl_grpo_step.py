@@ -645,6 +645,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         steps.done({**timings, "reward_mean": metrics.get("reward/mean"), "reward_std": metrics.get("reward/std"),
                     "response_length": metrics.get("response/length"), "tokens": metrics.get("tokens"),
                     "micro_batches": metrics.get("update/micro_batches"),
+                    "compile_helper_pending": bool(metrics.get("compile/helper_pending")),
                     "optimizer_steps": metrics.get("update/optimizer_steps")})
     rollout = trainer.rollout
     if args.shape in VL_SHAPES:  # what reached the trainer, processed after the timed steps
@@ -656,9 +657,10 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     helper = getattr(trainer, "compile_helper", None)  # mmrl.prewarm (absent before it)
     # The helper's own account of its time (its last log line: imports and build, rollout, update).
     said = helper.log.read_text().strip().splitlines() if helper is not None and helper.log.is_file() else []
+    said = [line for line in said if line.startswith("compile helper:")]
     steps.extra.update(compile_phases=compile_phases(),
                        compile_helper=helper.outcome if helper is not None else "not started",
-                       compile_helper_said=said[-1] if said else None)
+                       compile_helper_said=said[-1] if said else None, compile_helper_log=said)
     steps.extra.update(fallback=getattr(rollout, "fallback_reason", None), loop_stats=getattr(rollout, "stats", None),
                        layer0_elements_changed=probe.changed(trainer_weights(trainer)),
                        torch_threads=torch.get_num_threads())

@@ -9,26 +9,30 @@ weights in a model of one decoder layer per layer type, rolling out through plai
 `generate` (nothing compiled there). What it compiles is what the engine's forwards
 compile (the layer with and without gradients, the chunked log-prob functions), and
 inductor writes it to the run's compile cache (`mmrl.compile_watch.persistent_cache`). The
-run compiles the decode step meanwhile, and waits for the helper before its first update,
-whose compiles then find their kernels in the cache (dynamo still traces).
+run compiles the decode step meanwhile. While the helper is still at work, the run does not
+wait for it: each step's log-probs and update run eagerly (`torch.compiler.set_stance(
+"force_eager")`: nothing compiled, nothing waited for), which at the VL-3B shape costs an
+update about 0.25 s against 10-12 s of compiling. The first step after the helper is done
+compiles the update's graphs, finding their kernels in the cache (dynamo still traces).
 
     helper = start(recipe, settled, dist)   # None where no helper is wanted (`reason_not`)
-    waited = helper.join()                  # before the first update: seconds waited
-    mark_done(recipe, settled)              # after it: the next run of the recipe starts none
+    if helper.pending(): ...                # still compiling: this step's update runs eagerly
+    mark_done(recipe, settled)              # after the first compiled update: the next run starts none
 
-Off by default (`model.compile_prewarm: false`): measured on one H200 at the VL-3B shape
-(bench/results/decode_ab_vl3b_prewarm_gpu.json), the run's update then found its layer graph
-in the cache (1.1 s where it compiled for 10 s), but the run waited 36 s for the helper,
-whose own start (imports, data, a model build, its rollout and media check) under the run's
-compiles took longer than the run's way to its first update. `true` or `auto` turn it on.
+Off by default (`model.compile_prewarm: false`). Measured on one H200 at the VL-3B shape
+when the run still waited for the helper before its first update
+(bench/results/decode_ab_vl3b_prewarm_gpu.json), the run's update found its layer graph in
+the cache (1.1 s where it compiled for 10 s), but the run waited 36 s for the helper, whose
+own start (imports, data, a model build, its rollout) under the run's compiles took longer
+than the run's way to its first update. `true` or `auto` turn it on.
 
-A helper that fails or is not done within `JOIN_TIMEOUT_S` costs the run nothing but the
-wait (one line says so, its log stays in the cache folder): the run compiles its own.
-It runs niced, so the run's own compiles keep the CPU first, and it exits when the run
-does. Nothing of it is needed for correctness: the cache holds compiled code keyed by the
-graph, and a graph the helper's model does not share with the run's is compiled by the
-run as without a helper. bench/decode_ab.sh measures a fresh machine's run with it;
-tests/test_prewarm.py checks the helper's recipe, when it starts, and that its step runs.
+A helper that fails or is not done within `JOIN_TIMEOUT_S` costs the run only its eager
+updates until then (one line says so, its log stays in the cache folder): the run then
+compiles its own. It runs niced, so the run's own compiles keep the CPU first, and it exits
+when the run does. Nothing of it is needed for correctness: the cache holds compiled code
+keyed by the graph, and a graph the helper's model does not share with the run's is
+compiled by the run as without a helper. bench/decode_ab.sh measures a fresh machine's run
+with it; tests/test_prewarm.py checks the helper's recipe, when it starts, and that its step runs.
 """
 
 from __future__ import annotations
@@ -50,8 +54,8 @@ if TYPE_CHECKING:
     from mmrl.parallel import Dist
     from mmrl.settle import Settled
 
-# Seconds the run waits for the helper before its first update, counted from the helper's
-# start; then the helper is stopped and the run compiles what it still needs itself.
+# Seconds the helper may take, counted from its start; then it is stopped and the run
+# compiles what it still needs itself.
 JOIN_TIMEOUT_S = 300.0
 # The helper's niceness: below the run's, whose own compiles come first.
 NICENESS = 5
@@ -179,7 +183,7 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     """The helper's recipe (unvalidated sections): the run's, settled as the run settled,
     for one step into `output_dir` with nothing saved, logged or evaluated, every group
     updated (random weights may reward all samples alike), plain `generate`, no step-0
-    media check (the run checks its own media, before it waits for the helper), no helper of
+    media check (the run checks its own media), no helper of
     its own and at most `HELPER_NEW_TOKENS` new tokens a sample. The model's random weights
     and its shrunk layers are set by `helper_recipe`, which reads the model's config."""
     import yaml
@@ -197,7 +201,8 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
 
 
 class Helper:
-    """A started helper: `join` waits for it (at most until `JOIN_TIMEOUT_S` after its start)."""
+    """A started helper: `pending` says whether it is still at work, `join` waits for it (at
+    most until `JOIN_TIMEOUT_S` after its start)."""
 
     def __init__(self, process: subprocess.Popen, log: Path, timeout: float = JOIN_TIMEOUT_S,
                  announce: bool = True, work: Path | None = None) -> None:
@@ -207,6 +212,16 @@ class Helper:
         self.deadline = time.monotonic() + timeout
         self.announce = announce
         self.outcome: str | None = None  # "done", or why not
+
+    def pending(self) -> bool:
+        """Whether the helper is still at work (running, within its deadline). Once it has
+        ended, or past its deadline, its outcome is recorded as `join` records it."""
+        if self.outcome is not None:
+            return False
+        if self.process.poll() is None and time.monotonic() < self.deadline:
+            return True
+        self.join()
+        return False
 
     def join(self) -> float:
         """Wait for the helper; seconds waited. Stops it past the deadline. Once."""

@@ -27,6 +27,7 @@ step, save a checkpoint and exit 130 / 143.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -123,6 +124,7 @@ class Trainer:
         self.compile_helper = prewarm.start(recipe, self.settled, self.dist,
                                             given_objects=reward is not None or bool(self._given_datasets))
         self.compile_helper_marks = prewarm.marks(self.settled, self.dist)
+        self._update_compiled = False  # a step's update ran with compiling on (`prewarm.mark_done`)
         try:
             self._build()
         except BaseException:
@@ -359,17 +361,23 @@ class Trainer:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
-        if self.compile_helper is not None and self.compile_helper.outcome is None:  # in the cache before the update
-            self.timings["compile_helper_wait"] += self.compile_helper.join()
-        plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
-                                batch.outcomes)
-        attach_behaviour(plan.batches, batch)  # the off-policy correction's behaviour log-probs (algo.off_policy)
-        self.timings["logprob"] += plan.estimate_seconds
-        metrics.update(plan.metrics)
-        self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
-        with self.timed("update"):
-            metrics.update(self.update.run(plan))
-        if self.step == 1 and self.compile_helper_marks:
+        # While the compile helper is at work, this step's log-probs and update run eagerly
+        # (nothing compiled, nothing waited for); the first step after it compiles them from
+        # the cache it filled (mmrl/prewarm.py).
+        eager = self.compile_helper is not None and self.compile_helper.pending()
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+            plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
+                                    batch.outcomes)
+            attach_behaviour(plan.batches, batch)  # the off-policy correction's behaviour log-probs (algo.off_policy)
+            self.timings["logprob"] += plan.estimate_seconds
+            metrics.update(plan.metrics)
+            self._write_samples(samples, source_rows, result, rewards, plan.advantages, reward_parts)
+            with self.timed("update"):
+                metrics.update(self.update.run(plan))
+        if eager:
+            metrics["compile/helper_pending"] = 1.0
+        elif self.compile_helper_marks and not self._update_compiled:
+            self._update_compiled = True
             prewarm.mark_done(r, self.settled)  # the next run of this recipe starts no helper
         with self.timed("sync"):
             self.rollout.sync(self.actor)
@@ -619,8 +627,7 @@ class Trainer:
                 metrics["tokens_per_s"] = metrics.get("tokens", 0.0) / max(elapsed, 1e-9)
                 for key in ("rollout", "logprob", "update", "sync"):
                     metrics[f"time/{key}"] = self.timings.pop(key, 0.0)
-                for key in ("media_check", "media_check_rollout", "media_check_training",  # step 0 of a VLM run
-                            "compile_helper_wait"):
+                for key in ("media_check", "media_check_rollout", "media_check_training"):  # step 0 of a VLM run
                     if key in self.timings:
                         metrics[f"time/{key}"] = self.timings.pop(key)
                 metrics["time/compile"], metrics["compile/graphs"] = self.compile_watch.take()

@@ -472,8 +472,8 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     ])
     trainer = Trainer(recipe)
     assert trainer.compile_helper is not None
-    # The run joins the helper before its update; here before the step, so that the media
-    # check's log-prob graph (compiled before that join in a run) is the helper's too.
+    # A run updates eagerly while the helper is at work; here it is joined before the step,
+    # so that the step's graphs (the media check's log-prob graph too) are the helper's.
     trainer.compile_helper.join()
     assert trainer.compile_helper.outcome == "done", trainer.compile_helper.log.read_text()[-2000:]
     before = cache_counts()

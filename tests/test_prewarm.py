@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -196,3 +197,64 @@ def test_the_run_finds_the_helpers_compiles_in_the_cache(tmp_path, monkeypatch, 
         assert result["response_length"] > prewarm.HELPER_NEW_TOKENS, result
     assert result["compiled_calls"] > 0
     assert hits > 0 and misses == 0, (hits, misses)
+
+
+def test_pending_says_whether_the_helper_is_at_work_and_records_how_it_ended():
+    busy = _helper("import time; time.sleep(60)", timeout=30.0)
+    assert busy.pending() and busy.outcome is None
+    busy.stop()
+    done = _helper("pass")
+    done.process.wait()
+    assert not done.pending() and done.outcome == "done"
+    late = _helper("import time; time.sleep(60)", timeout=0.2)
+    time.sleep(0.3)
+    assert not late.pending() and late.outcome.startswith("not done") and late.process.poll() is not None
+
+
+class _Pending:
+    """A stand-in helper at work for the first `steps` calls of `pending`."""
+
+    def __init__(self, steps: int):
+        self.steps, self.outcome = steps, None
+
+    def pending(self) -> bool:
+        self.steps -= 1
+        if self.steps < 0:
+            self.outcome = "done"
+        return self.steps >= 0
+
+    def stop(self) -> None:
+        pass
+
+
+def _trainer(tmp_path, *more):
+    from mmrl.trainer import Trainer
+
+    overrides = [*SMALL_DATA, f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",
+                 "trainer.summary=false", "trainer.steps=3", *more]
+    return Trainer(load_recipe(TINY, overrides))
+
+
+def test_a_run_updates_eagerly_while_the_helper_compiles_and_marks_the_first_compiled_update(cache, tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.compile_helper, trainer.compile_helper_marks = _Pending(steps=1), True  # as on one GPU
+    mark = prewarm._mark(trainer.recipe, trainer.settled)
+    first = trainer.train_step()
+    assert first["compile/helper_pending"] == 1.0 and not mark.exists()  # nothing compiled by the run yet
+    second = trainer.train_step()
+    assert "compile/helper_pending" not in second and mark.exists()
+    assert trainer.compile_helper.outcome == "done"
+
+
+@pytest.mark.slow
+def test_an_update_while_the_helper_compiles_compiles_nothing(cache, tmp_path):
+    """The step's log-probs and update under `force_eager` while the helper is at work: the
+    engine's compiled layers (inductor's C++ kernels on the CPU) run eagerly, and the first
+    step after it compiles them."""
+    trainer = _trainer(tmp_path, "model.compile_layers=true")
+    trainer.compile_helper = _Pending(steps=1)
+    trainer.compile_watch.take()
+    trainer.train_step()
+    assert trainer.compile_watch.take()[1] == 0
+    trainer.train_step()
+    assert trainer.compile_watch.take()[1] > 0
