@@ -139,8 +139,9 @@ class ModelConfig(_Section):
     # A helper process compiles the update's graphs while the run starts, into the run's
     # compile cache (`mmrl.prewarm`). "auto": on a GPU in one process where the layers compile,
     # unless this recipe's update compiled in that cache before; true: that last case too.
-    # Off by default: at the VL-3B shape on one H200 the run waited 36 s for the helper, which
-    # saved it 10 s of compiling (docs/performance.md, "Compile helper").
+    # While it is at work, the run's updates run eagerly rather than wait for it. Off by
+    # default: when the run still waited, at the VL-3B shape on one H200 it waited 24-36 s for
+    # the helper, which saved it 10 s of compiling (docs/performance.md, "Compile helper").
     compile_prewarm: bool | Literal["auto"] = False
     # Pixel budget per image; images are also decoded reduced toward max_pixels, so a
     # huge source image does not take memory in proportion to its size.
