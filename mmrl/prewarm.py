@@ -10,8 +10,8 @@ weights in a model of one decoder layer per layer type, rolling out through plai
 compile (the layer with and without gradients, the chunked log-prob functions), and
 inductor writes it to the run's compile cache (`mmrl.compile_watch.persistent_cache`). The
 run compiles the decode step meanwhile. While the helper is still at work, the run does not
-wait for it: each step's log-probs and update run eagerly (`torch.compiler.set_stance(
-"force_eager")`: nothing compiled, nothing waited for), which at the VL-3B shape costs an
+wait for it: each step's log-probs and update run through the engines' eager layers
+(`CompiledLayers.eager`: nothing compiled, nothing waited for), which at the VL-3B shape costs an
 update about 0.25 s against 10-12 s of compiling. The first step after the helper is done
 compiles the update's graphs, finding their kernels in the cache (dynamo still traces).
 

@@ -361,11 +361,11 @@ class Trainer:
             # Other ranks update, and FSDP's collectives need this rank too: its uniform
             # groups take part with the (zero) advantages GRPO gives them.
             rows = torch.arange(len(rewards))
-        # While the compile helper is at work, this step's log-probs and update run eagerly
-        # (nothing compiled, nothing waited for); the first step after it compiles them from
-        # the cache it filled (mmrl/prewarm.py).
+        # While the compile helper is at work, this step's log-probs and update run through
+        # the engines' eager layers (nothing compiled, nothing waited for); the first step after
+        # it compiles them from the cache it filled (mmrl/prewarm.py).
         eager = self.compile_helper is not None and self.compile_helper.pending()
-        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+        with self._eager_layers() if eager else contextlib.nullcontext():
             plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
                                     batch.outcomes)
             attach_behaviour(plan.batches, batch)  # the off-policy correction's behaviour log-probs (algo.off_policy)
@@ -385,6 +385,17 @@ class Trainer:
             self.gc_watch.freeze_after(self.compile_watch.graphs)
         metrics["lr"] = self._recipe_lr()
         return metrics
+
+    @contextlib.contextmanager
+    def _eager_layers(self):
+        """Within the block, every engine's compiled decoder layers run their eager forwards
+        (`CompiledLayers.eager`, as the step-0 media check runs them)."""
+        with contextlib.ExitStack() as stack:
+            for engine in (self.actor, self.ref, self.critic):
+                layers = getattr(engine, "compiled_layers", None)
+                if layers is not None:
+                    stack.enter_context(layers.eager())
+            yield
 
     def _recipe_lr(self) -> float:
         """optim.lr as scheduled now: part multipliers (lr_multipliers) give other

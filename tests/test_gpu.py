@@ -487,6 +487,42 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     assert again.compile_helper is None
 
 
+def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from_its_cache(tmp_path, monkeypatch):
+    """The run does not wait for the compile helper (mmrl/prewarm.py): a step while it is at
+    work compiles nothing for its update (`force_eager`); once it is done, the next step
+    compiles the update's graphs, finding them in the cache, and marks the recipe."""
+    from pathlib import Path
+
+    from mmrl.compile_watch import cache_counts
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
+        "model.compile_layers=true", "rollout.backend=hf", "model.compile_prewarm=auto", "trainer.media_check=false",
+    ])
+    trainer = Trainer(recipe)
+    helper = trainer.compile_helper
+    assert helper is not None and helper.pending()  # just started: a step now does not wait for it
+    layers = trainer.actor.compiled_layers
+    first = trainer.train_step()
+    assert first.get("compile/helper_pending") == 1.0
+    assert layers.compiled_calls == 0  # the update's layers ran eagerly
+    helper.join()
+    assert helper.outcome == "done", helper.log.read_text()[-2000:]
+    before = cache_counts()
+    second = trainer.train_step()
+    hits, misses = (after - b for after, b in zip(cache_counts(), before))
+    assert "compile/helper_pending" not in second and layers.compiled_calls > 0 and layers.failed is None
+    assert hits > 0 and misses == 0, (hits, misses)
+    again = Trainer(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(
+        update={"output_dir": str(tmp_path / "again")})}))
+    assert again.compile_helper is None  # marked by the first compiled update
+
+
 def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypatch):
     """A run that compiles on a GPU starts inductor's compile workers before its model build
     (`mmrl.compile_watch.start_compile_workers`), so the pool is ready by the first compile,

@@ -248,13 +248,14 @@ def test_a_run_updates_eagerly_while_the_helper_compiles_and_marks_the_first_com
 
 @pytest.mark.slow
 def test_an_update_while_the_helper_compiles_compiles_nothing(cache, tmp_path):
-    """The step's log-probs and update under `force_eager` while the helper is at work: the
-    engine's compiled layers (inductor's C++ kernels on the CPU) run eagerly, and the first
-    step after it compiles them."""
+    """The step's log-probs and update while the helper is at work: the engine's compiled
+    layers (inductor's C++ kernels on the CPU) run their eager forwards, and the first step
+    after it compiles them."""
     trainer = _trainer(tmp_path, "model.compile_layers=true")
     trainer.compile_helper = _Pending(steps=1)
+    layers = trainer.actor.compiled_layers
     trainer.compile_watch.take()
     trainer.train_step()
-    assert trainer.compile_watch.take()[1] == 0
+    assert trainer.compile_watch.take()[1] == 0 and layers.compiled_calls == 0
     trainer.train_step()
-    assert trainer.compile_watch.take()[1] > 0
+    assert trainer.compile_watch.take()[1] > 0 and layers.compiled_calls > 0 and layers.failed is None
