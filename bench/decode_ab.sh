@@ -60,7 +60,8 @@ for mode in $modes; do
   more=()
   case $mode in
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
-    prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
+    prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true)
+      export MMRL_PREWARM_PROFILE=1 ;;  # the helper's build under cProfile, in its log (kept below)
     noviews) name=mmrl_graphs_noviews; decode=graphs; cache=$(mktemp -d) ;;
     noreadahead) name=mmrl_graphs_noreadahead; decode=graphs; cache=$(mktemp -d) ;;
     lazypool) name=mmrl_graphs_lazypool; decode=graphs; cache=$(mktemp -d) ;;

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mmrl.prewarm import NICENESS, PARENT_ENV, helper_recipe
+from mmrl.prewarm import NICENESS, PARENT_ENV, PROFILE_ENV, helper_recipe
 
 
 def _watch_parent(parent: int) -> None:
@@ -38,12 +38,31 @@ def run_helper(payload: Path) -> None:
     from mmrl.trainer import Trainer
 
     said("imports done")
-    trainer = Trainer(helper_recipe(data["recipe"], data["folder"]))
+    recipe = helper_recipe(data["recipe"], data["folder"])
+    if os.environ.get(PROFILE_ENV) == "1":  # where the helper's start goes (bench/decode_ab.sh's prewarm mode)
+        trainer = _profiled(Trainer, recipe)
+    else:
+        trainer = Trainer(recipe)
     said("model built")
     trainer.train_step()
     layers = trainer.built.model.config.get_text_config().num_hidden_layers
     said(f"one step done, {layers} decoder layer{'s' if layers != 1 else ''}; rollout "
          f"{trainer.timings.get('rollout', 0.0):.1f} s, update {trainer.timings.get('update', 0.0):.1f} s, done")
+
+
+def _profiled(make, *args, top: int = 40):
+    """`make(*args)` under cProfile, its functions with the most cumulative time printed to
+    the log (the helper's stdout) before it returns."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    made = profile.runcall(make, *args)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+    print("compile helper: the trainer's build under cProfile\n" + text.getvalue(), flush=True)
+    return made
 
 
 def main(argv: list[str] | None = None) -> None:

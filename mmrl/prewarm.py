@@ -63,6 +63,8 @@ NICENESS = 5
 FOLDER = "mmrl-prewarm"
 # The run's process id, which the helper watches (it exits when the run is gone).
 PARENT_ENV = "MMRL_PREWARM_PARENT"
+# "1": the helper builds its trainer under cProfile and logs where the time went.
+PROFILE_ENV = "MMRL_PREWARM_PROFILE"
 # New tokens a helper's rollout samples at most: its responses only feed the update, whose
 # compiled graphs take their sequence lengths as dynamic sizes, and plain `generate` of a
 # recipe's 1024 tokens with random weights would take the helper most of its time.

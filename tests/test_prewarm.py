@@ -259,3 +259,12 @@ def test_an_update_while_the_helper_compiles_compiles_nothing(cache, tmp_path):
     assert trainer.compile_watch.take()[1] == 0 and layers.compiled_calls == 0
     trainer.train_step()
     assert trainer.compile_watch.take()[1] > 0 and layers.compiled_calls > 0 and layers.failed is None
+
+
+def test_the_helper_can_log_where_its_build_goes(capsys):
+    from mmrl import compile_helper
+
+    assert compile_helper._profiled(lambda x: sorted(x * 2), [3, 1, 2]) == [1, 1, 2, 2, 3, 3]
+    out = capsys.readouterr().out
+    assert out.startswith("compile helper: the trainer's build under cProfile") and "cumulative" in out
+    assert "sorted" in out
