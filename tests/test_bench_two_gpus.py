@@ -268,5 +268,6 @@ def test_gpu_targets_takes_the_multi_turn_call_of_median_ratio(tmp_path):
         paths[-1].write_text(json.dumps(report))
     entry = targets.multi_turn_entry(paths)
     assert entry["baseline"] == 5.5 and abs(entry["ratio"] - 5.5 / 1.3) < 1e-9 and entry["met"] is False
-    assert "among 3" in entry["note"] and entry["note"].count("x (call") == 3
+    assert "among 3" in entry["note"] and entry["note"].count("x (1.30 against ") == 3
+    assert "(1.30 against 6.40 s; call0.json, d0" in entry["note"]  # each call's seconds
     assert targets.multi_turn_entry([]) is None
