@@ -770,16 +770,7 @@ def train(recipe: Recipe, *, reward=None, datasets: dict | None = None) -> dict[
     if recipe.parallel.rollout_ranks:  # the last ranks only roll out (mmrl/buffer/disaggregated.py)
         return disaggregated.train(recipe, lambda part, dist: Trainer(part, dist, reward=reward, datasets=datasets))
     trainer = Trainer(recipe, reward=reward, datasets=datasets)
-    try:
-        summary = trainer.fit()
-    except BaseException:
-        if trainer.dist.distributed and torch.distributed.is_initialized():
-            # A rank that stops on an error takes its groups down before the interpreter's
-            # teardown, where gloo's worker threads still running can abort the process after
-            # its one error line ("terminate called without an active exception";
-            # tests/cpu_processes.py's TEARDOWN_ABORT). No barrier: a peer may be gone.
-            torch.distributed.destroy_process_group()
-        raise
+    summary = trainer.fit()
     if trainer.dist.distributed and torch.distributed.is_initialized():
         # No rank may leave while another still talks to it (gloo aborts the process
         # whose peer is gone), and the groups go down in order.
