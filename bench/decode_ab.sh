@@ -60,8 +60,7 @@ for mode in $modes; do
   more=()
   case $mode in
     graphs) name=mmrl_graphs; decode=graphs; cache=$graphs_cache ;;
-    prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true)
-      export MMRL_PREWARM_PROFILE=1 ;;  # the helper's build under cProfile, in its log (kept below)
+    prewarm) name=mmrl_graphs_prewarm; decode=graphs; cache=$(mktemp -d); more=(model.compile_prewarm=true) ;;
     noviews) name=mmrl_graphs_noviews; decode=graphs; cache=$(mktemp -d) ;;
     noreadahead) name=mmrl_graphs_noreadahead; decode=graphs; cache=$(mktemp -d) ;;
     lazypool) name=mmrl_graphs_lazypool; decode=graphs; cache=$(mktemp -d) ;;
@@ -82,9 +81,10 @@ for mode in $modes; do
   views=1; [[ $mode == noviews ]] && views=0
   early=1; [[ $mode == lazypool ]] && early=0
   ahead=1; [[ $mode == noreadahead ]] && ahead=0
+  profile=0; [[ $mode == prewarm ]] && profile=1  # the helper's build under cProfile, in its log (kept below)
   [[ ${EVICT:-0} == 1 ]] && "$py" -c "import torch; from mmrl.page_cache import evict, library_files; evict(library_files())"
   cache=${cache:-$(mktemp -d)}
-  MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+  MMRL_PREWARM_PROFILE=$profile MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
   echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
   # The compile helper's log (prewarm: when each of its phases ended), kept beside the run's.
