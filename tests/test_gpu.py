@@ -489,7 +489,7 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
 
 def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from_its_cache(tmp_path, monkeypatch):
     """The run does not wait for the compile helper (mmrl/prewarm.py): a step while it is at
-    work compiles nothing for its update (`force_eager`); once it is done, the next step
+    work compiles nothing for its update (the layers' eager forwards); once it is done, the next step
     compiles the update's graphs, finding them in the cache, and marks the recipe."""
     from pathlib import Path
 
