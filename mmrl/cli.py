@@ -55,13 +55,17 @@ def _boundary(command):
             message = explain(exc)
             if message is None:
                 raise
+            code = None  # with --debug, `fail` raises `exc` again, for its traceback
             try:
                 fail(message)
+            except click.exceptions.Exit as said:
+                code = said.exit_code
+                raise
             finally:
                 if getattr(exc, "on_every_rank", False):  # under torchrun: no rank leaves before all said it
                     from mmrl.parallel.mesh import leave_together
 
-                    leave_together(exc)
+                    leave_together(exc, code)
 
     return bounded
 

@@ -133,23 +133,28 @@ class Dist:
             raise failure
 
 
-def exit_cleanly() -> None:
+def exit_cleanly(code: int = 0) -> None:
     """End a torchrun process once its outputs are written and its process group destroyed,
     skipping interpreter teardown: under load, gloo's threads were seen to abort it there
     ('terminate called without an active exception', exit -6) after all the work had
-    succeeded, which failed the launch (probes, benches, `mmrl train` and `mmrl eval`)."""
+    succeeded, which failed the launch (probes, benches, `mmrl train` and `mmrl eval`), or
+    replaced a failure's exit code 2 with that abort (`leave_together`)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def leave_together(failure: BaseException) -> None:
+def leave_together(failure: BaseException, code: int | None) -> None:
     """After a rank has said a failure that every rank raised together (`Dist.together`):
-    wait for the others to say theirs, then close the process group. torchrun stops the
-    other processes as soon as one exits, which could cut a rank off before its line."""
+    wait for the others to say theirs, close the process group and exit with `code`, skipping
+    the interpreter's teardown (`exit_cleanly`; None: return, for a traceback to follow).
+    torchrun stops the other processes as soon as one exits, which could cut a rank off
+    before its line. Outside a process group it returns, and the caller exits as it would have."""
     if getattr(failure, "on_every_rank", False) and torch_dist.is_initialized():
         torch_dist.barrier()
         torch_dist.destroy_process_group()
+        if code is not None:
+            exit_cleanly(code)
 
 
 def init_distributed(device: str | None = None, sequence_parallel: int = 1) -> Dist:
