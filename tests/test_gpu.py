@@ -463,6 +463,7 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     from mmrl.config import load_recipe
     from mmrl.trainer import Trainer
 
+    torch._dynamo.reset()  # no compiled layer code kept from an earlier test: it would serve without the cache
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
@@ -497,6 +498,7 @@ def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from
     from mmrl.config import load_recipe
     from mmrl.trainer import Trainer
 
+    torch._dynamo.reset()  # no compiled layer code kept from an earlier test: it would serve without the cache
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
