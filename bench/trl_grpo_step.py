@@ -222,6 +222,29 @@ def qwen_tokenizer(vision: bool = False):
                                    padding_side="left", chat_template=CHATML)
 
 
+def as_qwen_saves_it(folder: Path) -> None:
+    """Name the saved tokenizer's class as Qwen's own checkpoints do (`Qwen2Tokenizer`), so that
+    both trainers load it as from a real checkpoint: once, through `AutoProcessor`. Saved as
+    the generic class it was converted to, mmrl loads it itself and hands it to the processor
+    (`mmrl.build.load_processor`), whose keyword arguments transformers deep-copies, 151k
+    tokens and all: seconds more at each start than a real checkpoint costs."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def same_tokens(loaded, made) -> None:
+    """Stop unless the tokenizer read back under Qwen's class (`as_qwen_saves_it`) splits text
+    as the one made here: words, digits, spaces, other scripts and the vision specials."""
+    texts = ["Hello world!  1234 567\n\nThe  answer is \\boxed{42}.", "   leading spaces\ttabs, accents: é, emoji 😀",
+             "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What's this? 中文 ...<|im_end|>"]
+    for text in texts:
+        if loaded(text)["input_ids"] != made(text)["input_ids"]:
+            raise SystemExit(f"the tokenizer saved as Qwen2Tokenizer ({type(loaded).__name__}) splits {text!r} "
+                             "otherwise than the one converted from Qwen's ranks")
+
+
 def tiny_tokenizer(vocab_size: int):
     """mmrl's character-level tokenizer with ChatML specials, filled up to `vocab_size` with
     whole words `w0`, `w1`, ... (each one token)."""
@@ -552,10 +575,12 @@ def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
         image_processor=Qwen2VLImageProcessor(size=size, **grid),
         video_processor=Qwen2VLVideoProcessor(**grid), tokenizer=tokenizer, chat_template=QWEN2_VL_TEMPLATE)
     processor.save_pretrained(template)
+    as_qwen_saves_it(template)
     device = device_of(args.device)
     began = time.perf_counter()
     with torch.device(device):
         built = build_model(template, random_init=True, seed=args.seed, dtype="float32")
+    same_tokens(built.processor.tokenizer, tokenizer)
     built.save(model_dir)
     build_s = time.perf_counter() - began
     prompts_file = model_dir.parent / "prompts.jsonl"

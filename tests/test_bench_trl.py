@@ -88,6 +88,8 @@ def test_geometry3k_rows_reach_mmrl_at_their_own_sizes(bench, tmp_path):
     start = bench.build_start(tmp_path / "model", args)
     (tmp_path / "start.json").write_text(json.dumps(start))
     assert start["rows"] == "geometry3k" and start["distinct_rows"] == 8  # train, validation and test rows
+    # saved as a real Qwen checkpoint names its tokenizer (loaded once, through AutoProcessor)
+    assert json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     content = rows[0]["prompt"][0]["content"]
