@@ -134,6 +134,12 @@ def reason_not(recipe: Recipe, settled: Settled, dist: Dist, *, given_objects: b
     return None
 
 
+def layer_kinds(text_config) -> list[str]:
+    """The distinct layer types of a text config (`layer_types`), in order; empty where it
+    names none. The helper keeps one decoder layer of each (at least one)."""
+    return list(dict.fromkeys(getattr(text_config, "layer_types", None) or []))
+
+
 def shrunk_layers(config) -> dict[str, Any]:
     """`model.config_overrides` that keep one decoder layer of each layer type of `config`'s
     text model (nested under the text config's name where it is a sub-config); empty where
@@ -141,8 +147,7 @@ def shrunk_layers(config) -> dict[str, Any]:
     text = config.get_text_config()
     if not isinstance(getattr(text, "num_hidden_layers", None), int):
         return {}
-    types = list(getattr(text, "layer_types", None) or [])
-    kinds = list(dict.fromkeys(types))
+    kinds = layer_kinds(text)
     override: dict[str, Any] = {"num_hidden_layers": max(1, len(kinds))}
     if kinds:
         override["layer_types"] = kinds
@@ -202,6 +207,41 @@ def helper_values(recipe: Recipe, output_dir: str | Path) -> dict[str, Any]:
     return values
 
 
+# The share of the GPU's memory kept free beside the run's weights, its first update's
+# training state and the helper's (activations, the rollout's cache, fragmentation).
+RESERVE_SHARE = 0.15
+
+
+def helper_bytes(model, layers: list, kept: int) -> int:
+    """What the helper's model takes on the GPU at most, estimated from the run's `model`:
+    its parameters less the decoder `layers` beyond the `kept` ones the helper builds, each
+    trainable parameter with its gradient and AdamW's two moments in fp32 (and an fp32
+    master beside half-precision weights), each frozen one its weight alone."""
+
+    def cost(parameter) -> int:
+        extra = (12 if parameter.dtype.itemsize >= 4 else 16) if parameter.requires_grad else 0
+        return parameter.numel() * (parameter.element_size() + extra)
+
+    everything = sum(cost(p) for p in {id(p): p for p in model.parameters()}.values())
+    in_layers = [sum(cost(p) for p in layer.parameters()) for layer in layers]
+    if not in_layers:
+        return everything
+    return everything - sum(in_layers) + min(kept, len(in_layers)) * max(in_layers)
+
+
+def room_problem(free: int, total: int, pending: int, helper: int) -> str | None:
+    """Why the helper must give the GPU back, or None where it may go on: the run's `free`
+    bytes after its build must hold its first update's `pending` training state (gradients
+    and moments), the `helper`'s model at its peak and `RESERVE_SHARE` of the `total`."""
+    reserve = int(total * RESERVE_SHARE)
+    if free - pending - helper >= reserve:
+        return None
+    gib = 2 ** 30
+    return (f"the GPU's {free / gib:.1f} GiB free after the build leave too little for the first update's "
+            f"{pending / gib:.1f} GiB of training state, the helper's {helper / gib:.1f} GiB and "
+            f"{reserve / gib:.1f} GiB to spare; stopped, so the run has the memory")
+
+
 class Helper:
     """A started helper: `pending` says whether it is still at work, `join` waits for it (at
     most until `JOIN_TIMEOUT_S` after its start)."""
@@ -242,6 +282,15 @@ class Helper:
                   file=sys.stderr, flush=True)
         self._remove_work()
         return time.monotonic() - began
+
+    def give_up(self, reason: str) -> None:
+        """Stop the helper for `reason` (said in one line), its outcome recorded as such."""
+        if self.outcome is not None:
+            return
+        self.stop()
+        self.outcome = reason
+        if self.announce:
+            print(f"compile helper: {reason}; the run compiles its own graphs", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:

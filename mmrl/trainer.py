@@ -132,6 +132,7 @@ class Trainer:
                 self.compile_helper.stop()
             self.folder.release()
             raise
+        self._check_helper_room()
 
     def _claim_folder(self) -> None:
         """Lock the output folder (rank 0) and refuse another run's results; every rank
@@ -385,6 +386,26 @@ class Trainer:
             self.gc_watch.freeze_after(self.compile_watch.graphs)
         metrics["lr"] = self._recipe_lr()
         return metrics
+
+    def _check_helper_room(self) -> None:
+        """Stop the compile helper where the GPU's memory after the build cannot hold the
+        first update's training state beside the helper's model (`prewarm.room_problem`):
+        the helper is worth seconds, an out-of-memory error the run."""
+        layers = getattr(self.actor, "compiled_layers", None)
+        if self.compile_helper is None or not self.compile_helper.pending() or layers is None:
+            return
+        from mmrl.rollout.inference_copy import free_memory, pending_training_bytes
+
+        device = self.dist.device
+        kept = max(1, len(prewarm.layer_kinds(self.built.model.config.get_text_config())))
+        engines = [engine for engine in (self.actor, self.ref, self.critic) if engine is not None]
+        pending = sum(sum(pending_training_bytes(engine)) for engine in engines)
+        helper = sum(prewarm.helper_bytes(engine.model, getattr(getattr(engine, "compiled_layers", None), "layers", []),
+                                          kept) for engine in engines)  # the helper builds the same engines
+        problem = prewarm.room_problem(free_memory(device), torch.cuda.get_device_properties(device).total_memory,
+                                       pending, helper)
+        if problem is not None:
+            self.compile_helper.give_up(problem)
 
     @contextlib.contextmanager
     def _eager_layers(self):

@@ -268,3 +268,49 @@ def test_the_helper_can_log_where_its_build_goes(capsys):
     out = capsys.readouterr().out
     assert out.startswith("compile helper: the trainer's build under cProfile") and "cumulative" in out
     assert "sorted" in out
+
+
+def test_the_helpers_memory_is_the_runs_model_less_its_extra_layers_with_training_state():
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    model = torch.nn.ModuleList([embed, *layers, head])
+    embed.weight.requires_grad_(False)
+    layer = 4 * 4 + 4
+    # fp32: a trainable parameter 4 + 12 bytes (gradient, two moments), a frozen one 4
+    assert prewarm.helper_bytes(model, layers, kept=1) == 10 * 4 * 4 + (layer + 4 * 10 + 10) * 16
+    assert prewarm.helper_bytes(model, layers, kept=2) == 10 * 4 * 4 + (2 * layer + 4 * 10 + 10) * 16
+    assert prewarm.helper_bytes(model, [], kept=1) == 10 * 4 * 4 + (3 * layer + 4 * 10 + 10) * 16
+    half = model.to(torch.bfloat16)  # 2 bytes a weight, and an fp32 master beside each trainable one
+    assert prewarm.helper_bytes(half, layers, kept=1) == 10 * 4 * 2 + (layer + 4 * 10 + 10) * 18
+
+
+def test_the_helper_gives_the_gpu_back_where_the_first_update_would_not_fit_beside_it():
+    gib = 2 ** 30
+    # an H200's 140 GiB with 119 free after a VL-3B fp32 build: 45 for the update, 22 for the helper
+    assert prewarm.room_problem(free=119 * gib, total=140 * gib, pending=45 * gib, helper=22 * gib) is None
+    said = prewarm.room_problem(free=58 * gib, total=80 * gib, pending=45 * gib, helper=22 * gib)
+    assert said == ("the GPU's 58.0 GiB free after the build leave too little for the first update's 45.0 GiB of "
+                    "training state, the helper's 22.0 GiB and 12.0 GiB to spare; stopped, so the run has the memory")
+
+
+def test_a_run_stops_its_helper_after_the_build_where_memory_is_short(tmp_path, capsys, monkeypatch):
+    from mmrl.rollout import inference_copy
+
+    trainer = _trainer(tmp_path, "model.compile_layers=true")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2 ** 30))
+    needs = prewarm.helper_bytes(trainer.actor.model, trainer.actor.compiled_layers.layers, kept=1)
+    moments, gradients = inference_copy.pending_training_bytes(trainer.actor)
+    assert needs > 0 and moments > 0 and gradients > 0
+    room = 15 * 2 ** 30 + moments + gradients + needs  # the reserve, the update's state and the helper's model
+    for free, stays in ((room, True), (room - 1, False)):
+        trainer.compile_helper = _helper("import time; time.sleep(60)", timeout=30.0)
+        monkeypatch.setattr(inference_copy, "free_memory", lambda device, free=free: free)
+        trainer._check_helper_room()
+        helper = trainer.compile_helper
+        assert helper.pending() is stays, free
+        if stays:
+            helper.stop()
+        else:
+            assert helper.outcome.endswith("stopped, so the run has the memory") and helper.process.poll() is not None
+            assert f"compile helper: {helper.outcome}; the run compiles its own graphs" in capsys.readouterr().err
