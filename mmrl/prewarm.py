@@ -222,7 +222,7 @@ def helper_bytes(model, layers: list, kept: int) -> int:
         extra = (12 if parameter.dtype.itemsize >= 4 else 16) if parameter.requires_grad else 0
         return parameter.numel() * (parameter.element_size() + extra)
 
-    everything = sum(cost(p) for p in {id(p): p for p in model.parameters()}.values())
+    everything = sum(cost(p) for p in model.parameters())  # a tied weight is yielded once
     in_layers = [sum(cost(p) for p in layer.parameters()) for layer in layers]
     if not in_layers:
         return everything
