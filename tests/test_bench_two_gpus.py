@@ -257,17 +257,41 @@ def test_two_ulysses_gpus_equal_one_gpu_on_a_multi_image_sample(tmp_path):
 
 def test_gpu_targets_takes_the_multi_turn_call_of_median_ratio(tmp_path):
     """Plain `generate`'s time moved between device calls; the multi-turn row is the call of
-    median ratio, and its note names every call's."""
+    median ratio (the lower middle of an even count), and its note names every call's; calls
+    of an older compiled path are listed apart and not counted."""
     targets = load_bench("gpu_targets")
-    paths = []
-    for i, plain in enumerate((6.4, 5.2, 5.5)):
-        report = {"command": "agent", "date": f"d{i}", "shape": "vl3b", "prompts": 8, "samples_per_prompt": 8,
-                  "policy_turns": 2, "new_tokens_per_turn": 64, "image_replies": 1, "repeats": 2,
-                  "runs": {"plain": {"median_s": plain}, "compiled": {"median_s": 1.3, "warm_up_s": 5.0}}}
-        paths.append(tmp_path / f"call{i}.json")
-        paths[-1].write_text(json.dumps(report))
-    entry = targets.multi_turn_entry(paths)
+
+    def calls(plains, compiled=1.3, tag="call"):
+        paths = []
+        for i, plain in enumerate(plains):
+            report = {"command": "agent", "date": f"d{i}", "shape": "vl3b", "prompts": 8, "samples_per_prompt": 8,
+                      "policy_turns": 2, "new_tokens_per_turn": 64, "image_replies": 1, "repeats": 2,
+                      "runs": {"plain": {"median_s": plain}, "compiled": {"median_s": compiled, "warm_up_s": 5.0}}}
+            paths.append(tmp_path / f"{tag}{i}.json")
+            paths[-1].write_text(json.dumps(report))
+        return paths
+
+    entry = targets.multi_turn_entry(calls((6.4, 5.2, 5.5)))
     assert entry["baseline"] == 5.5 and abs(entry["ratio"] - 5.5 / 1.3) < 1e-9 and entry["met"] is False
     assert "among 3" in entry["note"] and entry["note"].count("x (1.30 against ") == 3
     assert "(1.30 against 6.40 s; call0.json, d0" in entry["note"]  # each call's seconds
+    assert "not counted" not in entry["note"]
+    four = targets.multi_turn_entry(calls((6.4, 5.2, 5.5, 7.0)), older=calls((2.0,), compiled=1.0, tag="old"))
+    assert four["baseline"] == 5.5 and four["met"] is False  # 5.5 and 6.4 in the middle: the lower one
+    assert "not counted, 1 calls of the older compiled path (median 2.00x): 2.00x (1.00 against 2.00 s; old0.json" \
+        in four["note"]
     assert targets.multi_turn_entry([]) is None
+
+
+def test_gpu_targets_counts_the_multi_turn_calls_from_the_present_compiled_path_on(tmp_path, monkeypatch):
+    """The first call file and _callN below MULTI_TURN_FIRST_CURRENT are the older path's; the rest
+    count, in N's numeric order (call10 after call9)."""
+    targets = load_bench("gpu_targets")
+    monkeypatch.setattr(targets, "RESULTS", tmp_path)
+    first = targets.MULTI_TURN_FIRST_CURRENT
+    for name in ["agent_rollout_speed_gpu.json", "agent_rollout_speed_h100_call7.json",
+                 *(f"agent_rollout_speed_gpu_call{n}.json" for n in (first - 1, first, first + 4, first + 5))]:
+        (tmp_path / name).write_text("{}")
+    older, current = targets.multi_turn_calls()
+    assert [p.name for p in older] == ["agent_rollout_speed_gpu.json", f"agent_rollout_speed_gpu_call{first - 1}.json"]
+    assert [p.name for p in current] == [f"agent_rollout_speed_gpu_call{n}.json" for n in (first, first + 4, first + 5)]
