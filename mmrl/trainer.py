@@ -125,6 +125,7 @@ class Trainer:
                                             given_objects=reward is not None or bool(self._given_datasets))
         self.compile_helper_marks = prewarm.marks(self.settled, self.dist)
         self._update_compiled = False  # a step's update ran with compiling on (`prewarm.mark_done`)
+        self._checkpointing_while_eager: list = []  # engines checkpointing since an eager step's OOM
         try:
             self._build()
         except BaseException:
@@ -366,6 +367,10 @@ class Trainer:
         # the engines' eager layers (nothing compiled, nothing waited for); the first step after
         # it compiles them from the cache it filled (mmrl/prewarm.py).
         eager = self.compile_helper is not None and self.compile_helper.pending()
+        if not eager:
+            self._end_checkpointing_while_eager()
+        engines = [engine for engine in (self.actor, self.ref, self.critic) if engine is not None]
+        checkpointing = [engine.checkpointing for engine in engines]
         with self._eager_layers() if eager else contextlib.nullcontext():
             plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
                                     batch.outcomes)
@@ -377,6 +382,10 @@ class Trainer:
                 metrics.update(self.update.run(plan))
         if eager:
             metrics["compile/helper_pending"] = 1.0
+            # An eager update that ran out of memory turned checkpointing on (`Update._accumulate`);
+            # the compiled layers keep fewer activations, so it lasts only while the steps are eager.
+            self._checkpointing_while_eager += [engine for engine, before in zip(engines, checkpointing)
+                                                if engine.checkpointing and not before]
         elif self.compile_helper_marks and not self._update_compiled:
             self._update_compiled = True
             prewarm.mark_done(r, self.settled)  # the next run of this recipe starts no helper
@@ -386,6 +395,20 @@ class Trainer:
             self.gc_watch.freeze_after(self.compile_watch.graphs)
         metrics["lr"] = self._recipe_lr()
         return metrics
+
+    def _end_checkpointing_while_eager(self) -> None:
+        """Checkpointing turned on by an out-of-memory update in an eager step (the compile
+        helper at work) goes off again at the first step whose layers compile: the eager
+        layers' forward keeps more activations than the compiled one. If a compiled update runs
+        out of memory too, `gradient_checkpointing: auto` turns it on again, for good."""
+        if not self._checkpointing_while_eager:
+            return
+        for engine in self._checkpointing_while_eager:
+            engine.disable_checkpointing()
+        self._checkpointing_while_eager = []
+        if self.dist.is_main:
+            print("update: activation checkpointing off again: it was turned on in a step whose layers ran eagerly "
+                  "beside the compile helper, and the compiled layers keep fewer activations", flush=True)
 
     def _check_helper_room(self) -> None:
         """Stop the compile helper where the GPU's memory after the build cannot hold the

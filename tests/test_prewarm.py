@@ -246,6 +246,37 @@ def test_a_run_updates_eagerly_while_the_helper_compiles_and_marks_the_first_com
     assert trainer.compile_helper.outcome == "done"
 
 
+def test_checkpointing_an_eager_update_turned_on_goes_off_at_the_first_compiled_step(cache, tmp_path, capsys):
+    """The eager layers beside the helper keep more activations than the compiled ones: an eager
+    update that runs out of memory is redone with checkpointing (`gradient_checkpointing: auto`),
+    which stays on while the steps are eager and goes off, in one line, at the first compiled one."""
+    import torch
+
+    trainer = _trainer(tmp_path)
+    trainer.compile_helper = _Pending(steps=2)  # steps 1 and 2 eager, step 3 compiled
+    assert trainer.recipe.model.gradient_checkpointing == "auto" and not trainer.actor.checkpointing
+    passes = []  # (step, checkpointing) of each grad-enabled log-prob pass
+    log_probs = trainer.actor.log_probs
+
+    def short_of_memory(*args, **kwargs):
+        if torch.is_grad_enabled():
+            passes.append((trainer.step, trainer.actor.checkpointing))
+            if len(passes) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return log_probs(*args, **kwargs)
+
+    trainer.actor.log_probs = short_of_memory
+    for _ in range(3):
+        trainer.train_step()
+    by_step = {step: {on for s, on in passes if s == step} for step, _ in passes}
+    assert passes[0] == (1, False) and by_step[1] == {False, True}  # the OOM, then its redo checkpointed
+    assert by_step[2] == {True} and by_step[3] == {False}
+    assert not trainer.actor.checkpointing and not trainer.actor.model.is_gradient_checkpointing
+    out = capsys.readouterr().out
+    assert out.count("turned it on (gradient_checkpointing: auto)") == 1
+    assert out.count("activation checkpointing off again") == 1
+
+
 @pytest.mark.slow
 def test_an_update_while_the_helper_compiles_compiles_nothing(cache, tmp_path):
     """The step's log-probs and update while the helper is at work: the engine's compiled

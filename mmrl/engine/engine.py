@@ -184,6 +184,12 @@ class Engine:
         """Recompute each layer's activations in the backward pass instead of keeping them."""
         self._checkpointing = surgery.enable_checkpointing(self.model, self.settings)
 
+    def disable_checkpointing(self) -> None:
+        """Keep activations again (after `checkpoint_after_oom` in steps whose eager layers
+        kept more than the compiled ones that follow: `Trainer.train_step`)."""
+        self.model.gradient_checkpointing_disable()
+        self._checkpointing = surgery.checkpoints(self.model)
+
     @property
     def checkpointing(self) -> bool:
         """Whether the model recomputes activations in backward: as built, or since
