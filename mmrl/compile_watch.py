@@ -17,7 +17,9 @@ instead of compiling them again; only dynamo's tracing runs again.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import types
 import time
 from pathlib import Path
 
@@ -40,6 +42,7 @@ class CompileWatch:
         self._taken = (0.0, 0)
         self.announce = False
         self.installed = False
+        self._code: str | None = None  # what the compile in progress compiles (`compiling_code`)
 
     def install(self) -> bool:
         """Register with dynamo (again after `torch._dynamo.reset()`, which clears every
@@ -55,9 +58,11 @@ class CompileWatch:
         return True
 
     def _start(self, args=None) -> None:
+        code = compiling_code()
         with self._lock:
             self._started = time.perf_counter()
             self._cache_before = cache_counts()
+            self._code = code
 
     def _end(self, args=None) -> None:
         with self._lock:
@@ -67,10 +72,10 @@ class CompileWatch:
             self._started = None
             self.seconds += spent
             self.graphs += 1
-            count = self.graphs
+            count, code = self.graphs, self._code
             hits, misses = (now - before for now, before in zip(cache_counts(), self._cache_before))
         if self.announce:
-            compile_id = getattr(args, "compile_id", "")
+            compile_id = ": ".join(part for part in (getattr(args, "compile_id", ""), code) if part)
             source = (" (kernels from the compile cache)" if hits and not misses else
                       " (kernels partly from the compile cache)" if hits else "")
             print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s{source}", flush=True)
@@ -91,6 +96,23 @@ class CompileWatch:
             seconds, graphs = self.seconds - self._taken[0], self.graphs - self._taken[1]
             self._taken = (self.seconds, self.graphs)
         return seconds, graphs
+
+
+def compiling_code() -> str | None:
+    """The function dynamo is about to compile, as `qualified name (file:line)`, read from the
+    frame of its `_compile(code, ...)` below the compile-start callback; None where that frame is
+    not found (another torch). The compile line names it, so a user can tell the graphs apart;
+    dynamo's own id ("frame/recompile") only numbers them."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        code = frame.f_locals.get("code") if frame.f_code.co_name in ("_compile", "compile_inner") else None
+        if isinstance(code, types.CodeType):
+            name = getattr(code, "co_qualname", code.co_name)
+            return f"{name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+    return None
 
 
 def cache_counts() -> tuple[int, int]:

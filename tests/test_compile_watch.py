@@ -29,7 +29,12 @@ def test_each_new_graph_is_counted_once_and_announced(capsys):
     seconds, graphs = w.take()
     assert graphs == 2 and seconds > 0
     assert w.take() == (0.0, 0)
-    assert "compiled graph" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # one line, named by dynamo's id and the function compiled (this file's `double`)
+    line, = [one for one in out.splitlines() if one.startswith("compiled graph")]
+    first_line = double.__code__.co_firstlineno
+    assert f"test_each_new_graph_is_counted_once_and_announced.<locals>.double (test_compile_watch.py:{first_line})" \
+        in line, line
 
 
 def test_the_cache_folder_is_mmrls_unless_the_user_set_one(tmp_path, monkeypatch):
