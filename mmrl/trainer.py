@@ -369,7 +369,7 @@ class Trainer:
         eager = self.compile_helper is not None and self.compile_helper.pending()
         if not eager:
             self._end_checkpointing_while_eager()
-        engines = [engine for engine in (self.actor, self.ref, self.critic) if engine is not None]
+        engines = [engine for engine in (self.actor, self.critic) if engine is not None]  # those that train
         checkpointing = [engine.checkpointing for engine in engines]
         with self._eager_layers() if eager else contextlib.nullcontext():
             plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,

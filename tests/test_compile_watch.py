@@ -14,6 +14,7 @@ def test_each_new_graph_is_counted_once_and_announced(capsys):
     torch._dynamo.reset()  # clears dynamo's callbacks: `watch()` registers again
     w = watch()
     w.take()
+    w.announce = False  # a trainer built earlier in this process may have left it on
 
     def double(x):
         return x * 2 + 1
@@ -31,7 +32,9 @@ def test_each_new_graph_is_counted_once_and_announced(capsys):
     assert w.take() == (0.0, 0)
     out = capsys.readouterr().out
     # one line, named by dynamo's id and the function compiled (this file's `double`)
-    line, = [one for one in out.splitlines() if one.startswith("compiled graph")]
+    lines = [one for one in out.splitlines() if one.startswith("compiled graph")]
+    assert len(lines) == 1, out
+    line = lines[0]
     first_line = double.__code__.co_firstlineno
     assert f"test_each_new_graph_is_counted_once_and_announced.<locals>.double (test_compile_watch.py:{first_line})" \
         in line, line

@@ -50,6 +50,7 @@ default (`master_weights=True`), and float16 weights also through dynamic loss s
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import warnings
 from collections.abc import Iterator
@@ -185,8 +186,7 @@ class Engine:
         self._checkpointing = surgery.enable_checkpointing(self.model, self.settings)
 
     def disable_checkpointing(self) -> None:
-        """Keep activations again (after `checkpoint_after_oom` in steps whose eager layers
-        kept more than the compiled ones that follow: `Trainer.train_step`)."""
+        """Keep activations again (`Trainer._end_checkpointing_while_eager`)."""
         self.model.gradient_checkpointing_disable()
         self._checkpointing = surgery.checkpoints(self.model)
 
@@ -215,8 +215,6 @@ class Engine:
     def checkpoint_after_oom(self) -> None:
         """Turn checkpointing on for a redo of the update that ran out of memory: the
         partial gradients dropped, the allocator's cached blocks released."""
-        import gc
-
         self.drop_gradients()
         self.enable_checkpointing()
         gc.collect()
