@@ -525,6 +525,46 @@ def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from
     assert again.compile_helper is None  # marked by the first compiled update
 
 
+def test_checkpointing_an_eager_oom_turned_on_goes_off_and_the_layers_compile_on_cuda(tmp_path, monkeypatch, capsys):
+    """An eager update beside the compile helper that runs out of memory (simulated) is redone
+    with checkpointing; at the first step after the helper, checkpointing goes off and the
+    update's layers run compiled, as on the H200's geometry3k rows where it stayed on for good."""
+    from pathlib import Path
+
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    torch._dynamo.reset()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
+        "model.compile_layers=true", "rollout.backend=hf", "model.compile_prewarm=auto", "trainer.media_check=false",
+    ])
+    trainer = Trainer(recipe)
+    helper = trainer.compile_helper
+    assert helper is not None and helper.pending() and not trainer.actor.checkpointing
+    layers, log_probs, passes = trainer.actor.compiled_layers, trainer.actor.log_probs, []
+
+    def short_of_memory(*args, **kwargs):
+        if torch.is_grad_enabled():
+            passes.append(trainer.actor.checkpointing)
+            if len(passes) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return log_probs(*args, **kwargs)
+
+    trainer.actor.log_probs = short_of_memory
+    first = trainer.train_step()
+    assert first.get("compile/helper_pending") == 1.0 and passes[:2] == [False, True] and trainer.actor.checkpointing
+    assert layers.compiled_calls == 0
+    helper.join()
+    second = trainer.train_step()
+    assert "compile/helper_pending" not in second and not trainer.actor.checkpointing and not passes[-1]
+    assert layers.compiled_calls > 0 and layers.failed is None
+    assert "activation checkpointing off again" in capsys.readouterr().out
+
+
 def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypatch):
     """A run that compiles on a GPU starts inductor's compile workers before its model build
     (`mmrl.compile_watch.start_compile_workers`), so the pool is ready by the first compile,
