@@ -488,24 +488,32 @@ def test_compile_helper_fills_the_cache_the_first_update_reads(tmp_path, monkeyp
     assert again.compile_helper is None
 
 
-def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from_its_cache(tmp_path, monkeypatch):
-    """The run does not wait for the compile helper (mmrl/prewarm.py): a step while it is at
-    work compiles nothing for its update (the layers' eager forwards); once it is done, the next step
-    compiles the update's graphs, finding them in the cache, and marks the recipe."""
+def _helper_recipe(tmp_path, monkeypatch):
+    """The tiny VLM recipe with compiled layers and the compile helper, its compile cache empty
+    under `tmp_path`; dynamo reset, so no compiled layer code kept from an earlier test serves
+    without the cache."""
     from pathlib import Path
 
-    from mmrl.compile_watch import cache_counts
     from mmrl.config import load_recipe
-    from mmrl.trainer import Trainer
 
-    torch._dynamo.reset()  # no compiled layer code kept from an earlier test: it would serve without the cache
+    torch._dynamo.reset()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+    return load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.eval_every=0", "trainer.progress=false",
         "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
         "model.compile_layers=true", "rollout.backend=hf", "model.compile_prewarm=auto", "trainer.media_check=false",
     ])
+
+
+def test_a_run_updates_eagerly_while_its_compile_helper_works_then_compiles_from_its_cache(tmp_path, monkeypatch):
+    """The run does not wait for the compile helper (mmrl/prewarm.py): a step while it is at
+    work compiles nothing for its update (the layers' eager forwards); once it is done, the next step
+    compiles the update's graphs, finding them in the cache, and marks the recipe."""
+    from mmrl.compile_watch import cache_counts
+    from mmrl.trainer import Trainer
+
+    recipe = _helper_recipe(tmp_path, monkeypatch)
     trainer = Trainer(recipe)
     helper = trainer.compile_helper
     assert helper is not None and helper.pending()  # just started: a step now does not wait for it
@@ -529,19 +537,9 @@ def test_checkpointing_an_eager_oom_turned_on_goes_off_and_the_layers_compile_on
     """An eager update beside the compile helper that runs out of memory (simulated) is redone
     with checkpointing; at the first step after the helper, checkpointing goes off and the
     update's layers run compiled, as on the H200's geometry3k rows where it stayed on for good."""
-    from pathlib import Path
-
-    from mmrl.config import load_recipe
     from mmrl.trainer import Trainer
 
-    torch._dynamo.reset()
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.eval_every=0", "trainer.progress=false",
-        "data.validation=null", "data.eval=null", "data.train=synthetic:count_shapes?n=64&seed=0&image_size=56",
-        "model.compile_layers=true", "rollout.backend=hf", "model.compile_prewarm=auto", "trainer.media_check=false",
-    ])
+    recipe = _helper_recipe(tmp_path, monkeypatch)
     trainer = Trainer(recipe)
     helper = trainer.compile_helper
     assert helper is not None and helper.pending() and not trainer.actor.checkpointing
