@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,10 +290,11 @@ def _load_tokenizer(path: Path, trust_remote_code: bool):
 
 
 def load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
-    """A checkpoint's processor (its tokenizer for a text family). The processor loads its
-    tokenizer through `AutoTokenizer` whether or not it is given one, so mmrl loads one of
-    its own only where the saved class is generic (`_own_tokenizer_class`): loading it
-    twice costs seconds with a large vocabulary."""
+    """A checkpoint's processor (its tokenizer for a text family). Where the saved tokenizer
+    class is generic (`_own_tokenizer_class`: mmrl's tiny checkpoints and exports of them,
+    Llama 3-based VLMs), mmrl loads the tokenizer itself and the processor takes that one
+    (`_processor_takes`) rather than loading its own through `AutoTokenizer` beside it, which
+    costs seconds with a large vocabulary."""
     from transformers import AutoProcessor
 
     if not adapter.is_multimodal:
@@ -300,4 +302,35 @@ def load_processor(path: Path, adapter: ModelAdapter, trust_remote_code: bool):
     if not _own_tokenizer_class(path):
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer = _load_tokenizer(path, trust_remote_code)
-    return AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    with _processor_takes(tokenizer):
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if getattr(processor, "tokenizer", None) is not tokenizer:  # a processor class that loads it its own way
+        processor = AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    return processor
+
+
+@contextlib.contextmanager
+def _processor_takes(tokenizer):
+    """Within the block, a processor's `from_pretrained` takes `tokenizer` as its tokenizer.
+    transformers' processors load theirs through `AutoTokenizer` even when given one (and then
+    deep-copy the one given with their other arguments), through
+    `ProcessorMixin._load_tokenizer_from_pretrained`, which this swaps for the block; where
+    that hook is missing (another transformers) nothing changes, and `load_processor` sees
+    that the processor's tokenizer is not this one."""
+    from transformers import ProcessorMixin
+
+    hook = ProcessorMixin.__dict__.get("_load_tokenizer_from_pretrained")
+    if not isinstance(hook, classmethod):
+        yield
+        return
+
+    def take(cls, sub_processor_type, *args, **kwargs):
+        if sub_processor_type == "tokenizer":
+            return tokenizer
+        return hook.__func__(cls, sub_processor_type, *args, **kwargs)
+
+    ProcessorMixin._load_tokenizer_from_pretrained = classmethod(take)
+    try:
+        yield
+    finally:
+        ProcessorMixin._load_tokenizer_from_pretrained = hook
