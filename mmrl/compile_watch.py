@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import types
 import time
+import types
 from pathlib import Path
 
 import torch
