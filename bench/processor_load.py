@@ -19,6 +19,7 @@ generic class; `tiny`: the zoo's tiny Qwen2-VL checkpoint, whose vocabulary has 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -57,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoProcessor
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    from mmrl.build import _load_tokenizer, _own_tokenizer_class, load_processor
+    from transformers import TokenizersBackend
+
+    from mmrl.build import load_processor
     from mmrl.platform_info import device_name, today, versions, write_report
     from timing import alternate
 
@@ -70,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as folder:
         path, adapter = checkpoint(Path(folder), args.vocabulary)
-        assert _own_tokenizer_class(path), "the checkpoint's tokenizer class is not generic"
+        saved_class = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        assert saved_class in ("TokenizersBackend", "PreTrainedTokenizerFast"), saved_class
         paths = {
             "mmrl": lambda: load_processor(path, adapter, trust_remote_code=False),
-            "handed": lambda: AutoProcessor.from_pretrained(path, tokenizer=_load_tokenizer(path, False)),
+            # the earlier path: the tokenizer loaded as its saved class, handed to the processor
+            "handed": lambda: AutoProcessor.from_pretrained(path, tokenizer=TokenizersBackend.from_pretrained(path)),
         }
         made: dict[str, object] = {}
 
