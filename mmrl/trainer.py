@@ -369,8 +369,9 @@ class Trainer:
         eager = self.compile_helper is not None and self.compile_helper.pending()
         if not eager:
             self._end_checkpointing_while_eager()
-        engines = [engine for engine in (self.actor, self.critic) if engine is not None]  # those that train
-        checkpointing = [engine.checkpointing for engine in engines]
+        # In an eager step, whether each engine that trains checkpoints before its update.
+        trained = (self.actor, self.critic) if eager else ()
+        before = {engine: engine.checkpointing for engine in trained if engine is not None}
         with self._eager_layers() if eager else contextlib.nullcontext():
             plan = self.update.plan(conversations, result, rows, rewards, group_size, r.rollout.temperature or 1.0,
                                     batch.outcomes)
@@ -384,8 +385,8 @@ class Trainer:
             metrics["compile/helper_pending"] = 1.0
             # An eager update that ran out of memory turned checkpointing on (`Update._accumulate`);
             # the compiled layers keep fewer activations, so it lasts only while the steps are eager.
-            self._checkpointing_while_eager += [engine for engine, before in zip(engines, checkpointing)
-                                                if engine.checkpointing and not before]
+            self._checkpointing_while_eager += [engine for engine, was in before.items()
+                                                if engine.checkpointing and not was]
         elif self.compile_helper_marks and not self._update_compiled:
             self._update_compiled = True
             prewarm.mark_done(r, self.settled)  # the next run of this recipe starts no helper
