@@ -21,10 +21,12 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mmrl.errors import one_line
 from mmrl.platform_info import device_name
 
 
@@ -43,6 +45,10 @@ class CompileWatch:
         self.announce = False
         self.installed = False
         self._code: str | None = None  # what the compile in progress compiles (`compiling_code`)
+        # Compiles in `BackgroundCompile` threads overlap the run's own work: counted apart.
+        self.background_seconds = 0.0
+        self.background_graphs = 0
+        self._background_threads: set[int] = set()
 
     def install(self) -> bool:
         """Register with dynamo (again after `torch._dynamo.reset()`, which clears every
@@ -70,15 +76,21 @@ class CompileWatch:
                 return
             spent = time.perf_counter() - self._started
             self._started = None
-            self.seconds += spent
-            self.graphs += 1
-            count, code = self.graphs, self._code
+            background = threading.get_ident() in self._background_threads
+            if background:
+                self.background_seconds += spent
+                self.background_graphs += 1
+            else:
+                self.seconds += spent
+                self.graphs += 1
+            count, code = self.graphs + self.background_graphs, self._code
             hits, misses = (now - before for now, before in zip(cache_counts(), self._cache_before))
         if self.announce:
             compile_id = ": ".join(part for part in (getattr(args, "compile_id", ""), code) if part)
             source = (" (kernels from the compile cache)" if hits and not misses else
                       " (kernels partly from the compile cache)" if hits else "")
-            print(f"compiled graph {count} ({compile_id}) in {spent:.1f} s{source}", flush=True)
+            where = " in the background" if background else ""
+            print(f"compiled graph {count} ({compile_id}){where} in {spent:.1f} s{source}", flush=True)
 
     def record(self, seconds: float, what: str) -> None:
         """Count work that stands in for a compile (a CUDA graph recorded without compiling,
@@ -90,12 +102,77 @@ class CompileWatch:
         if self.announce:
             print(f"recorded graph {count} ({what}) in {seconds:.1f} s", flush=True)
 
+    def waited(self, seconds: float, what: str) -> None:
+        """Count seconds the run waited for a background compile (`BackgroundCompile.wait`) as
+        compile time, no graph."""
+        with self._lock:
+            self.seconds += seconds
+        if self.announce and seconds >= 0.1:
+            print(f"waited {seconds:.1f} s for {what}", flush=True)
+
     def take(self) -> tuple[float, int]:
         """Seconds and compiles since the previous `take`."""
         with self._lock:
             seconds, graphs = self.seconds - self._taken[0], self.graphs - self._taken[1]
             self._taken = (self.seconds, self.graphs)
         return seconds, graphs
+
+
+class BackgroundCompile:
+    """`work()` in a daemon thread, started now, whose compiles overlap the caller's own work
+    (the trainer's model build) and are counted apart (`CompileWatch.background_seconds`).
+    `wait()` joins it before the caller needs what it compiled; the seconds it waited count
+    as compile time. An error in `work` is one line on stderr: the run then compiles what it
+    needs itself, as without it. Dynamo compiles one graph at a time in a process, so a graph
+    the run needs while the thread compiles waits for the thread's graph first."""
+
+    def __init__(self, work: Callable[[], object], what: str, watch: CompileWatch | None = None):
+        self.what = what
+        self.result: object = None
+        self.error: str | None = None
+        self._watch = watch or _WATCH
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                                                 name="mmrl-background-compile")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], object]) -> None:
+        self._watch._background_threads.add(threading.get_ident())
+        try:
+            self.result = work()
+        except Exception as error:  # noqa: BLE001 - the run compiles it itself then
+            self.error = one_line(error, typed=True)
+
+    def wait(self) -> float:
+        """Join the thread (once; later calls return 0.0): the seconds waited."""
+        if self._thread is None:
+            return 0.0
+        start = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        waited = time.perf_counter() - start
+        self._watch.waited(waited, self.what)
+        if self.error is not None:
+            print(f"compiling {self.what} ahead failed, compiled when needed instead: {self.error}"[:300],
+                  file=sys.stderr, flush=True)
+        return waited
+
+
+def compile_workers_ready(timeout: float = 120.0) -> bool:
+    """Wait (up to `timeout` s) until inductor's compile workers answer their readiness probe
+    (`start_compile_workers` sent it): until then inductor compiles kernels one after another
+    in this process. True where they answered; False where there is no pool or no answer."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:
+        return False
+    ready = getattr(AsyncCompile, "_ready_future", None)
+    if ready is None:
+        return False
+    try:
+        ready.result(timeout=timeout)
+    except Exception:  # noqa: BLE001 - a pool that does not answer: inductor compiles in the process
+        return False
+    return True
 
 
 def compiling_code() -> str | None:
@@ -208,4 +285,4 @@ def start_compile_workers() -> bool:
     return bool(AsyncCompile.use_process_pool() or AsyncCompile._ready_future is not None)
 
 
-__all__ = ["CompileWatch", "cache_counts", "cache_root", "persistent_cache", "start_compile_workers", "watch"]
+__all__ = ["BackgroundCompile", "CompileWatch", "cache_counts", "compile_workers_ready", "cache_root", "persistent_cache", "start_compile_workers", "watch"]

@@ -164,3 +164,28 @@ def collector_off():
                 gc.enable()
 
     return off
+
+
+@pytest.fixture
+def fused_graphs(monkeypatch):
+    """The chunked head's fused functions (`mmrl.engine.fusion.on_cuda`) compiled on the CPU too,
+    through a backend that counts their graphs (the list yielded) and runs them eagerly; their
+    compiled state and dynamo's caches cleared before and after."""
+    from mmrl.engine import fusion, logprobs
+
+    compiled = []
+
+    def counting(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(fusion, "compiles_here", lambda tensor: True)
+    monkeypatch.setattr(fusion, "COMPILE_OPTIONS", {"backend": counting})
+    functions = (logprobs._stats, logprobs._raw_grad)
+    for function in functions:
+        function.state.clear()
+    torch._dynamo.reset()
+    yield compiled
+    for function in functions:
+        function.state.clear()
+    torch._dynamo.reset()

@@ -1,35 +1,16 @@
 """The chunked head's fused functions (`mmrl.engine.fusion.on_cuda`) compile once over chunks
 of different rows (`chunk_tokens` rows, the last chunk shorter; issue 28): dim 0 is marked
 dynamic before the first compile. The compiled-on-CUDA condition is swapped for "always" and
-the backend for one that counts graphs and runs them eagerly, so this runs on the CPU."""
+the backend for one that counts graphs and runs them eagerly (conftest's `fused_graphs`), so
+this runs on the CPU."""
 
 import pytest
 import torch
 
-from mmrl.engine import fusion, logprobs
+from mmrl.engine import logprobs
 from mmrl.engine.logprobs import LogitTransform
 
 VOCAB = 64
-
-
-@pytest.fixture
-def graphs(monkeypatch):
-    compiled = []
-
-    def counting(graph, example_inputs):
-        compiled.append(graph)
-        return graph.forward
-
-    monkeypatch.setattr(fusion, "compiles_here", lambda tensor: True)
-    monkeypatch.setattr(fusion, "COMPILE_OPTIONS", {"backend": counting})
-    functions = (logprobs._stats, logprobs._raw_grad)
-    for function in functions:
-        function.state.clear()
-    torch._dynamo.reset()
-    yield compiled
-    for function in functions:
-        function.state.clear()
-    torch._dynamo.reset()
 
 
 def _chunk(rows, seed):
@@ -42,7 +23,7 @@ def _chunk(rows, seed):
 
 
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(softcap=30.0, scale=0.5)])
-def test_chunks_of_different_rows_compile_one_graph_per_function_and_equal_eager(graphs, transform):
+def test_chunks_of_different_rows_compile_one_graph_per_function_and_equal_eager(fused_graphs, transform):
     for rows, seed in ((1024, 0), (970, 1), (1024, 2)):
         raw, targets, grad_logp, grad_entropy = _chunk(rows, seed)
         stats = logprobs._stats(raw, targets, transform, 0.7)
@@ -54,4 +35,4 @@ def test_chunks_of_different_rows_compile_one_graph_per_function_and_equal_eager
         eager = logprobs._raw_grad.__wrapped__(raw, targets, lse, entropy, grad_logp, grad_entropy, transform, 0.7)
         torch.testing.assert_close(grad, eager)
     assert "failed" not in logprobs._stats.state and "failed" not in logprobs._raw_grad.state
-    assert len(graphs) == 2, [graph.code for graph in graphs]  # one per function: no graph at 970 rows
+    assert len(fused_graphs) == 2, [graph.code for graph in fused_graphs]  # one per function: no graph at 970 rows

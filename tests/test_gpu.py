@@ -591,3 +591,42 @@ def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypa
     assert AsyncCompile._ready_future is not None
     trainer.train_step()
     assert trainer.actor.compiled_layers.compiled_calls > 0 and trainer.compile_watch.take()[1] > 0
+
+
+def test_the_head_arithmetic_compiles_in_the_background_during_the_build_on_cuda(tmp_path, monkeypatch):
+    """A GPU run compiles the chunked head's fused arithmetic in a thread while its model builds
+    (`Trainer._compile_head_ahead`, `mmrl.engine.logprobs.precompile_head`): those graphs are
+    compiled there, counted apart, and the run's own compiles in its first step (rollout, log-probs,
+    update) include none of them; the step trains."""
+    import threading
+    from pathlib import Path
+
+    import mmrl.compile_watch as compile_watch
+    from mmrl.config import load_recipe
+    from mmrl.engine import logprobs
+    from mmrl.trainer import Trainer
+
+    compiled = []  # (thread, function) of every compile
+    real = compile_watch.compiling_code
+    monkeypatch.setattr(compile_watch, "compiling_code",
+                        lambda: compiled.append((threading.get_ident(), real())) or compiled[-1][1])
+    for function in (logprobs._stats, logprobs._raw_grad):
+        function.state.clear()
+    torch._dynamo.reset()
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
+    trainer = Trainer(recipe)
+    main = threading.get_ident()
+    ahead = [name for thread, name in compiled if thread != main]
+    assert sum("_stats" in name for name in ahead) == 1 and sum("_raw_grad" in name for name in ahead) == 1, ahead
+    assert trainer.compile_watch.background_graphs >= 2
+    compiled.clear()
+    weights = [p.detach().clone() for p in trainer.actor.model.parameters() if p.requires_grad][:4]
+    trainer.train_step()
+    in_step = [name for _, name in compiled]
+    assert in_step and not any("_stats" in name or "_raw_grad" in name for name in in_step), in_step
+    assert any(not torch.equal(w, p) for w, p in
+               zip(weights, [p for p in trainer.actor.model.parameters() if p.requires_grad][:4]))

@@ -20,6 +20,11 @@ tensor's is marked dynamic: the first compile serves every chunk, where dynamo w
 a second graph at the first short chunk (issue 28). `compiles_here` decides where the
 compiled function runs and `COMPILE_OPTIONS` how it compiles; tests set both to count the
 graphs on the CPU (tests/test_fusion_shapes.py).
+
+`precompile(fn, tensor, *args)` compiles such a function ahead, on stand-in arguments of the
+shapes, dtypes and values a later call will have (the trainer does it in a thread while the
+model builds, `mmrl.engine.logprobs.precompile_head`); the later call finds the graph. A
+failed precompile leaves the function as it was: the call compiles it as before.
 """
 
 from __future__ import annotations
@@ -74,6 +79,20 @@ def on_cuda(what: str, enabled: Callable[[], bool] = lambda: True):
                 return fn(tensor, *args)
 
         call.state = state
+        call.enabled = enabled
         return call
 
     return wrap
+
+
+def precompile(function, tensor: torch.Tensor, *args):
+    """Compile `function` (an `on_cuda` wrapper) for a call with these arguments now, as the
+    call would, and return what it returns; None (nothing compiled) where the call would run
+    the plain function. An error is raised, not recorded as the function's failure."""
+    state = function.state
+    if not (compiles_here(tensor) and function.enabled()) or state.get("failed"):
+        return None
+    if "compiled" not in state:
+        state["compiled"] = torch.compile(function.__wrapped__, **COMPILE_OPTIONS)
+    mark_rows_dynamic(tensor, args)
+    return state["compiled"](tensor, *args)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mmrl.engine.fusion import on_cuda
+from mmrl.engine.fusion import on_cuda, precompile
 
 LOGPROB_CHUNK_TOKENS = 4096
 # Elements of one chunk's (tokens, vocabulary) logits. Eagerly a chunk's backward holds ~3
@@ -193,6 +193,41 @@ def _raw_grad(raw, targets, lse, entropy, grad_logp, grad_entropy, transform, te
     return transform.chain(grad, raw, temperature).to(raw.dtype)
 
 
+
+def head_dtype(weights: torch.dtype, device: torch.device, mixed_precision: bool = True) -> torch.dtype:
+    """The dtype of the head outputs the chunked arithmetic gets: bf16 for fp32 weights on a
+    GPU under the engine's mixed precision (`Engine.autocast`, FSDP2's policy), else the
+    weights' own."""
+    return torch.bfloat16 if weights == torch.float32 and device.type == "cuda" and mixed_precision else weights
+
+
+PRECOMPILE_ROWS = 8  # the stand-in chunk's rows: dim 0 is dynamic, so any count above 1 serves
+
+
+def precompile_head(vocab: int, dtype: torch.dtype, device: torch.device, transforms: list[LogitTransform],
+                    temperature: float, entropy_in_loss: bool = False) -> int:
+    """Compile the chunked head's fused arithmetic (`_stats` for every transform, `_raw_grad`
+    for a loss with or without the entropy term) for a head of `vocab` outputs in `dtype`,
+    on stand-in chunks, as the engine's calls will run them; the number of calls compiled
+    (0 where the calls run eagerly: off CUDA, fusion off). Calls from another thread are
+    meant: the trainer's while the model builds (the graphs do not depend on the weights)."""
+    raw = torch.zeros(PRECOMPILE_ROWS, vocab, dtype=dtype, device=device)
+    targets = torch.zeros(PRECOMPILE_ROWS, dtype=torch.long, device=device)
+    compiled = 0
+    # As the engine calls them: gradients off (inside the autograd function), autocast off.
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        for transform in transforms:
+            stats = precompile(_stats, raw, targets, transform, temperature)
+            if stats is None:
+                break
+            logp, entropy, lse = stats
+            grad_entropy = torch.ones_like(entropy) if entropy_in_loss else None
+            precompile(_raw_grad, raw, targets, lse, entropy, torch.ones_like(logp), grad_entropy, transform,
+                       temperature)
+            compiled += 2
+    return compiled
+
+
 class _ChunkedHead(torch.autograd.Function):
     """(log-probs, entropy) of `targets` under transform(project(hidden)) / temperature,
     `chunk_tokens` rows at a time. Saved for backward: the hidden states and two numbers
@@ -232,6 +267,9 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, targets, lse, entropy = ctx.saved_tensors
+        # Saved outputs come back requiring grad where the loss used them: plain tensors for the
+        # fused arithmetic, whose compiled graph would otherwise differ by that (`precompile_head`).
+        lse, entropy = lse.detach(), entropy.detach()
         project, transform, temperature, chunk_tokens, params = ctx.args
         kept, ctx.kept = ctx.kept, None
         need_hidden = ctx.needs_input_grad[0]
