@@ -44,8 +44,7 @@ from mmrl.atomic import atomic_write_text
 from mmrl.buffer import RolloutBatch, attach_behaviour, disaggregated, steps_for
 from mmrl.build import build_recipe_model, recipe_config
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
-from mmrl.compile_watch import (BackgroundCompile, compile_workers_ready, persistent_cache,
-                                start_compile_workers, watch)
+from mmrl.compile_watch import BackgroundCompile, persistent_cache, start_compile_workers, watch
 from mmrl.config import Recipe, RecipeError, dump_recipe, same_run
 from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
@@ -121,7 +120,7 @@ class Trainer:
         self.compile_watch.announce = self.dist.is_main
         self.gc_watch = watch_gc()
         self.gc_watch.take()
-        head_compile = self._compile_head_ahead()
+        ahead = self._compile_ahead()
         # The update's graphs compile in a helper process while this one builds and rolls out.
         self.compile_helper = prewarm.start(recipe, self.settled, self.dist,
                                             given_objects=reward is not None or bool(self._given_datasets))
@@ -135,31 +134,23 @@ class Trainer:
                 self.compile_helper.stop()
             self.folder.release()
             raise
-        if head_compile is not None:
-            head_compile.wait()  # before the model's first use: no compile beside a CUDA graph's recording
+        if ahead is not None:
+            ahead.wait()  # before the model's first use: no compile beside a CUDA graph's recording
         self._check_helper_room()
 
-    def _compile_head_ahead(self) -> BackgroundCompile | None:
-        """On a GPU, the chunked head's fused arithmetic (`mmrl.engine.logprobs.precompile_head`)
-        compiling in a thread while the model builds: its graphs depend on the vocabulary, the
-        dtype, the logit post-processing and the temperature, not on the weights. None where
-        it would not compile (CPU) or `MMRL_HEAD_AHEAD=0` (the benches' A/B)."""
-        if self.dist.device.type != "cuda" or os.environ.get("MMRL_HEAD_AHEAD", "1") == "0":
+    def _compile_ahead(self) -> BackgroundCompile | None:
+        """On a GPU, what the first update compiles (the chunked head's arithmetic, the decoder
+        layer's forward and backward: `mmrl.compile_ahead`), compiling in a thread while the
+        model builds. None off a GPU, or with `MMRL_COMPILE_AHEAD=0`; `MMRL_COMPILE_AHEAD=head`:
+        the head's arithmetic alone (the benches' A/B)."""
+        what = os.environ.get("MMRL_COMPILE_AHEAD", "1")
+        if self.dist.device.type != "cuda" or what == "0":
             return None
-        from mmrl.engine.logprobs import candidates, head_dtype, precompile_head
+        from mmrl.compile_ahead import CompileAhead
 
-        r, config = self.recipe, self._loaded[1]
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
-        if not isinstance(vocab, int):
-            return None
-        device = self.dist.device
-
-        def work() -> int:
-            compile_workers_ready()  # inductor's workers take the kernels: the build keeps this process
-            return precompile_head(vocab, head_dtype(getattr(torch, r.model.dtype), device), device,
-                                   candidates(config), r.rollout.temperature or 1.0, bool(r.algo.entropy_coef))
-
-        return BackgroundCompile(work, "the chunked head's arithmetic", self.compile_watch)
+        processor, config = self._loaded
+        work = CompileAhead(self.recipe, self.settled, config, processor, self.dist, layers=what != "head")
+        return BackgroundCompile(work, "the update's graphs", self.compile_watch)
 
     def _claim_folder(self) -> None:
         """Lock the output folder (rank 0) and refuse another run's results; every rank

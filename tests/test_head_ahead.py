@@ -19,11 +19,11 @@ from mmrl.parallel import init_distributed
 TEMPERATURE = 0.7
 
 
-def _seqs(built, engine):
-    rows = sample_conversations(built.adapter)
+def _seqs(built, engine, repeat=1):
+    rows = sample_conversations(built.adapter) * repeat + sample_conversations(built.adapter)[:1]
     prompts = dict(built.processing(rows))
     vocab = built.model.config.get_text_config().vocab_size
-    responses = torch.randint(50, vocab, (len(rows), 6), generator=torch.Generator().manual_seed(1))
+    responses = torch.randint(vocab // 2, vocab, (len(rows), 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(responses)
     mask[0, 4:] = 0
     return join(prompts, responses, mask, built.adapter, engine.model, built.tokenizer.pad_token_id)
@@ -101,3 +101,80 @@ def test_a_failed_background_compile_is_one_line_and_its_wait_counts_as_compile_
     assert err.count("\n") == 1 and "compiling the head ahead failed" in err
     assert compile_watch.seconds == pytest.approx(seconds + waited)
     assert ahead.wait() == 0.0  # joined once
+
+
+def _recipe(tmp_path, *overrides):
+    from pathlib import Path
+
+    from mmrl.config import load_recipe
+
+    return load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "model.compile_layers=true", *overrides])
+
+
+@pytest.fixture
+def layer_graphs(monkeypatch):
+    """Dynamo's count of distinct graphs, the layers compiled with `aot_eager` on the CPU."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    yield lambda: counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+
+
+def test_the_update_compiled_ahead_on_an_empty_one_layer_model_serves_the_run(tmp_path, layer_graphs):
+    """`CompileAhead` in a thread compiles the layer's forward and backward on a one-layer model
+    of the recipe's config built empty (no random draw); the run's own engine, built after it
+    with its real weights and layers, then compiles no graph in its first update and gives the
+    log-probs and gradients of the eager engine on the same weights (nothing of the zero model
+    is kept in the graph)."""
+    from test_compiled_layers_shapes import _assert_same_gradients
+
+    from mmrl.build import build_recipe_model, recipe_config
+    from mmrl.compile_ahead import CompileAhead
+    from mmrl.settle import resolve
+
+    recipe = _recipe(tmp_path)
+    dist = init_distributed("cpu")
+    settled = resolve(recipe, dist)
+    processor, config = recipe_config(recipe.model)
+    random_state = torch.get_rng_state()
+    ahead = BackgroundCompile(CompileAhead(recipe, settled, config, processor, dist), "the update", watch())
+    ahead.wait()
+    assert ahead.error is None and ahead.result["layers"] > 0, (ahead.error, ahead.result)
+    assert torch.equal(torch.get_rng_state(), random_state)
+    compiled_ahead = layer_graphs()
+    assert compiled_ahead > 0
+
+    engines = []
+    for compile_layers in (True, False):
+        built = build_recipe_model(recipe.model, seed=0, device="cpu", processor=processor)
+        engines.append(Engine(built, dist, optim=recipe.optim, compile_layers=compile_layers,
+                              **{k: v for k, v in settled.engine_options().items() if k != "compile_layers"}))
+    compiled, eager = engines
+    assert len(compiled.compiled_layers.layers) > 1  # the run's layers, not the one-layer model's
+    seqs = _seqs(compiled.built, compiled, repeat=2)  # 5 rows, where the stand-in had 2
+    logp, _ = compiled.log_probs(seqs, 0.7)
+    logp_eager, _ = eager.log_probs(seqs, 0.7)
+    torch.testing.assert_close(logp, logp_eager, atol=1e-5, rtol=1e-4)
+    _assert_same_gradients(compiled, eager, logp, logp_eager, seqs.response_mask)
+    assert compiled.compiled_layers.compiled_calls > 0
+    assert layer_graphs() == compiled_ahead  # the run's first update compiled nothing
+
+
+@pytest.mark.parametrize("override", ["model.lora_scope=language", "model.compile_layers=false"])
+def test_nothing_is_compiled_ahead_where_a_one_layer_model_cannot_match_the_run(tmp_path, override):
+    from mmrl.build import recipe_config
+    from mmrl.compile_ahead import CompileAhead
+    from mmrl.settle import resolve
+
+    recipe = _recipe(tmp_path, override)
+    dist = init_distributed("cpu")
+    processor, config = recipe_config(recipe.model)
+    work = CompileAhead(recipe, resolve(recipe, dist), config, processor, dist)
+    assert not work.layers_match() and work.prompts is None
+    assert work() == {"head": 0, "layers": 0}  # and on the CPU the head's arithmetic runs eagerly

@@ -1,0 +1,129 @@
+"""The update's graphs compiled while the model builds (issue 28).
+
+A GPU run's first step compiles the graphs its update needs: the decoder layer's forward
+and backward (`mmrl.engine.compiled_layers`) and the chunked head's arithmetic
+(`mmrl.engine.logprobs`). None of them depends on the weights: dynamo traces the layer with
+its parameters as inputs and guards on their shapes and dtypes, so any layer of the same
+config, on the same device, under the same engine settings, compiles the graph the run's
+layers then run. So the trainer compiles them in a thread while it builds the model
+(`mmrl.compile_watch.BackgroundCompile`):
+
+    work = CompileAhead(recipe, settled, config, processing, device)
+    work()       # the head's arithmetic, then one micro-batch's forward and backward
+                 # through a one-layer model of the run's config
+
+The one-layer model is built on the meta device and given zeroed storage on the run's
+device: no random draw, so the run's random numbers are those of a run without it. It goes
+through the engine the run's actor is (same options, same freezing), on the family's sample
+conversations; the micro-batch's rows and lengths are dynamic in the layer's graph, so its
+size does not matter (tests/test_compiled_layers_shapes.py). What it cannot match (a LoRA
+run's layers, sharded engines) it leaves to the run: the head's arithmetic alone then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.compile_watch import compile_workers_ready
+
+# Response tokens of the stand-in micro-batch: the lengths are dynamic in the compiled graphs.
+RESPONSE_TOKENS = 8
+
+
+def empty_layered_model(config, adapter, dtype: torch.dtype, device: torch.device):
+    """`adapter`'s model of `config` with one decoder layer of each layer type
+    (`mmrl.prewarm.shrunk_layers`), its parameters and buffers zeros on `device`, drawn from
+    no random generator; None where the text config has no layer count to shrink."""
+    from mmrl.build import customized_config
+    from mmrl.prewarm import shrunk_layers
+
+    shrink = shrunk_layers(config)
+    if not shrink:
+        return None
+    config = customized_config(config, adapter, shrink)
+    with torch.device("meta"):
+        model = adapter.model_class()._from_config(config, dtype=dtype)
+    model = adapter.prepare_model(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.zero_()
+    return adapter.on_load(model)
+
+
+class CompileAhead:
+    """What a run's update compiles, compiled when called (in a thread: `BackgroundCompile`):
+    the chunked head's arithmetic (`precompile_head`), then, where the run's layers compile
+    (`layers_match`), one micro-batch's log-probs and their backward through a one-layer
+    model under the run's engine settings. Made in the run's thread, which processes the
+    stand-in prompts here (the processor is not shared with the build's thread); the call
+    returns what it compiled: {"head": calls, "layers": compiled layer calls}."""
+
+    def __init__(self, recipe, settled, config, processor, dist, layers: bool = True) -> None:
+        from mmrl.checks import sample_conversations
+        from mmrl.settle import model_adapter
+
+        self.recipe, self.settled, self.config, self.dist = recipe, settled, config, dist
+        self.adapter = model_adapter(recipe)
+        self.processing = self.prompts = None
+        if layers and self.layers_match() and processor is not None:
+            m = recipe.model
+            pixels = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
+            self.processing = self.adapter.processing_class()(processor, **{**self.adapter.processing_options,
+                                                                             **pixels})
+            self.prompts = dict(self.processing(sample_conversations(self.adapter)))
+
+    def layers_match(self) -> bool:
+        """Whether a one-layer model here compiles the run's layer graphs: the layers compile,
+        in one unsharded process, without LoRA (its modules are inside the layers) and
+        without checkpointing from the start (the layers then run eagerly)."""
+        r, settled = self.recipe, self.settled
+        return (bool(settled.compile_layers) and not self.dist.distributed and r.model.lora_scope == "none"
+                and settled.gradient_checkpointing is not True)
+
+    def __call__(self) -> dict[str, int]:
+        from mmrl.engine.logprobs import candidates, head_dtype, precompile_head
+
+        compile_workers_ready()  # inductor's workers take the kernels: the build keeps this process
+        r, device = self.recipe, self.dist.device
+        done = {"head": 0, "layers": 0}
+        vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+        if isinstance(vocab, int):
+            done["head"] = precompile_head(vocab, head_dtype(getattr(torch, r.model.dtype), device), device,
+                                           candidates(self.config), r.rollout.temperature or 1.0,
+                                           bool(r.algo.entropy_coef))
+        if self.prompts is not None:
+            done["layers"] = self._update_layers()
+        return done
+
+    def _update_layers(self) -> int:
+        from mmrl.build import BuiltModel
+        from mmrl.engine import Engine, join
+
+        r, adapter = self.recipe, self.adapter
+        model = empty_layered_model(self.config, adapter, getattr(torch, r.model.dtype), self.dist.device)
+        if model is None:
+            return 0
+        if r.model.freeze:
+            from mmrl.parts import freeze
+
+            freeze(model, parts=r.model.freeze, adapter=adapter)
+        engine = Engine(BuiltModel(model=model, processing=self.processing, adapter=adapter), self.dist,
+                        optim=r.optim, total_steps=1, share_media=r.model.share_media,
+                        gradient_checkpointing=self.settled.gradient_checkpointing, **self.settled.engine_options())
+        if engine.compiled_layers is None:
+            return 0
+        rows = self.prompts["input_ids"].shape[0]
+        responses = torch.zeros(rows, RESPONSE_TOKENS, dtype=torch.long)
+        mask = torch.ones_like(responses)
+        mask[0, RESPONSE_TOKENS // 2:] = 0  # one row stopped early, as in any batch
+        seqs = join(self.prompts, responses, mask, adapter, engine.model,
+                    self.processing.tokenizer.pad_token_id).to(self.dist.device)
+        temperature = r.rollout.temperature or 1.0
+        algo = r.algo
+        if algo.kl_coef > 0 or algo.epochs_per_rollout > 1 or algo.mini_batches > 1:
+            with torch.no_grad():  # old-policy or reference log-probs (`PolicyUpdate._estimate`)
+                engine.log_probs(seqs, temperature, with_entropy=False)
+        logp, entropy = engine.log_probs(seqs, temperature)
+        engine.backward(logp.sum() + (entropy.sum() if algo.entropy_coef else 0.0))
+        return engine.compiled_layers.compiled_calls
