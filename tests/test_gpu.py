@@ -563,14 +563,25 @@ def test_checkpointing_an_eager_oom_turned_on_goes_off_and_the_layers_compile_on
     assert "activation checkpointing off again" in capsys.readouterr().out
 
 
+def _one_step_recipe(tmp_path, monkeypatch):
+    """The tiny VLM recipe for one step with compiled layers and plain generate, its compile
+    cache empty under `tmp_path`."""
+    from pathlib import Path
+
+    from mmrl.config import load_recipe
+
+    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    return load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
+        "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
+
+
 def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypatch):
     """A run that compiles on a GPU starts inductor's compile workers before its model build
     (`mmrl.compile_watch.start_compile_workers`), so the pool is ready by the first compile,
     and reads the CUDA libraries ahead before that (`mmrl.page_cache`); its step trains as before."""
-    from pathlib import Path
-
     import mmrl.trainer as trainer_module
-    from mmrl.config import load_recipe
     from mmrl.trainer import Trainer
 
     order = []
@@ -579,11 +590,7 @@ def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypa
     monkeypatch.setattr(trainer_module, "read_ahead",
                         lambda paths: order.append(("read", any("cuda" in p.name for p in paths))) or real_read(paths))
     monkeypatch.setattr(Trainer, "_build", lambda self: order.append("build") or real_build(self))
-    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
-        "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
+    recipe = _one_step_recipe(tmp_path, monkeypatch)
     trainer = Trainer(recipe)
     assert order == [("read", True), "workers", "build"]  # the CUDA libraries read ahead too (mmrl/page_cache.py)
     from torch._inductor.async_compile import AsyncCompile
@@ -599,10 +606,7 @@ def test_the_update_graphs_compile_in_the_background_during_the_build_on_cuda(tm
     backward on an empty one-layer model): they compile there, counted apart, and the run's
     first step compiles none of them itself; the step trains."""
     import threading
-    from pathlib import Path
-
     import mmrl.compile_watch as compile_watch
-    from mmrl.config import load_recipe
     from mmrl.engine import logprobs
     from mmrl.trainer import Trainer
 
@@ -613,11 +617,7 @@ def test_the_update_graphs_compile_in_the_background_during_the_build_on_cuda(tm
     for function in (logprobs._stats, logprobs._raw_grad):
         function.state.clear()
     torch._dynamo.reset()
-    monkeypatch.setenv("MMRL_COMPILE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_vlm_count.yaml", [
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false",
-        "data.validation=null", "data.eval=null", "model.compile_layers=true", "rollout.backend=hf"])
+    recipe = _one_step_recipe(tmp_path, monkeypatch)
     trainer = Trainer(recipe)
     main = threading.get_ident()
     ahead = [str(name) for thread, name in compiled if thread != main]
