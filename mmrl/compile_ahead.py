@@ -124,6 +124,11 @@ class CompileAhead:
         if algo.kl_coef > 0 or algo.epochs_per_rollout > 1 or algo.mini_batches > 1:
             with torch.no_grad():  # old-policy or reference log-probs (`PolicyUpdate._estimate`)
                 engine.log_probs(seqs, temperature, with_entropy=False)
-        logp, entropy = engine.log_probs(seqs, temperature)
-        engine.backward(logp.sum() + (entropy.sum() if algo.entropy_coef else 0.0))
-        return engine.compiled_layers.compiled_calls
+        try:
+            logp, entropy = engine.log_probs(seqs, temperature)
+            engine.backward(logp.sum() + (entropy.sum() if algo.entropy_coef else 0.0))
+            return engine.compiled_layers.compiled_calls
+        finally:
+            # The model's device memory goes now, whatever still refers to the module (its
+            # compiled forwards refer back to it): the run's own model is being built beside it.
+            model.to("meta")
