@@ -691,7 +691,7 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
     if watch is not None:  # the compiles that overlapped the build (mmrl.compile_ahead, in a thread)
         steps.extra.update(compile_background_s=round(getattr(watch, "background_seconds", 0.0), 2),
                            compile_background_graphs=getattr(watch, "background_graphs", 0))
-    steps.extra.update(autotune_pointwise=autotune_pointwise, compile_ahead=os.environ.get("MMRL_COMPILE_AHEAD", "1"))
+    steps.extra.update(autotune_pointwise=autotune_pointwise, compile_ahead=os.environ.get("MMRL_COMPILE_AHEAD", "0"))
     steps.extra.update(compile_phases=compile_phases(),
                        compile_helper=helper.outcome if helper is not None else "not started",
                        compile_helper_said=said[-1] if said else None, compile_helper_log=said)

@@ -5,8 +5,9 @@ and backward (`mmrl.engine.compiled_layers`) and the chunked head's arithmetic
 (`mmrl.engine.logprobs`). None of them depends on the weights: dynamo traces the layer with
 its parameters as inputs and guards on their shapes and dtypes, so any layer of the same
 config, on the same device, under the same engine settings, compiles the graph the run's
-layers then run. So the trainer compiles them in a thread while it builds the model
-(`mmrl.compile_watch.BackgroundCompile`):
+layers then run. So the trainer can compile them in a thread while it builds the model
+(`mmrl.compile_watch.BackgroundCompile`; `MMRL_COMPILE_AHEAD=all`, or `head` for the head's
+arithmetic alone; off by default, as measured so far it did not pay: docs/performance.md):
 
     work = CompileAhead(recipe, settled, config, processing, device)
     work()       # the head's arithmetic, then one micro-batch's forward and backward
@@ -84,7 +85,10 @@ class CompileAhead:
     def __call__(self) -> dict[str, int]:
         from mmrl.engine.logprobs import candidates, head_dtype, precompile_head
 
-        compile_workers_ready()  # inductor's workers take the kernels: the build keeps this process
+        if self.prompts is not None:
+            # The layer's kernels are many: compiled one after another here they would take longer
+            # than the build, so they wait for inductor's workers. The head's few compile here.
+            compile_workers_ready()
         r, device = self.recipe, self.dist.device
         done = {"head": 0, "layers": 0}
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)

@@ -139,17 +139,18 @@ class Trainer:
         self._check_helper_room()
 
     def _compile_ahead(self) -> BackgroundCompile | None:
-        """On a GPU, what the first update compiles (the chunked head's arithmetic, the decoder
-        layer's forward and backward: `mmrl.compile_ahead`), compiling in a thread while the
-        model builds. None off a GPU, or with `MMRL_COMPILE_AHEAD=0`; `MMRL_COMPILE_AHEAD=head`:
-        the head's arithmetic alone (the benches' A/B)."""
-        what = os.environ.get("MMRL_COMPILE_AHEAD", "1")
-        if self.dist.device.type != "cuda" or what == "0":
+        """On a GPU with `MMRL_COMPILE_AHEAD=head` or `all`, what the first update compiles
+        (the chunked head's arithmetic; with `all` also the decoder layer's forward and
+        backward: `mmrl.compile_ahead`), compiling in a thread while the model builds. Off by
+        default: measured so far it did not pay (docs/performance.md, "The update's graphs
+        compiled while the model builds")."""
+        what = os.environ.get("MMRL_COMPILE_AHEAD", "0")
+        if self.dist.device.type != "cuda" or what not in ("head", "all"):
             return None
         from mmrl.compile_ahead import CompileAhead
 
         processor, config = self._loaded
-        work = CompileAhead(self.recipe, self.settled, config, processor, self.dist, layers=what != "head")
+        work = CompileAhead(self.recipe, self.settled, config, processor, self.dist, layers=what == "all")
         return BackgroundCompile(work, "the update's graphs", self.compile_watch)
 
     def _claim_folder(self) -> None:

@@ -601,8 +601,8 @@ def test_compile_workers_start_before_the_model_build_on_cuda(tmp_path, monkeypa
 
 
 def test_the_update_graphs_compile_in_the_background_during_the_build_on_cuda(tmp_path, monkeypatch):
-    """A GPU run compiles its update's graphs in a thread while its model builds
-    (`mmrl.compile_ahead`: the chunked head's arithmetic, the decoder layer's forward and
+    """With `MMRL_COMPILE_AHEAD=all`, a GPU run compiles its update's graphs in a thread while
+    its model builds (`mmrl.compile_ahead`: the chunked head's arithmetic, the decoder layer's forward and
     backward on an empty one-layer model): they compile there, counted apart, and the run's
     first step compiles none of them itself; the step trains."""
     import threading
@@ -617,6 +617,7 @@ def test_the_update_graphs_compile_in_the_background_during_the_build_on_cuda(tm
     for function in (logprobs._stats, logprobs._raw_grad):
         function.state.clear()
     torch._dynamo.reset()
+    monkeypatch.setenv("MMRL_COMPILE_AHEAD", "all")
     recipe = _one_step_recipe(tmp_path, monkeypatch)
     trainer = Trainer(recipe)
     main = threading.get_ident()
