@@ -15,9 +15,11 @@ arithmetic alone; off by default, as measured so far it did not pay: docs/perfor
 
 The one-layer model is built on the meta device and given zeroed storage on the run's
 device: no random draw, so the run's random numbers are those of a run without it. It goes
-through the engine the run's actor is (same options, same freezing), on the family's sample
-conversations; the micro-batch's rows and lengths are dynamic in the layer's graph, so its
-size does not matter (tests/test_compiled_layers_shapes.py). What it cannot match (a LoRA
+through the engine the run's actor is (same options, same freezing), on a stand-in for the
+run's first micro-batch: its first prompts with responses of `rollout.max_new_tokens`. The
+rows and lengths are dynamic in the layer's graph (tests/test_compiled_layers_shapes.py),
+but a dimension of 1 is not, so the stand-in must pack into one row where the run's first
+micro-batch does, and into several where it does. What it cannot match (a LoRA
 run's layers, sharded engines) it leaves to the run: the head's arithmetic alone then.
 """
 
@@ -26,9 +28,6 @@ from __future__ import annotations
 import torch
 
 from mmrl.compile_watch import compile_workers_ready
-
-# Response tokens of the stand-in micro-batch: the lengths are dynamic in the compiled graphs.
-RESPONSE_TOKENS = 8
 
 
 def empty_layered_model(config, adapter, dtype: torch.dtype, device: torch.device):
@@ -60,8 +59,7 @@ class CompileAhead:
     stand-in prompts here (the processor is not shared with the build's thread); the call
     returns what it compiled: {"head": calls, "layers": compiled layer calls}."""
 
-    def __init__(self, recipe, settled, config, processor, dist, layers: bool = True) -> None:
-        from mmrl.checks import sample_conversations
+    def __init__(self, recipe, settled, config, processor, dist, layers: bool = True, dataset=None) -> None:
         from mmrl.settle import model_adapter
 
         self.recipe, self.settled, self.config, self.dist = recipe, settled, config, dist
@@ -72,7 +70,25 @@ class CompileAhead:
             pixels = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
             self.processing = self.adapter.processing_class()(processor, **{**self.adapter.processing_options,
                                                                              **pixels})
-            self.prompts = dict(self.processing(sample_conversations(self.adapter)))
+            self.prompts = dict(self.processing(self.stand_in_conversations(dataset)))
+
+    def stand_in_conversations(self, dataset) -> list:
+        """The stand-in micro-batch's prompts: the run's first micro-batch as the update will
+        see it (its first prompts, each repeated `samples_per_prompt` times, up to
+        `algo.micro_batch_size` rows), so that it packs into as many rows as the run's; a
+        dimension of 1 is a constant in the compiled graph, of 2 and more a symbol. The
+        family's sample conversations where there is no dataset to read."""
+        from mmrl.checks import sample_conversations
+        from mmrl.data.schema import to_conversation
+
+        r = self.recipe
+        if not hasattr(dataset, "batches") or not len(dataset):
+            return sample_conversations(self.adapter)
+        prompts = min(r.data.prompts_per_step, len(dataset))
+        first = next(dataset.batches(prompts, seed=r.data.shuffle_seed)).samples
+        conversations = [to_conversation(sample, max_pixels=r.model.max_pixels) for sample in first]
+        repeated = [each for each in conversations for _ in range(r.rollout.samples_per_prompt)]
+        return repeated[:max(1, r.algo.micro_batch_size)]
 
     def layers_match(self) -> bool:
         """Whether a one-layer model here compiles the run's layer graphs: the layers compile,
@@ -117,10 +133,10 @@ class CompileAhead:
                         gradient_checkpointing=self.settled.gradient_checkpointing, **self.settled.engine_options())
         if engine.compiled_layers is None:
             return 0
-        rows = self.prompts["input_ids"].shape[0]
-        responses = torch.zeros(rows, RESPONSE_TOKENS, dtype=torch.long)
+        rows, new_tokens = self.prompts["input_ids"].shape[0], max(2, r.rollout.max_new_tokens)
+        responses = torch.zeros(rows, new_tokens, dtype=torch.long)
         mask = torch.ones_like(responses)
-        mask[0, RESPONSE_TOKENS // 2:] = 0  # one row stopped early, as in any batch
+        mask[0, new_tokens // 2:] = 0  # one row stopped early, as in any batch
         seqs = join(self.prompts, responses, mask, adapter, engine.model,
                     self.processing.tokenizer.pad_token_id).to(self.dist.device)
         temperature = r.rollout.temperature or 1.0

@@ -150,7 +150,8 @@ class Trainer:
         from mmrl.compile_ahead import CompileAhead
 
         processor, config = self._loaded
-        work = CompileAhead(self.recipe, self.settled, config, processor, self.dist, layers=what == "all")
+        work = CompileAhead(self.recipe, self.settled, config, processor, self.dist, layers=what == "all",
+                            dataset=self.train_set)
         return BackgroundCompile(work, "the update's graphs", self.compile_watch)
 
     def _claim_folder(self) -> None:

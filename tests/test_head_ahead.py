@@ -136,14 +136,17 @@ def test_the_update_compiled_ahead_on_an_empty_one_layer_model_serves_the_run(tm
 
     from mmrl.build import build_recipe_model, recipe_config
     from mmrl.compile_ahead import CompileAhead
+    from mmrl.data import load_prompts
     from mmrl.settle import resolve
 
-    recipe = _recipe(tmp_path)
+    recipe = _recipe(tmp_path, "algo.micro_batch_size=12", "rollout.max_new_tokens=3")
     dist = init_distributed("cpu")
     settled = resolve(recipe, dist)
     processor, config = recipe_config(recipe.model)
     random_state = torch.get_rng_state()
-    ahead = BackgroundCompile(CompileAhead(recipe, settled, config, processor, dist), "the update", watch())
+    dataset = load_prompts(recipe.data.train)
+    ahead = BackgroundCompile(CompileAhead(recipe, settled, config, processor, dist, dataset=dataset), "the update",
+                              watch())
     ahead.wait()
     assert ahead.error is None and ahead.result["layers"] > 0, (ahead.error, ahead.result)
     assert torch.equal(torch.get_rng_state(), random_state)
@@ -178,3 +181,28 @@ def test_nothing_is_compiled_ahead_where_a_one_layer_model_cannot_match_the_run(
     work = CompileAhead(recipe, resolve(recipe, dist), config, processor, dist)
     assert not work.layers_match() and work.prompts is None
     assert work() == {"head": 0, "layers": 0}  # and on the CPU the head's arithmetic runs eagerly
+
+
+def test_the_stand_in_micro_batch_is_the_runs_first_one(tmp_path):
+    """The stand-in's prompts are the run's first prompts in the run's order, each repeated
+    `samples_per_prompt` times, up to `algo.micro_batch_size` rows: it packs as the run's
+    first micro-batch does (one row or several)."""
+    from mmrl.build import recipe_config
+    from mmrl.compile_ahead import CompileAhead
+    from mmrl.data import load_prompts
+    from mmrl.data.schema import to_conversation
+    from mmrl.settle import resolve
+
+    recipe = _recipe(tmp_path, "algo.micro_batch_size=20")
+    dist = init_distributed("cpu")
+    processor, config = recipe_config(recipe.model)
+    dataset = load_prompts(recipe.data.train)
+    work = CompileAhead(recipe, resolve(recipe, dist), config, processor, dist, dataset=dataset)
+    conversations = work.stand_in_conversations(dataset)
+    first = next(dataset.batches(recipe.data.prompts_per_step, seed=recipe.data.shuffle_seed)).samples
+    samples = recipe.rollout.samples_per_prompt
+    assert len(conversations) == 20 and work.prompts["input_ids"].shape[0] == 20
+    for index, conversation in enumerate(conversations):
+        expected = to_conversation(first[index // samples], max_pixels=recipe.model.max_pixels)
+        assert conversation[-1]["content"][-1] == expected[-1]["content"][-1]
+    assert work.stand_in_conversations(None) == sample_conversations(work.adapter)
