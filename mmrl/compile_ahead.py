@@ -9,7 +9,7 @@ layers then run. So the trainer can compile them in a thread while it builds the
 (`mmrl.compile_watch.BackgroundCompile`; `MMRL_COMPILE_AHEAD=all`, or `head` for the head's
 arithmetic alone; off by default, as measured so far it did not pay: docs/performance.md):
 
-    work = CompileAhead(recipe, settled, config, processing, device)
+    work = CompileAhead(recipe, settled, config, processor, dist, dataset=train_set)
     work()       # the head's arithmetic, then one micro-batch's forward and backward
                  # through a one-layer model of the run's config
 
@@ -141,10 +141,10 @@ class CompileAhead:
                     self.processing.tokenizer.pad_token_id).to(self.dist.device)
         temperature = r.rollout.temperature or 1.0
         algo = r.algo
-        if algo.kl_coef > 0 or algo.epochs_per_rollout > 1 or algo.mini_batches > 1:
-            with torch.no_grad():  # old-policy or reference log-probs (`PolicyUpdate._estimate`)
-                engine.log_probs(seqs, temperature, with_entropy=False)
         try:
+            if algo.kl_coef > 0 or algo.epochs_per_rollout > 1 or algo.mini_batches > 1:
+                with torch.no_grad():  # old-policy or reference log-probs (`PolicyUpdate._estimate`)
+                    engine.log_probs(seqs, temperature, with_entropy=False)
             logp, entropy = engine.log_probs(seqs, temperature)
             engine.backward(logp.sum() + (entropy.sum() if algo.entropy_coef else 0.0))
             return engine.compiled_layers.compiled_calls
