@@ -130,9 +130,21 @@ def build_model(
     model = adapter.on_load(model)
     eos = getattr(model.generation_config, "eos_token_id", None)
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    options = {"stop_token_ids": stop_ids, **adapter.processing_options, **(processing_options or {})}
-    processing = adapter.processing_class()(processor, **options)
+    processing = make_processing(adapter, processor, processing_options, stop_token_ids=stop_ids)
     return BuiltModel(model=model, processing=processing, adapter=adapter)
+
+
+def make_processing(adapter: ModelAdapter, processor, options: dict[str, Any] | None = None, *,
+                    stop_token_ids: list[int] | None = None) -> Processing:
+    """`adapter`'s processing of `processor`: the family's processing options, then `options`
+    (a recipe's pixel bounds: `pixel_options`) over them."""
+    stops = {"stop_token_ids": stop_token_ids} if stop_token_ids is not None else {}
+    return adapter.processing_class()(processor, **{**stops, **adapter.processing_options, **(options or {})})
+
+
+def pixel_options(model) -> dict[str, int]:
+    """A recipe `model` section's `min_pixels` and `max_pixels`, where set."""
+    return {k: v for k, v in (("min_pixels", model.min_pixels), ("max_pixels", model.max_pixels)) if v is not None}
 
 
 def _warn_frozen(model) -> None:
@@ -203,11 +215,9 @@ def build_recipe_model(model, *, seed: int = 0, device: str | torch.device | Non
     freezing and LoRA: what the trainer builds for the actor (with the `processor` its
     checks loaded), the reference and the critic (these two with the actor's;
     `build_model`)."""
-    options = {k: v for k, v in (("min_pixels", model.min_pixels), ("max_pixels", model.max_pixels))
-               if v is not None}
     return build_model(
         model.path, random_init=model.random_init, dtype=model.dtype, attn_implementation=model.attn_implementation,
-        seed=seed, processing_options=options, trust_remote_code=model.trust_remote_code,
+        seed=seed, processing_options=pixel_options(model), trust_remote_code=model.trust_remote_code,
         config_overrides=model.config_overrides or None, tiny_vocabulary=model.tiny_vocabulary or None,
         device=device, processor=processor,
     )

@@ -66,10 +66,9 @@ class CompileAhead:
         self.adapter = model_adapter(recipe)
         self.processing = self.prompts = None
         if layers and self.layers_match() and processor is not None:
-            m = recipe.model
-            pixels = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
-            self.processing = self.adapter.processing_class()(processor, **{**self.adapter.processing_options,
-                                                                             **pixels})
+            from mmrl.build import make_processing, pixel_options
+
+            self.processing = make_processing(self.adapter, processor, pixel_options(recipe.model))
             self.prompts = dict(self.processing(self.stand_in_conversations(dataset)))
 
     def stand_in_conversations(self, dataset) -> list:
@@ -79,14 +78,14 @@ class CompileAhead:
         dimension of 1 is a constant in the compiled graph, of 2 and more a symbol. The
         family's sample conversations where there is no dataset to read."""
         from mmrl.checks import sample_conversations
-        from mmrl.data.schema import to_conversation
+        from mmrl.evaluation import conversations_of
 
         r = self.recipe
         if not hasattr(dataset, "batches") or not len(dataset):
             return sample_conversations(self.adapter)
-        prompts = min(r.data.prompts_per_step, len(dataset))
-        first = next(dataset.batches(prompts, seed=r.data.shuffle_seed)).samples
-        conversations = [to_conversation(sample, max_pixels=r.model.max_pixels) for sample in first]
+        first = next(dataset.batches(min(r.data.prompts_per_step, len(dataset)), seed=r.data.shuffle_seed))
+        conversations = conversations_of(first.samples, [dataset.source_rows[i] for i in first.indices], dataset,
+                                         "compiling ahead", max_pixels=r.model.max_pixels)
         repeated = [each for each in conversations for _ in range(r.rollout.samples_per_prompt)]
         return repeated[:max(1, r.algo.micro_batch_size)]
 

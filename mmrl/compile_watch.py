@@ -285,4 +285,5 @@ def start_compile_workers() -> bool:
     return bool(AsyncCompile.use_process_pool() or AsyncCompile._ready_future is not None)
 
 
-__all__ = ["BackgroundCompile", "CompileWatch", "cache_counts", "compile_workers_ready", "cache_root", "persistent_cache", "start_compile_workers", "watch"]
+__all__ = ["BackgroundCompile", "CompileWatch", "cache_counts", "cache_root", "compile_workers_ready", "persistent_cache",
+           "start_compile_workers", "watch"]

@@ -137,8 +137,9 @@ def processing_for(recipe):
 
         with vocabulary(**m.tiny_vocabulary) if m.tiny_vocabulary else nullcontext():
             processor = adapter.tiny().processor
-    options = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v is not None}
-    return adapter.processing_class()(processor, **{**adapter.processing_options, **options})
+    from mmrl.build import make_processing, pixel_options
+
+    return make_processing(adapter, processor, pixel_options(m))
 
 
 def describe_rows(recipe, rows: int = 2, split: str = "train") -> list[dict[str, Any]]:

@@ -67,11 +67,8 @@ def on_cuda(what: str, enabled: Callable[[], bool] = lambda: True):
         def call(tensor, *args):
             if not (compiles_here(tensor) and enabled()) or state.get("failed"):
                 return fn(tensor, *args)
-            if "compiled" not in state:
-                state["compiled"] = torch.compile(fn, **COMPILE_OPTIONS)
-            mark_rows_dynamic(tensor, args)
             try:
-                return state["compiled"](tensor, *args)
+                return _compiled_call(fn, state, tensor, args)
             except Exception as error:  # noqa: BLE001 - any compile failure keeps the eager path
                 state["failed"] = True
                 warnings.warn(f"{what}: {fn.__name__} runs eagerly ({one_line(error, typed=True)})"[:300],
@@ -92,7 +89,13 @@ def precompile(function, tensor: torch.Tensor, *args):
     state = function.state
     if not (compiles_here(tensor) and function.enabled()) or state.get("failed"):
         return None
+    return _compiled_call(function.__wrapped__, state, tensor, args)
+
+
+def _compiled_call(fn, state: dict, tensor: torch.Tensor, args: tuple):
+    """`fn(tensor, *args)` through its compiled function (made on first use, kept in `state`),
+    dim 0 of the arguments as long as `tensor`'s marked dynamic first."""
     if "compiled" not in state:
-        state["compiled"] = torch.compile(function.__wrapped__, **COMPILE_OPTIONS)
+        state["compiled"] = torch.compile(fn, **COMPILE_OPTIONS)
     mark_rows_dynamic(tensor, args)
     return state["compiled"](tensor, *args)

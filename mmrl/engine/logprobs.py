@@ -193,7 +193,6 @@ def _raw_grad(raw, targets, lse, entropy, grad_logp, grad_entropy, transform, te
     return transform.chain(grad, raw, temperature).to(raw.dtype)
 
 
-
 def head_dtype(weights: torch.dtype, device: torch.device, mixed_precision: bool = True) -> torch.dtype:
     """The dtype of the head outputs the chunked arithmetic gets: bf16 for fp32 weights on a
     GPU under the engine's mixed precision (`Engine.autocast`, FSDP2's policy), else the
