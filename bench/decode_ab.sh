@@ -29,7 +29,7 @@
 # MMRL_COMPILE_AHEAD=all, the chunked head's arithmetic and the layer's forward and backward;
 # headahead: MMRL_COMPILE_AHEAD=head, the head's alone) against compiled in the first step (graphs,
 # the default); inductor's pointwise kernels with one config each instead of autotuned
-# (noautotune: triton.autotune_pointwise=False); each from an empty cache, one call:
+# (noautotune: triton.autotune_pointwise=False); both (headnoauto); each from an empty cache, one call:
 #   ROWS=geometry3k SHAPE=vl3b MODES="ahead graphs" bash bench/decode_ab.sh
 # The CUDA libraries read ahead into the page cache while the run builds (the default,
 # mmrl.page_cache) against not (noreadahead: MMRL_READ_AHEAD=0); before each run of the call,
@@ -73,12 +73,13 @@ for mode in $modes; do
     ahead) name=mmrl_graphs_ahead; decode=graphs; cache=$(mktemp -d) ;;
     headahead) name=mmrl_graphs_headahead; decode=graphs; cache=$(mktemp -d) ;;
     noautotune) name=mmrl_graphs_noautotune; decode=graphs; cache=$(mktemp -d) ;;
+    headnoauto) name=mmrl_graphs_headnoauto; decode=graphs; cache=$(mktemp -d) ;;
     nofreeze) name=mmrl_graphs_nofreeze; decode=graphs; cache=$(mktemp -d); more=(trainer.gc_freeze=false) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, ahead, headahead, noautotune, noreadahead, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, ahead, headahead, noautotune, headnoauto, noreadahead, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")
@@ -90,8 +91,8 @@ for mode in $modes; do
   views=1; [[ $mode == noviews ]] && views=0
   early=1; [[ $mode == lazypool ]] && early=0
   ahead=1; [[ $mode == noreadahead ]] && ahead=0
-  compile_ahead=0; [[ $mode == ahead ]] && compile_ahead=all; [[ $mode == headahead ]] && compile_ahead=head
-  autotune=1; [[ $mode == noautotune ]] && autotune=0
+  compile_ahead=0; [[ $mode == ahead ]] && compile_ahead=all; [[ $mode == headahead || $mode == headnoauto ]] && compile_ahead=head
+  autotune=1; [[ $mode == noautotune || $mode == headnoauto ]] && autotune=0
   profile=0; [[ $mode == prewarm ]] && profile=1  # the helper's build under cProfile, in its log (kept below)
   [[ ${EVICT:-0} == 1 ]] && "$py" -c "import torch; from mmrl.page_cache import evict, library_files; evict(library_files())"
   cache=${cache:-$(mktemp -d)}

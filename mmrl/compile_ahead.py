@@ -100,10 +100,6 @@ class CompileAhead:
     def __call__(self) -> dict[str, int]:
         from mmrl.engine.logprobs import candidates, head_dtype, precompile_head
 
-        if self.prompts is not None:
-            # The layer's kernels are many: compiled one after another here they would take longer
-            # than the build, so they wait for inductor's workers. The head's few compile here.
-            compile_workers_ready()
         r, device = self.recipe, self.dist.device
         done = {"head": 0, "layers": 0}
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
@@ -112,6 +108,10 @@ class CompileAhead:
                                            candidates(self.config), r.rollout.temperature or 1.0,
                                            bool(r.algo.entropy_coef))
         if self.prompts is not None:
+            # The head's few kernels compile in this process while inductor's workers start; the
+            # layer's are many: compiled one after another here they would take longer than the
+            # build, so they wait for the workers.
+            compile_workers_ready()
             done["layers"] = self._update_layers()
         return done
 
