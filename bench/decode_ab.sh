@@ -31,7 +31,8 @@
 # the default); inductor's pointwise kernels with one config each instead of autotuned
 # (noautotune: triton.autotune_pointwise=False); both (headnoauto); each from an empty cache, one call:
 #   ROWS=geometry3k SHAPE=vl3b MODES="ahead graphs" bash bench/decode_ab.sh
-# DTYPE=bfloat16 gives the VL-3B shape bf16 weights (it then fits an H100; a proxy, not the targets' fp32).
+# DTYPE=bfloat16 gives the VL-3B shape bf16 weights (a proxy for the targets' fp32; on an H100 the geometry3k
+# rows still ran out of memory at 16-row micro-batches, redone with checkpointing, then at step 2).
 # The CUDA libraries read ahead into the page cache while the run builds (the default,
 # mmrl.page_cache) against not (noreadahead: MMRL_READ_AHEAD=0); before each run of the call,
 # EVICT=1 drops the libraries' pages from the page cache, so each starts as a fresh machine's:
@@ -55,7 +56,7 @@ if [[ $shape == vl3b ]]; then
   dtype=float32
   extra=(--micro-batch 16 --new-tokens 64 --prompt-words 20 60)
 fi
-dtype=${DTYPE:-$dtype}  # DTYPE=bfloat16: the VL-3B shape's weights in bf16 (fits an H100's 80 GiB)
+dtype=${DTYPE:-$dtype}
 [[ -n $rows ]] && extra+=(--rows "$rows")
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
