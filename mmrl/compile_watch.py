@@ -102,13 +102,13 @@ class CompileWatch:
         if self.announce:
             print(f"recorded graph {count} ({what}) in {seconds:.1f} s", flush=True)
 
-    def waited(self, seconds: float, what: str) -> None:
+    def waited(self, seconds: float, what: str, detail: str = "") -> None:
         """Count seconds the run waited for a background compile (`BackgroundCompile.wait`) as
-        compile time, no graph."""
+        compile time, no graph; `detail` follows the line in parentheses."""
         with self._lock:
             self.seconds += seconds
         if self.announce and seconds >= 0.1:
-            print(f"waited {seconds:.1f} s for {what}", flush=True)
+            print(f"waited {seconds:.1f} s for {what}" + (f" ({detail})" if detail else ""), flush=True)
 
     def take(self) -> tuple[float, int]:
         """Seconds and compiles since the previous `take`."""
@@ -131,26 +131,36 @@ class BackgroundCompile:
         self.result: object = None
         self.error: str | None = None
         self._watch = watch or _WATCH
+        # The thread's timeline, for the wait's line: seconds from the start to the caller's
+        # `wait()` (the overlapped work), the thread's run, and its compiling.
+        self._began = time.perf_counter()
+        self.overlapped = self.ran = self.compiled = 0.0
         self._thread: threading.Thread | None = threading.Thread(target=self._run, args=(work,), daemon=True,
                                                                  name="mmrl-background-compile")
         self._thread.start()
 
     def _run(self, work: Callable[[], object]) -> None:
         self._watch._background_threads.add(threading.get_ident())
+        compiled = self._watch.background_seconds
         try:
             self.result = work()
         except Exception as error:  # noqa: BLE001 - the run compiles it itself then
             self.error = one_line(error, typed=True)
+        finally:
+            self.ran = time.perf_counter() - self._began
+            self.compiled = self._watch.background_seconds - compiled
 
     def wait(self) -> float:
         """Join the thread (once; later calls return 0.0): the seconds waited."""
         if self._thread is None:
             return 0.0
         start = time.perf_counter()
+        self.overlapped = start - self._began
         self._thread.join()
         self._thread = None
         waited = time.perf_counter() - start
-        self._watch.waited(waited, self.what)
+        self._watch.waited(waited, self.what, f"its thread ran {self.ran:.1f} s, {self.compiled:.1f} s of it "
+                           f"compiling, beside {self.overlapped:.1f} s of the caller's work")
         if self.error is not None:
             print(f"compiling {self.what} ahead failed, compiled when needed instead: {self.error}"[:300],
                   file=sys.stderr, flush=True)

@@ -51,6 +51,7 @@ def test_the_engine_finds_the_graphs_compiled_ahead_in_a_thread(fused_graphs, fa
     assert ahead.result == 2 * len(candidates(config)) == len(fused_graphs)
     # Counted as the background's compiles, not the run's.
     assert (compile_watch.graphs, compile_watch.background_graphs) == (before[0], before[1] + ahead.result)
+    assert 0.0 < ahead.compiled <= ahead.ran  # the wait's line: the thread's compiling within its run
     compiled_ahead = len(fused_graphs)
 
     seqs = _seqs(built, engine)
@@ -101,6 +102,27 @@ def test_a_failed_background_compile_is_one_line_and_its_wait_counts_as_compile_
     assert err.count("\n") == 1 and "compiling the head ahead failed" in err
     assert compile_watch.seconds == pytest.approx(seconds + waited)
     assert ahead.wait() == 0.0  # joined once
+
+
+def test_the_wait_line_gives_the_threads_timeline(capsys):
+    """The line of a wait says how long the thread ran, how much of it compiled and how long
+    the caller's own work beside it took: what tells a slow thread from a short build."""
+    import threading
+
+    compile_watch = watch()
+    announce, compile_watch.announce = compile_watch.announce, True
+    go = threading.Event()
+    ahead = BackgroundCompile(lambda: go.wait(5), "the stand-in", compile_watch)
+    try:
+        threading.Timer(0.3, go.set).start()
+        waited = ahead.wait()
+    finally:
+        compile_watch.announce = announce
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("waited")][-1]
+    assert waited >= 0.1 and ahead.ran >= waited and ahead.compiled == 0.0
+    assert 0.0 <= ahead.overlapped < ahead.ran
+    assert line == (f"waited {waited:.1f} s for the stand-in (its thread ran {ahead.ran:.1f} s, 0.0 s of it compiling, "
+                    f"beside {ahead.overlapped:.1f} s of the caller's work)")
 
 
 def _recipe(tmp_path, *overrides):
