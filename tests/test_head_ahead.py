@@ -114,7 +114,8 @@ def test_the_wait_line_gives_the_threads_timeline(capsys):
     go = threading.Event()
     ahead = BackgroundCompile(lambda: go.wait(5), "the stand-in", compile_watch)
     try:
-        threading.Timer(0.3, go.set).start()
+        # Well over the line's 0.1 s threshold, so a stalled caller still waits long enough.
+        threading.Timer(1.0, go.set).start()
         waited = ahead.wait()
     finally:
         compile_watch.announce = announce
