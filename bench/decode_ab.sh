@@ -60,7 +60,10 @@ dtype=${DTYPE:-$dtype}
 [[ -n $rows ]] && extra+=(--rows "$rows")
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
-graphs_cache=$(mktemp -d)
+# GRAPHS_CACHE: graphs' cache at a path that outlives the call (a warm machine keeps it), so a
+# later call's graphs_warm runs on it: MODES=graphs GRAPHS_CACHE=/tmp/g, then MODES=graphs_warm GRAPHS_CACHE=/tmp/g
+graphs_cache=${GRAPHS_CACHE:-$(mktemp -d)}
+mkdir -p "$graphs_cache"
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
 # graphs_warm on compiled's and graphs' caches, so after them; prewarm: graphs from an empty
 # cache of its own with the compile helper on, model.compile_prewarm=true; noviews: graphs from
