@@ -31,6 +31,7 @@
 # the default); inductor's pointwise kernels with one config each instead of autotuned
 # (noautotune: triton.autotune_pointwise=False); both (headnoauto); each from an empty cache, one call:
 #   ROWS=geometry3k SHAPE=vl3b MODES="ahead graphs" bash bench/decode_ab.sh
+# MICRO_BATCH overrides the VL-3B shape's 16-row micro-batches (8 to fit an 80 GiB card).
 # DTYPE=bfloat16 gives the VL-3B shape bf16 weights (a proxy for the targets' fp32; on an H100 the geometry3k
 # rows still ran out of memory at 16-row micro-batches, redone with checkpointing, then at step 2).
 # The CUDA libraries read ahead into the page cache while the run builds (the default,
@@ -54,7 +55,7 @@ dtype=bfloat16
 extra=()
 if [[ $shape == vl3b ]]; then
   dtype=float32
-  extra=(--micro-batch 16 --new-tokens 64 --prompt-words 20 60)
+  extra=(--micro-batch "${MICRO_BATCH:-16}" --new-tokens 64 --prompt-words 20 60)
 fi
 dtype=${DTYPE:-$dtype}
 [[ -n $rows ]] && extra+=(--rows "$rows")
