@@ -444,12 +444,14 @@ def second_run_entry(path: Path = RESULTS / "decode_ab_vl3b_stall28_gpu.json") -
 
 def spread_runs(folder: Path = RESULTS) -> list[Path]:
     """The fresh-machine geometry3k runs of `MODES=graphs`, in the order measured:
-    decode_graphs_vl3b_geometry3k_gpu_raw.json, then _2_, _3_ ... (one a device call)."""
-    def order(path: Path) -> int:
-        middle = path.name[len("decode_graphs_vl3b_geometry3k"):-len("_gpu_raw.json")]
-        return int(middle.lstrip("_")) if middle else 1
+    decode_graphs_vl3b_geometry3k_gpu_raw.json, then _2_, _3_ ... (one a device call). Other
+    names (a proxy on another card or dtype: `_bf16_h100_oom_`) are not the target's runs."""
+    def order(path: Path) -> int | None:
+        middle = path.name[len("decode_graphs_vl3b_geometry3k"):-len("_gpu_raw.json")].lstrip("_")
+        return 1 if not middle else int(middle) if middle.isdigit() else None
 
-    return sorted(folder.glob("decode_graphs_vl3b_geometry3k*_gpu_raw.json"), key=order)
+    numbered = [(order(path), path) for path in folder.glob("decode_graphs_vl3b_geometry3k*_gpu_raw.json")]
+    return [path for number, path in sorted((n, p) for n, p in numbered if n is not None)]
 
 
 def spread_entries(paths: list[Path] | None = None,

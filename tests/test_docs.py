@@ -243,6 +243,19 @@ def test_readme_gpu_table_is_gpu_targets_json():
     assert f"{targets.TABLE_START}\n{targets.readme_table(summary)}\n{targets.TABLE_END}" in README
 
 
+def test_the_geometry3k_spread_reads_the_numbered_fresh_runs_only(tmp_path):
+    """bench/gpu_targets.py's geometry3k rows read the fresh-machine runs in the order measured
+    (no number, then _2_, _3_, ..., _10_), not a proxy saved beside them under another name."""
+    from bench_scripts import load_bench
+
+    targets = load_bench("gpu_targets")
+    names = ["decode_graphs_vl3b_geometry3k_gpu_raw.json", "decode_graphs_vl3b_geometry3k_10_gpu_raw.json",
+             "decode_graphs_vl3b_geometry3k_2_gpu_raw.json", "decode_graphs_vl3b_geometry3k_bf16_h100_oom_gpu_raw.json"]
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    assert [path.name for path in targets.spread_runs(tmp_path)] == [names[0], names[2], names[1]]
+
+
 def test_gpu_targets_json_holds_what_its_readers_compute_from_the_results():
     """Each reader-made row of bench/results/gpu_targets.json is what its reader computes
     from the results on file now (a result replaced without re-running gpu_targets.py fails)."""
@@ -257,5 +270,9 @@ def test_gpu_targets_json_holds_what_its_readers_compute_from_the_results():
     for read in readers:
         entry = read()
         assert entry is not None and rows[entry["name"]] == json.loads(json.dumps(entry)), read.__name__
+    spread = targets.spread_entries()
+    assert len(spread) == 3
+    for entry in spread:
+        assert rows[entry["name"]] == json.loads(json.dumps(entry)), entry["name"]
     geo3k = targets.geo3k_entry()
     assert geo3k["met"] is (geo3k["measured"] >= 3000)
