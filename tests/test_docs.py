@@ -276,3 +276,26 @@ def test_gpu_targets_json_holds_what_its_readers_compute_from_the_results():
         assert rows[entry["name"]] == json.loads(json.dumps(entry)), entry["name"]
     geo3k = targets.geo3k_entry()
     assert geo3k["met"] is (geo3k["measured"] >= 3000)
+
+
+def test_the_second_run_geometry3k_rows_count_later_compiles_and_the_share(tmp_path):
+    """bench/gpu_targets.py's second-run geometry3k rows: graphs compiled after step 1 and the
+    compile seconds over the steps' wall clock, each against its target; none without a run."""
+    import json
+
+    from bench_scripts import load_bench
+
+    targets = load_bench("gpu_targets")
+    path = tmp_path / "warm.json"
+    assert targets.spread_warm_entries(path) == []
+    run = {"steps_done": 50, "whole_run_s": 120.0, "compile_total_s": 9.0, "compile_graphs_total": 6,
+           "first_step_s": 11.0, "median_s": {"step": 2.2},
+           "per_step": [{"compile_graphs": 5}, {"compile_graphs": 0}, {"compile_graphs": 1}]}
+    path.write_text(json.dumps({"runs": {"mmrl_graphs_warm": run}}))
+    later, share = targets.spread_warm_entries(path)
+    assert (later["measured"], later["met"]) == (1, True)
+    assert (share["measured"], share["met"]) == (0.075, True)
+    run.update(compile_total_s=13.0, per_step=[{"compile_graphs": 5}] + [{"compile_graphs": 1}] * 4)
+    path.write_text(json.dumps({"runs": {"mmrl_graphs_warm": run}}))
+    later, share = targets.spread_warm_entries(path)
+    assert (later["measured"], later["met"], share["met"]) == (4, False, False)
