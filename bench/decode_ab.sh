@@ -12,6 +12,10 @@
 # the mode `trl` runs TRL on the same rows for TRL_STEPS steps (default 6), its 50-step wall
 # clock projected at its median step (--whole-run). Issue 28's geometry3k rows, one call:
 #   ROWS=geometry3k SHAPE=vl3b MODES="graphs trl" TRL_MICRO_BATCH=8 bash bench/decode_ab.sh
+# A second run of the same recipe on those rows: a short run fills graphs' cache from empty
+# (every graph compiles in step 1), then graphs_warm runs 50 steps on it, one call:
+#   GRAPHS_CACHE=/tmp/g STEPS=3 ROWS=geometry3k SHAPE=vl3b MODES=graphs bash bench/decode_ab.sh
+#   GRAPHS_CACHE=/tmp/g ROWS=geometry3k SHAPE=vl3b MODES=graphs_warm bash bench/decode_ab.sh
 # The compile helper (model.compile_prewarm) against none, both from empty caches, one call:
 #   MODES="graphs prewarm" SHAPE=vl3b bash bench/decode_ab.sh
 # The decode layers' cache views (mmrl.rollout.graphs.LayerCache: the cache write inside each
