@@ -298,6 +298,8 @@ SPREAD_WARM_COMPILES_TARGET = ("geometry3k rows' spread (VL-3B shape, second run
                                "compiles after step 1 (at most)")
 SPREAD_WARM_SHARE_TARGET = ("geometry3k rows' spread (VL-3B shape, second run of the same recipe, 50 steps): "
                             "compiling's share of the run (at most)")
+SPREAD_WARM_FIRST_TARGET = ("geometry3k rows' spread (VL-3B shape, second run of the same recipe): first step minus "
+                            "the steady step, s (at most)")
 SPREAD_SHARE_TARGET = "geometry3k rows' spread (VL-3B shape, fresh machine, 50 steps): compiling's share of the run (at most)"
 
 
@@ -513,7 +515,8 @@ def spread_warm_entries(path: Path = RESULTS / "decode_graphs_warm_vl3b_geometry
     """Issue 28's geometry3k targets on a second run of the same recipe: bench/decode_ab.sh's
     `graphs_warm` run on the compile cache its `graphs` run filled from empty on the same
     machine. The share counts the run's compiling (its cache's reads included) over its 50
-    steps, as the fresh-machine row does."""
+    steps, as the fresh-machine row does; the first step's gap is the second-run target's
+    (held on the VL-3B bench by `second_run_entry`) on these rows."""
     if not path.is_file():
         return []
     (_, run), = json.loads(path.read_text())["runs"].items()
@@ -524,7 +527,10 @@ def spread_warm_entries(path: Path = RESULTS / "decode_graphs_warm_vl3b_geometry
     note = (f"{run['steps_done']} steps in {run['whole_run_s']} s, compiling {run['compile_total_s']} s in "
             f"{run['compile_graphs_total']} graphs, first step {run['first_step_s']:.1f} s, median "
             f"{run['median_s']['step']:.2f} s ({path.name})")
+    gap = run["first_step_s"] - run["median_s"]["step"]
     return [
+        {"name": SPREAD_WARM_FIRST_TARGET, "measured": gap, "baseline": None, "ratio": None, "target": 10.0,
+         "met": gap <= 10.0, "command": command, "note": note},
         {"name": SPREAD_WARM_COMPILES_TARGET, "measured": later, "baseline": None, "ratio": None, "target": 3,
          "met": later <= 3, "command": command, "note": note},
         {"name": SPREAD_WARM_SHARE_TARGET, "measured": share, "baseline": None, "ratio": None, "target": 0.10,

@@ -270,8 +270,8 @@ def test_gpu_targets_json_holds_what_its_readers_compute_from_the_results():
     for read in readers:
         entry = read()
         assert entry is not None and rows[entry["name"]] == json.loads(json.dumps(entry)), read.__name__
-    spread = targets.spread_entries()
-    assert len(spread) == 3
+    spread = targets.spread_entries() + targets.spread_warm_entries()
+    assert len(spread) == 6
     for entry in spread:
         assert rows[entry["name"]] == json.loads(json.dumps(entry)), entry["name"]
     geo3k = targets.geo3k_entry()
@@ -292,10 +292,11 @@ def test_the_second_run_geometry3k_rows_count_later_compiles_and_the_share(tmp_p
            "first_step_s": 11.0, "median_s": {"step": 2.2},
            "per_step": [{"compile_graphs": 5}, {"compile_graphs": 0}, {"compile_graphs": 1}]}
     path.write_text(json.dumps({"runs": {"mmrl_graphs_warm": run}}))
-    later, share = targets.spread_warm_entries(path)
+    first, later, share = targets.spread_warm_entries(path)
+    assert (first["measured"], first["met"]) == (11.0 - 2.2, True)
     assert (later["measured"], later["met"]) == (1, True)
     assert (share["measured"], share["met"]) == (0.075, True)
     run.update(compile_total_s=13.0, per_step=[{"compile_graphs": 5}] + [{"compile_graphs": 1}] * 4)
     path.write_text(json.dumps({"runs": {"mmrl_graphs_warm": run}}))
-    later, share = targets.spread_warm_entries(path)
+    first, later, share = targets.spread_warm_entries(path)
     assert (later["measured"], later["met"], share["met"]) == (4, False, False)
