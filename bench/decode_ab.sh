@@ -37,7 +37,7 @@
 #   ROWS=geometry3k SHAPE=vl3b MODES="ahead graphs" bash bench/decode_ab.sh
 # MICRO_BATCH overrides the VL-3B shape's 16-row micro-batches (8 to fit an 80 GiB card).
 # DTYPE=bfloat16 gives the VL-3B shape bf16 weights (a proxy for the targets' fp32; on an H100 the geometry3k
-# rows still ran out of memory at 16-row micro-batches, redone with checkpointing, then at step 2).
+# rows still ran out of memory at 16-row micro-batches, and at MICRO_BATCH=8, redone with checkpointing, then at step 2).
 # The CUDA libraries read ahead into the page cache while the run builds (the default,
 # mmrl.page_cache) against not (noreadahead: MMRL_READ_AHEAD=0); before each run of the call,
 # EVICT=1 drops the libraries' pages from the page cache, so each starts as a fresh machine's:
@@ -65,8 +65,7 @@ dtype=${DTYPE:-$dtype}
 [[ -n $rows ]] && extra+=(--rows "$rows")
 common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
-# GRAPHS_CACHE: graphs' cache at a path that outlives the call (a warm machine keeps it), so a
-# later call's graphs_warm runs on it: MODES=graphs GRAPHS_CACHE=/tmp/g, then MODES=graphs_warm GRAPHS_CACHE=/tmp/g
+# GRAPHS_CACHE: graphs' cache at a path a warm machine keeps (the second-run command above)
 graphs_cache=${GRAPHS_CACHE:-$(mktemp -d)}
 mkdir -p "$graphs_cache"
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
