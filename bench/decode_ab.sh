@@ -16,6 +16,9 @@
 # (every graph compiles in step 1), then graphs_warm runs 50 steps on it, one call:
 #   GRAPHS_CACHE=/tmp/g STEPS=3 ROWS=geometry3k SHAPE=vl3b MODES=graphs bash bench/decode_ab.sh
 #   GRAPHS_CACHE=/tmp/g ROWS=geometry3k SHAPE=vl3b MODES=graphs_warm bash bench/decode_ab.sh
+# warm_profiled runs as graphs_warm with its first step under cProfile (first_step_profile in
+# its JSON: where that step's seconds beyond a steady step's go; the profiler slows tracing):
+#   GRAPHS_CACHE=/tmp/g STEPS=2 ROWS=geometry3k SHAPE=vl3b MODES=warm_profiled bash bench/decode_ab.sh
 # The compile helper (model.compile_prewarm) against none, both from empty caches, one call:
 #   MODES="graphs prewarm" SHAPE=vl3b bash bench/decode_ab.sh
 # The decode layers' cache views (mmrl.rollout.graphs.LayerCache: the cache write inside each
@@ -63,11 +66,15 @@ if [[ $shape == vl3b ]]; then
 fi
 dtype=${DTYPE:-$dtype}
 [[ -n $rows ]] && extra+=(--rows "$rows")
-common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}")
 compiled_cache=$(mktemp -d)
 # GRAPHS_CACHE: graphs' cache at a path a warm machine keeps (the second-run command above)
 graphs_cache=${GRAPHS_CACHE:-$(mktemp -d)}
 mkdir -p "$graphs_cache"
+# With GRAPHS_CACHE the start model and its rows are kept beside the cache (trl_grpo_step.py
+# --start-dir): the second run reads the same checkpoint files and rows as the run before it.
+start=()
+[[ -n ${GRAPHS_CACHE:-} ]] && start=(--start-dir "$graphs_cache/start")
+common=(bench/trl_grpo_step.py --shape "$shape" --steps "$steps" --run-timeout "${RUN_TIMEOUT:-240}" "${extra[@]}" "${start[@]}")
 # MODES: which runs, in this order (graphs and compiled each from an empty cache; warm and
 # graphs_warm on compiled's and graphs' caches, so after them; prewarm: graphs from an empty
 # cache of its own with the compile helper on, model.compile_prewarm=true; noviews: graphs from
@@ -86,10 +93,11 @@ for mode in $modes; do
     headnoauto) name=mmrl_graphs_headnoauto; decode=graphs; cache=$(mktemp -d) ;;
     nofreeze) name=mmrl_graphs_nofreeze; decode=graphs; cache=$(mktemp -d); more=(trainer.gc_freeze=false) ;;
     graphs_warm) name=mmrl_graphs_warm; decode=graphs; cache=$graphs_cache ;;
+    warm_profiled) name=mmrl_graphs_warm_profiled; decode=graphs; cache=$graphs_cache ;;
     compiled) name=mmrl_compiled; decode=compiled; cache=$compiled_cache ;;
     warm) name=mmrl_compiled_warm; decode=compiled; cache=$compiled_cache ;;
     trl) name= ;;
-    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, ahead, headahead, noautotune, headnoauto, noreadahead, nofreeze, compiled, warm, graphs_warm, trl)"; exit 2 ;;
+    *) echo "MODES: unknown mode $mode (graphs, prewarm, noviews, lazypool, ahead, headahead, noautotune, headnoauto, noreadahead, nofreeze, compiled, warm, graphs_warm, warm_profiled, trl)"; exit 2 ;;
   esac
   if [[ -n $name ]]; then
     runs=(--runs --variant "$name" rollout.backend=hf_compiled "model.dtype=$dtype" "rollout.decode=$decode" "${more[@]}")
@@ -104,9 +112,10 @@ for mode in $modes; do
   compile_ahead=0; [[ $mode == ahead ]] && compile_ahead=all; [[ $mode == headahead || $mode == headnoauto ]] && compile_ahead=head
   autotune=1; [[ $mode == noautotune || $mode == headnoauto ]] && autotune=0
   profile=0; [[ $mode == prewarm ]] && profile=1  # the helper's build under cProfile, in its log (kept below)
+  first_profiled=0; [[ $mode == warm_profiled ]] && first_profiled=1  # the first step under cProfile
   [[ ${EVICT:-0} == 1 ]] && "$py" -c "import torch; from mmrl.page_cache import evict, library_files; evict(library_files())"
   cache=${cache:-$(mktemp -d)}
-  MMRL_COMPILE_AHEAD=$compile_ahead BENCH_AUTOTUNE_POINTWISE=$autotune MMRL_PREWARM_PROFILE=$profile MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
+  BENCH_PROFILE_FIRST_STEP=$first_profiled MMRL_COMPILE_AHEAD=$compile_ahead BENCH_AUTOTUNE_POINTWISE=$autotune MMRL_PREWARM_PROFILE=$profile MMRL_READ_AHEAD=$ahead MMRL_EARLY_COMPILE_WORKERS=$early MMRL_DECODE_LAYER_VIEWS=$views MMRL_COMPILE_CACHE=$cache "$py" "${common[@]}" "${runs[@]}" --log-dir "$out/logs_$tag" \
     --out "$out/decode_${mode}_$tag.json" > "$out/decode_${mode}_$tag.log" 2>&1
   echo "$mode ($tag): rc $? $(tail -1 "$out/decode_${mode}_$tag.log")"
   # The compile helper's log (prewarm: when each of its phases ended), kept beside the run's.

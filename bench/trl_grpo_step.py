@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import random
@@ -475,6 +476,39 @@ def compile_phases() -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:25])
 
 
+def profile_rows(profile, top: int = 60) -> dict[str, list]:
+    """A cProfile of one call as rows [function, calls, own s, with callees s]: the `top`
+    by time with callees and by own time (the first step's: BENCH_PROFILE_FIRST_STEP=1)."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive, calls, own, cumulative, callers)}
+    rows = [[f"{Path(file).name}:{line}({name})", calls, round(own, 3), round(cumulative, 3)]
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    return {"cumulative": sorted(rows, key=lambda row: -row[3])[:top],
+            "own": sorted(rows, key=lambda row: -row[2])[:top // 2]}
+
+
+def prompt_steps(args) -> int:
+    """Steps of prompt rows the start writes: --prompt-steps, else --steps."""
+    return getattr(args, "prompt_steps", 0) or args.steps
+
+
+# What a kept start (--start-dir) was built with; another value builds it again.
+START_SIGNATURE = ("device", "shape", "rows", "prompts", "seed", "vocabulary", "prompt_words", "prompt_steps")
+# Steps of prompt rows a kept start writes at least: a short run that fills the compile cache
+# and the 50-step second run after it then read the same rows (the same first batch).
+KEPT_PROMPT_STEPS = 50
+
+
+def kept_start(folder: Path, args) -> dict | None:
+    """The start model kept in `folder` (--start-dir) where it was built with these settings."""
+    record = folder / "start.json"
+    if not record.is_file() or not (folder / "model" / "config.json").is_file():
+        return None
+    start = json.loads(record.read_text())
+    return start if start.get("signature") == {k: getattr(args, k, None) for k in START_SIGNATURE} else None
+
+
 def device_of(name: str):
     import torch
 
@@ -513,7 +547,7 @@ def build_start(model_dir: Path, args) -> dict[str, Any]:
     built.save(model_dir)
     build_s = time.perf_counter() - began
     prompts_file = model_dir.parent / "prompts.jsonl"
-    lengths = write_prompts(prompts_file, prompt_words(tokenizer, vocabulary), args.prompts * args.steps,
+    lengths = write_prompts(prompts_file, prompt_words(tokenizer, vocabulary), args.prompts * prompt_steps(args),
                             *args.prompt_words, seed=args.seed)
     # mmrl's tokenization of its first batch, for TRL's run to compare its own against.
     from mmrl.data import load_prompts, to_conversation
@@ -585,10 +619,10 @@ def build_vl_start(model_dir: Path, args) -> dict[str, Any]:
     build_s = time.perf_counter() - began
     prompts_file = model_dir.parent / "prompts.jsonl"
     if rows:
-        source = write_recipe_rows(prompts_file, rows, args.prompts * args.steps)
+        source = write_recipe_rows(prompts_file, rows, args.prompts * prompt_steps(args))
         inputs: dict[str, Any] = {**source, "pixels": size}
     else:
-        lengths = write_prompts(prompts_file, prompt_words(tokenizer, "qwen"), args.prompts * args.steps,
+        lengths = write_prompts(prompts_file, prompt_words(tokenizer, "qwen"), args.prompts * prompt_steps(args),
                                 *args.prompt_words, seed=args.seed, image_side=shape["image"])
         inputs = {"image_side": shape["image"], "prompt_words": lengths}
     from mmrl.data import load_prompts, to_conversation
@@ -659,16 +693,34 @@ def run_mmrl(model_dir: Path, args, overrides: list[str], result: Path) -> None:
         return samples, rows
 
     trainer.next_prompts = next_prompts_kept
+    # The first step under cProfile (where its seconds beyond a steady step's go); it slows
+    # Python-heavy work such as tracing, so its step time is not the run's figure.
+    profile_first = os.environ.get("BENCH_PROFILE_FIRST_STEP", "0") == "1"
+    gc_watch = getattr(trainer, "gc_watch", None)  # absent before 2026-12-05
+    steps.extra.update(startup_frozen=getattr(gc_watch, "frozen", None), first_step_profiled=profile_first)
     steps.start()
     while trainer.step < args.steps:
-        metrics = trainer.train_step()
+        first = trainer.step == 0
+        full_before = getattr(gc_watch, "full", 0)
+        if first and profile_first:
+            import cProfile
+
+            profile = cProfile.Profile()
+            metrics = profile.runcall(trainer.train_step)
+            steps.extra["first_step_profile"] = profile_rows(profile)
+        else:
+            metrics = trainer.train_step()
+        if first:  # what the first rollout's loop did, and each full collection of the step
+            full = getattr(gc_watch, "full", 0) - full_before
+            steps.extra.update(first_loop_stats=dict(getattr(trainer.rollout, "stats", None) or {}),
+                               first_step_full_gc_s=[round(x, 3) for x in
+                                                     getattr(gc_watch, "full_seconds", [])[-full:]] if full else [])
         timings = {f"{key}_s": trainer.timings.pop(key, 0.0)
                    for key in ("rollout", "logprob", "update", "sync", "media_check", "media_check_rollout",
                                "media_check_training", "compile_helper_wait")}
         watch = getattr(trainer, "compile_watch", None)  # absent in commits before issue 28
         if watch is not None:
             timings["compile_s"], timings["compile_graphs"] = watch.take()
-        gc_watch = getattr(trainer, "gc_watch", None)  # absent before 2026-12-05
         if gc_watch is not None:
             timings["gc_s"], timings["gc_full"] = gc_watch.take()
         trainer._log({"step": trainer.step, **metrics})  # what Trainer.fit does each step
@@ -996,6 +1048,7 @@ def child(args, worker: str, tmp: Path, spec: dict | None = None, *, script: Pat
            "--result", str(result), "--prompt-words", *map(str, args.prompt_words),
            *[item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))],
            *(["--rows", args.rows] if getattr(args, "rows", None) else []),
+           *(["--prompt-steps", str(args.prompt_steps)] if getattr(args, "prompt_steps", 0) else []),
            *(["--trl-micro-batch", str(args.trl_micro_batch)] if getattr(args, "trl_micro_batch", 0) else []),
            *(extra or [])]
     if spec is not None and "steps" in spec:  # --steps-for: this run's own step count (the last --steps wins)
@@ -1069,6 +1122,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trl_grpo_step_gpu.json")
     parser.add_argument("--note", default="")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output here (default: a temporary folder)")
+    parser.add_argument("--start-dir", type=Path,
+                        help="keep the start model and its prompt rows here; a later call with the same settings "
+                             "reuses them (a second run of the same recipe: the same checkpoint files and rows)")
+    parser.add_argument("--prompt-steps", type=int, default=0,
+                        help=f"steps of prompt rows to write (default --steps; with --start-dir at least "
+                             f"{KEPT_PROMPT_STEPS})")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -1122,13 +1181,24 @@ def main() -> None:
         report["comparison"] = compare(report["runs"], specs)
         write_report(args.out, report)
 
-    with tempfile.TemporaryDirectory(prefix="trl_grpo_step_") as folder:
-        tmp = Path(folder)
-        print("building the start model ...", flush=True)
-        start, error = child(args, "build", tmp)
-        if start is None:
-            raise SystemExit(f"building the start model failed: {error}")
-        (tmp / "start.json").write_text(json.dumps(start))
+    with contextlib.ExitStack() as stack:
+        if args.start_dir is not None:  # kept: a later call with the same settings reuses it
+            tmp = args.start_dir
+            tmp.mkdir(parents=True, exist_ok=True)
+            args.prompt_steps = args.prompt_steps or max(args.steps, KEPT_PROMPT_STEPS)
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trl_grpo_step_")))
+        start = kept_start(tmp, args) if args.start_dir is not None else None
+        report["start_reused"] = start is not None
+        if start is not None:
+            print(f"the start model kept in {tmp} (--start-dir), built with the same settings", flush=True)
+        else:
+            print("building the start model ...", flush=True)
+            start, error = child(args, "build", tmp)
+            if start is None:
+                raise SystemExit(f"building the start model failed: {error}")
+            start["signature"] = {k: getattr(args, k, None) for k in START_SIGNATURE}
+            (tmp / "start.json").write_text(json.dumps(start))
         report["device"] = start["device"]
         report["start_model"] = {k: v for k, v in start.items() if k not in ("first_prompt_ids", "blocked_token_ids")}
         print(f"  {start['parameters'] / 1e6:.0f}M parameters, {start['vocabulary']} vocabulary "

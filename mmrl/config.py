@@ -404,12 +404,13 @@ class TrainerConfig(_Section):
     # At step 0 the first batch's images run real, blank and shuffled through the rollout and
     # the training path (`mmrl.media_check`): a model that does not read them gets a one-line
     # warning, or with this set an error that stops the run. `media_check: false` skips the
-    # check (seconds of the first step: 4-6 s at the Qwen2.5-VL-3B shape on one H200).
+    # check (seconds of the first step: 4-6 s at the Qwen2.5-VL-3B shape on one H200). A pass
+    # is remembered in the compile cache and the same run again skips it (`PassMemo`).
     strict_media: bool = False
     media_check: bool = True
     # After a step that compiled, one full collection, then what the process holds leaves
     # Python's full collections (`gc.freeze()`, `mmrl.gc_watch`): later ones walk only what
-    # the run made since.
+    # the run made since; a run whose first step compiles freezes once at its start too.
     gc_freeze: bool = True
 
     @field_validator("loggers")

@@ -9,7 +9,10 @@ After a step that compiled, the trainer collects once and moves what the process
 holds out of the collector's reach (`GcWatch.freeze_after`, `gc.collect()` then
 `gc.freeze()`; `trainer.gc_freeze`), as serving engines do once their graphs are captured:
 the compiles' records live as long as the run, and later full collections walk only what
-the run made since, where each would otherwise walk all of them again. The collection comes
+the run made since, where each would otherwise walk all of them again. A run that compiles
+in its first step freezes once before it too (`GcWatch.freeze_now`, at the end of the
+trainer's start): what the imports and the build made (the model, the libraries' modules) then
+stays out of the first step's full collections, which walk only what the compiles make. The collection comes
 first because tracing leaves garbage in reference cycles that holds live objects, such as
 the decode step's static caches: frozen, it would keep them, and their device memory, after
 the rollout lets them go. Objects frozen are still freed when nothing refers to them; only a
@@ -38,6 +41,8 @@ class GcWatch:
         self._taken = (0.0, 0)
         self._frozen_at = 0  # the compile count at the last freeze
         self.frozen = 0  # objects moved out of the collector's reach, in all
+        # Each full collection's seconds, the latest last (the benches read the first step's).
+        self.full_seconds: list[float] = []
 
     def install(self) -> None:
         if self._callback not in gc.callbacks:
@@ -53,7 +58,9 @@ class GcWatch:
         self._started = None
         with self._lock:
             self.seconds += spent
-            self.full += info.get("generation") == 2
+            if info.get("generation") == 2:
+                self.full += 1
+                self.full_seconds = [*self.full_seconds[-63:], spent]
 
     def take(self) -> tuple[float, int]:
         """Seconds and full collections since the previous `take`."""
@@ -68,11 +75,18 @@ class GcWatch:
         if compiles <= self._frozen_at:
             return False
         self._frozen_at = compiles
+        self.freeze_now()
+        return True
+
+    def freeze_now(self) -> int:
+        """Collect, then move what the process holds out of later collections' walk; returns
+        how many objects moved."""
         gc.collect()  # the garbage first: frozen, its cycles would keep what they refer to
         before = gc.get_freeze_count()
         gc.freeze()
-        self.frozen += gc.get_freeze_count() - before
-        return True
+        moved = gc.get_freeze_count() - before
+        self.frozen += moved
+        return moved
 
 
 _WATCH = GcWatch()

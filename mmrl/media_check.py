@@ -30,10 +30,13 @@ same calls (FSDP2's collectives).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +87,8 @@ class MediaReading:
     pixels_unchecked: str | None = None
     # Wall seconds of each path's calls, processing included (the trainer logs them at step 0).
     seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "training": 0.0})
+    # The mark of the earlier pass that stood for this check (`PassMemo`), or None: it ran.
+    skipped: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -399,11 +404,13 @@ def check_prompts(conversations: list[list[dict]], limit: int = STEP_ZERO_PROMPT
 
 
 def step_zero_media_check(engine, rollout, processing, conversations: list[list[dict]], result,
-                          strict: bool, limit: int = STEP_ZERO_PROMPTS) -> MediaReading | None:
+                          strict: bool, limit: int = STEP_ZERO_PROMPTS,
+                          passes: PassMemo | None = None) -> MediaReading | None:
     """The trainer's check on its first batch: the first sampled response of at most `limit`
     prompts with media (`check_prompts`), scored with the real, blank and shuffled media.
     None when no rank's batch holds media; on a problem, raises `MediaCheckError` when
-    `strict`, else warns in one line on stderr."""
+    `strict`, else warns in one line on stderr. With `passes`, a check that passed before on
+    the same inputs (`PassMemo`) is not run again: the reading says so (`skipped`)."""
     has_media = any(media_of(c) for c in conversations)
     if not any(engine.dist.all_gather_objects(has_media)):
         return None
@@ -412,8 +419,18 @@ def step_zero_media_check(engine, rollout, processing, conversations: list[list[
         first.setdefault(owner, row)
     # A rank without media still runs every forward of the others (collective): its first prompt.
     picked = check_prompts(conversations, limit) or [0]
+    checked = [conversations[i] for i in picked]
+    key = passes.key(checked) if passes is not None else None
+    mark = passes.passed(key) if key is not None else None
+    # Every rank runs the check's forwards, or none does (collective).
+    if all(engine.dist.all_gather_objects(mark is not None)):
+        if engine.dist.is_main:
+            print(f"step 0 media check: passed before on the same checkpoint files, recipe, prompts and library "
+                  f"versions, not run again (delete {mark} to run it)", file=sys.stderr, flush=True)
+        return MediaReading(problem=None, prompts_with_media=sum(bool(media_of(c)) for c in checked),
+                            skipped=str(mark))
     rows = torch.tensor([first[i] for i in picked])
-    reading = read_media(engine, rollout, processing, [conversations[i] for i in picked],
+    reading = read_media(engine, rollout, processing, checked,
                          responses=(result.response_ids[rows], result.response_mask[rows]),
                          collective=engine.dist.distributed)
     if reading.problem is not None:
@@ -421,4 +438,87 @@ def step_zero_media_check(engine, rollout, processing, conversations: list[list[
         if strict:
             raise MediaCheckError(f"{message} (trainer.strict_media=true)")
         print(f"warning: {message} (trainer.strict_media=true makes it an error)", file=sys.stderr, flush=True)
+    elif key is not None and reading.checked:
+        passes.remember(key)
     return reading
+
+
+# -- passes remembered ----------------------------------------------------------------------------
+class PassMemo:
+    """The step-0 check's passes, remembered in a folder (under the compile cache, beside the
+    compiled graphs a second run of the recipe reads). A pass is keyed by everything its
+    outcome depends on: the recipe less how it is run (`mmrl.prewarm.recipe_key`: the model,
+    data, rollout and algorithm sections, the settled values, torch's version), the
+    checkpoint folder's files (names, sizes, modification times), the versions of mmrl and
+    transformers, and the checked prompts themselves (their text and their media's pixels).
+    Changing any of them runs the check again; a failed check is never remembered."""
+
+    FOLDER = "mmrl-media-check"
+
+    def __init__(self, folder: Path, base: str):
+        self.folder = folder
+        self.base = base
+
+    @classmethod
+    def for_run(cls, recipe, settled) -> PassMemo | None:
+        """The memo of a run of `recipe`, or None where there is no compile cache folder or no
+        checkpoint on disk (a random-init model: nothing to key)."""
+        from mmrl import __version__
+        from mmrl.hub import HubError, checkpoint_folder
+        from mmrl.prewarm import cache_folder, recipe_key
+
+        folder = cache_folder()
+        if folder is None or recipe.model.random_init:
+            return None
+        try:
+            checkpoint = checkpoint_folder(recipe.model.path)
+        except (HubError, OSError):
+            return None
+        if checkpoint is None or not checkpoint.is_dir():
+            return None
+        import transformers
+
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.iterdir() if f.is_file())
+        base = json.dumps([recipe_key(recipe, settled), str(checkpoint.resolve()), files, __version__,
+                           transformers.__version__])
+        return cls(folder / cls.FOLDER, base)
+
+    def key(self, conversations: list[list[dict]]) -> str:
+        digest = hashlib.sha256(self.base.encode())
+        for conversation in conversations:
+            keyed = [{**message, "content": [{**part, part["type"]: _media_digest(part[part["type"]])}
+                                             if _is_media(part) else part for part in message["content"]]}
+                     if isinstance(message.get("content"), list) else message for message in conversation]
+            # An object with no stable text (its address in `repr`) makes a key no later run meets.
+            digest.update(json.dumps(keyed, sort_keys=True, default=repr).encode())
+        return digest.hexdigest()[:24]
+
+    def passed(self, key: str) -> Path | None:
+        """The mark of an earlier pass with this key, or None."""
+        mark = self.folder / f"{key}.passed"
+        return mark if mark.is_file() else None
+
+    def remember(self, key: str) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / f"{key}.passed").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        except OSError:
+            pass  # a read-only cache: the next run checks again, nothing worse
+
+
+def _media_digest(payload: Any) -> str:
+    """A media payload as the key sees it: its pixels' hash (a PIL image, an array or a
+    tensor), a file's path, size and modification time, a video's frames each so, else its
+    `repr`."""
+    if isinstance(payload, (list, tuple)):  # a video's frames
+        return "[" + ", ".join(_media_digest(frame) for frame in payload) + "]"
+    if hasattr(payload, "tobytes") and hasattr(payload, "size") and hasattr(payload, "mode"):  # PIL
+        return f"image {payload.mode} {payload.size} {hashlib.sha256(payload.tobytes()).hexdigest()}"
+    if isinstance(payload, torch.Tensor):
+        payload = payload.detach().cpu().contiguous().numpy()
+    if hasattr(payload, "tobytes") and hasattr(payload, "shape"):  # numpy
+        return f"array {payload.shape} {payload.dtype} {hashlib.sha256(payload.tobytes()).hexdigest()}"
+    if isinstance(payload, (str, Path)) and Path(payload).is_file():
+        found = Path(payload).stat()
+        return f"file {payload} {found.st_size} {found.st_mtime_ns}"
+    return repr(payload)

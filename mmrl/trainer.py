@@ -50,7 +50,7 @@ from mmrl.engine import Engine
 from mmrl.evaluation import Evaluator, conversations_of, rollout_generator
 from mmrl.export import export_policy
 from mmrl.gc_watch import watch_gc
-from mmrl.media_check import step_zero_media_check
+from mmrl.media_check import PassMemo, step_zero_media_check
 from mmrl.logs import capped_threads
 from mmrl.page_cache import library_files, read_ahead
 from mmrl.parallel import Dist, LaunchError, init_distributed
@@ -137,6 +137,10 @@ class Trainer:
         if ahead is not None:
             ahead.wait()  # before the model's first use: no compile beside a CUDA graph's recording
         self._check_helper_room()
+        if recipe.trainer.gc_freeze and (self.settled.compile_layers or (
+                self.dist.device.type == "cuda" and self.settled.rollout_backend == "hf_compiled")):
+            # The first step compiles: its full collections walk only what the compiles make.
+            self.gc_watch.freeze_now()
 
     def _compile_ahead(self) -> BackgroundCompile | None:
         """On a GPU with `MMRL_COMPILE_AHEAD=head` or `all`, what the first update compiles
@@ -343,7 +347,8 @@ class Trainer:
             # Does the model read the first batch's images? (one line, or an error: trainer.strict_media)
             with self.timed("media_check"):
                 reading = step_zero_media_check(self.actor, self.rollout, self.processing, conversations, result,
-                                                strict=r.trainer.strict_media)
+                                                strict=r.trainer.strict_media,
+                                                passes=PassMemo.for_run(r, self.settled))
             for path, seconds in (reading.seconds.items() if reading is not None else ()):
                 self.timings[f"media_check_{path}"] = seconds
         rewards, outcomes, reward_parts = self.score(samples, result, source_rows, self.train_set, where,

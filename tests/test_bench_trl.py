@@ -30,8 +30,9 @@ def test_ratios_are_against_the_fastest_trl_run(bench):
     assert comparison["best_learning_mmrl"] == "mmrl_compiled_fp32"  # mmrl_fast's updates barely moved it
 
 
-def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path):
+def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path, monkeypatch):
     # The recipe names the reward trl_grpo_step:letters_share: the `bench` fixture holds bench/ on the path.
+    monkeypatch.setenv("BENCH_PROFILE_FIRST_STEP", "1")  # the first step under cProfile, in the JSON
     args = argparse.Namespace(device="cpu", shape="tiny", vocabulary="auto", steps=1, new_tokens=4, prompts=2,
                               samples=4, prompt_words=[5, 10], lr=1e-6, seed=0, worker="mmrl_plain")
     start = bench.build_start(tmp_path / "model", args)
@@ -49,6 +50,12 @@ def test_mmrl_side_runs_one_step_on_a_saved_tiny_model(bench, tmp_path):
     assert report["layer0_elements_changed"] > 0.5  # fp32 weights: a 1e-6 AdamW step moves them
     summary = bench.summarize(report, args)
     assert summary["tokens_per_s"] == pytest.approx(2 * 4 * 4 / step["step_s"])
+    profile = report["first_step_profile"]
+    assert report["first_step_profiled"] and any("(train_step)" in row[0] for row in profile["cumulative"])
+    assert all(a[3] >= b[3] for a, b in zip(profile["cumulative"], profile["cumulative"][1:]))
+    assert all(a[2] >= b[2] for a, b in zip(profile["own"], profile["own"][1:]))
+    assert report["first_loop_stats"] == {}  # plain generate keeps no loop stats
+    assert all(x > 0 for x in report["first_step_full_gc_s"])
 
 
 def test_compile_fields_count_what_compiled_after_the_first_step(bench):
@@ -123,10 +130,10 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     python = tmp_path / "python"
-    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "views=$MMRL_DECODE_LAYER_VIEWS $*"\n')
+    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "views=$MMRL_DECODE_LAYER_VIEWS,profiled=$BENCH_PROFILE_FIRST_STEP $*"\n')
     python.chmod(0o755)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
-           "MODES": "graphs prewarm noviews nofreeze trl"}
+           "MODES": "graphs prewarm noviews nofreeze warm_profiled trl"}
     proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "trl" in (tmp_path / "imports").read_text()  # the trl mode needs TRL's carried wheels
@@ -142,7 +149,7 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
         [a.replace("decode_graphs", "decode_prewarm") for a in graphs if a != "mmrl_graphs"]
     # noviews: the graphs run with the cache write outside the layers' graphs, the rest alike
     noviews = (tmp_path / "decode_noviews_vl3b_geometry3k.log").read_text().split()
-    assert graphs[0] == "views=1" and noviews[0] == "views=0"
+    assert graphs[0] == "views=1,profiled=0" and noviews[0] == "views=0,profiled=0"
     assert [a for a in noviews[1:] if a != "mmrl_graphs_noviews"] == \
         [a.replace("decode_graphs", "decode_noviews") for a in graphs[1:] if a != "mmrl_graphs"]
     # nofreeze: the graphs run without trainer.gc_freeze, the rest alike
@@ -150,9 +157,55 @@ def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
     assert nofreeze[nofreeze.index("--variant") + 1] == "mmrl_graphs_nofreeze" and "trainer.gc_freeze=false" in nofreeze
     assert [a for a in nofreeze if a not in ("mmrl_graphs_nofreeze", "trainer.gc_freeze=false")] == \
         [a.replace("decode_graphs", "decode_nofreeze") for a in graphs if a != "mmrl_graphs"]
+    # warm_profiled: graphs' cache again, its first step under cProfile, the rest alike
+    profiled = (tmp_path / "decode_warm_profiled_vl3b_geometry3k.log").read_text().split()
+    assert profiled[0] == "views=1,profiled=1" and profiled[profiled.index("--variant") + 1] == "mmrl_graphs_warm_profiled"
+    assert [a for a in profiled[1:] if a != "mmrl_graphs_warm_profiled"] == \
+        [a.replace("decode_graphs", "decode_warm_profiled") for a in graphs[1:] if a != "mmrl_graphs"]
     assert trl[trl.index("--runs") + 1] == "trl" and trl[trl.index("--steps-for") + 1] == "trl=6"
     assert trl[trl.index("--whole-run") + 1] == "50"
     assert trl[trl.index("--out") + 1] == str(tmp_path / "decode_trl_vl3b_geometry3k.json")
+
+
+def test_a_kept_start_is_reused_only_with_the_settings_it_was_built_with(bench, tmp_path):
+    import argparse
+
+    args = argparse.Namespace(device="cuda", shape="vl3b", rows="geometry3k", prompts=8, seed=0, vocabulary="auto",
+                              prompt_words=[20, 60], prompt_steps=50, steps=3)
+    assert bench.prompt_steps(args) == 50 and bench.prompt_steps(argparse.Namespace(steps=3)) == 3
+    assert bench.kept_start(tmp_path, args) is None  # nothing kept yet
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    signature = {k: getattr(args, k) for k in bench.START_SIGNATURE}
+    (tmp_path / "start.json").write_text(json.dumps({"parameters": 1, "signature": signature}))
+    assert bench.kept_start(tmp_path, args)["parameters"] == 1
+    args.steps = 50  # the run's own length is not the start's
+    assert bench.kept_start(tmp_path, args) is not None
+    args.seed = 1
+    assert bench.kept_start(tmp_path, args) is None
+
+
+def test_decode_ab_keeps_the_start_beside_a_named_graphs_cache(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && exit 0\necho "$*"\n')
+    python.chmod(0o755)
+    base = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
+            "MODES": "graphs_warm"}
+    for cache in (str(tmp_path / "g"), None):
+        env = {**base, **({"GRAPHS_CACHE": cache} if cache else {})}
+        env.pop("GRAPHS_CACHE", None) if cache is None else None
+        proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        args = (tmp_path / "decode_graphs_warm_vl3b_geometry3k.log").read_text().split()
+        if cache:
+            assert args[args.index("--start-dir") + 1] == f"{cache}/start"
+        else:
+            assert "--start-dir" not in args
 
 
 def test_first_steps_compare_over_the_steps_a_run_did(bench):

@@ -68,6 +68,7 @@ from mmrl.config import load_recipe
 from mmrl.gc_watch import watch_gc
 from mmrl.trainer import Trainer
 trainer = Trainer(load_recipe(sys.argv[1], json.loads(sys.argv[2])))
+start = watch_gc().frozen
 frozen = []
 for _ in range(3):
     trainer.train_step()
@@ -79,14 +80,14 @@ gc.set_debug(gc.DEBUG_SAVEALL)
 gc.collect()
 garbage = sum(o.untyped_storage().nbytes() for o in gc.garbage  # type(): a dead weak proxy is garbage too
               if issubclass(type(o), torch.Tensor) and not type(o).__name__.startswith("Fake"))
-print(json.dumps({"frozen": frozen, "tracked": tracked, "weights": weights, "garbage_tensor_bytes": garbage}))
+print(json.dumps({"start": start, "frozen": frozen, "tracked": tracked, "weights": weights, "garbage_tensor_bytes": garbage}))
 """
 
 
 @pytest.mark.slow
 def test_a_run_freezes_after_its_compiling_step_and_learns_the_same(tmp_path):
     """`trainer.gc_freeze`: the run with compiled layers (inductor's C++ kernels on the CPU)
-    freezes once, after step 1 compiled, and steps 2-3 compile nothing and freeze nothing; its
+    freezes at its start and after step 1 compiled, and steps 2-3 compile nothing and freeze nothing; its
     full collections then walk a small share of the objects, its weights after 3 steps are
     those of the run without freezing, and no tensor of a step is kept in frozen garbage."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
@@ -101,8 +102,44 @@ def test_a_run_freezes_after_its_compiling_step_and_learns_the_same(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         results[freeze] = json.loads(run.stdout.strip().splitlines()[-1])
     frozen, plain = results[True], results[False]
-    assert frozen["frozen"][0] > 100_000 and frozen["frozen"][1:] == [frozen["frozen"][0]] * 2
-    assert plain["frozen"] == [0, 0, 0]
+    assert frozen["start"] > 100_000 and frozen["frozen"][0] > frozen["start"] + 10_000
+    assert frozen["frozen"][1:] == [frozen["frozen"][0]] * 2
+    assert plain["start"] == 0 and plain["frozen"] == [0, 0, 0]
     assert frozen["tracked"] * 4 < plain["tracked"]
     assert frozen["weights"] == plain["weights"]
     assert frozen["garbage_tensor_bytes"] <= plain["garbage_tensor_bytes"]
+
+
+@pytest.mark.parametrize("compiles", [False, True])
+def test_a_run_freezes_at_its_start_only_where_its_first_step_compiles(tmp_path, monkeypatch, compiles):
+    """On the CPU the plain run compiles nothing and freezes nothing at its start (a test
+    process builds many trainers; what it froze would outlive them in reference cycles); with
+    `model.compile_layers` its first step compiles, and it freezes once, after collecting."""
+    from mmrl.config import load_recipe
+    from mmrl.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr(GcWatch, "freeze_now", lambda self: calls.append(gc.get_count()) or 0)
+    overrides = ["data.train=synthetic:count_shapes?n=16&seed=0&image_size=56", "data.validation=null",
+                 "data.eval=null", f"model.compile_layers={str(compiles).lower()}", "model.compile_prewarm=false",
+                 f"trainer.output_dir={tmp_path}", "trainer.progress=false", "trainer.summary=false"]
+    Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml", overrides))
+    assert len(calls) == int(compiles)
+    Trainer(load_recipe(REPO / "recipes" / "tiny_vlm_count.yaml",
+                        [*overrides, "trainer.gc_freeze=false", "trainer.overwrite=true"]))
+    assert len(calls) == int(compiles)
+
+
+def test_freezing_now_collects_first_and_counts_what_moved():
+    watch = GcWatch()
+    try:
+        cycle = [_Held()]
+        cycle.append(cycle)
+        dead = weakref.ref(cycle[0])
+        del cycle
+        before = gc.get_freeze_count()
+        moved = watch.freeze_now()
+        assert dead() is None  # collected, not frozen
+        assert moved > 0 and watch.frozen == moved == gc.get_freeze_count() - before
+    finally:
+        gc.unfreeze()

@@ -331,6 +331,72 @@ def test_step_zero_media_check_passes_a_model_that_reads_its_images(tmp_path, mo
     assert "media check" not in capsys.readouterr().err
 
 
+def test_a_pass_is_remembered_and_the_same_run_again_skips_the_check(tmp_path, monkeypatch, capsys):
+    """A check that passed is remembered in the compile cache folder; a second run of the same
+    recipe from the same checkpoint files skips it in one line. A checkpoint file written since,
+    or other prompts, run it again; a failed check is never remembered; a random-init model
+    (no files to key) is always checked."""
+    import os
+
+    from mmrl.trainer import Trainer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    marks = tmp_path / "cache" / media_check.PassMemo.FOLDER
+    first = Trainer(_vlm_recipe(tmp_path))
+    first.built.save(tmp_path / "ckpt")
+    saved = [f"model.path={tmp_path / 'ckpt'}", "model.random_init=false", "model.config_overrides={}"]
+
+    def step(name, *extra):
+        trainer = Trainer(_vlm_recipe(tmp_path, f"trainer.output_dir={tmp_path / name}", *saved, *extra))
+        trainer.train_step()
+        lines = [line for line in capsys.readouterr().err.splitlines() if "media check" in line]
+        return trainer.timings["media_check_training"], lines
+
+    first.train_step()  # random init: checked, nothing remembered
+    assert first.timings["media_check_training"] > 0 and not marks.exists()
+    seconds, lines = step("a")
+    assert seconds > 0 and lines == [] and len(list(marks.iterdir())) == 1
+    seconds, lines = step("b")
+    assert seconds == 0 and len(lines) == 1, lines
+    assert lines[0].startswith("step 0 media check: passed before on the same checkpoint files, recipe, prompts")
+    assert lines[0].endswith(f"(delete {next(marks.iterdir())} to run it)")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    seconds, lines = step("c")
+    assert seconds > 0 and lines == [] and len(list(marks.iterdir())) == 2
+    seconds, _ = step("d", "data.train=synthetic:count_shapes?n=16&seed=1&image_size=56")
+    assert seconds > 0 and len(list(marks.iterdir())) == 3
+    _zeroed_pixels(monkeypatch)
+    seconds, lines = step("e", "data.train=synthetic:count_shapes?n=16&seed=2&image_size=56")
+    assert seconds > 0 and len(lines) == 1 and lines[0].startswith("warning:") and len(list(marks.iterdir())) == 3
+
+
+def test_the_pass_key_follows_the_pixels_and_a_file_s_stamp(tmp_path):
+    from PIL import Image
+
+    memo = media_check.PassMemo(tmp_path, "base")
+    image = Image.new("RGB", (8, 8), (1, 2, 3))
+
+    def prompt(payload):
+        return [[{"role": "user", "content": [{"type": "image", "image": payload}, {"type": "text", "text": "n?"}]}]]
+
+    key = memo.key(prompt(image))
+    assert key == memo.key(prompt(image.copy())) != memo.key(prompt(Image.new("RGB", (8, 8), (1, 2, 4))))
+    assert key != media_check.PassMemo(tmp_path, "other").key(prompt(image))
+    assert memo.key(prompt(torch.zeros(2, 3))) == memo.key(prompt(torch.zeros(2, 3))) != memo.key(prompt(torch.ones(2, 3)))
+    path = tmp_path / "a.png"
+    image.save(path)
+    on_file = memo.key(prompt(str(path)))
+    assert on_file == memo.key(prompt(str(path)))
+    image.resize((9, 9)).save(path)
+    assert memo.key(prompt(str(path))) != on_file
+    # An object without a stable text (its address) gives a key no other object meets.
+    assert memo.key(prompt(object())) != memo.key(prompt(object()))
+    assert memo.passed(key) is None
+    memo.remember(key)
+    assert memo.passed(key) == tmp_path / f"{key}.passed"
+
+
 def test_check_prompts_takes_a_shuffle_pair_then_one_of_each_other_shape():
     from PIL import Image
 
