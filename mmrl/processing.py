@@ -327,22 +327,30 @@ class Processing:
 
     def collate_rows(self, batches: list[dict], conversations: list[Conversation]) -> dict[str, torch.Tensor]:
         """The batch of `conversations`, collated from `batches` (each row's prompt
-        processed alone). The first time, it is checked against processing the rows; if
-        they differ (a processor whose batch layout `collate` does not know), this warns
-        once and processes rows from then on."""
+        processed alone; rows that repeat a prompt share its batch object). The first time
+        rows of two or more prompts come, collating is checked against processing one row of
+        each prompt together; if they differ (a processor whose batch layout `collate` does
+        not know), this warns once and processes rows from then on. A GRPO batch repeats each
+        prompt n times, and the repeats hold no layout the check could see (the same lengths
+        and media sizes): processing them all would cost n times as much."""
         if self.collate_matches is False:
             return dict(self(conversations))
         collated = self.collate(batches)
-        if self.collate_matches is None:
-            processed = dict(self(conversations))
-            self.collate_matches = not batch_differences(collated, processed)
+        first, seen = [], set()  # each prompt's first row
+        for row, batch in enumerate(batches):
+            if id(batch) not in seen:
+                seen.add(id(batch))
+                first.append(row)
+        if self.collate_matches is None and len(first) > 1:
+            distinct = collated if len(first) == len(batches) else self.collate([batches[row] for row in first])
+            self.collate_matches = not batch_differences(distinct, dict(self([conversations[row] for row in first])))
             if not self.collate_matches:
                 import warnings
 
                 warnings.warn(f"{type(self).__name__}: rows collated from each prompt's batch differ from processing "
                               "them; processing every row instead (set the family's media_sharing to False)",
                               stacklevel=2)
-                return processed
+                return dict(self(conversations))
         return collated
 
     def arrange_images(self, images: list[list[Any]]) -> list[Any]:

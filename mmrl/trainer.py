@@ -141,6 +141,7 @@ class Trainer:
                 self.dist.device.type == "cuda" and self.settled.rollout_backend == "hf_compiled")):
             # The first step compiles: its full collections walk only what the compiles make.
             self.gc_watch.freeze_now()
+            self.gc_watch.take()  # the start's collection is not step 1's `time/gc`
 
     def _compile_ahead(self) -> BackgroundCompile | None:
         """On a GPU with `MMRL_COMPILE_AHEAD=head` or `all`, what the first update compiles

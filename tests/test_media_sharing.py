@@ -206,6 +206,33 @@ def test_collate_rows_checks_itself_once_and_falls_back(monkeypatch):
     assert torch.equal(shared.rows(fresh, rows)["pixel_values"], processed["pixel_values"])
 
 
+def test_collate_rows_checks_one_row_of_each_prompt_once_it_has_two(monkeypatch):
+    """The check processes one row per prompt, not the n repeats of each (a GRPO batch's);
+    a batch of one prompt's repeats holds no layout to check, and leaves it undecided."""
+    built = build_model("qwen2_vl", random_init=True)
+    conversations = sample_conversations(built.adapter)[:2]
+    processing = built.processing
+    processed_rows = []
+    plain = processing.process_texts
+    monkeypatch.setattr(processing, "process_texts",
+                        lambda texts, media: processed_rows.append(len(texts)) or plain(texts, media))
+    alone = [conversations[0]] * 4
+    shared = SharedMedia.of(processing, alone, [0] * 4)
+    processed_rows.clear()
+    assert torch.equal(shared.rows(processing, alone)["input_ids"], dict(processing(alone))["input_ids"])
+    assert processed_rows == [4] and processing.collate_matches is None  # only the comparison's own call
+    owners = [0, 1] * 4
+    rows = [conversations[o] for o in owners]
+    shared = SharedMedia.of(processing, rows, owners)
+    processed_rows.clear()
+    batch = shared.rows(processing, rows)
+    assert processed_rows == [2] and processing.collate_matches is True
+    assert not batch_differences(batch, dict(processing(rows)))
+    processed_rows.clear()
+    shared.rows(processing, rows)
+    assert processed_rows == []  # checked once
+
+
 def test_per_image_features_set_as_an_undeclared_attribute_are_split_and_joined():
     # transformers 5.17's Idefics3/SmolVLM vision towers return a BaseModelOutput and
     # get_image_features sets `pooler_output` on it as a plain attribute.
