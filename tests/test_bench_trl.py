@@ -122,20 +122,28 @@ def test_geometry3k_rows_reach_mmrl_at_their_own_sizes(bench, tmp_path):
     assert all("compile_s" in step and "compile_graphs" in step for step in summary["per_step"])
 
 
-def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
-    # bench/decode_ab.sh with a stand-in interpreter that records its arguments (no GPU here).
+def _decode_ab(tmp_path, **env):
+    """bench/decode_ab.sh on the geometry3k rows at the VL-3B shape, with a stand-in
+    interpreter that writes each run's arguments (and its switches) into the run's log and
+    the wheels' imports into $OUT/imports (no GPU here)."""
     import os
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     python = tmp_path / "python"
-    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\necho "views=$MMRL_DECODE_LAYER_VIEWS,profiled=$BENCH_PROFILE_FIRST_STEP $*"\n')
+    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && { echo "$2" >> "$OUT/imports"; exit 0; }\n'
+                      'echo "views=$MMRL_DECODE_LAYER_VIEWS,profiled=$BENCH_PROFILE_FIRST_STEP $*"\n')
     python.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
-           "MODES": "graphs prewarm noviews nofreeze warm_profiled trl"}
-    proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
+    base = {k: v for k, v in os.environ.items() if k != "GRAPHS_CACHE"}
+    proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], capture_output=True, text=True,
+                          env={**base, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k",
+                               "SHAPE": "vl3b", **env})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_decode_ab_passes_the_rows_and_runs_trl_on_them(tmp_path):
+    _decode_ab(tmp_path, MODES="graphs prewarm noviews nofreeze warm_profiled trl")
     assert "trl" in (tmp_path / "imports").read_text()  # the trl mode needs TRL's carried wheels
     graphs = (tmp_path / "decode_graphs_vl3b_geometry3k.log").read_text().split()
     trl = (tmp_path / "decode_trl_vl3b_geometry3k.log").read_text().split()
@@ -186,21 +194,8 @@ def test_a_kept_start_is_reused_only_with_the_settings_it_was_built_with(bench, 
 
 
 def test_decode_ab_keeps_the_start_beside_a_named_graphs_cache(tmp_path):
-    import os
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    python = tmp_path / "python"
-    python.write_text('#!/bin/bash\n[[ $1 == -c ]] && exit 0\necho "$*"\n')
-    python.chmod(0o755)
-    base = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python), "ROWS": "geometry3k", "SHAPE": "vl3b",
-            "MODES": "graphs_warm"}
     for cache in (str(tmp_path / "g"), None):
-        env = {**base, **({"GRAPHS_CACHE": cache} if cache else {})}
-        env.pop("GRAPHS_CACHE", None) if cache is None else None
-        proc = subprocess.run(["bash", str(repo / "bench" / "decode_ab.sh")], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+        _decode_ab(tmp_path, MODES="graphs_warm", **({"GRAPHS_CACHE": cache} if cache else {}))
         args = (tmp_path / "decode_graphs_warm_vl3b_geometry3k.log").read_text().split()
         if cache:
             assert args[args.index("--start-dir") + 1] == f"{cache}/start"
