@@ -11,11 +11,11 @@ holds out of the collector's reach (`GcWatch.freeze_after`, `gc.collect()` then
 the compiles' records live as long as the run, and later full collections walk only what
 the run made since, where each would otherwise walk all of them again. A run that compiles
 in its first step freezes once before it too (`GcWatch.freeze_now`, at the end of the
-trainer's start): what the imports and the build made (the model, the libraries' modules) then
-stays out of the first step's full collections, which walk only what the compiles make. The collection comes
-first because tracing leaves garbage in reference cycles that holds live objects, such as
-the decode step's static caches: frozen, it would keep them, and their device memory, after
-the rollout lets them go. Objects frozen are still freed when nothing refers to them; only a
+trainer's start): what the imports and the build made (the model, the libraries' modules)
+then stays out of the first step's full collections, which walk only what the compiles
+make. The collection comes first because tracing leaves garbage in reference cycles that
+holds live objects, such as the decode step's static caches: frozen, it would keep them,
+and their device memory, after the rollout lets them go. Objects frozen are still freed when nothing refers to them; only a
 reference cycle made among them later outlives the run's collections.
 
     from mmrl.gc_watch import watch_gc
