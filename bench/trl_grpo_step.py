@@ -500,13 +500,18 @@ START_SIGNATURE = ("device", "shape", "rows", "prompts", "seed", "vocabulary", "
 KEPT_PROMPT_STEPS = 50
 
 
+def start_signature(args) -> dict[str, Any]:
+    """The settings a kept start is built with (`START_SIGNATURE`'s values)."""
+    return {k: getattr(args, k, None) for k in START_SIGNATURE}
+
+
 def kept_start(folder: Path, args) -> dict | None:
     """The start model kept in `folder` (--start-dir) where it was built with these settings."""
     record = folder / "start.json"
     if not record.is_file() or not (folder / "model" / "config.json").is_file():
         return None
     start = json.loads(record.read_text())
-    return start if start.get("signature") == {k: getattr(args, k, None) for k in START_SIGNATURE} else None
+    return start if start.get("signature") == start_signature(args) else None
 
 
 def device_of(name: str):
@@ -1186,9 +1191,10 @@ def main() -> None:
             tmp = args.start_dir
             tmp.mkdir(parents=True, exist_ok=True)
             args.prompt_steps = args.prompt_steps or max(args.steps, KEPT_PROMPT_STEPS)
+            start = kept_start(tmp, args)
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trl_grpo_step_")))
-        start = kept_start(tmp, args) if args.start_dir is not None else None
+            start = None
         report["start_reused"] = start is not None
         if start is not None:
             print(f"the start model kept in {tmp} (--start-dir), built with the same settings", flush=True)
@@ -1197,7 +1203,7 @@ def main() -> None:
             start, error = child(args, "build", tmp)
             if start is None:
                 raise SystemExit(f"building the start model failed: {error}")
-            start["signature"] = {k: getattr(args, k, None) for k in START_SIGNATURE}
+            start["signature"] = start_signature(args)
             (tmp / "start.json").write_text(json.dumps(start))
         report["device"] = start["device"]
         report["start_model"] = {k: v for k, v in start.items() if k not in ("first_prompt_ids", "blocked_token_ids")}

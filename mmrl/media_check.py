@@ -478,7 +478,8 @@ class PassMemo:
             return None
         import transformers
 
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.iterdir() if f.is_file())
+        files = sorted((f.name, stat.st_size, stat.st_mtime_ns) for f in checkpoint.iterdir() if f.is_file()
+                       for stat in (f.stat(),))
         base = json.dumps([recipe_key(recipe, settled), str(checkpoint.resolve()), files, __version__,
                            transformers.__version__])
         return cls(folder / cls.FOLDER, base)

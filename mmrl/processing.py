@@ -336,11 +336,10 @@ class Processing:
         if self.collate_matches is False:
             return dict(self(conversations))
         collated = self.collate(batches)
-        first, seen = [], set()  # each prompt's first row
+        prompts: dict[int, int] = {}  # each prompt's batch -> its first row
         for row, batch in enumerate(batches):
-            if id(batch) not in seen:
-                seen.add(id(batch))
-                first.append(row)
+            prompts.setdefault(id(batch), row)
+        first = list(prompts.values())
         if self.collate_matches is None and len(first) > 1:
             distinct = collated if len(first) == len(batches) else self.collate([batches[row] for row in first])
             self.collate_matches = not batch_differences(distinct, dict(self([conversations[row] for row in first])))

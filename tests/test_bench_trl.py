@@ -184,8 +184,7 @@ def test_a_kept_start_is_reused_only_with_the_settings_it_was_built_with(bench, 
     assert bench.kept_start(tmp_path, args) is None  # nothing kept yet
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    signature = {k: getattr(args, k) for k in bench.START_SIGNATURE}
-    (tmp_path / "start.json").write_text(json.dumps({"parameters": 1, "signature": signature}))
+    (tmp_path / "start.json").write_text(json.dumps({"parameters": 1, "signature": bench.start_signature(args)}))
     assert bench.kept_start(tmp_path, args)["parameters"] == 1
     args.steps = 50  # the run's own length is not the start's
     assert bench.kept_start(tmp_path, args) is not None
