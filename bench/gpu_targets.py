@@ -461,6 +461,12 @@ def spread_runs(folder: Path = RESULTS, stem: str = "decode_graphs_vl3b_geometry
     return [path for number, path in sorted((n, p) for n, p in numbered if n is not None)]
 
 
+def only_run(path: Path) -> dict:
+    """The one run in a bench/decode_ab.sh mode's JSON."""
+    (_, run), = json.loads(path.read_text())["runs"].items()
+    return run
+
+
 def run_note(path: Path, run: dict) -> str:
     """One bench/decode_ab.sh run of `path` in a row's note: its steps, compiling, first and median step."""
     return (f"{run['steps_done']} steps in {run['whole_run_s']} s, compiling {run['compile_total_s']} s in "
@@ -495,10 +501,7 @@ def spread_entries(paths: list[Path] | None = None,
     paths = spread_runs() if paths is None else [p for p in paths if p.is_file()]
     if not paths:
         return []
-    runs = []
-    for path in paths:
-        (_, run), = json.loads(path.read_text())["runs"].items()
-        runs.append((path, run))
+    runs = [(path, only_run(path)) for path in paths]
     path, run = runs[-1]
     note = run_note(path, run)
     if len(runs) > 1:
@@ -507,8 +510,7 @@ def spread_entries(paths: list[Path] | None = None,
             f"{p.name})" for p, r in runs[:-1])
     entries = []
     if trl_path.is_file() and trl_call.is_file():
-        (_, trl), = json.loads(trl_path.read_text())["runs"].items()
-        (_, paired), = json.loads(trl_call.read_text())["runs"].items()
+        trl, paired = only_run(trl_path), only_run(trl_call)
         ratio = trl["whole_run_s"] / paired["whole_run_s"]
         entries.append({
             "name": SPREAD_TRL_TARGET, "measured": paired["whole_run_s"], "baseline": trl["whole_run_s"],
@@ -533,16 +535,14 @@ def spread_warm_entries(paths: list[Path] | None = None) -> list[dict]:
     paths = spread_runs(stem="decode_graphs_warm_vl3b_geometry3k") if paths is None else [p for p in paths if p.is_file()]
     if not paths:
         return []
-    runs = []
-    for path in paths:
-        (_, run), = json.loads(path.read_text())["runs"].items()
-        runs.append((run["first_step_s"] - run["median_s"]["step"], path, run))
+    runs = [(run["first_step_s"] - run["median_s"]["step"], path, run) for path, run in
+            ((path, only_run(path)) for path in paths)]
     gap, path, run = max(runs, key=lambda item: item[0])
     command = ("GRAPHS_CACHE=/tmp/g STEPS=3 ROWS=geometry3k SHAPE=vl3b MODES=graphs bash bench/decode_ab.sh, then "
                "GRAPHS_CACHE=/tmp/g ROWS=geometry3k SHAPE=vl3b MODES=graphs_warm bash bench/decode_ab.sh")
     note = run_note(path, run)
-    others = [f"first step {r['first_step_s'] - r['median_s']['step']:.1f} s over the median, compiling "
-              f"{r['compile_total_s'] / r['whole_run_s']:.1%} ({p.name})" for g, p, r in runs if p != path]
+    others = [f"first step {g:.1f} s over the median, compiling {r['compile_total_s'] / r['whole_run_s']:.1%} "
+              f"({p.name})" for g, p, r in runs if p != path]
     if others:
         note += "; the other runs: " + ", ".join(others)
     return [{"name": SPREAD_WARM_FIRST_TARGET, "measured": gap, "baseline": None, "ratio": None, "target": 10.0,
