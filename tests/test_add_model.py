@@ -850,6 +850,79 @@ def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
     assert tiny.config.qk_head_dim == tiny.config.qk_nope_head_dim + tiny.config.qk_rope_head_dim
 
 
+def test_scaffold_gives_sizes_left_unset_that_the_model_reads_tiny_values_as_a_later_try():
+    """Integer fields a default config leaves None while its model code builds the part
+    they size (released checkpoints write them: Qwen4-Exp's QSA indexer) get tiny values,
+    only when asked (None can also mean "off"); a text type reaches them as its last
+    candidate, a vision-language type where its tiny model does not build without them.
+    Token ids and windows stay unset."""
+    import transformers
+
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.shrink import build_tiny, tiny_text_values
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    assert "indexer_budget" not in tiny_text_values("Qwen4ExpTextConfig")
+    values = tiny_text_values("Qwen4ExpTextConfig", unset_sizes=True)
+    assert values["indexer_head_dim"] == 32 and values["indexer_budget"] == values["indexer_kv_heads"] == 1
+    assert not {"pad_token_id", "bos_token_id", "eos_token_id"} & set(values)
+    transformers.Qwen4ExpTextConfig(**values)  # the class's own validation accepts them
+    assert "sliding_window" not in tiny_text_values("MistralConfig", unset_sizes=True)
+    tiny = tiny_model_inputs(resolve("qwen4_exp_text"))  # every earlier candidate fails at None // None
+    assert tiny.config.indexer_budget == 1
+    resolved = resolve("qwen4_exp")
+    tiny = tiny_model_inputs(resolved)
+    assert tiny.media.text_overrides["indexer_budget"] == 1
+    build_tiny(resolved.model_class, tiny.config)
+
+
+def test_scaffold_stops_at_a_package_the_vision_language_model_needs(monkeypatch):
+    """A tiny model that cannot be built for a package not installed (a timm tower) stops
+    the config stage with that cause, before the placeholder search runs the model and
+    names another (FastVLM's processor divided by the patch size of a tower timm would
+    have said); any other build failure goes on to the later stages."""
+    from mmrl.scaffold import media
+    from mmrl.scaffold.base import ScaffoldError
+    from mmrl.scaffold.resolve import resolve
+
+    def missing(model_class, config):
+        raise ScaffoldError(f"{model_class} cannot be built") from ImportError("TimmWrapperModel requires timm")
+
+    monkeypatch.setattr(media, "build_tiny", missing)
+    with pytest.raises(ScaffoldError) as caught:
+        media.tiny_vision_language(resolve("llava"))
+    assert isinstance(caught.value.__cause__, ImportError)
+
+    def broken(model_class, config):
+        raise ScaffoldError(f"{model_class} cannot be built") from TypeError("None // None")
+
+    monkeypatch.setattr(media, "build_tiny", broken)
+    assert media.tiny_vision_language(resolve("llava")).media.image_placeholder
+
+
+def test_scaffold_builds_the_text_config_of_the_composites_own_text_config_class():
+    """A composite whose default text config is a generic one (Granite 4 Vision's: a
+    Llama config) while its text model reads fields of the package's own text config
+    class (`attention_multiplier`) is shrunk on that class: the one config class of the
+    package that declares itself the text sub-config. A package without one (LLaVA)
+    keeps the default's class."""
+    import transformers
+
+    from mmrl.scaffold.media import _text_config_class
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    chosen = _text_config_class(transformers.Granite4VisionConfig, "text_config", transformers.LlamaConfig())
+    assert chosen is transformers.Granite4VisionTextConfig
+    assert _text_config_class(transformers.LlavaConfig, "text_config", transformers.LlamaConfig()) is (
+        transformers.LlamaConfig)
+    assert _text_config_class(transformers.Qwen2VLConfig, "text_config",
+                              transformers.Qwen2VLTextConfig()) is transformers.Qwen2VLTextConfig
+    tiny = tiny_model_inputs(resolve("granite4_vision"))
+    assert tiny.media.text_config_class == "Granite4VisionTextConfig"
+    assert tiny.config.text_config.attention_multiplier == 1.0
+
+
 def test_a_composite_that_is_its_own_text_config_holds_its_tower_inside_the_text_module():
     """A config whose own fields configure the text model (no text sub-config, a vision
     sub-config) is shrunk at its top level, and the model's one module holding the text

@@ -28,7 +28,7 @@ from mmrl.scaffold.image_size import fit_image_size, per_image_count_arguments, 
 from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters
 from mmrl.scaffold.placeholders import find_placeholder, named_token, tokens_in_source, unexpanded_placeholder
 from mmrl.scaffold.shrink import (
-    TinyInputs, composite_tower_values, modeling_reads, modeling_source, shrink_values, tiny_vision_values,
+    TinyInputs, build_tiny, composite_tower_values, modeling_reads, modeling_source, shrink_values, tiny_vision_values,
     vision_language_text_values,
 )
 from mmrl.scaffold.vllm_fields import text_architecture, vllm_fields
@@ -173,7 +173,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         if not hasattr(defaults, key) and (token := named_token(_TOKEN_FIELD.match(key).group(1), named)):
             token_fields[key] = token
     literals = list(dict.fromkeys([*optional.values(), *(t for t in literals if t not in named.values())]))
-    text_class = type(text_default).__name__
+    text_class = _text_config_class(config_cls, text_key, text_default).__name__
     text_overrides = vision_language_text_values(text_class, TINY_TEXT_SHAPES, config_cls)
     if (getattr(text_default, "sliding_window", 0) is None and "sliding_window" not in text_overrides
             and modeling_reads(type(text_default), "sliding_attention")):
@@ -232,6 +232,7 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
         processor_kwargs={}, literals=literals,
     )
     tokenizer, config = build_config(resolved, plan)
+    config = _with_unset_sizes(resolved, plan, config_cls, config)
     _plan_processor(resolved, plan, processor_cls, config)
     processor = build_processor(plan, tokenizer, config)
     try:
@@ -249,6 +250,45 @@ def tiny_vision_language(resolved: Resolved) -> TinyInputs:
     if _add_vllm_fields(resolved, plan, config):
         tokenizer, config = build_config(resolved, plan)
     return TinyInputs(config=config, media=plan)
+
+
+def _text_config_class(config_cls, text_key: str | None, text_default):
+    """The class of the tiny text config: the default's, unless the composite's own model
+    package defines the one config class that declares itself that sub-config
+    (`base_config_key == text_key`) and the default is not one of it. A composite whose
+    default text config is a generic one (a Llama config) while its text model reads
+    fields only its own text config class has (`attention_multiplier`) builds only from
+    its own class."""
+    from transformers import PretrainedConfig
+
+    own = [cls for cls in _package_classes(config_cls, PretrainedConfig)
+           if text_key is not None and getattr(cls, "base_config_key", None) == text_key]
+    return own[0] if len(own) == 1 and not isinstance(text_default, own[0]) else type(text_default)
+
+
+def _with_unset_sizes(resolved: Resolved, plan: MediaPlan, config_cls, config):
+    """`config`, or, where the tiny model cannot be built from it, the config with the text
+    sizes its default leaves None given tiny values (`tiny_text_values(unset_sizes=True)`),
+    if that one builds (`plan.text_overrides` then holds them). A model that needs a
+    package not installed (a timm tower) stops here with that cause: every later stage
+    (the processor's placeholder search runs the model) would fail on it too and name
+    another."""
+    try:
+        build_tiny(resolved.model_class, config)
+        return config
+    except ScaffoldError as exc:
+        if isinstance(exc.__cause__, ImportError):
+            raise
+    kept = plan.text_overrides
+    plan.text_overrides = {**kept, **{k: v for k, v in vision_language_text_values(
+        plan.text_config_class, TINY_TEXT_SHAPES, config_cls, unset_sizes=True).items() if k not in kept}}
+    try:
+        _, sized = build_config(resolved, plan)
+        build_tiny(resolved.model_class, sized)
+        return sized
+    except ScaffoldError:
+        plan.text_overrides = kept
+        return config
 
 
 def _add_vllm_fields(resolved: Resolved, plan: MediaPlan, config) -> bool:

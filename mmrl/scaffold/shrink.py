@@ -242,12 +242,14 @@ TEXT_SHAPE_CANDIDATES = (
 
 def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPES, *,
                      attend_last: bool = False, unset_experts: bool = False,
-                     derived: bool = False) -> dict[str, Any]:
+                     derived: bool = False, unset_sizes: bool = False) -> dict[str, Any]:
     """The values that shrink a text config class (only fields the class has); with
     `attend_last`, a stack the default config leaves all linear-attention gets one
     attention layer, its last (`_attending_last`); with `unset_experts`, expert counts the
     default config leaves None get tiny values (`_unset_expert_counts`); with `derived`,
-    fields the class derives itself are left to it (`_derived_by_the_class`)."""
+    fields the class derives itself are left to it (`_derived_by_the_class`); with
+    `unset_sizes`, integer fields the default leaves None and the model code reads get
+    tiny values (`_unset_sizes`)."""
     import transformers
 
     cls = getattr(transformers, config_class)
@@ -264,6 +266,8 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         values.update(_attending_last(default, values, shapes))
     if unset_experts:
         values.update(_unset_expert_counts(default, values))
+    if unset_sizes:
+        values.update(_unset_sizes(cls, default, values, shapes))
     values.update(_unset_layer_kinds(cls, default, values, shapes))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
@@ -280,11 +284,13 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
     return _accepted(cls, default, values)
 
 
-def vision_language_text_values(text_class: str, shapes: dict[str, int], config_cls) -> dict[str, Any]:
+def vision_language_text_values(text_class: str, shapes: dict[str, int], config_cls,
+                                unset_sizes: bool = False) -> dict[str, Any]:
     """The shrunk values of a vision-language type's text config class `text_class`; for a
     composite `config_cls` that is its own text config, without its sub-configs (the tower
-    and any third one are shrunk as towers, not as text)."""
-    values = tiny_text_values(text_class, shapes)
+    and any third one are shrunk as towers, not as text). `unset_sizes` as in
+    `tiny_text_values`."""
+    values = tiny_text_values(text_class, shapes, unset_sizes=unset_sizes)
     if text_class != config_cls.__name__:
         return values
     return {k: v for k, v in values.items() if k not in (getattr(config_cls, "sub_configs", {}) or {})}
@@ -442,6 +448,39 @@ def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
     return {key: next(size for pattern, size in _BY_NAME if pattern.search(key))
             for key, value in default.to_dict().items()
             if value is None and key not in values and _EXPERT_COUNTS.search(key)}
+
+
+# An annotation that allows an integer or None and nothing else (`int | None`).
+_OPTIONAL_INT = re.compile(r"^(int \| None|None \| int|Optional\[int\])$")
+
+
+def _unset_sizes(cls, default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
+    """Integer fields (annotated `int | None`) the default config leaves None and the
+    model code reads (`config.indexer_budget`): released checkpoints write them, and code
+    that builds the part they size unconditionally fails on None. By name where the name
+    says a size (`_BY_NAME`), else 1, which every tiny count a validator relates it to
+    divides and is divided by. None often means "off" (a window, a scaling), so this is
+    tried only after the default's own None has failed; fields whose names are not
+    shapes (`_NOT_SHAPES`: token ids, windows) are left alone."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    reads = set(re.findall(r"config\.(\w+)", modeling_source(cls)))
+    own = default.to_dict()
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        name = f.name
+        if (own.get(name, 0) is not None or name in values or name not in reads or _NOT_SHAPES.search(name)
+                or not _OPTIONAL_INT.match(str(f.type).replace("typing.", ""))):
+            continue
+        size = next((size for pattern, size in _BY_NAME if pattern.search(name)), 1)
+        if size == "per-head":
+            size = shapes.get(_HEAD_DIM) or shapes.get(_HIDDEN, 64) // shapes.get(_HEADS, 2)
+        elif size == "layers":
+            size = shapes.get(_LAYERS, 2)
+        out[name] = size
+    return out
 
 
 def _tiny_rope(rope, cls, values: dict[str, Any], default):

@@ -25,9 +25,10 @@ def tiny_model_inputs(resolved: Resolved) -> TinyInputs:
     first: ScaffoldError | None = None
     tried: list[dict[str, Any]] = []
     # Last, a stack left all linear-attention by default with one attention layer,
-    # expert counts left unset by default given one, and fields the class derives left to it.
+    # expert counts left unset by default given one, fields the class derives left to it,
+    # and sizes left unset by default that the model code reads given one.
     candidates = [*({"shapes": shapes} for shapes in TEXT_SHAPE_CANDIDATES),
-                  {"attend_last": True}, {"unset_experts": True}, {"derived": True}]
+                  {"attend_last": True}, {"unset_experts": True}, {"derived": True}, {"unset_sizes": True}]
     for candidate in candidates:
         try:
             overrides = tiny_text_values(resolved.config_class, **candidate)
