@@ -186,6 +186,26 @@ def import_object(spec: str) -> Any:
     return imports.import_object(spec, what="class", kind="class")
 
 
+def lined_up_with_input_ids(module, args, kwargs, output):
+    """Forward hook: an output whose logits (and hidden states) run longer than the
+    input_ids, with positions of the model's own in front (media it embeds and prepends
+    itself), cut to the last input_ids.shape[1] positions, as mmrl reads them. Shorter
+    outputs (`logits_to_keep`, a cached decoding step) are left as they are."""
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if getattr(input_ids, "dim", lambda: 0)() != 2 or not hasattr(output, "logits"):
+        return None
+    length = input_ids.shape[1]
+
+    def cut(tensor):
+        longer = getattr(tensor, "dim", lambda: 0)() == 3 and tensor.shape[1] > length
+        return tensor[:, -length:] if longer else tensor
+
+    output.logits = cut(output.logits)
+    if isinstance(getattr(output, "hidden_states", None), tuple):
+        output.hidden_states = tuple(cut(h) for h in output.hidden_states)
+    return output
+
+
 def _computes_own_positions(model) -> bool:
     """Whether the model (or its inner model) computes multi-axis rope positions itself."""
     inner = getattr(model, "model", None)
@@ -219,6 +239,11 @@ class ModelAdapter:
     # right-padded, and HF rollout generates the prompts of one length at a time. The
     # padded-batch probe checks the layout the family declares.
     left_padding: ClassVar[bool] = True
+    # Whether the model's outputs hold positions of its own in front of the input tokens
+    # (image features it prepends itself rather than placing at placeholder tokens), so its
+    # logits run longer than input_ids: with True, `on_load` lines them up with input_ids
+    # again (`lined_up_with_input_ids`), as the engine and the probes read them.
+    prepends_positions: ClassVar[bool] = False
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("family", "model_types", "hf_class", "parts", "shard_layers")
 
@@ -317,7 +342,11 @@ class ModelAdapter:
 
     def on_load(self, model: PreTrainedModel) -> PreTrainedModel:
         """Fix-ups every built or loaded model gets, such as a forward hook that works
-        around a bug of the model code (random init and checkpoints alike)."""
+        around a bug of the model code (random init and checkpoints alike). The default
+        lines up the outputs of a model that `prepends_positions`; an override that
+        declares it calls this too."""
+        if self.prepends_positions:
+            model.register_forward_hook(lined_up_with_input_ids, with_kwargs=True)
         return model
 
     def __repr__(self) -> str:

@@ -1157,3 +1157,68 @@ def test_lora_targets_leave_out_a_linear_layer_whose_forward_returns_no_tensor()
     block = torch.nn.ModuleDict({"router": Llama4Router(config), "dense": FalconLinear(16, 16),
                                  "q_proj": torch.nn.Linear(16, 16)})
     assert _linear_leaves(block) == ("dense", "q_proj")
+
+
+def test_scaffold_rekeys_a_map_of_patch_counts_to_the_tiny_towers_count():
+    """AriaConfig maps patches per image to projector queries for the checkpoint's patch
+    size only ({1225: 128, 4900: 256}); the tiny tower cuts its image into another count.
+    The map is re-keyed to that count (the value that runs kept) and written as int keys."""
+    import transformers
+
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.image_size import patch_count_maps
+    from mmrl.scaffold.media_plan import build_config, build_processor, runs_with_image
+    from mmrl.scaffold.render import _literal_dict
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    assert patch_count_maps(transformers.AriaConfig()) == {"projector_patch_to_query_dict": {1225: 128, 4900: 256}}
+    assert patch_count_maps(transformers.LlavaConfig()) == {}
+    resolved = resolve("aria")
+    with quiet_transformers():
+        tiny = tiny_model_inputs(resolved)
+        plan = tiny.media
+        counts = plan.top["projector_patch_to_query_dict"]
+        assert len(counts) == 1 and next(iter(counts)) not in (1225, 4900)
+        tokenizer, config = build_config(resolved, plan)
+        processor = build_processor(plan, tokenizer, config)
+        assert runs_with_image(resolved.model_class, config, processor, plan.image_placeholder) is None
+    assert _literal_dict({"map": counts}) == "{" + f'"map": {{{next(iter(counts))}: {counts[next(iter(counts))]}}}' + "}"
+
+
+def test_scaffold_lines_up_the_logits_of_a_model_that_prepends_positions():
+    """GIT prepends its image features to the text: its logits run longer than input_ids.
+    The scaffold finds that by running the tiny model and declares prepends_positions;
+    the adapter's on_load then keeps the last input_ids.shape[1] positions (shorter
+    outputs, as with logits_to_keep, stay as they are)."""
+    import torch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from mmrl.adapter import ModelAdapter
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    class Prepending(torch.nn.Module):
+        def forward(self, input_ids, keep=0):
+            length = 3 + input_ids.shape[1]  # three image positions in front
+            hidden = torch.arange(length, dtype=torch.float).view(1, length, 1)
+            return CausalLMOutputWithPast(logits=hidden[:, -keep:] if keep else hidden, hidden_states=(hidden,))
+
+    class Declares(ModelAdapter):
+        prepends_positions = True
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert Prepending()(ids).logits.shape[1] == 7
+    model = Declares().on_load(Prepending())
+    out = model(input_ids=ids)
+    assert out.logits.flatten().tolist() == [3, 4, 5, 6] and out.hidden_states[0].shape[1] == 4
+    assert model(ids, keep=2).logits.flatten().tolist() == [5, 6]
+    assert ModelAdapter.prepends_positions is False
+
+    with quiet_transformers():
+        git = resolve("git")
+        assert inspect_family(git, "git", tiny_model_inputs(git)).prepends_positions
+        llava = resolve("llava")  # places its image features at the placeholder tokens
+        assert not inspect_family(llava, "llava_scaffold", tiny_model_inputs(llava)).prepends_positions

@@ -87,6 +87,9 @@ class Discovery:
     # zero that cut every gradient to the vision tower of the random-init tiny model (a
     # gate, a projection; verify): the adapter's prepare_model draws them.
     redraw_zeros: tuple[str, ...] = ()
+    # The model's logits run longer than input_ids, its own positions in front (found by
+    # running it, discover.py): the adapter declares prepends_positions = True.
+    prepends_positions: bool = False
 
 
 @dataclass

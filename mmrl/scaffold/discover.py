@@ -12,6 +12,7 @@ from typing import Any
 
 from mmrl.adapter import Parts
 from mmrl.scaffold.base import Discovery, Resolved, ScaffoldError
+from mmrl.scaffold.media_plan import build_config, build_processor, prepends_positions
 from mmrl.scaffold.resolve import class_name
 from mmrl.scaffold.shrink import TinyInputs, build_tiny
 from mmrl.scaffold.vllm_registry import vllm_architecture
@@ -119,7 +120,22 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         decoder_layers=tuple(dict.fromkeys(type(m).__name__ for m in decoder)), vision_block=vision_block,
         language_leaves=tuple(dict.fromkeys(leaf for m in decoder for leaf in _linear_leaves(m))), vision_leaves=vision_leaves, rope=rope,
         vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
+        prepends_positions=_prepends_positions(resolved, model, tiny),
     )
+
+
+def _prepends_positions(resolved: Resolved, model, tiny: TinyInputs) -> bool:
+    """Whether the tiny vision-language model's logits on one image run longer than its
+    input_ids (image positions of its own in front of the text's)."""
+    plan = tiny.media
+    if plan is None or not resolved.is_vision_language:
+        return False
+    try:
+        tokenizer, _ = build_config(resolved, plan)
+        processor = build_processor(plan, tokenizer, tiny.config)
+    except ScaffoldError:
+        return False
+    return prepends_positions(model, processor, plan.image_placeholder, plan.text_kwargs)
 
 
 def _decoder_stack(model, embed: str, depth: int | None):

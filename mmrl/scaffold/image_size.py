@@ -14,7 +14,9 @@ import re
 from typing import Any
 
 from mmrl.scaffold.base import Resolved, ScaffoldError
-from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters, runs_with_image
+from mmrl.scaffold.media_plan import (
+    MediaPlan, build_config, build_processor, init_parameters, one_image_inputs, runs_with_image,
+)
 from mmrl.scaffold.shrink import TOWER_OUTPUT_WIDTH, build_tiny, vision_language_text_values
 
 # No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
@@ -81,10 +83,11 @@ COMMON_IMAGE_SIZES = (224, 256, 336, 384, 448, 512, 896)
 def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
     """Default configs are not always one checkpoint's, and processors learn some counts
     only from a checkpoint. When the tiny model does not run on one image, try, in turn:
-    wider text heads (model code that fixes rotary sections), the tower's `hidden_size` as
-    the width it projects into the text model, one more image token per image than the
-    processor's default (a class token), and other image sizes (vision tower and image
-    processor together); keep the first combination that runs, else the defaults (verify
+    a config map keyed by patch counts re-keyed to the tiny tower's count, wider text
+    heads (model code that fixes rotary sections), the tower's `hidden_size` as the width
+    it projects into the text model, one more image token per image than the processor's
+    default (a class token), and other image sizes (vision tower and image processor
+    together); keep the first combination that runs, else the defaults (verify
     then says why)."""
     import itertools
 
@@ -95,6 +98,9 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
     failure = runs_with_image(resolved.model_class, config, processor, plan.image_placeholder, plan.text_kwargs)
     if failure is None:
         return tokenizer, config, processor
+    rekeyed = _patch_count_keys_fitted(resolved, plan, config, processor)
+    if rekeyed is not None:
+        return rekeyed
     fitted = _input_widths_fitted(resolved, plan, config, failure)
     if fitted is not None:
         if fitted[1] is None:
@@ -150,6 +156,57 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
                 return tokenizer2, config2, processor3
     plan.vision, plan.sub_processors, plan.text_overrides, plan.processor_kwargs = (dict(v) for v in saved)
     return tokenizer, config, processor
+
+
+def patch_count_maps(config) -> dict[str, dict[int, int]]:
+    """The config's top-level maps keyed by patches per image (a field named for patches
+    whose keys and values are integers, as JSON spells them or not: a projector's
+    patches -> queries map), by field name."""
+    maps = {}
+    for name, value in config.to_dict().items():
+        if "patch" not in name or not isinstance(value, dict) or not value:
+            continue
+        try:
+            maps[name] = {int(k): int(v) for k, v in value.items()}
+        except (TypeError, ValueError):
+            continue
+    return maps
+
+
+def _patch_count_keys_fitted(resolved: Resolved, plan: MediaPlan, config, processor):
+    """A map keyed by patch counts knows the checkpoint's counts only (its patch size at its
+    image sizes), not the tiny tower's. Re-keyed to the count the tiny tower cuts one
+    processed image into (its height and width over the tower's `patch_size`), each of the
+    map's values tried in turn with it: the first that runs is kept, as
+    (tokenizer, config, processor); None (the plan as it was) where none runs or there is no
+    such map."""
+    maps = patch_count_maps(config)
+    patch = getattr(getattr(config, plan.vision_key, None), "patch_size", None)
+    if not maps or type(patch) is not int:
+        return None
+    try:
+        pixels = one_image_inputs(processor, plan.image_placeholder, plan.text_kwargs).get("pixel_values")
+    except Exception:
+        return None
+    if pixels is None or pixels.dim() < 3:
+        return None
+    count = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    saved = dict(plan.top)
+    for name, counts in maps.items():
+        if count in counts:
+            continue
+        for value in dict.fromkeys(counts.values()):
+            plan.top = {**saved, name: {count: value}}
+            try:
+                tokenizer, config = build_config(resolved, plan)
+                processor = build_processor(plan, tokenizer, config)
+            except ScaffoldError:
+                continue
+            if runs_with_image(resolved.model_class, config, processor, plan.image_placeholder,
+                               plan.text_kwargs) is None:
+                return tokenizer, config, processor
+    plan.top = saved
+    return None
 
 
 # A linear layer given `in` features where its weight takes `expected` (torch's message).

@@ -4,7 +4,8 @@ A `MediaPlan` records how the tiny vision-language model and its processor are p
 together (the adapter's `tiny()` is rendered from it). This module decides nothing about
 the type: it turns a plan into the tiny tokenizer, config and processor (`build_config`,
 `build_processor`) and says whether the tiny model runs a training step on one processed
-image (`runs_with_image`). `media` fills the plan in; `placeholders` and `image_size`
+image (`runs_with_image`) and whether its logits there run longer than its input_ids
+(`prepends_positions`). `media` fills the plan in; `placeholders` and `image_size`
 adjust it, reading a processor class's arguments through `init_parameters`.
 """
 
@@ -135,21 +136,45 @@ def build_processor(plan: MediaPlan, tokenizer, config):
     return processor
 
 
+def one_image_inputs(processor, placeholder: str | None, text_kwargs: dict[str, Any] | None = None,
+                     model=None) -> dict:
+    """The processor's tensors for one image beside `placeholder`, floats in float32 as
+    mmrl's processing gives them, and only those `model`'s forward takes where it names
+    its arguments: what the fitting stages run the tiny model on."""
+    from PIL import Image
+
+    inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
+                       return_tensors="pt", **(text_kwargs or {}))
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    accepted = inspect.signature(model.forward).parameters if model is not None else {}
+    if accepted and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        inputs = {k: v for k, v in inputs.items() if k in accepted}
+    return inputs
+
+
 def runs_with_image(model_class: str, config, processor, placeholder: str | None,
                     text_kwargs: dict[str, Any] | None = None) -> str | None:
     """None when the tiny model runs a forward/backward pass on one processed image
     beside `placeholder`, else the error in one line."""
-    from PIL import Image
-
     try:
         model = build_tiny(model_class, config)
-        inputs = processor(text=[f"look {placeholder} here"], images=[Image.new("RGB", (224, 168), (9, 99, 199))],
-                           return_tensors="pt", **(text_kwargs or {}))
-        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # as mmrl's processing
-        accepted = inspect.signature(model.forward).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-            inputs = {k: v for k, v in inputs.items() if k in accepted}
+        inputs = one_image_inputs(processor, placeholder, text_kwargs, model)
         model(**{**inputs, "labels": inputs["input_ids"]}).loss.backward()
     except Exception as exc:
         return whole_cause(exc, 200)
     return None
+
+
+def prepends_positions(model, processor, placeholder: str | None, text_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether the tiny model's logits on one processed image run longer than its
+    input_ids: positions of its own (image features it prepends) in front of the text's,
+    which the adapter's `prepends_positions` cuts off again. False where it does not run."""
+    import torch
+
+    try:
+        inputs = one_image_inputs(processor, placeholder, text_kwargs, model)
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    except Exception:
+        return False
+    return logits.dim() == 3 and logits.shape[1] > inputs["input_ids"].shape[1]

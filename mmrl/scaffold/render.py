@@ -45,8 +45,8 @@ def _literal(value: Any) -> str:
     return _literal_dict(value) if type(value) is dict else repr(value)
 
 
-def _literal_dict(values: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{_str(k)}: {_literal(v)}" for k, v in values.items()) + "}"
+def _literal_dict(values: dict[Any, Any]) -> str:
+    return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in values.items()) + "}"
 
 
 def _one_or_tuple(values: tuple[str, ...]) -> str:
@@ -158,6 +158,10 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
                           f"split_inputs={_tuple(spec.split_inputs)}", f"masked_inputs={masked}"])]
     if processing_ref:
         lines.append(f"    processing = {_str(processing_ref)}")
+    if d.prepends_positions:
+        lines += ["    # The logits run longer than input_ids, image positions of the model's own in front",
+                  "    # (found by running it): on_load cuts them to input_ids' positions.",
+                  "    prepends_positions = True"]
     if not d.left_padding:
         lines += ["    # The forward ignores the mask for pads in front (a left-padded batch differed from",
                   "    # each prompt alone with counted and with its own positions; right-padded, it matched).",
