@@ -1222,3 +1222,157 @@ def test_scaffold_lines_up_the_logits_of_a_model_that_prepends_positions():
         assert inspect_family(git, "git", tiny_model_inputs(git)).prepends_positions
         llava = resolve("llava")  # places its image features at the placeholder tokens
         assert not inspect_family(llava, "llava_scaffold", tiny_model_inputs(llava)).prepends_positions
+
+
+def test_scaffold_per_layer_kinds_left_unset_are_read_off_the_model_code():
+    """DeepseekOcr2TextConfig leaves `mlp_layer_types` None, while its decoder layer reads
+    `config.mlp_layer_types[layer_idx] == "sparse"`: with the sizes left unset, the list gets
+    one layer of each kind its docstring names (dense first), and the text model builds."""
+    import torch
+    import transformers
+
+    from mmrl.scaffold.shrink import _unset_per_layer_kinds, tiny_text_values
+    from mmrl.tiny import TINY_TEXT_SHAPES
+
+    values = tiny_text_values("DeepseekOcr2TextConfig", unset_sizes=True)
+    assert values["mlp_layer_types"] == ["dense", "sparse"]
+    assert values["num_hidden_layers"] == max(2, TINY_TEXT_SHAPES["num_hidden_layers"])
+    assert "mlp_layer_types" not in tiny_text_values("DeepseekOcr2TextConfig")  # tried only after None failed
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.DeepseekOcr2TextModel(transformers.DeepseekOcr2TextConfig(**values))
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["DeepseekOcr2TextMLP", "DeepseekOcr2TextMoe"]
+    # A list the default config fills in itself is left to the per-layer shrink.
+    assert _unset_per_layer_kinds(transformers.LagunaConfig, transformers.LagunaConfig(), {}, TINY_TEXT_SHAPES) == {}
+    # One kind known only (Lfm2-MoE compares `layer_types[i] == "full_attention"`, its convolutions
+    # go unnamed): no list that would drop the others.
+    assert _unset_per_layer_kinds(transformers.Lfm2MoeConfig, transformers.Lfm2MoeConfig(), {}, TINY_TEXT_SHAPES) == {}
+
+
+def test_scaffold_a_default_width_concatenated_with_the_tiny_one_is_fitted(monkeypatch):
+    """A concatenation error ("Expected size 896 but got size 64"): the one vision field of
+    either width left at its default, here an entry of a sub-config's list of channel widths
+    (DeepSeek-OCR-2's SAM `downsample_channels`), takes the other width."""
+    from types import SimpleNamespace
+
+    from mmrl.scaffold import image_size
+
+    sam = {"model_type": "sam", "hidden_size": 768, "downsample_channels": [512, 896]}
+    defaults = {"model_type": "tower", "sam_config": sam, "encoder_config": {"model_type": "enc", "hidden_size": 4096}}
+
+    def merged(base, over):
+        return {k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                for k, v in {**base, **over}.items()}
+
+    def built(resolved, plan):
+        return "tokenizer", SimpleNamespace(vision_config=SimpleNamespace(to_dict=lambda: merged(defaults, plan.vision)))
+
+    def run(model_class, config, processor, placeholder, text_kwargs):
+        vision = config.vision_config.to_dict()
+        channels, width = vision["sam_config"]["downsample_channels"][-1], vision["encoder_config"]["hidden_size"]
+        return None if channels == width else (
+            f"RuntimeError: Sizes of tensors must match except in dimension 1. Expected size {channels} but got size "
+            f"{width} for tensor number 1 in the list.")
+
+    monkeypatch.setattr(image_size, "build_config", built)
+    monkeypatch.setattr(image_size, "build_processor", lambda plan, tokenizer, config: "processor")
+    monkeypatch.setattr(image_size, "runs_with_image", run)
+    shrunk = {"sam_config": {"model_type": "sam", "hidden_size": 32}, "encoder_config": {"model_type": "enc",
+                                                                                       "hidden_size": 64}}
+    plan = SimpleNamespace(vision=dict(shrunk), vision_key="vision_config", image_placeholder="<image>",
+                           text_kwargs=None)
+    _, config = built(None, plan)
+    fitted = image_size._input_widths_fitted(SimpleNamespace(model_class="M"), plan, config, run("M", config, 0, 0, 0))
+    assert fitted is not None and fitted[1] is None
+    assert plan.vision["sam_config"] == {"model_type": "sam", "hidden_size": 32, "downsample_channels": [512, 64]}
+    assert plan.vision["encoder_config"] == shrunk["encoder_config"]
+
+
+def test_scaffold_processor_tokens_held_as_class_constants_are_found():
+    """MiniMaxM3VLProcessor spells its tokens as class constants (`IMAGE_TOKEN = "]<]image[>["`,
+    read as `self.image_token = self.IMAGE_TOKEN`), none in angle brackets: they are named by
+    the constant, so the tiny tokenizer holds them and the image placeholder is found (framed
+    by the processor itself, so written alone)."""
+    import transformers
+
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.placeholders import tokens_in_source
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    named, _, _ = tokens_in_source(transformers.MiniMaxM3VLProcessor)
+    assert named["image_token"] == "]<]image[>[" and named["video_token"] == "]<]video[>["
+    assert named["vision_start_token"] == "]<]start of image[>[" and named["vision_end_token"] == "]<]end of image[>["
+    with quiet_transformers():
+        plan = tiny_model_inputs(resolve("minimax_m3_vl")).media
+    assert plan.image_placeholder == "]<]image[>["
+    assert plan.token_fields["image_token_index"] == "]<]image[>[" and plan.video_placeholder == "]<]video[>["
+
+
+def test_scaffold_an_audio_sub_processor_is_the_one_of_the_audio_encoder_the_config_builds(monkeypatch):
+    """Nemotron-H Omni's processor requires a `feature_extractor`; transformers' table has no
+    entry for the type, but its configuration module builds a Parakeet encoder by name
+    (`CONFIG_MAPPING["parakeet_encoder"]`), whose table entry is ParakeetFeatureExtractor.
+    Where the class needs a package not installed (librosa), the scaffold says so."""
+    import importlib.util
+
+    import transformers
+
+    from mmrl.scaffold import ScaffoldError, quiet_transformers
+    from mmrl.scaffold.media import _sub_config_types
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    assert "parakeet_encoder" in _sub_config_types(transformers.NemotronH_Omni_Reasoning_V3_Config())
+    try:
+        with quiet_transformers():
+            tiny = tiny_model_inputs(resolve("nemotron_h_omni"))
+    except ScaffoldError as exc:
+        assert importlib.util.find_spec("librosa") is None, exc
+        assert str(exc).startswith("ParakeetFeatureExtractor needs a package not installed here"), exc
+        assert "librosa" in str(exc) and exc.category == "processor"
+    else:
+        assert tiny.media.sub_processors["feature_extractor"][0] == "ParakeetFeatureExtractor"
+
+
+def test_scaffold_a_model_nesting_a_whole_causal_lm_takes_its_head():
+    """A class that declares no output embeddings of its own because it nests a whole causal
+    LM (Nemotron-H Omni's `language_model = AutoModelForCausalLM.from_config(...)`): the
+    nested model's head is read as the lm_head part, and the adapter's on_load gives the
+    model that head (mmrl's log-prob head reads `model.get_output_embeddings()`)."""
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import _output_embeddings, inspect_family
+    from mmrl.scaffold.layout import layout_for
+    from mmrl.scaffold.render import render_adapter
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=40)
+
+    class Nesting(transformers.PreTrainedModel):
+        config_class = transformers.LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.language_model = transformers.LlamaForCausalLM(config)
+
+    with torch.random.fork_rng(devices=[]):
+        nesting, plain = Nesting(config), transformers.LlamaForCausalLM(config)
+    assert nesting.get_output_embeddings() is None
+    assert _output_embeddings(nesting) == (nesting.language_model.lm_head, "language_model")
+    assert _output_embeddings(plain) == (plain.lm_head, "")
+    resolved = resolve("llama")
+    with quiet_transformers():
+        found = inspect_family(resolved, "llama_scaffold", tiny_model_inputs(resolved))
+    assert found.nested_head == ""
+    assert "def on_load" not in render_adapter(found, layout_for(found, Path("/tmp/unused")), None)
+    nested = dataclasses.replace(found, nested_head="language_model")
+    source = render_adapter(nested, layout_for(nested, Path("/tmp/unused")), None)
+    assert 'nested = model.get_submodule("language_model")' in source
+    assert "model.get_output_embeddings = nested.get_output_embeddings" in source

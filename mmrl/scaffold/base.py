@@ -90,6 +90,10 @@ class Discovery:
     # The model's logits run longer than input_ids, its own positions in front (found by
     # running it, discover.py): the adapter declares prepends_positions = True.
     prepends_positions: bool = False
+    # The module path of the causal LM the model nests whole where the class declares no
+    # output embeddings of its own (discover.py): the adapter's on_load gives the model
+    # that one's, which mmrl's log-prob head reads.
+    nested_head: str = ""
 
 
 @dataclass

@@ -75,10 +75,11 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
 
     config = tiny.config
     model = build_tiny(resolved.model_class, config)
-    if model.get_output_embeddings() is None:
+    head, nested_head = _output_embeddings(model)
+    if head is None:
         raise ScaffoldError(f"{resolved.model_class} has no output embeddings (lm_head) to read", category="model-init")
     embed = _path_of(model, model.get_input_embeddings())
-    lm_head = _path_of(model, model.get_output_embeddings())
+    lm_head = _path_of(model, head)
     text_config = config.get_text_config(decoder=True)
     language, decoder = _decoder_stack(model, embed, getattr(text_config, "num_hidden_layers", None))
     for depth in _other_layer_counts(text_config) if decoder is None else ():
@@ -120,8 +121,29 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         decoder_layers=tuple(dict.fromkeys(type(m).__name__ for m in decoder)), vision_block=vision_block,
         language_leaves=tuple(dict.fromkeys(leaf for m in decoder for leaf in _linear_leaves(m))), vision_leaves=vision_leaves, rope=rope,
         vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
-        prepends_positions=_prepends_positions(resolved, model, tiny),
+        prepends_positions=_prepends_positions(resolved, model, tiny), nested_head=nested_head,
     )
+
+
+def _output_embeddings(model) -> tuple[Any, str]:
+    """(output embeddings, "") of the model (`lm_head`); where the class declares none of
+    its own because it nests a whole causal LM (`self.language_model =
+    AutoModelForCausalLM.from_config(...)`, whose forward gives the logits), (that nested
+    model's, its path): the outermost model inside with output embeddings, where there is
+    one. (None, "") where neither is."""
+    from transformers import PreTrainedModel
+
+    head = model.get_output_embeddings()
+    if head is not None:
+        return head, ""
+    nested = [(name, m) for name, m in model.named_modules() if name and isinstance(m, PreTrainedModel)
+              and m.get_output_embeddings() is not None]
+    outermost = [(name, m) for name, m in nested if not any(other != name and _under(name, other)
+                                                            for other, _ in nested)]
+    if len(outermost) != 1:
+        return None, ""
+    name, inner = outermost[0]
+    return inner.get_output_embeddings(), name
 
 
 def _prepends_positions(resolved: Resolved, model, tiny: TinyInputs) -> bool:

@@ -211,32 +211,92 @@ def _patch_count_keys_fitted(resolved: Resolved, plan: MediaPlan, config, proces
 
 # A linear layer given `in` features where its weight takes `expected` (torch's message).
 _MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+# Two widths joined along another dimension (torch.cat's message): which of the two a
+# config field holds is not said.
+_CAT = re.compile(r"Sizes of tensors must match except in dimension \d+\. Expected size (\d+) but got size (\d+)")
 # Widths to fit at most: each fitted width may reveal the next layer's.
 _WIDTH_FITS = 4
+
+
+def _width_pairs(failure: str) -> list[tuple[int, int]]:
+    """(width a field holds, width it should take) pairs an error allows: a matmul's
+    weight takes `expected` and is given `given`; a concatenation's two widths either way."""
+    if match := _MATMUL.search(failure):
+        return [(int(match.group(3)), int(match.group(2)))]
+    if match := _CAT.search(failure):
+        first, second = int(match.group(1)), int(match.group(2))
+        return [(first, second), (second, first)]
+    return []
+
+
+def _int_leaves(value, path: tuple = ()):
+    """(path, integer) for every integer in a config dict, its sub-config dicts and lists
+    (a list entry's path ends in its index)."""
+    if type(value) is int:
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _int_leaves(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _int_leaves(item, (*path, index))
+
+
+def _has_path(values, path: tuple) -> bool:
+    for step in path:
+        if isinstance(values, dict) and step in values:
+            values = values[step]
+        elif isinstance(values, list) and type(step) is int and step < len(values):
+            values = values[step]
+        else:
+            return False
+    return True
+
+
+def _with_leaf(values: dict[str, Any], source: dict[str, Any], path: tuple, width: int) -> dict[str, Any]:
+    """`values` (the plan's vision values) with the integer at `path` set to `width`: a
+    sub-config on the way is written as its model type plus what changed, a list whole
+    (copied from `source`, the built config's values, where the plan lacks it)."""
+    key, rest = path[0], path[1:]
+    if not rest:
+        return {**values, key: width}
+    current = values.get(key)
+    if isinstance(source.get(key), list):
+        listed = list(current if isinstance(current, list) else source[key])
+        listed[rest[0]] = width  # per-layer lists of widths are one level deep
+        return {**values, key: listed}
+    if not isinstance(current, dict):
+        current = {"model_type": source[key]["model_type"]} if source[key].get("model_type") else {}
+    return {**values, key: _with_leaf(current, source[key], rest, width)}
 
 
 def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: str):
     """Where the tiny tower's output meets a layer that takes another width (a config
     field derived from the tower's, such as a concatenation of several of its layers'
     outputs, left at its default, or a shrunk width the code expects a multiple of
-    another): the one vision config field of that width set to the width the layer is
-    given, as long as the error names one. ((tokenizer, config, processor), None)
-    once it runs, ((...), error) where it got further but still fails, None where no field
-    fits (`plan` as it was)."""
+    another), or is joined to a tensor of another width (a sub-config's list of channel
+    widths left at its default, concatenated with learned queries of the tiny width): the
+    one vision config field of that width (in a sub-config or a list too) set to the
+    width the layer is given, as long as the error names one. ((tokenizer, config,
+    processor), None) once it runs, ((...), error) where it got further but still fails,
+    None where no field fits (`plan` as it was)."""
     saved, fitted, kept = dict(plan.vision), None, dict(plan.vision)
     for _ in range(_WIDTH_FITS):
-        match = _MATMUL.search(failure)
-        if match is None:
-            break
-        given, expected = int(match.group(2)), int(match.group(3))
         vision = getattr(config, plan.vision_key).to_dict()
-        named = [k for k, v in vision.items() if type(v) is int and v == expected]
+        pairs = [(given, [path for path, v in _int_leaves(vision) if v == expected])
+                 for expected, given in _width_pairs(failure) if given != expected]
         # A field left at its default first; else one the shrink set (a width the model's
-        # code derives from another by a factor the shrink did not keep).
-        fields = [k for k in named if k not in saved] or named
-        if len(fields) != 1 or given == expected:
+        # code derives from another by a factor the shrink did not keep). Where either
+        # width could be the field's, only a lone field left at its default is taken.
+        choices = [(named[0] if len(named) == 1 else None, given) for given, named in (
+            (given, [path for path in named if not _has_path(saved, path)]) for given, named in pairs)]
+        if len(pairs) == 1 and choices[0][0] is None and len(pairs[0][1]) == 1:
+            choices = [(pairs[0][1][0], pairs[0][0])]
+        choices = [choice for choice in choices if choice[0] is not None]
+        if len(choices) != 1:
             break
-        plan.vision = {**plan.vision, fields[0]: given}
+        choice = choices[0]
+        plan.vision = _with_leaf(plan.vision, vision, *choice)
         try:
             tokenizer, config = build_config(resolved, plan)
             processor = build_processor(plan, tokenizer, config)

@@ -319,7 +319,8 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
                             ("video_processor", VIDEO_PROCESSOR_MAPPING_NAMES),
                             ("feature_extractor", FEATURE_EXTRACTOR_MAPPING_NAMES)):
         if argument in wanted:
-            cls = _table_class(table, resolved.model_type, processor_cls)
+            cls = _table_class(table, resolved.model_type, processor_cls) or next(
+                filter(None, (_table_class(table, t) for t in _sub_config_types(config))), None)
             if cls is not None:
                 kwargs = sized_processor_kwargs(cls, vision_values.get("image_size"), vision_values)
                 plan.sub_processors[argument] = (cls.__name__, {**kwargs, **_switches_off_to_save(cls, kwargs)})
@@ -345,6 +346,24 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
     model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
     if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
         plan.text_kwargs = {"return_mm_token_type_ids": True}
+
+
+def _sub_config_types(config) -> list[str]:
+    """Model types of the composite's sub-configs: those the tiny config holds, then those
+    its configuration module builds by name (`CONFIG_MAPPING["parakeet_encoder"](...)`), which
+    include a part the default config leaves out (an audio encoder, None by default). A
+    sub-processor the type's own table entry lacks is that part's (a Parakeet encoder's
+    feature extractor, for the processor's `feature_extractor`)."""
+    import inspect as inspect_module
+
+    held = [getattr(getattr(config, key, None), "model_type", None)
+            for key in getattr(type(config), "sub_configs", {}) or {}]
+    try:
+        source = inspect_module.getsource(inspect_module.getmodule(type(config)))
+    except (OSError, TypeError):
+        source = ""
+    named = re.findall(r"""CONFIG_MAPPING\[\s*["'](\w+)["']\s*\]""", source)
+    return list(dict.fromkeys(t for t in [*held, *named] if t))
 
 
 def _switches_off_to_save(cls, kwargs: dict[str, Any]) -> dict[str, bool]:

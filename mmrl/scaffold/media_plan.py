@@ -123,6 +123,9 @@ def build_processor(plan: MediaPlan, tokenizer, config):
     for argument, (cls_name, kwargs) in plan.sub_processors.items():
         try:
             sub = getattr(transformers, cls_name)(**kwargs)
+        except ImportError as exc:  # transformers' stand-in for a class whose package is missing
+            raise ScaffoldError(f"{cls_name} needs a package not installed here ({whole_cause(exc, 120)}); install "
+                                "it, or write tiny()'s processor by hand", category="processor") from exc
         except Exception as exc:
             raise ScaffoldError(f"{cls_name}({kwargs}) fails ({whole_cause(exc, 200)})", category="processor") from exc
         subs[argument] = as_loaded(sub) if argument == "image_processor" else sub

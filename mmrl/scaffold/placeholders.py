@@ -49,6 +49,13 @@ def tokens_in_source(processor_cls) -> tuple[dict[str, str], list[str], dict[str
     for attribute, literal in re.findall(r"""self\.(\w+_token)\s*=\s*["'](<[^"'\s]{1,40}>)["']""", source):
         if attribute not in named and attribute not in optional:
             named[attribute] = literal
+    # Tokens the processor class holds as constants (`IMAGE_TOKEN = "]<]image[>["`, read as
+    # `self.image_token = self.IMAGE_TOKEN`): named by the constant, lower-cased.
+    for constant in dir(processor_cls):
+        value = getattr(processor_cls, constant, None)
+        if re.fullmatch(r"[A-Z][A-Z0-9_]*_TOKEN", constant) and isinstance(value, str) and value.strip():
+            if constant.lower() not in named and constant.lower() not in optional:
+                named[constant.lower()] = value
     for attribute in re.findall(r"tokenizer\.(\w+_token)\b", source):
         # Attributes every tokenizer has (bos_token, the add_bos_token switch) are not new tokens.
         if attribute not in named and attribute not in optional and not hasattr(TokenizersBackend, attribute) and (

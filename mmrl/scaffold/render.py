@@ -177,6 +177,15 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
                   '        """The weights the class initializes to zero (a checkpoint replaces them), which',
                   '        cut every gradient to the vision tower of the random-init tiny model: drawn."""',
                   *_redraw_lines(d.redraw_zeros), ""]
+    if d.nested_head:
+        lines += ["    def on_load(self, model):",
+                  '        """The class declares no output embeddings of its own: the causal LM it nests',
+                  f'        (`{d.nested_head}`) makes the logits, and its head is the model\'s (mmrl\'s log-prob',
+                  '        head reads the model\'s)."""',
+                  "        model = super().on_load(model)",
+                  f"        nested = model.get_submodule({_str(d.nested_head)})",
+                  "        model.get_output_embeddings = nested.get_output_embeddings",
+                  "        return model", ""]
     if d.own_positions:
         lines += ["    def position_ids(self, model, batch):",
                   '        """None: the model places its own positions (offset or masked by its code);',

@@ -268,6 +268,7 @@ def tiny_text_values(config_class: str, shapes: dict[str, int] = TINY_TEXT_SHAPE
         values.update(_unset_expert_counts(default, values))
     if unset_sizes:
         values.update(_unset_sizes(cls, default, values, shapes))
+        values.update(_unset_per_layer_kinds(cls, default, values, shapes))
     values.update(_unset_layer_kinds(cls, default, values, shapes))
     rope = getattr(default, "rope_parameters", None)
     layer_types = getattr(default, "layer_types", None)
@@ -480,6 +481,43 @@ def _unset_sizes(cls, default, values: dict[str, Any], shapes: dict[str, int]) -
         elif size == "layers":
             size = shapes.get(_LAYERS, 2)
         out[name] = size
+    return out
+
+
+def _unset_per_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
+    """Per-layer kind lists (`mlp_layer_types`, annotated `list[str] | None`) the default
+    config leaves None while the model code indexes them by layer and compares the entry
+    with a kind (`config.mlp_layer_types[layer_idx] == "sparse"`): released checkpoints
+    write them, and a default without one builds no layer. The kinds are those the code
+    compares with and those the class's docstring names for the field (`"dense"` or
+    `"sparse"`), in the docstring's order, one layer of each (the first kind fills a
+    deeper stack); only where that names two kinds or more. Tried only after the
+    default's None has failed, with `_unset_sizes`."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    source = modeling_source(cls)
+    own = default.to_dict()
+    layers_key = dict(getattr(default, "attribute_map", {}) or {}).get(_LAYERS, _LAYERS)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        name = f.name
+        if own.get(name, 0) is not None or name in values or "list[str]" not in str(f.type):
+            continue
+        indexed = rf"config\.{name}\[\s*\w+\s*\]"
+        compared = re.findall(rf"""{indexed}\s*(?:==|!=)\s*["'](\w+)["']""", source)
+        compared += re.findall(rf"""["'](\w+)["']\s*(?:==|!=)\s*{indexed}""", source)
+        if not compared:
+            continue
+        entry = re.search(rf"^\s*{name} \(.*?\):\n(.*?)(?=^\s*\w+ \(|\Z)", cls.__doc__ or "", re.M | re.S)
+        documented = re.findall(r'`"(\w+)"`', entry.group(1)) if entry else []
+        kinds = list(dict.fromkeys([*documented, *compared]))
+        if len(kinds) < 2:  # the other kinds unknown: a list of one would drop them (Lfm2-MoE's convolutions)
+            continue
+        depth = max(values.get(layers_key, shapes.get(_LAYERS, 2)), len(kinds))
+        out[name] = [kinds[0]] * (depth - len(kinds)) + kinds
+        out[layers_key] = depth
     return out
 
 
