@@ -77,6 +77,10 @@ class Discovery:
     fill_in: list[str] = field(default_factory=list)
     # The model's own positions match a padded batch where counted ones do not (verify).
     own_positions: bool = False
+    # Nor those: the model's rope index (`get_rope_index`) counts media across the whole
+    # batch, and computed one row at a time it matches (verify); the adapter's
+    # position_ids does that.
+    rope_index_per_row: bool = False
     # Neither does: the forward ignores the mask for pads in front, and a right-padded
     # batch matches each prompt alone (verify); the adapter declares left_padding = False.
     left_padding: bool = True

@@ -12,7 +12,7 @@ from pathlib import Path
 from mmrl import errors
 from mmrl.adapter import Capabilities
 from mmrl.imports import load_module
-from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Gap, Layout
+from mmrl.scaffold.base import CHECKED, TOLERANCE, Discovery, Gap, Layout, Resolved
 from mmrl.scaffold.depth import to_write
 from mmrl.scaffold.render import base_capabilities, render_adapter, render_processing
 
@@ -24,18 +24,37 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
     """Import the rendered adapter (under a scratch module name), run the zoo's quick
     checks on its tiny model and return the capabilities that passed (None when the
     tiny model does not run at all; `d.fill_in` then says why). When a padded batch
-    differs from each prompt alone with counted positions, the checks run again with the
-    model placing its own, then (text families) with right-padded batches
+    differs from each prompt alone with counted positions, or the tiny model does not run
+    with them at all, the checks run again with the
+    model placing its own, then (where it has a rope index) with that index computed one
+    row at a time, then (text families) with right-padded batches
     (`left_padding = False`: a forward that ignores the mask for pads in front); the
     adapter keeps the first that matched. Each capability left undeclared is added to
     `gaps` (its column, why, what to write by hand)."""
     gaps = [] if gaps is None else gaps
+    fill_in = list(d.fill_in)
     verified = _verify_once(d, layout, notes, gaps)
+    if verified is None and not d.own_positions:
+        # Counted positions can stop the tiny model outright (passed on through **kwargs to
+        # a part that reads another length of positions, a Q-Former's): again with the
+        # model placing its own, kept where the tiny model then runs.
+        d.own_positions, stopped = True, list(d.fill_in)
+        d.fill_in[:] = fill_in
+        again_notes: list[str] = []
+        again_gaps: list[Gap] = []
+        verified = _verify_once(d, layout, again_notes, again_gaps)
+        if verified is None:  # both causes are for the user to fix
+            own = [f"with the model's own positions, {item}" for item in d.fill_in[len(fill_in):]]
+            d.own_positions, d.fill_in[:] = False, stopped + own
+        else:
+            notes[:], gaps[:] = again_notes, again_gaps
     if verified is not None and _tower_unreached(gaps) and not d.redraw_zeros:
         verified = _with_zeros_drawn(d, layout, notes, gaps, verified)
     if d.own_positions or not _position_gap(d):
         return verified
     attempts = [{"own_positions": True}]
+    if _has_rope_index(d.resolved):
+        attempts.append({"rope_index_per_row": True})
     if not d.resolved.is_vision_language:  # right-padded rollout takes token ids only
         attempts.append({"left_padding": False})
     kept = list(d.fill_in)
@@ -46,7 +65,7 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
         again_notes: list[str] = []
         again_gaps: list[Gap] = []
         again = _verify_once(d, layout, again_notes, again_gaps)
-        if not _position_gap(d):
+        if again is not None and not _position_gap(d):
             notes[:] = again_notes
             gaps[:] = again_gaps
             return again
@@ -72,6 +91,15 @@ def zero_weights(model) -> tuple[str, ...]:
 
 def _tower_unreached(gaps: list[Gap]) -> bool:
     return any(g.column == "single_image" and g.cause.startswith(TOWER_UNREACHED) for g in gaps)
+
+
+def _has_rope_index(resolved: Resolved) -> bool:
+    """Whether a class of the model's module computes its rope index itself
+    (transformers' `get_rope_index`, on the inner model the class wraps)."""
+    import transformers
+
+    module = sys.modules[getattr(transformers, resolved.model_class).__module__]
+    return any(isinstance(v, type) and hasattr(v, "get_rope_index") for v in vars(module).values())
 
 
 def _position_gap(d: Discovery) -> bool:
