@@ -253,6 +253,17 @@ def _has_path(values, path: tuple) -> bool:
     return True
 
 
+def _lone_field(vision: dict[str, Any], saved: dict[str, Any], width: int, defaults_only: bool):
+    """The path of the one integer of `width` in the vision config's values: among those
+    left at their default (not in `saved`, the plan's shrunk values), else, unless
+    `defaults_only`, among all; None where there is not exactly one."""
+    named = [path for path, v in _int_leaves(vision) if v == width]
+    fields = [path for path in named if not _has_path(saved, path)]
+    if not fields and not defaults_only:
+        fields = named
+    return fields[0] if len(fields) == 1 else None
+
+
 def _with_leaf(values: dict[str, Any], source: dict[str, Any], path: tuple, width: int) -> dict[str, Any]:
     """`values` (the plan's vision values) with the integer at `path` set to `width`: a
     sub-config on the way is written as its model type plus what changed, a list whole
@@ -283,20 +294,15 @@ def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: s
     saved, fitted, kept = dict(plan.vision), None, dict(plan.vision)
     for _ in range(_WIDTH_FITS):
         vision = getattr(config, plan.vision_key).to_dict()
-        pairs = [(given, [path for path, v in _int_leaves(vision) if v == expected])
-                 for expected, given in _width_pairs(failure) if given != expected]
+        pairs = [(expected, given) for expected, given in _width_pairs(failure) if given != expected]
         # A field left at its default first; else one the shrink set (a width the model's
         # code derives from another by a factor the shrink did not keep). Where either
         # width could be the field's, only a lone field left at its default is taken.
-        choices = [(named[0] if len(named) == 1 else None, given) for given, named in (
-            (given, [path for path in named if not _has_path(saved, path)]) for given, named in pairs)]
-        if len(pairs) == 1 and choices[0][0] is None and len(pairs[0][1]) == 1:
-            choices = [(pairs[0][1][0], pairs[0][0])]
-        choices = [choice for choice in choices if choice[0] is not None]
+        choices = [(path, given) for expected, given in pairs
+                   if (path := _lone_field(vision, saved, expected, defaults_only=len(pairs) > 1)) is not None]
         if len(choices) != 1:
             break
-        choice = choices[0]
-        plan.vision = _with_leaf(plan.vision, vision, *choice)
+        plan.vision = _with_leaf(plan.vision, vision, *choices[0])
         try:
             tokenizer, config = build_config(resolved, plan)
             processor = build_processor(plan, tokenizer, config)

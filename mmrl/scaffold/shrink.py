@@ -455,6 +455,17 @@ def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
 _OPTIONAL_INT = re.compile(r"^(int \| None|None \| int|Optional\[int\])$")
 
 
+def _unset_fields(cls, default, values: dict[str, Any]) -> list:
+    """The dataclass fields of config class `cls` that its default config leaves None and
+    the shrink has not set (`values`): what `_unset_sizes` and `_unset_per_layer_kinds` fill."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return []
+    own = default.to_dict()
+    return [f for f in dataclasses.fields(cls) if own.get(f.name, 0) is None and f.name not in values]
+
+
 def _unset_sizes(cls, default, values: dict[str, Any], shapes: dict[str, int]) -> dict[str, Any]:
     """Integer fields (annotated `int | None`) the default config leaves None and the
     model code reads (`config.indexer_budget`): released checkpoints write them, and code
@@ -463,17 +474,11 @@ def _unset_sizes(cls, default, values: dict[str, Any], shapes: dict[str, int]) -
     divides and is divided by. None often means "off" (a window, a scaling), so this is
     tried only after the default's own None has failed; fields whose names are not
     shapes (`_NOT_SHAPES`: token ids, windows) are left alone."""
-    import dataclasses
-
-    if not dataclasses.is_dataclass(cls):
-        return {}
     reads = set(re.findall(r"config\.(\w+)", modeling_source(cls)))
-    own = default.to_dict()
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in _unset_fields(cls, default, values):
         name = f.name
-        if (own.get(name, 0) is not None or name in values or name not in reads or _NOT_SHAPES.search(name)
-                or not _OPTIONAL_INT.match(str(f.type).replace("typing.", ""))):
+        if name not in reads or _NOT_SHAPES.search(name) or not _OPTIONAL_INT.match(str(f.type).replace("typing.", "")):
             continue
         size = next((size for pattern, size in _BY_NAME if pattern.search(name)), 1)
         if size == "per-head":
@@ -493,17 +498,12 @@ def _unset_per_layer_kinds(cls, default, values: dict[str, Any], shapes: dict[st
     `"sparse"`), in the docstring's order, one layer of each (the first kind fills a
     deeper stack); only where that names two kinds or more. Tried only after the
     default's None has failed, with `_unset_sizes`."""
-    import dataclasses
-
-    if not dataclasses.is_dataclass(cls):
-        return {}
     source = modeling_source(cls)
-    own = default.to_dict()
     layers_key = dict(getattr(default, "attribute_map", {}) or {}).get(_LAYERS, _LAYERS)
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in _unset_fields(cls, default, values):
         name = f.name
-        if own.get(name, 0) is not None or name in values or "list[str]" not in str(f.type):
+        if "list[str]" not in str(f.type):
             continue
         indexed = rf"config\.{name}\[\s*\w+\s*\]"
         compared = re.findall(rf"""{indexed}\s*(?:==|!=)\s*["'](\w+)["']""", source)
