@@ -358,7 +358,20 @@ class VisionLanguageAdapter(ModelAdapter):
 
     modalities: ClassVar[tuple[str, ...]] = ("text", "image")
     capabilities: ClassVar[Capabilities] = Capabilities(single_image=True, multi_image=True)
+    # Whether the model's encoder runs once per image: for a tower that lets a batch's
+    # images attend to each other (transformers' code for some towers), so that an image's
+    # features, and a prompt's log-probs, do not change with the batch it is in. With True,
+    # `on_load` wraps the encoder (`mmrl.encoder_calls.encode_each_image_alone`).
+    encode_images_alone: ClassVar[bool] = False
     REQUIRED = ModelAdapter.REQUIRED
+
+    def on_load(self, model: PreTrainedModel) -> PreTrainedModel:
+        model = super().on_load(model)
+        if self.encode_images_alone:
+            from mmrl.encoder_calls import encode_each_image_alone
+
+            encode_each_image_alone(model)
+        return model
 
     @classmethod
     def validate(cls) -> None:

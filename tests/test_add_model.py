@@ -1479,3 +1479,24 @@ def test_scaffold_retries_a_tiny_model_that_counted_positions_stop_with_its_own(
         assert d.fill_in == ["earlier: kept", "tiny(): the scaffolded tiny model does not run (tensor a (76) must "
                              "match (204))", "with the model's own positions, tiny(): the scaffolded tiny model "
                              "does not run (Number of elements of source)"]
+
+
+def test_scaffold_encodes_one_image_per_call_where_the_tower_mixes_a_batchs_images():
+    """MiniMax-M3-VL's tower (transformers' code) runs every image's patches as one
+    sequence without a mask between images: an image's features change with the other
+    images of its batch. The scaffold finds that by running the tiny model and declares
+    encode_images_alone, whose per-image encoding gives each image its features alone."""
+    from pathlib import Path
+
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import layout_for
+    from mmrl.scaffold.render import render_adapter
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    with quiet_transformers():
+        resolved = resolve("minimax_m3_vl")
+        found = inspect_family(resolved, "minimax_m3_vl", tiny_model_inputs(resolved))
+    assert found.encode_images_alone
+    assert "    encode_images_alone = True" in render_adapter(found, layout_for(found, Path("/tmp/unused")), None)

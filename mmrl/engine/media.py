@@ -42,19 +42,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from mmrl.encoder_calls import ENCODER_METHODS, encoder_owners, join, split
 from mmrl.processing import stack_media, text_aligned
-
-ENCODER_METHODS = {"get_image_features": "image", "get_video_features": "video"}
-# The fields of an encoder output that hold one entry per image; other sequence fields
-# (hidden states, DeepStack features) hold one entry per layer.
-PER_ITEM_FIELD = "pooler_output"
-# Encoder outputs that the models' forwards never read: not joined, left empty.
-UNREAD_FIELDS = ("last_hidden_state", "hidden_states", "attentions")
-
 
 @dataclass
 class SharedMedia:
@@ -248,7 +241,7 @@ def placeholder_tokens(model: torch.nn.Module) -> list[int]:
     """The ids of the tokens that media features replace, from the configs of the
     modules that encode media (transformers' names)."""
     tokens = {_placeholder_token(getattr(owner, "config", None), modality)
-              for owner in _encoder_owners(model) for modality in ENCODER_METHODS.values()}
+              for owner in encoder_owners(model) for modality in ENCODER_METHODS.values()}
     return sorted(tokens - {None})
 
 
@@ -263,29 +256,22 @@ def sharing(model: torch.nn.Module, batch: dict, shared: SharedMedia | None) -> 
     if rows is not None and rows != len(shared.owners):
         raise ValueError(f"the media sharing was made for {len(shared.owners)} rows, the batch has {rows}")
     patched = []
-    for owner in _encoder_owners(model):
+    for owner in encoder_owners(model):
         for name, modality in ENCODER_METHODS.items():
             if callable(getattr(owner, name, None)):
                 original = getattr(owner, name)
                 token = _placeholder_token(getattr(owner, "config", None), modality)
+                # The instance's own method, if it has one (`encode_each_image_alone`), comes back after.
+                patched.append((owner, name, owner.__dict__.get(name)))
                 setattr(owner, name, _shared_call(original, batch, shared, token))
-                patched.append((owner, name))
     try:
         yield
     finally:
-        for owner, name in patched:
-            delattr(owner, name)
-
-
-def _encoder_owners(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The innermost modules with media-encoding methods (the base VLM under the
-    generation head and any PEFT wrapper): the ones a forward actually calls."""
-    owners = [m for m in model.modules() if any(callable(getattr(m, n, None)) for n in ENCODER_METHODS)]
-    return [m for m in owners if not any(o is not m and _contains(m, o) for o in owners)]
-
-
-def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
+        for owner, name, own in patched:
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 def _placeholder_token(config, modality: str) -> int | None:
@@ -359,114 +345,3 @@ def _batch_key(value: torch.Tensor, batch: dict, keys: set[str]) -> str | None:
     return None
 
 
-def split(output, counts: list[int]) -> list | None:
-    """`output` of one encoder call over several prompts, cut into one output per prompt
-    given each prompt's placeholder-token count; None where the sizes do not divide
-    that way (the caller then encodes prompt by prompt)."""
-    try:
-        return _split(output, counts)
-    except _Uneven:
-        return None
-
-
-class _Uneven(Exception):
-    pass
-
-
-def _rows(t: torch.Tensor) -> int:
-    """Feature vectors in a tensor (all dimensions but the last)."""
-    return t.numel() // max(t.shape[-1], 1) if t.dim() else 0
-
-
-def _adds_up(sequence, tokens: int) -> bool:
-    """Whether a sequence can hold one tensor per image: tensors whose features add up to
-    the prompt's tokens (one per layer would each be the size of the whole)."""
-    return (isinstance(sequence, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in sequence)
-            and sum(_rows(t) for t in sequence) == tokens)
-
-
-def _split(output, counts: list[int]) -> list:
-    if isinstance(output, torch.Tensor):
-        return list(torch.split(output, _sizes(output.shape[0], counts)))
-    if is_dataclass(output):
-        per_field = {name: _split(value, counts) for name, value in _read_fields(output).items()}
-        return [_rebuild(output, {name: parts[i] for name, parts in per_field.items()}) for i in range(len(counts))]
-    if isinstance(output, (list, tuple)):
-        # Several prompts with features hold two images or more between them.
-        if len(output) > 1 and _adds_up(output, sum(counts)):
-            return _group_items(output, counts)
-        layers = [_split(item, counts) for item in output]
-        return [type(output)(layer[i] for layer in layers) for i in range(len(counts))]
-    raise _Uneven
-
-
-def _group_items(items, counts: list[int]) -> list:
-    """Per-image tensors grouped by prompt: each prompt takes images until their
-    features reach its token count."""
-    groups, position = [], 0
-    for count in counts:
-        taken, rows = [], 0
-        while rows < count and position < len(items):
-            rows += _rows(items[position])
-            taken.append(items[position])
-            position += 1
-        if rows != count:
-            raise _Uneven
-        groups.append(type(items)(taken))
-    if position != len(items):
-        raise _Uneven
-    return groups
-
-
-def _read_fields(output) -> dict:
-    """An encoder output's fields that the forwards read, by name. Besides the declared
-    fields this is `pooler_output` where transformers sets it on an output class that does
-    not declare it (a vision tower's `BaseModelOutput` in some versions): a plain
-    attribute, which `fields` does not list."""
-    names = [f.name for f in fields(output)]
-    if PER_ITEM_FIELD not in names:
-        names.append(PER_ITEM_FIELD)
-    values = {name: getattr(output, name, None) for name in names if name not in UNREAD_FIELDS}
-    return {name: value for name, value in values.items() if value is not None}
-
-
-def _rebuild(like, values: dict):
-    """An output of `like`'s class holding `values`, undeclared ones set as attributes
-    the way transformers sets them."""
-    declared = {f.name for f in fields(like)}
-    output = type(like)(**{name: value for name, value in values.items() if name in declared})
-    for name, value in values.items():
-        if name not in declared:
-            setattr(output, name, value)
-    return output
-
-
-def _sizes(total: int, counts: list[int]) -> list[int]:
-    """Rows of `total` per prompt in proportion to its token count, when that is exact."""
-    tokens = sum(counts)
-    if tokens == 0 or any(total * c % tokens for c in counts):
-        raise _Uneven
-    return [total * c // tokens for c in counts]
-
-
-def join(outputs: list, counts: list[int], hint: bool = False):
-    """Encoder outputs of consecutive rows (`counts`: each row's placeholder tokens)
-    joined as if the rows had been encoded in one call: tensors concatenate along the
-    first dimension, per-image sequences chain, per-layer sequences join layer by layer.
-    Fields the models' forwards never read are left out."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outputs)
-    if is_dataclass(first):
-        values = {name: join([getattr(o, name) for o in outputs], counts, hint=name == PER_ITEM_FIELD)
-                  for name in _read_fields(first)}
-        return _rebuild(first, values)
-    if isinstance(first, (list, tuple)):
-        # Per image: every row's tensors add up to its tokens. A lone tensor fits "per
-        # layer" too; only `hint` (the field is `pooler_output`) or a longer row tells.
-        if all(_adds_up(o, c) for o, c in zip(outputs, counts)) and (hint or any(len(o) > 1 for o in outputs)):
-            return type(first)(x for o in outputs for x in o)
-        if any(len(o) != len(first) for o in outputs):
-            raise ValueError("encoder outputs of the rows hold different numbers of layers")
-        return type(first)(join([o[i] for o in outputs], counts) for i in range(len(first)))
-    raise TypeError(f"cannot join encoder outputs of type {type(first).__name__}")

@@ -98,6 +98,10 @@ class Discovery:
     # output embeddings of its own (discover.py): the adapter's on_load gives the model
     # that one's, which mmrl's log-prob head reads.
     nested_head: str = ""
+    # The tower lets a batch's images attend to each other, and one image per encoder call
+    # gives each image its features alone (found by running it, discover.py): the adapter
+    # declares encode_images_alone = True.
+    encode_images_alone: bool = False
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 
 from mmrl.adapter import Parts
 from mmrl.scaffold.base import Discovery, Resolved, ScaffoldError
-from mmrl.scaffold.media_plan import build_config, build_processor, prepends_positions
+from mmrl.scaffold.media_plan import build_config, build_processor, images_see_each_other, prepends_positions
 from mmrl.scaffold.resolve import class_name
 from mmrl.scaffold.shrink import TinyInputs, build_tiny
 from mmrl.scaffold.vllm_registry import vllm_architecture
@@ -122,6 +122,7 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         language_leaves=tuple(dict.fromkeys(leaf for m in decoder for leaf in _linear_leaves(m))), vision_leaves=vision_leaves, rope=rope,
         vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
         prepends_positions=_prepends_positions(resolved, model, tiny), nested_head=nested_head,
+        encode_images_alone=_images_see_each_other(resolved, model, tiny),
     )
 
 
@@ -149,15 +150,28 @@ def _output_embeddings(model) -> tuple[Any, str]:
 def _prepends_positions(resolved: Resolved, model, tiny: TinyInputs) -> bool:
     """Whether the tiny vision-language model's logits on one image run longer than its
     input_ids (image positions of its own in front of the text's)."""
-    plan = tiny.media
-    if plan is None or not resolved.is_vision_language:
-        return False
+    processor = _tiny_processor(resolved, tiny)
+    return processor is not None and prepends_positions(model, processor, tiny.media.image_placeholder,
+                                                        tiny.media.text_kwargs)
+
+
+def _images_see_each_other(resolved: Resolved, model, tiny: TinyInputs) -> bool:
+    """Whether the tiny vision-language model's tower mixes a batch's images and one image
+    per encoder call keeps them apart (`images_see_each_other`)."""
+    processor = _tiny_processor(resolved, tiny)
+    return processor is not None and images_see_each_other(model, processor, tiny.media.image_placeholder,
+                                                           tiny.media.text_kwargs)
+
+
+def _tiny_processor(resolved: Resolved, tiny: TinyInputs):
+    """The tiny vision-language model's processor; None for a text type or one not built."""
+    if tiny.media is None or not resolved.is_vision_language:
+        return None
     try:
-        tokenizer, _ = build_config(resolved, plan)
-        processor = build_processor(plan, tokenizer, tiny.config)
+        tokenizer, _ = build_config(resolved, tiny.media)
+        return build_processor(tiny.media, tokenizer, tiny.config)
     except ScaffoldError:
-        return False
-    return prepends_positions(model, processor, plan.image_placeholder, plan.text_kwargs)
+        return None
 
 
 def _decoder_stack(model, embed: str, depth: int | None):

@@ -181,3 +181,47 @@ def prepends_positions(model, processor, placeholder: str | None, text_kwargs: d
     except Exception:
         return False
     return logits.dim() == 3 and logits.shape[1] > inputs["input_ids"].shape[1]
+
+
+def images_see_each_other(model, processor, placeholder: str | None, text_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether the tiny model's encoder gives an image other features beside another
+    image in one call than alone (a tower that lets a batch's images attend to each
+    other), and encoding one image per call (`encode_each_image_alone`) gives it its
+    features alone: then the adapter declares `encode_images_alone`. False where the
+    encoder does not run on two prompts' images, or encoding one per call changes nothing."""
+    import torch
+    from PIL import Image
+
+    from mmrl.encoder_calls import ENCODER_METHODS, encode_each_image_alone, encoder_owners
+
+    owners = [o for o in encoder_owners(model) if callable(getattr(o, "get_image_features", None))]
+    if len(owners) != 1:
+        return False
+    owner = owners[0]
+    images = [Image.new("RGB", (224, 168), (9, 99, 199)), Image.effect_noise((168, 224), 60).convert("RGB")]
+    accepted = inspect.signature(owner.get_image_features).parameters
+
+    def first_features() -> torch.Tensor:
+        """The first image's features, encoded with the second and alone."""
+        out = []
+        for batch in (images, images[:1]):
+            inputs = processor(text=[f"look {placeholder} here"] * len(batch), images=[[i] for i in batch],
+                               return_tensors="pt", padding=True, **(text_kwargs or {}))
+            inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items() if k in accepted}
+            with torch.no_grad():
+                features = owner.get_image_features(**inputs)
+            features = getattr(features, "pooler_output", features)
+            out.append(features[0] if isinstance(features, (list, tuple)) else features)
+        joint, alone = out
+        return (joint[: alone.shape[0]] - alone).abs().max() / alone.abs().max().clamp_min(1e-12)
+
+    try:
+        if first_features() < 1e-4:
+            return False
+        encode_each_image_alone(model)
+        return bool(first_features() < 1e-5)
+    except Exception:
+        return False
+    finally:
+        for name in ENCODER_METHODS:
+            owner.__dict__.pop(name, None)

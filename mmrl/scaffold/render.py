@@ -162,6 +162,10 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         lines += ["    # The logits run longer than input_ids, image positions of the model's own in front",
                   "    # (found by running it): on_load cuts them to input_ids' positions.",
                   "    prepends_positions = True"]
+    if d.encode_images_alone:
+        lines += ["    # The tower lets a batch's images attend to each other (found by running it): the",
+                  "    # encoder runs once per image, so an image's features do not change with its batch.",
+                  "    encode_images_alone = True"]
     if not d.left_padding:
         lines += ["    # The forward ignores the mask for pads in front (a left-padded batch differed from",
                   "    # each prompt alone with counted and with its own positions; right-padded, it matched).",
