@@ -848,6 +848,10 @@ def test_fields_the_class_derives_are_left_to_it_as_a_later_try():
     assert "qk_head_dim" not in tiny_text_values("LongcatFlashConfig", derived=True)
     tiny = tiny_model_inputs(resolve("longcat_flash"))  # the earlier candidates fail in torch.split
     assert tiny.config.qk_head_dim == tiny.config.qk_nope_head_dim + tiny.config.qk_rope_head_dim
+    # Never a sub-config left None: the class would build it at its full size (BLT's four
+    # sub-configs, whose model at their defaults took the sweep's process out of memory).
+    derived = tiny_text_values("BltConfig", derived=True)
+    assert derived["global_config"]["hidden_size"] == tiny_text_values("BltConfig")["global_config"]["hidden_size"]
 
 
 def test_scaffold_gives_sizes_left_unset_that_the_model_reads_tiny_values_as_a_later_try():

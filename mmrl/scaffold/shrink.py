@@ -432,13 +432,16 @@ def _derived_by_the_class(cls, default) -> set[str]:
     for: the class derives them from other fields when it is built (a query/key head
     width as the sum of its rotary and plain parts). Shrunk each on its own by name, they
     can break the sum the class would have kept; left out, the class derives them from
-    the shrunk fields. Tried only after the shrunk values failed."""
+    the shrunk fields. Tried only after the shrunk values failed. Never a sub-config: the
+    class builds one left None at its full default size (BLT's four), the opposite of tiny."""
     import dataclasses
 
     if not dataclasses.is_dataclass(cls):
         return set()
     own = default.to_dict()
-    return {f.name for f in dataclasses.fields(cls) if f.default is None and own.get(f.name) is not None}
+    sub_configs = set(getattr(cls, "sub_configs", {}) or {})
+    return {f.name for f in dataclasses.fields(cls)
+            if f.default is None and own.get(f.name) is not None and f.name not in sub_configs}
 
 
 def _unset_expert_counts(default, values: dict[str, Any]) -> dict[str, Any]:
