@@ -116,13 +116,17 @@ def inspect_family(resolved: Resolved, family: str, tiny: TinyInputs) -> Discove
         fill_in.append(f"parts: parameters in no part: {', '.join(uncovered[:5])}")
     rope = RopeSpec.from_config(config)
     architecture, note = vllm_architecture(resolved.model_class)
+    # Two behaviours found by running the tiny model on processed images.
+    processor = _tiny_processor(resolved, tiny)
+    media_text = (tiny.media.image_placeholder, tiny.media.text_kwargs) if processor is not None else ()
     return Discovery(
         resolved=resolved, family=family, class_name=class_name(resolved, family), parts=parts,
         decoder_layers=tuple(dict.fromkeys(type(m).__name__ for m in decoder)), vision_block=vision_block,
         language_leaves=tuple(dict.fromkeys(leaf for m in decoder for leaf in _linear_leaves(m))), vision_leaves=vision_leaves, rope=rope,
         vllm_architecture=architecture, vllm_note=note, fill_in=fill_in, tiny=tiny,
-        prepends_positions=_prepends_positions(resolved, model, tiny), nested_head=nested_head,
-        encode_images_alone=_images_see_each_other(resolved, model, tiny),
+        prepends_positions=processor is not None and prepends_positions(model, processor, *media_text),
+        nested_head=nested_head,
+        encode_images_alone=processor is not None and images_see_each_other(model, processor, *media_text),
     )
 
 
@@ -145,22 +149,6 @@ def _output_embeddings(model) -> tuple[Any, str]:
         return None, ""
     name, inner = outermost[0]
     return inner.get_output_embeddings(), name
-
-
-def _prepends_positions(resolved: Resolved, model, tiny: TinyInputs) -> bool:
-    """Whether the tiny vision-language model's logits on one image run longer than its
-    input_ids (image positions of its own in front of the text's)."""
-    processor = _tiny_processor(resolved, tiny)
-    return processor is not None and prepends_positions(model, processor, tiny.media.image_placeholder,
-                                                        tiny.media.text_kwargs)
-
-
-def _images_see_each_other(resolved: Resolved, model, tiny: TinyInputs) -> bool:
-    """Whether the tiny vision-language model's tower mixes a batch's images and one image
-    per encoder call keeps them apart (`images_see_each_other`)."""
-    processor = _tiny_processor(resolved, tiny)
-    return processor is not None and images_see_each_other(model, processor, tiny.media.image_placeholder,
-                                                           tiny.media.text_kwargs)
 
 
 def _tiny_processor(resolved: Resolved, tiny: TinyInputs):
