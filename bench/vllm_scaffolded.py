@@ -6,10 +6,10 @@
 Which types, by rule (nothing picked by hand): every in-scope row of
 `support_matrix/coverage.json` whose scaffold is green there, whose model type no zoo
 family registers, and whose transformers class (the architecture the scaffold names) vLLM's
-model registry serves with a model class of its own (its text-generation or multimodal
-table, not its Transformers backend); causal-LM types first, then image-text-to-text, each
+model registry serves for generation (a model class of its own, or its Transformers backend);
+causal-LM types first, then image-text-to-text, each
 alphabetically; `--limit N` keeps the first N of each mapping. The registry half of the rule
-is `mmrl.scaffold.vllm_registry.vllm_model_class`, the one `mmrl add-model`'s `vllm` depth
+is `mmrl.scaffold.vllm_registry.vllm_serves`, the one `mmrl add-model`'s `vllm` depth
 column runs by (`mmrl add-model --sweep --depth-only --columns vllm` records that column for
 every green type, zoo types included, in support_matrix/coverage.json).
 
@@ -46,7 +46,7 @@ def candidates() -> list[dict]:
     from transformers.models.auto import modeling_auto
 
     from mmrl.registry import families
-    from mmrl.scaffold.vllm_registry import vllm_model_class
+    from mmrl.scaffold.vllm_registry import vllm_model_class, vllm_serves
 
     zoo = {t for adapter in families() for t in adapter.model_types}
     tables = {"causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -60,9 +60,10 @@ def candidates() -> list[dict]:
             if row["model_type"] in zoo:
                 continue
             architecture = tables[mapping].get(row["model_type"])
-            vllm_class, _ = vllm_model_class(architecture)
-            if vllm_class is None:  # absent, or only vLLM's Transformers backend
+            served, _ = vllm_serves(architecture)
+            if not served:  # absent, or outside vLLM's generation tables
                 continue
+            vllm_class = vllm_model_class(architecture)[0] or "transformers (vLLM's Transformers backend)"
             picked.append({"model_type": row["model_type"], "mapping": mapping, "architecture": architecture,
                            "vllm_class": vllm_class})
     return picked

@@ -16,7 +16,7 @@ import transformers
 from mmrl.probes import ProbeResult, Status
 from mmrl.scaffold import depth, sweep, vllm_registry
 from mmrl.scaffold.sweep import Row, run_sweep, write_document
-from mmrl.scaffold.vllm_registry import parse_registry, vllm_architecture, vllm_model_class
+from mmrl.scaffold.vllm_registry import parse_registry, vllm_architecture, vllm_model_class, vllm_serves
 
 FAKE_REGISTRY = '''
 _TEXT_GENERATION_MODELS = {
@@ -64,6 +64,11 @@ def test_the_rule_serves_only_a_generation_model_class_of_vllms_own():
     assert vllm_architecture("StubForCausalLM", TABLES) == ("StubForCausalLM",
                                                             "vLLM serves StubForCausalLM (its Transformers backend)")
     assert vllm_architecture("OldForCausalLM", TABLES)[0] is None
+    # Where the probe runs: vLLM serves it for generation, its Transformers backend included.
+    assert vllm_serves("GPT2LMHeadModel", TABLES) == (True, "")
+    for architecture in ("StubForCausalLM", "ArceeForCausalLM"):
+        assert vllm_serves(architecture, TABLES) == (True, "through its Transformers backend")
+    assert vllm_serves("EmbedderModel", TABLES)[0] is False and vllm_serves("OldForCausalLM", TABLES)[0] is False
 
 
 def test_the_rule_reads_the_installed_vllm_as_vllm_reads_itself():

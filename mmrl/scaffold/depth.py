@@ -15,9 +15,10 @@ only where its probe verified it:
 - `vllm`: greedy vLLM rollout log-probs equal the trainer's, before and after an
   optimizer step and a weight sync (`mmrl.probes.training.check_vllm`), in a fresh
   process under its own time limit (`VLLM_SECONDS`; vLLM's engine and memory go with
-  the process). It runs only where vLLM's registry serves the architecture with a model
-  class of its own (`mmrl.scaffold.vllm_registry.vllm_model_class`); elsewhere the column
-  is decided without running, and its gap says why.
+  the process). It runs only where vLLM's registry serves the architecture for
+  generation, with a model class of its own or through its Transformers backend
+  (`mmrl.scaffold.vllm_registry.vllm_serves`); elsewhere the column is decided without
+  running, and its gap says why.
 
 The probes build the family from the written adapter, and two of them rebuild it in
 torchrun subprocesses, so the adapter and its processing are written under importable
@@ -50,7 +51,7 @@ from mmrl import errors
 from mmrl.adapter import Capabilities
 from mmrl.scaffold.base import DEPTH, Discovery, Gap, Layout
 from mmrl.scaffold.render import render_adapter, render_processing
-from mmrl.scaffold.vllm_registry import registry_tables, vllm_model_class
+from mmrl.scaffold.vllm_registry import registry_tables, vllm_serves
 
 # The vllm probe's own time limit (seconds), in its fresh process: vLLM's engine start
 # and two generations on a tiny model (bench/results/vllm_scaffolded.json has the times).
@@ -84,10 +85,10 @@ TO_WRITE = {
 _OUT_OF_TIME = (r"ran past its \d+ s limit",
                 "run `mmrl add-model TYPE` again on a less loaded host: the probe did not finish within the depth "
                 "stage's time, which says nothing about the type")
-_NOT_SERVED = (r"^vLLM(?: serves \S+ only through its Transformers backend|'s model registry (?:has no|names) )",
-               "keep vllm=False and roll out with the hf backend: mmrl's vLLM rollout needs a vLLM model class written "
-               "for the architecture; claiming it needs one registered (vLLM's ModelRegistry.register_model) and "
-               "rollout.vllm_architecture naming it")
+_NOT_SERVED = (r"^vLLM's model registry (?:has no|names) ",
+               "keep vllm=False and roll out with the hf backend: mmrl's vLLM rollout needs vLLM to serve the "
+               "architecture for generation (a model class of its own, or its Transformers backend); claiming it "
+               "needs one registered (vLLM's ModelRegistry.register_model) and rollout.vllm_architecture naming it")
 _VLLM_NOT_RUN = (r"^not run here: ",
                  "run `mmrl add-model TYPE` again where vLLM runs this model (for one, a GPU build of vLLM), or keep "
                  "vllm=False")
@@ -251,13 +252,13 @@ def verify_depth(d: Discovery, layout: Layout, depth: Depth, hidden: list[str] =
 
 def vllm_unserved(architecture: str) -> str | None:
     """Why the vllm column is decided without running its probe (the cause its gap
-    gives: vLLM does not serve `architecture` with a model class of its own, or is not
-    installed here), or None where the probe runs."""
+    gives: vLLM does not serve `architecture` for generation, with a class of its own or
+    through its Transformers backend, or is not installed here), or None where the probe runs."""
     tables = registry_tables()
     if isinstance(tables, str):
         return f"not run here: {tables}"
-    served, why = vllm_model_class(architecture, tables)
-    return None if served is not None else why
+    served, why = vllm_serves(architecture, tables)
+    return None if served else why
 
 
 def verify_vllm(d: Discovery, layout: Layout, depth: Depth, hidden=()) -> None:

@@ -5,11 +5,15 @@ scaffold runs the `vllm` probe.
     vllm_architecture("OPTForCausalLM")   # ("OPTForCausalLM", "vLLM serves OPTForCausalLM")
     vllm_model_class("OPTForCausalLM")    # ("opt:OPTForCausalLM", "") or (None, why not)
 
-The rule (`vllm_model_class`), used by `mmrl add-model`'s depth stage, the coverage
-sweep and bench/vllm_scaffolded.py: vLLM serves the architecture for generation with a
-model class of its own, i.e. its text-generation or multimodal table maps it to a module
-other than `transformers` (vLLM's Transformers backend is a generic wrapper, not a
-model class written for the architecture).
+Where the scaffold runs the `vllm` probe (`vllm_serves`, used by `mmrl add-model`'s depth
+stage, the coverage sweep and bench/vllm_scaffolded.py): vLLM serves the architecture for
+generation, with a model class of its own (`vllm_model_class`: its text-generation or
+multimodal table maps it to a module other than `transformers`) or through its
+Transformers backend (a registry entry naming that module: vLLM runs transformers' own
+class inside its engine). The probe then decides, by the log-probs vLLM samples with
+against the trainer's; `vllm_model_class` alone says which module's config reads to follow.
+
+    vllm_serves("ArceeForCausalLM")      # (True, "through its Transformers backend")
 """
 
 from __future__ import annotations
@@ -79,4 +83,17 @@ def vllm_model_class(architecture: str, tables=None) -> tuple[str | None, str]:
     return None, f"vLLM's model registry has no {architecture}"
 
 
-__all__ = ["GENERATION_TABLES", "parse_registry", "registry_tables", "vllm_architecture", "vllm_model_class"]
+def vllm_serves(architecture: str, tables=None) -> tuple[bool, str]:
+    """(True, how) where vLLM serves `architecture` for generation, with a model class of
+    its own ("") or through its Transformers backend; (False, one line saying why not)."""
+    tables = registry_tables() if tables is None else tables
+    served, why = vllm_model_class(architecture, tables)
+    if served is not None:
+        return True, ""
+    if why.startswith(f"vLLM serves {architecture} only through its Transformers backend"):
+        return True, "through its Transformers backend"
+    return False, why
+
+
+__all__ = ["GENERATION_TABLES", "parse_registry", "registry_tables", "vllm_architecture", "vllm_model_class",
+           "vllm_serves"]
