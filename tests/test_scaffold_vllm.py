@@ -47,6 +47,9 @@ _PREVIOUSLY_SUPPORTED_MODELS = {
 '''
 TABLES = parse_registry(FAKE_REGISTRY)
 NO_GPT2 = parse_registry(FAKE_REGISTRY.replace('"GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),', ""))
+OUTSIDE_GENERATION = parse_registry(FAKE_REGISTRY.replace('"GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),', "")
+                                   .replace('"EmbedderModel": ("embedder", "EmbedderModel"),',
+                                            '"GPT2LMHeadModel": ("embedder", "GPT2LMHeadModel"),'))
 
 
 def test_the_rule_serves_only_a_generation_model_class_of_vllms_own():
@@ -63,12 +66,17 @@ def test_the_rule_serves_only_a_generation_model_class_of_vllms_own():
     # The rollout line names any architecture vLLM serves, its Transformers backend included.
     assert vllm_architecture("StubForCausalLM", TABLES) == ("StubForCausalLM",
                                                             "vLLM serves StubForCausalLM (its Transformers backend)")
-    assert vllm_architecture("OldForCausalLM", TABLES)[0] is None
-    # Where the probe runs: vLLM serves it for generation, its Transformers backend included.
+    # An architecture the registry lacks is named too: vLLM falls back to its Transformers backend.
+    architecture, note = vllm_architecture("OldForCausalLM", TABLES)
+    assert architecture == "OldForCausalLM" and "its Transformers backend serves it" in note
+    # Where the probe runs: vLLM may serve it for generation, its Transformers backend included.
     assert vllm_serves("GPT2LMHeadModel", TABLES) == (True, "")
     for architecture in ("StubForCausalLM", "ArceeForCausalLM"):
         assert vllm_serves(architecture, TABLES) == (True, "through its Transformers backend")
-    assert vllm_serves("EmbedderModel", TABLES)[0] is False and vllm_serves("OldForCausalLM", TABLES)[0] is False
+    assert vllm_serves("OldForCausalLM", TABLES)[0] is True  # absent: the fallback, which the probe tries
+    assert vllm_serves("EmbedderModel", TABLES) == (
+        False, "vLLM's model registry names EmbedderModel outside its generation tables")
+    assert vllm_serves("GPT2LMHeadModel", "vLLM is not installed here") == (False, "vLLM is not installed here")
 
 
 def test_the_rule_reads_the_installed_vllm_as_vllm_reads_itself():
@@ -112,6 +120,14 @@ def test_the_adapter_declares_vllm_where_its_probe_verifies(monkeypatch):
     assert all(len(line) <= 120 for line in text.splitlines()), "the capabilities line wraps"
 
 
+def test_an_architecture_the_registry_lacks_is_probed_on_vllms_transformers_backend(monkeypatch):
+    """vLLM falls back to its Transformers backend for an architecture its registry lacks:
+    the adapter names the architecture and the probe decides."""
+    result, probed = scaffold_with(monkeypatch, NO_GPT2, ProbeResult(Status.VERIFIED, "agree"))
+    assert probed == [("vllm", True, "GPT2LMHeadModel", depth.VLLM_SECONDS)]
+    assert result.capabilities.vllm and 'rollout = Rollout(vllm_architecture="GPT2LMHeadModel")' in adapter_text(result)
+
+
 def test_a_failed_probe_leaves_vllm_undeclared_with_its_gap(monkeypatch):
     failed = ProbeResult(Status.FAILED, "vLLM and trainer log-probs differ by 3.10e-02")
     result, probed = scaffold_with(monkeypatch, TABLES, failed)
@@ -130,10 +146,10 @@ def test_a_failed_probe_leaves_vllm_undeclared_with_its_gap(monkeypatch):
 
 
 def test_an_architecture_vllm_does_not_serve_is_decided_without_running_vllm(monkeypatch):
-    result, probed = scaffold_with(monkeypatch, NO_GPT2, None)
+    result, probed = scaffold_with(monkeypatch, OUTSIDE_GENERATION, None)
     assert probed == [] and not result.capabilities.vllm and "vllm" in result.decided
     (gap,) = [g for g in result.gaps if g.column == "vllm"]
-    assert gap.cause == "vLLM's model registry has no GPT2LMHeadModel"
+    assert gap.cause == "vLLM's model registry names GPT2LMHeadModel outside its generation tables"
     assert gap.write.startswith("keep vllm=False and roll out with the hf backend")
     result, probed = scaffold_with(monkeypatch, "vLLM is not installed here, so its registry was not checked", None)
     (gap,) = [g for g in result.gaps if g.column == "vllm"]

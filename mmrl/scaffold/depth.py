@@ -85,7 +85,7 @@ TO_WRITE = {
 _OUT_OF_TIME = (r"ran past its \d+ s limit",
                 "run `mmrl add-model TYPE` again on a less loaded host: the probe did not finish within the depth "
                 "stage's time, which says nothing about the type")
-_NOT_SERVED = (r"^vLLM's model registry (?:has no|names) ",
+_NOT_SERVED = (r"^vLLM's model registry names ",
                "keep vllm=False and roll out with the hf backend: mmrl's vLLM rollout needs vLLM to serve the "
                "architecture for generation (a model class of its own, or its Transformers backend); claiming it "
                "needs one registered (vLLM's ModelRegistry.register_model) and rollout.vllm_architecture naming it")

@@ -9,9 +9,10 @@ Where the scaffold runs the `vllm` probe (`vllm_serves`, used by `mmrl add-model
 stage, the coverage sweep and bench/vllm_scaffolded.py): vLLM serves the architecture for
 generation, with a model class of its own (`vllm_model_class`: its text-generation or
 multimodal table maps it to a module other than `transformers`) or through its
-Transformers backend (a registry entry naming that module: vLLM runs transformers' own
-class inside its engine). The probe then decides, by the log-probs vLLM samples with
-against the trainer's; `vllm_model_class` alone says which module's config reads to follow.
+Transformers backend (a registry entry naming that module, or, for an architecture the
+registry lacks, vLLM's fallback to it: vLLM runs transformers' own class inside its
+engine). The probe then decides, by the log-probs vLLM samples with against the
+trainer's; `vllm_model_class` alone says which module's config reads to follow.
 
     vllm_serves("ArceeForCausalLM")      # (True, "through its Transformers backend")
 """
@@ -59,7 +60,8 @@ def vllm_architecture(architecture: str, tables=None) -> tuple[str | None, str]:
         return None, tables
     entry = next((table[architecture] for table in tables.values() if architecture in table), None)
     if entry is None:
-        return None, f"vLLM's model registry has no {architecture}"
+        return architecture, (f"vLLM's model registry has no {architecture}: its Transformers backend serves it "
+                              "where transformers' class allows")
     backend = " (its Transformers backend)" if entry[0] == TRANSFORMERS_BACKEND else ""
     return architecture, f"vLLM serves {architecture}{backend}"
 
@@ -84,14 +86,19 @@ def vllm_model_class(architecture: str, tables=None) -> tuple[str | None, str]:
 
 
 def vllm_serves(architecture: str, tables=None) -> tuple[bool, str]:
-    """(True, how) where vLLM serves `architecture` for generation, with a model class of
-    its own ("") or through its Transformers backend; (False, one line saying why not)."""
+    """(True, how) where vLLM may serve `architecture` for generation: with a model class
+    of its own (""), or through its Transformers backend, named by a registry entry or, for
+    an architecture the registry lacks, the one vLLM falls back to (transformers' class
+    decides there, and the probe finds out); (False, one line saying why not) where the
+    registry names it only outside its generation tables, or vLLM is not installed."""
     tables = registry_tables() if tables is None else tables
     served, why = vllm_model_class(architecture, tables)
     if served is not None:
         return True, ""
     if why.startswith(f"vLLM serves {architecture} only through its Transformers backend"):
         return True, "through its Transformers backend"
+    if why == f"vLLM's model registry has no {architecture}":
+        return True, "through its Transformers backend, which vLLM falls back to for an architecture it lacks"
     return False, why
 
 
