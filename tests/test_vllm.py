@@ -304,6 +304,24 @@ def test_a_failed_vllm_start_is_named_in_one_line():
         reason = _vllm_start_failure(bare)
     assert reason.startswith("vLLM did not load the model: AssertionError at ") and "(raise AssertionError" in reason
     assert "\n" not in reason
+    # vLLM's config validation (pydantic): the first error's message, not only its count,
+    # and not the list of every architecture vLLM supports.
+    import pydantic
+
+    class Config(pydantic.BaseModel):
+        architecture: str
+
+        @pydantic.field_validator("architecture")
+        @classmethod
+        def served(cls, value):
+            raise ValueError(f"Model architectures [{value!r}] are not supported for now. Supported architectures: "
+                             + "x" * 5000)
+
+    with pytest.raises(pydantic.ValidationError) as raised:
+        Config(architecture="GPTNeoForCausalLM")
+    reason = _vllm_start_failure(raised.value)
+    assert reason == ("vLLM did not load the model: Value error, Model architectures ['GPTNeoForCausalLM'] are not "
+                      "supported for now.")
 
 
 def _count_recipe(tmp_path, *overrides):

@@ -305,6 +305,12 @@ def _vllm_start_failure(exc: BaseException) -> str:
         # vocabulary of the checkpoint's tokenizer.
         return (f"vLLM's processor for this model looks up {exc.args[0]!r} in the tokenizer's vocabulary, which the "
                 "tiny tokenizer lacks: give tiny()'s tokenizer that token")
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(errors) and errors():
+        # vLLM's config validation (pydantic): its first error's message, without the list
+        # of every architecture vLLM supports that an unsupported one's message ends with.
+        message = str(errors()[0].get("msg", "")).split(" Supported architectures:")[0]
+        return f"vLLM did not load the model: {message[:300]}"
     where = ""
     if not str(exc).strip() and frame is not None:  # a bare assert: name the line that failed
         where = f" at {frame.filename.split('site-packages/')[-1]}:{frame.lineno} ({(frame.line or '').strip()})"
