@@ -31,7 +31,6 @@ PER_ITEM_FIELD = "pooler_output"
 UNREAD_FIELDS = ("last_hidden_state", "hidden_states", "attentions")
 
 
-
 def encoder_owners(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The innermost modules with media-encoding methods (the base VLM under the
     generation head and any PEFT wrapper): the ones a forward actually calls."""

@@ -49,6 +49,7 @@ import torch
 from mmrl.encoder_calls import ENCODER_METHODS, encoder_owners, join, split
 from mmrl.processing import stack_media, text_aligned
 
+
 @dataclass
 class SharedMedia:
     """Which distinct prompt each row of a batch repeats, and each distinct prompt's own
