@@ -93,12 +93,13 @@ def vllm_serves(architecture: str, tables=None) -> tuple[bool, str]:
     registry names it only outside its generation tables, or vLLM is not installed."""
     tables = registry_tables() if tables is None else tables
     served, why = vllm_model_class(architecture, tables)
-    if served is not None:
-        return True, ""
-    if why.startswith(f"vLLM serves {architecture} only through its Transformers backend"):
-        return True, "through its Transformers backend"
-    if why == f"vLLM's model registry has no {architecture}":
+    if served is not None or isinstance(tables, str):
+        return served is not None, why
+    modules = [table[architecture][0] for table in tables.values() if architecture in table]
+    if not modules:
         return True, "through its Transformers backend, which vLLM falls back to for an architecture it lacks"
+    if TRANSFORMERS_BACKEND in modules:
+        return True, "through its Transformers backend"
     return False, why
 
 
