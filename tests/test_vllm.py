@@ -504,3 +504,41 @@ def test_a_vocabulary_lookup_that_fails_in_vllm_names_the_missing_token():
     assert reason.startswith("vLLM's processor for this model looks up '\\n\\n' in the tokenizer's vocabulary")
     assert "\n" not in reason
     assert _vllm_start_failure(KeyError("other")).startswith("vLLM did not load the model: KeyError")
+
+
+def test_media_attention_check_finds_a_backend_that_attends_causally_among_image_tokens():
+    """vLLM's multimodal prefix LMs (bidirectional attention among an image's tokens) on a
+    backend without it: flagged, as on vLLM's CPU backend, where such a model starts and
+    samples from other log-probs than the trainer's."""
+    from mmrl.rollout.vllm import _attends_causally_in_media
+
+    def layer(prefix: bool, supported: bool):
+        backend = type("Backend", (), {"supports_mm_prefix": classmethod(lambda cls: supported)})
+        module = torch.nn.Module()
+        module.use_mm_prefix, module.attn_backend = prefix, backend
+        return module
+
+    def model(*layers):
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), *layers)
+
+    assert _attends_causally_in_media(model(layer(True, False)))
+    assert not _attends_causally_in_media(model(layer(True, True)))  # FlashAttention on a GPU
+    assert not _attends_causally_in_media(model(layer(False, False)))  # a causal model
+    assert not _attends_causally_in_media(model())
+
+
+@pytest.mark.slow
+def test_a_prefix_lm_is_refused_where_vllm_attends_causally_among_image_tokens():
+    """The tiny Gemma 3 on vLLM's CPU backend: with images its log-probs differ from the
+    trainer's by ~5e-3, and with the trainer made causal among image tokens (its
+    token_type_ids zeroed) they agree, so it is the attention, and the rollout refuses."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from mmrl.rollout.vllm import UnsupportedByVLLM
+
+    # Where vLLM's CPU backend learns this attention, the family's vllm cell should verify instead.
+    assert not CPUAttentionBackend.supports_mm_prefix()
+    built = build_model("gemma3", random_init=True)
+    engine = Engine(built, init_distributed())
+    with pytest.raises(UnsupportedByVLLM, match="attends causally among an image's tokens"):
+        make_rollout("vllm", engine, built.processing)

@@ -134,6 +134,7 @@ class VLLMRollout:
                                             "use the hf rollout backend, or vLLM on a GPU") from exc
                 raise
         self._check_reloadable()
+        self._check_media_attention()
         self._stop_ids = list(processing.stop_token_ids)
         self._pad_id = processing.tokenizer.pad_token_id
 
@@ -174,6 +175,20 @@ class VLLMRollout:
         raise UnsupportedByVLLM(
             "vLLM on CPU cannot sync mixture-of-experts weights into a running engine (it does not repack "
             "reloaded experts for its CPU kernels): use the hf rollout backend, or vLLM on a GPU"
+        )
+
+    def _check_media_attention(self) -> None:
+        """A model that attends both ways among an image's tokens (vLLM's multimodal prefix
+        LMs) needs an attention backend that can; vLLM's CPU backend attends causally there
+        and starts anyway, so its rollouts would be sampled from another distribution than
+        the trainer's. Refuse up front."""
+        if not any(self.llm.apply_model(_attends_causally_in_media)):
+            return
+        self.close()
+        raise UnsupportedByVLLM(
+            "vLLM's attention backend here attends causally among an image's tokens, where this model attends "
+            "both ways (a multimodal prefix LM), so its log-probs would not be the trainer's: use the hf rollout "
+            "backend, or vLLM with a backend that supports it (FlashAttention on a GPU)"
         )
 
     def _save(self, engine, arch: str) -> None:
@@ -453,6 +468,13 @@ def _has_fused_experts(model) -> bool:
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
     return any(isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase) for m in model.modules())
+
+
+def _attends_causally_in_media(model) -> bool:
+    """Whether an attention layer should attend both ways among media tokens but has a
+    backend that cannot."""
+    return any(getattr(m, "use_mm_prefix", False) and not m.attn_backend.supports_mm_prefix()
+               for m in model.modules() if hasattr(m, "attn_backend"))
 
 
 def _refresh_tied_modules(model) -> None:
