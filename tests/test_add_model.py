@@ -625,6 +625,22 @@ def test_a_single_layer_index_stays_inside_the_shrunk_depth():
     assert values["num_hidden_layers"] == 2 and values["insert_layer_id"] == 1
 
 
+def test_layer_indexes_follow_a_tower_that_counts_its_blocks_as_depth():
+    """Qwen3-VL's tower counts its blocks as `depth` and feeds decoder layers from blocks
+    8, 16 and 24 (DeepStack). Two blocks deep, an index list left at its default names
+    no block: transformers then makes no DeepStack feature while vLLM expects one per
+    index. The indexes are remapped into the shrunk depth, a subset staying a subset."""
+    import transformers
+
+    from mmrl.scaffold.shrink import tiny_vision_values
+
+    values = tiny_vision_values(transformers.Qwen3VLVisionConfig(), 2048)
+    assert values["depth"] == 2 and values["deepstack_visual_indexes"] == [1]
+    # Qwen2.5-VL's full-attention blocks (7, 15, 23, 31 of 32; the others windowed).
+    values = tiny_vision_values(transformers.Qwen2_5_VLVisionConfig(), 2048)
+    assert values["depth"] == 2 and values["fullatt_block_indexes"] == [1]
+
+
 def test_the_tiny_tower_keeps_the_composites_patch_geometry():
     """LLaVA's default CLIP tower cuts patches of 14; CLIPVisionConfig's own default is 32.
     The tiny tower, written as a dict over the class's defaults, must keep the 14 (a

@@ -46,6 +46,8 @@ _EXPERT_COUNTS = re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_exper
                             r"|num_routed_experts|n_shared_experts|num_shared_experts)$")
 # Experts a token is routed to (a router's top-k).
 _EXPERTS_PER_TOKEN = re.compile(r"(experts_per_tok|experts_per_token|moe_topk|moe_k|^top_k$|num_selected_experts|topk)$")
+# A count of layers under a name other than `num_hidden_layers`.
+_LAYER_COUNT = re.compile(r"^depth$|^num_layers$|^n_layers$|^num_blocks$")
 # Sizes a name announces, for integers that follow no default shape.
 _BY_NAME = (
     (re.compile(r"(^|_)(n_routed_experts|num_experts|num_local_experts|moe_num_experts|n_experts|num_routed_experts"
@@ -56,7 +58,7 @@ _BY_NAME = (
     (re.compile(r"(intermediate|ffn|mlp)[a-z_]*size$|_ffn_dim$|^ffn_dim$|dim_ff$|^dff$"), 128),
     (re.compile(r"head_dim$|head_size$|_head_dim_|^kv_channels$|dim_head$|^rotary_dim$"), "per-head"),
     (re.compile(r"(d_state|state_size|ssm_state_size|mamba_d_state)$"), 16),
-    (re.compile(r"^depth$|^num_layers$|^n_layers$|^num_blocks$"), "layers"),
+    (_LAYER_COUNT, "layers"),
     (re.compile(r"(mamba_n_heads|mamba_num_heads|linear_num_value_heads|linear_num_key_heads)$"), 2),
     # A state-space layer's head groups divide its (tiny: 2) heads.
     (re.compile(r"(^|_)(n_groups|ngroups)$"), 1),
@@ -96,6 +98,10 @@ def shrink_values(default, shapes: dict[str, int], tied: dict[int, int] | None =
             values[key] = tiny
     follow = {**defaults_of_shapes, **(tied or {})}
     layers_key = amap.get(_LAYERS, _LAYERS)
+    if layers_key not in own:
+        # A tower that counts its blocks under another name (`depth`): its per-layer lists
+        # and layer indexes are read against that count.
+        layers_key = next((k for k in own if type(own[k]) is int and _LAYER_COUNT.search(k)), layers_key)
     depth = own.get(layers_key)
     for key, value in own.items():
         if value is None and key not in values and _EXPERTS_PER_TOKEN.search(key):
