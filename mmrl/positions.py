@@ -9,6 +9,10 @@ positions are by construction those of each sequence on its own.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+
 import torch
 
 
@@ -16,6 +20,52 @@ def sequential_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... over the real tokens of each row; padding gets 0. Shape (B, L)."""
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.clamp_(min=0).masked_fill_(attention_mask == 0, 0)
+
+
+def rope_index_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Multi-axis rope positions of a padded batch as the model's own `get_rope_index`
+    (transformers') computes them over the whole batch, which is what the model computes
+    when it is given none; written out, they stay each sequence's own in packed rows and
+    with shared media (whose batch holds each prompt's media once). (C, B, L), with a
+    leading row counting each sequence's tokens where the model's text stack reads one
+    (transformers finds packed-sequence boundaries there)."""
+    owner = next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
+    arguments = {name: batch[name] for name in inspect.signature(owner.get_rope_index).parameters
+                 if isinstance(batch.get(name), torch.Tensor)}
+    positions = owner.get_rope_index(**arguments)[0]
+    if _reads_text_row(model):
+        text = sequential_positions(batch["attention_mask"]).to(positions)
+        positions = torch.cat([text[None], positions])
+    return positions
+
+
+def _reads_text_row(model) -> bool:
+    """Whether the model's code splits a leading row of plain text positions off its
+    position ids (`position_ids.shape[0] == 4`: text, then temporal, height, width), in
+    the module of any of its classes (a text stack built from the text config may come
+    from another model's module)."""
+    found = _TEXT_ROW_READERS.get(type(model))
+    if found is None:
+        found = _TEXT_ROW_READERS[type(model)] = any(
+            _module_reads_text_row(inspect.getmodule(cls)) for cls in {type(m) for m in model.modules()})
+    return found
+
+
+_TEXT_ROW_READERS: dict[type, bool] = {}
+
+
+@functools.cache
+def _module_reads_text_row(module) -> bool:
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return _TEXT_ROW.search(source) is not None
+
+
+_TEXT_ROW = re.compile(r"position_ids\.shape\[0\]\s*==\s*4")
 
 
 def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

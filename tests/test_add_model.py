@@ -357,18 +357,21 @@ def test_image_processor_sizes_follow_a_height_width_tower_size():
     assert sized["size"] == {"height": 448, "width": 336}
 
 
-@pytest.mark.parametrize("model_type, vision, projector, own_positions", [
+@pytest.mark.parametrize("model_type, vision, projector, positions", [
     # A Q-Former beside the tower, a whole causal LM nested in the VLM, a processor that
     # places the image tokens itself and keeps no chat template.
-    ("blip-2", ("vision_model",), {"qformer", "language_projection", "query_tokens"}, False),
-    # The projector (merger, downsampling) sits inside the vision tower.
-    ("glm4v", ("model.visual",), {"model.visual.merger", "model.visual.downsample"}, False),
+    ("blip-2", ("vision_model",), {"qformer", "language_projection", "query_tokens"}, None),
+    # The projector (merger, downsampling) sits inside the vision tower. The model computes
+    # its mrope positions (get_rope_index): written out, they keep packed rows and shared
+    # media right, which the model's own do not.
+    ("glm4v", ("model.visual",), {"model.visual.merger", "model.visual.downsample"},
+     "return rope_index_positions(model, batch)"),
     # Positions offset by the model's own code (sinusoidal, past the padding index):
     # counted positions fail padded-vs-single, the model's own pass.
-    ("kosmos-2", ("vision_model",), {"image_to_text_projection"}, True),
+    ("kosmos-2", ("vision_model",), {"image_to_text_projection"}, "return None"),
 ])
 @pytest.mark.slow
-def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, own_positions, plugin_path,
+def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, positions, plugin_path,
                                                  tmp_ckpt):
     result = add_model(model_type, "--out", str(plugin_path), "--no-depth")  # layouts, not depth
     assert result.exit_code == 0, result.output
@@ -378,7 +381,12 @@ def test_vision_language_layouts_beyond_siblings(model_type, vision, projector, 
     adapter = get_adapter(family)
     assert adapter.parts.vision == vision and set(adapter.parts.projector) == projector
     assert adapter.capabilities.single_image
-    assert ("def position_ids" in inspect.getsource(type(adapter))) == own_positions
+    source = inspect.getsource(type(adapter))
+    assert ("def position_ids" in source) == (positions is not None)
+    if positions is not None:
+        assert positions in source.split("def position_ids", 1)[1].split("def ", 1)[0]
+    if "rope_index_positions" in (positions or ""):
+        assert adapter.capabilities.padding_free and adapter.capabilities.media_sharing
     checks = dict(zoo_checks(family))
     for name in ("test_save_reload_forward_backward_generate", "test_freeze_vision",
                  "test_padded_batch_matches_each_prompt_alone"):
@@ -449,6 +457,44 @@ def test_a_framed_placeholder_must_expand_not_just_pass_through():
         plan = tiny_model_inputs(resolve("qianfan_ocr")).media
     assert plan.image_placeholder == "<image>"
     assert plan.token_fields["image_token_id"] == plan.named_tokens["context_image_token"]
+
+
+@pytest.mark.slow
+def test_the_placeholder_is_framed_by_the_start_and_end_tokens_the_config_names():
+    """Qwen3VLProcessor names no frame tokens, but the config names vision_start and
+    vision_end token ids: each image is written inside them, as released templates do, so
+    that two images in a row stay two runs (transformers' get_rope_index takes one grid a
+    run) and the scaffold's multi-image check can pass. A processor that frames its images
+    itself (qianfan_ocr, above) keeps its bare placeholder."""
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    with quiet_transformers():
+        plan = tiny_model_inputs(resolve("qwen3_vl")).media
+    start, end = plan.token_fields["vision_start_token_id"], plan.token_fields["vision_end_token_id"]
+    assert plan.image_placeholder == f"{start}<|image_pad|>{end}"
+    assert plan.token_fields["image_token_id"] == "<|image_pad|>"
+
+
+def test_an_adapter_that_writes_the_models_rope_index_out_renders_it():
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.discover import inspect_family
+    from mmrl.scaffold.layout import layout_for
+    from mmrl.scaffold.render import base_capabilities, render_adapter
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    resolved = resolve("qwen2_vl")
+    with quiet_transformers():
+        found = inspect_family(resolved, "rope_written", tiny_model_inputs(resolved))
+    layout = layout_for(found, None)
+    assert "rope_index_positions" not in render_adapter(found, layout, base_capabilities(found))
+    found.rope_index_positions = True
+    source = render_adapter(found, layout, base_capabilities(found))
+    compile(source, "rendered", "exec")
+    assert "from mmrl.positions import rope_index_positions" in source
+    assert "        return rope_index_positions(model, batch)" in source
 
 
 def test_a_width_a_layer_expects_is_fitted_to_the_one_the_tiny_tower_gives(monkeypatch):

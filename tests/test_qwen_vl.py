@@ -57,6 +57,29 @@ def test_packed_video_and_images_match_padded(family):
     assert packed_vs_padded(built, mixed_conversations()) < 2e-4
 
 
+@pytest.mark.parametrize("family", QWEN_VL_FAMILIES)
+def test_the_models_own_rope_index_written_out_equals_the_zoos_positions(family):
+    """`mmrl.positions.rope_index_positions` (what a scaffolded family's position_ids
+    returns: the model's get_rope_index over the whole padded batch, with the leading row
+    of text positions its code reads) equals the zoo's hand-written mrope positions on a
+    batch of videos, several images a row and padding."""
+    from mmrl.positions import rope_index_positions
+
+    built = build_model(family, random_init=True)
+    batch = built.inputs(mixed_conversations())
+    written = rope_index_positions(built.model, batch)
+    mask = batch["attention_mask"].bool()
+    assert written.shape == batch["position_ids"].shape == (4, *mask.shape)
+    assert torch.equal(written[:, mask], batch["position_ids"][:, mask])
+
+
+def test_rope_index_positions_needs_a_model_with_a_rope_index():
+    from mmrl.positions import rope_index_positions
+
+    with pytest.raises(ValueError, match="no get_rope_index"):
+        rope_index_positions(torch.nn.Linear(2, 2), {"attention_mask": torch.ones(1, 2)})
+
+
 def write_clip(path, frames=8, fps=4):
     import av
     import numpy as np

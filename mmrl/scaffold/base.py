@@ -81,6 +81,10 @@ class Discovery:
     # batch, and computed one row at a time it matches (verify); the adapter's
     # position_ids does that.
     rope_index_per_row: bool = False
+    # The model's own rope index over the batch, written out by the adapter's position_ids
+    # (`mmrl.positions.rope_index_positions`): what the model computes when given none, but
+    # kept by packed rows and shared media, so it declares more (verify).
+    rope_index_positions: bool = False
     # Neither does: the forward ignores the mask for pads in front, and a right-padded
     # batch matches each prompt alone (verify); the adapter declares left_padding = False.
     left_padding: bool = True

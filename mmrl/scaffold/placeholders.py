@@ -114,6 +114,26 @@ def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _in_config_frame(token: str, plan: MediaPlan, tokenizer, counted) -> str:
+    """`token` inside the start/end pair the config names by its token id fields
+    (`vision_start_token_id` / `vision_end_token_id`) where the processor does not name it
+    itself, as released chat templates write it around each image; else `token`. Two
+    images in a row are then two runs of their tokens: a model that tells media apart
+    by runs (transformers' `get_rope_index`, one grid a run) would otherwise read two
+    adjacent images as one."""
+    by_field = {key.removesuffix("_id"): value for key, value in plan.token_fields.items()}
+    for start, end in _frames(by_field):
+        if token in (start, end) or tokenizer.convert_tokens_to_ids(start) == tokenizer.unk_token_id:
+            continue
+        try:
+            counts = counted(f"{start}{token}{end}")
+        except Exception:  # noqa: BLE001 - the frame is optional: the bare token stands
+            continue
+        if counts.get(start) == 1 and counts.get(end) == 1:  # the processor does not frame it too
+            return f"{start}{token}{end}"
+    return token
+
+
 def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
     """The text that, written in a prompt beside one image (or video), the processor
     expands: the processor's own `*_token` for the kind inside a start/end frame the
@@ -156,7 +176,7 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         if counts[expanded] > 1 or counts[expanded] == 1 and expanded not in token:
             if field is not None:
                 plan.token_fields[field] = expanded
-            return token
+            return token if token in framed else _in_config_frame(token, plan, tokenizer, counted)
         if alone is None and counts.get(token) == 1 and single is None:
             single = token  # required once per image and kept as one token (cross-attention models)
     if single is not None:

@@ -197,6 +197,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
                   "        return None", ""]
     if d.rope_index_per_row:
         lines += _rope_index_per_row_lines()
+    if d.rope_index_positions:
+        lines += ["    def position_ids(self, model, batch):",
+                  '        """The model\'s own rope index over the batch (what it computes when given none),',
+                  '        written out: packed rows and shared media then keep each sequence\'s positions."""',
+                  "        return rope_index_positions(model, batch)", ""]
     lines += _tiny_source(d)
     summary = (f'"""{d.class_name} ({"vision-language" if vlm else "text"}, transformers {d.resolved.model_class}): '
                f"scaffolded by `mmrl add-model {d.resolved.model_type}`.")
@@ -214,6 +219,8 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     names = sorted(adapter_imports, key=_import_order)
     line = "from mmrl.adapter import " + ", ".join(names)
     imports.append(line if len(line) <= 116 else _call("from mmrl.adapter import ", names, indent=""))
+    if d.rope_index_positions:
+        imports.append("from mmrl.positions import rope_index_positions")
     if vlm:
         imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media")
         imports.append("from mmrl.registry import register_model")

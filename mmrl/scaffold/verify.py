@@ -51,7 +51,7 @@ def verify(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap] | Non
     if verified is not None and _tower_unreached(gaps) and not d.redraw_zeros:
         verified = _with_zeros_drawn(d, layout, notes, gaps, verified)
     if d.own_positions or not _position_gap(d):
-        return verified
+        return _with_rope_index_positions(d, layout, notes, gaps, verified)
     attempts = [{"own_positions": True}]
     if _has_rope_index(d.resolved):
         attempts.append({"rope_index_per_row": True})
@@ -91,6 +91,34 @@ def zero_weights(model) -> tuple[str, ...]:
 
 def _tower_unreached(gaps: list[Gap]) -> bool:
     return any(g.column == "single_image" and g.cause.startswith(TOWER_UNREACHED) for g in gaps)
+
+
+# Columns a model that computes its own rope positions cannot have while they are left to
+# it: packed rows (it counts positions across sequences) and shared media (it computes them
+# from the batch's media, which holds each prompt's once).
+_WRITTEN_POSITIONS_COLUMNS = ("padding_free", "media_sharing")
+
+
+def _with_rope_index_positions(d: Discovery, layout: Layout, notes: list[str], gaps: list[Gap],
+                               verified: Capabilities | None) -> Capabilities | None:
+    """Where the model computes its own rope positions (`get_rope_index`) and packing or
+    shared media did not verify, the checks again with the adapter writing those positions
+    out (`rope_index_positions`); kept where the adapter then declares all it did and more."""
+    if (verified is None or d.own_positions or d.rope_index_per_row or not _has_rope_index(d.resolved)
+            or not any(g.column in _WRITTEN_POSITIONS_COLUMNS for g in gaps)):
+        return verified
+    d.rope_index_positions = True
+    fill_in = list(d.fill_in)
+    again_notes: list[str] = []
+    again_gaps: list[Gap] = []
+    again = _verify_once(d, layout, again_notes, again_gaps)
+    before, after = set(verified.declared()), set(again.declared()) if again is not None else set()
+    if again is not None and after > before and not _position_gap(d):
+        notes[:] = again_notes
+        gaps[:] = again_gaps
+        return again
+    d.rope_index_positions, d.fill_in[:] = False, fill_in
+    return verified
 
 
 def _has_rope_index(resolved: Resolved) -> bool:
