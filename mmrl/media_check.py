@@ -45,6 +45,7 @@ from mmrl.engine import join
 from mmrl.parts import part_of
 from mmrl.rollout.base import SamplingParams
 from mmrl.rollout.hf import HFRollout
+from mmrl.wrappers import unwrapped
 
 # The smallest log-prob difference that counts as reading the media: the same inputs give
 # the same log-probs on one path (0.0 on CPU), and the zoo's tiny random-init models move
@@ -234,7 +235,7 @@ def recording_next_token_logprobs(model: torch.nn.Module) -> Iterator[list[torch
     last position: what a rollout samples its first token from (a left-padded prompt
     batch ends at the last prompt token of every row)."""
     seen: list[torch.Tensor] = []
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    base = unwrapped(model)  # PEFT wraps the HF model
 
     def record(_module, _args, output):
         logits = getattr(output, "logits", None)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from mmrl.adapter import PART_NAMES, ModelAdapter
+from mmrl.wrappers import unwrapped
 
 _WRAPPER_PREFIXES = ("base_model.model.",)
 
@@ -103,7 +104,7 @@ def _layer_lists(module: torch.nn.Module, layer_names: set[str]) -> list[torch.n
 def decoder_stack(model: torch.nn.Module, adapter) -> torch.nn.Module:
     """The module that runs the text decoder layers: the parent of the ModuleList of
     `adapter.shard_layers` modules that lies under `adapter.parts.language`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     layer_names = set(adapter.shard_layers)
     found = [(name, module) for name, module in base.named_modules() for _ in _layer_lists(module, layer_names)]
     language = adapter.parts.language

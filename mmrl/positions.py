@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from mmrl.wrappers import unwrapped
+
 
 def sequential_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... over the real tokens of each row; padding gets 0. Shape (B, L)."""
@@ -29,13 +31,14 @@ def rope_index_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     with shared media (whose batch holds each prompt's media once). (C, B, L), with a
     leading row counting each sequence's tokens where the model's text stack reads one
     (transformers finds packed-sequence boundaries there)."""
-    owner = next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
+    base = unwrapped(model)
+    owner = next((m for m in (base, getattr(base, "model", None)) if hasattr(m, "get_rope_index")), None)
     if owner is None:
         raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
     arguments = {name: batch[name] for name in inspect.signature(owner.get_rope_index).parameters
                  if isinstance(batch.get(name), torch.Tensor)}
     positions = owner.get_rope_index(**arguments)[0]
-    if _reads_text_row(model):
+    if _reads_text_row(base):
         text = sequential_positions(batch["attention_mask"]).to(positions)
         positions = torch.cat([text[None], positions])
     return positions

@@ -477,6 +477,19 @@ def test_the_placeholder_is_framed_by_the_start_and_end_tokens_the_config_names(
     assert plan.token_fields["image_token_id"] == "<|image_pad|>"
 
 
+@pytest.mark.slow
+def test_rope_positions_are_written_out_only_where_they_are_the_models_own_on_video(plugin_path):
+    """Qwen2.5-Omni's get_rope_index takes a video's seconds per grid under another name
+    than the batch gives them (`second_per_grids`, `video_second_per_grid`): written out
+    by name, a video batch fails where the model's own positions run. Packing would have
+    verified with them (the quick checks hold no video), but the adapter keeps the model's
+    own, and so its video (glm4v above, whose written positions equal its own, writes them)."""
+    result = add_model("qwen2_5_omni_thinker", "--out", str(plugin_path), "--no-depth")
+    assert result.exit_code == 0, result.output
+    source = (plugin_path / "mmrl_qwen2_5_omni_thinker" / "qwen2_5_omni_thinker.py").read_text()
+    assert "rope_index_positions" not in source
+
+
 def test_an_adapter_that_writes_the_models_rope_index_out_renders_it():
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.discover import inspect_family

@@ -73,6 +73,25 @@ def test_the_models_own_rope_index_written_out_equals_the_zoos_positions(family)
     assert torch.equal(written[:, mask], batch["position_ids"][:, mask])
 
 
+def test_rope_index_positions_read_through_a_lora_wrapper():
+    """Under LoRA the model is PEFT's wrapper, one class for every family: whether the
+    text row is read is decided by the wrapped model's classes."""
+    from mmrl import apply_lora
+    from mmrl.positions import rope_index_positions
+
+    built = build_model("qwen2_vl", random_init=True)
+    batch = built.inputs(mixed_conversations())
+    plain = rope_index_positions(built.model, batch)
+    wrapped = apply_lora(built.model, scope="language")
+    assert torch.equal(rope_index_positions(wrapped, batch), plain)
+    assert plain.shape[0] == 4
+    # The default position_ids leaves such a model's positions to it under LoRA too
+    # (before, the wrapper hid its get_rope_index and counted positions were returned).
+    from mmrl.adapter import VisionLanguageAdapter
+
+    assert VisionLanguageAdapter.position_ids(built.adapter, wrapped, batch) is None
+
+
 def test_rope_index_positions_needs_a_model_with_a_rope_index():
     from mmrl.positions import rope_index_positions
 

@@ -40,6 +40,7 @@ from mmrl.engine.logprobs import first_tensor, token_log_probs
 from mmrl.engine.packing import keep_rows, pack_sequences
 from mmrl.engine.sequences import Sequences, left_padded
 from mmrl.parallel import ulysses
+from mmrl.wrappers import unwrapped
 
 
 def _zero_padding(seqs: Sequences, logp: torch.Tensor, entropy: torch.Tensor):
@@ -60,7 +61,7 @@ def kept_positions(model: torch.nn.Module, logits_to_keep):
     for 0), the given sequence indices for a tensor. A head input that already has that
     length (an inner language model honoured the argument) is left as it is; for a tensor
     of sorted distinct indices that length means all of them, so nothing is lost."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    base = unwrapped(model)  # PEFT wraps the HF model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if logits_to_keep is None or _takes_logits_to_keep(type(base)) or head is None:
         yield

@@ -48,6 +48,7 @@ import torch
 from mmrl.boundaries import STATEFUL_LAYER_KINDS, current_layer_kinds
 from mmrl.parallel.gathered import is_mixer
 from mmrl.parts import decoder_layers
+from mmrl.wrappers import unwrapped
 
 SEQUENCE_INDEX = "seq_idx"  # transformers' keyword for packed sequences (TransformersKwargs)
 _HOOKED = "_mmrl_per_sequence"  # set on each hooked layer and mixer
@@ -129,7 +130,7 @@ def _carries_state(module: torch.nn.Module) -> bool:
 def stateful_mixers(model: torch.nn.Module, adapter) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
     """(layer, its mixers to run per sequence) for each decoder layer of a stateful kind;
     [] where the text config lists no layer kinds for exactly the layers found."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     kinds = list(getattr(base.config.get_text_config(), "layer_types", None) or ())
     try:
         layers = decoder_layers(model, adapter)

@@ -31,6 +31,8 @@ import inspect
 
 import torch
 
+from mmrl.wrappers import unwrapped
+
 NAME = "mmrl_varlen"
 BASE = "sdpa"
 _CACHE: list[tuple[torch.Tensor, tuple[torch.Tensor, int] | None]] = []  # (mask, its segments)
@@ -324,7 +326,7 @@ def install(model: torch.nn.Module, layers=()) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     text_config = base.config.get_text_config()
     if text_config._attn_implementation not in (BASE, NAME):
         return False

@@ -34,6 +34,7 @@ import re
 import torch
 
 from mmrl.engine.varlen import available as varlen_available, kernel_dtype, kernel_keywords, kernel_options
+from mmrl.wrappers import unwrapped
 
 NAME = "mmrl_flash_vision"  # "flash" selects the model code's cu_seqlens branch; no digit after it
 BASE = "sdpa"
@@ -97,7 +98,7 @@ def install(model: torch.nn.Module, use_varlen: bool = True) -> bool:
     could run (to measure one against the other)."""
     from transformers import AttentionInterface
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     chosen = [c for c in _configs(base.config)
               if c._attn_implementation in (BASE, NAME) and applies_to(base, c)]
     if not chosen:

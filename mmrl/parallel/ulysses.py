@@ -48,6 +48,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 
 from mmrl.parts import decoder_layers, decoder_stack
+from mmrl.wrappers import unwrapped
 
 NAME = "mmrl_ulysses"
 EAGER_NAME = "mmrl_ulysses_eager"
@@ -365,7 +366,7 @@ def install(model: torch.nn.Module, adapter) -> torch.nn.Module:
         raise ValueError(f"{adapter.family}: the adapter opts out of sequence parallelism "
                          "(sequence_parallel = None)")
     _register()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     text_config = base.config.get_text_config()
     current_name = text_config._attn_implementation
     stack = decoder_stack(model, adapter)

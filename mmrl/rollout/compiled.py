@@ -64,6 +64,7 @@ from mmrl.rollout.hf import HFRollout
 from mmrl.rollout.inference_copy import InferenceCopy
 from mmrl.rollout.merged import MergedProjections
 from mmrl.rollout.prefix import DistinctPrompts, distinct_prompts
+from mmrl.wrappers import unwrapped
 
 # Rows are compacted only in batches wider than this: below it a step costs about the
 # same whatever the width. The widths the loop moves rows into are powers of two from here
@@ -926,7 +927,7 @@ def _decode_attention(model):
     name is registered with SDPA's masks."""
     from mmrl.engine import varlen
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     config = base.config.get_text_config()
     before = config._attn_implementation
     if before in ("sdpa", varlen.NAME):

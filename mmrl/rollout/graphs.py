@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from mmrl.errors import one_line
+from mmrl.wrappers import unwrapped
 
 
 class NotRecordable(Exception):
@@ -60,7 +61,7 @@ class NotRecordable(Exception):
 def layer_kinds(model) -> set[str]:
     """The attention kinds of the text decoder's layers (transformers' `layer_types`;
     full attention where the config names none)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrapped(model)
     config = base.config.get_text_config()
     return set(getattr(config, "layer_types", None) or ["full_attention"])
 
@@ -313,7 +314,7 @@ class GraphedStep:
         kinds = layer_kinds(model)
         if kinds != {"full_attention"}:
             return f"layer kinds {', '.join(sorted(kinds))}: only full attention takes the step's masks"
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = unwrapped(model)
         implementation = base.config.get_text_config()._attn_implementation
         if implementation != self.attention:
             return f"attention {implementation!r} does not read the step's boolean masks"

@@ -37,6 +37,7 @@ import torch
 
 from mmrl.engine import varlen, vision_attention
 from mmrl.parallel import Dist, ulysses
+from mmrl.wrappers import unwrapped
 
 # "auto" keeps the copy between rollouts when it takes at most 1 / KEEP_SHARE of the free
 # device memory measured before the first step: the rest is left to the update.
@@ -197,7 +198,7 @@ def _empty_copy(source: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     """A plain (unsharded) model of `source`'s class and config on `device`: weights in
     `dtype`, uninitialised; buffers (rope frequencies and the like) copied from `source`
     as they are."""
-    base = source.get_base_model() if hasattr(source, "get_base_model") else source
+    base = unwrapped(source)
     cls = _unsharded_class(type(base))
     config = copying.deepcopy(base.config)
     _plain_attention(config)

@@ -45,6 +45,7 @@ import torch
 
 from mmrl.errors import one_line
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.wrappers import unwrapped
 
 # Images and videos per prompt that vLLM accepts when a caller does not say.
 DEFAULT_MEDIA_LIMITS = {"image": 8, "video": 2}
@@ -218,7 +219,7 @@ class VLLMRollout:
         into one tensor), unless the family maps names itself (`weight_prefixes`, applied
         to transformers' names)."""
         rollout = self.adapter.rollout
-        model = engine.model.get_base_model() if hasattr(engine.model, "get_base_model") else engine.model
+        model = unwrapped(engine.model)
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         state = {name: tensor for name, tensor in engine.full_state_dict(every_rank=True).items() if name not in tied}
         if not rollout.weight_prefixes:
@@ -378,7 +379,7 @@ def _language_head_sizes(model, adapter) -> set[int]:
     (transformers' attention classes keep one, per layer), and hidden_size / heads, which
     some of vLLM's decoder layers take instead. Empty for a model without attention (a
     state-space model)."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model = unwrapped(model)
     sizes = _attention_head_dims(model, adapter)
     text = model.config.get_text_config()
     hidden, heads = _config_value(text, "hidden_size"), _config_value(text, "num_attention_heads")

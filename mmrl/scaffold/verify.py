@@ -113,12 +113,41 @@ def _with_rope_index_positions(d: Discovery, layout: Layout, notes: list[str], g
     again_gaps: list[Gap] = []
     again = _verify_once(d, layout, again_notes, again_gaps)
     before, after = set(verified.declared()), set(again.declared()) if again is not None else set()
-    if again is not None and after > before and not _position_gap(d):
+    if again is not None and after > before and not _position_gap(d) and _rope_index_is_the_models(d, layout):
         notes[:] = again_notes
         gaps[:] = again_gaps
         return again
     d.rope_index_positions, d.fill_in[:] = False, fill_in
     return verified
+
+
+def _rope_index_is_the_models(d: Discovery, layout: Layout) -> bool:
+    """Whether the written-out positions give the logits the model's own give, on a batch
+    of images and on one with a video (which the quick checks do not hold, and for which a
+    rope index may need more than the batch's names give it): a batch the model itself
+    cannot take (a processing without video) is left out."""
+    import torch
+
+    from mmrl import build_model
+    from mmrl.checks import logits_of, sample_conversations, video_conversations
+
+    with _rendered(d, layout):
+        built = build_model(d.family, random_init=True)
+        for conversations in (sample_conversations(built.adapter), video_conversations()):
+            try:
+                batch = {k: v for k, v in built.processing(conversations).items() if k != "position_ids"}
+                own = logits_of(built.model, batch)
+            except Exception:  # noqa: BLE001 - not a batch this family takes
+                continue
+            try:
+                positions = built.adapter.position_ids(built.model, batch)
+                written = logits_of(built.model, {**batch, "position_ids": positions})
+            except Exception:  # noqa: BLE001 - a batch the model takes and its written positions do not
+                return False
+            mask = batch["attention_mask"].bool()
+            if not torch.allclose(own[mask], written[mask], atol=TOLERANCE, rtol=0):
+                return False
+    return True
 
 
 def _has_rope_index(resolved: Resolved) -> bool:
