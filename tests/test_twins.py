@@ -204,8 +204,10 @@ def test_the_scaffold_renders_its_template_through_chatml_with_media():
     expression = compile(ast.Expression(assignment.value), "adapter", "eval")
     template = eval(expression, {"chatml_with_media": chatml_with_media})
     content = [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "video"}]
-    assert _render(template, content) == ("<|im_start|>user\na<|image_pad|><|video_pad|><|im_end|>\n"
-                                          "<|im_start|>assistant\n")
+    # Each placeholder inside the start/end pair the config names (`vision_start_token_id`).
+    assert _render(template, content) == (
+        "<|im_start|>user\na<vision_start><|image_pad|><vision_end><vision_start><|video_pad|><vision_end>"
+        "<|im_end|>\n<|im_start|>assistant\n")
     assert _text_expression("<image>" * 64) == '"<image>" * 64' and _text_expression("<i>") == '"<i>"'
 
 
