@@ -209,11 +209,9 @@ def lined_up_with_input_ids(module, args, kwargs, output):
 def _computes_own_positions(model) -> bool:
     """Whether the model (or its inner model) computes multi-axis rope positions itself;
     under a PEFT wrapper, the wrapped model's."""
-    from mmrl.wrappers import unwrapped
+    from mmrl.positions import rope_index_owner
 
-    model = unwrapped(model)
-    inner = getattr(model, "model", None)
-    return any(hasattr(m, "get_rope_index") for m in (model, inner) if m is not None)
+    return rope_index_owner(model) is not None
 
 
 class ModelAdapter:

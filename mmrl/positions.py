@@ -31,17 +31,24 @@ def rope_index_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     with shared media (whose batch holds each prompt's media once). (C, B, L), with a
     leading row counting each sequence's tokens where the model's text stack reads one
     (transformers finds packed-sequence boundaries there)."""
-    base = unwrapped(model)
-    owner = next((m for m in (base, getattr(base, "model", None)) if hasattr(m, "get_rope_index")), None)
+    owner = rope_index_owner(model)
     if owner is None:
         raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
     arguments = {name: batch[name] for name in inspect.signature(owner.get_rope_index).parameters
                  if isinstance(batch.get(name), torch.Tensor)}
     positions = owner.get_rope_index(**arguments)[0]
-    if _reads_text_row(base):
+    if _reads_text_row(unwrapped(model)):
         text = sequential_positions(batch["attention_mask"]).to(positions)
         positions = torch.cat([text[None], positions])
     return positions
+
+
+def rope_index_owner(model):
+    """The module that computes the model's multi-axis rope positions itself (transformers'
+    `get_rope_index`): the model or its inner model, under a PEFT wrapper the wrapped
+    model's; None for a model that leaves its positions to the caller."""
+    base = unwrapped(model)
+    return next((m for m in (base, getattr(base, "model", None)) if hasattr(m, "get_rope_index")), None)
 
 
 def _reads_text_row(model) -> bool:
