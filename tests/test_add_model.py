@@ -491,20 +491,12 @@ def test_rope_positions_are_written_out_only_where_they_are_the_models_own_on_vi
 
 
 def test_an_adapter_that_writes_the_models_rope_index_out_renders_it():
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import base_capabilities, render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered, rendered
 
-    resolved = resolve("qwen2_vl")
-    with quiet_transformers():
-        found = inspect_family(resolved, "rope_written", tiny_model_inputs(resolved))
-    layout = layout_for(found, None)
-    assert "rope_index_positions" not in render_adapter(found, layout, base_capabilities(found))
+    found = discovered("qwen2_vl", "rope_written")
+    assert "rope_index_positions" not in rendered(found)
     found.rope_index_positions = True
-    source = render_adapter(found, layout, base_capabilities(found))
+    source = rendered(found)
     compile(source, "rendered", "exec")
     assert "from mmrl.positions import rope_index_positions" in source
     assert "        return rope_index_positions(model, batch)" in source
@@ -1094,16 +1086,13 @@ def test_layers_reused_over_cycles_are_found_by_the_configs_per_stack_count():
     A config whose depth names a list is read as before."""
     import transformers
 
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import _other_layer_counts, inspect_family
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered
+
+    from mmrl.scaffold.discover import _other_layer_counts
 
     config = transformers.HrmTextConfig(num_hidden_layers=2)
     assert config.num_hidden_layers == 16 and _other_layer_counts(config) == [2]
-    resolved = resolve("hrm_text")
-    with quiet_transformers():
-        found = inspect_family(resolved, "hrm_text", tiny_model_inputs(resolved))
+    found = discovered("hrm_text", "hrm_text")
     assert found.parts.language == ("model",) and found.decoder_layers == ("HrmTextDecoderLayer",)
     assert found.fill_in == []
 
@@ -1273,11 +1262,9 @@ def test_scaffold_lines_up_the_logits_of_a_model_that_prepends_positions():
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    from scaffolded import discovered
+
     from mmrl.adapter import ModelAdapter
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
 
     class Prepending(torch.nn.Module):
         def forward(self, input_ids, keep=0):
@@ -1296,11 +1283,9 @@ def test_scaffold_lines_up_the_logits_of_a_model_that_prepends_positions():
     assert model(ids, keep=2).logits.flatten().tolist() == [5, 6]
     assert ModelAdapter.prepends_positions is False
 
-    with quiet_transformers():
-        git = resolve("git")
-        assert inspect_family(git, "git", tiny_model_inputs(git)).prepends_positions
-        llava = resolve("llava")  # places its image features at the placeholder tokens
-        assert not inspect_family(llava, "llava_scaffold", tiny_model_inputs(llava)).prepends_positions
+    assert discovered("git", "git").prepends_positions
+    # llava places its image features at the placeholder tokens
+    assert not discovered("llava", "llava_scaffold").prepends_positions
 
 
 def test_scaffold_per_layer_kinds_left_unset_are_read_off_the_model_code():
@@ -1419,17 +1404,13 @@ def test_scaffold_a_model_nesting_a_whole_causal_lm_takes_its_head():
     nested model's head is read as the lm_head part, and the adapter's on_load gives the
     model that head (mmrl's log-prob head reads `model.get_output_embeddings()`)."""
     import dataclasses
-    from pathlib import Path
 
     import torch
     import transformers
 
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import _output_embeddings, inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered, rendered
+
+    from mmrl.scaffold.discover import _output_embeddings
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=40)
@@ -1446,13 +1427,11 @@ def test_scaffold_a_model_nesting_a_whole_causal_lm_takes_its_head():
     assert nesting.get_output_embeddings() is None
     assert _output_embeddings(nesting) == (nesting.language_model.lm_head, "language_model")
     assert _output_embeddings(plain) == (plain.lm_head, "")
-    resolved = resolve("llama")
-    with quiet_transformers():
-        found = inspect_family(resolved, "llama_scaffold", tiny_model_inputs(resolved))
+    found = discovered("llama", "llama_scaffold")
     assert found.nested_head == ""
-    assert "def on_load" not in render_adapter(found, layout_for(found, Path("/tmp/unused")), None)
+    assert "def on_load" not in rendered(found, capabilities=False)
     nested = dataclasses.replace(found, nested_head="language_model")
-    source = render_adapter(nested, layout_for(nested, Path("/tmp/unused")), None)
+    source = rendered(nested, capabilities=False)
     assert 'nested = model.get_submodule("language_model")' in source
     assert "model.get_output_embeddings = nested.get_output_embeddings" in source
 
@@ -1464,17 +1443,15 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
     written adapter's position_ids calling the model's rope index one row at a time, with
     each row's share of the per-image grids (its runs of the config's image token)."""
     import textwrap
-    from pathlib import Path
     from types import SimpleNamespace
 
     import torch
 
+    from scaffolded import discovered, rendered
+
     from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import _rope_index_per_row_lines, render_adapter
+    from mmrl.scaffold.render import _rope_index_per_row_lines
     from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
     from mmrl.scaffold.verify import _has_rope_index
 
     image = 7
@@ -1518,11 +1495,10 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
 
     with quiet_transformers():
         assert _has_rope_index(resolve("hunyuan_vl")) and not _has_rope_index(resolve("llama"))
-        resolved = resolve("llama")
-        found = inspect_family(resolved, "llama_scaffold", tiny_model_inputs(resolved))
-    assert "def position_ids" not in render_adapter(found, layout_for(found, Path("/tmp/unused")), None)
+    found = discovered("llama", "llama_scaffold")
+    assert "def position_ids" not in rendered(found, capabilities=False)
     per_row_found = dataclasses.replace(found, rope_index_per_row=True)
-    source = render_adapter(per_row_found, layout_for(per_row_found, Path("/tmp/unused")), None)
+    source = rendered(per_row_found, capabilities=False)
     assert "owner.get_rope_index(" in source and "\nimport inspect\n" in source and "\nimport torch\n" in source
     compile(source, "adapter.py", "exec")
 
@@ -1565,17 +1541,8 @@ def test_scaffold_encodes_one_image_per_call_where_the_tower_mixes_a_batchs_imag
     sequence without a mask between images: an image's features change with the other
     images of its batch. The scaffold finds that by running the tiny model and declares
     encode_images_alone, whose per-image encoding gives each image its features alone."""
-    from pathlib import Path
+    from scaffolded import discovered, rendered
 
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
-
-    with quiet_transformers():
-        resolved = resolve("minimax_m3_vl")
-        found = inspect_family(resolved, "minimax_m3_vl", tiny_model_inputs(resolved))
+    found = discovered("minimax_m3_vl", "minimax_m3_vl")
     assert found.encode_images_alone
-    assert "    encode_images_alone = True" in render_adapter(found, layout_for(found, Path("/tmp/unused")), None)
+    assert "    encode_images_alone = True" in rendered(found, capabilities=False)

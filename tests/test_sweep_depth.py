@@ -161,21 +161,14 @@ def test_the_decoder_inputs_along_the_sequence_become_the_adapters_sequence_para
 def test_the_scaffold_writes_the_sequence_parallel_it_found():
     import ast
 
-    from mmrl.adapter import SequenceParallel
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import base_capabilities, render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered, rendered
 
-    resolved = resolve("qwen3_vl")
-    with quiet_transformers():
-        found = inspect_family(resolved, "sp_written", tiny_model_inputs(resolved))
-    layout = layout_for(found, None)
-    assert "sequence_parallel =" not in render_adapter(found, layout, base_capabilities(found))
+    from mmrl.adapter import SequenceParallel
+
+    found = discovered("qwen3_vl", "sp_written")
+    assert "sequence_parallel =" not in rendered(found)
     found.sequence_parallel = SequenceParallel(masked_inputs=(("visual_pos_masks", ("deepstack_visual_embeds",)),))
-    source = render_adapter(found, layout, base_capabilities(found))
+    source = rendered(found)
     ast.parse(source)
     flat = " ".join(source.split()).replace("( ", "(").replace(", )", ")")
     assert ('sequence_parallel = SequenceParallel(split_inputs=("input_ids", "position_ids", "labels"), '
@@ -221,19 +214,13 @@ def test_depth_only_with_fresh_is_refused_in_one_line(tmp_path):
 def test_the_scaffold_writes_gathered_mixers():
     import ast
 
-    from mmrl.adapter import SequenceParallel
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import base_capabilities, render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered, rendered
 
-    resolved = resolve("gpt2")
-    with quiet_transformers():
-        found = inspect_family(resolved, "sp_gathered", tiny_model_inputs(resolved))
+    from mmrl.adapter import SequenceParallel
+
+    found = discovered("gpt2", "sp_gathered")
     found.sequence_parallel = SequenceParallel(gather_mixers=True)
-    source = render_adapter(found, layout_for(found, None), base_capabilities(found))
+    source = rendered(found)
     ast.parse(source)
     assert "    sequence_parallel = SequenceParallel(gather_mixers=True)" in source.splitlines()
 

@@ -186,18 +186,13 @@ def test_the_scaffold_renders_its_template_through_chatml_with_media():
     `chatml_with_media` instead of spelling a fourth ChatML template out."""
     import ast
 
-    from mmrl.processors.templates import chatml_with_media
-    from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.discover import inspect_family
-    from mmrl.scaffold.layout import layout_for
-    from mmrl.scaffold.render import _text_expression, base_capabilities, render_adapter
-    from mmrl.scaffold.resolve import resolve
-    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+    from scaffolded import discovered, rendered
 
-    resolved = resolve("qwen3_vl")
-    with quiet_transformers():
-        found = inspect_family(resolved, "chatml_twin", tiny_model_inputs(resolved))
-    source = render_adapter(found, layout_for(found, None), base_capabilities(found))
+    from mmrl.processors.templates import chatml_with_media
+    from mmrl.scaffold.render import _text_expression
+
+    found = discovered("qwen3_vl", "chatml_twin")
+    source = rendered(found)
     assignment = next(node for node in ast.parse(source).body if isinstance(node, ast.Assign)
                       and getattr(node.targets[0], "id", None) == "CHAT_TEMPLATE")
     assert ast.unparse(assignment.value).startswith("chatml_with_media(") and "im_start" not in source
