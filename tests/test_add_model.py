@@ -460,6 +460,35 @@ def test_a_framed_placeholder_must_expand_not_just_pass_through():
 
 
 @pytest.mark.slow
+def test_the_video_placeholder_is_found_the_way_a_run_processes_a_clip():
+    """Glm4vProcessor samples a clip's frames by its fps unless told the frames are
+    sampled already; called with bare frames it refused every candidate, so the type had
+    no video placeholder and its video column read n/a. Found through mmrl's processing
+    (sampled frames, their metadata passed), the placeholder is the one whose tokens the
+    processor types as video: inside the `<|begin_of_video|>` / `<|end_of_video|>` pair
+    its code spells out, not the bare token (typed as an image) nor the config's pair."""
+    from mmrl.checks import sample_video
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.media_plan import build_config, build_processor
+    from mmrl.scaffold.placeholders import _processing
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    with quiet_transformers():
+        plan = tiny_model_inputs(resolve("glm4v")).media
+    assert plan.video_placeholder == "<|begin_of_video|><|video|><|end_of_video|>"
+    assert plan.image_placeholder.startswith(plan.token_fields["image_start_token_id"])
+    with quiet_transformers():
+        tokenizer, config = build_config(resolve("glm4v"), plan)
+        processing = _processing(build_processor(plan, tokenizer, config), plan.text_kwargs)
+    clip = processing.load_video(sample_video())
+    for placeholder, typed in ((plan.video_placeholder, True), ("<|video|>", False)):
+        batch = processing.process_texts([f"look {placeholder} here"], [([], [clip])])
+        assert bool((batch["mm_token_type_ids"] == 2).any()) is typed
+        assert int((batch["mm_token_type_ids"] > 0).sum()) > 4  # the clip's tokens, typed either way
+
+
+@pytest.mark.slow
 def test_the_placeholder_is_framed_by_the_start_and_end_tokens_the_config_names():
     """Qwen3VLProcessor names no frame tokens, but the config names vision_start and
     vision_end token ids: each image is written inside them, as released templates do, so
@@ -491,7 +520,7 @@ def test_rope_positions_are_written_out_only_where_they_are_the_models_own_on_vi
 
 
 def test_an_adapter_that_writes_the_models_rope_index_out_renders_it():
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     found = discovered("qwen2_vl", "rope_written")
     assert "rope_index_positions" not in rendered(found)
@@ -1086,7 +1115,7 @@ def test_layers_reused_over_cycles_are_found_by_the_configs_per_stack_count():
     A config whose depth names a list is read as before."""
     import transformers
 
-    from scaffolded import discovered
+    from scaffold_setup import discovered
 
     from mmrl.scaffold.discover import _other_layer_counts
 
@@ -1262,7 +1291,7 @@ def test_scaffold_lines_up_the_logits_of_a_model_that_prepends_positions():
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from scaffolded import discovered
+    from scaffold_setup import discovered
 
     from mmrl.adapter import ModelAdapter
 
@@ -1408,7 +1437,7 @@ def test_scaffold_a_model_nesting_a_whole_causal_lm_takes_its_head():
     import torch
     import transformers
 
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     from mmrl.scaffold.discover import _output_embeddings
 
@@ -1447,7 +1476,7 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
 
     import torch
 
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     from mmrl.scaffold import quiet_transformers
     from mmrl.scaffold.render import _rope_index_per_row_lines
@@ -1541,7 +1570,7 @@ def test_scaffold_encodes_one_image_per_call_where_the_tower_mixes_a_batchs_imag
     sequence without a mask between images: an image's features change with the other
     images of its batch. The scaffold finds that by running the tiny model and declares
     encode_images_alone, whose per-image encoding gives each image its features alone."""
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     found = discovered("minimax_m3_vl", "minimax_m3_vl")
     assert found.encode_images_alone

@@ -161,7 +161,7 @@ def test_the_decoder_inputs_along_the_sequence_become_the_adapters_sequence_para
 def test_the_scaffold_writes_the_sequence_parallel_it_found():
     import ast
 
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     from mmrl.adapter import SequenceParallel
 
@@ -214,7 +214,7 @@ def test_depth_only_with_fresh_is_refused_in_one_line(tmp_path):
 def test_the_scaffold_writes_gathered_mixers():
     import ast
 
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     from mmrl.adapter import SequenceParallel
 

@@ -186,7 +186,7 @@ def test_the_scaffold_renders_its_template_through_chatml_with_media():
     `chatml_with_media` instead of spelling a fourth ChatML template out."""
     import ast
 
-    from scaffolded import discovered, rendered
+    from scaffold_setup import discovered, rendered
 
     from mmrl.processors.templates import chatml_with_media
     from mmrl.scaffold.render import _text_expression

@@ -114,15 +114,20 @@ def _frames(named: dict[str, str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _in_config_frame(token: str, plan: MediaPlan, tokenizer, counted) -> str:
+def _in_config_frame(token: str, plan: MediaPlan, tokenizer, counted, kind: str) -> str:
     """`token` inside the start/end pair the config names by its token id fields
     (`vision_start_token_id` / `vision_end_token_id`) where the processor does not name it
     itself, as released chat templates write it around each image; else `token`. Two
     images in a row are then two runs of their tokens: a model that tells media apart
     by runs (transformers' `get_rope_index`, one grid a run) would otherwise read two
-    adjacent images as one."""
+    adjacent images as one. A clip takes the pair named for videos first
+    (`video_start_token_id`), as released templates frame a clip apart from an image."""
     by_field = {key.removesuffix("_id"): value for key, value in plan.token_fields.items()}
-    for start, end in _frames(by_field):
+    frames = _frames(by_field)
+    if kind == "video":
+        own = set(_frames({k: v for k, v in by_field.items() if k.startswith(kind)}))
+        frames = sorted(frames, key=lambda frame: frame not in own)
+    for start, end in frames:
         if token in (start, end) or tokenizer.convert_tokens_to_ids(start) == tokenizer.unk_token_id:
             continue
         try:
@@ -134,12 +139,41 @@ def _in_config_frame(token: str, plan: MediaPlan, tokenizer, counted) -> str:
     return token
 
 
+# transformers' media token types (`mm_token_type_ids`): 0 text, 1 image, 2 video.
+_VIDEO_TYPE = 2
+
+
+def _processing(processor, text_kwargs=None):
+    """mmrl's processing over `processor`, passing the tokenizer-side arguments the
+    scaffolded family's processing will (`return_mm_token_type_ids`)."""
+    from mmrl.processing import Processing
+
+    class Scaffolded(Processing):
+        def text_kwargs(self):
+            return dict(text_kwargs or {})
+
+    return Scaffolded(processor)
+
+
+def _literal_frames(literals: list[str], kind: str) -> list[tuple[str, str]]:
+    """(start, end) pairs among the special tokens a processor's code spells out that
+    name the kind (`<|begin_of_video|>` / `<|end_of_video|>`): some processors find a
+    clip's tokens by such a pair, not by any token the config or tokenizer names."""
+    return [(start, start.replace(word, end)) for start in literals if kind in start
+            for word, end in _FRAME_WORDS.items() if word in start and start.replace(word, end) in literals]
+
+
 def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | None:
     """The text that, written in a prompt beside one image (or video), the processor
     expands: the processor's own `*_token` for the kind inside a start/end frame the
     processor does not add itself (so that two media in a row stay two runs), else that
     token alone, then every other named token. The token it expands into most often is
-    the one the model counts, so the config's id field for the kind is pointed at it."""
+    the one the model counts, so the config's id field for the kind is pointed at it.
+
+    A clip is processed as a run processes one (`mmrl.processing`: its frames sampled
+    already, their metadata passed), its placeholder tried first inside a video frame
+    pair the processor's code spells out (`<|begin_of_video|>`), and kept only where the
+    processor types its tokens as video for a model that reads `mm_token_type_ids`."""
     from PIL import Image
 
     field = next((k for k in plan.token_fields if k.startswith(kind)), None)
@@ -147,15 +181,30 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
     specials = list(dict.fromkeys(list(plan.named_tokens.values()) + plan.literals))
     frames = _frames(plan.named_tokens)
     framed = [f"{a}{t}{b}" for t in own for a, b in frames if t not in (a, b)]
+    clip_frames = _literal_frames(plan.literals, kind) if kind == "video" else []
+    frames += clip_frames
+    framed += [f"{a}{t}{b}" for t in specials for a, b in clip_frames if t not in (a, b)]
     candidates = list(dict.fromkeys(framed + own + specials))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     image = Image.new("RGB", (224, 168), (120, 30, 200))
-    media = {"images": [image]} if kind == "image" else {"videos": [[image] * 4]}
     errors: list[str] = []
 
     def counted(token: str) -> dict[str, int]:
-        row = processor(text=[f"look {token} here"], return_tensors="pt", **media)["input_ids"][0].tolist()
-        return {t: row.count(i) for t, i in ids.items()}
+        text = [f"look {token} here"]
+        if kind == "image":
+            row = processor(text=text, return_tensors="pt", images=[image])["input_ids"][0]
+        else:  # as a run processes a clip: its frames already sampled, their metadata passed
+            batch = processing.process_texts(text, [([], [clip])])
+            types = batch.get("mm_token_type_ids") if plan.text_kwargs.get("return_mm_token_type_ids") else None
+            if types is not None and not (types == _VIDEO_TYPE).any():
+                raise ValueError("the processor types none of the clip's tokens as video (mm_token_type_ids), "
+                                 "so the model would place no clip")
+            row = batch["input_ids"][0]
+        return {t: row.tolist().count(i) for t, i in ids.items()}
+
+    if kind == "video":
+        processing = _processing(processor, plan.text_kwargs)
+        clip = processing.load_video([image] * 4)
 
     single = None
     try:  # what the processor inserts on its own, with no placeholder in the text
@@ -176,7 +225,14 @@ def find_placeholder(processor, tokenizer, plan: MediaPlan, kind: str) -> str | 
         if counts[expanded] > 1 or counts[expanded] == 1 and expanded not in token:
             if field is not None:
                 plan.token_fields[field] = expanded
-            return token if token in framed else _in_config_frame(token, plan, tokenizer, counted)
+            for start, end in clip_frames:
+                if token.startswith(start) and token.endswith(end):
+                    # The pair the processor frames a clip with is the one the config names:
+                    # a model that finds a clip's span by the config's ids then finds it.
+                    for key, frame in ((f"{kind}_start_token_id", start), (f"{kind}_end_token_id", end)):
+                        if key in plan.token_fields:
+                            plan.token_fields[key] = frame
+            return token if token in framed else _in_config_frame(token, plan, tokenizer, counted, kind)
         if alone is None and counts.get(token) == 1 and single is None:
             single = token  # required once per image and kept as one token (cross-attention models)
     if single is not None:
