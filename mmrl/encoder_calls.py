@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 
 import torch
 
@@ -115,9 +115,12 @@ def _read_fields(output) -> dict:
 
 def _rebuild(like, values: dict):
     """An output of `like`'s class holding `values`, undeclared ones set as attributes
-    the way transformers sets them."""
+    the way transformers sets them. A field the class requires (no default, as
+    `TimmWrapperModelOutput.last_hidden_state`) that is not carried is left None, as the
+    unread fields are."""
     declared = {f.name for f in fields(like)}
-    output = type(like)(**{name: value for name, value in values.items() if name in declared})
+    required = {f.name: None for f in fields(like) if f.default is MISSING and f.default_factory is MISSING}
+    output = type(like)(**{**required, **{name: value for name, value in values.items() if name in declared}})
     for name, value in values.items():
         if name not in declared:
             setattr(output, name, value)

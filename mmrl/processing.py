@@ -110,6 +110,12 @@ def load_image(source) -> Any:
     return image.convert("RGB")
 
 
+def _video_processor_takes(processor, argument: str) -> bool:
+    """Whether `processor`'s video processor declares `argument` among its call's arguments."""
+    valid = getattr(getattr(processor, "video_processor", None), "valid_kwargs", None)
+    return argument in getattr(valid, "__annotations__", {})
+
+
 @dataclass
 class Clip:
     """A video's frames (PIL images or an array) and, when known, the HF `VideoMetadata`
@@ -280,6 +286,10 @@ class Processing:
             if all(clip.metadata is not None for clip in clips):
                 # The frames are already sampled: the processor must not sample again.
                 video_kwargs.update(video_metadata=[clip.metadata for clip in clips], do_sample_frames=False)
+                if _video_processor_takes(self.processor, "return_metadata"):
+                    # Processors that place frames in time read the metadata back from their
+                    # video processor's output, which holds it only when asked.
+                    video_kwargs.setdefault("return_metadata", True)
             kwargs["videos_kwargs"] = video_kwargs
         batch = self.processor(
             text=texts, padding=True, padding_side=self.padding_side, return_tensors="pt",
@@ -288,6 +298,7 @@ class Processing:
         # Labels some processors add for their own fine-tuning recipe are not inputs here:
         # the trainer scores responses itself.
         batch.pop("labels", None)
+        batch.pop("video_metadata", None)  # asked for above, for the processor: not a model input
         # A second text encoder's inputs (`qformer_input_ids` beside `input_ids`) are padded
         # on the right whatever the decoder's side: such encoders number positions from the
         # first slot, so left padding would shift every prompt's positions.

@@ -489,6 +489,32 @@ def test_the_video_placeholder_is_found_the_way_a_run_processes_a_clip():
 
 
 @pytest.mark.slow
+def test_a_patch_size_no_config_gives_is_measured_on_the_tiny_tower():
+    """LlavaProcessor cannot expand an image without `patch_size`, which FastVLM's timm
+    tower config does not hold: the placeholder search had nothing to see and the type
+    stopped at the processor stage. A stand-in lets the search see the expansion; then the
+    patch size is the processed image's side over the tiny tower's feature grid's side."""
+    from mmrl.scaffold import quiet_transformers
+    from mmrl.scaffold.image_size import STAND_IN_PATCH
+    from mmrl.scaffold.media_plan import build_config, build_processor, runs_with_image
+    from mmrl.scaffold.resolve import resolve
+    from mmrl.scaffold.tiny_inputs import tiny_model_inputs
+
+    resolved = resolve("fast_vlm")
+    with quiet_transformers():
+        plan = tiny_model_inputs(resolved).media
+        assert plan.unset_patch == "patch_size" and plan.image_placeholder == "<image>"
+        measured = plan.processor_kwargs["patch_size"]
+        assert measured != str(STAND_IN_PATCH)
+        tokenizer, config = build_config(resolved, plan)
+        assert runs_with_image(resolved.model_class, config, build_processor(plan, tokenizer, config),
+                               plan.image_placeholder, plan.text_kwargs) is None
+        plan.processor_kwargs["patch_size"] = str(int(measured) // 2)  # four times the tokens: no fit
+        assert runs_with_image(resolved.model_class, config, build_processor(plan, tokenizer, config),
+                               plan.image_placeholder, plan.text_kwargs) is not None
+
+
+@pytest.mark.slow
 def test_the_placeholder_is_framed_by_the_start_and_end_tokens_the_config_names():
     """Qwen3VLProcessor names no frame tokens, but the config names vision_start and
     vision_end token ids: each image is written inside them, as released templates do, so

@@ -57,6 +57,19 @@ def test_split_cuts_a_joint_call_by_token_counts_or_declines():
     assert split(BaseModelOutputWithPooling(pooler_output=(torch.ones(4, 2), torch.ones(4, 2))), [5, 3]) is None
 
 
+def test_split_rebuilds_an_output_class_that_requires_a_field_it_does_not_carry():
+    """timm's tower output requires `last_hidden_state` (no default); a joint call cut per
+    prompt carries only the fields the forwards read, so the required one is left None
+    rather than the cut failing (FastVLM's shared media crashed on it)."""
+    from transformers.models.timm_wrapper.modeling_timm_wrapper import TimmWrapperModelOutput
+
+    output = TimmWrapperModelOutput(last_hidden_state=torch.ones(2, 8, 3), pooler_output=torch.arange(12.0).view(6, 2))
+    first, second = split(output, [2, 4])
+    assert type(first) is TimmWrapperModelOutput and first.last_hidden_state is None
+    assert torch.equal(first.pooler_output, output.pooler_output[:2])
+    assert torch.equal(second.pooler_output, output.pooler_output[2:])
+
+
 def test_shared_media_is_none_when_no_prompt_repeats():
     built = build_model("qwen2_vl", random_init=True)
     conversations = sample_conversations(built.adapter)

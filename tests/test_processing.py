@@ -117,6 +117,44 @@ def test_a_second_text_encoders_inputs_are_padded_on_the_right():
     assert batch["qformer_input_ids"].tolist() == [[7, 7, 0, 0], [7, 7, 7, 7]]
 
 
+def test_a_clip_s_metadata_is_asked_back_for_the_processor_and_kept_out_of_the_batch():
+    """Some processors (Cosmos3-Edge's in transformers 5.19) read a clip's metadata back
+    from their video processor's output, which holds it only when asked
+    (`return_metadata`), and fail without it; others pass it on into their batch. The
+    processing asks for it where the video processor takes the argument, and drops it
+    from the batch: it is not a model input."""
+    from typing import TypedDict
+
+    from mmrl.processing import Processing
+
+    class VideoArguments(TypedDict, total=False):
+        return_metadata: bool
+
+    class VideoProcessor:
+        valid_kwargs = VideoArguments
+
+    class ReadsMetadataBack:
+        video_processor = VideoProcessor()
+
+        def __init__(self):
+            self.tokenizer = object()
+
+        def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True, **kwargs):
+            return "v"
+
+        def __call__(self, text, padding_side, videos, videos_kwargs, **kwargs):
+            if not videos_kwargs.get("return_metadata"):
+                raise KeyError("video_metadata")
+            assert videos_kwargs["do_sample_frames"] is False and len(videos_kwargs["video_metadata"]) == 1
+            ids = torch.ones(1, 3, dtype=torch.long)
+            return {"input_ids": ids, "attention_mask": ids.clone(), "pixel_values_videos": torch.zeros(4, 3),
+                    "video_metadata": videos_kwargs["video_metadata"]}
+
+    frames = [Image.new("RGB", (8, 8))] * 4
+    batch = Processing(ReadsMetadataBack())([[{"role": "user", "content": [{"type": "video", "video": frames}]}]])
+    assert "video_metadata" not in batch and tuple(batch["pixel_values_videos"].shape) == (4, 3)
+
+
 def test_per_token_entries_laid_out_from_the_row_start_follow_left_padding():
     from mmrl.processing import _align_to_tokens
 

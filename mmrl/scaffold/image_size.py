@@ -22,6 +22,9 @@ from mmrl.scaffold.shrink import TOWER_OUTPUT_WIDTH, build_tiny, vision_language
 # No image processor's edge is longer: larger `shortest_edge` / `longest_edge` values
 # are pixel areas.
 _LONGEST_EDGE = 8192
+# The patch size a processor is given until the tiny tower's own is measured (a common
+# one: the placeholder search only needs the processor to expand an image).
+STAND_IN_PATCH = 16
 
 
 def sized_processor_kwargs(processor_cls, image_size: int | None,
@@ -106,6 +109,9 @@ def fit_image_size(resolved: Resolved, plan: MediaPlan, tokenizer, config, proce
         if fitted[1] is None:
             return fitted[0]
         tokenizer, config, processor = fitted[0]
+    measured = _patch_measured(resolved, plan, tokenizer, config, processor)
+    if measured is not None:
+        return measured
     base = getattr(getattr(config, plan.vision_key), "image_size", None)
     sizes = [None]
     if isinstance(base, int):
@@ -317,6 +323,36 @@ def _input_widths_fitted(resolved: Resolved, plan: MediaPlan, config, failure: s
 
 
 _COUNT_ARGUMENT = re.compile(r"seq_len|seq_length|num_image_tokens|tokens_per_image|image_tokens_count")
+
+
+def _patch_measured(resolved: Resolved, plan: MediaPlan, tokenizer, config, processor):
+    """Where the processor's patch size is a stand-in (`MediaPlan.unset_patch`): the tiny
+    tower's own, the processed image's side over the side of the square grid of features
+    the tower gives it. (tokenizer, config, processor) where the tiny model then runs,
+    else None (the stand-in kept)."""
+    import math
+
+    from PIL import Image
+
+    name = plan.unset_patch
+    if name is None:
+        return None
+    rows = _feature_rows(resolved.model_class, config, processor, plan)
+    try:
+        pixels = processor(text=[f"look {plan.image_placeholder} here"],
+                           images=[Image.new("RGB", (224, 168), (9, 99, 199))], return_tensors="pt")["pixel_values"]
+    except Exception:  # noqa: BLE001 - no measurement: the stand-in stays and verify says why
+        return None
+    height, width = pixels.shape[-2:]
+    grid = math.isqrt(rows or 0)
+    if not rows or grid * grid != rows or height != width or height % grid:
+        return None
+    stand_in, plan.processor_kwargs[name] = plan.processor_kwargs[name], str(height // grid)
+    measured = build_processor(plan, tokenizer, config)
+    if runs_with_image(resolved.model_class, config, measured, plan.image_placeholder, plan.text_kwargs) is None:
+        return tokenizer, config, measured
+    plan.processor_kwargs[name] = stand_in
+    return None
 
 
 def per_image_count_arguments(processor_cls) -> list[str]:

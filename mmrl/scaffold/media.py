@@ -24,7 +24,7 @@ from typing import Any
 
 from mmrl.errors import whole_cause
 from mmrl.scaffold.base import TINY_VISION_SHAPES, Resolved, ScaffoldError
-from mmrl.scaffold.image_size import fit_image_size, per_image_count_arguments, sized_processor_kwargs
+from mmrl.scaffold.image_size import STAND_IN_PATCH, fit_image_size, per_image_count_arguments, sized_processor_kwargs
 from mmrl.scaffold.media_plan import MediaPlan, build_config, build_processor, init_parameters
 from mmrl.scaffold.placeholders import find_placeholder, named_token, tokens_in_source, unexpanded_placeholder
 from mmrl.scaffold.shrink import (
@@ -343,6 +343,13 @@ def _plan_processor(resolved: Resolved, plan: MediaPlan, processor_cls, config) 
         if (name not in plan.processor_kwargs and wanted[name].default is None
                 and type(vision_values.get("image_size")) is int and type(vision_values.get("patch_size")) is int):
             plan.processor_kwargs[name] = f"(config.{key}.image_size // config.{key}.patch_size) ** 2"
+    # A patch size the processor cannot expand an image without (None by default) and no
+    # config field gives (a timm tower has none): a stand-in that lets the placeholder
+    # search see the expansion, replaced by the tiny tower's measured grid.
+    for name, parameter in wanted.items():
+        if name.endswith("patch_size") and parameter.default is None and name not in plan.processor_kwargs:
+            plan.processor_kwargs[name], plan.unset_patch = str(STAND_IN_PATCH), name
+            break
     model_inputs = inspect.signature(getattr(transformers, resolved.model_class).forward).parameters
     if "mm_token_type_ids" in model_inputs:  # media token types the model reads, if the processor makes them
         plan.text_kwargs = {"return_mm_token_type_ids": True}

@@ -52,6 +52,9 @@ class MediaPlan:
     flat_images: bool = False  # the processor takes one flat image list, not one list per prompt
     image_placeholder: str | None = None
     video_placeholder: str | None = None
+    # A processor's patch size that no config gives (a timm tower's): a stand-in until
+    # the tiny tower's own grid is measured (`image_size.fit_image_size`).
+    unset_patch: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
