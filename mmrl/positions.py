@@ -43,6 +43,31 @@ def rope_index_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return positions
 
 
+def rope_index_per_row(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`rope_index_positions` one row at a time, for a model whose `get_rope_index` is
+    right for one prompt but counts media across a batch's rows: each row with its slice
+    of the per-token inputs and its share of the per-media ones (`image_grid_thw`: as many
+    entries as the row holds runs of the config's `image_token_id`)."""
+    owner = rope_index_owner(model)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    config = unwrapped(model).config
+    rows = {"attention_mask": batch["attention_mask"].split(1)}
+    for name in inspect.signature(owner.get_rope_index).parameters:
+        value = batch.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.shape[:2] == ids.shape:  # one entry per token
+            rows[name] = value.split(1)
+        else:  # one entry per media item: each row's runs of the item's token
+            token = ids.eq(getattr(config, name.split("_")[0] + "_token_id")) & mask
+            runs = token[:, 0].long() + (token[:, 1:] & ~token[:, :-1]).sum(-1)
+            rows[name] = value.split(runs.tolist())
+    return torch.cat([rope_index_positions(model, {name: parts[row] for name, parts in rows.items()})
+                      for row in range(ids.shape[0])], dim=1)
+
+
 def rope_index_owner(model):
     """The module that computes the model's multi-axis rope positions itself (transformers'
     `get_rope_index`): the model or its inner model, under a PEFT wrapper the wrapped

@@ -1497,15 +1497,14 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
     from each prompt alone with the model's own positions. The scaffold then tries the
     written adapter's position_ids calling the model's rope index one row at a time, with
     each row's share of the per-image grids (its runs of the config's image token)."""
-    import textwrap
     from types import SimpleNamespace
 
     import torch
 
     from scaffold_setup import discovered, rendered
 
+    from mmrl.positions import rope_index_per_row
     from mmrl.scaffold import quiet_transformers
-    from mmrl.scaffold.render import _rope_index_per_row_lines
     from mmrl.scaffold.resolve import resolve
     from mmrl.scaffold.verify import _has_rope_index
 
@@ -1539,9 +1538,7 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
     grids = torch.tensor([[11, 1, 1], [12, 1, 1], [13, 1, 1]])
     batch = {"input_ids": ids, "attention_mask": mask, "image_grid_thw": grids}
     model = Wrapper()
-    namespace = {"inspect": inspect, "torch": torch}
-    exec(textwrap.dedent("\n".join(_rope_index_per_row_lines())), namespace)
-    per_row = namespace["position_ids"](None, model, batch)
+    per_row = rope_index_per_row(model, batch)
     alone = [model.model.get_rope_index(ids[r:r + 1], grids[g], mask[r:r + 1])[0] for r, g in
              ((0, slice(0, 1)), (1, slice(1, 3)))]
     assert torch.equal(per_row, torch.cat(alone, dim=1))
@@ -1554,7 +1551,8 @@ def test_scaffold_computes_a_rope_index_that_counts_media_across_the_batch_one_r
     assert "def position_ids" not in rendered(found, capabilities=False)
     per_row_found = dataclasses.replace(found, rope_index_per_row=True)
     source = rendered(per_row_found, capabilities=False)
-    assert "owner.get_rope_index(" in source and "\nimport inspect\n" in source and "\nimport torch\n" in source
+    assert "        return rope_index_per_row(model, batch)" in source
+    assert "from mmrl.positions import rope_index_per_row\n" in source
     compile(source, "adapter.py", "exec")
 
 

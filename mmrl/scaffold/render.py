@@ -196,7 +196,11 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
                   '        a padded batch matched each prompt alone that way, not with counted ones."""',
                   "        return None", ""]
     if d.rope_index_per_row:
-        lines += _rope_index_per_row_lines()
+        lines += ["    def position_ids(self, model, batch):",
+                  '        """The model\'s own rope index, one row at a time: over a whole batch its',
+                  "        `get_rope_index` counts media across rows (a padded batch differed from each prompt",
+                  '        alone); row by row, with each row\'s share of the per-media inputs, it matched."""',
+                  "        return rope_index_per_row(model, batch)", ""]
     if d.rope_index_positions:
         lines += ["    def position_ids(self, model, batch):",
                   '        """The model\'s own rope index over the batch (what it computes when given none),',
@@ -214,13 +218,13 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
         header += [textwrap.fill(item, 88, initial_indent="- ", subsequent_indent="  ") for item in d.fill_in]
     header.append('"""')
     imports = ["from dataclasses import replace", ""] if "replace(" in "\n".join(lines) else []
-    if d.rope_index_per_row:
-        imports = ["import inspect", *imports[:1], "", "import torch", ""]
     names = sorted(adapter_imports, key=_import_order)
     line = "from mmrl.adapter import " + ", ".join(names)
     imports.append(line if len(line) <= 116 else _call("from mmrl.adapter import ", names, indent=""))
-    if d.rope_index_positions:
-        imports.append("from mmrl.positions import rope_index_positions")
+    positions = [name for name, used in (("rope_index_per_row", d.rope_index_per_row),
+                                          ("rope_index_positions", d.rope_index_positions)) if used]
+    if positions:
+        imports.append(f"from mmrl.positions import {', '.join(positions)}")
     if vlm:
         imports.append("from mmrl.processors.templates import CHATML_SPECIAL_TOKENS, chatml_with_media")
         imports.append("from mmrl.registry import register_model")
@@ -234,35 +238,6 @@ def render_adapter(d: Discovery, layout: Layout, verified: Capabilities | None,
     if vlm:
         body += "\n" + _vision_template_source(d) + "\n"
     return body + "\n\n" + "\n".join(lines) + "\n"
-
-
-def _rope_index_per_row_lines() -> list[str]:
-    """The adapter's position_ids where the model's `get_rope_index` is right for one row
-    but counts media across a batch: called once per row, with that row's slice of each
-    per-token input and its share of each per-media one (`image_grid_thw`: as many entries
-    as the row holds runs of the config's `image_token_id`)."""
-    return [
-        "    def position_ids(self, model, batch):",
-        '        """The model\'s own rope index, one row at a time: over a whole batch its',
-        "        `get_rope_index` counts media across rows (a padded batch differed from each prompt",
-        '        alone); row by row, with each row\'s share of the per-media inputs, it matched."""',
-        "        owner = next(m for m in (model, getattr(model, \"model\", None)) if hasattr(m, \"get_rope_index\"))",
-        "        ids, mask = batch[\"input_ids\"], batch[\"attention_mask\"].bool()",
-        "        rows = {}",
-        "        for name in inspect.signature(owner.get_rope_index).parameters:",
-        "            value = batch.get(name)",
-        "            if not isinstance(value, torch.Tensor):",
-        "                continue",
-        "            if value.shape[:2] == ids.shape:  # one entry per token",
-        "                rows[name] = value.split(1)",
-        "            else:  # one entry per media item (image_grid_thw): each row's runs of its token",
-        "                token = ids.eq(getattr(model.config, name.split(\"_\")[0] + \"_token_id\")) & mask",
-        "                runs = token[:, 0].long() + (token[:, 1:] & ~token[:, :-1]).sum(-1)",
-        "                rows[name] = value.split(runs.tolist())",
-        "        return torch.cat([owner.get_rope_index(**{name: parts[row] for name, parts in rows.items()})[0]",
-        "                          for row in range(ids.shape[0])], dim=1)",
-        "",
-    ]
 
 
 def _redraw_lines(patterns: tuple[str, ...]) -> list[str]:
