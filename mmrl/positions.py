@@ -31,9 +31,7 @@ def rope_index_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     with shared media (whose batch holds each prompt's media once). (C, B, L), with a
     leading row counting each sequence's tokens where the model's text stack reads one
     (transformers finds packed-sequence boundaries there)."""
-    owner = rope_index_owner(model)
-    if owner is None:
-        raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
+    owner = _required_owner(model)
     arguments = {name: batch[name] for name in inspect.signature(owner.get_rope_index).parameters
                  if isinstance(batch.get(name), torch.Tensor)}
     positions = owner.get_rope_index(**arguments)[0]
@@ -48,9 +46,7 @@ def rope_index_per_row(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     right for one prompt but counts media across a batch's rows: each row with its slice
     of the per-token inputs and its share of the per-media ones (`image_grid_thw`: as many
     entries as the row holds runs of the config's `image_token_id`)."""
-    owner = rope_index_owner(model)
-    if owner is None:
-        raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
+    owner = _required_owner(model)
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     config = unwrapped(model).config
     rows = {"attention_mask": batch["attention_mask"].split(1)}
@@ -74,6 +70,14 @@ def rope_index_owner(model):
     model's; None for a model that leaves its positions to the caller."""
     base = unwrapped(model)
     return next((m for m in (base, getattr(base, "model", None)) if hasattr(m, "get_rope_index")), None)
+
+
+def _required_owner(model):
+    """`rope_index_owner`, or the error that the model has none."""
+    owner = rope_index_owner(model)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index to compute its rope positions with")
+    return owner
 
 
 def _reads_text_row(model) -> bool:

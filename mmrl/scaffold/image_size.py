@@ -10,6 +10,7 @@ default is fitted to the tiny tower's).
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from typing import Any
 
@@ -330,8 +331,6 @@ def _patch_measured(resolved: Resolved, plan: MediaPlan, tokenizer, config, proc
     tower's own, the processed image's side over the side of the square grid of features
     the tower gives it. (tokenizer, config, processor) where the tiny model then runs,
     else None (the stand-in kept)."""
-    import math
-
     from PIL import Image
 
     name = plan.unset_patch
