@@ -452,6 +452,7 @@ def test_count_recipe_learns_with_the_vllm_backend(tmp_path):
     "gemma2",  # vLLM's own class, which has no lm_head (logits from the embedding)
     "gemma4_text",  # per-layer head_dim (a heterogeneous config refuses a global config.head_dim)
     "llava",  # a vision-language type: vLLM's own class, its processor on the scaffold's tiny one
+    "ovis2",  # vLLM's Transformers backend, with a processor that does not count its image tokens
 ])
 def test_vllm_probe_verifies_a_scaffolded_family(plugin_path, model_type):
     from typer.testing import CliRunner
@@ -525,6 +526,20 @@ def test_media_attention_check_finds_a_backend_that_attends_causally_among_image
     assert not _attends_causally_in_media(model(layer(True, True)))  # FlashAttention on a GPU
     assert not _attends_causally_in_media(model(layer(False, False)))  # a causal model
     assert not _attends_causally_in_media(model())
+
+
+def test_packed_weight_check_finds_a_multihead_attention_whose_weight_vllm_took():
+    """vLLM on CPU packs a linear layer's weight for its kernels and leaves the layer an
+    empty one; torch's MultiheadAttention reads its output projection's weight directly."""
+    from mmrl.rollout.vllm import _reads_packed_weight
+
+    pooling = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), pooling)
+    assert not _reads_packed_weight(model)
+    pooling.out_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # what vLLM leaves
+    assert _reads_packed_weight(model)
+    with pytest.raises(RuntimeError, match="must be a matrix, got 1-D"):  # the failure it stands for
+        pooling(torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8))
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ import torch
 
 from mmrl.errors import one_line
 from mmrl.rollout.base import RolloutResult, SamplingParams, trim_responses
+from mmrl.rollout.media_counts import give_measured_counts
 from mmrl.wrappers import unwrapped
 
 # Images and videos per prompt that vLLM accepts when a caller does not say.
@@ -101,6 +102,9 @@ class VLLMRollout:
         self._dir = tempfile.TemporaryDirectory(prefix="mmrl-vllm-")
         self.path = Path(self._dir.name)
         self._save(engine, arch)
+        if self.adapter.is_multimodal:
+            # vLLM's Transformers backend asks the processor to count an image's tokens.
+            give_measured_counts(type(processing.processor))
         limits = {}
         if self.adapter.is_multimodal:
             limits = {kind: (media_limits or {}).get(kind, DEFAULT_MEDIA_LIMITS[kind])
@@ -136,6 +140,7 @@ class VLLMRollout:
                 raise
         self._check_reloadable()
         self._check_media_attention()
+        self._check_packed_weights()
         self._stop_ids = list(processing.stop_token_ids)
         self._pad_id = processing.tokenizer.pad_token_id
 
@@ -163,6 +168,12 @@ class VLLMRollout:
                 "head_dim = hidden_size / heads)"
             )
 
+    def _refuse_where(self, finds, reason: str) -> None:
+        """Close the engine and refuse where `finds(model)` holds for vLLM's model."""
+        if any(self.llm.apply_model(finds)):
+            self.close()
+            raise UnsupportedByVLLM(reason)
+
     def _check_reloadable(self) -> None:
         """vLLM on CPU cannot update mixture-of-experts weights in a running engine: its
         reload copies the new experts in, but skips the CPU kernels' repacking of them
@@ -170,27 +181,30 @@ class VLLMRollout:
         after a sync the experts compute with scrambled weights. Refuse up front."""
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu() or not any(self.llm.apply_model(_has_fused_experts)):
-            return
-        self.close()
-        raise UnsupportedByVLLM(
-            "vLLM on CPU cannot sync mixture-of-experts weights into a running engine (it does not repack "
-            "reloaded experts for its CPU kernels): use the hf rollout backend, or vLLM on a GPU"
-        )
+        if current_platform.is_cpu():
+            self._refuse_where(_has_fused_experts, (
+                "vLLM on CPU cannot sync mixture-of-experts weights into a running engine (it does not repack "
+                "reloaded experts for its CPU kernels): use the hf rollout backend, or vLLM on a GPU"))
 
     def _check_media_attention(self) -> None:
         """A model that attends both ways among an image's tokens (vLLM's multimodal prefix
         LMs) needs an attention backend that can; vLLM's CPU backend attends causally there
         and starts anyway, so its rollouts would be sampled from another distribution than
         the trainer's. Refuse up front."""
-        if not any(self.llm.apply_model(_attends_causally_in_media)):
-            return
-        self.close()
-        raise UnsupportedByVLLM(
+        self._refuse_where(_attends_causally_in_media, (
             "vLLM's attention backend here attends causally among an image's tokens, where this model attends "
             "both ways (a multimodal prefix LM), so its log-probs would not be the trainer's: use the hf rollout "
-            "backend, or vLLM with a backend that supports it (FlashAttention on a GPU)"
-        )
+            "backend, or vLLM with a backend that supports it (FlashAttention on a GPU)"))
+
+    def _check_packed_weights(self) -> None:
+        """vLLM on CPU hands each linear layer's weight to its packed matrix-product kernel
+        and leaves the layer an empty `weight`; torch's MultiheadAttention (SigLIP's pooling
+        head) reads its output projection's `weight` directly, and would fail at the first
+        image ("mat2 must be a matrix, got 1-D tensor"). Refuse up front."""
+        self._refuse_where(_reads_packed_weight, (
+            "vLLM on CPU packs linear weights for its own kernels and leaves them empty, and this model reads one "
+            "directly (torch's MultiheadAttention, e.g. a SigLIP pooling head): use the hf rollout backend, or "
+            "vLLM on a GPU"))
 
     def _save(self, engine, arch: str) -> None:
         """The engine's current weights, its config (naming vLLM's architecture) and the
@@ -476,6 +490,12 @@ def _attends_causally_in_media(model) -> bool:
     backend that cannot."""
     return any(getattr(m, "use_mm_prefix", False) and not m.attn_backend.supports_mm_prefix()
                for m in model.modules() if hasattr(m, "attn_backend"))
+
+
+def _reads_packed_weight(model) -> bool:
+    """Whether a torch MultiheadAttention's output projection lost its weight to vLLM's packing."""
+    return any(isinstance(m, torch.nn.MultiheadAttention) and m.out_proj.weight.numel() == 0
+               for m in model.modules())
 
 
 def _refresh_tied_modules(model) -> None:
