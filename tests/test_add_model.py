@@ -330,6 +330,19 @@ def test_multi_axis_rope_split_written_in_model_code_is_rescaled_with_equal_axes
     assert scaled["mrope_section"][0] == scaled["mrope_section"][1] and sum(scaled["mrope_section"]) == 16
 
 
+def test_a_model_that_always_interleaves_its_rope_axes_says_so_in_the_tiny_config():
+    """Qwen3-VL's code interleaves height and width over every third frequency and reads no
+    flag; vLLM reads `mrope_interleaved` (released checkpoints set it) and without it
+    rotates the axes in blocks, which put the scaffolded qwen3_vl's log-probs 1e-2 off the
+    trainer's."""
+    from mmrl.scaffold.shrink import tiny_text_values
+
+    interleaved = tiny_text_values("Qwen3VLTextConfig")["rope_parameters"]
+    assert interleaved["mrope_interleaved"] is True and interleaved["mrope_section"]
+    blocks = tiny_text_values("Qwen2VLTextConfig")["rope_parameters"]  # sections in blocks
+    assert blocks["mrope_section"] and "mrope_interleaved" not in blocks
+
+
 def test_processor_token_names_are_read_through_aliases_and_frame_words():
     import transformers
 

@@ -539,7 +539,17 @@ def _tiny_rope(rope, cls, values: dict[str, Any], default):
         # default config leaves the split to a value hard-coded in the model (or
         # to none): give it one, in the proportions of the released checkpoints.
         rope = {**rope, "mrope_section": _modeling_default(cls, "mrope_section") or [16, 24, 24]}
-    return _rescaled_mrope(rope, values, default)
+    rope = _rescaled_mrope(rope, values, default)
+    if rope is not None and "mrope_interleaved" not in rope and _INTERLEAVED_MROPE.search(modeling_source(cls)):
+        # The model always interleaves its axes (height and width in every third frequency)
+        # and reads no flag for it; released checkpoints say so in their config, which
+        # vLLM reads (without it, vLLM rotates the axes in blocks: other positions).
+        rope = {**rope, "mrope_interleaved": True}
+    return rope
+
+
+# Rope frequencies recomposed with height and width in every third slot (Qwen3-VL's layout).
+_INTERLEAVED_MROPE = re.compile(r"slice\(\s*offset\s*,\s*\w+\s*,\s*3\s*\)")
 
 
 def modeling_source(config_class) -> str:
