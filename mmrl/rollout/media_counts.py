@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from mmrl.errors import one_line
+
 # The attribute vLLM's Transformers backend calls (transformers' name for it).
 COUNTS_METHOD = "_get_num_multimodal_tokens"
 # The processor's outputs that hold an image's rows, in the order vLLM looks for them.
@@ -54,7 +56,7 @@ def measured_counts(processor, image_sizes=None, video_sizes=None, audio_lengths
                                         for size in video_sizes]
         except Exception as exc:  # noqa: BLE001 - any failure means: cannot count clips
             raise AttributeError(f"{type(processor).__name__} cannot process a blank clip to count its "
-                                 f"tokens: {type(exc).__name__}: {exc}") from exc
+                                 f"tokens: {one_line(exc, typed=True)}") from exc
     return MultiModalData(**data)
 
 
