@@ -476,6 +476,51 @@ def test_vllm_probe_verifies_a_scaffolded_family(plugin_path, model_type):
 
 
 @pytest.mark.slow
+def test_mixture_of_experts_weights_sync_into_vllm_on_cpu_step_after_step(plugin_path):
+    """vLLM on CPU packs a mixture-of-experts layer's experts for its kernel when it loads
+    them; its weight reload copied new experts in unpacked, so after a sync the tiny OLMoE's
+    vLLM log-probs were 1.5e-2 off the trainer's. The rollout has each reload pack them
+    anew (`_repack_experts_on_reload`): equal after each of two updates and syncs."""
+    from typer.testing import CliRunner
+
+    from mmrl.checks import sample_conversations
+    from mmrl.cli import app
+    from mmrl.probes.training import _sequences
+    from mmrl.registry import load_plugin
+
+    scaffold = CliRunner().invoke(app, ["add-model", "olmoe", "--out", str(plugin_path), "--no-verify"])
+    assert scaffold.exit_code == 0, scaffold.output
+    load_plugin("mmrl_olmoe.olmoe")
+    built = build_model("olmoe", random_init=True)
+    engine = Engine(built, init_distributed(), optim=OptimConfig(lr=1e-2), total_steps=3)
+    conversations = sample_conversations(built.adapter)
+    params = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+    rollout = make_rollout("vllm", engine, built.processing)
+    prompts = dict(built.processing(conversations))
+
+    def gap() -> float:
+        result = rollout.generate(conversations, params)
+        seqs = join(prompts, result.response_ids, result.response_mask, built.adapter, engine.model,
+                    built.tokenizer.pad_token_id)
+        with torch.no_grad():
+            trainer, _ = engine.log_probs(seqs)
+        mask = result.response_mask.bool()
+        return float((trainer[mask] - result.logprobs[mask]).abs().max())
+
+    try:
+        assert gap() < ATOL
+        for _ in range(2):
+            seqs = _sequences(built, engine)
+            logp, _ = engine.log_probs(seqs)
+            (-(logp * seqs.response_mask).sum()).backward()
+            engine.step()
+            rollout.sync(engine)
+            assert gap() < ATOL
+    finally:
+        rollout.close()
+
+
+@pytest.mark.slow
 def test_add_model_declares_vllm_where_its_probe_verifies_in_a_process_of_its_own(plugin_path):
     """`mmrl add-model TYPE --columns vllm`: the depth stage's vllm probe, for real, in a
     fresh process (vLLM's engine and memory go with it); the adapter written declares

@@ -102,7 +102,7 @@ def _run(processor, kind: str, size: tuple[int, ...], kwargs: dict) -> tuple[int
         return tokens, 1
     if len(shape) > 4 and shape[0] == 1:
         # A leading dimension of one holds either the prompt (its images' rows one further in,
-        # as Idefics processors return them) or the image (its crops one further in): two
+        # as some processors return a batch of prompts) or the image (its crops one further in): two
         # images in one prompt tell which.
         two = processor(text=[placeholder * 2], **{name: items * 2 for name, items in media.items()}, **kwargs)
         if _rows_shape(two)[0] == 1:

@@ -138,7 +138,6 @@ class VLLMRollout:
                     raise UnsupportedByVLLM(f"vLLM cannot run this model here ({one_line(exc, typed=True)}): "
                                             "use the hf rollout backend, or vLLM on a GPU") from exc
                 raise
-        self._check_reloadable()
         self._check_media_attention()
         self._check_packed_weights()
         self._stop_ids = list(processing.stop_token_ids)
@@ -173,18 +172,6 @@ class VLLMRollout:
         if any(self.llm.apply_model(finds)):
             self.close()
             raise UnsupportedByVLLM(reason)
-
-    def _check_reloadable(self) -> None:
-        """vLLM on CPU cannot update mixture-of-experts weights in a running engine: its
-        reload copies the new experts in, but skips the CPU kernels' repacking of them
-        (vLLM 0.32, `UnquantizedFusedMoEMethod._setup_kernel` on a weight update), so
-        after a sync the experts compute with scrambled weights. Refuse up front."""
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            self._refuse_where(_has_fused_experts, (
-                "vLLM on CPU cannot sync mixture-of-experts weights into a running engine (it does not repack "
-                "reloaded experts for its CPU kernels): use the hf rollout backend, or vLLM on a GPU"))
 
     def _check_media_attention(self) -> None:
         """A model that attends both ways among an image's tokens (vLLM's multimodal prefix
@@ -339,6 +326,7 @@ class VLLMRollout:
         # checkpoint holds (rope caches, image normalization constants: vLLM keeps its
         # own); keep a training log to real problems (weights it could not load).
         with _log_level("vllm", logging.WARNING), _log_level(_RELOAD_LAYER_LOGGER, logging.ERROR):
+            self.llm.apply_model(_repack_experts_on_reload)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.apply_model(_refresh_tied_modules)
             self.llm.reset_prefix_cache()
@@ -479,10 +467,28 @@ def _checkpoint_names(model, state: dict[str, torch.Tensor]) -> dict[str, torch.
         del model._weight_conversions
 
 
-def _has_fused_experts(model) -> bool:
-    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+def _repack_experts_on_reload(model) -> int:
+    """Have the next weight reload set each mixture-of-experts layer's CPU kernel up anew;
+    returns how many layers it touched.
 
-    return any(isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase) for m in model.modules())
+    On CPU vLLM packs a layer's experts into its grouped-matmul layout when it first loads
+    them. A reload (vLLM 0.32) treats a layer whose kernel exists as a weight update: it
+    copies the new experts in unpacked and skips the packing, so the kernel would compute
+    with scrambled experts after every sync. Dropping the kernel makes the reload take the
+    first load's path (pack, then build the kernel), and the packed result is copied into
+    the storage the running engine holds."""
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0  # on a GPU a reload copies the new experts into the kernel's own layout
+    touched = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            touched += 1
+    return touched
 
 
 def _attends_causally_in_media(model) -> bool:

@@ -548,7 +548,7 @@ def _tiny_rope(rope, cls, values: dict[str, Any], default):
     return rope
 
 
-# Rope frequencies recomposed with height and width in every third slot (Qwen3-VL's layout).
+# Rope frequencies recomposed with height and width in every third slot (an interleaved layout).
 _INTERLEAVED_MROPE = re.compile(r"slice\(\s*offset\s*,\s*\w+\s*,\s*3\s*\)")
 
 
