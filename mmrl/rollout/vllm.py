@@ -467,9 +467,8 @@ def _checkpoint_names(model, state: dict[str, torch.Tensor]) -> dict[str, torch.
         del model._weight_conversions
 
 
-def _repack_experts_on_reload(model) -> int:
-    """Have the next weight reload set each mixture-of-experts layer's CPU kernel up anew;
-    returns how many layers it touched.
+def _repack_experts_on_reload(model) -> None:
+    """Have the next weight reload set each mixture-of-experts layer's CPU kernel up anew.
 
     On CPU vLLM packs a layer's experts into its grouped-matmul layout when it first loads
     them. A reload (vLLM 0.32) treats a layer whose kernel exists as a weight update: it
@@ -481,14 +480,11 @@ def _repack_experts_on_reload(model) -> int:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return 0  # on a GPU a reload copies the new experts into the kernel's own layout
-    touched = 0
+        return  # on a GPU a reload copies the new experts into the kernel's own layout
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedFusedMoEMethod) and getattr(method, "moe_kernel", None) is not None:
+        if isinstance(method, UnquantizedFusedMoEMethod):
             method.moe_kernel = None
-            touched += 1
-    return touched
 
 
 def _attends_causally_in_media(model) -> bool:
